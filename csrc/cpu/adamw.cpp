@@ -1,0 +1,179 @@
+// AdamW step for CPU tensors: one fused pass per element over param, grad and the moments.
+//
+// Maths (torch.optim.AdamW, decoupled weight decay), per tensor with step t:
+//   g  = grad / grad_scale            (negated when maximize)
+//   p  = p * (1 - lr * wd)
+//   m  = lerp(m, g, 1 - beta1)
+//   v  = v * beta2 + (1 - beta2) * g * g
+//   vm = max(vm, v)                   (amsgrad; the denominator then uses vm)
+//   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+// The operations are done in the same order as torch's single-tensor AdamW so the two agree to
+// a few ulps. Arithmetic is in fp32 for fp32/bf16/fp16 tensors (fp64 for fp64).
+//
+// All tensors of one call are cut into chunks and the chunks are split across the ATen (OpenMP)
+// thread pool in one parallel region, so many small tensors cost one fork/join, not one each.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "fastllm.h"
+
+namespace fastllm {
+namespace {
+
+// Elements per work item: large enough to amortise the per-chunk setup, small enough that a few
+// hundred chunks balance the threads of a 64M-element step.
+constexpr int64_t kChunk = 1 << 16;
+
+template <typename opmath_t>
+struct AdamWScalars {
+  opmath_t decay;          // 1 - lr * weight_decay
+  opmath_t lerp_weight;    // 1 - beta1
+  opmath_t beta2;
+  opmath_t one_minus_beta2;
+  opmath_t neg_step_size;  // -lr / (1 - beta1^t)
+  opmath_t bc2_sqrt;       // sqrt(1 - beta2^t)
+  opmath_t eps;
+  opmath_t inv_grad_scale;
+};
+
+template <typename scalar_t, bool AMSGRAD, bool MAXIMIZE, bool SCALED>
+void adamw_chunk(scalar_t* __restrict p_ptr, const scalar_t* __restrict g_ptr,
+                 scalar_t* __restrict m_ptr, scalar_t* __restrict v_ptr,
+                 scalar_t* __restrict vmax_ptr, int64_t n,
+                 const AdamWScalars<at::opmath_type<scalar_t>>& s) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  // torch's lerp switches formula at weight 0.5 for accuracy; the choice is uniform per call.
+  const bool small_weight = s.lerp_weight < opmath_t(0.5);
+  const opmath_t one_minus_weight = opmath_t(1) - s.lerp_weight;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    opmath_t g = static_cast<opmath_t>(g_ptr[i]);
+    if constexpr (SCALED) g = g * s.inv_grad_scale;
+    if constexpr (MAXIMIZE) g = -g;
+    opmath_t p = static_cast<opmath_t>(p_ptr[i]) * s.decay;
+    opmath_t m = static_cast<opmath_t>(m_ptr[i]);
+    const opmath_t diff = g - m;
+    m = small_weight ? m + s.lerp_weight * diff : g - diff * one_minus_weight;
+    opmath_t v = static_cast<opmath_t>(v_ptr[i]) * s.beta2;
+    v = v + s.one_minus_beta2 * g * g;
+    opmath_t v_used = v;
+    if constexpr (AMSGRAD) {
+      const opmath_t vm = static_cast<opmath_t>(vmax_ptr[i]);
+      v_used = vm > v ? vm : v;
+      vmax_ptr[i] = static_cast<scalar_t>(v_used);
+    }
+    const opmath_t denom = std::sqrt(v_used) / s.bc2_sqrt + s.eps;
+    p = p + s.neg_step_size * m / denom;
+    p_ptr[i] = static_cast<scalar_t>(p);
+    m_ptr[i] = static_cast<scalar_t>(m);
+    v_ptr[i] = static_cast<scalar_t>(v);
+  }
+}
+
+template <typename scalar_t, bool AMSGRAD, bool MAXIMIZE, bool SCALED>
+void adamw_tensors(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                   const std::vector<at::Tensor>& exp_avgs,
+                   const std::vector<at::Tensor>& exp_avg_sqs,
+                   const std::vector<at::Tensor>& max_exp_avg_sqs,
+                   const std::vector<AdamWScalars<at::opmath_type<scalar_t>>>& scalars) {
+  struct Chunk {
+    int64_t tensor, begin, end;
+  };
+  std::vector<Chunk> chunks;
+  for (const auto t : c10::irange(params.size())) {
+    const int64_t n = params[t].numel();
+    for (int64_t b = 0; b < n; b += kChunk) chunks.push_back({int64_t(t), b, std::min(n, b + kChunk)});
+  }
+  at::parallel_for(0, int64_t(chunks.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const Chunk& ch = chunks[c];
+      const auto t = ch.tensor;
+      auto ptr = [&](const at::Tensor& x) { return static_cast<scalar_t*>(x.data_ptr()) + ch.begin; };
+      adamw_chunk<scalar_t, AMSGRAD, MAXIMIZE, SCALED>(
+          ptr(params[t]), ptr(grads[t]), ptr(exp_avgs[t]), ptr(exp_avg_sqs[t]),
+          AMSGRAD ? ptr(max_exp_avg_sqs[t]) : nullptr, ch.end - ch.begin, scalars[t]);
+    }
+  });
+}
+
+// Calls f(std::bool_constant<A>, std::bool_constant<B>, std::bool_constant<C>) for the runtime
+// flags, so each combination gets its own branch-free inner loop.
+template <typename F>
+void dispatch_flags(bool a, bool b, bool c, F&& f) {
+  auto with_c = [&](auto av, auto bv) {
+    c ? f(av, bv, std::true_type{}) : f(av, bv, std::false_type{});
+  };
+  auto with_b = [&](auto av) { b ? with_c(av, std::true_type{}) : with_c(av, std::false_type{}); };
+  a ? with_b(std::true_type{}) : with_b(std::false_type{});
+}
+
+void check_list(const std::vector<at::Tensor>& list, const char* name,
+                const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(list.size() == params.size(), "fastllm.adamw_step: ", name, " has ", list.size(),
+              " tensors but params has ", params.size());
+  for (const auto i : c10::irange(params.size())) {
+    const auto& t = list[i];
+    TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided,
+                "fastllm.adamw_step (cpu): ", name, "[", i, "] must be a dense CPU tensor");
+    TORCH_CHECK(t.scalar_type() == params[i].scalar_type(), "fastllm.adamw_step: ", name, "[",
+                i, "] has dtype ", t.scalar_type(), " but params[", i, "] has ",
+                params[i].scalar_type());
+    TORCH_CHECK(t.numel() == params[i].numel(), "fastllm.adamw_step: ", name, "[", i,
+                "] has ", t.numel(), " elements but params[", i, "] has ", params[i].numel());
+    TORCH_CHECK(t.is_contiguous(), "fastllm.adamw_step: ", name, "[", i,
+                "] must be contiguous");
+  }
+}
+
+}  // namespace
+
+void adamw_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& exp_avgs,
+                    const std::vector<at::Tensor>& exp_avg_sqs,
+                    const std::vector<at::Tensor>& max_exp_avg_sqs,
+                    const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
+                    double eps, double weight_decay, bool amsgrad, bool maximize,
+                    const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf) {
+  if (params.empty()) return;
+  check_list(params, "params", params);
+  check_list(grads, "grads", params);
+  check_list(exp_avgs, "exp_avgs", params);
+  check_list(exp_avg_sqs, "exp_avg_sqs", params);
+  if (amsgrad) check_list(max_exp_avg_sqs, "max_exp_avg_sqs", params);
+  TORCH_CHECK(steps.size() == params.size(), "fastllm.adamw_step: steps has ", steps.size(),
+              " tensors but params has ", params.size());
+  const auto dtype = params[0].scalar_type();
+  for (const auto i : c10::irange(params.size())) {
+    TORCH_CHECK(params[i].scalar_type() == dtype,
+                "fastllm.adamw_step: all params of one call must share a dtype; params[", i,
+                "] is ", params[i].scalar_type(), ", params[0] is ", dtype);
+  }
+  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+  double inv_scale = 1.0;
+  if (grad_scale.has_value()) inv_scale = 1.0 / grad_scale->item<double>();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "fastllm_adamw_step_cpu", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    std::vector<AdamWScalars<opmath_t>> scalars(params.size());
+    for (const auto i : c10::irange(params.size())) {
+      const double step = steps[i].item<double>();
+      const double bc1 = 1.0 - std::pow(beta1, step);
+      const double bc2 = 1.0 - std::pow(beta2, step);
+      scalars[i] = {opmath_t(1.0 - lr * weight_decay), opmath_t(1.0 - beta1), opmath_t(beta2),
+                    opmath_t(1.0 - beta2), opmath_t(-lr / bc1), opmath_t(std::sqrt(bc2)),
+                    opmath_t(eps), opmath_t(inv_scale)};
+    }
+    dispatch_flags(amsgrad, maximize, grad_scale.has_value(), [&](auto a, auto m, auto sc) {
+      adamw_tensors<scalar_t, decltype(a)::value, decltype(m)::value, decltype(sc)::value>(
+          params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars);
+    });
+  });
+}
+
+}  // namespace fastllm

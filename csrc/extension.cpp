@@ -1,0 +1,34 @@
+// fastllm._C: the compiled kernels, exposed to fastllm/ops/*.py which owns dispatch.
+//
+// The public ops are torch.library custom ops declared in fastllm/_library.py; their CPU and CUDA
+// implementations are Python functions that pick a backend (FASTLLM_BACKEND, or the device's
+// default) and, for the compiled backends, call the functions bound here. Keeping the routing in
+// one place is what lets tests force the Triton or reference backend on any device.
+#include <torch/extension.h>
+
+#include "fastllm.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastllm compiled kernels (C++ CPU, and CUDA when built with it)";
+#ifdef FASTLLM_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+  m.attr("cpu_capability") =
+#if defined(__AVX512F__)
+      "avx512";
+#elif defined(__AVX2__)
+      "avx2";
+#elif defined(__ARM_NEON)
+      "neon";
+#else
+      "baseline";
+#endif
+
+  auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("adamw_step_cpu", &fastllm::adamw_step_cpu, no_gil);
+#ifdef FASTLLM_WITH_CUDA
+  m.def("adamw_step_cuda", &fastllm::adamw_step_cuda, no_gil);
+#endif
+}

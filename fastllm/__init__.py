@@ -1,0 +1,17 @@
+"""fastllm: fused Triton, C++ and CUDA kernels for LLM training behind a thin PyTorch API.
+
+    import fastllm
+    opt = fastllm.optim.AdamW(model.parameters(), lr=3e-4)   # drop-in for torch.optim.AdamW
+
+Backends per op: cpp (CPU), cuda and triton (GPU), ref (plain PyTorch). FASTLLM_BACKEND or
+fastllm.use_backend(...) forces one; see fastllm/_backend.py.
+"""
+
+from fastllm import _library  # noqa: F401  (declares the fastllm:: op schemas first)
+from fastllm import ops, optim
+from fastllm._backend import BACKENDS, use_backend
+from fastllm._extension import has_cpp, has_cuda_kernels
+
+__version__ = "0.1.0"
+
+__all__ = ["BACKENDS", "has_cpp", "has_cuda_kernels", "ops", "optim", "use_backend"]

@@ -1,0 +1,103 @@
+"""Backend selection: which implementation of an op runs for a given device.
+
+Backends:
+    ref     plain PyTorch (`<op>_ref`): the oracle and the last-resort fallback, any device
+    cpp     C++ kernels in fastllm._C, CPU tensors
+    triton  Triton kernels in fastllm.kernels, CUDA tensors (CPU tensors too under
+            TRITON_INTERPRET=1, which is how the test suite runs them without a GPU)
+    cuda    CUDA kernels in fastllm._C, CUDA tensors
+
+`FASTLLM_BACKEND=<name>` or `with fastllm.use_backend(name):` forces one backend for every op; a
+forced backend that cannot run says why instead of silently falling back. Otherwise each op picks
+the first available backend of its preference list for the device.
+"""
+
+import contextlib
+import functools
+import os
+import threading
+
+from fastllm import _extension
+
+BACKENDS = ("ref", "cpp", "triton", "cuda")
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def use_backend(name):
+    """Force `name` for every fastllm op called inside the block (this thread only)."""
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"fastllm: unknown backend {name!r}; choose one of {BACKENDS}")
+    previous = getattr(_local, "forced", None)
+    _local.forced = name
+    try:
+        yield
+    finally:
+        _local.forced = previous
+
+
+def forced_backend():
+    name = getattr(_local, "forced", None) or os.environ.get("FASTLLM_BACKEND") or None
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"fastllm: FASTLLM_BACKEND={name!r} is not one of {BACKENDS}")
+    return name
+
+
+def triton_interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def unavailable_reason(backend, device_type):
+    """None if `backend` can run on `device_type`, else a sentence saying why not."""
+    if backend == "ref":
+        return None
+    if backend == "cpp":
+        if device_type != "cpu":
+            return f"the cpp backend runs on CPU tensors, not {device_type}"
+        if not _extension.has_cpp():
+            return "fastllm._C is not built (pip install --no-build-isolation -e .)"
+        return None
+    if backend == "cuda":
+        if device_type != "cuda":
+            return f"the cuda backend runs on CUDA tensors, not {device_type}"
+        if not _extension.has_cuda_kernels():
+            return "fastllm._C was built without CUDA kernels"
+        return None
+    if backend == "triton":
+        if not triton_available():
+            return "triton is not installed"
+        if device_type == "cpu" and not triton_interpreting():
+            return "Triton runs on CPU tensors only with TRITON_INTERPRET=1 set before import"
+        if device_type not in ("cpu", "cuda"):
+            return f"Triton kernels here target CUDA tensors, not {device_type}"
+        return None
+    raise ValueError(f"fastllm: unknown backend {backend!r}")
+
+
+def select(op_name, device_type, preference):
+    """The backend to run `op_name` on `device_type`.
+
+    preference: backends in order of preference for that device, e.g. ("cuda", "triton", "ref").
+    """
+    forced = forced_backend()
+    if forced is not None:
+        reason = unavailable_reason(forced, device_type)
+        if reason is not None:
+            raise RuntimeError(f"fastllm.{op_name}: backend {forced!r} was forced but {reason}")
+        return forced
+    for backend in preference:
+        if unavailable_reason(backend, device_type) is None:
+            if backend == "ref":
+                _extension.extension()  # warns once that the fast path is missing
+            return backend
+    return "ref"

@@ -1,0 +1,164 @@
+"""fastllm::adamw_step: torch.optim.AdamW's update over many tensors in one call.
+
+    adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
+               eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None)
+
+params, exp_avgs, exp_avg_sqs (and max_exp_avg_sqs when amsgrad) are updated in place. All tensors
+at one index share shape, dtype and device, are dense and contiguous. grads are read, divided by
+`grad_scale` when given; nothing changes when `found_inf` is nonzero (torch.amp.GradScaler's
+fused-optimizer protocol). `steps` holds each parameter's step count, already incremented.
+
+Backends: cpp (CPU), cuda and triton (GPU; triton on CPU under TRITON_INTERPRET=1), and
+`adamw_step_ref`, plain PyTorch.
+"""
+
+import math
+
+import torch
+
+from fastllm import _backend, _extension
+from fastllm._library import lib
+
+_PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
+
+
+def adamw_step_ref(
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
+    lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
+):
+    """Plain-PyTorch AdamW step: the oracle and the fallback. Computes in fp32 (fp64 for fp64)."""
+    if found_inf is not None and bool(found_inf.item()):
+        return
+    inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
+    for i, param in enumerate(params):
+        opmath = torch.float64 if param.dtype == torch.float64 else torch.float32
+        g = grads[i].to(opmath)
+        if inv_scale is not None:
+            g = g * inv_scale
+        if maximize:
+            g = -g
+        p = param.to(opmath, copy=True)
+        m = exp_avgs[i].to(opmath, copy=True)
+        v = exp_avg_sqs[i].to(opmath, copy=True)
+        step = float(steps[i])
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+        p.mul_(1.0 - lr * weight_decay)
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        if amsgrad:
+            v_max = torch.maximum(max_exp_avg_sqs[i].to(opmath), v)
+            max_exp_avg_sqs[i].copy_(v_max)
+            denom = (v_max.sqrt() / bias_correction2_sqrt).add_(eps)
+        else:
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bias_correction1)
+        param.copy_(p)
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
+
+
+def _compiled(name):
+    def run(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
+            eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None):
+        getattr(_extension.extension(), name)(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
+            weight_decay, amsgrad, maximize, grad_scale, found_inf,
+        )
+
+    return run
+
+
+def _adamw_step_triton(*args, **kwargs):
+    from fastllm.kernels.adamw import adamw_step_triton
+
+    adamw_step_triton(*args, **kwargs)
+
+
+_IMPLS = {
+    "ref": adamw_step_ref,
+    "cpp": _compiled("adamw_step_cpu"),
+    "cuda": _compiled("adamw_step_cuda"),
+    "triton": _adamw_step_triton,
+}
+
+
+def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
+                     lr, beta1, beta2, eps, weight_decay, amsgrad):
+    """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"fastllm.adamw_step: {name} must be finite and >= 0, got {value}")
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"fastllm.adamw_step: {name} must be in [0, 1), got {value}")
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    for name, lst in lists.items():
+        if len(lst) != n:
+            raise ValueError(f"fastllm.adamw_step: {name} has {len(lst)} tensors, params has {n}")
+    if n == 0:
+        return
+    device = params[0].device
+    for i, p in enumerate(params):
+        for name, lst in (("params", params),) + tuple(
+            (k, v) for k, v in lists.items() if k != "steps"
+        ):
+            t = lst[i]
+            where = f"fastllm.adamw_step: {name}[{i}]"
+            if t.layout != torch.strided:
+                raise TypeError(f"{where} is {t.layout}; only dense tensors are supported")
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"{where} has dtype {t.dtype}; AdamW needs floating point")
+            if t.device != device:
+                raise ValueError(f"{where} is on {t.device}, params[0] on {device}")
+            if t.dtype != p.dtype:
+                raise TypeError(f"{where} has dtype {t.dtype}, params[{i}] has {p.dtype}")
+            if t.shape != p.shape:
+                raise ValueError(
+                    f"{where} has shape {tuple(t.shape)}, params[{i}] has {tuple(p.shape)}"
+                )
+            if not t.is_contiguous():
+                raise ValueError(f"{where} is not contiguous; call .contiguous() first")
+
+
+def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
+                     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
+                     grad_scale=None, found_inf=None):
+    check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
+                     beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     amsgrad=amsgrad)
+    if not params:
+        return
+    device_type = params[0].device.type
+    backend = _backend.select("adamw_step", device_type, _PREFERENCE.get(device_type, ("ref",)))
+    _IMPLS[backend](
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+        beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+        grad_scale=grad_scale, found_inf=found_inf,
+    )
+
+
+lib.impl("adamw_step", _adamw_step_impl, "CPU")
+lib.impl("adamw_step", _adamw_step_impl, "CUDA")
+
+
+@torch.library.register_fake("fastllm::adamw_step")
+def _adamw_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
+                     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
+                     grad_scale=None, found_inf=None):
+    return None
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
+               eps, weight_decay, amsgrad=False, maximize=False, grad_scale=None, found_inf=None):
+    """Functional form of the op (see the module docstring); a no-op for empty lists."""
+    if len(params) == 0:
+        return
+    torch.ops.fastllm.adamw_step(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+        beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+        grad_scale=grad_scale, found_inf=found_inf,
+    )

@@ -1,0 +1,95 @@
+"""Build fastllm and its one extension, fastllm._C.
+
+C++ CPU kernels are always built; CUDA kernels from csrc/cuda/ are added when the installed
+torch is a CUDA build and nvcc is found. Build with the torch already in the environment:
+
+    pip install --no-build-isolation -e .
+
+Environment switches (read at build time):
+    FASTLLM_SKIP_CUDA_BUILD=1   build only the C++ CPU kernels even if CUDA is available
+    FASTLLM_FORCE_CUDA=1        build the CUDA kernels even if no GPU is visible (CI compile check)
+    FASTLLM_CUDA_ARCHS="8.0;9.0" CUDA architectures (default: TORCH_CUDA_ARCH_LIST, else the visible
+                                GPU, else "8.0;9.0")
+    FASTLLM_CPU_ARCH=native     -march for the CPU kernels: "native" (default, vectorised for the
+                                building machine), "portable" (the compiler's baseline), or any
+                                value gcc accepts for -march
+    MAX_JOBS=N                  parallel compile jobs (ninja)
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cpu_arch_flags():
+    arch = os.environ.get("FASTLLM_CPU_ARCH", "native")
+    if arch == "portable":
+        return []
+    return [f"-march={arch}"]
+
+
+def _want_cuda(torch, cuda_home):
+    if os.environ.get("FASTLLM_SKIP_CUDA_BUILD", "0") == "1":
+        return False
+    if torch.version.cuda is None or cuda_home is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("FASTLLM_FORCE_CUDA", "0") == "1"
+
+
+def _extensions():
+    import torch
+    from torch.utils import cpp_extension
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-fopenmp"] + _cpu_arch_flags()
+    extra = {"cxx": cxx}
+    define_macros = []
+    with_cuda = _want_cuda(torch, cpp_extension.CUDA_HOME)
+    if with_cuda:
+        archs = os.environ.get("FASTLLM_CUDA_ARCHS")
+        if archs:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        elif not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        extra["nvcc"] = ["-O3", "-lineinfo"]
+        define_macros.append(("FASTLLM_WITH_CUDA", "1"))
+        ext_cls = cpp_extension.CUDAExtension
+    else:
+        ext_cls = cpp_extension.CppExtension
+    print(f"fastllm: building fastllm._C with {'C++ CPU + CUDA' if with_cuda else 'C++ CPU'} kernels")
+    ext = ext_cls(
+        name="fastllm._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args=extra,
+        extra_link_args=["-fopenmp"],
+        define_macros=define_macros,
+    )
+    return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="fastllm",
+    version="0.1.0",
+    description="Fused Triton, C++ and CUDA kernels for LLM training, behind a PyTorch API",
+    long_description=open(os.path.join(ROOT, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["fastllm", "fastllm.ops", "fastllm.optim", "fastllm.kernels", "fastllm.bench"],
+    package_dir={"fastllm.kernels": "kernels", "fastllm.bench": "bench"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    install_requires=["torch>=2.6", "triton>=3.2; platform_system == 'Linux'", "ninja", "pybind11"],
+    extras_require={
+        "triton": ["triton>=3.2"],
+        "test": ["pytest", "pytest-benchmark", "numpy"],
+        "bench": ["matplotlib", "deepspeed", "peft"],
+    },
+    entry_points={"console_scripts": ["fastllm=fastllm.cli:main"]},
+)
