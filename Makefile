@@ -1,0 +1,39 @@
+# The two commands a fresh machine needs (README.md):
+#   make bench   set up .venv, build fastllm, run `fastllm bench` on the CPU
+#   make test    set up .venv, build fastllm, run the test suite (Triton kernels via the interpreter)
+# Other targets: build (incremental rebuild of fastllm._C), cuda-check (nvcc builds csrc/cuda
+# against a CUDA build of torch; no GPU needed), bench-suite (pytest-benchmark over bench/).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+# Runtime and test dependencies; torch is installed first so nothing pulls in another build.
+DEPS := "triton>=3.2" ninja pybind11 numpy pytest pytest-benchmark matplotlib
+TEST_EXTRAS := peft transformers safetensors
+
+.PHONY: setup build test bench bench-suite cuda-check
+
+$(VENV)/.deps: Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q $(DEPS) $(TEST_EXTRAS) $(TORCH)
+	touch $@
+
+setup: $(VENV)/.deps
+
+# flock: helpers and CI may build concurrently; the in-place extension must be built by one at a time.
+build: setup
+	flock /tmp/fastllm-build.lock $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+test: build
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests
+
+bench: build
+	$(VENV)/bin/fastllm bench
+
+bench-suite: build
+	$(VENV)/bin/pytest -q bench --benchmark-only
+
+cuda-check:
+	bash .ci/cuda_build_check.sh

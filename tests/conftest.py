@@ -1,0 +1,37 @@
+import os
+
+import pytest
+
+# Triton kernels run on CPU tensors only through the interpreter, which must be chosen before
+# triton is first imported. On a machine with a GPU the kernels run natively instead.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+import fastllm  # noqa: E402
+
+CPU_BACKENDS = ["ref", "cpp", "triton"]
+CUDA_BACKENDS = ["ref", "triton", "cuda"]
+
+
+def backend_device_params():
+    """(backend, device) pairs that can run here: the CPU ones always, the CUDA ones on a GPU."""
+    params = [pytest.param(b, "cpu", id=f"{b}-cpu") for b in CPU_BACKENDS]
+    if torch.cuda.is_available():
+        params += [pytest.param(b, "cuda", id=f"{b}-cuda") for b in CUDA_BACKENDS]
+    out = []
+    for p in params:
+        backend, device = p.values
+        reason = fastllm._backend.unavailable_reason(backend, device)
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        out.append(pytest.param(backend, device, id=p.id, marks=marks))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
