@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+from fastllm.kernels.rounding import store_rounded
 
 
 @triton.jit
@@ -45,7 +46,8 @@ def _adamw_kernel(
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     if HAS_FOUND_INF:
-        mask = mask & (tl.load(found_inf_ptr) == 0)
+        # A broadcast load (every lane reads the one flag) keeps the mask a block-shaped tensor.
+        mask = mask & (tl.load(found_inf_ptr + tl.zeros_like(offsets)) == 0)
 
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_GRAD_SCALE:
@@ -66,13 +68,13 @@ def _adamw_kernel(
     if AMSGRAD:
         v_max = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         v_used = tl.maximum(v_max, v)
-        tl.store(max_exp_avg_sq_ptr + offsets, v_used.to(max_exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+        store_rounded(max_exp_avg_sq_ptr, offsets, v_used, mask)
     denom = tl.div_rn(tl.sqrt_rn(v_used), bc2_sqrt) + eps
     p = p + tl.div_rn(neg_step_size * m, denom)
 
-    tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
-    tl.store(exp_avg_ptr + offsets, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+    store_rounded(param_ptr, offsets, p, mask)
+    store_rounded(exp_avg_ptr, offsets, m, mask)
+    store_rounded(exp_avg_sq_ptr, offsets, v, mask)
 
 
 def _block_size():

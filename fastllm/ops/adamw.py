@@ -149,7 +149,9 @@ lib.impl("adamw_step", _adamw_step_impl, "CUDA")
 def _adamw_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
                      lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
                      grad_scale=None, found_inf=None):
-    return None
+    check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
+                     beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     amsgrad=amsgrad)
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
