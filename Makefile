@@ -29,7 +29,13 @@ build: setup
 test: build
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests
 
-bench: build
+# The benchmark peers: DeepSpeed builds its CPU Adam op on first use (cached afterwards).
+$(VENV)/.bench-deps: $(VENV)/.deps
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation deepspeed $(TORCH) || \
+		echo "fastllm: DeepSpeed could not be installed; the benchmark runs without it"
+	touch $@
+
+bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/fastllm bench
 
 bench-suite: build

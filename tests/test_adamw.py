@@ -353,7 +353,7 @@ def test_load_state_dict_shape_mismatch_names_the_param():
     ("mixed_devices", r"params\[1\] is on meta, params\[0\] on cpu"),
     ("grad_on_other_device", r"grads\[0\] is on meta"),
     ("short_list", "grads has 1 tensors, params has 2"),
-    ("state_shape", r"exp_avgs\[1\] has shape \(4,\), params\[1\] has shape \(3,\)"),
+    ("state_shape", r"exp_avgs\[1\] has shape \(4,\), params\[1\] has \(3,\)"),
     ("grad_dtype", r"grads\[0\] has dtype torch.float64"),
     ("nan_lr", "lr must be finite"),
 ])
