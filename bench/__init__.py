@@ -7,4 +7,6 @@ pytest-benchmark tests (`pytest bench --benchmark-only`). `fastllm bench` runs t
 # op name -> module, in the order `fastllm bench` runs them
 OPS = {
     "adamw": "fastllm.bench.bench_adamw",
+    "adamw_master": "fastllm.bench.bench_adamw_master",
+    "lora_linear": "fastllm.bench.bench_lora_linear",
 }

@@ -128,7 +128,7 @@ def annotate(rows, bandwidth):
 
 def format_table(rows):
     headers = ["op", "size", "provider", "time ms", "GB/s", "% copy bw", "% rmw bw",
-               "TFLOP/s", "x baseline"]
+               "TFLOP/s", "x baseline", "note"]
 
     def fmt(value, spec):
         return "" if value is None else format(value, spec)
@@ -141,6 +141,7 @@ def format_table(rows):
             fmt(r.get("pct_copy_bw"), ".0f"), fmt(r.get("pct_rmw_bw"), ".0f"),
             fmt(r.get("tflops"), ".2f"),
             "" if ratio is None else f"{ratio:.2f} vs {r['baseline']}",
+            r.get("note") or "",
         ])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
               for i, h in enumerate(headers)]

@@ -28,7 +28,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("adamw_step_cpu", &fastllm::adamw_step_cpu, no_gil);
+  m.def("lora_dropout_cpu", &fastllm::lora_dropout_cpu, no_gil);
+  m.def("lora_dropout_add_cpu", &fastllm::lora_dropout_add_cpu, no_gil);
+  m.def("adamw_master_step_cpu", &fastllm::adamw_master_step_cpu, no_gil);
+  m.def("l2norm_cpu", &fastllm::l2norm_cpu, no_gil);
 #ifdef FASTLLM_WITH_CUDA
   m.def("adamw_step_cuda", &fastllm::adamw_step_cuda, no_gil);
+  m.def("adamw_master_step_cuda", &fastllm::adamw_master_step_cuda, no_gil);
+  m.def("l2norm_cuda", &fastllm::l2norm_cuda, no_gil);
 #endif
 }

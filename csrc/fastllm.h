@@ -25,6 +25,35 @@ void adamw_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at:
                     const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf);
 
+// Mixed-precision AdamW (fastllm/ops/adamw_master.py): bf16/fp16 params and grads, fp32 exp_avgs
+// and exp_avg_sqs. With masters (fp32) the update is applied to the master and the param is
+// rewritten as its rounding; without masters the param itself is updated ("pure" low precision),
+// optionally with kahan_comps (param dtype) holding the rounding residual. Grads are multiplied by
+// *clip_coef / *grad_scale on the fly; nothing changes when *found_inf != 0.
+void adamw_master_step_cpu(const std::vector<at::Tensor>& params,
+                           const std::vector<at::Tensor>& grads,
+                           const std::vector<at::Tensor>& masters,
+                           const std::vector<at::Tensor>& exp_avgs,
+                           const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<at::Tensor>& kahan_comps,
+                           const std::vector<at::Tensor>& steps, double lr, double beta1,
+                           double beta2, double eps, double weight_decay, bool maximize,
+                           bool stochastic_rounding, int64_t seed,
+                           const c10::optional<at::Tensor>& grad_scale,
+                           const c10::optional<at::Tensor>& clip_coef,
+                           const c10::optional<at::Tensor>& found_inf);
+
+// sqrt of the sum of squares of every element of every tensor (a 0-dim fp32 CPU tensor);
+// non-finite when any element is inf or nan.
+at::Tensor l2norm_cpu(const std::vector<at::Tensor>& tensors);
+
+// LoRA dropout (fastllm::lora_linear): x * keep / (1 - p) for a contiguous (rows, cols) CPU
+// tensor, keep a hash of (seed, row, col) that the backward regenerates (csrc/cpu/lora_linear.cpp).
+at::Tensor lora_dropout_cpu(const at::Tensor& x, double p, int64_t seed);
+// out += alpha * dropout(x), the same mask; out and x contiguous (rows, cols) of one dtype.
+void lora_dropout_add_cpu(const at::Tensor& out, const at::Tensor& x, double p, int64_t seed,
+                          double alpha);
+
 #ifdef FASTLLM_WITH_CUDA
 // Same contract on CUDA tensors: one multi-tensor launch per chunk of tensors. grad_scale and
 // found_inf are read on the device (no host sync); steps may live on the CPU or on the device.
@@ -36,6 +65,25 @@ void adamw_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
                      double eps, double weight_decay, bool amsgrad, bool maximize,
                      const c10::optional<at::Tensor>& grad_scale,
                      const c10::optional<at::Tensor>& found_inf);
+
+// adamw_master_step_cpu's contract on CUDA tensors (csrc/cuda/adamw_master.cu); grad_scale,
+// clip_coef and found_inf may be fp32 tensors on the device (read by the kernel) or on the CPU;
+// steps are on the CPU.
+void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
+                            const std::vector<at::Tensor>& grads,
+                            const std::vector<at::Tensor>& masters,
+                            const std::vector<at::Tensor>& exp_avgs,
+                            const std::vector<at::Tensor>& exp_avg_sqs,
+                            const std::vector<at::Tensor>& kahan_comps,
+                            const std::vector<at::Tensor>& steps, double lr, double beta1,
+                            double beta2, double eps, double weight_decay, bool maximize,
+                            bool stochastic_rounding, int64_t seed,
+                            const c10::optional<at::Tensor>& grad_scale,
+                            const c10::optional<at::Tensor>& clip_coef,
+                            const c10::optional<at::Tensor>& found_inf);
+
+// l2norm_cpu's contract on CUDA tensors of one device: a 0-dim fp32 tensor on that device.
+at::Tensor l2norm_cuda(const std::vector<at::Tensor>& tensors);
 #endif
 
 }  // namespace fastllm

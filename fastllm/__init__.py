@@ -8,10 +8,10 @@ fastllm.use_backend(...) forces one; see fastllm/_backend.py.
 """
 
 from fastllm import _library  # noqa: F401  (declares the fastllm:: op schemas first)
-from fastllm import ops, optim
+from fastllm import amp, lora, ops, optim
 from fastllm._backend import BACKENDS, use_backend
 from fastllm._extension import has_cpp, has_cuda_kernels
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "has_cpp", "has_cuda_kernels", "ops", "optim", "use_backend"]
+__all__ = ["BACKENDS", "amp", "has_cpp", "has_cuda_kernels", "lora", "ops", "optim", "use_backend"]

@@ -18,6 +18,32 @@ SCHEMAS = {
         "float beta1, float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, "
         "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
     ),
+    # Mixed-precision AdamW over many bf16/fp16 params with fp32 states: on fp32 masters (masters
+    # non-empty) or on the params themselves (pure bf16, optional Kahan compensation buffers).
+    # Grads are read and multiplied by clip_coef / grad_scale; see fastllm/ops/adamw_master.py.
+    "adamw_master_step": (
+        "adamw_master_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
+        "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] kahan_comps, "
+        "Tensor[] steps, *, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "bool maximize=False, bool stochastic_rounding=False, int seed=0, "
+        "Tensor? grad_scale=None, Tensor? clip_coef=None, Tensor? found_inf=None) -> ()"
+    ),
+    # sqrt of the sum of squares over every element of many tensors, as a 0-dim fp32 tensor;
+    # non-finite when any element is inf or nan. See fastllm/ops/l2norm.py.
+    "l2norm": "l2norm(Tensor[] tensors) -> Tensor",
+    # y = x W^T + bias + scaling * dropout(x) A^T B^T, and xa_t = A dropout(x)^T, (r, rows of x),
+    # which the backward reads. seed: int64 scalar CPU tensor, the dropout mask's key.
+    "lora_linear": (
+        "lora_linear(Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, float scaling, "
+        "Tensor? bias, float dropout_p, Tensor seed) -> (Tensor, Tensor)"
+    ),
+    # (grad_x, grad_lora_a, grad_lora_b) of lora_linear; an output whose output_mask entry is
+    # False comes back empty.
+    "lora_linear_backward": (
+        "lora_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor lora_a, "
+        "Tensor lora_b, Tensor xa_t, float scaling, float dropout_p, Tensor seed, "
+        "bool[] output_mask) -> (Tensor, Tensor, Tensor)"
+    ),
 }
 
 for _schema in SCHEMAS.values():

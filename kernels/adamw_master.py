@@ -7,15 +7,51 @@ Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     m  = lerp(m, g, 1 - beta1);   v = v * beta2 + (1 - beta2) * g * g
     x  = x - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     master = x;   param = round(x);   kahan_comp = round(x - param)
-Loads are upcast to fp32; sqrt and division are IEEE-rounded. Stochastic rounding (bf16) adds 16
-random bits (tl.randint, Philox keyed by a per-tensor seed and the element offset) below bf16's
-last bit and truncates. grad_scale, clip_coef and found_inf are read on the device.
+Loads are upcast to fp32; sqrt and division are IEEE-rounded. Stochastic rounding takes its
+random bits from tl.randint (Philox keyed by a per-tensor seed and the element offset). grad_scale, clip_coef and found_inf are read on the device.
 """
 
 import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+
+
+@triton.jit
+def _round_nearest(x, dtype: tl.constexpr):
+    """fp32 -> dtype, round to nearest even. bf16 is rounded with bit operations first: the
+    interpreter's fp32 -> bf16 cast truncates; the final cast is then exact everywhere."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(dtype)
+
+
+@triton.jit
+def _round_stochastic(x, random, dtype: tl.constexpr):
+    """fp32 -> dtype, rounding up with probability equal to the fraction dropped (random: uint32).
+    bf16: add 16 random bits below bf16's last bit and truncate. fp16: choose between the two
+    neighbours lo <= |x| < hi with probability (|x| - lo) / (hi - lo), compared exactly in fp32
+    against 24 random bits; nan and values that round to inf keep round-to-nearest's result."""
+    if dtype == tl.bfloat16:
+        bits = (x.to(tl.uint32, bitcast=True) + (random & 0xFFFF)) & 0xFFFF0000
+        out = tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(dtype)
+    else:
+        rn = x.to(tl.float16)
+        bits = rn.to(tl.uint16, bitcast=True).to(tl.uint32)
+        ax = tl.abs(x)
+        arn = tl.abs(rn.to(tl.float32))
+        below = arn < ax
+        other = tl.where(below, bits + 1, bits - 1).to(tl.uint16).to(tl.float16, bitcast=True)
+        lo = tl.where(below, rn, other)
+        hi = tl.where(below, other, rn)
+        alo = tl.abs(lo.to(tl.float32))
+        ulp = tl.abs(hi.to(tl.float32)) - alo
+        up = (random >> 8).to(tl.float32) * ulp < (ax - alo) * 16777216.0
+        keep = (arn == ax) | (arn == float("inf")) | (x != x)
+        out = tl.where(keep, rn, tl.where(up, hi, lo))
+    return out
 
 
 @triton.jit
@@ -78,16 +114,15 @@ def _adamw_master_kernel(
     x = x + tl.div_rn(neg_step_size * m, denom)
 
     if SR:
-        noise = tl.randint(seed, offsets.to(tl.uint32)) & 0xFFFF
-        bits = (x.to(tl.uint32, bitcast=True) + noise) & 0xFFFF0000
-        p_new = bits.to(tl.float32, bitcast=True).to(param_ptr.dtype.element_ty)
+        random = tl.randint(seed, offsets.to(tl.uint32))
+        p_new = _round_stochastic(x, random, param_ptr.dtype.element_ty)
     else:
-        p_new = x.to(param_ptr.dtype.element_ty)
+        p_new = _round_nearest(x, param_ptr.dtype.element_ty)
     if MASTER:
         tl.store(master_ptr + offsets, x, mask=mask)
     if KAHAN:
-        comp = x - p_new.to(tl.float32)
-        tl.store(comp_ptr + offsets, comp.to(comp_ptr.dtype.element_ty), mask=mask)
+        comp = _round_nearest(x - p_new.to(tl.float32), comp_ptr.dtype.element_ty)
+        tl.store(comp_ptr + offsets, comp, mask=mask)
     tl.store(param_ptr + offsets, p_new, mask=mask)
     tl.store(exp_avg_ptr + offsets, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# On a machine with a GPU: build fastllm with its CUDA kernels, run the test suite (the CUDA
+# backends run automatically when a GPU is present) and the GPU benchmarks, then print a summary.
+#
+#   bash bench/device_check.sh            (outputs under $OUT, else ./device_out)
+#
+# Made for the lent H200 machine (no network; python3 with torch, triton, pytest, ninja and
+# pybind11 installed): everything fits in DEVICE_CHECK_BUDGET seconds (default 450), each step
+# has its own timeout so that one hang cannot eat the rest, later steps run even when an earlier
+# one failed, and the exit status is non-zero when any step failed.
+#
+# Environment: PYTHON (default python3), FASTLLM_CUDA_ARCHS (default 9.0), MAX_JOBS (default 16),
+# DEVICE_CHECK_BUDGET (seconds, default 450).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+BUDGET=${DEVICE_CHECK_BUDGET:-450}
+export FASTLLM_CUDA_ARCHS=${FASTLLM_CUDA_ARCHS:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+START=$SECONDS
+
+log() { printf '[device-check %3ds] %s\n' $((SECONDS - START)) "$*"; }
+
+STEPS=()
+FAILED=0
+# run_step NAME LIMIT_S CMD...: run CMD with a timeout of LIMIT_S seconds, capped by what is left
+# of the budget (keeping 15 s for the summary); output goes to $OUT/NAME.log.
+run_step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET - (SECONDS - START) - 15))
+  ((limit > left)) && limit=$left
+  if ((limit < 5)); then
+    log "$name: SKIPPED (budget spent)"
+    STEPS+=("$name|skipped|0")
+    FAILED=1
+    return 1
+  fi
+  log "$name (timeout ${limit}s) ..."
+  local t0=$SECONDS rc=0
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  local dt=$((SECONDS - t0)) status=ok
+  if ((rc == 124 || rc == 137)); then
+    status="TIMEOUT after ${limit}s"
+  elif ((rc != 0)); then
+    status="FAILED (rc=$rc)"
+  fi
+  log "$name: $status in ${dt}s"
+  STEPS+=("$name|$status|$dt")
+  if [[ $status != ok ]]; then
+    FAILED=1
+    tail -n 40 "$OUT/$name.log"
+    return 1
+  fi
+  return 0
+}
+
+# 1. Build in place, CUDA kernels included.
+log "nvcc: $(command -v nvcc || echo 'not on PATH') ${CUDA_HOME:+(CUDA_HOME=$CUDA_HOME)}"
+build_ok=0
+run_step build 240 "$PY" -m pip install -v --no-build-isolation --no-deps -e . && build_ok=1
+grep -E 'building fastllm._C with' "$OUT/build.log" | sed 's/^/    /'
+
+# 2. The machine.
+run_step gpu 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader &&
+  sed 's/^/    /' "$OUT/gpu.log"
+# Fails when fastllm._C lacks the CUDA kernels (e.g. setup.py found no nvcc): the tests and
+# benchmarks below would then silently leave the cuda backend out.
+run_step versions 60 "$PY" -c 'import sys, torch, triton, fastllm
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "| triton", triton.__version__,
+      "| fastllm has_cpp", fastllm.has_cpp(), "has_cuda_kernels", fastllm.has_cuda_kernels())
+sys.exit(0 if fastllm.has_cuda_kernels() else "fastllm._C was built without CUDA kernels")' &&
+  sed 's/^/    /' "$OUT/versions.log"
+
+# 3. Tests (conftest adds the CUDA backend cases when a GPU is visible).
+if ((build_ok)); then
+  run_step tests 180 "$PY" -m pytest -q -x tests -p no:cacheprovider --junitxml="$OUT/tests.xml" &&
+    tail -n 1 "$OUT/tests.log" | sed 's/^/    /'
+else
+  log "tests: SKIPPED (build failed)"
+  STEPS+=("tests|skipped: build failed|0")
+fi
+
+# 4. GPU benchmarks; the CLI prints its own table and writes the JSON the summary reads.
+if ((build_ok)); then
+  # `python3 -m fastllm.cli` is the `fastllm` console script, run by the interpreter chosen here.
+  run_step bench 150 "$PY" -m fastllm.cli bench --device cuda --json "$OUT/bench_cuda.json" &&
+    cat "$OUT/bench.log"
+else
+  log "bench: SKIPPED (build failed)"
+  STEPS+=("bench|skipped: build failed|0")
+fi
+
+# 5. Summary: the steps, then the benchmark rows.
+echo
+echo "== summary ($((SECONDS - START)) s) =="
+printf '  %-8s %-28s %6s\n' step status seconds
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r name status dt <<<"$s"
+  printf '  %-8s %-28s %6s\n' "$name" "$status" "$dt"
+done
+if [[ -s $OUT/bench_cuda.json ]]; then
+  timeout 15 "$PY" - "$OUT/bench_cuda.json" <<'EOF' || FAILED=1
+import json
+import sys
+
+data = json.load(open(sys.argv[1]))
+rows = data
+if isinstance(data, dict):
+    print(f"\n{data.get('device', '?')}: {data.get('machine', '?')}; bandwidth (GB/s): "
+          f"{data.get('bandwidth_gbps', '?')}")
+    rows = data.get("rows") or next((v for v in data.values() if isinstance(v, list)), [])
+rows = [r for r in rows if isinstance(r, dict)]
+if not rows:
+    sys.exit("bench_cuda.json holds no rows")
+try:
+    from fastllm.bench.harness import format_table
+
+    print(format_table(rows))
+    sys.exit(0)
+except Exception as exc:  # the harness's own table if it can; a plain one otherwise
+    print(f"(harness.format_table failed: {exc!r}; plain table follows)")
+
+cols = list(dict.fromkeys(k for r in rows for k in r))
+
+
+def fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+print("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+print("  ".join("-" * w for w in widths))
+for row in cells:
+    print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+EOF
+fi
+echo "outputs in $OUT"
+if ((FAILED)); then
+  log "device check FAILED"
+  exit 1
+fi
+log "device check passed"

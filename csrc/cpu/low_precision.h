@@ -1,0 +1,87 @@
+// bf16 and fp16 <-> fp32 conversions for the C++ CPU kernels, written with integer and fp32
+// operations only so that loops over them vectorise (c10's conversions use scalar F16C
+// intrinsics for fp16). Values are raw uint16_t bit patterns; rounding is to nearest even
+// unless stated otherwise.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace fastllm {
+namespace lowp {
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+struct BF16 {
+  static float load(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+  static uint16_t round_nearest(float f) {
+    const uint32_t u = float_to_bits(f);
+    const uint32_t rounded = (u + 0x7fffU + ((u >> 16) & 1U)) >> 16;
+    return f != f ? uint16_t(0x7fc0) : uint16_t(rounded);
+  }
+  static uint16_t round_stochastic(float f, uint32_t random) {
+    const uint32_t u = float_to_bits(f);
+    const uint32_t rounded = (u + (random & 0xffffU)) >> 16;
+    return f != f ? uint16_t(0x7fc0) : uint16_t(rounded);
+  }
+};
+
+// IEEE fp16 <-> fp32 with integer and fp32 arithmetic only (the FP16 library's algorithms,
+// github.com/Maratyszcza/FP16, also c10's fallback): unlike c10's scalar F16C intrinsics these
+// vectorise. Round-to-nearest-even, subnormals, infinities and nan are handled exactly.
+struct F16 {
+  static float load(uint16_t h) {
+    const uint32_t w = uint32_t(h) << 16;
+    const uint32_t sign = w & 0x80000000U;
+    const uint32_t two_w = w + w;
+    const float normalized = bits_to_float((two_w >> 4) + (0xE0U << 23)) * bits_to_float(15U << 23);
+    const float denormalized = bits_to_float((two_w >> 17) | (126U << 23)) - 0.5f;
+    const uint32_t result =
+        sign | (two_w < (1U << 27) ? float_to_bits(denormalized) : float_to_bits(normalized));
+    return bits_to_float(result);
+  }
+  static uint16_t round_nearest(float f) {
+    float base = (std::fabs(f) * bits_to_float(239U << 23)) * bits_to_float(17U << 23);
+    const uint32_t w = float_to_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000U;
+    uint32_t bias = shl1_w & 0xFF000000U;
+    bias = bias < 0x71000000U ? 0x71000000U : bias;
+    base = bits_to_float((bias >> 1) + 0x07800000U) + base;
+    const uint32_t bits = float_to_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00U) + (bits & 0x00000FFFU);
+    return uint16_t((sign >> 16) | (shl1_w > 0xFF000000U ? 0x7E00U : nonsign));
+  }
+  // Stochastic rounding: the two fp16 neighbours lo <= |f| < hi (in magnitude) are round_nearest
+  // and its next value up or down; hi is chosen when (random >> 8) * 2^-24 < (|f| - lo) / (hi - lo).
+  // Both sides are exact in fp32 (Sterbenz; ulp a power of two), so the mean is exact to 2^-24
+  // ulp. Exact values, nan, and values that round to inf keep round_nearest's result.
+  static uint16_t round_stochastic(float f, uint32_t random) {
+    const uint16_t rn = round_nearest(f);
+    const float af = std::fabs(f);
+    const float arn = std::fabs(load(rn));
+    const bool below = arn < af;
+    const uint16_t other = below ? uint16_t(rn + 1) : uint16_t(rn - 1);  // sign-magnitude step
+    const uint16_t lo = below ? rn : other;
+    const uint16_t hi = below ? other : rn;
+    const float alo = std::fabs(load(lo));
+    const float ulp = std::fabs(load(hi)) - alo;
+    const bool up = float(random >> 8) * ulp < (af - alo) * 16777216.0f;
+    const bool keep = arn == af || arn == INFINITY || f != f;
+    return keep ? rn : (up ? hi : lo);
+  }
+};
+
+}  // namespace lowp
+}  // namespace fastllm

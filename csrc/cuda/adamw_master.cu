@@ -1,0 +1,358 @@
+// Mixed-precision AdamW step and the global grad norm for CUDA tensors, one multi-tensor launch
+// per chunk of tensors (multi_tensor_apply.cuh).
+//
+// adamw_master_step (the contract of csrc/cpu/adamw_master.cpp), per element, with step t:
+//   g  = grad * clip_coef / grad_scale     (negated when maximize)
+//   x  = master | p + kahan_comp | p       (master weights | pure bf16 with Kahan | pure bf16)
+//   x  = x * (1 - lr * wd)
+//   m  = lerp(m, g, 1 - beta1);   v = v * beta2 + (1 - beta2) * g * g
+//   x  = x - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//   master = x;  p = round(x);  kahan_comp = round(x - p)
+// round() is round-to-nearest-even, or stochastic rounding with the same random bits and rule as
+// the C++ kernel (lowbias32 of seed, tensor index and element index). grad_scale, clip_coef and
+// found_inf on the GPU are read by the kernel (no host synchronisation); on the CPU, here.
+//
+// l2norm: each block writes the fp32 sum of squares of its chunk to its own slot; the slots are
+// added in fp64 afterwards, so the norm is the same from run to run.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/irange.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/multi_tensor_apply.cuh"
+#include "fastllm.h"
+
+namespace fastllm {
+namespace {
+
+using mta::TensorListMetadata;
+
+// Chris Wellons' "lowbias32" (github.com/skeeto/hash-prospector), as in csrc/cpu/adamw_master.cpp.
+__host__ __device__ __forceinline__ uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+struct BF16Format {
+  static __device__ __forceinline__ float load(uint16_t h) {
+    return __uint_as_float(uint32_t(h) << 16);
+  }
+  static __device__ __forceinline__ uint16_t round_nearest(float f) {
+    const uint32_t u = __float_as_uint(f);
+    const uint32_t rounded = (u + 0x7fffU + ((u >> 16) & 1U)) >> 16;
+    return f != f ? uint16_t(0x7fc0) : uint16_t(rounded);
+  }
+  static __device__ __forceinline__ uint16_t round_stochastic(float f, uint32_t random) {
+    const uint32_t rounded = (__float_as_uint(f) + (random & 0xffffU)) >> 16;
+    return f != f ? uint16_t(0x7fc0) : uint16_t(rounded);
+  }
+};
+
+struct F16Format {
+  static __device__ __forceinline__ float load(uint16_t h) {
+    return __half2float(__ushort_as_half(h));
+  }
+  static __device__ __forceinline__ uint16_t round_nearest(float f) {
+    return __half_as_ushort(__float2half_rn(f));
+  }
+  // As csrc/cpu/low_precision.h: choose between the neighbours lo <= |f| < hi with probability
+  // (|f| - lo) / (hi - lo), compared exactly in fp32 against 24 random bits.
+  static __device__ __forceinline__ uint16_t round_stochastic(float f, uint32_t random) {
+    const uint16_t rn = round_nearest(f);
+    const float af = fabsf(f);
+    const float arn = fabsf(load(rn));
+    const bool below = arn < af;
+    const uint16_t other = below ? uint16_t(rn + 1) : uint16_t(rn - 1);
+    const uint16_t lo = below ? rn : other;
+    const uint16_t hi = below ? other : rn;
+    const float alo = fabsf(load(lo));
+    const float ulp = fabsf(load(hi)) - alo;
+    const bool up = float(random >> 8) * ulp < (af - alo) * 16777216.0f;
+    const bool keep = arn == af || isinf(arn) || f != f;
+    return keep ? rn : (up ? hi : lo);
+  }
+};
+
+struct MasterTensorMeta {
+  float neg_step_size;  // -lr / (1 - beta1^t)
+  float bc2_sqrt;       // sqrt(1 - beta2^t)
+  uint32_t seed;        // this tensor's random stream
+};
+
+template <typename Fmt, bool MASTER, bool KAHAN, bool SR>
+struct AdamWMasterFunctor {
+  // param, grad, exp_avg, exp_avg_sq[, master or kahan_comp]
+  static constexpr int kDepth = (MASTER || KAHAN) ? 5 : 4;
+  static constexpr int kThreads = mta::kBlockSize;
+  using Metadata = TensorListMetadata<kDepth, MasterTensorMeta>;
+
+  float decay;            // 1 - lr * weight_decay
+  float lerp_weight;      // 1 - beta1
+  float beta2;
+  float one_minus_beta2;  // 1 - beta2
+  float eps;
+  float host_grad_mult;   // clip_coef / grad_scale from CPU scalars (1 when absent)
+  const float* grad_scale;  // on the GPU, or nullptr
+  const float* clip_coef;   // on the GPU, or nullptr
+  const float* found_inf;   // on the GPU, or nullptr
+  bool maximize;
+
+  __device__ __forceinline__ void operator()(const Metadata& tl, int tensor, int64_t start,
+                                             int n) const {
+    if (found_inf != nullptr && *found_inf != 0.0f) return;
+    float mult = host_grad_mult;
+    if (grad_scale != nullptr) mult = mult / *grad_scale;
+    if (clip_coef != nullptr) mult = mult * *clip_coef;
+    const MasterTensorMeta meta = tl.meta[tensor];
+    // torch's lerp switches formula at weight 0.5 for accuracy (ATen/native/Lerp.h).
+    const bool small_weight = lerp_weight < 0.5f;
+    const float one_minus_weight = 1.0f - lerp_weight;
+
+    uint16_t* p_ptr = static_cast<uint16_t*>(tl.addresses[0][tensor]) + start;
+    const uint16_t* g_ptr = static_cast<const uint16_t*>(tl.addresses[1][tensor]) + start;
+    float* m_ptr = static_cast<float*>(tl.addresses[2][tensor]) + start;
+    float* v_ptr = static_cast<float*>(tl.addresses[3][tensor]) + start;
+    float* master_ptr = nullptr;
+    uint16_t* comp_ptr = nullptr;
+    if constexpr (MASTER) master_ptr = static_cast<float*>(tl.addresses[4][tensor]) + start;
+    if constexpr (KAHAN) comp_ptr = static_cast<uint16_t*>(tl.addresses[4][tensor]) + start;
+    const uint32_t base = meta.seed + uint32_t(start);
+
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      float g = Fmt::load(g_ptr[i]) * mult;
+      if (maximize) g = -g;
+      float x;
+      if constexpr (MASTER) {
+        x = master_ptr[i];
+      } else if constexpr (KAHAN) {
+        x = Fmt::load(p_ptr[i]) + Fmt::load(comp_ptr[i]);
+      } else {
+        x = Fmt::load(p_ptr[i]);
+      }
+      x = x * decay;
+      float m = m_ptr[i];
+      const float diff = g - m;
+      m = small_weight ? m + lerp_weight * diff : g - diff * one_minus_weight;
+      float v = v_ptr[i] * beta2;
+      v = v + one_minus_beta2 * g * g;
+      const float denom = __fdiv_rn(__fsqrt_rn(v), meta.bc2_sqrt) + eps;
+      x = x + __fdiv_rn(meta.neg_step_size * m, denom);
+      uint16_t p_new;
+      if constexpr (SR) {
+        p_new = Fmt::round_stochastic(x, hash32(base + uint32_t(i)));
+      } else {
+        p_new = Fmt::round_nearest(x);
+      }
+      if constexpr (MASTER) master_ptr[i] = x;
+      if constexpr (KAHAN) comp_ptr[i] = Fmt::round_nearest(x - Fmt::load(p_new));
+      p_ptr[i] = p_new;
+      m_ptr[i] = m;
+      v_ptr[i] = v;
+    }
+  }
+};
+
+template <typename T>
+struct SumSquaresFunctor {
+  using Metadata = TensorListMetadata<1, int64_t>;  // meta: this tensor's first slot
+  float* partial;
+
+  __device__ __forceinline__ void operator()(const Metadata& tl, int tensor, int64_t start,
+                                             int n) const {
+    const T* x = static_cast<const T*>(tl.addresses[0][tensor]) + start;
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < n; i += mta::kBlockSize) {
+      const float v = static_cast<float>(x[i]);
+      acc += v * v;
+    }
+    using BlockReduce = cub::BlockReduce<float, mta::kBlockSize>;
+    __shared__ typename BlockReduce::TempStorage temp;
+    const float total = BlockReduce(temp).Sum(acc);
+    if (threadIdx.x == 0) partial[tl.meta[tensor] + start / mta::kChunkSize] = total;
+  }
+};
+
+void check_list(const std::vector<at::Tensor>& list, const char* name,
+                const std::vector<at::Tensor>& params, at::ScalarType dtype) {
+  TORCH_CHECK(list.size() == params.size(), "fastllm.adamw_master_step: ", name, " has ",
+              list.size(), " tensors but params has ", params.size());
+  const auto device = params[0].device();
+  for (const auto i : c10::irange(params.size())) {
+    const auto& t = list[i];
+    TORCH_CHECK(t.is_cuda() && t.layout() == at::kStrided && t.device() == device,
+                "fastllm.adamw_master_step (cuda): ", name, "[", i,
+                "] must be a dense tensor on ", device);
+    TORCH_CHECK(t.scalar_type() == dtype, "fastllm.adamw_master_step: ", name, "[", i,
+                "] has dtype ", t.scalar_type(), ", expected ", dtype);
+    TORCH_CHECK(t.numel() == params[i].numel(), "fastllm.adamw_master_step: ", name, "[", i,
+                "] has ", t.numel(), " elements but params[", i, "] has ", params[i].numel());
+    TORCH_CHECK(t.is_contiguous(), "fastllm.adamw_master_step: ", name, "[", i,
+                "] must be contiguous");
+  }
+}
+
+// A one-element fp32 tensor for the kernel: nullptr when absent or on the CPU (read on the host),
+// its address when on params' device.
+const float* device_scalar(const c10::optional<at::Tensor>& t, const char* name,
+                           const at::Device& device) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->numel() == 1, "fastllm.adamw_master_step (cuda): ", name,
+              " must have one element, has ", t->numel());
+  if (t->is_cpu()) return nullptr;
+  TORCH_CHECK(t->device() == device && t->scalar_type() == at::kFloat,
+              "fastllm.adamw_master_step (cuda): ", name, " must be an fp32 tensor on ", device,
+              " or on the CPU; got ", t->scalar_type(), " on ", t->device());
+  return t->data_ptr<float>();
+}
+
+template <typename F>
+void dispatch_bool(bool flag, F&& f) {
+  flag ? f(std::true_type{}) : f(std::false_type{});
+}
+
+}  // namespace
+
+void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
+                            const std::vector<at::Tensor>& grads,
+                            const std::vector<at::Tensor>& masters,
+                            const std::vector<at::Tensor>& exp_avgs,
+                            const std::vector<at::Tensor>& exp_avg_sqs,
+                            const std::vector<at::Tensor>& kahan_comps,
+                            const std::vector<at::Tensor>& steps, double lr, double beta1,
+                            double beta2, double eps, double weight_decay, bool maximize,
+                            bool stochastic_rounding, int64_t seed,
+                            const c10::optional<at::Tensor>& grad_scale,
+                            const c10::optional<at::Tensor>& clip_coef,
+                            const c10::optional<at::Tensor>& found_inf) {
+  if (params.empty()) return;
+  const auto dtype = params[0].scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
+              "fastllm.adamw_master_step: params must be bfloat16 or float16, got ", dtype);
+  const bool master = !masters.empty();
+  const bool kahan = !kahan_comps.empty();
+  TORCH_CHECK(!(master && kahan), "fastllm.adamw_master_step: pass either masters or "
+              "kahan_comps, not both");
+  check_list(params, "params", params, dtype);
+  check_list(grads, "grads", params, dtype);
+  if (master) check_list(masters, "masters", params, at::kFloat);
+  check_list(exp_avgs, "exp_avgs", params, at::kFloat);
+  check_list(exp_avg_sqs, "exp_avg_sqs", params, at::kFloat);
+  if (kahan) check_list(kahan_comps, "kahan_comps", params, dtype);
+  TORCH_CHECK(steps.size() == params.size(), "fastllm.adamw_master_step: steps has ",
+              steps.size(), " tensors but params has ", params.size());
+  const auto device = params[0].device();
+  const float* grad_scale_ptr = device_scalar(grad_scale, "grad_scale", device);
+  const float* clip_coef_ptr = device_scalar(clip_coef, "clip_coef", device);
+  const float* found_inf_ptr = device_scalar(found_inf, "found_inf", device);
+  if (found_inf.has_value() && found_inf->is_cpu() && found_inf->item<double>() != 0.0) return;
+  double host_mult = 1.0;
+  if (grad_scale.has_value() && grad_scale->is_cpu()) host_mult /= grad_scale->item<double>();
+  if (clip_coef.has_value() && clip_coef->is_cpu()) host_mult *= clip_coef->item<double>();
+
+  const uint32_t seed32 =
+      hash32(uint32_t(uint64_t(seed)) ^ hash32(uint32_t(uint64_t(seed) >> 32)));
+  std::vector<MasterTensorMeta> meta(params.size());
+  for (const auto i : c10::irange(params.size())) {
+    TORCH_CHECK(steps[i].numel() == 1, "fastllm.adamw_master_step (cuda): steps[", i,
+                "] must have one element");
+    const double step = steps[i].item<double>();
+    meta[i] = {float(-lr / (1.0 - std::pow(beta1, step))),
+               float(std::sqrt(1.0 - std::pow(beta2, step))),
+               hash32(seed32 + 0x9e3779b9U * uint32_t(i + 1))};
+  }
+
+  const at::cuda::CUDAGuard guard(device);
+  auto run = [&](auto fmt, auto ma, auto ka, auto sr) {
+    using Fmt = decltype(fmt);
+    constexpr bool kMaster = decltype(ma)::value;
+    constexpr bool kKahan = decltype(ka)::value && !kMaster;
+    constexpr bool kSR = decltype(sr)::value;
+    AdamWMasterFunctor<Fmt, kMaster, kKahan, kSR> op;
+    op.decay = float(1.0 - lr * weight_decay);
+    op.lerp_weight = float(1.0 - beta1);
+    op.beta2 = float(beta2);
+    op.one_minus_beta2 = float(1.0 - beta2);
+    op.eps = float(eps);
+    op.host_grad_mult = float(host_mult);
+    op.grad_scale = grad_scale_ptr;
+    op.clip_coef = clip_coef_ptr;
+    op.found_inf = found_inf_ptr;
+    op.maximize = maximize;
+    if constexpr (kMaster) {
+      mta::multi_tensor_apply<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &masters}, meta, op);
+    } else if constexpr (kKahan) {
+      mta::multi_tensor_apply<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &kahan_comps}, meta,
+                                 op);
+    } else {
+      mta::multi_tensor_apply<4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, meta, op);
+    }
+  };
+  dispatch_bool(master, [&](auto ma) {
+    dispatch_bool(kahan && !master, [&](auto ka) {
+      dispatch_bool(stochastic_rounding, [&](auto sr) {
+        if (dtype == at::kBFloat16) {
+          run(BF16Format{}, ma, ka, sr);
+        } else {
+          run(F16Format{}, ma, ka, sr);
+        }
+      });
+    });
+  });
+}
+
+at::Tensor l2norm_cuda(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(!tensors.empty(), "fastllm.l2norm (cuda): needs at least one tensor");
+  const auto device = tensors[0].device();
+  // Slots: one per chunk, tensors in order; tensors of one dtype share a launch sequence.
+  std::vector<int64_t> first_slot(tensors.size());
+  int64_t slots = 0;
+  for (const auto t : c10::irange(tensors.size())) {
+    const auto& x = tensors[t];
+    TORCH_CHECK(x.is_cuda() && x.device() == device && x.layout() == at::kStrided &&
+                    x.is_contiguous(),
+                "fastllm.l2norm (cuda): tensors[", t, "] must be a dense contiguous tensor on ",
+                device);
+    first_slot[t] = slots;
+    slots += (x.numel() + mta::kChunkSize - 1) / mta::kChunkSize;
+  }
+  const at::cuda::CUDAGuard guard(device);
+  auto partial = at::zeros({std::max<int64_t>(slots, 1)},
+                           at::TensorOptions().dtype(at::kFloat).device(device));
+  auto run = [&](auto tag, at::ScalarType dtype) {
+    using T = decltype(tag);
+    std::vector<at::Tensor> group;
+    std::vector<int64_t> meta;
+    for (const auto t : c10::irange(tensors.size())) {
+      if (tensors[t].scalar_type() != dtype) continue;
+      group.push_back(tensors[t]);
+      meta.push_back(first_slot[t]);
+    }
+    if (group.empty()) return;
+    SumSquaresFunctor<T> op{partial.data_ptr<float>()};
+    mta::multi_tensor_apply<1>({&group}, meta, op);
+  };
+  for (const auto t : c10::irange(tensors.size())) {
+    const auto dt = tensors[t].scalar_type();
+    TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat || dt == at::kDouble,
+                "fastllm.l2norm: tensors[", t, "] has dtype ", dt,
+                "; expected a floating-point dtype");
+  }
+  run(at::BFloat16{}, at::kBFloat16);
+  run(at::Half{}, at::kHalf);
+  run(float{}, at::kFloat);
+  run(double{}, at::kDouble);
+  return partial.to(at::kDouble).sum().sqrt().to(at::kFloat);
+}
+
+}  // namespace fastllm

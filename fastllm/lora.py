@@ -1,0 +1,282 @@
+"""LoRA for existing models, on fastllm's fused op, with adapters in PEFT's on-disk format.
+
+    model = LlamaForCausalLM(config)
+    inject_lora(model, target_modules=["q_proj", "v_proj"], r=8, alpha=16, dropout=0.05)
+    ...train (only LoRA parameters require grad)...
+    save_adapter(model, "out/")          # adapter_config.json + adapter_model.safetensors
+    peft.PeftModel.from_pretrained(fresh_model, "out/")   # a PEFT user reads it as is
+    load_adapter(other_model, "peft_adapter/")            # and fastllm reads PEFT's
+
+LoRALinear(base) computes base(x) + scaling * B A dropout(x) with fastllm.ops.lora_linear; the
+parameter names and initialisation follow PEFT (lora_A kaiming-uniform, lora_B zero, scaling =
+alpha / r, or alpha / sqrt(r) with use_rslora), so a fresh layer is exactly its base layer.
+"""
+
+import json
+import math
+import os
+import re
+from collections import Counter
+
+import torch
+from torch import nn
+
+from fastllm.ops.lora_linear import lora_linear
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Module):
+    """An nn.Linear plus a trainable rank-r update: y = base(x) + scaling * dropout(x) A^T B^T.
+
+    base: nn.Linear (in_features -> out_features), kept as `base_layer` and frozen.
+    lora_A: (r, in_features), lora_B: (out_features, r), in the base weight's dtype and device.
+    """
+
+    def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"fastllm.lora.LoRALinear wraps nn.Linear, got {type(base).__name__}")
+        if r < 1:
+            raise ValueError(f"fastllm.lora.LoRALinear: r must be >= 1, got {r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"fastllm.lora.LoRALinear: dropout must be in [0, 1), got {dropout}")
+        self.base_layer = base
+        self.r = int(r)
+        self.alpha = alpha
+        self.dropout = float(dropout)
+        self.use_rslora = bool(use_rslora)
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.merged = False
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, dtype=w.dtype, device=w.device))
+        self.lora_B = nn.Parameter(torch.empty(base.out_features, r, dtype=w.dtype,
+                                               device=w.device))
+        base.requires_grad_(False)
+        self.reset_lora_parameters()
+
+    def reset_lora_parameters(self):
+        # PEFT's (and Microsoft's loralib) default: A like nn.Linear's weight, B = 0.
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B)
+
+    @property
+    def in_features(self):
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self):
+        return self.base_layer.out_features
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        if self.merged:
+            return self.base_layer(x)
+        return lora_linear(x, self.base_layer.weight, self.lora_A, self.lora_B, self.scaling,
+                           self.base_layer.bias, self.dropout, training=self.training)
+
+    def delta_weight(self, dtype=torch.float32):
+        """scaling * B A, (out_features, in_features), computed in `dtype`."""
+        return (self.lora_B.detach().to(dtype) @ self.lora_A.detach().to(dtype)) * self.scaling
+
+    def _merged_weight(self, sign):
+        w = self.base_layer.weight
+        opmath = torch.float64 if w.dtype == torch.float64 else torch.float32
+        return (w.detach().to(opmath) + sign * self.delta_weight(opmath)).to(w.dtype)
+
+    def extra_repr(self):
+        return (f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, "
+                f"dropout={self.dropout}, merged={self.merged}")
+
+
+def _matches(name, target_modules):
+    # PEFT's rule: a string is a regex that must match the whole name; a list matches by suffix.
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target_modules)
+
+
+def lora_modules(model):
+    """(name, LoRALinear) for every LoRA layer of `model`."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropout=0.0,
+                use_rslora=False, rank_pattern=None, alpha_pattern=None):
+    """Replace every nn.Linear whose name matches `target_modules` by a LoRALinear, in place.
+
+    Every other parameter of the model is frozen. rank_pattern / alpha_pattern map a module-name
+    suffix to its own r / alpha (PEFT's fields of the same names). Returns the model.
+    """
+    rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
+    targets = [(name, module) for name, module in model.named_modules()
+               if name and isinstance(module, nn.Linear) and _matches(name, target_modules)]
+    if not targets:
+        raise ValueError(
+            f"fastllm.inject_lora: no nn.Linear in the model matches {target_modules!r}"
+        )
+    model.requires_grad_(False)
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer_r = _pattern_value(name, rank_pattern, r)
+        layer_alpha = _pattern_value(name, alpha_pattern, alpha)
+        setattr(parent, child, LoRALinear(module, layer_r, layer_alpha, dropout, use_rslora))
+    return model
+
+
+def _pattern_value(name, pattern, default):
+    for key, value in pattern.items():
+        if name == key or name.endswith("." + key) or re.fullmatch(key, name):
+            return value
+    return default
+
+
+def _check_merge_state(model, merged):
+    layers = lora_modules(model)
+    if not layers:
+        raise ValueError("fastllm.lora: the model has no LoRALinear layers (inject_lora first)")
+    return [(n, m) for n, m in layers if m.merged == merged]
+
+
+@torch.no_grad()
+def merge_lora(model):
+    """Fold scaling * B A into each base weight (W += scaling B A); forward then runs base only.
+
+    Refuses, with every weight untouched, if any merged weight would be non-finite in its dtype.
+    """
+    layers = _check_merge_state(model, merged=False)
+    for name, layer in layers:  # check every layer before changing any
+        if not torch.isfinite(layer._merged_weight(+1)).all():
+            raise ValueError(f"fastllm.merge_lora: merging {name} gives non-finite weights; "
+                             "nothing was merged")
+    for _, layer in layers:
+        layer.base_layer.weight.copy_(layer._merged_weight(+1))
+        layer.merged = True
+    return model
+
+
+@torch.no_grad()
+def unmerge_lora(model):
+    """Undo merge_lora: W -= scaling B A (exact in fp32 up to rounding of W's dtype)."""
+    for _, layer in _check_merge_state(model, merged=True):
+        layer.base_layer.weight.copy_(layer._merged_weight(-1))
+        layer.merged = False
+    return model
+
+
+def _adapter_config(model, layers, task_type):
+    ranks = Counter(m.r for _, m in layers)
+    alphas = Counter(m.alpha for _, m in layers)
+    r = ranks.most_common(1)[0][0]
+    alpha = alphas.most_common(1)[0][0]
+    dropouts = {m.dropout for _, m in layers}
+    rslora = {m.use_rslora for _, m in layers}
+    if len(dropouts) > 1 or len(rslora) > 1:
+        raise ValueError("fastllm.save_adapter: PEFT's format needs one dropout and one use_rslora "
+                         "for every LoRA layer")
+    name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    return {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": name_or_path or None,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": dropouts.pop(),
+        "use_rslora": rslora.pop(),
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n, _ in layers}),
+        "rank_pattern": {n: m.r for n, m in layers if m.r != r},
+        "alpha_pattern": {n: m.alpha for n, m in layers if m.alpha != alpha},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_dora": False,
+    }
+
+
+def save_adapter(model, path, task_type=None):
+    """Write the LoRA weights of `model` in PEFT's format: `path`/adapter_config.json and
+    `path`/adapter_model.safetensors, keys `base_model.model.<module>.lora_{A,B}.weight`.
+
+    task_type: PEFT's task type to record, e.g. "CAUSAL_LM" (None: a plain PeftModel).
+    Weights are saved unmerged even if the model is merged.
+    """
+    from safetensors.torch import save_file
+
+    layers = lora_modules(model)
+    if not layers:
+        raise ValueError("fastllm.save_adapter: the model has no LoRALinear layers")
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for name, layer in layers:
+        tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous()
+        tensors[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach().cpu().contiguous()
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(_adapter_config(model, layers, task_type), f, indent=2, sort_keys=True)
+
+
+def load_adapter(model, path):
+    """Load a PEFT LoRA adapter (from PEFT or save_adapter) into `model`.
+
+    A model without LoRA layers gets them first (inject_lora with the adapter's config); one that
+    has them must have the adapter's layers and shapes. Returns the model.
+    """
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        config = json.load(f)
+    _check_supported(config)
+    if not lora_modules(model):
+        inject_lora(model, target_modules=config["target_modules"], r=config["r"],
+                    alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
+                    use_rslora=config.get("use_rslora", False),
+                    rank_pattern=config.get("rank_pattern"),
+                    alpha_pattern=config.get("alpha_pattern"))
+    state = load_file(os.path.join(path, ADAPTER_WEIGHTS))
+    layers = dict(lora_modules(model))
+    expected = set()
+    for name in layers:
+        expected.add(f"{_PEFT_PREFIX}{name}.lora_A.weight")
+        expected.add(f"{_PEFT_PREFIX}{name}.lora_B.weight")
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"fastllm.load_adapter: adapter and model disagree; missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]}"
+        )
+    with torch.no_grad():
+        for name, layer in layers.items():
+            if layer.merged:
+                raise ValueError(f"fastllm.load_adapter: {name} is merged; unmerge_lora first")
+            for attr in ("lora_A", "lora_B"):
+                src = state[f"{_PEFT_PREFIX}{name}.{attr}.weight"]
+                dst = getattr(layer, attr)
+                if src.shape != dst.shape:
+                    raise ValueError(f"fastllm.load_adapter: {name}.{attr} is {tuple(dst.shape)} "
+                                     f"in the model, {tuple(src.shape)} in the adapter")
+                dst.copy_(src)
+    return model
+
+
+def _check_supported(config):
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"fastllm.load_adapter: not a LoRA adapter ({config.get('peft_type')})")
+    unsupported = {
+        "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+        "layers_to_transform": None, "bias": "none",
+    }
+    for key, default in unsupported.items():
+        if config.get(key, default) not in (default, [], {}):
+            raise ValueError(f"fastllm.load_adapter: {key}={config[key]!r} is not supported")

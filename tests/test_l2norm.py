@@ -1,0 +1,111 @@
+"""fastllm::l2norm against a float64 reference on every backend that can run here.
+
+Squares are accumulated in fp32 per chunk, so the norm matches the fp64 reference to rtol 1e-5
+(the relative error of an fp32 sum of n positive terms is about n * 2^-24 at worst, ~1e-7
+typical at these sizes).
+"""
+
+import pytest
+import torch
+
+import fastllm
+from conftest import backend_device_params as _all_backend_device_params
+from fastllm.ops import l2norm, l2norm_ref
+
+
+def backend_device_params():
+    """conftest's (backend, device) pairs; the cuda backend is skipped when fastllm._C was built
+    before it had this op's CUDA kernel."""
+    out = []
+    for p in _all_backend_device_params():
+        backend, _ = p.values
+        ext = fastllm._extension.extension() if fastllm.has_cpp() else None
+        if backend == "cuda" and not hasattr(ext, "l2norm_cuda"):
+            p = pytest.param(*p.values, id=p.id, marks=[pytest.mark.skip(
+                reason="fastllm._C has no l2norm_cuda; rebuild it")])
+        out.append(p)
+    return out
+
+
+SHAPES = [(0,), (1,), (7,), (123, 45), (4097,)]
+
+
+def reference(tensors):
+    return sum(t.double().square().sum() for t in tensors).sqrt()
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_matches_float64_reference(backend, device, dtype):
+    tensors = [(torch.randn(s) * 3).to(device=device, dtype=dtype) for s in SHAPES]
+    before = [t.clone() for t in tensors]
+    with fastllm.use_backend(backend):
+        norm = l2norm(tensors)
+    assert norm.dtype == torch.float32 and norm.shape == () and norm.device == tensors[0].device
+    torch.testing.assert_close(norm.double().cpu(), reference(tensors).cpu(), rtol=1e-5, atol=0)
+    for a, b in zip(tensors, before):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+def test_mixed_dtypes_and_chunks(backend, device):
+    # Several chunks of the C++ kernel (64K elements) and of the Triton launcher's blocks.
+    tensors = [torch.randn(150_001).to(device=device, dtype=torch.bfloat16),
+               torch.randn(3, device=device), torch.randn(70_000).to(device=device,
+                                                                    dtype=torch.float16)]
+    with fastllm.use_backend(backend):
+        norm = l2norm(tensors)
+    torch.testing.assert_close(norm.double().cpu(), reference(tensors).cpu(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_non_finite_element_makes_the_norm_non_finite(backend, device, bad, dtype):
+    tensors = [torch.randn(s).to(device=device, dtype=dtype) for s in [(5,), (4097,), (33,)]]
+    tensors[1][1234] = bad
+    with fastllm.use_backend(backend):
+        norm = l2norm(tensors)
+    assert not torch.isfinite(norm)
+
+
+def test_empty_list_is_zero():
+    assert l2norm([]).item() == 0.0
+
+
+def test_deterministic_across_thread_counts():
+    tensors = [torch.randn(300_000).bfloat16(), torch.randn(200_000)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = l2norm(tensors)
+        torch.set_num_threads(max(2, threads))
+        many = l2norm(tensors)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("int", TypeError, "floating-point"),
+    ("strided", ValueError, "not contiguous"),
+])
+def test_bad_input_is_refused(case, error, match):
+    bad = {"int": torch.arange(4), "strided": torch.randn(4, 4).t()}[case]
+    with pytest.raises(error, match=match):
+        l2norm([torch.randn(3), bad])
+
+
+@pytest.mark.parametrize("backend", ["ref", "cpp"])
+def test_opcheck(backend):
+    if fastllm._backend.unavailable_reason(backend, "cpu"):
+        pytest.skip("backend unavailable")
+    tensors = [torch.randn(5).bfloat16(), torch.randn(3, 4)]
+    with fastllm.use_backend(backend):
+        torch.library.opcheck(torch.ops.fastllm.l2norm.default, (tensors,))
+
+
+def test_ref_is_the_reference():
+    tensors = [torch.randn(100), torch.randn(7).bfloat16()]
+    torch.testing.assert_close(l2norm_ref(tensors).double(), reference(tensors), rtol=1e-7,
+                               atol=0)

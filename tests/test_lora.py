@@ -1,0 +1,287 @@
+"""fastllm.lora against PEFT itself: layer outputs and grads, a tiny LlamaForCausalLM fine-tune,
+merge/unmerge, and adapters that PEFT and fastllm each load from the other."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from fastllm.lora import (
+    LoRALinear,
+    inject_lora,
+    load_adapter,
+    lora_modules,
+    merge_lora,
+    save_adapter,
+    unmerge_lora,
+)
+from fastllm.ops.lora_linear import lora_dropout_ref, lora_linear_ref, new_dropout_seed
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class Tiny(nn.Module):
+    def __init__(self, k, n, bias, dtype):
+        super().__init__()
+        self.q_proj = nn.Linear(k, n, bias=bias, dtype=dtype)
+        self.other = nn.Linear(n, 3, dtype=dtype)
+
+    def forward(self, x):
+        return self.q_proj(x)
+
+
+class _SeededDropout(nn.Module):
+    """PEFT's lora_dropout replaced by fastllm's mask for one seed: PEFT and fastllm then compute
+    the same function, so their outputs and grads can be compared with dropout on."""
+
+    def __init__(self, p, seed):
+        super().__init__()
+        self.p, self.seed = p, seed
+
+    def forward(self, x):
+        k = x.shape[-1]
+        return lora_dropout_ref(x.reshape(-1, k), self.p, self.seed).reshape(x.shape)
+
+
+def _peft_lora_layer(peft_model, name):
+    return peft_model.base_model.model.get_submodule(name)
+
+
+def _tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _randomise_lora(model, std=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in lora_modules(model):
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=g) * std)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * std)
+
+
+def _err(got, oracle):
+    return (got.double() - oracle.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("r,dropout", [(1, 0.0), (16, 0.0), (64, 0.0), (5, 0.2)])
+def test_layer_matches_peft(dtype, bias, r, dropout):
+    torch.manual_seed(0)
+    k, n, alpha = 123, 77, 24
+    tiny = Tiny(k, n, bias, dtype)
+    ours = inject_lora(copy.deepcopy(tiny), target_modules=["q_proj"], r=r, alpha=alpha,
+                       dropout=dropout).train()
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj"],
+                             lora_dropout=dropout)
+    theirs = peft.get_peft_model(copy.deepcopy(tiny), config, autocast_adapter_dtype=False).train()
+    layer, peft_layer = ours.q_proj, _peft_lora_layer(theirs, "q_proj")
+    torch.manual_seed(7)
+    seed = int(new_dropout_seed())  # the seed fastllm's layer draws after the same manual_seed
+    if dropout:
+        peft_layer.lora_dropout["default"] = _SeededDropout(dropout, seed)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+        peft_layer.lora_A["default"].weight.copy_(layer.lora_A)
+        peft_layer.lora_B["default"].weight.copy_(layer.lora_B)
+    assert layer.scaling == peft_layer.scaling["default"]
+
+    x = torch.randn(5, 9, k).to(dtype)
+    g = torch.randn(5, 9, n).to(dtype)
+    results = []
+    for model, a, b in ((ours, layer.lora_A, layer.lora_B),
+                        (theirs, peft_layer.lora_A["default"].weight,
+                         peft_layer.lora_B["default"].weight)):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(7)
+        y = model(xi)
+        results.append([y, *torch.autograd.grad(y, (xi, a, b), g)])
+    # PyTorch's own error at this precision: the plain composition, run in `dtype`
+    xi, ai, bi = (t.detach().clone().requires_grad_() for t in (x, layer.lora_A, layer.lora_B))
+    y_lp = lora_linear_ref(xi, layer.weight, ai, bi, layer.scaling, layer.bias, dropout, seed)
+    torch_lp = [y_lp, *torch.autograd.grad(y_lp, (xi, ai, bi), g)]
+
+    x64 = x.double().requires_grad_()
+    a64 = layer.lora_A.detach().double().requires_grad_()
+    b64 = layer.lora_B.detach().double().requires_grad_()
+    bias64 = None if not bias else layer.bias.detach().double()
+    y64 = lora_linear_ref(x64, layer.weight.double(), a64, b64, layer.scaling, bias64, dropout,
+                          seed)
+    oracle = [y64, *torch.autograd.grad(y64, (x64, a64, b64), g.double())]
+    for name, u, v, t, o in zip(["y", "dx", "dA", "dB"], *results, torch_lp, oracle):
+        scale = o.abs().max().item()
+        if dtype == torch.float32:
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5 * scale)
+        else:
+            # no worse than twice PEFT's error, and than twice PyTorch's plain composition's
+            floor = 1e-3 * torch.finfo(dtype).eps * scale
+            for who, ref in (("PEFT", v), ("PyTorch", t)):
+                assert _err(u, o) <= 2 * _err(ref, o) + floor, (
+                    f"{name}: {_err(u, o):.3g} vs {who}'s {_err(ref, o):.3g}")
+
+
+def test_inject_freezes_everything_else_and_rejects_no_match():
+    model = _tiny_llama()
+    inject_lora(model, target_modules=["q_proj", "v_proj"], r=4, alpha=8)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all(".lora_A" in n or ".lora_B" in n for n in names)
+    assert len(lora_modules(model)) == 4  # 2 layers x (q, v)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, LoRALinear)
+    assert not isinstance(model.model.layers[0].self_attn.k_proj, LoRALinear)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        inject_lora(_tiny_llama(), target_modules=["nope"])
+
+
+def test_tiny_llama_finetune_loss_falls_and_only_lora_changes():
+    model = _tiny_llama()
+    inject_lora(model, target_modules=["q_proj", "v_proj"], r=8, alpha=16, dropout=0.05)
+    model.train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 24))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    losses = []
+    for _ in range(20):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses  # a fixed batch: the LoRA layers fit it
+    assert sum(losses[10:]) < sum(losses[:10]), losses
+    for n, p in model.named_parameters():
+        changed = not torch.equal(p.detach(), before[n])
+        assert changed == (".lora_A" in n or ".lora_B" in n), n
+
+
+def test_merge_unmerge_and_refusal():
+    model = _tiny_llama()
+    inject_lora(model, target_modules=["q_proj", "v_proj", "down_proj"], r=4, alpha=8)
+    _randomise_lora(model, std=0.2)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        merge_lora(model)
+        merged = model(input_ids=ids).logits
+        assert all(m.merged for _, m in lora_modules(model))
+        torch.testing.assert_close(merged, ref, rtol=1e-4, atol=1e-4)
+        unmerge_lora(model)
+        torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p, weights[n], rtol=0, atol=1e-6)
+
+        # One layer whose merge overflows: nothing may change, in any layer.
+        last = lora_modules(model)[-1][1]
+        last.lora_B.fill_(1e30)
+        last.lora_A.fill_(1e30)
+        snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(ValueError, match="non-finite"):
+            merge_lora(model)
+        for n, p in model.named_parameters():
+            assert torch.equal(p, snapshot[n]), n
+        assert not any(m.merged for _, m in lora_modules(model))
+
+
+def test_fastllm_adapter_loads_in_peft(tmp_path):
+    model = _tiny_llama()
+    inject_lora(model, target_modules=["q_proj", "v_proj"], r=4, alpha=8)
+    _randomise_lora(model)
+    save_adapter(model, str(tmp_path), task_type="CAUSAL_LM")
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["target_modules"] == ["q_proj", "v_proj"]
+
+    peft_model = peft.PeftModel.from_pretrained(_tiny_llama(), str(tmp_path)).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        theirs = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    plain = _tiny_llama()(input_ids=ids).logits
+    assert not torch.allclose(ours, plain, atol=1e-3)  # the adapter actually does something
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_peft_adapter_loads_in_fastllm(tmp_path, use_rslora):
+    config = peft.LoraConfig(r=6, lora_alpha=12, target_modules=["q_proj", "o_proj", "up_proj"],
+                             lora_dropout=0.1, use_rslora=use_rslora,
+                             rank_pattern={"model.layers.1.self_attn.o_proj": 2},
+                             task_type="CAUSAL_LM")
+    peft_model = peft.get_peft_model(_tiny_llama(), config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    peft_model.save_pretrained(str(tmp_path))
+    assert os.path.exists(tmp_path / "adapter_model.safetensors")
+
+    model = load_adapter(_tiny_llama(), str(tmp_path)).eval()
+    layers = dict(lora_modules(model))
+    assert len(layers) == 6 and layers["model.layers.1.self_attn.o_proj"].r == 2
+    assert all(m.use_rslora == use_rslora and m.dropout == 0.1 for m in layers.values())
+    ids = torch.randint(0, 128, (2, 16))
+    peft_model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, peft_model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+    # and back: fastllm saves it again, PEFT reads the round trip with the same outputs
+    out = tmp_path / "again"
+    save_adapter(model, str(out), task_type="CAUSAL_LM")
+    again = peft.PeftModel.from_pretrained(_tiny_llama(), str(out)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, peft_model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_load_adapter_rejects_mismatch(tmp_path):
+    model = _tiny_llama()
+    inject_lora(model, target_modules=["q_proj"], r=4)
+    save_adapter(model, str(tmp_path))
+    other = inject_lora(_tiny_llama(), target_modules=["v_proj"], r=4)
+    with pytest.raises(ValueError, match="disagree"):
+        load_adapter(other, str(tmp_path))
+
+
+def _saved_activation_bytes(module, x):
+    params = {p.data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        # activations only: not parameters, not x, not 0-dim scalars (fastllm's dropout seed)
+        if t.data_ptr() not in params and t.data_ptr() != x.data_ptr() and t.dim() > 0:
+            seen[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_saved_activations_no_more_than_peft(dropout):
+    """Beyond x itself (kept by the caller anyway), fastllm keeps only the r-wide xa."""
+    tiny = Tiny(256, 192, True, torch.float32)
+    ours = inject_lora(copy.deepcopy(tiny), ["q_proj"], r=8, dropout=dropout).train()
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], lora_dropout=dropout)
+    theirs = peft.get_peft_model(copy.deepcopy(tiny), config).train()
+    x = torch.randn(64, 256, requires_grad=True)
+    ours_bytes = _saved_activation_bytes(ours, x)
+    peft_bytes = _saved_activation_bytes(theirs, x)
+    assert ours_bytes == 64 * 8 * 4  # xa (64 x 8 fp32)
+    assert ours_bytes <= peft_bytes
