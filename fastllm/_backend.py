@@ -17,6 +17,8 @@ import functools
 import os
 import threading
 
+import torch
+
 from fastllm import _extension
 
 BACKENDS = ("ref", "cpp", "triton", "cuda")
@@ -42,6 +44,15 @@ def forced_backend():
     if name is not None and name not in BACKENDS:
         raise ValueError(f"fastllm: FASTLLM_BACKEND={name!r} is not one of {BACKENDS}")
     return name
+
+
+def device_guard(device):
+    """Make `device` current for a Triton launch (Triton launches on the current CUDA device,
+    and a torch.library Python kernel sets no guard); a no-op for CPU tensors."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def triton_interpreting():

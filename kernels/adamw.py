@@ -88,6 +88,16 @@ def adamw_step_triton(
     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
 ):
     """Launch one AdamW kernel per non-empty tensor; the same contract as fastllm.ops.adamw_step."""
+    if params and params[0].dtype == torch.float64:
+        raise TypeError("fastllm.adamw_step (triton): the Triton kernel computes in fp32; fp64 "
+                        "params run on the cuda, cpp or ref backend")
+    if params:
+        # The kernel reads the scalars through pointers: they must live where the params do.
+        device = params[0].device
+        if grad_scale is not None and grad_scale.device != device:
+            grad_scale = grad_scale.to(device)
+        if found_inf is not None and found_inf.device != device:
+            found_inf = found_inf.to(device)
     block = _block_size()
     for i, p in enumerate(params):
         n = p.numel()

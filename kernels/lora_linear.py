@@ -319,7 +319,7 @@ def lora_linear_fwd_triton(x, weight, lora_a, lora_b, scaling, bias, dropout_p, 
     seed_key, threshold, dropout_scale = _dropout_args(dropout_p, seed)
     grid = (triton.cdiv(m, blocks["BLOCK_M"]), triton.cdiv(n, blocks["BLOCK_N"]))
     _lora_fwd_kernel[grid](
-        x2, weight, lora_a, lora_b, bias if bias is not None else x2, y, xa_t,
+        x2, weight, lora_a, lora_b, bias.contiguous() if bias is not None else x2, y, xa_t,
         m, n, k, r, float(scaling), seed_key, threshold, dropout_scale,
         x2.stride(0), weight.stride(0), lora_a.stride(0), lora_b.stride(0), y.stride(0),
         xa_t.stride(1), xa_t.stride(0),

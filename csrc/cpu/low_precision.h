@@ -67,19 +67,19 @@ struct F16 {
   // and its next value up or down; hi is chosen when (random >> 8) * 2^-24 < (|f| - lo) / (hi - lo).
   // Both sides are exact in fp32 (Sterbenz; ulp a power of two), so the mean is exact to 2^-24
   // ulp. Exact values, nan, and values that round to inf keep round_nearest's result.
+  // Written with 0/1 integers instead of selects: GCC does not if-convert the select version.
   static uint16_t round_stochastic(float f, uint32_t random) {
-    const uint16_t rn = round_nearest(f);
+    const uint32_t rn = round_nearest(f);
     const float af = std::fabs(f);
-    const float arn = std::fabs(load(rn));
-    const bool below = arn < af;
-    const uint16_t other = below ? uint16_t(rn + 1) : uint16_t(rn - 1);  // sign-magnitude step
-    const uint16_t lo = below ? rn : other;
-    const uint16_t hi = below ? other : rn;
-    const float alo = std::fabs(load(lo));
-    const float ulp = std::fabs(load(hi)) - alo;
-    const bool up = float(random >> 8) * ulp < (af - alo) * 16777216.0f;
-    const bool keep = arn == af || arn == INFINITY || f != f;
-    return keep ? rn : (up ? hi : lo);
+    const float arn = std::fabs(load(uint16_t(rn)));
+    const uint32_t below = uint32_t(arn < af);
+    const uint32_t lo = rn - 1U + below;  // magnitude steps: sign-magnitude bits
+    const uint32_t hi = rn + below;
+    const float alo = std::fabs(load(uint16_t(lo)));
+    const float ulp = std::fabs(load(uint16_t(hi))) - alo;
+    const uint32_t up = uint32_t(float(random >> 8) * ulp < (af - alo) * 16777216.0f);
+    const uint32_t keep = uint32_t(arn == af) | uint32_t(arn == INFINITY) | uint32_t(f != f);
+    return uint16_t(rn + (1U - keep) * (lo + up - rn));
   }
 };
 

@@ -20,6 +20,8 @@ from fastllm import _backend, _extension
 from fastllm._library import lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
+# The Triton kernel computes in fp32; fp64 params on a GPU go to the CUDA kernel or the reference.
+_PREFERENCE_FP64 = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "ref")}
 
 
 def adamw_step_ref(
@@ -133,12 +135,14 @@ def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     if not params:
         return
     device_type = params[0].device.type
-    backend = _backend.select("adamw_step", device_type, _PREFERENCE.get(device_type, ("ref",)))
-    _IMPLS[backend](
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
-        beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-        grad_scale=grad_scale, found_inf=found_inf,
-    )
+    table = _PREFERENCE_FP64 if params[0].dtype == torch.float64 else _PREFERENCE
+    backend = _backend.select("adamw_step", device_type, table.get(device_type, ("ref",)))
+    with _backend.device_guard(params[0].device):
+        _IMPLS[backend](
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            grad_scale=grad_scale, found_inf=found_inf,
+        )
 
 
 lib.impl("adamw_step", _adamw_step_impl, "CPU")

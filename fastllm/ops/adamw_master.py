@@ -221,12 +221,13 @@ def _adamw_master_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
     device_type = params[0].device.type
     backend = _backend.select("adamw_master_step", device_type,
                               _PREFERENCE.get(device_type, ("ref",)))
-    _IMPLS[backend](
-        params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr=lr, beta1=beta1,
-        beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
-        stochastic_rounding=stochastic_rounding, seed=seed, grad_scale=grad_scale,
-        clip_coef=clip_coef, found_inf=found_inf,
-    )
+    with _backend.device_guard(params[0].device):
+        _IMPLS[backend](
+            params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+            stochastic_rounding=stochastic_rounding, seed=seed, grad_scale=grad_scale,
+            clip_coef=clip_coef, found_inf=found_inf,
+        )
 
 
 lib.impl("adamw_master_step", _adamw_master_step_impl, "CPU")

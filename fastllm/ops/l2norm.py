@@ -69,7 +69,8 @@ def _l2norm_impl(tensors):
     check_l2norm_args(tensors)
     device_type = tensors[0].device.type
     backend = _backend.select("l2norm", device_type, _PREFERENCE.get(device_type, ("ref",)))
-    return _IMPLS[backend](tensors)
+    with _backend.device_guard(tensors[0].device):
+        return _IMPLS[backend](tensors)
 
 
 lib.impl("l2norm", _l2norm_impl, "CPU")

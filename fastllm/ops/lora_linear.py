@@ -212,9 +212,23 @@ _BACKWARD = {
 }
 
 
-def _select(x):
+# The Triton kernels keep an r-wide tile per block in shared memory: up to this rank they fit
+# on every supported GPU (checked by tests/lora_sm90_compile.py for sm_90); past it, and for
+# fp64, which they do not support, the GPU path is the reference (cuBLAS matmuls).
+_TRITON_MAX_RANK = 128
+
+
+def _select(x, lora_a):
     device_type = x.device.type
     backend = _backend.select("lora_linear", device_type, _PREFERENCE.get(device_type, ("ref",)))
+    if backend == "triton" and device_type == "cuda" and (
+            lora_a.shape[0] > _TRITON_MAX_RANK or x.dtype == torch.float64):
+        if _backend.forced_backend() == "triton":
+            raise RuntimeError(
+                f"fastllm.lora_linear: backend 'triton' was forced but its GPU kernels support "
+                f"rank <= {_TRITON_MAX_RANK} and fp32/bf16/fp16 (got rank {lora_a.shape[0]}, "
+                f"{x.dtype})")
+        return "ref"
     if backend not in _FORWARD:
         raise RuntimeError(
             f"fastllm.lora_linear: backend {backend!r} was forced but this op has no {backend} "
@@ -232,13 +246,16 @@ def _select(x):
 
 def _lora_linear_impl(x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
     check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
-    return _FORWARD[_select(x)](x, weight, lora_a, lora_b, scaling, bias, dropout_p, int(seed))
+    with _backend.device_guard(x.device):
+        return _FORWARD[_select(x, lora_a)](x, weight, lora_a, lora_b, scaling, bias, dropout_p,
+                                            int(seed))
 
 
 def _lora_linear_backward_impl(grad_out, x, weight, lora_a, lora_b, xa, scaling, dropout_p, seed,
                                output_mask):
-    return _BACKWARD[_select(x)](grad_out, x, weight, lora_a, lora_b, xa, scaling, dropout_p,
-                                 int(seed), list(output_mask))
+    with _backend.device_guard(x.device):
+        return _BACKWARD[_select(x, lora_a)](grad_out, x, weight, lora_a, lora_b, xa, scaling,
+                                             dropout_p, int(seed), list(output_mask))
 
 
 lib.impl("lora_linear", _lora_linear_impl, "CPU")
