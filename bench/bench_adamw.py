@@ -18,6 +18,7 @@ from fastllm.bench import harness
 # (total params, tensors, amsgrad)
 QUICK = [(4 << 20, 16, False), (64 << 20, 16, False)]
 FULL = QUICK + [(64 << 20, 16, True), (256 << 20, 64, False), (64 << 20, 1024, False)]
+PROBE = "memory probe (same access pattern)"
 GPU = [(64 << 20, 16, False), (256 << 20, 64, False), (64 << 20, 1024, False)]
 
 
@@ -59,6 +60,16 @@ def _providers(device, amsgrad):
     return out
 
 
+def _probe(total, device):
+    """The same access pattern without the arithmetic (fastllm._C's stream probe), CPU only."""
+    probe = getattr(fastllm._extension.extension(), "stream_probe_cpu", None)
+    if probe is None or torch.device(device).type != "cpu":
+        return None
+    rw = [torch.rand(total) for _ in range(3)]
+    ro = [torch.rand(total)]
+    return lambda: probe(rw, ro)
+
+
 def run(device="cpu", full=False, progress=print):
     cases = GPU if torch.device(device).type == "cuda" else (FULL if full else QUICK)
     rows = []
@@ -66,20 +77,33 @@ def run(device="cpu", full=False, progress=print):
         size = f"{total / 2**20:g}M fp32 params / {n_tensors} tensors" + (" amsgrad" if amsgrad else "")
         params = _params(total, n_tensors, device)
         nbytes = total * 4 * (9 if amsgrad else 7)
+        fns = {}
         for name, make, backend in _providers(device, amsgrad):
-            progress(f"adamw {size}: {name}")
             try:
                 opt = make(params)
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 progress(f"  skipped {name}: {exc}")
                 continue
-            with fastllm.use_backend(backend):
-                timing = harness.measure(opt.step, device=device)
+
+            def step(opt=opt, backend=backend):
+                with fastllm.use_backend(backend):
+                    opt.step()
+
+            fns[name] = step
+        probe = None if amsgrad else _probe(total, device)
+        if probe is not None:
+            fns[PROBE] = probe
+        progress(f"adamw {size}: {', '.join(fns)} (interleaved)")
+        timings = harness.measure_many(fns, device=device)
+        for name, timing in timings.items():
             rows.append(dict(op="adamw", size=size, provider=name, time_ms=timing.median_ms,
                              bytes=nbytes, baseline="torch fused"))
-            del opt
-            gc.collect()
-        del params
+        if PROBE in timings:
+            for row in rows[-len(timings):]:
+                if row["provider"].startswith("fastllm"):
+                    share = 100.0 * timings[PROBE].median_ms / row["time_ms"]
+                    row["note"] = f"{share:.0f}% of the probe's bandwidth"
+        del fns, params
         gc.collect()
     return rows
 

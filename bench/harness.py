@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from fastllm import _extension
+
 
 @dataclasses.dataclass
 class Timing:
@@ -61,6 +63,31 @@ def measure(fn, *, device="cpu", warmup=2, min_reps=5, max_reps=200, min_time_s=
     return Timing(statistics.median(times), q[0], q[3], len(times))
 
 
+def measure_many(fns, *, device="cpu", warmup=2, min_reps=7, max_reps=100, min_time_s=1.0):
+    """Time several callables in interleaved rounds (a, b, c, a, b, c, ...).
+
+    On a shared or noisy machine the speed of memory drifts over seconds; interleaving exposes
+    every provider to the same drift, so their ratios stay meaningful. Returns {name: Timing}.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+    times = {name: [] for name in fns}
+    start = time.perf_counter()
+    reps = 0
+    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < min_time_s):
+        for name, fn in fns.items():
+            times[name].append(measure(fn, device=device, warmup=0, min_reps=1, max_reps=1,
+                                       min_time_s=0.0).median_ms)
+        reps += 1
+    out = {}
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=5) if len(ts) >= 2 else [ts[0]] * 4
+        out[name] = Timing(statistics.median(ts), q[0], q[3], len(ts))
+    return out
+
+
 _BANDWIDTH = {}
 
 
@@ -69,9 +96,11 @@ def memory_bandwidth(device="cpu", numel=None):
 
     Returns {"copy": ..., "rmw": ...}: `copy` is dst.copy_(src) counted as 8 bytes per fp32
     element (the usual convention; write-allocate traffic not counted), `rmw` is the best of the
-    read-modify-write kernels x.mul_(s) (8 B/elem) and x.add_(y) (12 B/elem): the access pattern
-    of an optimizer step, whose written tensors are all read first. Arrays are far larger than
-    the last-level cache. Measured once per process and device.
+    read-modify-write kernels x.mul_(s) (8 B/elem), x.add_(y) (12 B/elem) and, on the CPU,
+    fastllm._C's stream probe with an optimizer step's pattern (3 arrays read and written back, 1
+    only read: 28 B/elem, parallelised like the fused kernels). Written tensors are all read
+    first, as in an optimizer step. Arrays are far larger than the last-level cache. Measured once
+    per process and device.
     """
     key = str(torch.device(device))
     if key in _BANDWIDTH:
@@ -84,10 +113,14 @@ def memory_bandwidth(device="cpu", numel=None):
     copy = measure(lambda: y.copy_(x), device=device)
     mul = measure(lambda: x.mul_(0.999), device=device)
     add = measure(lambda: x.add_(y), device=device)
-    result = {
-        "copy": 2 * nbytes / copy.median_ms / 1e6,
-        "rmw": max(2 * nbytes / mul.median_ms / 1e6, 3 * nbytes / add.median_ms / 1e6),
-    }
+    rmw = [2 * nbytes / mul.median_ms / 1e6, 3 * nbytes / add.median_ms / 1e6]
+    probe = getattr(_extension.extension(), "stream_probe_cpu", None)
+    if probe is not None and torch.device(device).type == "cpu":
+        z, w = torch.rand(numel), torch.rand(numel)
+        timing = measure(lambda: probe([x, z, w], [y]), device=device)
+        rmw.append(7 * nbytes / timing.median_ms / 1e6)
+        del z, w
+    result = {"copy": 2 * nbytes / copy.median_ms / 1e6, "rmw": max(rmw)}
     del x, y
     _BANDWIDTH[key] = result
     return result

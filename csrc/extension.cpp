@@ -28,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("adamw_step_cpu", &fastllm::adamw_step_cpu, no_gil);
+  m.def("stream_probe_cpu", &fastllm::stream_probe_cpu, no_gil);
   m.def("lora_dropout_cpu", &fastllm::lora_dropout_cpu, no_gil);
   m.def("lora_dropout_add_cpu", &fastllm::lora_dropout_add_cpu, no_gil);
   m.def("adamw_master_step_cpu", &fastllm::adamw_master_step_cpu, no_gil);

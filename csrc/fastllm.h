@@ -54,6 +54,11 @@ at::Tensor lora_dropout_cpu(const at::Tensor& x, double p, int64_t seed);
 void lora_dropout_add_cpu(const at::Tensor& out, const at::Tensor& x, double p, int64_t seed,
                           double alpha);
 
+// Memory-bandwidth probe (bench only): for each chunk, every read_write tensor is read and written
+// back once and every read_only tensor read once. All tensors contiguous fp32 CPU, equal numel.
+void stream_probe_cpu(const std::vector<at::Tensor>& read_write,
+                      const std::vector<at::Tensor>& read_only);
+
 #ifdef FASTLLM_WITH_CUDA
 // Same contract on CUDA tensors: one multi-tensor launch per chunk of tensors. grad_scale and
 // found_inf are read on the device (no host sync); steps may live on the CPU or on the device.

@@ -89,8 +89,13 @@ void adamw_tensors(const std::vector<at::Tensor>& params, const std::vector<at::
     const int64_t n = params[t].numel();
     for (int64_t b = 0; b < n; b += kChunk) chunks.push_back({int64_t(t), b, std::min(n, b + kChunk)});
   }
-  at::parallel_for(0, int64_t(chunks.size()), 1, [&](int64_t first, int64_t last) {
-    for (int64_t c = first; c < last; ++c) {
+  // Chunks are dealt round-robin, so the threads stream neighbouring chunks of the same tensors
+  // at the same time (as torch's per-tensor parallel loops do), not two distant halves.
+  const int64_t n_chunks = int64_t(chunks.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_chunks);
+  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
+    for (int64_t w = first_worker; w < last_worker; ++w)
+    for (int64_t c = w; c < n_chunks; c += workers) {
       const Chunk& ch = chunks[c];
       const auto t = ch.tensor;
       auto ptr = [&](const at::Tensor& x) { return static_cast<scalar_t*>(x.data_ptr()) + ch.begin; };

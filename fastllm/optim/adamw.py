@@ -72,6 +72,21 @@ def _check_hyperparameters(where, lr, betas, eps, weight_decay):
                          f"{weight_decay}")
 
 
+class _LazyName:
+    """A parameter's description for error messages, built only when a message is formatted."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __str__(self):
+        name, *rest = self.args
+        return name(*rest)
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay, one fused pass per parameter tensor.
 
@@ -205,7 +220,7 @@ class AdamW(torch.optim.Optimizer):
                 grad = p.grad
                 if grad is None:
                     continue
-                where = self._name(group, gi, pi, p)
+                where = _LazyName(self._name, group, gi, pi, p)  # formatted only on error
                 if grad.is_sparse or grad.layout != torch.strided:
                     raise RuntimeError(f"fastllm.optim.AdamW does not support sparse gradients "
                                        f"({where})")

@@ -1,0 +1,50 @@
+// Memory-bandwidth probe for `fastllm bench`: the access pattern of an optimizer step (several
+// arrays read and written back, some only read) with no arithmetic to speak of, parallelised the
+// same way as the fused kernels. Its bytes per second are the ceiling that a memory-bound fused
+// kernel with that pattern can reach on this machine.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+
+#include "fastllm.h"
+
+namespace fastllm {
+
+void stream_probe_cpu(const std::vector<at::Tensor>& read_write,
+                      const std::vector<at::Tensor>& read_only) {
+  TORCH_CHECK(!read_write.empty(), "fastllm.stream_probe: needs at least one read_write tensor");
+  const int64_t n = read_write[0].numel();
+  std::vector<float*> rw;
+  std::vector<const float*> ro;
+  for (const auto& t : read_write) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.numel() == n,
+                "fastllm.stream_probe: tensors must be contiguous fp32 CPU tensors of one size");
+    rw.push_back(t.data_ptr<float>());
+  }
+  for (const auto& t : read_only) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.numel() == n,
+                "fastllm.stream_probe: tensors must be contiguous fp32 CPU tensors of one size");
+    ro.push_back(t.data_ptr<float>());
+  }
+  constexpr int64_t kChunk = 1 << 16;
+  at::parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+      for (float* a : rw) {
+        const float* b = ro.empty() ? a : ro[0];
+#pragma omp simd
+        for (int64_t i = begin; i < end; ++i) a[i] = a[i] * 0.5f + b[i];
+      }
+      for (size_t k = 1; k < ro.size(); ++k) {
+        const float* b = ro[k];
+        float* a = rw[0];
+#pragma omp simd
+        for (int64_t i = begin; i < end; ++i) a[i] += b[i];
+      }
+    }
+  });
+}
+
+}  // namespace fastllm
