@@ -32,6 +32,21 @@ void stream_probe_cpu(const std::vector<at::Tensor>& read_write,
   at::parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
       const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+      if (rw.size() == 3 && ro.size() == 1) {
+        // An optimizer step's pattern, all four streams in one loop as the fused kernels do.
+        float* __restrict a0 = rw[0];
+        float* __restrict a1 = rw[1];
+        float* __restrict a2 = rw[2];
+        const float* __restrict b = ro[0];
+#pragma omp simd
+        for (int64_t i = begin; i < end; ++i) {
+          const float g = b[i];
+          a0[i] = a0[i] * 0.5f + g;
+          a1[i] = a1[i] * 0.5f + g;
+          a2[i] = a2[i] * 0.5f + g;
+        }
+        continue;
+      }
       for (float* a : rw) {
         const float* b = ro.empty() ? a : ro[0];
 #pragma omp simd
