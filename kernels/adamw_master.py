@@ -146,6 +146,12 @@ def adamw_master_step_triton(
     weight_decay, maximize, stochastic_rounding, seed, grad_scale, clip_coef, found_inf,
 ):
     """Launch one kernel per non-empty tensor; the contract of fastllm.ops.adamw_master_step."""
+    if params:
+        # The kernel reads the scalars through pointers: they must live where the params do.
+        device = params[0].device
+        grad_scale, clip_coef, found_inf = (
+            t.to(device) if t is not None and t.device != device else t
+            for t in (grad_scale, clip_coef, found_inf))
     block = _block_size()
     for i, p in enumerate(params):
         n = p.numel()

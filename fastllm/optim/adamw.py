@@ -322,6 +322,10 @@ class AdamW(torch.optim.Optimizer):
             step = state.get("step")
             if step is not None and not isinstance(step, torch.Tensor):
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            elif step is not None and step.device.type != "cpu":
+                # torch's fused/capturable AdamW keeps steps on the param's device; fastllm's
+                # kernels take the bias corrections from CPU steps (no device sync per tensor).
+                state["step"] = step.detach().to("cpu", torch.float32)
         # torch casts every floating state tensor to its param's dtype on load; the fp32 masters
         # and moments of low-precision params are put back as saved, bit for bit.
         saved_ids = [pid for g in saved_groups for pid in g["params"]]
