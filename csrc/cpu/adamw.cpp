@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "fastllm.h"
+#include "tensor_checks.h"
 
 namespace fastllm {
 namespace {
@@ -117,24 +118,6 @@ void dispatch_flags(bool a, bool b, bool c, F&& f) {
   a ? with_b(std::true_type{}) : with_b(std::false_type{});
 }
 
-void check_list(const std::vector<at::Tensor>& list, const char* name,
-                const std::vector<at::Tensor>& params) {
-  TORCH_CHECK(list.size() == params.size(), "fastllm.adamw_step: ", name, " has ", list.size(),
-              " tensors but params has ", params.size());
-  for (const auto i : c10::irange(params.size())) {
-    const auto& t = list[i];
-    TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided,
-                "fastllm.adamw_step (cpu): ", name, "[", i, "] must be a dense CPU tensor");
-    TORCH_CHECK(t.scalar_type() == params[i].scalar_type(), "fastllm.adamw_step: ", name, "[",
-                i, "] has dtype ", t.scalar_type(), " but params[", i, "] has ",
-                params[i].scalar_type());
-    TORCH_CHECK(t.numel() == params[i].numel(), "fastllm.adamw_step: ", name, "[", i,
-                "] has ", t.numel(), " elements but params[", i, "] has ", params[i].numel());
-    TORCH_CHECK(t.is_contiguous(), "fastllm.adamw_step: ", name, "[", i,
-                "] must be contiguous");
-  }
-}
-
 }  // namespace
 
 void adamw_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -146,11 +129,14 @@ void adamw_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at:
                     const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf) {
   if (params.empty()) return;
-  check_list(params, "params", params);
-  check_list(grads, "grads", params);
-  check_list(exp_avgs, "exp_avgs", params);
-  check_list(exp_avg_sqs, "exp_avg_sqs", params);
-  if (amsgrad) check_list(max_exp_avg_sqs, "max_exp_avg_sqs", params);
+  const auto check = [&](const std::vector<at::Tensor>& list, const char* name) {
+    check_tensor_list("fastllm.adamw_step (cpu)", list, name, params, at::Device(at::kCPU));
+  };
+  check(params, "params");
+  check(grads, "grads");
+  check(exp_avgs, "exp_avgs");
+  check(exp_avg_sqs, "exp_avg_sqs");
+  if (amsgrad) check(max_exp_avg_sqs, "max_exp_avg_sqs");
   TORCH_CHECK(steps.size() == params.size(), "fastllm.adamw_step: steps has ", steps.size(),
               " tensors but params has ", params.size());
   const auto dtype = params[0].scalar_type();

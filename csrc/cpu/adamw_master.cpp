@@ -29,6 +29,7 @@
 
 #include "cpu/low_precision.h"
 #include "fastllm.h"
+#include "tensor_checks.h"
 
 namespace fastllm {
 namespace {
@@ -139,23 +140,6 @@ void dispatch_bool(bool flag, F&& f) {
   flag ? f(std::true_type{}) : f(std::false_type{});
 }
 
-void check_list(const std::vector<at::Tensor>& list, const char* name,
-                const std::vector<at::Tensor>& params, at::ScalarType dtype) {
-  TORCH_CHECK(list.size() == params.size(), "fastllm.adamw_master_step: ", name, " has ",
-              list.size(), " tensors but params has ", params.size());
-  for (const auto i : c10::irange(params.size())) {
-    const auto& t = list[i];
-    TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided,
-                "fastllm.adamw_master_step (cpu): ", name, "[", i, "] must be a dense CPU tensor");
-    TORCH_CHECK(t.scalar_type() == dtype, "fastllm.adamw_master_step: ", name, "[", i,
-                "] has dtype ", t.scalar_type(), ", expected ", dtype);
-    TORCH_CHECK(t.numel() == params[i].numel(), "fastllm.adamw_master_step: ", name, "[", i,
-                "] has ", t.numel(), " elements but params[", i, "] has ", params[i].numel());
-    TORCH_CHECK(t.is_contiguous(), "fastllm.adamw_master_step: ", name, "[", i,
-                "] must be contiguous");
-  }
-}
-
 }  // namespace
 
 void adamw_master_step_cpu(const std::vector<at::Tensor>& params,
@@ -179,12 +163,16 @@ void adamw_master_step_cpu(const std::vector<at::Tensor>& params,
   TORCH_CHECK(!(master && kahan),
               "fastllm.adamw_master_step: kahan_comps is for pure low-precision training; "
               "pass either masters or kahan_comps, not both");
-  check_list(params, "params", params, dtype);
-  check_list(grads, "grads", params, dtype);
-  if (master) check_list(masters, "masters", params, at::kFloat);
-  check_list(exp_avgs, "exp_avgs", params, at::kFloat);
-  check_list(exp_avg_sqs, "exp_avg_sqs", params, at::kFloat);
-  if (kahan) check_list(kahan_comps, "kahan_comps", params, dtype);
+  const auto check = [&](const std::vector<at::Tensor>& list, const char* name,
+                         at::ScalarType expected) {
+    check_tensor_list("fastllm.adamw_master_step (cpu)", list, name, params, at::Device(at::kCPU), expected);
+  };
+  check(params, "params", dtype);
+  check(grads, "grads", dtype);
+  if (master) check(masters, "masters", at::kFloat);
+  check(exp_avgs, "exp_avgs", at::kFloat);
+  check(exp_avg_sqs, "exp_avg_sqs", at::kFloat);
+  if (kahan) check(kahan_comps, "kahan_comps", dtype);
   TORCH_CHECK(steps.size() == params.size(), "fastllm.adamw_master_step: steps has ",
               steps.size(), " tensors but params has ", params.size());
   if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;

@@ -29,6 +29,7 @@
 
 #include "cuda/multi_tensor_apply.cuh"
 #include "fastllm.h"
+#include "tensor_checks.h"
 
 namespace fastllm {
 namespace {
@@ -236,27 +237,6 @@ struct AdamWFunctor {
   }
 };
 
-void check_list(const std::vector<at::Tensor>& list, const char* name,
-                const std::vector<at::Tensor>& params) {
-  TORCH_CHECK(list.size() == params.size(), "fastllm.adamw_step: ", name, " has ", list.size(),
-              " tensors but params has ", params.size());
-  const auto device = params[0].device();
-  for (const auto i : c10::irange(params.size())) {
-    const auto& t = list[i];
-    TORCH_CHECK(t.is_cuda() && t.layout() == at::kStrided, "fastllm.adamw_step (cuda): ", name,
-                "[", i, "] must be a dense CUDA tensor, got one on ", t.device());
-    TORCH_CHECK(t.device() == device, "fastllm.adamw_step (cuda): ", name, "[", i, "] is on ",
-                t.device(), " but params[0] is on ", device);
-    TORCH_CHECK(t.scalar_type() == params[i].scalar_type(), "fastllm.adamw_step: ", name, "[",
-                i, "] has dtype ", t.scalar_type(), " but params[", i, "] has ",
-                params[i].scalar_type());
-    TORCH_CHECK(t.numel() == params[i].numel(), "fastllm.adamw_step: ", name, "[", i,
-                "] has ", t.numel(), " elements but params[", i, "] has ", params[i].numel());
-    TORCH_CHECK(t.is_contiguous(), "fastllm.adamw_step: ", name, "[", i,
-                "] must be contiguous");
-  }
-}
-
 // A one-element tensor for the kernel: nullptr when absent or on the CPU (the caller reads those
 // on the host), its address when on params' device.
 const void* device_scalar(const c10::optional<at::Tensor>& t, const char* name,
@@ -281,11 +261,16 @@ void adamw_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
                      const c10::optional<at::Tensor>& grad_scale,
                      const c10::optional<at::Tensor>& found_inf) {
   if (params.empty()) return;
-  check_list(params, "params", params);
-  check_list(grads, "grads", params);
-  check_list(exp_avgs, "exp_avgs", params);
-  check_list(exp_avg_sqs, "exp_avg_sqs", params);
-  if (amsgrad) check_list(max_exp_avg_sqs, "max_exp_avg_sqs", params);
+  TORCH_CHECK(params[0].is_cuda(), "fastllm.adamw_step (cuda): params[0] must be a CUDA tensor, "
+              "got one on ", params[0].device());
+  const auto check = [&](const std::vector<at::Tensor>& list, const char* name) {
+    check_tensor_list("fastllm.adamw_step (cuda)", list, name, params, params[0].device());
+  };
+  check(params, "params");
+  check(grads, "grads");
+  check(exp_avgs, "exp_avgs");
+  check(exp_avg_sqs, "exp_avg_sqs");
+  if (amsgrad) check(max_exp_avg_sqs, "max_exp_avg_sqs");
   TORCH_CHECK(steps.size() == params.size(), "fastllm.adamw_step: steps has ", steps.size(),
               " tensors but params has ", params.size());
   const auto device = params[0].device();

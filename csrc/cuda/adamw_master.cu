@@ -28,6 +28,7 @@
 
 #include "cuda/multi_tensor_apply.cuh"
 #include "fastllm.h"
+#include "tensor_checks.h"
 
 namespace fastllm {
 namespace {
@@ -183,25 +184,6 @@ struct SumSquaresFunctor {
   }
 };
 
-void check_list(const std::vector<at::Tensor>& list, const char* name,
-                const std::vector<at::Tensor>& params, at::ScalarType dtype) {
-  TORCH_CHECK(list.size() == params.size(), "fastllm.adamw_master_step: ", name, " has ",
-              list.size(), " tensors but params has ", params.size());
-  const auto device = params[0].device();
-  for (const auto i : c10::irange(params.size())) {
-    const auto& t = list[i];
-    TORCH_CHECK(t.is_cuda() && t.layout() == at::kStrided && t.device() == device,
-                "fastllm.adamw_master_step (cuda): ", name, "[", i,
-                "] must be a dense tensor on ", device);
-    TORCH_CHECK(t.scalar_type() == dtype, "fastllm.adamw_master_step: ", name, "[", i,
-                "] has dtype ", t.scalar_type(), ", expected ", dtype);
-    TORCH_CHECK(t.numel() == params[i].numel(), "fastllm.adamw_master_step: ", name, "[", i,
-                "] has ", t.numel(), " elements but params[", i, "] has ", params[i].numel());
-    TORCH_CHECK(t.is_contiguous(), "fastllm.adamw_master_step: ", name, "[", i,
-                "] must be contiguous");
-  }
-}
-
 // A one-element fp32 tensor for the kernel: nullptr when absent or on the CPU (read on the host),
 // its address when on params' device.
 const float* device_scalar(const c10::optional<at::Tensor>& t, const char* name,
@@ -243,12 +225,19 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
   const bool kahan = !kahan_comps.empty();
   TORCH_CHECK(!(master && kahan), "fastllm.adamw_master_step: pass either masters or "
               "kahan_comps, not both");
-  check_list(params, "params", params, dtype);
-  check_list(grads, "grads", params, dtype);
-  if (master) check_list(masters, "masters", params, at::kFloat);
-  check_list(exp_avgs, "exp_avgs", params, at::kFloat);
-  check_list(exp_avg_sqs, "exp_avg_sqs", params, at::kFloat);
-  if (kahan) check_list(kahan_comps, "kahan_comps", params, dtype);
+  TORCH_CHECK(params[0].is_cuda(), "fastllm.adamw_master_step (cuda): params[0] must be a CUDA "
+              "tensor, got one on ", params[0].device());
+  const auto check = [&](const std::vector<at::Tensor>& list, const char* name,
+                         at::ScalarType expected) {
+    check_tensor_list("fastllm.adamw_master_step (cuda)", list, name, params,
+                      params[0].device(), expected);
+  };
+  check(params, "params", dtype);
+  check(grads, "grads", dtype);
+  if (master) check(masters, "masters", at::kFloat);
+  check(exp_avgs, "exp_avgs", at::kFloat);
+  check(exp_avg_sqs, "exp_avg_sqs", at::kFloat);
+  if (kahan) check(kahan_comps, "kahan_comps", dtype);
   TORCH_CHECK(steps.size() == params.size(), "fastllm.adamw_master_step: steps has ",
               steps.size(), " tensors but params has ", params.size());
   const auto device = params[0].device();
