@@ -205,6 +205,6 @@ def plot(rows, path, title):
         ax.tick_params(labelsize=8)
         ax.set_xlabel("time per call (ms, lower is better)", fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -104,26 +104,27 @@ def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     if n == 0:
         return
     device = params[0].device
-    for i, p in enumerate(params):
-        for name, lst in (("params", params),) + tuple(
-            (k, v) for k, v in lists.items() if k != "steps"
-        ):
-            t = lst[i]
-            where = f"fastllm.adamw_step: {name}[{i}]"
-            if t.layout != torch.strided:
-                raise TypeError(f"{where} is {t.layout}; only dense tensors are supported")
-            if not t.dtype.is_floating_point:
-                raise TypeError(f"{where} has dtype {t.dtype}; AdamW needs floating point")
-            if t.device != device:
-                raise ValueError(f"{where} is on {t.device}, params[0] on {device}")
-            if t.dtype != p.dtype:
-                raise TypeError(f"{where} has dtype {t.dtype}, params[{i}] has {p.dtype}")
-            if t.shape != p.shape:
-                raise ValueError(
-                    f"{where} has shape {tuple(t.shape)}, params[{i}] has {tuple(p.shape)}"
-                )
-            if not t.is_contiguous():
-                raise ValueError(f"{where} is not contiguous; call .contiguous() first")
+    checked = [("params", params)] + [(k, v) for k, v in lists.items() if k != "steps"]
+    for name, lst in checked:
+        for i, (t, p) in enumerate(zip(lst, params)):
+            # One cheap test per tensor on the hot path; the diagnosis only when it fails.
+            if not (t.layout == torch.strided and t.device == device and t.dtype == p.dtype
+                    and t.dtype.is_floating_point and t.shape == p.shape and t.is_contiguous()):
+                _raise_bad_tensor(f"fastllm.adamw_step: {name}[{i}]", t, p, i, device)
+
+
+def _raise_bad_tensor(where, t, p, i, device):
+    if t.layout != torch.strided:
+        raise TypeError(f"{where} is {t.layout}; only dense tensors are supported")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{where} has dtype {t.dtype}; AdamW needs floating point")
+    if t.device != device:
+        raise ValueError(f"{where} is on {t.device}, params[0] on {device}")
+    if t.dtype != p.dtype:
+        raise TypeError(f"{where} has dtype {t.dtype}, params[{i}] has {p.dtype}")
+    if t.shape != p.shape:
+        raise ValueError(f"{where} has shape {tuple(t.shape)}, params[{i}] has {tuple(p.shape)}")
+    raise ValueError(f"{where} is not contiguous; call .contiguous() first")
 
 
 def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,

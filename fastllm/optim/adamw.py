@@ -445,13 +445,15 @@ class AdamW(torch.optim.Optimizer):
                     continue
                 kind = self._kind(p)
                 state = self._init_state(p, group, kind)
-                state["step"] += 1
                 lists = buckets.setdefault((p.device, p.dtype, kind), ([], [], [], [], [], []))
                 extra = (state.get("max_exp_avg_sq") if kind == "plain"
                          else state.get("master_param", state.get("kahan_comp")))
                 for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                           extra, state["step"])):
                     lst.append(t)
+            group_steps = [t for lists in buckets.values() for t in lists[5]]
+            if group_steps:
+                torch._foreach_add_(group_steps, 1.0)  # one call, not one tiny op per param
             beta1, beta2 = (_scalar(b, "beta") for b in group["betas"])
             lr = _scalar(group["lr"], "lr")
             for bi, ((device, _, kind), (ps, gs, ms, vs, extras, steps)) in enumerate(
