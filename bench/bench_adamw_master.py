@@ -116,18 +116,26 @@ def run(device="cpu", full=False, progress=print):
     rows = []
     for total, n_tensors in cases:
         size = f"{total / 2**20:g}M bf16 params / {n_tensors} tensors, scale+clip"
+        fns, kinds = {}, {}
         for name, kind, backend, make in _providers(device):
-            progress(f"adamw_master {size}: {name}")
-            params = _params(total, n_tensors, device)
+            params = _params(total, n_tensors, device)  # each provider updates its own copy
             with fastllm.use_backend(backend):
                 step = make(params)
-                timing = harness.measure(step, device=device)
+
+            def run_step(step=step, backend=backend):
+                with fastllm.use_backend(backend):
+                    step()
+
+            fns[name], kinds[name] = run_step, kind
+        progress(f"adamw_master {size}: {', '.join(fns)} (interleaved)")
+        for name, timing in harness.measure_many(fns, device=device).items():
+            kind = kinds[name]
             rows.append(dict(op="adamw_master", size=size, provider=name,
                              time_ms=timing.median_ms, bytes=total * BYTES_PER_PARAM[kind],
                              baseline="torch sequence",
                              note=f"floor {BYTES_PER_PARAM[kind]} B/param"))
-            del step, params
-            gc.collect()
+        del fns
+        gc.collect()
     return rows
 
 

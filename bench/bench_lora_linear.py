@@ -114,18 +114,26 @@ def run(device="cpu", full=False, progress=print):
         g = torch.randn(m, n, device=device, dtype=dtype)
         # matmul flops: forward x W^T, backward dY W (2 m n k each); LoRA adds O(r) terms
         flops = 4 * m * n * k
-        times, saved = {}, {}
+        saved, fns = {}, {}
         for name, layer in layers.items():
             provider = fastllm_name if name == "fastllm" else name
-            progress(f"lora_linear {size}: {provider}")
             layer.train()
-            with fastllm.use_backend(backend if name == "fastllm" else None):
-                timing = harness.measure(_step(layer, x, g), device=device, min_reps=5)
+            step = _step(layer, x, g)
+            chosen = backend if name == "fastllm" else None
+
+            def run_step(step=step, chosen=chosen):
+                with fastllm.use_backend(chosen):
+                    step()
+
+            fns[provider] = run_step
+            with fastllm.use_backend(chosen):
                 saved[provider] = _saved_bytes(layer, x) if name != "torch frozen linear" else 0
-            times[provider] = timing.median_ms
-            rows.append(dict(op="lora_linear", size=size, provider=provider,
-                             time_ms=timing.median_ms, flops=flops,
-                             baseline="torch frozen linear"))
+        progress(f"lora_linear {size}: {', '.join(fns)} (interleaved)")
+        timings = harness.measure_many(fns, device=device, min_reps=5, min_time_s=2.0)
+        times = {provider: t.median_ms for provider, t in timings.items()}
+        for provider, ms in times.items():
+            rows.append(dict(op="lora_linear", size=size, provider=provider, time_ms=ms,
+                             flops=flops, baseline="torch frozen linear"))
         for row in rows[-len(layers):]:
             notes = [f"saved activations {saved[row['provider']] / 2**20:.2f} MiB"]
             if "peft" in times and row["provider"] != "peft":
