@@ -15,43 +15,7 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
-
-
-@triton.jit
-def _round_nearest(x, dtype: tl.constexpr):
-    """fp32 -> dtype, round to nearest even. bf16 is rounded with bit operations first: the
-    interpreter's fp32 -> bf16 cast truncates; the final cast is then exact everywhere."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(dtype)
-
-
-@triton.jit
-def _round_stochastic(x, random, dtype: tl.constexpr):
-    """fp32 -> dtype, rounding up with probability equal to the fraction dropped (random: uint32).
-    bf16: add 16 random bits below bf16's last bit and truncate. fp16: choose between the two
-    neighbours lo <= |x| < hi with probability (|x| - lo) / (hi - lo), compared exactly in fp32
-    against 24 random bits; nan and values that round to inf keep round-to-nearest's result."""
-    if dtype == tl.bfloat16:
-        bits = (x.to(tl.uint32, bitcast=True) + (random & 0xFFFF)) & 0xFFFF0000
-        out = tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(dtype)
-    else:
-        rn = x.to(tl.float16)
-        bits = rn.to(tl.uint16, bitcast=True).to(tl.uint32)
-        ax = tl.abs(x)
-        arn = tl.abs(rn.to(tl.float32))
-        below = arn < ax
-        other = tl.where(below, bits + 1, bits - 1).to(tl.uint16).to(tl.float16, bitcast=True)
-        lo = tl.where(below, rn, other)
-        hi = tl.where(below, other, rn)
-        alo = tl.abs(lo.to(tl.float32))
-        ulp = tl.abs(hi.to(tl.float32)) - alo
-        up = (random >> 8).to(tl.float32) * ulp < (ax - alo) * 16777216.0
-        keep = (arn == ax) | (arn == float("inf")) | (x != x)
-        out = tl.where(keep, rn, tl.where(up, hi, lo))
-    return out
+from fastllm.kernels.rounding import round_nearest, round_stochastic
 
 
 @triton.jit
@@ -115,13 +79,13 @@ def _adamw_master_kernel(
 
     if SR:
         random = tl.randint(seed, offsets.to(tl.uint32))
-        p_new = _round_stochastic(x, random, param_ptr.dtype.element_ty)
+        p_new = round_stochastic(x, random, param_ptr.dtype.element_ty)
     else:
-        p_new = _round_nearest(x, param_ptr.dtype.element_ty)
+        p_new = round_nearest(x, param_ptr.dtype.element_ty)
     if MASTER:
         tl.store(master_ptr + offsets, x, mask=mask)
     if KAHAN:
-        comp = _round_nearest(x - p_new.to(tl.float32), comp_ptr.dtype.element_ty)
+        comp = round_nearest(x - p_new.to(tl.float32), comp_ptr.dtype.element_ty)
         tl.store(comp_ptr + offsets, comp, mask=mask)
     tl.store(param_ptr + offsets, p_new, mask=mask)
     tl.store(exp_avg_ptr + offsets, m, mask=mask)

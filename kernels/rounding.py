@@ -1,4 +1,4 @@
-"""Rounding helpers shared by the Triton kernels.
+"""Rounding helpers shared by the Triton kernels: fp32 to bf16/fp16, to nearest or stochastically.
 
 `fp32_to_bf16_rne` rounds fp32 to bf16 to nearest-even with integer arithmetic. A plain
 `.to(tl.bfloat16)` does the same on a GPU, but Triton's CPU interpreter truncates instead, which
@@ -20,9 +20,40 @@ def fp32_to_bf16_rne(x):
 
 
 @triton.jit
+def round_nearest(x, dtype: tl.constexpr):
+    """fp32 -> dtype, rounded to nearest-even on the GPU and in the interpreter alike."""
+    if dtype == tl.bfloat16:
+        return fp32_to_bf16_rne(x)
+    return x.to(dtype)
+
+
+@triton.jit
 def store_rounded(ptr, offsets, x, mask):
     """Store fp32 `x` into `ptr`'s element type, rounding to nearest-even."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(ptr + offsets, fp32_to_bf16_rne(x), mask=mask)
+    tl.store(ptr + offsets, round_nearest(x, ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def round_stochastic(x, random, dtype: tl.constexpr):
+    """fp32 -> dtype, rounding up with probability equal to the fraction dropped (random: uint32).
+    bf16: add 16 random bits below bf16's last bit and truncate. fp16: choose between the two
+    neighbours lo <= |x| < hi with probability (|x| - lo) / (hi - lo), compared exactly in fp32
+    against 24 random bits; nan and values that round to inf keep round-to-nearest's result."""
+    if dtype == tl.bfloat16:
+        bits = (x.to(tl.uint32, bitcast=True) + (random & 0xFFFF)) & 0xFFFF0000
+        out = tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(dtype)
     else:
-        tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
+        rn = x.to(tl.float16)
+        bits = rn.to(tl.uint16, bitcast=True).to(tl.uint32)
+        ax = tl.abs(x)
+        arn = tl.abs(rn.to(tl.float32))
+        below = arn < ax
+        other = tl.where(below, bits + 1, bits - 1).to(tl.uint16).to(tl.float16, bitcast=True)
+        lo = tl.where(below, rn, other)
+        hi = tl.where(below, other, rn)
+        alo = tl.abs(lo.to(tl.float32))
+        ulp = tl.abs(hi.to(tl.float32)) - alo
+        up = (random >> 8).to(tl.float32) * ulp < (ax - alo) * 16777216.0
+        keep = (arn == ax) | (arn == float("inf")) | (x != x)
+        out = tl.where(keep, rn, tl.where(up, hi, lo))
+    return out
