@@ -87,7 +87,6 @@ setup(
     cmdclass=cmdclass,
     install_requires=["torch>=2.6", "triton>=3.2; platform_system == 'Linux'", "ninja", "pybind11"],
     extras_require={
-        "triton": ["triton>=3.2"],
         "test": ["pytest", "pytest-benchmark", "numpy", "peft", "transformers", "safetensors"],
         "bench": ["matplotlib", "deepspeed", "peft"],
         "lora": ["safetensors"],  # fastllm.lora.save_adapter / load_adapter
