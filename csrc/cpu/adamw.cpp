@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "fastllm.h"
+#include "static_dispatch.h"
 #include "tensor_checks.h"
 
 namespace fastllm {
@@ -110,17 +111,6 @@ void adamw_tensors(const std::vector<at::Tensor>& params, const std::vector<at::
   });
 }
 
-// Calls f(std::bool_constant<A>, std::bool_constant<B>, std::bool_constant<C>) for the runtime
-// flags, so each combination gets its own branch-free inner loop.
-template <typename F>
-void dispatch_flags(bool a, bool b, bool c, F&& f) {
-  auto with_c = [&](auto av, auto bv) {
-    c ? f(av, bv, std::true_type{}) : f(av, bv, std::false_type{});
-  };
-  auto with_b = [&](auto av) { b ? with_c(av, std::true_type{}) : with_c(av, std::false_type{}); };
-  a ? with_b(std::true_type{}) : with_b(std::false_type{});
-}
-
 }  // namespace
 
 void adamw_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -163,9 +153,13 @@ void adamw_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at:
                     opmath_t(1.0 - beta2), opmath_t(-lr / bc1), opmath_t(1.0 / std::sqrt(bc2)),
                     opmath_t(eps), opmath_t(inv_scale)};
     }
-    dispatch_flags(amsgrad, maximize, grad_scale.has_value(), [&](auto a, auto m, auto sc) {
-      adamw_tensors<scalar_t, decltype(a)::value, decltype(m)::value, decltype(sc)::value>(
-          params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars);
+    dispatch_bool(amsgrad, [&](auto a) {
+      dispatch_bool(maximize, [&](auto m) {
+        dispatch_bool(grad_scale.has_value(), [&](auto sc) {
+          adamw_tensors<scalar_t, decltype(a)::value, decltype(m)::value, decltype(sc)::value>(
+              params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars);
+        });
+      });
     });
   });
 }

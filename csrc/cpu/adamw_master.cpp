@@ -29,6 +29,7 @@
 
 #include "cpu/low_precision.h"
 #include "fastllm.h"
+#include "static_dispatch.h"
 #include "tensor_checks.h"
 
 namespace fastllm {
@@ -133,11 +134,6 @@ void adamw_master_tensors(const std::vector<at::Tensor>& params,
           ch.begin, ch.end - ch.begin, scalars[t]);
     }
   });
-}
-
-template <typename F>
-void dispatch_bool(bool flag, F&& f) {
-  flag ? f(std::true_type{}) : f(std::false_type{});
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 
 #include "cuda/multi_tensor_apply.cuh"
 #include "fastllm.h"
+#include "static_dispatch.h"
 #include "tensor_checks.h"
 
 namespace fastllm {
@@ -196,11 +197,6 @@ const float* device_scalar(const c10::optional<at::Tensor>& t, const char* name,
               "fastllm.adamw_master_step (cuda): ", name, " must be an fp32 tensor on ", device,
               " or on the CPU; got ", t->scalar_type(), " on ", t->device());
   return t->data_ptr<float>();
-}
-
-template <typename F>
-void dispatch_bool(bool flag, F&& f) {
-  flag ? f(std::true_type{}) : f(std::false_type{});
 }
 
 }  // namespace
