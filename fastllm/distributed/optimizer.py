@@ -1,0 +1,621 @@
+"""fastllm.distributed.DistributedOptimizer: ZeRO-1/2 over contiguous flat gradient buckets.
+
+Layout (Megatron-LM's distributed optimizer, written here for torch.distributed):
+    - The trainable params, in reverse registration order (about the order backward produces
+      their grads), are cut into buckets of at most bucket_cap_mb, one dtype per bucket. Each
+      bucket owns a flat param buffer and a flat grad buffer of `padded` elements (numel rounded
+      up to a multiple of the world size W); every param becomes a view into the param buffer.
+    - Rank r owns elements [r * padded / W, (r + 1) * padded / W) of every bucket: each rank
+      holds exactly the same number of elements (the pad, fewer than W per bucket, included),
+      independent of tensor boundaries (ZeroRedundancyOptimizer assigns whole tensors).
+    - A post-accumulate-grad hook per param counts the bucket's grads; when a bucket is complete
+      (and all earlier buckets have been launched, so every rank issues collectives in the same
+      order) its all-reduce (stage 1) or reduce-scatter (stage 2) starts asynchronously, while
+      backward continues. `step()` waits only for what is still in flight.
+    - The optimizer (optimizer_class, default fastllm.optim.AdamW) runs over one flat shard per
+      bucket: one fused pass each. For bf16/fp16 params the shard it updates is an fp32 master
+      copy and grads are reduced in fp32; the params are rewritten from the masters by
+      fastllm::scaled_copy. Updated shards are all-gathered bucket by bucket, either at once or
+      (overlap_param_gather) waited for by a forward pre-hook of the module that uses them.
+
+Where a grad cannot be a view of its bucket (fp32 reduction of bf16 grads, or a grad that a user
+replaced), it is packed into the bucket by fastllm::scaled_copy when its hook fires.
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from fastllm.distributed import failure
+from fastllm.ops.l2norm import l2norm
+from fastllm.ops.scaled_copy import scaled_copy
+
+__all__ = ["DistributedOptimizer"]
+
+# torch 2.13 renamed the flat collectives; older versions only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class _Bucket:
+    """One flat bucket: params (views into `param_flat`), their grads, this rank's shard."""
+
+    def __init__(self, index, params, names, dtype, grad_dtype, world, rank, device):
+        self.index = index
+        self.params = params
+        self.names = names
+        self.dtype = dtype
+        self.offsets = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel += p.numel()
+        self.numel = numel
+        self.padded = -(-numel // world) * world
+        self.shard_size = self.padded // world
+        self.lo = rank * self.shard_size
+        self.hi = self.lo + self.shard_size
+        self.param_flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.grad_flat = torch.zeros(self.padded, dtype=grad_dtype, device=device)
+        for p, off in zip(params, self.offsets):
+            self.param_flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.param_flat[off:off + p.numel()].view_as(p)
+        self.grad_views = [self.grad_flat[off:off + p.numel()].view_as(p)
+                           for p, off in zip(params, self.offsets)]
+        self.views_are_grads = grad_dtype == dtype
+        self.ready = set()
+        self.work = None
+        self.launched = False
+        self.gather_work = None
+        self.shard_grad = None  # the reduced (summed) grad of this rank's shard once launched
+
+    def overlaps(self, i):
+        """(param index i's element range inside this rank's shard) as (lo, hi) in param
+        coordinates and the shard offset, or None."""
+        off, n = self.offsets[i], self.params[i].numel()
+        a, b = max(off, self.lo), min(off + n, self.hi)
+        if a >= b:
+            return None
+        return a - off, b - off, a - self.lo
+
+
+class DistributedOptimizer:
+    """ZeRO-1/2 data parallel training with one fused optimizer pass per rank's flat shard.
+
+    Args:
+        model: the nn.Module, identical on every rank (checked at construction: the error names
+            the first parameter whose name, shape or dtype differs).
+        optimizer_class: runs the update on the flat shards (default fastllm.optim.AdamW; any
+            torch.optim.Optimizer taking a list of tensors works, e.g. torch.optim.AdamW).
+        stage: 1 (grads all-reduced, each rank updates its shard) or 2 (grads reduce-scattered:
+            each rank receives only its shard's grads; p.grad keeps the local, unreduced grad).
+        process_group: the data-parallel group (None: the default group).
+        bucket_cap_mb: bucket size limit in MiB of param dtype.
+        overlap_grad_reduce: start each bucket's reduction from the grad hooks during backward
+            (False: all at step()).
+        overlap_param_gather: after step(), all-gather asynchronously and let the next forward
+            wait per module (False: wait at the end of step()).
+        timeout: seconds or timedelta; a collective that does not finish in time raises
+            fastllm.distributed.DistributedFailure naming the rank that failed.
+        **optimizer_kwargs: passed to optimizer_class (lr, betas, weight_decay, ...), except
+            max_grad_norm (clip by the global norm over all ranks), loss_scaler (a
+            fastllm.amp.LossScaler: grads are unscaled and inf/nan steps skipped on every rank
+            together) and master_weights (always on for bf16/fp16 params), applied here.
+
+    `optimizer.grad_norm`, `step_skipped`, `skipped_steps` are as in fastllm.optim.AdamW; the
+    inner optimizer is `self.optimizer` (wrap it in an LR scheduler). One param group: every
+    trainable param gets the same hyperparameters.
+
+    Grads: between zero_grad() and step() each p.grad is a view of its bucket (bf16/fp16 params:
+    a grad of their own, packed into the fp32 bucket when it is complete). After the reduction
+    the bucket holds the sum over ranks (stage 1) or still the local grads (stage 2); read
+    `grad_norm` rather than p.grad after step(). Params unused in a step get a zero grad (they are
+    still decayed), as under DDP. After step() the params are being all-gathered: the next
+    forward (overlap_param_gather) or model.state_dict() waits for them; call
+    finish_param_sync() before reading them any other way.
+    """
+
+    def __init__(self, model, optimizer_class=None, stage=2, process_group=None,
+                 bucket_cap_mb=25, overlap_grad_reduce=True, overlap_param_gather=True,
+                 timeout=None, **optimizer_kwargs):
+        if optimizer_class is None:
+            from fastllm.optim import AdamW as optimizer_class
+        if stage not in (1, 2):
+            raise ValueError(f"fastllm.distributed.DistributedOptimizer: stage must be 1 or 2, "
+                             f"got {stage!r}")
+        if not (bucket_cap_mb > 0):
+            raise ValueError(f"fastllm.distributed.DistributedOptimizer: bucket_cap_mb must be "
+                             f"> 0, got {bucket_cap_mb}")
+        if not dist.is_initialized():
+            raise RuntimeError("fastllm.distributed.DistributedOptimizer: call "
+                               "torch.distributed.init_process_group first")
+        if optimizer_kwargs.get("master_weights") is False and any(
+                p.dtype in _LOW_PRECISION for p in model.parameters()):
+            raise ValueError("fastllm.distributed.DistributedOptimizer: bf16/fp16 params always "
+                             "get fp32 master weights here; master_weights=False is not supported")
+        for key in ("stochastic_rounding", "kahan_summation"):
+            if optimizer_kwargs.get(key):
+                raise NotImplementedError(f"fastllm.distributed.DistributedOptimizer: {key} is "
+                                          f"not supported (shards keep fp32 master weights)")
+        self.stage = stage
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.timeout = timeout
+        self.overlap_grad_reduce = bool(overlap_grad_reduce)
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self.max_grad_norm = optimizer_kwargs.pop("max_grad_norm", None)
+        self.loss_scaler = optimizer_kwargs.pop("loss_scaler", None)
+        optimizer_kwargs.pop("master_weights", None)
+        if self.max_grad_norm is not None:
+            self.max_grad_norm = float(self.max_grad_norm)
+            if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+                raise ValueError(f"fastllm.distributed.DistributedOptimizer: max_grad_norm must "
+                                 f"be finite and > 0, got {self.max_grad_norm}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("fastllm.distributed.DistributedOptimizer: the model has no "
+                             "parameters that require grad")
+        self._check_same_model(named)
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.grad_norm = None
+        self.step_skipped = False
+        self.skipped_steps = 0
+        self._sync = True
+        self._gathers_pending = False
+
+        self.buckets = self._make_buckets(named, bucket_cap_mb)
+        self._where = {}  # id(param) -> (bucket, index in bucket)
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+        shard_params = []
+        for b in self.buckets:
+            shard = b.param_flat[b.lo:b.hi]
+            if b.dtype in _LOW_PRECISION:
+                b.shard_param = shard.float()  # the fp32 master of this rank's shard
+            else:
+                b.shard_param = shard  # a view: the update lands in the params directly
+            shard_params.append(b.shard_param)
+        self.optimizer = optimizer_class(shard_params, **optimizer_kwargs)
+        self._attach_grads()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                       for p in self.params]
+        # Reading the params (state_dict) must not race with an all-gather still in flight.
+        self._state_dict_hook = model.register_state_dict_pre_hook(
+            lambda *args, **kwargs: self.finish_param_sync())
+        self._forward_hooks = []
+        if self.overlap_param_gather:
+            for module in model.modules():
+                own = [p for p in module.parameters(recurse=False) if id(p) in self._where]
+                if own:
+                    buckets = sorted({self._where[id(p)][0].index for p in own})
+                    self._forward_hooks.append(module.register_forward_pre_hook(
+                        self._make_gather_waiter([self.buckets[i] for i in buckets])))
+
+    # construction ------------------------------------------------------------------------------
+    def _check_same_model(self, named):
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for r, theirs in enumerate(everyone):
+            if theirs == mine:
+                continue
+            for i, (a, b) in enumerate(zip(mine, theirs)):
+                if a != b:
+                    raise ValueError(
+                        f"fastllm.distributed.DistributedOptimizer: the models differ across "
+                        f"ranks: parameter {i} is {a[0]} {a[1]} {a[2]} on rank {self.rank} but "
+                        f"{b[0]} {b[1]} {b[2]} on rank {r}")
+            longer = mine if len(mine) > len(theirs) else theirs
+            extra = longer[min(len(mine), len(theirs))][0]
+            raise ValueError(f"fastllm.distributed.DistributedOptimizer: the models differ "
+                             f"across ranks: rank {self.rank} has {len(mine)} trainable "
+                             f"parameters, rank {r} has {len(theirs)} (first extra: {extra})")
+
+    def _make_buckets(self, named, bucket_cap_mb):
+        cap_bytes = bucket_cap_mb * 1024 * 1024
+        open_buckets, done = {}, []
+        for name, p in reversed(named):
+            key = (p.dtype, p.device)
+            cur = open_buckets.setdefault(key, ([], [], 0))
+            size = p.numel() * p.element_size()
+            if cur[0] and cur[2] + size > cap_bytes:
+                done.append((key, cur))
+                cur = ([], [], 0)
+            cur[0].append(p)
+            cur[1].append(name)
+            open_buckets[key] = (cur[0], cur[1], cur[2] + size)
+        done.extend(open_buckets.items())
+        # Order buckets by the position of their first param in reverse registration order, so
+        # they are launched in about the order backward completes them.
+        order = {id(p): i for i, (_, p) in enumerate(reversed(named))}
+        done.sort(key=lambda kv: order[id(kv[1][0][0])])
+        buckets = []
+        for i, ((dtype, device), (params, names, _)) in enumerate(done):
+            grad_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
+            buckets.append(_Bucket(i, params, names, dtype, grad_dtype, self.world, self.rank,
+                                   device))
+        return buckets
+
+    def _attach_grads(self):
+        for b in self.buckets:
+            for p, view in zip(b.params, b.grad_views):
+                p.grad = view if b.views_are_grads else None
+
+    # backward ----------------------------------------------------------------------------------
+    def _grad_ready(self, p):
+        if not self._sync:
+            return
+        b, i = self._where[id(p)]
+        if b.launched:
+            # This grad was just added into a bucket whose reduction is already in flight.
+            raise RuntimeError(
+                "fastllm.distributed.DistributedOptimizer: a second backward reached "
+                f"{b.names[i]} before step(); accumulate gradients inside optimizer.no_sync() "
+                "and call backward outside it only for the last micro-batch")
+        if p.grad is not None and p.grad.data_ptr() != b.grad_views[i].data_ptr():
+            self._pack(b, i, p)
+        b.ready.add(i)
+        if len(b.ready) == len(b.params) and self.overlap_grad_reduce:
+            self._launch_ready()
+
+    def _launch_ready(self, force=False):
+        """Launch buckets in index order: every rank issues collectives in the same order."""
+        for b in self.buckets:
+            if b.launched:
+                continue
+            if not force and len(b.ready) < len(b.params):
+                return
+            self._launch(b)
+
+    def _launch(self, b):
+        if self.stage == 1:
+            b.work = dist.all_reduce(b.grad_flat, group=self.group, async_op=True)
+            b.shard_grad = b.grad_flat[b.lo:b.hi]
+        else:
+            b.shard_grad = torch.empty(b.shard_size, dtype=b.grad_flat.dtype,
+                                       device=b.grad_flat.device)
+            b.work = _reduce_scatter(b.shard_grad, b.grad_flat, group=self.group,
+                                                async_op=True)
+        b.launched = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate grads without reducing them (gradient accumulation); the backward after
+        the block reduces the sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_grad_sync(self):
+        """Launch what backward did not (buckets with unused params, overlap off) and wait."""
+        for b in self.buckets:  # grads that arrived while hooks were off (no_sync, set by hand)
+            if b.launched:
+                continue
+            for i, p in enumerate(b.params):
+                if p.grad is not None and p.grad.data_ptr() != b.grad_views[i].data_ptr():
+                    self._pack(b, i, p)
+        self._launch_ready(force=True)
+        for b in self.buckets:
+            if b.work is not None:
+                failure.wait(b.work, f"gradient reduction of bucket {b.index}", self.timeout)
+                b.work = None
+
+    def _pack(self, b, i, p):
+        """A grad that is not a view of its bucket (fp32 reduction of a bf16 grad, or a .grad
+        someone replaced) is copied in; the bucket view becomes the grad where dtypes allow."""
+        scaled_copy([b.grad_views[i]], [p.grad.detach().contiguous()], 1.0)
+        p.grad = b.grad_views[i] if b.views_are_grads else None
+
+    # step --------------------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce the grads still in flight, update this rank's shard, all-gather the params.
+        Returns closure's loss, if any."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._finish_param_gather()
+        self.finish_grad_sync()
+        scale = None if self.loss_scaler is None else self.loss_scaler.scale_tensor()
+        factor = 1.0 / self.world
+        coef = None
+        needs_norm = (self.max_grad_norm is not None or self.loss_scaler is not None
+                      or any(b.dtype in _LOW_PRECISION for b in self.buckets))
+        if needs_norm:
+            # One pass over the local shard grads, one tiny all-reduce: every rank sees the same
+            # global norm, so clipping and the inf/nan skip are decided identically everywhere.
+            sq = l2norm([b.shard_grad for b in self.buckets]).square()
+            work = dist.all_reduce(sq, group=self.group, async_op=True)
+            failure.wait(work, "grad-norm all-reduce", self.timeout)
+            norm = sq.sqrt() / self.world
+            if scale is not None:
+                norm = norm / scale.to(norm.device)
+            self.grad_norm = norm
+            if not bool(torch.isfinite(norm)):
+                self.step_skipped = True
+                self.skipped_steps += 1
+                if self.loss_scaler is not None:
+                    self.loss_scaler.update(found_inf=True)
+                self._reset_buckets()
+                return loss
+            if self.max_grad_norm is not None:
+                # torch.nn.utils.clip_grad_norm_'s coefficient (as fastllm.optim.AdamW).
+                coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        self.step_skipped = False
+        divisor = None
+        if scale is not None or coef is not None:
+            divisor = torch.ones((), dtype=torch.float32)
+            if scale is not None:
+                divisor = divisor * scale.float().cpu()
+            if coef is not None:
+                divisor = divisor / coef.float().cpu()
+        for b in self.buckets:
+            # The 1/W average, unscale and clip in one pass, into the grad the optimizer reads.
+            grad = b.shard_grad
+            if grad.dtype != b.shard_param.dtype:
+                grad = torch.empty_like(b.shard_param)
+            scaled_copy([grad], [b.shard_grad], factor, divisor)
+            b.shard_param.grad = grad
+        self.optimizer.step()
+        for b in self.buckets:
+            b.shard_param.grad = None
+            if b.shard_param.data_ptr() != b.param_flat[b.lo:b.hi].data_ptr():
+                scaled_copy([b.param_flat[b.lo:b.hi]], [b.shard_param], 1.0)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=False)
+        self._start_param_gather()
+        if not self.overlap_param_gather:
+            self._finish_param_gather()
+        self._reset_buckets()
+        return loss
+
+    def _reset_buckets(self):
+        for b in self.buckets:
+            b.ready.clear()
+            b.launched = False
+            b.shard_grad = None
+
+    def zero_grad(self, set_to_none=True):
+        """Zero the grad buckets (grads stay views of them; set_to_none is accepted for torch
+        compatibility and makes no difference)."""
+        for b in self.buckets:
+            if b.work is not None:  # a reduction launched by a backward nobody stepped on
+                failure.wait(b.work, f"gradient reduction of bucket {b.index}", self.timeout)
+                b.work = None
+            b.grad_flat.zero_()
+        self._reset_buckets()
+        self._attach_grads()
+
+    # param all-gather --------------------------------------------------------------------------
+    def _start_param_gather(self):
+        for b in self.buckets:
+            shard = b.param_flat[b.lo:b.hi].clone()
+            b.gather_work = _all_gather(b.param_flat, shard, group=self.group,
+                                                        async_op=True)
+        self._gathers_pending = True
+
+    def _wait_gather(self, b):
+        if b.gather_work is not None:
+            failure.wait(b.gather_work, f"parameter all-gather of bucket {b.index}", self.timeout)
+            b.gather_work = None
+
+    def finish_param_sync(self):
+        """Wait for the params' all-gather after step() (forward and model.state_dict() do this
+        themselves; call it before reading params any other way)."""
+        self._finish_param_gather()
+
+    def _finish_param_gather(self):
+        if self._gathers_pending:
+            for b in self.buckets:
+                self._wait_gather(b)
+            self._gathers_pending = False
+
+    def _make_gather_waiter(self, buckets):
+        def wait_for_params(module, args):
+            if self._gathers_pending:
+                for b in buckets:
+                    self._wait_gather(b)
+        return wait_for_params
+
+    # checkpoints -------------------------------------------------------------------------------
+    def _gather_flat(self, b, shard):
+        full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
+        work = _all_gather(full, shard.contiguous(), group=self.group,
+                                           async_op=True)
+        failure.wait(work, "state_dict all-gather", self.timeout)
+        return full
+
+    def state_dict(self):
+        """The consolidated state in single-process fastllm.optim.AdamW layout (collective: every
+        rank calls it and gets the same dict). Param index i is the i-th trainable param of
+        model.named_parameters(); bf16/fp16 params carry fp32 'master_param' as in
+        AdamW(master_weights=True). torch.optim.AdamW loads it too."""
+        self._finish_param_gather()
+        index = {id(p): i for i, p in enumerate(self.params)}
+        state = {}
+        for b in self.buckets:
+            inner = dict(self.optimizer.state.get(b.shard_param, {}))
+            if b.dtype in _LOW_PRECISION and inner:
+                inner["master_param"] = b.shard_param.detach()
+            fulls = {}
+            for key, value in inner.items():
+                if isinstance(value, torch.Tensor) and key != "step" and value.dim() > 0:
+                    fulls[key] = self._gather_flat(b, value.detach().reshape(-1))
+            for p, off in zip(b.params, b.offsets):
+                if not inner:
+                    continue
+                entry = {}
+                for key, value in inner.items():
+                    if key in fulls:
+                        entry[key] = fulls[key][off:off + p.numel()].view_as(p).clone()
+                    elif isinstance(value, torch.Tensor):
+                        entry[key] = value.detach().clone()
+                    else:
+                        entry[key] = value
+                state[index[id(p)]] = entry
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self.params)))
+        out = {"state": state, "param_groups": [group]}
+        if self.max_grad_norm is not None or self.loss_scaler is not None or any(
+                b.dtype in _LOW_PRECISION for b in self.buckets):
+            out["fastllm"] = {
+                "sr_seed": None, "skipped_steps": self.skipped_steps,
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            }
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Load a consolidated state (from state_dict() at any world size, or from a
+        single-process fastllm/torch AdamW over the same model); every rank calls it and keeps
+        its own slice. Validates everything before changing anything."""
+        groups = state_dict.get("param_groups", [])
+        saved = state_dict.get("state", {})
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
+            raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state_dict must hold "
+                             f"one param group of {len(self.params)} params, got "
+                             f"{[len(g['params']) for g in groups]}")
+        ids = groups[0]["params"]
+        for i, (pid, p) in enumerate(zip(ids, self.params)):
+            for key, value in saved.get(pid, {}).items():
+                if isinstance(value, torch.Tensor) and key != "step" and value.shape != p.shape:
+                    raise ValueError(f"fastllm.distributed.DistributedOptimizer: state '{key}' of "
+                                     f"{self.param_names[i]} has shape {tuple(value.shape)}, the "
+                                     f"parameter {tuple(p.shape)}")
+        self._finish_param_gather()
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for b in self.buckets:
+            entries = [saved.get(ids[index[id(p)]], {}) for p in b.params]
+            if not any(entries):
+                self.optimizer.state.pop(b.shard_param, None)
+                continue
+            keys = {k for e in entries for k, v in e.items()
+                    if isinstance(v, torch.Tensor) and k != "step"}
+            new = {}
+            for key in sorted(keys):
+                dtype = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
+                shard = torch.zeros(b.shard_size, dtype=dtype, device=b.param_flat.device)
+                for i, e in enumerate(entries):
+                    span = b.overlaps(i)
+                    if span is None:
+                        continue
+                    a, c, at = span
+                    if key in e:
+                        src = e[key].reshape(-1)[a:c]
+                    elif key == "master_param":
+                        src = b.params[i].detach().reshape(-1)[a:c]
+                    else:
+                        continue
+                    shard[at:at + c - a].copy_(src)
+                new[key] = shard
+            self._install(b, new, [float(e["step"]) for e in entries if "step" in e])
+        for key, value in groups[0].items():
+            if key != "params":
+                self.optimizer.param_groups[0][key] = value
+        extra = state_dict.get("fastllm")
+        if extra is not None:
+            self.skipped_steps = int(extra.get("skipped_steps", 0))
+            if extra.get("loss_scaler") is not None and self.loss_scaler is not None:
+                self.loss_scaler.load_state_dict(extra["loss_scaler"])
+
+    def _install(self, b, new, steps):
+        """Make `new` (state name -> flat shard) bucket b's optimizer state; a missing fp32
+        master is taken from the params."""
+        new["step"] = torch.tensor(max(steps) if steps else 0.0, dtype=torch.float32)
+        master = new.pop("master_param", None)
+        if b.dtype in _LOW_PRECISION:
+            if master is None:
+                master = b.param_flat[b.lo:b.hi].float()
+            b.shard_param.copy_(master)
+        self.optimizer.state[b.shard_param] = new
+
+    def load_sharded_state_dict(self, shards):
+        """Load the sharded_state_dict() of every rank of a run at any world size (a list of
+        them, or their "state" entries merged into one dict); each rank copies the ranges that
+        overlap its own slice. No collective. Raises, before changing anything, when a range
+        names an unknown parameter or a trainable parameter is not covered."""
+        shards = [shards] if isinstance(shards, dict) else list(shards)
+        ranges = {}
+        for sd in shards:
+            for key, st in sd["state"].items():
+                name, _, span = key.rpartition("[")
+                a, c = (int(v) for v in span.rstrip("]").split(":"))
+                ranges.setdefault(name, []).append((a, c, st))
+        numel = {n: p.numel() for n, p in zip(self.param_names, self.params)}
+        for name, spans in ranges.items():
+            if name not in numel:
+                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the sharded state "
+                                 f"holds {name!r}, which is not a trainable parameter here")
+        for name, n in numel.items():
+            covered = sum(c - a for a, c, _ in ranges.get(name, []))
+            if ranges and covered != n:
+                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the sharded state "
+                                 f"covers {covered} of the {n} elements of {name}")
+        self._finish_param_gather()
+        for b in self.buckets:
+            new, steps = {}, []
+            dtype = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
+            for i, name in enumerate(b.names):
+                span = b.overlaps(i)
+                if span is None:
+                    continue
+                a, c, at = span
+                for sa, sc, st in ranges.get(name, []):
+                    lo, hi = max(a, sa), min(c, sc)
+                    if lo >= hi:
+                        continue
+                    for key, value in st.items():
+                        if key == "step":
+                            steps.append(float(value))
+                        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                            dst = new.setdefault(key, torch.zeros(
+                                b.shard_size, dtype=dtype, device=b.param_flat.device))
+                            dst[at + lo - a:at + hi - a].copy_(value[lo - sa:hi - sa])
+            if new or steps:
+                self._install(b, new, steps)
+        group = shards[0].get("param_groups", [{}])[0] if shards else {}
+        for key, value in group.items():
+            if key != "params":
+                self.optimizer.param_groups[0][key] = value
+
+    def sharded_state_dict(self):
+        """This rank's slice only, keyed "<param name>[<first>:<end>]" (flat element range of that
+        param): {"state": {key: {state name: 1-D tensor}}, "param_groups": [...]}. No collective."""
+        out = {}
+        for b in self.buckets:
+            inner = dict(self.optimizer.state.get(b.shard_param, {}))
+            if b.dtype in _LOW_PRECISION and inner:
+                inner["master_param"] = b.shard_param.detach()
+            for i, name in enumerate(b.names):
+                span = b.overlaps(i)
+                if span is None or not inner:
+                    continue
+                a, c, at = span
+                out[f"{name}[{a}:{c}]"] = {
+                    k: (v[at:at + c - a].clone() if isinstance(v, torch.Tensor) and v.dim() > 0
+                        else v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in inner.items()}
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        return {"state": out, "param_groups": [group]}
+
+    def shard_numel(self):
+        """Elements of this rank's shards (the pad included): the size of its optimizer state
+        per state tensor."""
+        return sum(b.shard_size for b in self.buckets)
