@@ -1,0 +1,305 @@
+"""PowerSGD gradient compression with error feedback (Vogels et al. 2019, arXiv:1905.13727).
+
+    state = fastllm.distributed.PowerSGD(rank=4, start_iter=10)
+    ddp.register_comm_hook(state, fastllm.distributed.powersgd_hook)
+
+The same maths and defaults as torch's `powerSGD_hook` (torch/distributed/algorithms/
+ddp_comm_hooks/powerSGD_hook.py), so the two can be compared one to one. Per bucket (a flat
+buffer holding several gradients):
+    - the first `start_iter` iterations: a plain all-reduce average (divide, then all-reduce);
+    - then, with the previous step's local error added back (error feedback), each gradient seen
+      as a matrix M = grad.view(shape[0], -1) of shape (n, m) is compressed when
+      (n + m) * r * min_compression_rate < n * m (r = min(n, m, rank)); the others (vectors,
+      small matrices) are all-reduced uncompressed in one flat buffer of their own;
+    - for the compressed ones: P = M Q, one all-reduce of every P of the bucket, orthogonalise
+      P, Q = M^T P, one all-reduce of every Q, M ~ P Q^T / world.
+      Q is warm-started from the previous step, and drawn from N(0, 1) (the same seeded draws as
+      torch) the first time.
+The local error is the paper's (arXiv:1905.13727, Algorithm 1): error = M - P Q_local^T =
+(I - P P^T) M with this rank's own Q_local = M^T P, zero for uncompressed tensors. torch's hook
+stores M - P Q^T / world (local minus averaged approximation) instead, which adds
+P P^T (M - mean(M)) to it and local - mean to the uncompressed ones: terms that sum to zero over
+the ranks, so the averaged gradients, the Ps and the Qs are the same in exact arithmetic, but
+that local error grows without bound as a random walk; this one stays below ||M||.
+The orthogonalisation (fastllm::orthogonalize) and the decompression with the error update
+(fastllm::powersgd_decompress, which needs no copy of the bucket) are fastllm kernels, one call
+per bucket; the projections are BLAS matmuls. bf16/fp16 buckets are compressed in fp32 (P, Q and
+the error are fp32) and the result rounded back once.
+
+Other differences from torch: with orthogonalization_epsilon 0 a zero column stays zero instead of
+becoming nan; start_iter may be 0 or 1 (torch refuses that with error feedback or warm start
+because DDP rebuilds its buckets after the first iteration): a bucket whose layout changed gets
+fresh state, which is what the refusal protects. All collectives of a bucket run before the hook
+returns (an already completed future), which is how they are ordered on Gloo anyway.
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fastllm.ops.orthogonalize import orthogonalize
+from fastllm.ops.powersgd_decompress import powersgd_decompress
+
+__all__ = ["PowerSGD", "powersgd_hook"]
+
+_WORK_DTYPES = (torch.float32, torch.float64)
+
+
+class PowerSGD:
+    """State of PowerSGD compression: the per-bucket errors, the warm-started P and Q, the
+    iteration count and the random generator of the first Q, all in `state_dict()`.
+
+    Args (torch's PowerSGDState names in brackets):
+        rank (matrix_approximation_rank): the rank r of the approximation.
+        start_iter (start_powerSGD_iter): iterations of plain all-reduce before compressing.
+        min_compression_rate: compress a matrix only when it shrinks by more than this factor.
+        error_feedback (use_error_feedback): add the local compression error back next step.
+        warm_start: start each step's Q from the previous step's.
+        orthogonalization_epsilon: added to column norms in the orthogonalisation.
+        process_group: the group to average over (default: the world).
+        seed (random_seed): seeds the first Q, the same on every rank.
+    """
+
+    def __init__(self, rank=4, start_iter=10, min_compression_rate=2, error_feedback=True,
+                 warm_start=True, orthogonalization_epsilon=0.0, *, process_group=None, seed=0):
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"fastllm.distributed.PowerSGD: rank must be an int >= 1, got "
+                             f"{rank!r}")
+        if not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"fastllm.distributed.PowerSGD: start_iter must be an int >= 0, got "
+                             f"{start_iter!r}")
+        if not min_compression_rate >= 0:
+            raise ValueError(f"fastllm.distributed.PowerSGD: min_compression_rate must be >= 0, "
+                             f"got {min_compression_rate!r}")
+        if not orthogonalization_epsilon >= 0:
+            raise ValueError(f"fastllm.distributed.PowerSGD: orthogonalization_epsilon must be "
+                             f">= 0, got {orthogonalization_epsilon!r}")
+        self.rank = rank
+        self.start_iter = start_iter
+        self.min_compression_rate = min_compression_rate
+        self.error_feedback = bool(error_feedback)
+        self.warm_start = bool(warm_start)
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.process_group = process_group
+        self.seed = seed
+        self.rng = np.random.RandomState(seed)
+        self.iter = 0
+        self.errors = {}
+        self.p_memory = {}
+        self.q_memory = {}
+        self._layouts = {}
+        # Elements before and after compression, summed over every bucket and step (torch's
+        # compression_stats), and the elements the last reduce sent per rank.
+        self.total_numel_before_compression = 0
+        self.total_numel_after_compression = 0
+        self.last_numel_sent = 0
+
+    def compression_stats(self):
+        """(compress_rate, numel_before_compression, numel_after_compression), as torch's."""
+        after = self.total_numel_after_compression
+        rate = self.total_numel_before_compression / after if after > 0 else 0
+        return rate, self.total_numel_before_compression, after
+
+    # ---- checkpointing -------------------------------------------------------------------
+
+    def state_dict(self):
+        """Everything the next step depends on: iteration, errors, P and Q, the generator."""
+        return {
+            "config": dict(rank=self.rank, start_iter=self.start_iter,
+                           min_compression_rate=self.min_compression_rate,
+                           error_feedback=self.error_feedback, warm_start=self.warm_start,
+                           orthogonalization_epsilon=self.orthogonalization_epsilon,
+                           seed=self.seed),
+            "iter": self.iter,
+            "rng": _rng_state_to_torch(self.rng.get_state()),
+            "errors": {k: v.clone() for k, v in self.errors.items()},
+            "p_memory": {k: v.clone() for k, v in self.p_memory.items()},
+            "q_memory": {k: v.clone() for k, v in self.q_memory.items()},
+            "layouts": {k: (n, str(dtype), shapes) for k, (n, dtype, shapes)
+                        in self._layouts.items()},
+            "numel": (self.total_numel_before_compression, self.total_numel_after_compression),
+        }
+
+    def load_state_dict(self, state_dict):
+        config = state_dict["config"]
+        mine = self.state_dict()["config"]
+        different = {k: (v, mine[k]) for k, v in config.items() if mine.get(k) != v}
+        if different:
+            raise ValueError(f"fastllm.distributed.PowerSGD: the state_dict was saved with other "
+                             f"settings (saved, this state): {different}")
+        self.iter = int(state_dict["iter"])
+        self.rng.set_state(_rng_state_from_torch(state_dict["rng"]))
+        self.errors = {k: v.clone() for k, v in state_dict["errors"].items()}
+        self.p_memory = {k: v.clone() for k, v in state_dict["p_memory"].items()}
+        self.q_memory = {k: v.clone() for k, v in state_dict["q_memory"].items()}
+        self._layouts = {k: (n, getattr(torch, dtype.split(".")[-1]), tuple(map(tuple, shapes)))
+                         for k, (n, dtype, shapes) in state_dict["layouts"].items()}
+        before, after = state_dict["numel"]
+        self.total_numel_before_compression = before
+        self.total_numel_after_compression = after
+
+    # ---- the reduction -------------------------------------------------------------------
+
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def reduce_(self, buffer, grads, key, is_last=True):
+        """Average `buffer` across the group in place (compressed once start_iter is reached).
+
+        buffer: flat 1-D gradient buffer (fp32, fp64, bf16 or fp16); grads: views into it, one
+        per parameter, in buffer order (a DDP bucket's `gradients()`); key: the bucket's index,
+        which names its state; is_last: counts an iteration after the last bucket of a step.
+        Returns buffer.
+        """
+        group = self._group()
+        world = dist.get_world_size(group)
+        if self.iter < self.start_iter:
+            if is_last:
+                self.iter += 1
+            buffer.div_(world)
+            dist.all_reduce(buffer, group=group)
+            self.last_numel_sent = buffer.numel()
+            return buffer
+        self._compressed_reduce(buffer, grads, key, group, world)
+        if is_last:
+            self.iter += 1
+        return buffer
+
+    def _offsets(self, buffer, grads):
+        base = buffer.data_ptr()
+        size = buffer.element_size()
+        offsets = []
+        for i, g in enumerate(grads):
+            offset, rem = divmod(g.data_ptr() - base, size)
+            if (rem or offset < 0 or offset + g.numel() > buffer.numel() or g.dtype != buffer.dtype
+                    or not g.is_contiguous()):
+                raise ValueError(f"fastllm.distributed.PowerSGD: gradient {i} (shape "
+                                 f"{tuple(g.shape)}) is not a contiguous view into the bucket "
+                                 f"buffer")
+            offsets.append(offset)
+        return offsets
+
+    def _compressed_reduce(self, buffer, grads, key, group, world):
+        offsets = self._offsets(buffer, grads)
+        work = buffer if buffer.dtype in _WORK_DTYPES else buffer.float()
+        layout = (work.numel(), work.dtype, tuple(tuple(g.shape) for g in grads))
+        if self._layouts.get(key) != layout:
+            # A new bucket, or DDP rebuilt its buckets: state of another layout does not apply.
+            self._layouts[key] = layout
+            self.errors.pop(key, None)
+            self.p_memory.pop(key, None)
+            self.q_memory.pop(key, None)
+        error = None
+        if self.error_feedback:
+            error = self.errors.get(key)
+            if error is None:
+                error = self.errors[key] = torch.zeros_like(work)
+            else:
+                work.add_(error)
+
+        compress, uncompressed = [], []
+        for g, offset in zip(grads, offsets):
+            n = g.shape[0] if g.dim() > 0 else 1
+            m = g.numel() // n if n > 0 else 0
+            r = min(n, m, self.rank)
+            self.total_numel_before_compression += n * m
+            if (n + m) * r * self.min_compression_rate < n * m:
+                compress.append((offset, n, m, r))
+                self.total_numel_after_compression += (n + m) * r
+            else:
+                uncompressed.append((offset, g.numel()))
+                self.total_numel_after_compression += n * m
+
+        # Batched by shape, in order of first appearance: the layout of torch's P and Q memory,
+        # so that the seeded first Q is the same matrix as torch's.
+        by_shape = {}
+        for item in compress:
+            by_shape.setdefault(item[1:], []).append(item)
+        ordered = [item for items in by_shape.values() for item in items]
+        mats = [work[o:o + n * m].view(n, m) for o, n, m, _ in ordered]
+        p_size = sum(n * r for _, n, _, r in ordered)
+        q_size = sum(m * r for _, _, m, r in ordered)
+
+        need_random_q = (not self.warm_start or key not in self.p_memory
+                         or self.p_memory[key].numel() != p_size)
+        if need_random_q:
+            self.p_memory[key] = torch.empty(p_size, device=work.device, dtype=work.dtype)
+            self.q_memory[key] = torch.empty(q_size, device=work.device, dtype=work.dtype)
+        p_mem, q_mem = self.p_memory[key], self.q_memory[key]
+        ps, qs = [], []
+        p_idx = q_idx = 0
+        for _, n, m, r in ordered:
+            ps.append(p_mem[p_idx:p_idx + n * r].view(n, r))
+            qs.append(q_mem[q_idx:q_idx + m * r].view(m, r))
+            p_idx += n * r
+            q_idx += m * r
+        if need_random_q and qs:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.rng.randint(1_000_000_000))
+                for q in qs:
+                    q.copy_(torch.randn(1, *q.shape, device="cpu", dtype=work.dtype)[0])
+        orthogonalize(qs, self.orthogonalization_epsilon)
+
+        # Vectors and small matrices: one flat all-reduce, overlapped with the P matmuls.
+        flat = (torch.cat([work[o:o + k] for o, k in uncompressed]) if uncompressed
+                else work.new_empty(0))
+        handle = dist.all_reduce(flat, group=group, async_op=True) if uncompressed else None
+        for mat, q, p in zip(mats, qs, ps):
+            torch.mm(mat, q, out=p)
+        if handle is not None:
+            handle.wait()
+            flat.div_(world)
+            idx = 0
+            for o, k in uncompressed:
+                work[o:o + k].copy_(flat[idx:idx + k])
+                idx += k
+        if ordered:
+            dist.all_reduce(p_mem, group=group)
+            orthogonalize(ps, self.orthogonalization_epsilon)
+            for mat, p, q in zip(mats, ps, qs):
+                torch.mm(mat.t(), p, out=q)
+            local_qs, errors = [], []
+            if error is not None:
+                local_q_mem = q_mem.clone()
+                idx = 0
+                for o, n, m, r in ordered:
+                    local_qs.append(local_q_mem[idx:idx + m * r].view(m, r))
+                    errors.append(error[o:o + n * m].view(n, m))
+                    idx += m * r
+            dist.all_reduce(q_mem, group=group)
+            q_mem.div_(world)
+            powersgd_decompress(mats, ps, qs, local_qs, errors, 1.0)
+        self.last_numel_sent = flat.numel() + p_size + q_size
+        if work is not buffer:
+            buffer.copy_(work)
+        if not self.warm_start:
+            self.p_memory.pop(key, None)
+            self.q_memory.pop(key, None)
+
+
+def _rng_state_to_torch(state):
+    """numpy's RandomState state as tensors and numbers (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = state
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _rng_state_from_torch(state):
+    return (state["name"], state["keys"].numpy().astype(np.uint32), state["pos"],
+            state["has_gauss"], state["cached_gaussian"])
+
+
+def powersgd_hook(state, bucket):
+    """DDP communication hook: `ddp.register_comm_hook(state, powersgd_hook)`.
+
+    state: a fastllm.distributed.PowerSGD; bucket: torch.distributed.GradBucket. Returns a
+    completed future holding the bucket's averaged (compressed) gradients.
+    """
+    if not isinstance(state, PowerSGD):
+        raise TypeError(f"fastllm.distributed.powersgd_hook: state must be a "
+                        f"fastllm.distributed.PowerSGD, got {type(state).__name__}")
+    buffer = bucket.buffer()
+    state.reduce_(buffer, bucket.gradients(), bucket.index(), bucket.is_last())
+    fut = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut

@@ -1,0 +1,196 @@
+"""fastllm.optim.BAdam: block-coordinate training (Luo et al. 2024, arXiv:2404.02827): only one
+block of parameters trains at a time, so only that block needs gradients and optimizer state.
+
+    opt = fastllm.optim.BAdam(model.named_parameters(), lr=1e-4, switch_block_every=100,
+                              switch_mode="ascending")
+
+`blocks` is a list of blocks, each a list of parameter-name prefixes (the badam package's
+`block_prefix_list`). By default there is one block per transformer layer found by name
+(`...layers.N.`, `...h.N.`, `...layer.N.`, `...blocks.N.`, or `N.` for a top-level
+nn.Sequential), and every other module (embeddings, final norm, head) is a block of its own,
+in the order the names come. Parameters that match no block never train.
+
+Only the active block has requires_grad=True and an inner optimizer (optimizer_class, default
+fastllm.optim.AdamW, built with **optimizer_kwargs); every `switch_block_every` steps the inner
+optimizer and its state are dropped, the old block's grads freed, and the next block activated:
+in index order ("ascending"), reverse order ("descending"), or a fresh random order of all blocks
+each pass ("random", from a generator seeded by `seed`). `state_dict()` holds the inner
+optimizer's state, the step count and the block schedule (order, position, generator), so a
+resumed run switches at the same steps to the same blocks.
+
+Under DDP, build the model's DDP with find_unused_parameters=True (the inactive blocks get no
+gradient); every rank follows the same schedule.
+"""
+
+import re
+
+import torch
+
+__all__ = ["BAdam", "default_blocks"]
+
+_MODES = ("ascending", "descending", "random")
+_LAYER = re.compile(r"^(.*?(?:^|\.)(?:layers|h|layer|blocks)\.\d+\.)|^(\d+\.)")
+
+
+def default_blocks(names):
+    """One block (a list of one name prefix) per layer found in `names`, one per other module."""
+    blocks, seen = [], set()
+    for name in names:
+        m = _LAYER.match(name)
+        prefix = (m.group(1) or m.group(2)) if m else (name.rsplit(".", 1)[0] + "."
+                                                        if "." in name else name)
+        if prefix not in seen:
+            seen.add(prefix)
+            blocks.append([prefix])
+    return blocks
+
+
+class BAdam(torch.optim.Optimizer):
+    """Block-coordinate optimizer: see the module docstring.
+
+    Args:
+        named_parameters: iterable of (name, param), e.g. model.named_parameters().
+        optimizer_class: the inner optimizer for the active block (default fastllm AdamW).
+        switch_block_every: steps per block (> 0).
+        switch_mode: "ascending", "descending" or "random".
+        blocks: list of lists of name prefixes, or None for the default (see default_blocks).
+        start_block: index of the first block (default: the first of the order).
+        seed: seeds the "random" order.
+        **optimizer_kwargs: passed to optimizer_class (lr, betas, weight_decay, ...).
+    """
+
+    def __init__(self, named_parameters, optimizer_class=None, switch_block_every=100,
+                 switch_mode="ascending", blocks=None, *, start_block=None, seed=0,
+                 **optimizer_kwargs):
+        if optimizer_class is None:
+            from fastllm.optim.adamw import AdamW as optimizer_class
+        named = list(named_parameters)
+        if not named or not all(isinstance(n, tuple) and len(n) == 2 for n in named):
+            raise TypeError("fastllm.optim.BAdam: expected a non-empty iterable of (name, param) "
+                            "pairs, e.g. model.named_parameters()")
+        if not (isinstance(switch_block_every, int) and switch_block_every >= 1):
+            raise ValueError(f"fastllm.optim.BAdam: switch_block_every must be an int >= 1, got "
+                             f"{switch_block_every!r}")
+        if switch_mode not in _MODES:
+            raise ValueError(f"fastllm.optim.BAdam: switch_mode {switch_mode!r} is not one of "
+                             f"{_MODES}")
+        names = [n for n, _ in named]
+        blocks = default_blocks(names) if blocks is None else [list(b) for b in blocks]
+        members = [[i for i, n in enumerate(names) if any(n.startswith(pre) for pre in block)]
+                   for block in blocks]
+        for bi, (block, idx) in enumerate(zip(blocks, members)):
+            if not idx:
+                raise ValueError(f"fastllm.optim.BAdam: block {bi} {block} matches no parameter")
+        if start_block is not None and not 0 <= start_block < len(blocks):
+            raise ValueError(f"fastllm.optim.BAdam: start_block {start_block} is not a block "
+                             f"index (0..{len(blocks) - 1})")
+        self.names = names
+        self.blocks = blocks
+        self.members = members
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = optimizer_kwargs
+        self.switch_block_every = switch_block_every
+        self.switch_mode = switch_mode
+        self.generator = torch.Generator().manual_seed(seed)
+        self.global_step = 0
+        self.switches = []  # (step, block) of every activation, for inspection and tests
+        super().__init__([p for _, p in named], dict(optimizer_kwargs))
+        self._order = self._new_order()
+        self._position = 0
+        if start_block is not None:
+            self._position = self._order.index(start_block)
+        self.inner = None
+        self._activate()
+
+    @property
+    def active_block(self):
+        return self._order[self._position]
+
+    def _new_order(self):
+        n = len(self.blocks)
+        if self.switch_mode == "ascending":
+            return list(range(n))
+        if self.switch_mode == "descending":
+            return list(range(n - 1, -1, -1))
+        return torch.randperm(n, generator=self.generator).tolist()
+
+    def _params(self):
+        return self.param_groups[0]["params"]
+
+    def _activate(self, inner_state=None, record=True):
+        params = self._params()
+        active = set(self.members[self.active_block])
+        for i, p in enumerate(params):
+            p.requires_grad_(i in active)
+            if i not in active:
+                p.grad = None
+        self.inner = self.optimizer_class([params[i] for i in sorted(active)],
+                                          **self.optimizer_kwargs)
+        self._sync_hyperparameters()
+        if inner_state is not None:
+            self.inner.load_state_dict(inner_state)
+        if record:
+            self.switches.append((self.global_step, self.active_block))
+
+    def _switch(self):
+        self.inner = None  # drops the old block's optimizer state
+        self._position += 1
+        if self._position == len(self._order):
+            self._order = self._new_order()
+            self._position = 0
+        self._activate()
+
+    def _sync_hyperparameters(self):
+        """Copy lr etc. (which an LR scheduler sets on this optimizer) into the inner one."""
+        for group in self.inner.param_groups:
+            for key, value in self.param_groups[0].items():
+                if key != "params" and key in group:
+                    group[key] = value
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of the active block's optimizer; switches block every switch_block_every."""
+        self._sync_hyperparameters()
+        loss = self.inner.step(closure)
+        self.global_step += 1
+        if self.global_step % self.switch_block_every == 0:
+            self._switch()
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+
+    @property
+    def state(self):
+        return self.inner.state if self.inner is not None else {}
+
+    @state.setter
+    def state(self, value):
+        pass  # torch.optim.Optimizer.__init__ assigns an empty state; the inner one is used
+
+    def state_dict(self):
+        return {
+            "inner": self.inner.state_dict(),
+            "hyperparameters": {k: v for k, v in self.param_groups[0].items() if k != "params"},
+            "global_step": self.global_step,
+            "order": list(self._order),
+            "position": self._position,
+            "generator": self.generator.get_state(),
+            "blocks": [list(b) for b in self.blocks],
+            "switch_block_every": self.switch_block_every,
+            "switch_mode": self.switch_mode,
+            "switches": list(self.switches),
+        }
+
+    def load_state_dict(self, state_dict):
+        for key in ("blocks", "switch_block_every", "switch_mode"):
+            if state_dict[key] != getattr(self, key):
+                raise ValueError(f"fastllm.optim.BAdam: the state_dict has {key} "
+                                 f"{state_dict[key]!r}, this optimizer {getattr(self, key)!r}")
+        self.param_groups[0].update(state_dict["hyperparameters"])
+        self.global_step = int(state_dict["global_step"])
+        self._order = list(state_dict["order"])
+        self._position = int(state_dict["position"])
+        self.generator.set_state(state_dict["generator"])
+        self.switches = list(state_dict["switches"])
+        self._activate(state_dict["inner"], record=False)

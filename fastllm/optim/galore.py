@@ -1,0 +1,215 @@
+"""fastllm.optim.GaLoreAdamW: AdamW with gradients projected onto a low-rank subspace (GaLore,
+Zhao et al. 2024, arXiv:2403.03507), a drop-in for galore-torch's `GaLoreAdamW`.
+
+    groups = [{"params": matrices, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
+               "proj_type": "std"},
+              {"params": others}]
+    opt = fastllm.optim.GaLoreAdamW(groups, lr=1e-3, weight_decay=0.0)
+
+Param groups with a `rank` key are projected: each 2-D param W (rows, cols) keeps an orthonormal
+projector P and its Adam moments in the projected space, (r, cols) or (rows, r) instead of
+(rows, cols). Every `update_proj_gap` steps (from the first) P is refreshed from the current
+gradient by a randomised range finder: a few power iterations, warm-started from the previous P
+(a Gaussian start the first time, from a generator seeded by `seed` and the param's position, so
+every data-parallel rank draws the same), each orthonormalised by fastllm::orthogonalize. That
+costs a few (rows x cols x r) matmuls instead of a full SVD, and does not fail to converge on
+ill-conditioned or low-precision gradients. The step itself is one fastllm::galore_adam_step per
+matrix: project, Adam in the low-rank space, back-project times `scale`, decoupled weight decay.
+Params of other groups (and non-matrix params of rank groups) get fastllm's AdamW update
+(fastllm::adamw_step) in the same step.
+
+proj_type (galore-torch's): "std" projects from the shorter side (left, P (rows, r), when
+rows < cols; else right, P (cols, r)), "reverse_std" the other way, "left"/"right" always that
+side. The update rule is torch.optim.AdamW's (eps added after the bias correction, weight decay
+applied before the update), which galore-torch's differs from in those two details; the
+defaults (eps 1e-6, weight_decay 0) are galore-torch's. Gradients must be the full matrices:
+under DDP the projection is computed from the averaged gradient, identical on every rank.
+State per projected param: `step`, `exp_avg`, `exp_avg_sq` (low-rank, fp32) and `projector`
+(fp32), in `state_dict()`.
+"""
+
+import math
+
+import torch
+
+from fastllm.ops.adamw import adamw_step
+from fastllm.ops.galore_adam_step import galore_adam_step
+from fastllm.ops.orthogonalize import orthogonalize
+
+__all__ = ["GaLoreAdamW", "range_finder"]
+
+_PROJ_TYPES = ("std", "reverse_std", "left", "right")
+_LOW_RANK_KEYS = ("exp_avg", "exp_avg_sq", "projector")
+
+
+def range_finder(a, rank, previous=None, power_iters=2, generator=None):
+    """An orthonormal (rows, rank) basis of the dominant column space of a (rows, cols).
+
+    Subspace iteration (Halko, Martinsson and Tropp 2011, Algorithm 4.4): start from `previous`
+    (rows, rank) or from A times a Gaussian (cols, rank) matrix, then `power_iters` times
+    Z = orth(A^T Y), Y = orth(A Z). Computed in fp32 (fp64 for fp64 input).
+    """
+    dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    a = a.to(dtype)
+    if previous is None:
+        omega = torch.randn(a.shape[1], rank, generator=generator, dtype=dtype)
+        y = a @ omega.to(a.device)
+        orthogonalize([y])
+        power_iters += 1  # a random start is further from the answer than a warm one
+    else:
+        y = previous.to(dtype).contiguous()
+    for _ in range(power_iters):
+        z = a.t() @ y
+        orthogonalize([z])
+        y = a @ z
+        orthogonalize([y])
+    return y
+
+
+class GaLoreAdamW(torch.optim.Optimizer):
+    """AdamW whose `rank` param groups keep their moments in a low-rank gradient subspace.
+
+    Args: params (iterable of tensors or param groups; groups may set rank, update_proj_gap,
+    scale, proj_type), lr, betas, eps, weight_decay as torch.optim.AdamW (defaults as
+    galore-torch: eps 1e-6, weight_decay 0); correct_bias must stay True (galore-torch's flag);
+    power_iters: power iterations per projector refresh; seed: seeds the first projectors.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
+                 correct_bias=True, no_deprecation_warning=True, *, power_iters=2, seed=0):
+        if not correct_bias:
+            raise ValueError("fastllm.optim.GaLoreAdamW: correct_bias=False is not supported")
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"fastllm.optim.GaLoreAdamW: invalid learning rate {lr}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"fastllm.optim.GaLoreAdamW: invalid betas {betas}")
+        if not eps >= 0 or not weight_decay >= 0:
+            raise ValueError("fastllm.optim.GaLoreAdamW: eps and weight_decay must be >= 0")
+        if not (isinstance(power_iters, int) and power_iters >= 1):
+            raise ValueError(f"fastllm.optim.GaLoreAdamW: power_iters must be an int >= 1, got "
+                             f"{power_iters!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.power_iters = power_iters
+        self.seed = seed
+        for gi, group in enumerate(self.param_groups):
+            if "rank" not in group:
+                continue
+            group.setdefault("update_proj_gap", 200)
+            group.setdefault("scale", 0.25)
+            group.setdefault("proj_type", "std")
+            if not (isinstance(group["rank"], int) and group["rank"] >= 1):
+                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: rank must be an "
+                                 f"int >= 1, got {group['rank']!r}")
+            if not (isinstance(group["update_proj_gap"], int) and group["update_proj_gap"] >= 1):
+                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: update_proj_gap "
+                                 f"must be an int >= 1, got {group['update_proj_gap']!r}")
+            if group["proj_type"] not in _PROJ_TYPES:
+                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: proj_type "
+                                 f"{group['proj_type']!r} is not one of {_PROJ_TYPES}")
+
+    @staticmethod
+    def _left(group, p):
+        rows, cols = p.shape
+        kind = group["proj_type"]
+        if kind == "left":
+            return True
+        if kind == "right":
+            return False
+        return (rows < cols) if kind == "std" else (rows >= cols)
+
+    def _projected(self, group, p):
+        return "rank" in group and p.dim() == 2
+
+    def _validate(self):
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                where = f"param {pi} of param group {gi} (shape {tuple(p.shape)})"
+                if g.is_sparse:
+                    raise RuntimeError(f"fastllm.optim.GaLoreAdamW does not support sparse "
+                                       f"gradients ({where})")
+                if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                    raise RuntimeError(f"fastllm.optim.GaLoreAdamW: the grad of {where} does not "
+                                       f"match its param's shape, dtype and device")
+                if not p.dtype.is_floating_point:
+                    raise TypeError(f"fastllm.optim.GaLoreAdamW: {where} has dtype {p.dtype}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._validate()
+        index = 0
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            plain = {}
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if not self._projected(group, p):
+                    plain.setdefault((p.device, p.dtype), []).append(p)
+                    continue
+                self._projected_step(group, p, index - 1, beta1, beta2)
+            for params in plain.values():
+                states = [self._plain_state(p) for p in params]
+                for s in states:
+                    s["step"] += 1
+                adamw_step(params, [p.grad for p in params],
+                           [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                           [], [s["step"] for s in states], lr=group["lr"], beta1=beta1,
+                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        return loss
+
+    def _plain_state(self, p):
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return state
+
+    def _projected_step(self, group, p, index, beta1, beta2):
+        state = self.state[p]
+        rows, cols = p.shape
+        left = self._left(group, p)
+        rank = min(group["rank"], rows, cols)
+        opmath = torch.float64 if p.dtype == torch.float64 else torch.float32
+        grad = p.grad.contiguous()
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            low_shape = (rank, cols) if left else (rows, rank)
+            state["exp_avg"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
+        step = int(state["step"].item())
+        if "projector" not in state or step % group["update_proj_gap"] == 0:
+            a = grad if left else grad.t()
+            previous = state.get("projector")
+            generator = None
+            if previous is None:
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+            state["projector"] = range_finder(a, rank, previous, self.power_iters,
+                                              generator).to(opmath).contiguous()
+        state["step"] += 1
+        galore_adam_step(p, grad, state["projector"], state["exp_avg"], state["exp_avg_sq"],
+                         step=step + 1, left=left, lr=group["lr"], beta1=beta1, beta2=beta2,
+                         eps=group["eps"], weight_decay=group["weight_decay"],
+                         scale=group["scale"])
+
+    def load_state_dict(self, state_dict):
+        """torch.optim.Optimizer.load_state_dict, keeping the low-rank state in fp32 (torch
+        casts every floating state tensor to its param's dtype)."""
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if not saved or "projector" not in saved:
+                continue
+            for key in _LOW_RANK_KEYS:
+                self.state[p][key] = saved[key].to(device=p.device, copy=True)

@@ -1,0 +1,171 @@
+"""BAdam: only the active block changes and holds state, the switching order follows the mode,
+the default blocks follow the layer names, a resumed run switches at the same steps to the same
+blocks, and under DDP (world 2) it matches one process."""
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fastllm
+from fastllm.distributed.launch import spawn
+from fastllm.optim import BAdam
+from fastllm.optim.badam import default_blocks
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def _loss(model, step):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    return (model(x) - y).square().mean()
+
+
+def _train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+
+
+def test_only_the_active_block_changes_and_holds_state():
+    model = _model()
+    opt = BAdam(model.named_parameters(), switch_block_every=2, lr=1e-2)
+    assert opt.blocks == [["0."], ["2."], ["4."]]
+    names = [n for n, _ in model.named_parameters()]
+    for step in range(7):
+        active = opt.active_block
+        prefix = opt.blocks[active][0]
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            assert p.requires_grad == n.startswith(prefix), (step, n)
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            changed = not torch.equal(before[n], p)
+            assert changed == n.startswith(prefix), (step, n)
+        held = {names[i] for i, p in enumerate(model.parameters()) if p in opt.state}
+        # the state of the block that just switched away is gone
+        if opt.active_block == active:
+            assert held == {n for n in names if n.startswith(prefix)}
+        else:
+            assert held == set()
+    assert [b for _, b in opt.switches] == [0, 1, 2, 0]
+    assert [s for s, _ in opt.switches] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("mode,expected", [("ascending", [0, 1, 2, 0, 1, 2, 0]),
+                                           ("descending", [2, 1, 0, 2, 1, 0, 2])])
+def test_switching_order_follows_the_mode(mode, expected):
+    model = _model()
+    opt = BAdam(model.named_parameters(), switch_block_every=1, switch_mode=mode, lr=1e-2)
+    _train(model, opt, 6)
+    assert [b for _, b in opt.switches] == expected
+
+
+def test_random_mode_visits_every_block_once_per_pass():
+    model = _model()
+    opt = BAdam(model.named_parameters(), switch_block_every=1, switch_mode="random", seed=3,
+                lr=1e-2)
+    _train(model, opt, 8)
+    order = [b for _, b in opt.switches]
+    assert sorted(order[:3]) == [0, 1, 2] and sorted(order[3:6]) == [0, 1, 2]
+
+
+def test_default_blocks_follow_layer_names():
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+             "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+             "model.layers.10.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"]
+    assert default_blocks(names) == [["model.embed_tokens."], ["model.layers.0."],
+                                     ["model.layers.1."], ["model.layers.10."], ["model.norm."],
+                                     ["lm_head."]]
+    gpt2 = ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight",
+            "transformer.h.1.attn.c_attn.weight", "transformer.ln_f.weight"]
+    assert default_blocks(gpt2) == [["transformer.wte."], ["transformer.h.0."],
+                                    ["transformer.h.1."], ["transformer.ln_f."]]
+
+
+def test_explicit_blocks_and_bad_arguments():
+    model = _model()
+    opt = BAdam(model.named_parameters(), blocks=[["0.", "2."], ["4."]], switch_block_every=5,
+                lr=1e-2)
+    assert [p.requires_grad for p in model.parameters()] == [True, True, True, True, False,
+                                                             False]
+    with pytest.raises(ValueError, match="matches no parameter"):
+        BAdam(model.named_parameters(), blocks=[["9."]])
+    with pytest.raises(ValueError, match="switch_mode"):
+        BAdam(model.named_parameters(), switch_mode="sideways")
+    with pytest.raises(ValueError, match="switch_block_every"):
+        BAdam(model.named_parameters(), switch_block_every=0)
+    assert opt.inner.__class__ is fastllm.optim.AdamW
+
+
+@pytest.mark.parametrize("mode", ["ascending", "random"])
+def test_resume_switches_at_the_same_steps(mode):
+    a = _model()
+    opt_a = BAdam(a.named_parameters(), switch_block_every=3, switch_mode=mode, lr=1e-2)
+    _train(a, opt_a, 7)
+    blob = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob)
+    b = _model(seed=1)
+    b.load_state_dict(saved["model"])
+    opt_b = BAdam(b.named_parameters(), switch_block_every=3, switch_mode=mode, lr=1e-2)
+    opt_b.load_state_dict(saved["opt"])
+    assert opt_b.active_block == opt_a.active_block
+    _train(a, opt_a, 10, start=7)
+    _train(b, opt_b, 10, start=7)
+    assert opt_a.switches == opt_b.switches
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_works_with_torch_optimizers_and_lr_schedulers():
+    model = _model()
+    opt = BAdam(model.named_parameters(), optimizer_class=torch.optim.SGD, switch_block_every=2,
+                lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+        sched.step()
+    assert opt.inner.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def _ddp_check(rank, world):
+    single = _model()
+    opt_single = BAdam(single.named_parameters(), switch_block_every=2, lr=1e-2)
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = BAdam(model.named_parameters(), switch_block_every=2, lr=1e-2)
+    for step in range(7):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        opt_single.zero_grad()
+        (single(x) - y).square().mean().backward()
+        opt_single.step()
+        half = slice(4 * rank, 4 * rank + 4)
+        opt.zero_grad()
+        (ddp(x[half]) - y[half]).square().mean().backward()
+        opt.step()
+    return max(((a - b).abs().max() / b.abs().max()).item()
+               for a, b in zip(model.parameters(), single.parameters()))
+
+
+@pytest.fixture(scope="module")
+def ddp_results():
+    return spawn(_ddp_check, 2, timeout=180)
+
+
+def test_ddp_matches_one_process(ddp_results):
+    for worst in ddp_results:
+        assert worst < 1e-5

@@ -1,0 +1,331 @@
+"""GaLore: the fused step against a float64 reference on every backend, the range finder on a
+matrix with a known spectrum, the optimizer against a float64 reference of its update rule,
+state_dict round trip, gradient accumulation, a small training run against AdamW (and
+galore-torch when installed), and DDP world 2 against one process.
+
+Tolerances: fp32 against fp64 1e-5 relative (a handful of fp32 roundings per element); bf16
+params within one bf16 spacing per step of the fp64 result rounded the same way.
+"""
+
+import importlib.util
+import io
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fastllm
+from conftest import backend_device_params
+from fastllm.distributed.launch import spawn
+from fastllm.ops import galore_adam_step, galore_adam_step_ref
+from fastllm.optim import GaLoreAdamW
+from fastllm.optim.galore import range_finder
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, scale=0.25)
+
+
+def _orthonormal(n, r, dtype=torch.float32):
+    q, _ = torch.linalg.qr(torch.randn(n, r, dtype=torch.float64))
+    return q.to(dtype).contiguous()
+
+
+# --- the fused step -------------------------------------------------------------------------
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape,rank,left", [((1, 1), 1, True), ((7, 123), 3, True),
+                                             ((123, 7), 4, False), ((33, 4097), 5, True),
+                                             ((4097, 2), 1, False)])
+def test_step_matches_float64_reference(backend, device, dtype, shape, rank, left):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernel computes in float32")
+    opmath = torch.float64 if dtype == torch.float64 else torch.float32
+    rows, cols = shape
+    proj = _orthonormal(rows if left else cols, rank, opmath).to(device)
+    low = (rank, cols) if left else (rows, rank)
+    param = torch.randn(shape, device=device).to(dtype)
+    m, v = torch.zeros(low, dtype=opmath, device=device), torch.zeros(low, dtype=opmath,
+                                                                      device=device)
+    ref_p, ref_m, ref_v = param.double(), m.double(), v.double()
+    steps = 3
+    for step in range(1, steps + 1):
+        grad = torch.randn(shape, device=device).to(dtype)
+        grad_before, proj_before = grad.clone(), proj.clone()
+        with fastllm.use_backend(backend):
+            galore_adam_step(param, grad, proj, m, v, step=step, left=left, **HYPER)
+        assert torch.equal(grad, grad_before) and torch.equal(proj, proj_before)
+        galore_adam_step_ref(ref_p, grad.double(), proj.double(), ref_m, ref_v, step=step,
+                             left=left, **HYPER)
+        if dtype == torch.bfloat16:
+            ref_p = ref_p.to(torch.bfloat16).double()  # the param is stored in bf16 each step
+    torch.testing.assert_close(m.double(), ref_m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v.double(), ref_v, rtol=1e-5, atol=1e-6)
+    if dtype == torch.bfloat16:
+        spacing = ref_p.abs().clamp_min(1e-3) * 2.0**-8
+        assert bool(((param.double() - ref_p).abs() <= steps * spacing).all())
+    else:
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(param.double(), ref_p, rtol=tol, atol=tol)
+
+
+def test_step_refuses_bad_input_before_changing_anything():
+    p, g = torch.randn(8, 16), torch.randn(8, 16)
+    proj = _orthonormal(8, 2)
+    m, v = torch.zeros(2, 16), torch.zeros(2, 16)
+    before = p.clone()
+    with pytest.raises(ValueError, match="proj has shape"):
+        galore_adam_step(p, g, _orthonormal(16, 2), m, v, step=1, left=True, lr=0.1)
+    with pytest.raises(ValueError, match="low-rank shape"):
+        galore_adam_step(p, g, proj, torch.zeros(3, 16), v, step=1, left=True, lr=0.1)
+    with pytest.raises(ValueError, match="step"):
+        galore_adam_step(p, g, proj, m, v, step=0, left=True, lr=0.1)
+    assert torch.equal(p, before) and not m.any()
+
+
+def test_step_passes_opcheck():
+    p, g = torch.randn(8, 16), torch.randn(8, 16)
+    args = (p, g, _orthonormal(8, 2), torch.zeros(2, 16), torch.zeros(2, 16))
+    torch.library.opcheck(torch.ops.fastllm.galore_adam_step.default, args,
+                          dict(step=1.0, left=True, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.0, scale=1.0))
+
+
+# --- the range finder -----------------------------------------------------------------------
+def _known_spectrum(rows, cols, singular_values):
+    u = _orthonormal(rows, len(singular_values), torch.float64)
+    v = _orthonormal(cols, len(singular_values), torch.float64)
+    return u, (u * torch.tensor(singular_values, dtype=torch.float64)) @ v.t()
+
+
+def test_range_finder_captures_the_top_singular_directions():
+    s = [100.0, 60.0, 30.0, 20.0] + [2.0 * 0.9**i for i in range(60)]
+    u, a = _known_spectrum(300, 120, s)
+    top = u[:, :4]
+    p = range_finder(a.float(), 4, power_iters=2, generator=torch.Generator().manual_seed(0))
+    assert p.shape == (300, 4) and p.dtype == torch.float32
+    torch.testing.assert_close(p.t() @ p, torch.eye(4), rtol=0, atol=1e-5)
+    # Nothing of the top-4 subspace is left outside span(P): gap 2/20 after 3 passes.
+    residual = top - p.double() @ (p.double().t() @ top)
+    assert residual.norm() < 1e-4
+    # Warm-started from a rotated, slightly perturbed basis, one iteration recovers it.
+    previous = (top + 0.05 * torch.randn_like(top)).float()
+    p2 = range_finder(a.float(), 4, previous=previous, power_iters=1)
+    assert (top - p2.double() @ (p2.double().t() @ top)).norm() < 1e-3
+
+
+def test_range_finder_on_ill_conditioned_and_bf16_gradients():
+    # Rank-deficient (exactly rank 2) and bf16: an SVD-free range finder must not fail.
+    a = (torch.randn(64, 2) @ torch.randn(2, 48)).bfloat16()
+    p = range_finder(a, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(p).all()
+    u, _, _ = torch.linalg.svd(a.double())
+    assert (u[:, :2] - p.double() @ (p.double().t() @ u[:, :2])).norm() < 1e-2
+
+
+# --- the optimizer --------------------------------------------------------------------------
+def _reference_run(w0, b0, grads, lr, betas, eps, wd, scale, projectors, left):
+    """Float64 GaLore AdamW on (w, b) with the given grads; projectors[step] is P for W."""
+    w, b = w0.double(), b0.double()
+    r = projectors[0].shape[1]
+    m = torch.zeros((r, w.shape[1]) if left else (w.shape[0], r), dtype=torch.float64)
+    v = torch.zeros_like(m)
+    mb, vb = torch.zeros_like(b), torch.zeros_like(b)
+    for t, (gw, gb) in enumerate(grads, start=1):
+        p = projectors[t - 1].double()
+        galore_adam_step_ref(w, gw.double(), p, m, v, step=t, left=left, lr=lr, beta1=betas[0],
+                             beta2=betas[1], eps=eps, weight_decay=wd, scale=scale)
+        gb = gb.double()
+        b.mul_(1 - lr * wd)
+        mb.lerp_(gb, 1 - betas[0])
+        vb.mul_(betas[1]).addcmul_(gb, gb, value=1 - betas[1])
+        denom = vb.sqrt() / math.sqrt(1 - betas[1]**t) + eps
+        b.addcdiv_(mb, denom, value=-lr / (1 - betas[0]**t))
+    return w, b
+
+
+@pytest.mark.parametrize("shape,proj_type,left", [((24, 40), "std", True),
+                                                  ((40, 24), "std", False),
+                                                  ((24, 40), "reverse_std", False)])
+def test_optimizer_matches_float64_reference(shape, proj_type, left):
+    w = torch.randn(shape, requires_grad=True)
+    b = torch.randn(shape[0], requires_grad=True)
+    w0, b0 = w.detach().clone(), b.detach().clone()
+    opt = GaLoreAdamW([{"params": [w], "rank": 4, "update_proj_gap": 5, "scale": 0.5,
+                        "proj_type": proj_type}, {"params": [b]}], lr=1e-2, betas=(0.9, 0.99),
+                      eps=1e-8, weight_decay=0.1)
+    grads, projectors = [], []
+    base = torch.randn(shape[0], 3) @ torch.randn(3, shape[1])
+    for step in range(12):
+        gw = base + 0.1 * torch.randn(shape)
+        gb = torch.randn(shape[0])
+        w.grad, b.grad = gw.clone(), gb.clone()
+        opt.step()
+        grads.append((gw, gb))
+        projectors.append(opt.state[w]["projector"].clone())
+        if step % 5 != 0:  # refreshed every update_proj_gap steps, kept in between
+            assert torch.equal(projectors[-1], projectors[-2])
+    assert opt.state[w]["exp_avg"].shape == ((4, shape[1]) if left else (shape[0], 4))
+    want_w, want_b = _reference_run(w0, b0, grads, 1e-2, (0.9, 0.99), 1e-8, 0.1, 0.5,
+                                    projectors, left)
+    torch.testing.assert_close(w.detach().double(), want_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.detach().double(), want_b, rtol=1e-5, atol=1e-6)
+
+
+def _model(seed=1):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 16))
+
+
+def _galore(model, lr=1e-2, rank=8, gap=50):
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    others = [p for p in model.parameters() if p.dim() != 2]
+    return GaLoreAdamW([{"params": matrices, "rank": rank, "update_proj_gap": gap, "scale": 1.0},
+                        {"params": others}], lr=lr)
+
+
+def test_state_dict_round_trip_continues_identically():
+    x, y = torch.randn(16, 32), torch.randn(16, 16)
+    a = _model()
+    opt_a = _galore(a, gap=3)
+    for _ in range(4):
+        opt_a.zero_grad()
+        (a(x) - y).square().mean().backward()
+        opt_a.step()
+    blob = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob)
+    b = _model(seed=5)
+    b.load_state_dict(saved["model"])
+    opt_b = _galore(b, gap=3)
+    opt_b.load_state_dict(saved["opt"])
+    for _ in range(5):  # crosses a projector refresh
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            (model(x) - y).square().mean().backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_gradient_accumulation_equals_the_full_batch():
+    x, y = torch.randn(16, 32), torch.randn(16, 16)
+    a, b = _model(), _model()
+    opt_a, opt_b = _galore(a), _galore(b)
+    for _ in range(3):
+        opt_a.zero_grad()
+        for half in (slice(0, 8), slice(8, 16)):
+            ((a(x[half]) - y[half]).square().mean() / 2).backward()
+        opt_a.step()
+        opt_b.zero_grad()
+        (b(x) - y).square().mean().backward()
+        opt_b.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def train_regression(make_opt, steps=200, seed=1):
+    """A small MLP fitted to a fixed teacher; the loss on held-out inputs after `steps`."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16))
+    model = _model(seed)
+    opt = make_opt(model)
+    g = torch.Generator().manual_seed(3)
+    x_eval = torch.randn(512, 32, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        y_eval = teacher(x_eval)
+    for _ in range(steps):
+        x = torch.randn(32, 32, generator=g)
+        with torch.no_grad():
+            y = teacher(x)
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        opt.step()
+    with torch.no_grad():
+        return (model(x_eval) - y_eval).square().mean().item()
+
+
+def _galore_torch(model, lr=1e-2, rank=8, gap=50):
+    from fastllm.bench.bench_compression import load_galore_torch
+
+    PeerGaLore = load_galore_torch()
+
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    others = [p for p in model.parameters() if p.dim() != 2]
+    return PeerGaLore([{"params": matrices, "rank": rank, "update_proj_gap": gap, "scale": 1.0,
+                        "proj_type": "std"}, {"params": others}], lr=lr)
+
+
+def test_training_reaches_a_loss_comparable_to_adamw():
+    start = train_regression(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=0)
+    adamw = train_regression(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
+                                                         weight_decay=0.0))
+    galore = train_regression(_galore)
+    print(f"\nGaLore training, 200 steps: start {start:.5f}, AdamW {adamw:.5f}, "
+          f"fastllm GaLore {galore:.5f}")
+    assert galore < 0.2 * start  # it trains
+    assert galore < 1.5 * adamw  # rank 8 of 64: close to full-rank AdamW
+
+
+@pytest.mark.skipif(importlib.util.find_spec("galore_torch") is None,
+                    reason="galore-torch (an optional benchmark peer) is not installed")
+def test_training_matches_galore_torch():
+    peer = train_regression(_galore_torch)
+    ours = train_regression(_galore)
+    print(f"\nGaLore training, 200 steps: galore-torch {peer:.5f}, fastllm GaLore {ours:.5f}")
+    assert ours < 1.25 * peer
+
+
+# --- DDP world 2 against one process ------------------------------------------------------
+def _ddp_check(rank, world):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 32), torch.randn(16, 16)
+    single = _model()
+    opt_single = _galore(single, gap=2)
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = _galore(model, gap=2)
+    half = slice(8 * rank, 8 * rank + 8)
+    for _ in range(5):
+        opt_single.zero_grad()
+        (single(x) - y).square().mean().backward()
+        opt_single.step()
+        opt.zero_grad()
+        (ddp(x[half]) - y[half]).square().mean().backward()
+        opt.step()
+    worst = max(((a - b).abs().max() / b.abs().max()).item()
+                for a, b in zip(model.parameters(), single.parameters()))
+
+    def replicas_equal(m):
+        flat = torch.cat([p.detach().flatten() for p in m.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        return torch.equal(gathered[0], gathered[1])
+
+    # Combined with PowerSGD: the projections come from the same compressed average on every
+    # rank, so the replicas stay identical.
+    from fastllm.distributed import PowerSGD, powersgd_hook
+
+    combined = _model()
+    ddp2 = nn.parallel.DistributedDataParallel(combined)
+    ddp2.register_comm_hook(PowerSGD(rank=4, start_iter=2), powersgd_hook)
+    opt2 = _galore(combined, gap=2)
+    for _ in range(5):
+        opt2.zero_grad()
+        (ddp2(x[half]) - y[half]).square().mean().backward()
+        opt2.step()
+    return worst, replicas_equal(model) and replicas_equal(combined)
+
+
+@pytest.fixture(scope="module")
+def ddp_results():
+    return spawn(_ddp_check, 2, timeout=180)
+
+
+def test_ddp_matches_one_process_and_combines_with_powersgd(ddp_results):
+    for worst, replicas_equal in ddp_results:
+        assert replicas_equal
+        assert worst < 1e-5
