@@ -1,0 +1,69 @@
+"""`fastllm train` and `fastllm report`, added to the `fastllm` command by fastllm/cli.py.
+
+    fastllm train [--config run.yaml] [--compare torch] [key=value ...]
+    fastllm report RUN_DIR [--out PATH.png]
+"""
+
+import copy
+import sys
+
+__all__ = ["add_train_commands"]
+
+
+def add_train_commands(sub):
+    p = sub.add_parser("train", help="train a Llama-style model (default: a built-in one on "
+                                     "built-in text, about a minute on a CPU)")
+    p.add_argument("--config", default=None, metavar="YAML", help="a config file")
+    p.add_argument("--compare", default=None, choices=["torch"],
+                   help="also run the same model, data and seed with plain PyTorch parts "
+                        "(torch.optim.AdamW fused, PEFT LoRA, autocast) and compare")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. max_steps=200 lora.r=16 checkpoint.interval=50")
+    p.set_defaults(handler=_train)
+    p = sub.add_parser("report", help="plot a training run's curves and time split")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, metavar="PNG",
+                   help="where to write the PNG (default RUN_DIR/report.png)")
+    p.set_defaults(handler=_report)
+
+
+def _train(args):
+    from fastllm.train.config import ConfigError, TrainConfig
+    from fastllm.train.trainer import Trainer
+
+    try:
+        cfg = TrainConfig.from_args(args.overrides, args.config)
+    except (ConfigError, OSError) as e:
+        sys.exit(str(e))
+    if args.compare is None:
+        summary = Trainer(cfg).train()
+        if summary.get("status") == "stopped":
+            sys.exit(0)
+        return
+    runs = []
+    for backend in ("fastllm", "torch"):
+        c = copy.deepcopy(cfg)
+        c.backend = backend
+        c.checkpoint.auto_resume = False
+        c.checkpoint.interval = 0
+        c.output_dir = cfg.output_dir if backend == "fastllm" else cfg.output_dir + "-torch"
+        runs.append((backend, Trainer(c.validate()).train()))
+    if not runs[0][1]:
+        return  # not rank 0
+    print(f"\nfastllm train --compare torch ({cfg.model}, finetune={cfg.finetune}, "
+          f"precision={cfg.precision}, {cfg.max_steps} steps, same data and seed):")
+    print(f"  {'':8} {'tokens/s':>10} {'ms/step':>9} {'first loss':>11} {'final loss':>11}")
+    for backend, s in runs:
+        print(f"  {backend:8} {s['tokens_per_s']:10,.0f} {s['step_time_s'] * 1e3:9.1f} "
+              f"{s['first_loss']:11.4f} {s['final_loss']:11.4f}")
+    ratio = runs[0][1]["tokens_per_s"] / runs[1][1]["tokens_per_s"]
+    print(f"  fastllm / torch tokens/s: {ratio:.2f}x")
+
+
+def _report(args):
+    from fastllm.train.report import report
+
+    try:
+        report(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"fastllm report: {e}")

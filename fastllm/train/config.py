@@ -1,0 +1,305 @@
+"""The training config: one dataclass tree, read from YAML, overridable as dotted key=value.
+
+    cfg = TrainConfig.from_args(["--config", "run.yaml", "max_steps=200", "lora.r=16"])
+    cfg.save(cfg.output_dir)             # output_dir/config.yaml, the resolved config
+
+Names follow Hugging Face's TrainingArguments where the concept is the same (output_dir,
+max_steps, warmup_steps, seed, report_to, gradient_accumulation_steps is derived from
+global_batch_size / (micro_batch_size * world_size)).
+"""
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+
+__all__ = ["TrainConfig", "DataConfig", "LoraConfig", "FreezeConfig", "CheckpointConfig",
+           "ParallelConfig", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or inconsistent."""
+
+
+@dataclass
+class DataConfig:
+    path: typing.Optional[str] = None     # a text file or a folder of .txt/.md files; None: pydoc_data
+    tokenizer: str = "byte"               # byte | bpe (trained on the corpus) | a tokenizer folder
+    vocab_size: int = 1024                # for tokenizer=bpe
+    seq_len: int = 128
+    prefetch: int = 0                     # sequences the background loader keeps ready; 0: 4 batches
+    cache_dir: typing.Optional[str] = None  # token files; None: $FASTLLM_CACHE or ~/.cache/fastllm
+    log_indices: bool = False             # write each step's sample indices to metrics.jsonl
+
+
+@dataclass
+class LoraConfig:
+    target_modules: typing.List[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    layers: int = 0                       # adapt only the last N decoder layers; 0: all
+
+
+@dataclass
+class FreezeConfig:
+    layers: int = 1                       # finetune=freeze trains the last N decoder layers + head
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 100                   # steps between checkpoints; 0: only at the end
+    keep_last: int = 2
+    auto_resume: bool = True              # resume from the newest valid output_dir/checkpoint-<step>
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "auto"                # auto (ddp when world > 1) | none | ddp | fsdp | zero1 | zero2
+    dp: int = -1                          # -1: world_size / (tp * pp)
+    tp: int = 1
+    pp: int = 1
+
+
+_MODES = ("full", "freeze", "lora", "galore", "badam")
+_PRECISIONS = ("fp32", "bf16", "fp16")
+_STRATEGIES = ("auto", "none", "ddp", "fsdp", "zero1", "zero2")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "mini"                   # built-in name (tiny, mini, small, base) or an HF folder
+    model_config: typing.Dict[str, typing.Any] = field(default_factory=dict)  # LlamaConfig overrides
+    output_dir: str = "runs/default"
+    seed: int = 0
+    max_steps: int = 300
+    finetune: str = "full"                # full | freeze | lora | galore | badam
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    galore: typing.Dict[str, typing.Any] = field(default_factory=dict)  # GaLoreAdamW kwargs
+    badam: typing.Dict[str, typing.Any] = field(default_factory=dict)   # BAdam kwargs
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    betas: typing.List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    micro_batch_size: int = 8
+    global_batch_size: int = 0            # 0: micro_batch_size * world_size (no accumulation)
+    precision: str = "fp32"               # fp32 | bf16 | fp16 (low precision: fp32 master weights)
+    max_grad_norm: float = 1.0            # 0: no clipping
+    checkpoint_ratio: float = 0.0         # fraction of decoder layers recomputed in backward
+    optimizer_in_backward: bool = False   # step each param as its grad is ready (full, no accum)
+    max_bad_steps: int = 3                # consecutive non-finite losses before a rollback
+    report_to: str = "none"               # none | tensorboard
+    log_interval: int = 10                # plain log lines (the progress bar updates every step)
+    device: str = "auto"                  # auto | cpu | cuda
+    threads: int = 0                      # torch intra-op threads per process; 0: torch's default
+    backend: str = "fastllm"              # fastllm | torch (torch.optim.AdamW fused, PEFT, autocast)
+    track_memory: bool = True             # measure step 1's peak tensor memory on CPU (PeakMemory)
+    nan_batches: typing.List[int] = field(default_factory=list)  # fault injection: poisoned steps
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self):
+        def need(ok, message):
+            if not ok:
+                raise ConfigError(f"fastllm train: {message}")
+        need(self.finetune in _MODES, f"finetune must be one of {_MODES}, got {self.finetune!r}")
+        need(self.precision in _PRECISIONS,
+             f"precision must be one of {_PRECISIONS}, got {self.precision!r}")
+        need(self.parallel.strategy in _STRATEGIES,
+             f"parallel.strategy must be one of {_STRATEGIES}, got {self.parallel.strategy!r}")
+        need(self.backend in ("fastllm", "torch"), f"backend must be fastllm or torch, got "
+             f"{self.backend!r}")
+        need(self.report_to in ("none", "tensorboard"),
+             f"report_to must be none or tensorboard, got {self.report_to!r}")
+        need(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
+        need(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
+        need(self.global_batch_size >= 0, "global_batch_size must be >= 0")
+        need(0.0 <= self.checkpoint_ratio <= 1.0,
+             f"checkpoint_ratio must be in [0, 1], got {self.checkpoint_ratio}")
+        need(self.lr > 0 and 0 <= self.min_lr <= self.lr, "need lr > 0 and 0 <= min_lr <= lr")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+             f"betas must be two numbers in [0, 1), got {self.betas}")
+        need(self.warmup_steps >= 0, "warmup_steps must be >= 0")
+        need(self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0: no clipping)")
+        need(self.max_bad_steps >= 1, "max_bad_steps must be >= 1")
+        need(self.data.seq_len >= 2, "data.seq_len must be >= 2")
+        need(self.checkpoint.interval >= 0, "checkpoint.interval must be >= 0")
+        need(self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+        need(self.lora.r >= 1 and 0 <= self.lora.dropout < 1, "need lora.r >= 1 and "
+             "lora.dropout in [0, 1)")
+        need(self.parallel.tp >= 1 and self.parallel.pp >= 1, "parallel.tp and pp must be >= 1")
+        if self.optimizer_in_backward:
+            need(self.finetune == "full" and self.backend == "fastllm",
+                 "optimizer_in_backward is for finetune=full with backend=fastllm")
+            need(self.max_grad_norm == 0, "optimizer_in_backward steps each param before the "
+                 "global grad norm exists: set max_grad_norm=0")
+            need(self.precision != "fp16", "optimizer_in_backward does not do fp16 loss scaling")
+        return self
+
+    # ----- reading and writing -----
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        cfg = cls()
+        _update(cfg, data, "")
+        return cfg
+
+    def save(self, directory, name="config.yaml"):
+        import yaml
+
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, name)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path):
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"fastllm train: {path} must hold a mapping, got "
+                              f"{type(data).__name__}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_args(cls, overrides=(), config_path=None):
+        """The config file (if any), then each `dotted.key=value` in order."""
+        cfg = cls.load(config_path) if config_path else cls()
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"fastllm train: expected key=value, got {item!r}")
+            cfg.set(key.strip(), value)
+        return cfg.validate()
+
+    def set(self, dotted, text):
+        """Set one field from its command-line text, converted to the field's type."""
+        *parents, leaf = dotted.split(".")
+        target, path = self, ""
+        for part in parents:
+            if isinstance(target, dict):
+                target = target.setdefault(part, {})
+                continue
+            if not dataclasses.is_dataclass(target) or part not in _field_names(target):
+                raise ConfigError(f"fastllm train: unknown config key {dotted!r}")
+            target = getattr(target, part)
+            path += part + "."
+        if isinstance(target, dict):
+            target[leaf] = _parse_free(text)
+            return
+        if leaf not in _field_names(target):
+            known = ", ".join(path + n for n in _field_names(target))
+            raise ConfigError(f"fastllm train: unknown config key {dotted!r}; known: {known}")
+        current = getattr(target, leaf)
+        setattr(target, leaf, _convert(dotted, text, current, _field_type(target, leaf)))
+
+
+def _field_names(obj):
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def _field_type(obj, name):
+    hints = typing.get_type_hints(type(obj))
+    return hints[name]
+
+
+def _parse_free(text):
+    import yaml
+
+    if not isinstance(text, str):
+        return text
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return yaml.safe_load(text)
+
+
+def _convert(key, value, current, hint):
+    """`value` (a string from the command line or a YAML scalar) as the type of the field."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union and type(None) in args:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        if hint is float:
+            return float(value)
+        if hint is str:
+            return str(value)
+        if origin in (list, typing.List):
+            items = value
+            if isinstance(value, str):
+                items = _parse_free(value) if value.strip().startswith("[") else [
+                    v for v in value.split(",") if v.strip()]
+            if not isinstance(items, (list, tuple)):
+                items = [items]
+            inner = args[0] if args else str
+            return [_convert(key, v, None, inner) for v in items]
+        if origin in (dict, typing.Dict):
+            data = _parse_free(value) if isinstance(value, str) else value
+            if not isinstance(data, dict):
+                raise ValueError(value)
+            return dict(data)
+    except (ValueError, TypeError):
+        pass
+    else:
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            _update(current, value, key + ".")
+            return current
+        return value
+    raise ConfigError(f"fastllm train: {key}={value!r} is not a valid {_type_name(hint)}")
+
+
+def _type_name(hint):
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _update(obj, data, prefix):
+    if not isinstance(data, dict):
+        raise ConfigError(f"fastllm train: {prefix.rstrip('.') or 'config'} must be a mapping")
+    for key, value in data.items():
+        if key not in _field_names(obj):
+            raise ConfigError(f"fastllm train: unknown config key {prefix + key!r}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _update(current, value, prefix + key + ".")
+        else:
+            setattr(obj, key, _convert(prefix + key, value, current, _field_type(obj, key)))
+
+
+def _json_default(o):
+    return str(o)
+
+
+def dumps(cfg):
+    """The config as one line of JSON (for logs and checkpoints)."""
+    return json.dumps(cfg.to_dict(), default=_json_default, sort_keys=True)

@@ -1,0 +1,71 @@
+"""Peak tensor memory of one training step on any device (a TorchDispatchMode).
+
+On CUDA torch.cuda.max_memory_allocated answers this; on the CPU nothing does, so the step is run
+under PeakMemory: bytes held when it starts (every tensor passed to track: params, grads,
+optimizer state) plus the highest total of the storages the step itself allocates and still
+holds, each counted once however many views share it, released when its storage is freed.
+"""
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["PeakMemory"]
+
+
+class PeakMemory(TorchDispatchMode):
+    def __init__(self, *tracked):
+        super().__init__()
+        self._known = set()
+        self.baseline = 0
+        for obj in tracked:
+            for t in _tensors(obj):
+                st = t.untyped_storage()
+                if st.data_ptr() not in self._known:
+                    self._known.add(st.data_ptr())
+                    self.baseline += st.nbytes()
+        self.current = 0
+        self.peak_new = 0
+        self._live = weakref.WeakKeyDictionary()
+
+    @property
+    def peak(self):
+        return self.baseline + self.peak_new
+
+    def _release(self, nbytes):
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            if st in self._live or st.data_ptr() in self._known or st.nbytes() == 0:
+                continue
+            self._live[st] = st.nbytes()
+            weakref.finalize(st, self._release, st.nbytes())
+            self.current += st.nbytes()
+            self.peak_new = max(self.peak_new, self.current)
+        return out
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from obj.buffers()
+    elif hasattr(obj, "state") and hasattr(obj, "param_groups"):
+        for state in obj.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield v
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)

@@ -1,0 +1,202 @@
+"""Metrics: one JSON line per step in output_dir/metrics.jsonl, a progress bar (or plain log
+lines when stderr is not a terminal), optional TensorBoard events, and the run summary.
+
+Each step's wall time is split into data wait (blocked on the loader), forward+backward,
+exposed communication (gradient reduction not hidden behind backward, plus the loss/flag
+all-reduces) and optimizer; the summary warns at > 10% data wait or > 15% exposed
+communication. Exposed communication is measured for DDP (from the last gradient bucket's launch
+to the end of backward, by a comm hook) plus the per-step loss all-reduce; FSDP's and
+DistributedOptimizer's own collectives are counted in forward+backward / optimizer.
+
+peak_mem_bytes: on CUDA torch.cuda.max_memory_allocated of the step; on the CPU in one process
+the peak tensor memory of the first step (fastllm.train.memory.PeakMemory, params, grads and
+optimizer state included); on the CPU with several processes the process's peak RSS.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+__all__ = ["FIELDS", "MetricsWriter", "read_metrics", "summarize", "format_summary"]
+
+FIELDS = ("step", "loss", "lr", "grad_norm", "skipped", "tokens", "tokens_per_s", "step_time_s",
+          "data_wait_s", "fwd_bwd_s", "comm_s", "optim_s", "peak_mem_bytes")
+
+DATA_WAIT_WARN = 0.10
+COMM_WARN = 0.15
+
+
+def read_metrics(path):
+    """The step records of a metrics.jsonl, the last record of each step kept (a resumed run
+    repeats the steps after its checkpoint); a torn last line is ignored."""
+    by_step = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "step" in rec:
+                by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+class MetricsWriter:
+    """Appends to metrics.jsonl (rank 0 only) and shows progress."""
+
+    def __init__(self, cfg, output_dir, enabled, max_steps, start_step):
+        self.enabled = enabled
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.max_steps = max_steps
+        self.log_interval = max(1, cfg.log_interval)
+        self._file = None
+        self._bar = None
+        self._tb = None
+        self._t0 = time.perf_counter()
+        self._start_step = start_step
+        if not enabled:
+            return
+        self._truncate_after(start_step)
+        self._file = open(self.path, "a")
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=max_steps, initial=start_step, desc="train",
+                                 dynamic_ncols=True)
+            except ImportError:
+                self._bar = None
+        if cfg.report_to == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            except ImportError:
+                print("fastllm train: report_to=tensorboard but tensorboard is not installed "
+                      "(pip install tensorboard); writing metrics.jsonl only", file=sys.stderr)
+
+    def _truncate_after(self, step):
+        """A resumed run rewrites the steps after its checkpoint: drop their old lines."""
+        if not os.path.exists(self.path):
+            return
+        keep = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("step", 0) <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.path)
+
+    def rewind(self, step):
+        """After a rollback to `step`: drop the lines of the steps that will be redone."""
+        if not self.enabled:
+            return
+        self._file.close()
+        self._truncate_after(step)
+        self._file = open(self.path, "a")
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def log(self, rec):
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        step = rec["step"]
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s",
+                        "comm_s", "optim_s"):
+                if isinstance(rec.get(key), (int, float)):
+                    self._tb.add_scalar(f"train/{key}", rec[key], step)
+        loss = rec["loss"]
+        text = (f"loss {loss:.4f} lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f}"
+                + (" SKIPPED" if rec["skipped"] else ""))
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(1)
+        elif step % self.log_interval == 0 or step == self.max_steps or step == 1:
+            done = step - self._start_step
+            elapsed = time.perf_counter() - self._t0
+            eta = elapsed / max(done, 1) * (self.max_steps - step)
+            print(f"step {step}/{self.max_steps} {text} eta {eta:.0f}s", file=sys.stderr,
+                  flush=True)
+
+    def message(self, text):
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _mean(values):
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(records, skip_first=1):
+    """Totals and means of a run's step records (the first steps, which include warm-up, are left
+    out of the timing means when there are enough)."""
+    if not records:
+        return {}
+    timed = records[skip_first:] if len(records) > skip_first + 2 else records
+    step_time = sum(r["step_time_s"] for r in timed)
+    split = {k: sum((r.get(k) or 0.0) for r in timed) for k in
+             ("data_wait_s", "fwd_bwd_s", "comm_s", "optim_s")}
+    losses = [r["loss"] for r in records if not r["skipped"]]
+    n = max(1, min(10, len(losses) // 5))
+    return {
+        "steps": records[-1]["step"],
+        "first_loss": _mean(losses[:n]) if losses else float("nan"),
+        "final_loss": _mean(losses[-n:]) if losses else float("nan"),
+        "skipped_steps": sum(1 for r in records if r["skipped"]),
+        "tokens": sum(r["tokens"] for r in records),
+        "tokens_per_s": sum(r["tokens"] for r in timed) / step_time if step_time else 0.0,
+        "step_time_s": step_time / len(timed),
+        "split": {k: (v / step_time if step_time else 0.0) for k, v in split.items()},
+        "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records),
+    }
+
+
+def format_summary(s, title="run summary"):
+    if not s:
+        return f"{title}: no steps"
+    split = s["split"]
+    lines = [
+        f"{title}:",
+        f"  steps {s['steps']}, tokens {s['tokens']:,}, skipped steps {s['skipped_steps']}",
+        f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}  (mean of the first / last steps)",
+        f"  throughput {s['tokens_per_s']:,.0f} tokens/s, {s['step_time_s'] * 1e3:.1f} ms/step",
+        "  time split: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1%}"
+                                     for k, v in split.items()),
+        f"  peak memory {s['peak_mem_bytes'] / 2**20:.1f} MiB",
+    ]
+    if split["data_wait_s"] > DATA_WAIT_WARN:
+        lines.append(f"  WARNING: data wait is {split['data_wait_s']:.0%} of the step (> 10%): "
+                     f"raise data.prefetch, or make the data pipeline faster")
+    if split["comm_s"] > COMM_WARN:
+        lines.append(f"  WARNING: exposed communication is {split['comm_s']:.0%} of the step "
+                     f"(> 15%): use a larger micro batch or gradient accumulation, or overlap "
+                     f"more (fsdp/zero2)")
+    return "\n".join(lines)

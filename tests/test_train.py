@@ -1,0 +1,451 @@
+"""fastllm train: config, modes, checkpoints and recovery, metrics, report, distributed resume.
+
+Tiny Llama (2 layers, hidden 64, byte-level vocab 257), sequences of 32 tokens, a few steps.
+In-process runs use one thread so that a run and its resumed copy in another process compute
+bit for bit the same thing.
+"""
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastllm.train import TrainConfig, Trainer, lr_at
+from fastllm.train import checkpoint as ckpt
+from fastllm.train.config import ConfigError
+from fastllm.train.metrics import FIELDS, read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("token-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def tiny(cache_dir, output_dir, *extra):
+    """Overrides for a tiny, fast run."""
+    return ["model=tiny", "data.seq_len=32", "micro_batch_size=4", "global_batch_size=8",
+            "lr=1e-2", "min_lr=1e-3", "warmup_steps=2", "threads=1", "log_interval=1000",
+            f"data.cache_dir={cache_dir}", f"output_dir={output_dir}", *extra]
+
+
+def run(cache_dir, output_dir, *extra):
+    return Trainer(TrainConfig.from_args(tiny(cache_dir, output_dir, *extra))).train()
+
+
+def losses(output_dir):
+    return [r["loss"] for r in read_metrics(os.path.join(output_dir, "metrics.jsonl"))]
+
+
+def samples(output_dir):
+    return [r["samples"] for r in read_metrics(os.path.join(output_dir, "metrics.jsonl"))]
+
+
+def subprocess_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def wait_for_steps(proc, metrics, n, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace")
+            raise AssertionError(f"training process exited early ({proc.returncode}):\n{out}")
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                if sum(1 for line in f if line.endswith("\n")) >= n:
+                    return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no {n} steps within {timeout}s")
+
+
+# ----- the uninterrupted reference run (12 steps, checkpoints every 3) -----
+
+REF_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("reference"))
+    run(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3",
+        "checkpoint.keep_last=2", "data.log_indices=true")
+    return out
+
+
+# ----- config -----
+
+def test_config_overrides_yaml_and_errors(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 7\nlora:\n  r: 4\ncheckpoint:\n  interval: 2\nlr: 1.0e-3\n")
+    cfg = TrainConfig.from_args(["lora.r=16", "betas=0.8,0.9", "lora.target_modules=q_proj",
+                                 "model_config.num_hidden_layers=3", "seed=5", "min_lr=1e-5"],
+                                str(path))
+    assert (cfg.max_steps, cfg.lora.r, cfg.checkpoint.interval, cfg.seed) == (7, 16, 2, 5)
+    assert cfg.lr == 1e-3 and cfg.min_lr == 1e-5 and cfg.betas == [0.8, 0.9]
+    assert cfg.lora.target_modules == ["q_proj"]
+    assert cfg.model_config == {"num_hidden_layers": 3}
+    cfg.save(str(tmp_path), "saved.yaml")
+    assert TrainConfig.load(str(tmp_path / "saved.yaml")) == cfg
+    with pytest.raises(ConfigError, match="unknown config key 'lora.rank'"):
+        TrainConfig.from_args(["lora.rank=4"])
+    with pytest.raises(ConfigError, match="max_steps='ten' is not a valid int"):
+        TrainConfig.from_args(["max_steps=ten"])
+    with pytest.raises(ConfigError, match="finetune must be one of"):
+        TrainConfig.from_args(["finetune=qlora"])
+    with pytest.raises(ConfigError, match="checkpoint_ratio must be in"):
+        TrainConfig.from_args(["checkpoint_ratio=1.5"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        TrainConfig.from_args(["max_steps"])
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert lr_at(cfg, 1) == pytest.approx(0.1)
+    assert lr_at(cfg, 10) == pytest.approx(1.0)
+    assert lr_at(cfg, 60) == pytest.approx(0.55)   # half way down the cosine
+    assert lr_at(cfg, 110) == pytest.approx(0.1)
+    lrs = [lr_at(cfg, s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+# ----- modes and precision -----
+
+@pytest.mark.parametrize("finetune,precision,extra", [
+    ("full", "fp32", []),
+    ("freeze", "fp32", ["freeze.layers=1"]),
+    ("lora", "fp32", ["lora.r=4", "lora.target_modules=q_proj,v_proj,gate_proj", "lr=3e-2"]),
+    ("lora", "fp32", ["lora.layers=1", "lora.dropout=0.1", "lr=5e-2",
+                      "lora.target_modules=q_proj,v_proj,gate_proj,up_proj,down_proj"]),
+    ("full", "bf16", []),
+    ("full", "fp16", ["data.seq_len=16"]),
+    ("galore", "fp32", ["galore.rank=8", "galore.update_proj_gap=5"]),
+    ("badam", "fp32", ["badam.switch_block_every=2", "badam.switch_mode=descending"]),
+])
+def test_loss_falls_in_every_mode(cache_dir, tmp_path, finetune, precision, extra):
+    s = run(cache_dir, str(tmp_path), "max_steps=20", "checkpoint.interval=0",
+            f"finetune={finetune}", f"precision={precision}", *extra)
+    ls = s["losses"]
+    assert all(math.isfinite(x) for x in ls), ls
+    assert sum(ls[-4:]) / 4 < ls[0] - 0.3, ls
+    if finetune == "lora":
+        from safetensors.torch import load_file
+
+        adapter = tmp_path / "checkpoint-20" / "adapter"
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["peft_type"] == "LORA"
+        keys = load_file(str(adapter / "adapter_model.safetensors"))
+        assert keys and all(k.startswith("base_model.model.") for k in keys)
+        if "lora.layers=1" in extra:  # only the last of the two layers is adapted
+            assert all(".layers.1." in k for k in keys), sorted(keys)
+
+
+def test_freeze_trains_only_the_last_layers(cache_dir, tmp_path):
+    s = run(cache_dir, str(tmp_path), "max_steps=3", "finetune=freeze", "freeze.layers=1",
+            "checkpoint.interval=0")
+    after = torch.load(tmp_path / "checkpoint-3" / "model.pt")
+    from fastllm.train.model import build_model
+
+    before = build_model(TrainConfig(model="tiny", seed=0), 257, torch.float32).state_dict()
+    for name, value in before.items():
+        moved = not torch.equal(value, after[name])
+        trains = name.startswith(("model.layers.1.", "model.norm", "lm_head"))
+        assert moved == trains, name
+    assert s["steps"] == 3
+
+
+def test_grad_accumulation_matches_one_big_batch(cache_dir, tmp_path):
+    a = run(cache_dir, str(tmp_path / "a"), "max_steps=5", "checkpoint.interval=0")
+    b = run(cache_dir, str(tmp_path / "b"), "max_steps=5", "checkpoint.interval=0",
+            "micro_batch_size=8")
+    torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-5, atol=0)
+
+
+def test_fastllm_matches_plain_pytorch_loop(cache_dir, tmp_path):
+    """backend=torch is the same loop on torch.optim.AdamW(fused=True): same model, data, seed."""
+    a = run(cache_dir, str(tmp_path / "a"), "max_steps=6", "checkpoint.interval=0")
+    b = run(cache_dir, str(tmp_path / "b"), "max_steps=6", "checkpoint.interval=0",
+            "backend=torch")
+    torch.testing.assert_close(a["losses"], b["losses"], rtol=2e-5, atol=0)
+
+
+def test_optimizer_in_backward_matches_a_separate_step(cache_dir, tmp_path):
+    a = run(cache_dir, str(tmp_path / "a"), "max_steps=5", "checkpoint.interval=0",
+            "max_grad_norm=0", "micro_batch_size=8")
+    b = run(cache_dir, str(tmp_path / "b"), "max_steps=5", "checkpoint.interval=0",
+            "max_grad_norm=0", "micro_batch_size=8", "optimizer_in_backward=true")
+    torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-6, atol=0)
+
+
+def test_checkpoint_ratio_same_gradients_less_memory(cache_dir):
+    from fastllm.train.model import apply_activation_checkpointing, build_model
+    from torch.distributed._tools.mem_tracker import MemTracker  # torch's own, as a check
+
+    cfg = TrainConfig(model="tiny", model_config={"num_hidden_layers": 4})
+    ids = torch.randint(0, 257, (4, 64))
+    grads, peaks = [], []
+    for ratio in (0.0, 1.0):
+        model = build_model(cfg, 257, torch.float32).train()
+        assert apply_activation_checkpointing(model, ratio) == int(4 * ratio)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0)
+    assert peaks[1] < 0.8 * peaks[0], peaks
+
+
+def test_checkpoint_ratio_lowers_the_runs_reported_peak(cache_dir, tmp_path):
+    peaks = []
+    for ratio in (0.0, 1.0):
+        s = run(cache_dir, str(tmp_path / str(ratio)), "max_steps=2", "checkpoint.interval=0",
+                "model_config.num_hidden_layers=4", "data.seq_len=64",
+                f"checkpoint_ratio={ratio}")
+        peaks.append(s["peak_mem_bytes"])
+    assert peaks[1] < 0.8 * peaks[0], peaks
+
+
+# ----- checkpoints and recovery -----
+
+def test_metrics_lines_hold_every_field(reference):
+    records = read_metrics(os.path.join(reference, "metrics.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, REF_STEPS + 1))
+    for r in records:
+        missing = [k for k in FIELDS if k not in r]
+        assert not missing, missing
+        split = r["data_wait_s"] + r["fwd_bwd_s"] + r["comm_s"] + r["optim_s"]
+        assert 0 < split <= r["step_time_s"] * 1.001
+        assert r["tokens"] == 8 * 32 and r["peak_mem_bytes"] > 0
+        assert r["skipped"] is False and math.isfinite(r["grad_norm"])
+    losses_ = [r["loss"] for r in records]
+    assert losses_[-1] < losses_[0]
+
+
+def test_keep_last_and_manifest(reference):
+    found = ckpt.list_checkpoints(reference)
+    assert [s for s, _ in found] == [12, 9]
+    for _, path in found:
+        ckpt.verify(path)
+    manifest = json.load(open(os.path.join(found[0][1], ckpt.MANIFEST)))
+    assert {"model.pt", "optimizer.pt", "trainer_state.pt", "config.yaml"} <= set(
+        manifest["files"])
+    assert not [n for n in os.listdir(reference) if n.startswith(".tmp")]
+
+
+def test_no_batch_seen_twice_or_skipped(reference):
+    seen = [s for step in samples(reference) for s in step]
+    assert seen == list(range(REF_STEPS * 8))
+
+
+def test_sigkill_then_resume_gives_the_same_losses_bitwise(cache_dir, reference, tmp_path):
+    out = str(tmp_path)
+    args = tiny(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3",
+                "data.log_indices=true")
+    proc = subprocess.Popen([sys.executable, "-m", "fastllm", "train", *args], cwd=ROOT,
+                            env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    kill_at = random.Random(os.getpid()).randint(4, REF_STEPS - 2)
+    try:
+        wait_for_steps(proc, os.path.join(out, "metrics.jsonl"), kill_at)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    done = max(s for s, _ in ckpt.list_checkpoints(out))
+    assert 3 <= done < REF_STEPS, done
+    s = run(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3",
+            "data.log_indices=true")
+    assert s["resumed_from"].endswith(f"checkpoint-{done}")
+    assert losses(out) == losses(reference)          # bitwise: the same floats
+    assert samples(out) == samples(reference)        # no batch twice, none skipped
+
+
+def test_crash_while_writing_leaves_the_previous_checkpoint(cache_dir, reference, tmp_path,
+                                                            monkeypatch):
+    out = str(tmp_path)
+    real = ckpt.save_file
+
+    def dies_on_step_6(obj, path):
+        if "checkpoint-6" in path and path.endswith("optimizer.pt"):
+            with open(path, "wb") as f:
+                f.write(b"half a file")
+            raise OSError("simulated crash while writing the checkpoint")
+        real(obj, path)
+
+    monkeypatch.setattr(ckpt, "save_file", dies_on_step_6)
+    with pytest.raises(OSError, match="simulated crash"):
+        run(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3")
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [3]
+    assert any(n.startswith(".tmp-checkpoint-6") for n in os.listdir(out))
+    monkeypatch.setattr(ckpt, "save_file", real)
+    s = run(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3")
+    assert s["resumed_from"].endswith("checkpoint-3")
+    assert not any(n.startswith(".tmp") for n in os.listdir(out))
+    assert losses(out) == losses(reference)
+
+
+def test_corrupt_checkpoint_is_refused_and_the_previous_used(reference, tmp_path):
+    import shutil
+
+    out = str(tmp_path / "run")
+    shutil.copytree(reference, out)
+    model = os.path.join(out, "checkpoint-12", "model.pt")
+    data = bytearray(open(model, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(model, "wb").write(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="model.pt does not match its sha256"):
+        ckpt.verify(os.path.join(out, "checkpoint-12"))
+    messages = []
+    step, path = ckpt.latest_valid(out, log=messages.append)
+    assert step == 9 and "refusing checkpoint" in messages[0] and "checkpoint-12" in messages[0]
+    os.truncate(os.path.join(out, "checkpoint-9", "optimizer.pt"), 100)
+    messages.clear()
+    assert ckpt.latest_valid(out, log=messages.append) is None
+    assert "truncated" in messages[-1]
+
+
+def test_nan_loss_is_skipped_and_a_run_of_them_rolls_back(cache_dir, tmp_path):
+    one = run(cache_dir, str(tmp_path / "one"), "max_steps=8", "checkpoint.interval=0",
+              "nan_batches=[4]")
+    recs = read_metrics(str(tmp_path / "one" / "metrics.jsonl"))
+    assert [r["skipped"] for r in recs] == [i == 4 for i in range(8)]
+    assert math.isnan(recs[4]["loss"]) and one["skipped_steps"] == 1
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(recs) if i != 4)
+
+    out = str(tmp_path / "many")
+    s = run(cache_dir, out, "max_steps=10", "checkpoint.interval=3", "max_bad_steps=3",
+            "nan_batches=[6,7,8]", "data.log_indices=true")
+    assert s["rollbacks"] == 1 and s["status"] == "completed"
+    recs = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in recs] == list(range(1, 11))
+    assert not any(r["skipped"] for r in recs)
+    # After the rollback to checkpoint-6, step 7 trains on batch 9: batches 6-8 are skipped.
+    assert recs[6]["samples"] == list(range(9 * 8, 10 * 8))
+    assert recs[5]["samples"] == list(range(5 * 8, 6 * 8))
+
+
+def test_rollback_without_a_checkpoint_says_so(cache_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="no checkpoint .* to roll back to"):
+        run(cache_dir, str(tmp_path), "max_steps=6", "checkpoint.interval=0",
+            "max_bad_steps=2", "nan_batches=[1,2]")
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(cache_dir, tmp_path):
+    out = str(tmp_path)
+    args = tiny(cache_dir, out, "max_steps=100000", "checkpoint.interval=0")
+    proc = subprocess.Popen([sys.executable, "-m", "fastllm", "train", *args], cwd=ROOT,
+                            env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_for_steps(proc, os.path.join(out, "metrics.jsonl"), 3)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    text = proc.stdout.read().decode(errors="replace")
+    assert rc == 0, text
+    assert "SIGTERM received" in text
+    step, path = ckpt.latest_valid(out)
+    assert step == read_metrics(os.path.join(out, "metrics.jsonl"))[-1]["step"] >= 3
+
+
+# ----- report, CLI -----
+
+def test_report_writes_a_png(reference, tmp_path, capsys):
+    from fastllm.cli import main
+
+    out = str(tmp_path / "r.png")
+    main(["report", reference, "--out", out])
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "tokens/s" in text and "time split" in text
+
+
+def test_cli_train_and_compare_torch(cache_dir, tmp_path, capsys):
+    from fastllm.cli import main
+
+    main(["train", "--compare", "torch", *tiny(cache_dir, str(tmp_path / "c"), "max_steps=3",
+                                                "finetune=lora")])
+    text = capsys.readouterr().out
+    assert "fastllm / torch tokens/s" in text
+    assert os.path.isfile(tmp_path / "c-torch" / "metrics.jsonl")
+    assert os.path.isfile(tmp_path / "c" / "config.yaml")
+
+
+# ----- distributed -----
+
+def torchrun(args, port_offset):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(29500 + (os.getpid() + port_offset) % 1000), "-m", "fastllm",
+           "train", *args]
+    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout.decode()[-3000:] + done.stderr.decode()[-3000:]
+    return done.stderr.decode()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_resume_at_world_size_one(cache_dir, reference, tmp_path, strategy):
+    import shutil
+
+    out = str(tmp_path)
+    args = tiny(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3",
+                "checkpoint.keep_last=4", f"parallel.strategy={strategy}",
+                "data.log_indices=true")
+    assert f"strategy={strategy}" in torchrun(args, len(strategy))
+    assert samples(out) == samples(reference)
+    # Two ranks average the same sequences in another order: equal up to fp32 rounding.
+    torch.testing.assert_close(losses(out), losses(reference), rtol=1e-4, atol=0)
+    assert all(r["comm_s"] > 0 for r in read_metrics(os.path.join(out, "metrics.jsonl")))
+    # Resume the world-2 checkpoint of step 6 in one process and redo steps 7-12.
+    for step, path in ckpt.list_checkpoints(out):
+        if step > 6:
+            shutil.rmtree(path)
+    s = run(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3",
+            "data.log_indices=true")
+    assert s["resumed_from"].endswith("checkpoint-6") and s["world_size"] == 1
+    assert samples(out) == samples(reference)
+    torch.testing.assert_close(losses(out), losses(reference), rtol=1e-4, atol=0)
+
+
+def _has_distributed_optimizer():
+    try:
+        from fastllm.distributed import DistributedOptimizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_distributed_optimizer(),
+                    reason="fastllm.distributed.DistributedOptimizer is not in this install")
+def test_zero2_two_processes_trains(cache_dir, tmp_path):
+    out = str(tmp_path)
+    args = tiny(cache_dir, out, "max_steps=8", "checkpoint.interval=4",
+                "parallel.strategy=zero2")
+    assert "strategy=zero2" in torchrun(args, 7)
+    ls = losses(out)
+    assert len(ls) == 8 and ls[-1] < ls[0] - 0.5, ls
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [8, 4]
