@@ -1,0 +1,180 @@
+"""Pipeline parallel for Llama-style models on torch.distributed.pipelining.
+
+`build_pipeline_stage` cuts a transformers causal LM into a stage module that keeps the
+original parameter names (`model.layers.5.mlp.up_proj.weight`, `lm_head.weight`), so DCP
+checkpoints move between pipeline and non-pipeline layouts; `build_schedule` wraps torch's
+GPipe, 1F1B and interleaved 1F1B schedules.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+def split_layers(layer_costs, num_stages, first_cost=0.0, last_cost=0.0):
+    """Contiguous split of layers into stages minimising the most expensive stage.
+
+    layer_costs: cost per layer (FLOPs, or measured seconds); first_cost/last_cost: the extra
+    cost of the first stage (embedding) and of the last (final norm, head, loss). Returns
+    num_stages + 1 boundaries: stage i holds layers [b[i], b[i + 1]).
+    """
+    n = len(layer_costs)
+    if num_stages < 1:
+        raise ValueError(f"parallel.pp must be >= 1, got {num_stages}")
+    if n < num_stages:
+        raise ValueError(f"parallel.pp={num_stages} stages need at least as many layers; the model "
+                         f"has num_hidden_layers={n}")
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def cost(stage, lo, hi):
+        c = prefix[hi] - prefix[lo]
+        if stage == 0:
+            c += first_cost
+        if stage == num_stages - 1:
+            c += last_cost
+        return c
+
+    # best[s][i]: the least max-stage cost placing layers [0, i) on stages [0, s)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                val = max(best[s - 1][j], cost(s - 1, j, i))
+                if val < best[s][i]:
+                    best[s][i], cut[s][i] = val, j
+    bounds = [n]
+    for s in range(num_stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return bounds[::-1]
+
+
+def llama_layer_costs(config, seq_len):
+    """Per-layer, embedding and head costs in forward FLOPs per sequence (planner's formulas)."""
+    from fastllm.parallel.planner import model_from_hf_config
+
+    spec = model_from_hf_config(config.to_dict())
+    layer = 2 * seq_len * spec.layer_linear_params() + 4 * seq_len * seq_len * spec.hidden
+    head = 2 * seq_len * spec.hidden * spec.vocab
+    return [layer] * spec.layers, 0.0, head
+
+
+class LlamaStage(nn.Module):
+    """Layers [lo, hi) of a transformers Llama-style causal LM, plus the embedding on the first
+    stage and the final norm and head on the last. Parameter names are the full model's.
+
+    forward: first stage takes input_ids (batch, seq) int64, others hidden (batch, seq, hidden);
+    the last stage returns logits (batch, seq, vocab), others hidden states.
+    """
+
+    def __init__(self, model, lo, hi, first, last):
+        super().__init__()
+        inner = model.model
+        inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(lo, hi)})
+        if not first:
+            inner.embed_tokens = None
+        if not last:
+            inner.norm = None
+        self.model = inner
+        self.lm_head = model.lm_head if last else None
+        self.config = model.config
+        self.first, self.last = first, last
+
+    def forward(self, x):
+        inner = self.model
+        h = inner.embed_tokens(x) if self.first else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        pe = inner.rotary_emb(h, pos)
+        for layer in inner.layers.values():
+            # no mask: SDPA applies the causal mask itself when attention_mask is None
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        if self.last:
+            h = self.lm_head(inner.norm(h))
+        return h
+
+
+def merge_stages(stages):
+    """One module holding the parameters of several LlamaStages of a rank (interleaved
+    schedules), under the full model's names: for optimizers and DCP state dicts."""
+    merged = nn.Module()
+    merged.model = nn.Module()
+    merged.model.layers = nn.ModuleDict()
+    merged.config = stages[0].config
+    merged.lm_head = None
+    for st in stages:
+        merged.model.layers.update(st.model.layers)
+        if st.first:
+            merged.model.embed_tokens = st.model.embed_tokens
+        if st.last:
+            merged.model.norm = st.model.norm
+            merged.lm_head = st.lm_head
+    return merged
+
+
+def build_pipeline_stage(model, stage_index, num_stages, group=None, device="cpu",
+                         boundaries=None, seq_len=None, parallelize_fn=None):
+    """Cut `model` (consumed: its layer list is replaced) into stage `stage_index` of
+    `num_stages`; returns (LlamaStage, PipelineStage).
+
+    parallelize_fn(stage_module) runs before the PipelineStage is made (tensor parallel,
+    checkpointing, FSDP over the stage's dp/tp submesh), as torch's pipelining requires.
+    boundaries: explicit layer cuts (num_stages + 1 ints); by default the layers are balanced
+    by estimated FLOPs, the head's cost counted on the last stage (`split_layers`).
+    group: the pipeline process group (mesh["pp"].get_group()).
+    """
+    if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1:
+        raise ValueError("pipeline parallel needs untied embeddings (tie_word_embeddings=False): "
+                         "the embedding and the head live on different stages")
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index {stage_index} not in [0, {num_stages})")
+    if boundaries is None:
+        costs, first, last = llama_layer_costs(model.config, seq_len or 1)
+        boundaries = split_layers(costs, num_stages, first, last)
+    n = model.config.num_hidden_layers
+    if len(boundaries) != num_stages + 1 or boundaries[0] != 0 or boundaries[-1] != n or any(
+            a >= b for a, b in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"boundaries {boundaries} must rise strictly from 0 to "
+                         f"num_hidden_layers={n} in {num_stages} steps")
+    lo, hi = boundaries[stage_index], boundaries[stage_index + 1]
+    module = LlamaStage(model, lo, hi, stage_index == 0, stage_index == num_stages - 1)
+    if parallelize_fn is not None:
+        module = parallelize_fn(module) or module
+    stage = PipelineStage(module, stage_index, num_stages, torch.device(device), group=group)
+    return module, stage
+
+
+def build_schedule(stages, n_microbatches, loss_fn, schedule="1f1b", batch_size=None):
+    """A torch pipelining schedule. stages: one PipelineStage (GPipe, 1F1B) or this rank's
+    list of stages (interleaved). Gradients come out averaged over micro-batches.
+
+    batch_size (the per-pipeline batch), when given, is checked to split evenly.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    stage_list = stages if isinstance(stages, (list, tuple)) else [stages]
+    num_stages = stage_list[0].num_stages
+    pp = num_stages // len(stage_list)
+    if batch_size is not None and batch_size % n_microbatches:
+        raise ValueError(f"the per-pipeline batch ({batch_size}) is not divisible by "
+                         f"n_microbatches={n_microbatches}")
+    if schedule != "gpipe" and n_microbatches < pp:
+        raise ValueError(f"{schedule} needs n_microbatches={n_microbatches} >= parallel.pp={pp}")
+    if schedule == "interleaved":
+        if n_microbatches % pp:
+            raise ValueError(f"interleaved 1F1B needs n_microbatches={n_microbatches} divisible "
+                             f"by parallel.pp={pp}")
+        return ScheduleInterleaved1F1B(list(stage_list), n_microbatches, loss_fn=loss_fn)
+    if len(stage_list) != 1:
+        raise ValueError(f"{schedule} runs one stage per rank; got {len(stage_list)}")
+    return SCHEDULES[schedule](stage_list[0], n_microbatches, loss_fn=loss_fn)

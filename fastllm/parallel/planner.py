@@ -1,0 +1,570 @@
+"""An analytic cost model for data x tensor x pipeline parallel training, and the planner on top.
+
+Given a model shape, a sequence length, a global batch and a cluster (GPU type, count, node
+size), :func:`plan` enumerates layouts (dp/tp/pp, ZeRO stage, micro-batch, activation
+recomputation, pipeline schedule, full or LoRA training) and :func:`estimate` prices one:
+
+- memory per GPU: weights, gradients, optimizer state (fp32 master + two moments), activations;
+- compute time from the matmul FLOPs at the GPU's achievable matmul rate, plus the
+  memory-bound elementwise traffic at its HBM bandwidth;
+- communication from each collective's bytes and the bandwidth of the link it crosses (tensor
+  parallel is kept inside a node; data and pipeline groups cross nodes when they must);
+- the pipeline bubble, and the share of data-parallel communication that overlaps backward.
+
+Everything is in bytes and seconds. Formulas and their sources:
+
+- Matmul FLOPs per layer and the "achieved FLOP/s" convention (recomputation counted, logits
+  not recomputed): Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", SC 2021, section 5.1.
+- Pipeline bubble (p - 1) / (v m) of the ideal time for GPipe/1F1B (v = 1) and the interleaved
+  schedule (v chunks per stage): the same paper, sections 2.2.1-2.2.2.
+- Ring all-reduce moves 2 (n - 1) / n of the buffer per rank, reduce-scatter and all-gather
+  (n - 1) / n each; ZeRO stages shard optimizer state, gradients and weights over dp:
+  Rajbhandari et al., "ZeRO", SC 2020.
+- Activations saved per Llama decoder layer were counted from the tensors PyTorch's autograd
+  saves for transformers' ``LlamaDecoderLayer`` (SDPA attention; fp32 and bf16); the test suite
+  checks the count against ``torch.autograd.graph.saved_tensors_hooks`` on a real model.
+"""
+
+import dataclasses
+import itertools
+import json
+import os
+
+GiB = 1024**3
+
+
+# --- model shapes ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer. gated_mlp: Llama's SwiGLU (3 matrices) vs GPT's 2."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    gated_mlp: bool = True
+    tied_embeddings: bool = False
+
+    @property
+    def head_dim(self):
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self):
+        return self.kv_heads * self.head_dim
+
+    def layer_linear_params(self):
+        """Weights of the matmuls in one layer (q, k, v, o, MLP); norms excluded."""
+        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        return attn + mlp
+
+    def layer_params(self):
+        return self.layer_linear_params() + 2 * self.hidden
+
+    def embedding_params(self):
+        return self.vocab * self.hidden
+
+    def head_params(self):
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    def params(self):
+        return (self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+                + self.hidden)
+
+
+# Published shapes (each model's Hugging Face config.json).
+MODELS = {
+    "llama2-7b": ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000),
+    "llama2-13b": ModelSpec("llama2-13b", 40, 5120, 40, 40, 13824, 32000),
+    "llama2-70b": ModelSpec("llama2-70b", 80, 8192, 64, 8, 28672, 32000),
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
+    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
+}
+
+
+def model_from_hf_config(path_or_dict, name=None):
+    """A ModelSpec from a Hugging Face config.json (Llama-style keys, or GPT-2's n_layer/n_embd)."""
+    if isinstance(path_or_dict, dict):
+        cfg = path_or_dict
+    else:
+        with open(path_or_dict) as f:
+            cfg = json.load(f)
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(path_or_dict))) or "model"
+
+    def get(*keys, default=None):
+        for k in keys:
+            if k in cfg:
+                return cfg[k]
+        if default is None:
+            raise ValueError(f"config has none of {keys}: cannot size the model")
+        return default
+
+    hidden = get("hidden_size", "n_embd", "d_model")
+    heads = get("num_attention_heads", "n_head")
+    gated = "n_embd" not in cfg
+    return ModelSpec(
+        name=name or cfg.get("model_type", "model"),
+        layers=get("num_hidden_layers", "n_layer"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=get("num_key_value_heads", default=heads),
+        ffn=get("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden,
+        vocab=get("vocab_size"),
+        gated_mlp=gated,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", not gated)),
+    )
+
+
+# --- hardware ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator and its links. Bandwidths are per GPU, one direction, in bytes/s.
+
+    matmul_efficiency: the fraction of peak large matmuls reach in a training step;
+    comm_efficiency: the fraction of link bandwidth a ring collective reaches (bus bandwidth).
+    """
+
+    name: str
+    memory: float            # bytes
+    peak_flops: float        # dense bf16 (fp32 for a CPU) FLOP/s
+    hbm_bandwidth: float     # bytes/s
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    matmul_efficiency: float = 0.7
+    comm_efficiency: float = 0.75
+    reserved: float = 2 * GiB  # context, workspaces, allocator slack
+    dtype_bytes: int = 2       # training dtype of weights and activations
+    latency: float = 5e-6      # seconds per collective hop
+
+
+# Vendor datasheets (NVIDIA A100 80GB SXM, H100 SXM5, H200 SXM): dense bf16 tensor-core FLOP/s,
+# HBM bandwidth, NVLink total bandwidth halved for one direction; one InfiniBand NIC per GPU
+# (HDR 200 Gb/s on DGX A100, NDR 400 Gb/s on DGX H100/H200).
+GPUS = {
+    "A100": GPUSpec("A100-80GB", 80e9, 312e12, 2.039e12, 300e9, 25e9),
+    "H100": GPUSpec("H100-SXM", 80e9, 989e12, 3.35e12, 450e9, 50e9),
+    "H200": GPUSpec("H200-SXM", 141e9, 989e12, 4.8e12, 450e9, 50e9),
+}
+
+
+def gpu_from_dict(d):
+    """A user-defined GPU: keys of GPUSpec; memory in GB, peak_tflops, bandwidths in GB/s."""
+    return GPUSpec(
+        name=d.get("name", "custom"),
+        memory=float(d["memory_gb"]) * 1e9,
+        peak_flops=float(d["peak_tflops"]) * 1e12,
+        hbm_bandwidth=float(d["hbm_gbps"]) * 1e9,
+        intra_node_bandwidth=float(d["intra_node_gbps"]) * 1e9,
+        inter_node_bandwidth=float(d["inter_node_gbps"]) * 1e9,
+        matmul_efficiency=float(d.get("matmul_efficiency", 0.7)),
+        comm_efficiency=float(d.get("comm_efficiency", 0.75)),
+        reserved=float(d.get("reserved_gb", 2.0)) * 1e9,
+        dtype_bytes=int(d.get("dtype_bytes", 2)),
+    )
+
+
+# --- a layout ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """dp x tp x pp ranks; tp innermost (inside a node), then dp, then pp (Megatron's order)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0               # 0: replicated; 1: optimizer state; 2: + grads; 3: + weights
+    micro_batch: int = 1
+    recompute: bool = False     # full activation recomputation per layer
+    schedule: str = "1f1b"      # gpipe | 1f1b | interleaved
+    chunks: int = 1             # model chunks per stage (interleaved)
+    sequence_parallel: bool = False
+    lora_rank: int = 0          # 0: full training
+
+    def describe(self):
+        s = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        if self.pp > 1:
+            s += f" {self.schedule}" + (f"x{self.chunks}" if self.schedule == "interleaved" else "")
+        s += f" mb{self.micro_batch}"
+        if self.zero:
+            s += f" zero{self.zero}"
+        if self.recompute:
+            s += " recompute"
+        if self.sequence_parallel:
+            s += " sp"
+        if self.lora_rank:
+            s += f" lora{self.lora_rank}"
+        return s
+
+
+def bubble_fraction(pp, micro_batches, chunks=1):
+    """Share of the pipeline's step spent idle: (p - 1) / (v m + p - 1)."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (chunks * micro_batches + pp - 1)
+
+
+def check_layout(model, layout, seq_len, global_batch):
+    """Raise ValueError naming the setting when the layout cannot run this model and batch."""
+    lo = layout
+    for name in ("dp", "tp", "pp", "micro_batch", "chunks"):
+        if getattr(lo, name) < 1:
+            raise ValueError(f"parallel.{name} must be >= 1, got {getattr(lo, name)}")
+    if model.heads % lo.tp:
+        raise ValueError(f"parallel.tp={lo.tp} does not divide num_attention_heads={model.heads}")
+    if model.kv_heads % lo.tp:
+        raise ValueError(f"parallel.tp={lo.tp} does not divide "
+                         f"num_key_value_heads={model.kv_heads}")
+    if model.layers % (lo.pp * lo.chunks):
+        raise ValueError(f"parallel.pp={lo.pp} x chunks={lo.chunks} does not divide "
+                         f"num_hidden_layers={model.layers}")
+    if global_batch % (lo.dp * lo.micro_batch):
+        raise ValueError(f"global_batch_size={global_batch} is not divisible by parallel.dp="
+                         f"{lo.dp} x micro_batch={lo.micro_batch}")
+    m = global_batch // (lo.dp * lo.micro_batch)
+    if lo.pp > 1 and lo.schedule != "gpipe" and m < lo.pp:
+        raise ValueError(f"{lo.schedule} needs micro-batches ({m}) >= parallel.pp={lo.pp}")
+    if lo.schedule == "interleaved" and m % lo.pp:
+        raise ValueError(f"interleaved 1F1B needs micro-batches ({m}) divisible by pp={lo.pp}")
+    if lo.zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage must be 0-3, got {lo.zero}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+
+
+# --- the cost model ---------------------------------------------------------------------------
+
+def activation_bytes_per_layer(model, micro_batch, seq_len, dtype_bytes=2, tp=1,
+                               sequence_parallel=False, flash=True):
+    """Bytes autograd keeps for one decoder layer of one micro-batch (b s tokens).
+
+    Counted for transformers' LlamaDecoderLayer (e = dtype bytes): each RMSNorm keeps its fp32
+    input, its normalised value and its output ((4 + 2e) per element) and a fp32 rsqrt per
+    token; attention keeps q after rotary and its output (2e per element of hidden), k and v
+    (2e per kv element), and SDPA's fp32 log-sum-exp per head; the SwiGLU MLP keeps gate, up,
+    silu(gate) and their product (4e per ffn element). Without flash attention (Megatron's
+    2021 kernels) the scores, softmax and dropout mask add (2e + 1) per score element.
+    """
+    tokens = micro_batch * seq_len
+    e = dtype_bytes
+    h, t = model.hidden, tp
+    norms = 2 * ((4 + 2 * e) * h + 4)
+    if sequence_parallel:
+        # norm inputs/outputs are sharded on the sequence; the gathered input of q/k/v and of
+        # gate/up is kept whole
+        norms = 2 * ((4 + e) * h / t + e * h + 4 / t)
+    attn = (2 * e * h + 2 * e * model.kv_dim + 4 * model.heads) / t
+    mlp = ((4 if model.gated_mlp else 2) * e * model.ffn) / t
+    per_token = norms + attn + mlp
+    scores = 0 if flash else (2 * e + 1) * model.heads * seq_len * seq_len * micro_batch / t
+    return tokens * per_token + scores
+
+
+def _lora_params_per_layer(model, rank):
+    h, kv, f = model.hidden, model.kv_dim, model.ffn
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+    return rank * sum(i + o for i, o in shapes)
+
+
+def _collective_time(kind, nbytes, n, bandwidth, latency=5e-6):
+    """Ring algorithm time for `kind` over n ranks of an nbytes buffer."""
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    factor = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}[kind]
+    return factor * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
+             dp_overlap=0.5, grad_bytes=None, check=True):
+    """Price one layout. Returns a dict of bytes (per GPU) and seconds (per optimizer step).
+
+    dp_overlap: the fraction of data-parallel communication hidden behind backward compute.
+    grad_bytes: bytes per gradient element (default: the training dtype's).
+    """
+    lo = layout
+    if check:
+        check_layout(model, lo, seq_len, global_batch)
+    e = gpu.dtype_bytes
+    g = grad_bytes or e
+    mixed = e < 4
+    n_gpus = lo.dp * lo.tp * lo.pp
+    m = global_batch // (lo.dp * lo.micro_batch)
+    b, s, t = lo.micro_batch, seq_len, lo.tp
+    v = lo.chunks if lo.schedule == "interleaved" else 1
+    layers_stage = model.layers // lo.pp
+
+    # memory on the first and last stages (embedding vs head + logits); report the larger
+    def stage_params(first, last):
+        p = layers_stage * model.layer_params() / t
+        if first:
+            p += model.embedding_params() / t
+        if last:
+            p += (model.head_params() + model.hidden) / t
+            if model.tied_embeddings and not first:
+                p += model.embedding_params() / t
+        return p
+
+    act_layer = activation_bytes_per_layer(model, b, s, e, t, lo.sequence_parallel, flash)
+    if lo.pp == 1:
+        in_flight = 1
+    elif lo.schedule == "gpipe":
+        in_flight = m
+    elif lo.schedule == "interleaved":
+        in_flight = lo.pp * (1 + (lo.pp - 1) / (lo.pp * v))
+    else:
+        in_flight = lo.pp
+    layer_input = b * s * model.hidden * e / (t if lo.sequence_parallel else 1)
+    if lo.recompute:
+        acts = layers_stage * layer_input * in_flight + act_layer
+    else:
+        acts = layers_stage * act_layer * in_flight
+    # logits, their fp32 copy (none when already fp32), the log-softmax the loss keeps
+    logits = b * s * model.vocab / t * (e + (4 if e < 4 else 0) + 4)
+
+    best = None
+    for first, last in {(True, lo.pp == 1), (lo.pp == 1, True)}:
+        p = stage_params(first, last)
+        if lo.lora_rank:
+            trainable = layers_stage * _lora_params_per_layer(model, lo.lora_rank) / t
+            weights = p * e
+            grads = trainable * g
+            optim = trainable * (12 if mixed else 8)
+        else:
+            trainable = p
+            weights = p * e / (lo.dp if lo.zero >= 3 else 1)
+            grads = p * g / (lo.dp if lo.zero >= 2 else 1)
+            optim = p * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
+        # 1F1B: the first stage holds pp micro-batches in flight, the last one; GPipe: all m
+        a = acts if first or lo.schedule == "gpipe" else acts / in_flight
+        if last:
+            a += logits
+        mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": a}
+        total = sum(mem.values())
+        if best is None or total > best[0]:
+            best = (total, mem, p, trainable)
+    total, mem, p_stage, trainable = best
+
+    # compute per micro-batch on one stage
+    tokens = b * s
+    layer_fwd = 2 * tokens * model.layer_linear_params() + 4 * b * s * s * model.hidden
+    head_fwd = 2 * tokens * model.hidden * model.vocab
+    bwd_factor = 1 if lo.lora_rank else 2  # LoRA: input grads only through frozen weights
+    passes = 1 + bwd_factor + (1 if lo.recompute else 0)
+    # the last stage carries the head too, and the pipeline runs at its pace
+    stage_flops = (layers_stage * layer_fwd * passes + head_fwd * (1 + bwd_factor)) / t
+    rate = gpu.peak_flops * gpu.matmul_efficiency
+    # elementwise work (norms, rotary, activation functions, softmax without flash) is
+    # memory-bound: about one activation-sized read and write per pass
+    elementwise = layers_stage * 2 * act_layer * passes
+    t_compute_micro = stage_flops / rate + elementwise / gpu.hbm_bandwidth
+
+    # tensor parallel: two all-reduces (or reduce-scatter + all-gather) per layer per pass
+    bw_tp = gpu.intra_node_bandwidth * gpu.comm_efficiency
+    if t > node_size:
+        bw_tp = gpu.inter_node_bandwidth * gpu.comm_efficiency
+    tp_bytes = tokens * model.hidden * e
+    t_tp_micro = layers_stage * 2 * (2 + (1 if lo.recompute else 0)) * \
+        _collective_time("all_reduce", tp_bytes, t, bw_tp, gpu.latency)
+
+    t_micro = t_compute_micro + t_tp_micro
+    t_bubble = (lo.pp - 1) / v * t_micro
+
+    # pipeline p2p: activations forward, their grads backward, on each micro-batch and chunk
+    pp_inside = lo.tp * lo.dp * lo.pp <= node_size
+    bw_pp = gpu.comm_efficiency * (gpu.intra_node_bandwidth if pp_inside
+                                   else gpu.inter_node_bandwidth)
+    t_p2p = 0.0
+    if lo.pp > 1:
+        t_p2p = 2 * (m * v + lo.pp - 1) * (tokens * model.hidden * e / bw_pp + gpu.latency)
+
+    # data parallel: gradients reduced (ZeRO: reduce-scatter, then all-gather of weights)
+    dp_inside = lo.tp * lo.dp <= node_size
+    bw_dp = gpu.comm_efficiency * (gpu.intra_node_bandwidth if dp_inside
+                                   else gpu.inter_node_bandwidth)
+    grad_buf = trainable * g
+    # FSDP2 and bucketed DDP issue one collective per layer (plus the root's): the latency is
+    # paid per bucket, the bandwidth on the whole buffer
+    buckets = layers_stage + 1
+
+    def coll(kind, nbytes):
+        return buckets * _collective_time(kind, nbytes / buckets, lo.dp, bw_dp, gpu.latency)
+
+    if lo.zero == 0:
+        t_dp = coll("all_reduce", grad_buf)
+    else:
+        t_dp = coll("reduce_scatter", grad_buf) + coll("all_gather", trainable * e)
+        if lo.zero == 3:
+            # weights re-gathered for forward and backward of every micro-batch
+            t_dp += coll("all_gather", trainable * e) * (2 * m - 1)
+    t_dp_exposed = t_dp * (1 - dp_overlap)
+
+    # optimizer: memory-bound over the local shard (master, two moments, grad, weight)
+    opt_elems = trainable / (lo.dp if lo.zero >= 1 else 1)
+    t_opt = opt_elems * (2 * (12 if mixed else 8) + g + e) / gpu.hbm_bandwidth
+
+    compute = m * t_compute_micro
+    step = m * t_micro + t_bubble + t_p2p + t_dp_exposed + t_opt
+    comm = m * t_tp_micro + t_p2p + t_dp_exposed
+    tokens_step = global_batch * seq_len
+    # model FLOPs (no recomputation) for MFU; Megatron's counted FLOPs for "achieved"
+    head_flops = 2 * seq_len * model.hidden * model.vocab
+    fwd = (model.layers * (2 * seq_len * model.layer_linear_params() + 4 * seq_len * seq_len
+                           * model.hidden) + head_flops) * global_batch
+    model_flops = fwd * (1 + bwd_factor)
+    # recomputation repeats the layers' forward, not the head's
+    hw_flops = model_flops + (fwd - head_flops * global_batch if lo.recompute else 0)
+    memory_total = total + gpu.reserved
+    warnings = []
+    if comm / step > 0.15:
+        warnings.append(f"communication {100 * comm / step:.0f}% of the step")
+    if t_bubble / step > 0.15:
+        warnings.append(f"pipeline bubble {100 * t_bubble / step:.0f}% of the step")
+    return {
+        "layout": lo,
+        "n_gpus": n_gpus,
+        "micro_batches": m,
+        "memory": mem,
+        "memory_total": memory_total,
+        "fits": memory_total <= gpu.memory,
+        "time_compute": compute,
+        "time_tp": m * t_tp_micro,
+        "time_pp_p2p": t_p2p,
+        "time_dp": t_dp,
+        "time_dp_exposed": t_dp_exposed,
+        "time_bubble": t_bubble,
+        "time_optimizer": t_opt,
+        "step_time": step,
+        "tokens_per_s": tokens_step / step,
+        "mfu": model_flops / step / (n_gpus * gpu.peak_flops),
+        "achieved_flops_per_gpu": hw_flops / step / n_gpus,
+        "comm_share": comm / step,
+        "bubble_share": t_bubble / step,
+        "bubble_fraction": bubble_fraction(lo.pp, m, v),
+        "warnings": warnings,
+    }
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_rank=0,
+         flash=True, dp_overlap=0.5, zero_stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8),
+         sequence_parallel=False):
+    """All layouts of n_gpus that can run the model, priced; the `top` fastest that fit first.
+
+    sequence_parallel: price tensor-parallel layouts with sequence parallelism (Megatron,
+    torchtitan); fastllm.parallel's runtime does not offer it, hence off by default.
+
+    Returns (best, all_estimates): best is a list of estimate dicts sorted by step time.
+    """
+    if isinstance(model, str):
+        model = MODELS[model]
+    if isinstance(gpu, str):
+        gpu = GPUS[gpu]
+    if n_gpus % node_size and n_gpus > node_size:
+        raise ValueError(f"gpus={n_gpus} is not a multiple of node_size={node_size}")
+    results = []
+    for tp, pp in itertools.product(_divisors(min(n_gpus, node_size)), _divisors(n_gpus)):
+        if n_gpus % (tp * pp):
+            continue
+        dp = n_gpus // (tp * pp)
+        schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved", 2), ("gpipe", 1)]
+        for (sched, v), mb, zero, rec in itertools.product(schedules, micro_batches,
+                                                           zero_stages, (False, True)):
+            if pp > 1 and zero >= 2:
+                continue  # ZeRO-2/3 re-gather per micro-batch; nobody pipelines with them
+            if dp == 1 and zero:
+                continue
+            lo = Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, recompute=rec,
+                        schedule=sched, chunks=v, sequence_parallel=sequence_parallel and tp > 1,
+                        lora_rank=lora_rank)
+            try:
+                check_layout(model, lo, seq_len, global_batch)
+            except ValueError:
+                continue
+            results.append(estimate(model, lo, seq_len, global_batch, gpu, node_size, flash,
+                                    dp_overlap, check=False))
+    fitting = sorted((r for r in results if r["fits"]), key=lambda r: r["step_time"])
+    return fitting[:top], results
+
+
+def format_plan(best, model, seq_len, global_batch, gpu, n_gpus, node_size):
+    """The table `fastllm plan` prints."""
+    lines = [f"{model.name}: {model.params() / 1e9:.2f}B params, {model.layers} layers, hidden "
+             f"{model.hidden}, heads {model.heads}/{model.kv_heads} kv, ffn {model.ffn}, vocab "
+             f"{model.vocab}; seq {seq_len}, global batch {global_batch}; {n_gpus} x {gpu.name} "
+             f"({node_size} per node)"]
+    if not best:
+        lines.append("no layout fits in memory: add GPUs, recompute, ZeRO, or LoRA")
+        return "\n".join(lines)
+    header = ("layout", "mem/GPU GiB", "step s", "tokens/s", "MFU", "comm", "bubble", "warnings")
+    rows = [header]
+    for r in best:
+        rows.append((r["layout"].describe(), f"{r['memory_total'] / GiB:.1f}",
+                     f"{r['step_time']:.3f}", f"{r['tokens_per_s']:,.0f}",
+                     f"{100 * r['mfu']:.1f}%", f"{100 * r['comm_share']:.1f}%",
+                     f"{100 * r['bubble_share']:.1f}%", "; ".join(r["warnings"]) or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# --- the `fastllm plan` command ---------------------------------------------------------------
+
+def add_plan_arguments(p):
+    p.add_argument("--model", required=True,
+                   help=f"a name ({', '.join(MODELS)}) or a Hugging Face config.json")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)} or a JSON file (see "
+                   "fastllm.parallel.planner.gpu_from_dict)")
+    p.add_argument("--gpus", type=int, required=True, help="GPU count")
+    p.add_argument("--node-size", type=int, default=8, help="GPUs per node (NVLink domain)")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA of this rank on all "
+                   "linear layers instead of full training")
+    p.add_argument("--no-flash", action="store_true", help="attention without a fused kernel")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="price tensor parallel with sequence parallelism (not in the runtime)")
+    p.add_argument("--dp-overlap", type=float, default=0.5,
+                   help="fraction of data-parallel communication hidden behind backward")
+
+
+def plan_command(args):
+    """Entry point of `fastllm plan`; returns the printed text."""
+    if args.model in MODELS:
+        model = MODELS[args.model]
+    elif os.path.isfile(args.model):
+        model = model_from_hf_config(args.model)
+    else:
+        raise SystemExit(f"fastllm plan: --model {args.model!r} is neither a known name "
+                         f"({', '.join(MODELS)}) nor a config.json file")
+    if args.gpu in GPUS:
+        gpu = GPUS[args.gpu]
+    elif os.path.isfile(args.gpu):
+        with open(args.gpu) as f:
+            gpu = gpu_from_dict(json.load(f))
+    else:
+        raise SystemExit(f"fastllm plan: --gpu {args.gpu!r} is neither {', '.join(GPUS)} nor a "
+                         "JSON file")
+    try:
+        best, _ = plan(model, args.seq_len, args.global_batch, gpu, args.gpus, args.node_size,
+                       args.top, args.lora, not args.no_flash, args.dp_overlap,
+                       sequence_parallel=args.sequence_parallel)
+    except ValueError as e:
+        raise SystemExit(f"fastllm plan: {e}")
+    text = format_plan(best, model, args.seq_len, args.global_batch, gpu, args.gpus,
+                       args.node_size)
+    print(text)
+    return text

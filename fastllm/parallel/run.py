@@ -1,0 +1,220 @@
+"""Train a tiny Llama in any dp x tp x pp layout: the example, the tests' and the benchmark's loop.
+
+    torchrun --nproc_per_node 4 -m fastllm.parallel.run --dp 2 --tp 2
+    torchrun --nproc_per_node 4 -m fastllm.parallel.run --pp 2 --dp 2 --schedule 1f1b
+
+Every layout sees the same global batches (rows split over dp in rank order), so its losses
+equal one process's step by step. Prints one line per step on rank 0.
+"""
+
+import argparse
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from fastllm.parallel.clip import clip_grad_norm_
+from fastllm.parallel.loss import loss_backward, vocab_parallel_cross_entropy
+from fastllm.parallel.mesh import build_mesh, mesh_size
+from fastllm.parallel.pipeline import build_pipeline_stage, build_schedule, merge_stages
+from fastllm.parallel.tensor_parallel import apply_activation_checkpointing, parallelize
+
+TINY = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=128)
+
+
+def tiny_llama(layers=4, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=128, seed=0,
+               dtype=torch.float32):
+    """A transformers LlamaForCausalLM with random weights, identical on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      intermediate_size=ffn, num_hidden_layers=layers, vocab_size=vocab,
+                      max_position_embeddings=512, tie_word_embeddings=False,
+                      attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def make_batches(steps, global_batch, seq_len, vocab, seed=1):
+    """[(input_ids, labels)] * steps, each (global_batch, seq_len) int64; labels are shifted.
+
+    Each row counts up by a random stride from a random start (mod vocab), so a model can
+    learn it and the loss falls within a few steps.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (global_batch, 1), generator=g)
+        stride = torch.randint(1, 4, (global_batch, 1), generator=g)
+        tokens = (start + stride * torch.arange(seq_len + 1)) % vocab
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def _local(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _pipeline_loss(logits, labels):
+    return vocab_parallel_cross_entropy(logits, labels)
+
+
+def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=3e-3,
+          max_norm=1.0, schedule="1f1b", n_microbatches=None, model_kwargs=None,
+          optimizer="torch", activation_checkpointing=False, load_dir=None, save_dir=None,
+          save_at=None, start_step=0, batch_seed=1, distributed=None, lora_rank=0):
+    """Train `steps` steps; returns {"losses", "grad_norms", "step_times"} (lists, every rank).
+
+    mesh: a mesh with dims among "pp", "dp", "tp" (default build_mesh(dp, tp, pp)); None and
+    world size 1 (or no process group) is one process. load_dir/save_dir: DCP checkpoints
+    (model and optimizer, layout-independent names); save_at: the step after which to save.
+    start_step: the index of the first batch (for a resumed run). distributed=False runs one
+    process even inside a process group. lora_rank > 0: train only fastllm.lora adapters on
+    q/k/v/o (not with tensor parallel).
+    """
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized()
+    if mesh is None and distributed and dist.get_world_size() > 1:
+        mesh = build_mesh(dp, tp, pp)
+    pp = mesh_size(mesh, "pp")
+    dp = mesh_size(mesh, "dp")
+    dp_rank = mesh["dp"].get_local_rank() if dp > 1 else 0
+    if global_batch % dp:
+        raise ValueError(f"global_batch_size={global_batch} is not divisible by parallel.dp={dp}")
+    local_batch = global_batch // dp
+    model = tiny_llama(**(model_kwargs or TINY))
+    if lora_rank:
+        if mesh_size(mesh, "tp") > 1:
+            raise ValueError("LoRA with parallel.tp > 1 is not supported: the adapters of a "
+                             "column/row-parallel projection would need sharding too")
+        from fastllm.lora import inject_lora
+
+        torch.manual_seed(1234)  # the same adapters on every rank
+        inject_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], r=lora_rank,
+                    alpha=2 * lora_rank)
+        for m in model.modules():  # lora_B starts at zero; nonzero makes the test see it
+            if hasattr(m, "lora_B"):
+                torch.nn.init.normal_(m.lora_B, std=0.02)
+
+    def wrap(module):
+        if mesh is not None:
+            parallelize(module, mesh, activation_checkpointing=activation_checkpointing,
+                        vocab_parallel_logits=pp == 1)
+        elif activation_checkpointing:
+            apply_activation_checkpointing(module)
+        return module
+
+    schedule_obj = None
+    pp_group = None
+    if pp > 1:
+        pp_group = mesh["pp"].get_group()
+        pp_rank = mesh["pp"].get_local_rank()
+        n_mb = n_microbatches or pp
+        if local_batch % n_mb:
+            raise ValueError(f"the per-replica batch ({local_batch} = global_batch_size "
+                             f"{global_batch} / dp {dp}) is not divisible by n_microbatches={n_mb}")
+        chunks = 2 if schedule == "interleaved" else 1
+        modules, stages = [], []
+        for c in range(chunks):
+            # interleaved: this rank holds stages pp_rank and pp_rank + pp of 2 pp
+            source = copy.deepcopy(model) if c < chunks - 1 else model
+            mod, stage = build_pipeline_stage(source, pp_rank + c * pp, pp * chunks,
+                                              group=pp_group, seq_len=seq_len,
+                                              parallelize_fn=wrap)
+            modules.append(mod)
+            stages.append(stage)
+        module = modules[0] if chunks == 1 else merge_stages(modules)
+        schedule_obj = build_schedule(stages if chunks > 1 else stages[0], n_mb, _pipeline_loss,
+                                      schedule, local_batch)
+        first, last = pp_rank == 0, pp_rank == pp - 1
+    else:
+        module = wrap(model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if optimizer == "fastllm":
+        from fastllm.optim import AdamW
+        opt = AdamW(params, lr=lr, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+
+    if load_dir is not None:
+        msd, osd = get_state_dict(module, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=load_dir, no_dist=not distributed)
+        set_state_dict(module, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    batches = make_batches(start_step + steps, global_batch, seq_len, module.config.vocab_size,
+                           batch_seed)[start_step:]
+    losses, norms, times = [], [], []
+    for step, (ids, labels) in enumerate(batches, start=start_step + 1):
+        ids = ids[dp_rank * local_batch:(dp_rank + 1) * local_batch]
+        labels = labels[dp_rank * local_batch:(dp_rank + 1) * local_batch]
+        if distributed:
+            dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if schedule_obj is not None:
+            mb_losses = []
+            if first:
+                schedule_obj.step(ids)
+            elif last:
+                schedule_obj.step(target=labels, losses=mb_losses)
+            else:
+                schedule_obj.step()
+            loss = torch.stack(mb_losses).mean().detach() if last else torch.zeros(())
+            # the last stage owns the loss: sum over pp hands it to every stage
+            dist.all_reduce(loss, group=pp_group)
+        else:
+            # the root forward, not model.model: FSDP2 gathers the root's parameters in its hook
+            out = vocab_parallel_cross_entropy(module(input_ids=ids).logits, labels)
+            loss_backward(out)
+            loss = _local(out).detach()
+        norm = clip_grad_norm_(params, max_norm, pp_group)
+        opt.step()
+        if dp > 1:
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            loss = loss / dp
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        norms.append(norm.item())
+        if save_dir is not None and step == save_at:
+            msd, osd = get_state_dict(module, opt, options=StateDictOptions())
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=save_dir, no_dist=not distributed)
+    return {"losses": losses, "grad_norms": norms, "step_times": times}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fastllm.parallel.run")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=16)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        out = train(dp=args.dp, tp=args.tp, pp=args.pp, steps=args.steps,
+                    global_batch=args.global_batch, seq_len=args.seq_len,
+                    schedule=args.schedule, n_microbatches=args.microbatches)
+        if dist.get_rank() == 0:
+            for i, (loss, norm, t) in enumerate(zip(out["losses"], out["grad_norms"],
+                                                    out["step_times"]), 1):
+                print(f"step {i:3d}  loss {loss:.6f}  grad_norm {norm:.6f}  {1e3 * t:.1f} ms")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
