@@ -1,0 +1,134 @@
+"""Low-byte optimizer state: fastllm.optim.AdamW8bit and AdamW(state_dtype=bf16) against
+torch.optim.AdamW(fused=True) and, where installed, bitsandbytes' and torchao's AdamW8bit.
+
+Bytes per parameter the step must move at least:
+    fp32 params, 8-bit moments: param r+w 8, grad 4, codes r+w 2 + 2, absmax 16/block = ~16.06
+    fp32 params, bf16 moments:  8 + 4 + 4 + 4 = 20;   fp32 moments (torch): 28
+    bf16 params + fp32 master, 8-bit moments: param w 2, grad 2, master r+w 8, codes 4 = ~16.06
+The memory probe streams that byte count in the same interleaved rounds (2 fp32 arrays read and
+written back, 1 read: the param, the grad, and the codes lumped into one array; 20 B/element, its
+length set so the total is the 8-bit step's bytes). "state" in the notes: the optimizer's state
+bytes after the step, over the fp32 AdamW state of the same params.
+
+    fastllm bench --ops adamw8bit
+"""
+
+import gc
+
+import torch
+
+import fastllm
+from fastllm import _extension
+from fastllm.bench import harness
+
+# (total params, tensors, param dtype, master weights)
+QUICK = [(64 << 20, 16, torch.float32, False), (32 << 20, 16, torch.bfloat16, True)]
+FULL = QUICK
+GPU = [(64 << 20, 16, torch.float32, False), (32 << 20, 16, torch.bfloat16, True)]
+
+
+def _params(total, n_tensors, dtype, device):
+    sizes = [total // n_tensors] * n_tensors
+    sizes[-1] += total - sum(sizes)
+    params = []
+    for n in sizes:
+        p = torch.nn.Parameter((torch.randn(n, device=device) * 0.02).to(dtype))
+        p.grad = (torch.randn(n, device=device) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def _peer(module, attr):
+    try:
+        mod = __import__(module, fromlist=[attr])
+        return getattr(mod, attr)
+    except Exception:  # not installed, or cannot run here
+        return None
+
+
+def _state_bytes(opt):
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor))
+
+
+def _providers(device, dtype, master):
+    dev = torch.device(device).type
+    backend = "cpp" if dev == "cpu" else "triton"
+    label = f"fastllm AdamW8bit ({backend})"
+    out = [(label, lambda ps: fastllm.optim.AdamW8bit(ps, master_weights=master), backend),
+           (f"fastllm AdamW bf16 state ({backend})",
+            lambda ps: fastllm.optim.AdamW(ps, state_dtype=torch.bfloat16, master_weights=master),
+            backend)]
+    if master:
+        out.append(("fastllm AdamW fp32 state, master", lambda ps: fastllm.optim.AdamW(
+            ps, master_weights=True), None))
+    else:
+        out.append(("torch fused", lambda ps: torch.optim.AdamW(ps, fused=True), None))
+    bnb = _peer("bitsandbytes.optim", "AdamW8bit")
+    if bnb is not None:
+        out.append(("bitsandbytes AdamW8bit", lambda ps: bnb(ps), None))
+    tao = _peer("torchao.optim", "AdamW8bit")
+    if tao is not None:
+        out.append(("torchao AdamW8bit", lambda ps: tao(ps), None))
+    return out
+
+
+def _probe(nbytes, device):
+    probe = (getattr(_extension.extension(), "stream_probe_cpu", None)
+             if torch.device(device).type == "cpu" else None)
+    if probe is None:
+        return harness.memory_probe(nbytes, device)
+    numel = max(1, nbytes // 20)
+    read_write = [torch.rand(numel) for _ in range(2)]
+    read_only = [torch.rand(numel)]
+    return (lambda: probe(read_write, read_only)), 20 * numel
+
+
+def run(device="cpu", full=False, progress=print):
+    cases = GPU if torch.device(device).type == "cuda" else (FULL if full else QUICK)
+    rows = []
+    for total, n_tensors, dtype, master in cases:
+        kind = "fp32" if dtype == torch.float32 else "bf16"
+        size = f"{total / 2**20:g}M {kind} params / {n_tensors} tensors" + (
+            ", fp32 master weights" if master else "")
+        baseline = "fastllm AdamW fp32 state, master" if master else "torch fused"
+        q8_bytes = total * 16 + 2 * 4 * (total // 256)
+        per_param = {"8bit": 16 + 8 / 256, "bf16": 24 if master else 20,
+                     "fp32": 30 if master else 28}
+        fp32_state = total * (12 if master else 8)
+        fns, opts, kinds = {}, {}, {}
+        for name, make, backend in _providers(device, dtype, master):
+            params = _params(total, n_tensors, dtype, device)
+            try:
+                opt = make(params)
+                with fastllm.use_backend(backend):
+                    opt.step()  # allocates the state (and compiles torchao's step)
+            except Exception as exc:  # a peer that cannot run here is reported, not fatal
+                progress(f"  skipped {name}: {type(exc).__name__}: {exc}"[:200])
+                continue
+
+            def step(opt=opt, backend=backend):
+                with fastllm.use_backend(backend):
+                    opt.step()
+
+            fns[name], opts[name] = step, opt
+            kinds[name] = ("8bit" if "8bit" in name else "bf16" if "bf16 state" in name
+                           else "fp32")
+        fns[harness.PROBE], probe_bytes = _probe(q8_bytes, device)
+        progress(f"adamw8bit {size}: {', '.join(fns)} (interleaved)")
+        timings = harness.measure_many(fns, device=device, min_reps=5, max_reps=30,
+                                       min_time_s=3.0)
+        for name, timing in timings.items():
+            is_probe = name == harness.PROBE
+            row = dict(op="adamw8bit", size=size, provider=name, time_ms=timing.median_ms,
+                       bytes=probe_bytes if is_probe else int(total * per_param[kinds[name]]),
+                       baseline=baseline, probe=is_probe)
+            if not is_probe:
+                state = _state_bytes(opts[name])
+                row["state_bytes"] = state
+                row["note"] = (f"state {state / 2**20:.0f} MiB = {100 * state / fp32_state:.1f}% "
+                               f"of fp32 AdamW state; floor {per_param[kinds[name]]:.2f} B/param")
+            rows.append(row)
+        del fns, opts
+        gc.collect()
+    return rows

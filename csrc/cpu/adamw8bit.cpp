@@ -1,0 +1,531 @@
+// AdamW with low-byte moments for CPU tensors (fastllm/ops/adamw8bit.py has the full contract).
+//
+// Per element, with step t:
+//   g = grad * clip_coef / grad_scale (negated when maximize);  x = master | param
+//   m = dequant(m_q);  v = dequant(v_q)
+//   x = x * (1 - lr * wd);  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g^2
+//   x = x - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//   master = x;  param = round(x);  m_q = quant(m);  v_q = quant(v)
+// 8-bit moments: per block of block_size elements an fp32 absmax and one byte per element, an
+// index into bitsandbytes' dynamic map (256 sorted codes; signed for m, unsigned for v).
+// dequant(c) = code[c] * absmax (an AVX-512 gather from the 1 KiB table). quant() picks the
+// nearest code without searching: inside a decade the codes are equally spaced, so
+// k = trunc(a * inv_spacing + offset), and the decade is a lookup by the fp32 exponent of
+// a = |x| / absmax plus one comparison (every binary octave holds at most one decade boundary).
+// The constants come from `qmaps` (built once in Python, fastllm/ops/adamw8bit.py), so Python,
+// C++ and Triton share one definition. A block is processed in two passes over a 4 KiB stack
+// buffer: update (writing params, tracking the new absmax), then encode with that absmax.
+// bf16 moments: dequant is an upcast, quant a round-to-nearest-even.
+//
+// Blocks of all tensors of one call are cut into chunks and split across the ATen (OpenMP) thread
+// pool in one parallel region. With AVX-512 (-march=native on such a machine) the block loop is
+// written with intrinsics; elsewhere a scalar loop computes the same thing.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define FASTLLM_ADAMW8BIT_AVX512 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "low_precision.h"
+#include "fastllm.h"
+#include "static_dispatch.h"
+#include "tensor_checks.h"
+
+namespace fastllm {
+namespace {
+
+using lowp::bits_to_float;
+using lowp::float_to_bits;
+
+constexpr int kMaxBlock = 4096;
+// The qmaps row layout of fastllm/ops/adamw8bit.py.
+constexpr int kFirst = 256, kLast = 272, kInv = 288, kOffset = 304, kOctBase = 320,
+              kOctThr = 352, kQmapWidth = 384;
+
+
+struct alignas(64) Code {
+  float value[256];
+  int32_t first[16];
+  int32_t span[16];  // last - first
+  float inv[16];
+  float offset[16];
+  int32_t oct_base[32];
+  float oct_thr[32];
+};
+
+Code make_code(const float* row) {
+  Code c;
+  std::memcpy(c.value, row, sizeof(c.value));
+  for (int j = 0; j < 16; ++j) {
+    c.first[j] = int32_t(row[kFirst + j]);
+    c.span[j] = int32_t(row[kLast + j]) - c.first[j];
+    c.inv[j] = row[kInv + j];
+    c.offset[j] = row[kOffset + j];
+  }
+  for (int s = 0; s < 32; ++s) {
+    c.oct_base[s] = int32_t(row[kOctBase + s]);
+    c.oct_thr[s] = row[kOctThr + s];
+  }
+  return c;
+}
+
+// Index of the code nearest to a in [0, 1] among the non-negative codes.
+inline int32_t encode_magnitude(const Code& c, float a) {
+  const int32_t slot = std::min<int32_t>(std::max<int32_t>(int32_t(float_to_bits(a) >> 23), 96), 127) - 96;
+  const int32_t j = c.oct_base[slot] + int32_t(a >= c.oct_thr[slot]);
+  const int32_t k = int32_t(std::fma(a, c.inv[j], c.offset[j]));
+  return c.first[j] + std::min(std::max(k, 0), c.span[j]);
+}
+
+inline uint8_t encode_signed(const Code& c, float x, float inv_absmax) {
+  const float a = std::min(std::fabs(x) * inv_absmax, 1.0f);
+  const int32_t idx = a == a ? encode_magnitude(c, a) : 255;
+  return uint8_t(x < 0.0f ? 254 - std::min(idx, 254) : idx);
+}
+
+inline uint8_t encode_unsigned(const Code& c, float x, float inv_absmax) {
+  const float a = std::min(std::fabs(x) * inv_absmax, 1.0f);
+  return uint8_t(a == a ? encode_magnitude(c, a) : 255);
+}
+
+struct Scalars {
+  float decay;          // 1 - lr * weight_decay
+  float lerp_weight;    // 1 - beta1
+  float beta2;
+  float one_minus_beta2;
+  float neg_step_size;  // -lr / (1 - beta1^t)
+  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^t)
+  float eps;
+  float grad_mult;      // clip_coef / grad_scale
+  uint32_t seed;        // this tensor's random stream (stochastic rounding)
+};
+
+// Param formats: the element type in memory and its fp32 conversions.
+struct F32 {
+  using T = float;
+  static float load(float x) { return x; }
+  static float round_nearest(float x) { return x; }
+  static float round_stochastic(float x, uint32_t) { return x; }
+};
+struct BF16 : lowp::BF16 {
+  using T = uint16_t;
+};
+struct F16 : lowp::F16 {
+  using T = uint16_t;
+};
+
+struct TensorPtrs {
+  void* p;
+  const void* g;
+  float* master;
+  void* m;  // uint8 codes or bf16 bits
+  void* v;
+  float* absmax_m;
+  float* absmax_v;
+};
+
+// One block, scalar: the reference loop for builds without AVX-512 (and fp16 with stochastic
+// rounding, which has no vector path).
+template <typename Fmt, bool Q8, bool MASTER, bool SR, bool MAXIMIZE>
+void block_scalar(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block,
+                  const Scalars& s, const Code& cm, const Code& cv) {
+  using T = typename Fmt::T;
+  T* p = static_cast<T*>(t.p) + begin;
+  const T* g_ptr = static_cast<const T*>(t.g) + begin;
+  float mbuf[kMaxBlock], vbuf[kMaxBlock];
+  const float old_am = Q8 ? t.absmax_m[block] : 0.0f;
+  const float old_av = Q8 ? t.absmax_v[block] : 0.0f;
+  const bool small_weight = s.lerp_weight < 0.5f;
+  float max_m = 0.0f, max_v = 0.0f;
+  for (int64_t i = 0; i < len; ++i) {
+    float g = Fmt::load(g_ptr[i]) * s.grad_mult;
+    if constexpr (MAXIMIZE) g = -g;
+    float x = MASTER ? t.master[begin + i] : Fmt::load(p[i]);
+    float m, v;
+    if constexpr (Q8) {
+      m = cm.value[static_cast<uint8_t*>(t.m)[begin + i]] * old_am;
+      v = cv.value[static_cast<uint8_t*>(t.v)[begin + i]] * old_av;
+    } else {
+      m = lowp::BF16::load(static_cast<uint16_t*>(t.m)[begin + i]);
+      v = lowp::BF16::load(static_cast<uint16_t*>(t.v)[begin + i]);
+    }
+    const float diff = g - m;
+    m = small_weight ? m + s.lerp_weight * diff : g - diff * (1.0f - s.lerp_weight);
+    v = v * s.beta2 + s.one_minus_beta2 * g * g;
+    const float denom = std::sqrt(v) * s.inv_bc2_sqrt + s.eps;
+    // One rounding for decay and update: the result is within half an ulp of the exact value
+    // (given the update), which is what the tests hold the kernels to.
+    x = std::fma(x, s.decay, s.neg_step_size * m / denom);
+    if constexpr (MASTER) t.master[begin + i] = x;
+    if constexpr (SR) {
+      p[i] = Fmt::round_stochastic(x, hash32(s.seed + uint32_t(begin + i)));
+    } else {
+      p[i] = Fmt::round_nearest(x);
+    }
+    if constexpr (Q8) {
+      mbuf[i] = m;
+      vbuf[i] = v;
+      max_m = std::max(max_m, std::fabs(m));
+      max_v = std::max(max_v, std::fabs(v));
+    } else {
+      static_cast<uint16_t*>(t.m)[begin + i] = lowp::BF16::round_nearest(m);
+      static_cast<uint16_t*>(t.v)[begin + i] = lowp::BF16::round_nearest(v);
+    }
+  }
+  if constexpr (Q8) {
+    const float inv_m = max_m > 0.0f ? 1.0f / max_m : 0.0f;
+    const float inv_v = max_v > 0.0f ? 1.0f / max_v : 0.0f;
+    uint8_t* mq = static_cast<uint8_t*>(t.m) + begin;
+    uint8_t* vq = static_cast<uint8_t*>(t.v) + begin;
+    for (int64_t i = 0; i < len; ++i) {
+      mq[i] = encode_signed(cm, mbuf[i], inv_m);
+      vq[i] = encode_unsigned(cv, vbuf[i], inv_v);
+    }
+    t.absmax_m[block] = max_m;
+    t.absmax_v[block] = max_v;
+  }
+}
+
+#ifdef FASTLLM_ADAMW8BIT_AVX512
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? __mmask16(0xffff) : __mmask16((1u << remaining) - 1u);
+}
+
+template <typename Fmt>
+inline __m512 load_vec(const typename Fmt::T* ptr, __mmask16 k) {
+  if constexpr (std::is_same_v<Fmt, F32>) {
+    return _mm512_maskz_loadu_ps(k, ptr);
+  } else if constexpr (std::is_same_v<Fmt, BF16>) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, ptr));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, ptr));
+  }
+}
+
+inline __m256i bf16_round_nearest_vec(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512i hash32_vec(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int32_t(0x846ca68bU)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+template <typename Fmt, bool SR>
+inline void store_vec(typename Fmt::T* ptr, __mmask16 k, __m512 x, uint32_t stream) {
+  if constexpr (std::is_same_v<Fmt, F32>) {
+    _mm512_mask_storeu_ps(ptr, k, x);
+  } else if constexpr (std::is_same_v<Fmt, BF16>) {
+    if constexpr (SR) {
+      const __m512i idx = _mm512_add_epi32(
+          _mm512_set1_epi32(int32_t(stream)),
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      const __m512i noise = _mm512_and_si512(hash32_vec(idx), _mm512_set1_epi32(0xffff));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), noise), 16);
+      const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+      _mm256_mask_storeu_epi16(ptr, k, _mm512_cvtepi32_epi16(r));
+    } else {
+      _mm256_mask_storeu_epi16(ptr, k, bf16_round_nearest_vec(x));
+    }
+  } else {
+    _mm256_mask_storeu_epi16(ptr, k, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// sqrt and 1/x from the 14-bit estimates plus one Newton step (relative error ~2^-23): on this
+// class of CPU vsqrtps and vdivps on zmm take 10-12 cycles each per 16 lanes, more than the
+// whole rest of the step, so they would make the kernel compute-bound below the memory speed.
+inline __m512 sqrt_nr(__m512 v) {
+  // v * rsqrt(v) is nan at v = 0; from FLT_MIN up it is finite, and sqrt(FLT_MIN) ~ 1e-19 is
+  // nothing next to eps. (v = inf, only reachable with inf grads, gives nan instead of inf.)
+  v = _mm512_max_ps(v, _mm512_set1_ps(1.17549435e-38f));
+  __m512 y = _mm512_rsqrt14_ps(v);
+  const __m512 half_v = _mm512_mul_ps(v, _mm512_set1_ps(0.5f));
+  y = _mm512_mul_ps(y, _mm512_fnmadd_ps(_mm512_mul_ps(half_v, y), y, _mm512_set1_ps(1.5f)));
+  return _mm512_mul_ps(v, y);
+}
+
+inline __m512 reciprocal_nr(__m512 d) {
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+}
+
+struct CodeVec {
+  __m512 inv, offset, oct_thr_lo, oct_thr_hi;
+  __m512i first, span, oct_base_lo, oct_base_hi;
+  const float* value;
+  explicit CodeVec(const Code& c)
+      : inv(_mm512_load_ps(c.inv)),
+        offset(_mm512_load_ps(c.offset)),
+        oct_thr_lo(_mm512_load_ps(c.oct_thr)),
+        oct_thr_hi(_mm512_load_ps(c.oct_thr + 16)),
+        first(_mm512_load_si512(c.first)),
+        span(_mm512_load_si512(c.span)),
+        oct_base_lo(_mm512_load_si512(c.oct_base)),
+        oct_base_hi(_mm512_load_si512(c.oct_base + 16)),
+        value(c.value) {}
+};
+
+// encode_magnitude for 16 values of a in [0, 2) (nan and -0.0 allowed): a >= 1 (slot 31,
+// the last segment, one code) and nan give the top code; -0.0 gives code 0's segment.
+inline __m512i encode_magnitude_vec(const CodeVec& c, __m512 a) {
+  // Exponents 96..127 select slots 0..31: permutex2var reads the low 5 bits of the index.
+  const __m512i e = _mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 23),
+                                     _mm512_set1_epi32(96));
+  const __m512i base = _mm512_permutex2var_epi32(c.oct_base_lo, e, c.oct_base_hi);
+  const __m512 thr = _mm512_permutex2var_ps(c.oct_thr_lo, e, c.oct_thr_hi);
+  const __m512i j = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(a, thr, _CMP_GE_OQ), base,
+                                          _mm512_set1_epi32(1));
+  const __m512 t = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(j, c.inv),
+                                   _mm512_permutexvar_ps(j, c.offset));
+  // t >= 0 for every a in segment j (the segment starts at or above its first decision
+  // boundary), so truncation is floor and only the top needs a clamp.
+  const __m512i k = _mm512_min_epi32(_mm512_cvttps_epi32(t), _mm512_permutexvar_epi32(j, c.span));
+  return _mm512_add_epi32(_mm512_permutexvar_epi32(j, c.first), k);
+}
+
+template <typename Fmt, bool Q8, bool MASTER, bool SR, bool MAXIMIZE>
+void block_avx512(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block,
+                  const Scalars& s, const CodeVec& cm, const CodeVec& cv) {
+  using T = typename Fmt::T;
+  T* p = static_cast<T*>(t.p) + begin;
+  const T* g_ptr = static_cast<const T*>(t.g) + begin;
+  alignas(64) float mbuf[kMaxBlock];
+  alignas(64) float vbuf[kMaxBlock];
+  const __m512 old_am = _mm512_set1_ps(Q8 ? t.absmax_m[block] : 0.0f);
+  const __m512 old_av = _mm512_set1_ps(Q8 ? t.absmax_v[block] : 0.0f);
+  const bool small_weight = s.lerp_weight < 0.5f;
+  const __m512 w = _mm512_set1_ps(small_weight ? s.lerp_weight : 1.0f - s.lerp_weight);
+  const __m512 decay = _mm512_set1_ps(s.decay), beta2 = _mm512_set1_ps(s.beta2);
+  const __m512 omb2 = _mm512_set1_ps(s.one_minus_beta2);
+  const __m512 nss = _mm512_set1_ps(s.neg_step_size), ibc2 = _mm512_set1_ps(s.inv_bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(s.eps), mult = _mm512_set1_ps(s.grad_mult);
+  __m512 max_m = _mm512_setzero_ps(), max_v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 k = tail_mask(len - i);
+    __m512 g = _mm512_mul_ps(load_vec<Fmt>(g_ptr + i, k), mult);
+    if constexpr (MAXIMIZE) g = _mm512_sub_ps(_mm512_setzero_ps(), g);
+    __m512 x = MASTER ? _mm512_maskz_loadu_ps(k, t.master + begin + i) : load_vec<Fmt>(p + i, k);
+    __m512 m, v;
+    if constexpr (Q8) {
+      const __m512i mi = _mm512_cvtepu8_epi32(
+          _mm_maskz_loadu_epi8(k, static_cast<uint8_t*>(t.m) + begin + i));
+      const __m512i vi = _mm512_cvtepu8_epi32(
+          _mm_maskz_loadu_epi8(k, static_cast<uint8_t*>(t.v) + begin + i));
+      m = _mm512_mul_ps(_mm512_i32gather_ps(mi, cm.value, 4), old_am);
+      v = _mm512_mul_ps(_mm512_i32gather_ps(vi, cv.value, 4), old_av);
+    } else {
+      m = load_vec<BF16>(static_cast<uint16_t*>(t.m) + begin + i, k);
+      v = load_vec<BF16>(static_cast<uint16_t*>(t.v) + begin + i, k);
+    }
+    const __m512 diff = _mm512_sub_ps(g, m);
+    m = small_weight ? _mm512_fmadd_ps(w, diff, m) : _mm512_fnmadd_ps(diff, w, g);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, beta2));
+    const __m512 denom = _mm512_fmadd_ps(sqrt_nr(v), ibc2, eps);
+    x = _mm512_fmadd_ps(x, decay, _mm512_mul_ps(_mm512_mul_ps(nss, m), reciprocal_nr(denom)));
+    if constexpr (MASTER) _mm512_mask_storeu_ps(t.master + begin + i, k, x);
+    store_vec<Fmt, SR>(p + i, k, x, s.seed + uint32_t(begin + i));
+    if constexpr (Q8) {
+      _mm512_store_ps(mbuf + i, m);
+      _mm512_store_ps(vbuf + i, v);
+      max_m = _mm512_mask_max_ps(max_m, k, max_m, _mm512_abs_ps(m));
+      max_v = _mm512_mask_max_ps(max_v, k, max_v, v);  // v >= 0
+    } else {
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.m) + begin + i, k,
+                               bf16_round_nearest_vec(m));
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.v) + begin + i, k,
+                               bf16_round_nearest_vec(v));
+    }
+  }
+  if constexpr (Q8) {
+    const float am = _mm512_reduce_max_ps(max_m), av = _mm512_reduce_max_ps(max_v);
+    const __m512 inv_m = _mm512_set1_ps(am > 0.0f ? 1.0f / am : 0.0f);
+    const __m512 inv_v = _mm512_set1_ps(av > 0.0f ? 1.0f / av : 0.0f);
+    const __m512i c254 = _mm512_set1_epi32(254);
+    uint8_t* mq = static_cast<uint8_t*>(t.m) + begin;
+    uint8_t* vq = static_cast<uint8_t*>(t.v) + begin;
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 k = tail_mask(len - i);
+      const __m512 m = _mm512_load_ps(mbuf + i);
+      const __m512 v = _mm512_load_ps(vbuf + i);
+      __m512i ci = encode_magnitude_vec(cm, _mm512_mul_ps(_mm512_abs_ps(m), inv_m));
+      const __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
+      ci = _mm512_mask_sub_epi32(ci, neg, c254, _mm512_min_epi32(ci, c254));
+      const __m512i vi = encode_magnitude_vec(cv, _mm512_mul_ps(v, inv_v));
+      _mm_mask_storeu_epi8(mq + i, k, _mm512_cvtepi32_epi8(ci));
+      _mm_mask_storeu_epi8(vq + i, k, _mm512_cvtepi32_epi8(vi));
+    }
+    t.absmax_m[block] = am;
+    t.absmax_v[block] = av;
+  }
+}
+#endif  // FASTLLM_ADAMW8BIT_AVX512
+
+template <typename Fmt, bool Q8, bool MASTER, bool SR, bool MAXIMIZE>
+void run_tensors(const std::vector<TensorPtrs>& tensors, const std::vector<int64_t>& numels,
+                 const std::vector<Scalars>& scalars, int64_t block_size, const Code& cm,
+                 const Code& cv) {
+  struct Chunk {
+    int64_t tensor, first_block, end_block;
+  };
+  // About 64K elements per work item, as in adamw.cpp.
+  const int64_t blocks_per_chunk = std::max<int64_t>(1, (int64_t(1) << 16) / block_size);
+  std::vector<Chunk> chunks;
+  for (const auto t : c10::irange(tensors.size())) {
+    const int64_t nb = (numels[t] + block_size - 1) / block_size;
+    for (int64_t b = 0; b < nb; b += blocks_per_chunk) {
+      chunks.push_back({int64_t(t), b, std::min(nb, b + blocks_per_chunk)});
+    }
+  }
+  at::parallel_for(0, int64_t(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+#ifdef FASTLLM_ADAMW8BIT_AVX512
+    const CodeVec vm(cm), vv(cv);
+#endif
+    for (int64_t c = lo; c < hi; ++c) {
+      const Chunk& ch = chunks[c];
+      const auto& t = tensors[ch.tensor];
+      const int64_t n = numels[ch.tensor];
+      for (int64_t b = ch.first_block; b < ch.end_block; ++b) {
+        const int64_t begin = b * block_size;
+        const int64_t len = std::min(block_size, n - begin);
+#ifdef FASTLLM_ADAMW8BIT_AVX512
+        if constexpr (!(std::is_same_v<Fmt, F16> && SR)) {
+          block_avx512<Fmt, Q8, MASTER, SR, MAXIMIZE>(t, begin, len, b, scalars[ch.tensor], vm,
+                                                      vv);
+          continue;
+        }
+#endif
+        block_scalar<Fmt, Q8, MASTER, SR, MAXIMIZE>(t, begin, len, b, scalars[ch.tensor], cm,
+                                                    cv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
+                        const std::vector<at::Tensor>& grads,
+                        const std::vector<at::Tensor>& masters,
+                        const std::vector<at::Tensor>& exp_avgs,
+                        const std::vector<at::Tensor>& exp_avg_sqs,
+                        const std::vector<at::Tensor>& exp_avg_absmaxes,
+                        const std::vector<at::Tensor>& exp_avg_sq_absmaxes,
+                        const std::vector<at::Tensor>& steps, const at::Tensor& qmaps, double lr,
+                        double beta1, double beta2, double eps, double weight_decay,
+                        int64_t block_size, bool maximize, bool stochastic_rounding, int64_t seed,
+                        const c10::optional<at::Tensor>& grad_scale,
+                        const c10::optional<at::Tensor>& clip_coef,
+                        const c10::optional<at::Tensor>& found_inf) {
+  if (params.empty()) return;
+  const char* op = "fastllm.adamw8bit_step (cpu)";
+  const auto dtype = params[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": params must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(block_size >= 16 && block_size <= kMaxBlock && block_size % 16 == 0, op,
+              ": block_size must be a multiple of 16 in [16, ", kMaxBlock, "], got ", block_size);
+  TORCH_CHECK(!exp_avgs.empty(), op, ": exp_avgs is empty");
+  const auto state_dtype = exp_avgs[0].scalar_type();
+  TORCH_CHECK(state_dtype == at::kByte || state_dtype == at::kBFloat16, op,
+              ": exp_avgs must be uint8 or bfloat16, got ", state_dtype);
+  const bool q8 = state_dtype == at::kByte;
+  const bool master = !masters.empty();
+  const at::Device cpu(at::kCPU);
+  check_tensor_list(op, params, "params", params, cpu, dtype);
+  check_tensor_list(op, grads, "grads", params, cpu, dtype);
+  if (master) check_tensor_list(op, masters, "masters", params, cpu, at::kFloat);
+  check_tensor_list(op, exp_avgs, "exp_avgs", params, cpu, state_dtype);
+  check_tensor_list(op, exp_avg_sqs, "exp_avg_sqs", params, cpu, state_dtype);
+  TORCH_CHECK(steps.size() == params.size(), op, ": steps has ", steps.size(),
+              " tensors but params has ", params.size());
+  if (q8) {
+    TORCH_CHECK(exp_avg_absmaxes.size() == params.size() &&
+                    exp_avg_sq_absmaxes.size() == params.size(),
+                op, ": 8-bit moments need one absmax tensor per param");
+    for (const auto i : c10::irange(params.size())) {
+      const int64_t nb = (params[i].numel() + block_size - 1) / block_size;
+      for (const auto* t : {&exp_avg_absmaxes[i], &exp_avg_sq_absmaxes[i]}) {
+        TORCH_CHECK(t->device() == cpu && t->scalar_type() == at::kFloat && t->numel() == nb &&
+                        t->is_contiguous(),
+                    op, ": absmax tensors of param ", i, " must be contiguous float32 CPU "
+                    "tensors of ", nb, " elements");
+      }
+    }
+    TORCH_CHECK(qmaps.device() == cpu && qmaps.scalar_type() == at::kFloat &&
+                    qmaps.dim() == 2 && qmaps.size(0) == 2 && qmaps.size(1) == kQmapWidth &&
+                    qmaps.is_contiguous(),
+                op, ": qmaps must be a contiguous (2, ", kQmapWidth, ") float32 CPU tensor");
+  }
+  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+  double grad_mult = 1.0;
+  if (grad_scale.has_value()) grad_mult /= grad_scale->item<double>();
+  if (clip_coef.has_value()) grad_mult *= clip_coef->item<double>();
+
+  Code cm{}, cv{};
+  if (q8) {
+    const float* rows = qmaps.data_ptr<float>();
+    cm = make_code(rows);
+    cv = make_code(rows + kQmapWidth);
+  }
+  std::vector<TensorPtrs> tensors(params.size());
+  std::vector<int64_t> numels(params.size());
+  std::vector<Scalars> scalars(params.size());
+  const uint32_t seed32 = hash32(uint32_t(uint64_t(seed)) ^ hash32(uint32_t(uint64_t(seed) >> 32)));
+  for (const auto i : c10::irange(params.size())) {
+    const double step = steps[i].item<double>();
+    const double bc1 = 1.0 - std::pow(beta1, step);
+    const double bc2 = 1.0 - std::pow(beta2, step);
+    scalars[i] = {float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2),
+                  float(1.0 - beta2), float(-lr / bc1), float(1.0 / std::sqrt(bc2)), float(eps),
+                  float(grad_mult), hash32(seed32 + 0x9e3779b9U * uint32_t(i + 1))};
+    tensors[i] = {params[i].data_ptr(), grads[i].data_ptr(),
+                  master ? masters[i].data_ptr<float>() : nullptr, exp_avgs[i].data_ptr(),
+                  exp_avg_sqs[i].data_ptr(),
+                  q8 ? exp_avg_absmaxes[i].data_ptr<float>() : nullptr,
+                  q8 ? exp_avg_sq_absmaxes[i].data_ptr<float>() : nullptr};
+    numels[i] = params[i].numel();
+  }
+  const bool sr = stochastic_rounding && dtype != at::kFloat;
+  auto run = [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    dispatch_bool(q8, [&](auto q) {
+      dispatch_bool(master && !std::is_same_v<Fmt, F32>, [&](auto ma) {
+        dispatch_bool(sr && !std::is_same_v<Fmt, F32>, [&](auto s) {
+          dispatch_bool(maximize, [&](auto mx) {
+            run_tensors<Fmt, decltype(q)::value, decltype(ma)::value, decltype(s)::value,
+                        decltype(mx)::value>(tensors, numels, scalars, block_size, cm, cv);
+          });
+        });
+      });
+    });
+  };
+  if (dtype == at::kFloat) {
+    run(F32{});
+  } else if (dtype == at::kBFloat16) {
+    run(BF16{});
+  } else {
+    run(F16{});
+  }
+}
+
+}  // namespace fastllm
