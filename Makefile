@@ -10,6 +10,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 # Runtime and test dependencies; torch is installed first so nothing pulls in another build.
 DEPS := "triton>=3.2" ninja pybind11 numpy pytest pytest-benchmark matplotlib
+DEPS += pyyaml tqdm  # fastllm train (config files, progress bar)
 TEST_EXTRAS := peft transformers safetensors
 
 .PHONY: setup build test bench bench-suite cuda-check
@@ -33,7 +34,19 @@ test: build
 $(VENV)/.bench-deps: $(VENV)/.deps
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation deepspeed $(TORCH) || \
 		echo "fastllm: DeepSpeed could not be installed; the benchmark runs without it"
+	# 8-bit optimizer peers of `fastllm bench --ops adamw8bit` (optional)
+	$(PY) -m pip install -q bitsandbytes torchao $(TORCH) || \
+		echo "fastllm: bitsandbytes/torchao could not be installed; adamw8bit runs without them"
+	# GaLore and BAdam peers of `fastllm bench --ops compression` (optional; --no-deps
+	# keeps pip from replacing torch)
+	$(PY) -m pip install -q --no-deps galore-torch badam || \
+		echo "fastllm: galore-torch/badam could not be installed; compression runs without them"
 	touch $@
+
+# the default training run (built-in model and text, about a minute on 2 cores)
+.PHONY: train
+train: build
+	$(VENV)/bin/fastllm train
 
 bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/fastllm bench

@@ -69,7 +69,33 @@ def _extensions():
         extra_link_args=["-fopenmp"],
         define_macros=define_macros,
     )
-    return [ext], {"build_ext": cpp_extension.BuildExtension}
+    return [ext], {"build_ext": _recording(cpp_extension.BuildExtension)}
+
+
+def source_hash():
+    """fastllm/_sources.py's hash of csrc/, loaded by path (the package is not importable yet)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_fastllm_sources",
+                                                  os.path.join(ROOT, "fastllm", "_sources.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.source_hash(ROOT)
+
+
+def _recording(build_ext):
+    """build_ext that, once the extension is built, records the sources' hash in
+    fastllm/_build_info.py, so the test suite fails on a stale extension instead of testing it."""
+
+    class RecordingBuildExt(build_ext):
+        def run(self):
+            built_from = source_hash()  # before compiling: sources edited meanwhile count as new
+            super().run()
+            with open(os.path.join(ROOT, "fastllm", "_build_info.py"), "w") as f:
+                f.write(f'"""Written by setup.py after building fastllm._C."""\n\n'
+                        f'SOURCE_HASH = "{built_from}"\n')
+
+    return RecordingBuildExt
 
 
 ext_modules, cmdclass = _extensions()
@@ -81,7 +107,10 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md")).read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["fastllm", "fastllm.ops", "fastllm.optim", "fastllm.kernels", "fastllm.bench"],
+    packages=["fastllm", "fastllm.ops", "fastllm.optim", "fastllm.kernels", "fastllm.bench",
+              "fastllm.distributed",
+              "fastllm.train",
+              "fastllm.parallel"],
     package_dir={"fastllm.kernels": "kernels", "fastllm.bench": "bench"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
@@ -90,6 +119,7 @@ setup(
         "test": ["pytest", "pytest-benchmark", "numpy", "peft", "transformers", "safetensors"],
         "bench": ["matplotlib", "deepspeed", "peft"],
         "lora": ["safetensors"],  # fastllm.lora.save_adapter / load_adapter
+        "train": ["transformers", "safetensors", "pyyaml", "tqdm"],  # fastllm train
     },
     entry_points={"console_scripts": ["fastllm=fastllm.cli:main"]},
 )

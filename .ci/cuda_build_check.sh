@@ -136,7 +136,8 @@ grep -q 'building fastllm._C with C++ CPU + CUDA kernels' "$BUILD_LOG" ||
 n_warn=$(grep -ciE 'warning' "$BUILD_LOG" || true)
 if [[ $n_warn -gt 0 ]]; then
   log "compiler warnings ($n_warn lines):"
-  grep -iE -A3 'warning' "$BUILD_LOG" | head -n 40
+  # `|| true`: head closing the pipe early is SIGPIPE for grep, a failure under pipefail.
+  grep -iE -A3 'warning' "$BUILD_LOG" | head -n 40 || true
 fi
 SO=$(ls "$SRC"/fastllm/_C*.so 2>/dev/null | head -n 1 || true)
 [[ -n $SO ]] || die "no fastllm/_C*.so after the build"

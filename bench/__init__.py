@@ -1,7 +1,9 @@
 """Kernel benchmarks (installed as fastllm.bench): one bench_<op>.py per op on harness.py.
 
-Each module exposes `run(device, full, progress) -> list[dict]` (rows: see harness.py) and
-pytest-benchmark tests (`pytest bench --benchmark-only`). `fastllm bench` runs the modules in OPS.
+Each module exposes `run(device, full, progress) -> list[dict]` (rows: see harness.py).
+`fastllm bench` runs the modules in OPS, so they must import without pytest (the bench extra
+does not install it): pytest-benchmark tests go in test_benchmarks.py
+(`pytest bench --benchmark-only`).
 """
 
 # op name -> module, in the order `fastllm bench` runs them
@@ -9,4 +11,20 @@ OPS = {
     "adamw": "fastllm.bench.bench_adamw",
     "adamw_master": "fastllm.bench.bench_adamw_master",
     "lora_linear": "fastllm.bench.bench_lora_linear",
+    # the training runtime
+    "train": "fastllm.bench.bench_train",
+    # 3D parallel layouts and the planner
+    "parallel": "fastllm.bench.bench_parallel",
+    # data parallel (DDP, ZeRO-1/2 DistributedOptimizer, comm hooks)
+    "distributed": "fastllm.bench.bench_distributed",
+    # PowerSGD, GaLore, BAdam
+    "compression": "fastllm.bench.bench_compression",
+    # low-byte optimizer state
+    "adamw8bit": "fastllm.bench.bench_adamw8bit",
 }
+
+# what `fastllm bench` (and `make bench`) runs without --ops: about a minute on an
+# idle 2-core machine. The others take minutes (adamw8bit's bitsandbytes and torchao peers take
+# seconds per CPU step; train, parallel, distributed, compression run whole training steps) and
+# run with `--ops NAME` or `--ops all`.
+DEFAULT_OPS = ["adamw", "adamw_master", "lora_linear"]

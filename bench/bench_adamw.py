@@ -1,15 +1,17 @@
 """AdamW step: fastllm against torch.optim.AdamW (fused, foreach) and DeepSpeed's CPU Adam.
 
 Bytes per parameter: read param, grad, exp_avg, exp_avg_sq (16) and write param, exp_avg,
-exp_avg_sq (12) = 28 for fp32 (36 with amsgrad's max_exp_avg_sq).
+exp_avg_sq (12) = 28 for fp32 (36 with amsgrad's max_exp_avg_sq). The memory probe streams the
+same bytes in the same interleaved rounds (harness.memory_probe): the ceiling of "% ceiling".
 
     fastllm bench --ops adamw            # the CLI (prints the table)
-    pytest bench/bench_adamw.py --benchmark-only
+    pytest bench/test_benchmarks.py --benchmark-only -k adamw_step
 """
 
 import gc
+import importlib.util
+import os
 
-import pytest
 import torch
 
 import fastllm
@@ -18,8 +20,9 @@ from fastllm.bench import harness
 # (total params, tensors, amsgrad)
 QUICK = [(4 << 20, 16, False), (64 << 20, 16, False)]
 FULL = QUICK + [(64 << 20, 16, True), (256 << 20, 64, False), (64 << 20, 1024, False)]
-PROBE = "memory probe (same access pattern)"
 GPU = [(64 << 20, 16, False), (256 << 20, 64, False), (64 << 20, 1024, False)]
+
+_DEEPSPEED_ANNOUNCED = False
 
 
 def _params(total, n_tensors, device):
@@ -41,7 +44,36 @@ def _deepspeed_adam():
     return DeepSpeedCPUAdam
 
 
-def _providers(device, amsgrad):
+def _deepspeed_cpu_adam_built():
+    """Whether DeepSpeed's cpu_adam op is prebuilt or in torch's JIT cache (so constructing
+    DeepSpeedCPUAdam only loads it); False when that cannot be told."""
+    try:
+        if importlib.util.find_spec("deepspeed.ops.adam.cpu_adam_op") is not None:
+            return True
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return os.path.exists(os.path.join(_get_build_directory("cpu_adam", False), "cpu_adam.so"))
+    except Exception:
+        return False
+
+
+def _make_deepspeed(cls, progress):
+    def make(params):
+        global _DEEPSPEED_ANNOUNCED
+        # The first DeepSpeedCPUAdam of a process JIT-compiles its C++ op (about a minute on two
+        # cores) unless it is cached: say so rather than leave the previous line on screen.
+        if not _DEEPSPEED_ANNOUNCED:
+            _DEEPSPEED_ANNOUNCED = True
+            if _deepspeed_cpu_adam_built():
+                progress("loading DeepSpeed CPUAdam (built earlier)")
+            else:
+                progress("building DeepSpeed CPUAdam (first use, ~60 s)")
+        return cls(params, adamw_mode=True, fp32_optimizer_states=True)
+
+    return make
+
+
+def _providers(device, amsgrad, progress):
     dev = torch.device(device).type
     out = []
     if dev == "cpu":
@@ -55,19 +87,8 @@ def _providers(device, amsgrad):
                 None))
     ds = _deepspeed_adam() if dev == "cpu" and not amsgrad else None
     if ds is not None:
-        out.append(("deepspeed cpu_adam",
-                    lambda ps: ds(ps, adamw_mode=True, fp32_optimizer_states=True), None))
+        out.append(("deepspeed cpu_adam", _make_deepspeed(ds, progress), None))
     return out
-
-
-def _probe(total, device):
-    """The same access pattern without the arithmetic (fastllm._C's stream probe), CPU only."""
-    probe = getattr(fastllm._extension.extension(), "stream_probe_cpu", None)
-    if probe is None or torch.device(device).type != "cpu":
-        return None
-    rw = [torch.rand(total) for _ in range(3)]
-    ro = [torch.rand(total)]
-    return lambda: probe(rw, ro)
 
 
 def run(device="cpu", full=False, progress=print):
@@ -78,7 +99,7 @@ def run(device="cpu", full=False, progress=print):
         params = _params(total, n_tensors, device)
         nbytes = total * 4 * (9 if amsgrad else 7)
         fns = {}
-        for name, make, backend in _providers(device, amsgrad):
+        for name, make, backend in _providers(device, amsgrad, progress):
             try:
                 opt = make(params)
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
@@ -90,30 +111,14 @@ def run(device="cpu", full=False, progress=print):
                     opt.step()
 
             fns[name] = step
-        probe = None if amsgrad else _probe(total, device)
-        if probe is not None:
-            fns[PROBE] = probe
+        fns[harness.PROBE], probe_bytes = harness.memory_probe(nbytes, device)
         progress(f"adamw {size}: {', '.join(fns)} (interleaved)")
         timings = harness.measure_many(fns, device=device)
         for name, timing in timings.items():
+            is_probe = name == harness.PROBE
             rows.append(dict(op="adamw", size=size, provider=name, time_ms=timing.median_ms,
-                             bytes=nbytes, baseline="torch fused"))
-        if PROBE in timings:
-            for row in rows[-len(timings):]:
-                if row["provider"].startswith("fastllm"):
-                    share = 100.0 * timings[PROBE].median_ms / row["time_ms"]
-                    row["note"] = f"{share:.0f}% of the probe's bandwidth"
+                             bytes=probe_bytes if is_probe else nbytes, baseline="torch fused",
+                             probe=is_probe))
         del fns, params
         gc.collect()
     return rows
-
-
-@pytest.mark.parametrize("provider", ["fastllm", "torch fused", "torch foreach"])
-def test_adamw_step(benchmark, provider):
-    params = _params(1 << 20, 8, "cpu")
-    opt = {
-        "fastllm": lambda: fastllm.optim.AdamW(params),
-        "torch fused": lambda: torch.optim.AdamW(params, fused=True),
-        "torch foreach": lambda: torch.optim.AdamW(params, foreach=True),
-    }[provider]()
-    benchmark(opt.step)

@@ -10,15 +10,15 @@ at about 56 / 30 = 1.9x on a machine where every pass runs at full bandwidth.
 Bytes per parameter that any implementation must move: read the bf16 grad twice (norm pass and
 update, 4), read and write the fp32 master, exp_avg, exp_avg_sq (24), write the bf16 param (2) =
 30 for master weights. Pure bf16: grad 4, param read+write 4, moments 16 = 24 (+4 for the Kahan
-buffer's read and write).
+buffer's read and write). The memory probe streams the master step's 30 B/param in the same
+interleaved rounds (harness.memory_probe): the ceiling of "% ceiling".
 
     fastllm bench --ops adamw_master
-    pytest bench/bench_adamw_master.py --benchmark-only
+    pytest bench/test_benchmarks.py --benchmark-only -k adamw_master
 """
 
 import gc
 
-import pytest
 import torch
 
 import fastllm
@@ -127,26 +127,22 @@ def run(device="cpu", full=False, progress=print):
                     step()
 
             fns[name], kinds[name] = run_step, kind
+        fns[harness.PROBE], probe_bytes = harness.memory_probe(total * BYTES_PER_PARAM["master"],
+                                                               device)
         progress(f"adamw_master {size}: {', '.join(fns)} (interleaved)")
         for name, timing in harness.measure_many(fns, device=device).items():
+            if name == harness.PROBE:
+                rows.append(dict(op="adamw_master", size=size, provider=name,
+                                 time_ms=timing.median_ms, bytes=probe_bytes,
+                                 baseline="torch sequence", probe=True))
+                continue
             kind = kinds[name]
+            note = None if kind == "master" else (
+                f"GB/s counts {BYTES_PER_PARAM[kind]} B/param (no fp32 master), not 30")
             rows.append(dict(op="adamw_master", size=size, provider=name,
                              time_ms=timing.median_ms, bytes=total * BYTES_PER_PARAM[kind],
-                             baseline="torch sequence",
-                             note=f"floor {BYTES_PER_PARAM[kind]} B/param"))
+                             baseline="torch sequence", note=note))
         del fns
         gc.collect()
     return rows
 
-
-@pytest.mark.parametrize("provider", ["fastllm", "torch sequence", "torch sequence, preallocated",
-                                      "fastllm pure bf16 + SR"])
-def test_adamw_master_step(benchmark, provider):
-    params = _params(1 << 20, 8, "cpu")
-    step = {
-        "fastllm": lambda: _fastllm_step(params, master_weights=True),
-        "torch sequence": lambda: torch_sequence_step(params),
-        "torch sequence, preallocated": lambda: torch_preallocated_step(params),
-        "fastllm pure bf16 + SR": lambda: _fastllm_step(params, stochastic_rounding=True),
-    }[provider]()
-    benchmark(step)

@@ -6,13 +6,12 @@ against the frozen linear (the floor LoRA can reach); the note gives the ratio t
 activation bytes each keeps for the backward (beyond x itself).
 
     fastllm bench --ops lora_linear
-    pytest bench/bench_lora_linear.py --benchmark-only
+    pytest bench/test_benchmarks.py --benchmark-only -k lora_linear
 """
 
 import copy
 import gc
 
-import pytest
 import torch
 from torch import nn
 
@@ -143,13 +142,3 @@ def run(device="cpu", full=False, progress=print):
         gc.collect()
     return rows
 
-
-@pytest.mark.parametrize("provider", ["fastllm", "peft", "torch frozen linear"])
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_lora_linear_fwd_bwd(benchmark, provider, dropout):
-    layer = _layers(256, 256, 16, torch.float32, dropout, "cpu").get(provider)
-    if layer is None:
-        pytest.skip("peft is not installed")
-    x = torch.randn(512, 256, requires_grad=True)
-    g = torch.randn(512, 256)
-    benchmark(_step(layer.train(), x, g))

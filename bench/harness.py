@@ -1,25 +1,41 @@
-"""Shared benchmark harness: timing, the machine's measured memory bandwidth, result rows.
+"""Shared benchmark harness: interleaved timing, the memory probe, result rows and the table.
 
 A result row is a dict:
     op        str    the op, e.g. "adamw"
     size      str    the case, human readable, e.g. "64M params / 16 tensors"
-    provider  str    who did the work, e.g. "fastllm (cpp)", "torch fused"
+    provider  str    who did the work, e.g. "fastllm (cpp)", "torch fused", PROBE
     time_ms   float  median time of one call
-    bytes     int    optional: bytes the work must move at least (for GB/s and % of bandwidth)
+    bytes     int    optional: bytes the work must move at least (for GB/s and % of the ceiling)
     flops     int    optional: floating-point operations (for TFLOP/s)
     baseline  str    optional: provider of the same (op, size) to report a time ratio against
-    note      str    optional
-Timings are medians over repeated calls after warm-up; tests never assert on them.
+    probe     bool   optional: this row is the memory probe, timed in the same interleaved rounds
+    note      str    optional: printed below the table, not in it
+`annotate` adds gbps, tflops, ratio_to_baseline and, in cases with a probe row, ceiling_gbps,
+ceiling_by and pct_ceiling. Timings are medians over repeated calls after warm-up; tests never
+assert on them.
 """
 
 import dataclasses
 import os
 import statistics
+import textwrap
 import time
 
 import torch
 
 from fastllm import _extension
+
+PROBE = "memory probe"
+
+# What "% ceiling" means, printed under the table by `fastllm bench`.
+LEGEND = (
+    "% ceiling: GB/s over the fastest GB/s reached in the same interleaved rounds by the memory "
+    "probe or by any provider of that case, so it cannot pass 100% when the machine's speed "
+    "drifts; a provider at 100% beat the probe. The probe streams the same bytes with an "
+    "optimizer step's pattern and no arithmetic (CPU: fastllm._C.stream_probe_cpu, 3 arrays read "
+    "and written back + 1 read, parallelised like the fused kernels; GPU or no extension: "
+    "torch's x.add_(y)). x base: time over the baseline's time (below 1 is faster)."
+)
 
 
 @dataclasses.dataclass
@@ -67,7 +83,8 @@ def measure_many(fns, *, device="cpu", warmup=2, min_reps=7, max_reps=100, min_t
     """Time several callables in interleaved rounds (a, b, c, a, b, c, ...).
 
     On a shared or noisy machine the speed of memory drifts over seconds; interleaving exposes
-    every provider to the same drift, so their ratios stay meaningful. Returns {name: Timing}.
+    every provider (and the memory probe) to the same drift, so their ratios stay meaningful.
+    Returns {name: Timing}.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -88,42 +105,27 @@ def measure_many(fns, *, device="cpu", warmup=2, min_reps=7, max_reps=100, min_t
     return out
 
 
-_BANDWIDTH = {}
+def memory_probe(nbytes, device="cpu"):
+    """(fn, moved): fn() streams about `nbytes` through memory with no arithmetic to speak of.
 
-
-def memory_bandwidth(device="cpu", numel=None):
-    """The memory bandwidth this machine reaches with PyTorch's own streaming kernels, in GB/s.
-
-    Returns {"copy": ..., "rmw": ...}: `copy` is dst.copy_(src) counted as 8 bytes per fp32
-    element (the usual convention; write-allocate traffic not counted), `rmw` is the best of the
-    read-modify-write kernels x.mul_(s) (8 B/elem), x.add_(y) (12 B/elem) and, on the CPU,
-    fastllm._C's stream probe with an optimizer step's pattern (3 arrays read and written back, 1
-    only read: 28 B/elem, parallelised like the fused kernels). Written tensors are all read
-    first, as in an optimizer step. Arrays are far larger than the last-level cache. Measured once
-    per process and device.
+    Put fn among the providers of `measure_many` and add a row with provider=PROBE, probe=True
+    and bytes=moved: its GB/s, measured in the same rounds, is the ceiling those providers are
+    reported against. On the CPU with fastllm._C it is the C++ stream probe with an optimizer
+    step's pattern (3 fp32 arrays read and written back, 1 only read: 28 B/element, one pass,
+    parallelised like the fused kernels); elsewhere PyTorch's x.add_(y) (12 B/element). Its
+    arrays are allocated here and take about 2/3 of `nbytes` of memory.
     """
-    key = str(torch.device(device))
-    if key in _BANDWIDTH:
-        return _BANDWIDTH[key]
-    if numel is None:
-        numel = (256 << 20) if torch.device(device).type == "cuda" else (64 << 20)
-    x = torch.rand(numel, device=device)
-    y = torch.rand(numel, device=device)
-    nbytes = numel * 4
-    copy = measure(lambda: y.copy_(x), device=device)
-    mul = measure(lambda: x.mul_(0.999), device=device)
-    add = measure(lambda: x.add_(y), device=device)
-    rmw = [2 * nbytes / mul.median_ms / 1e6, 3 * nbytes / add.median_ms / 1e6]
-    probe = getattr(_extension.extension(), "stream_probe_cpu", None)
-    if probe is not None and torch.device(device).type == "cpu":
-        z, w = torch.rand(numel), torch.rand(numel)
-        timing = measure(lambda: probe([x, z, w], [y]), device=device)
-        rmw.append(7 * nbytes / timing.median_ms / 1e6)
-        del z, w
-    result = {"copy": 2 * nbytes / copy.median_ms / 1e6, "rmw": max(rmw)}
-    del x, y
-    _BANDWIDTH[key] = result
-    return result
+    dev = torch.device(device)
+    probe = getattr(_extension.extension(), "stream_probe_cpu", None) if dev.type == "cpu" else None
+    if probe is not None:
+        numel = max(1, nbytes // 28)
+        read_write = [torch.rand(numel) for _ in range(3)]
+        read_only = [torch.rand(numel)]
+        return (lambda: probe(read_write, read_only)), 28 * numel
+    numel = max(1, nbytes // 12)
+    x = torch.rand(numel, device=dev)
+    y = torch.rand(numel, device=dev)
+    return (lambda: x.add_(y)), 12 * numel
 
 
 def machine_description(device="cpu"):
@@ -141,46 +143,79 @@ def machine_description(device="cpu"):
     return f"{cpu}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
-def annotate(rows, bandwidth):
-    """Add GB/s, % of measured bandwidth and the ratio to each row's baseline (in place)."""
-    by_key = {(r["op"], r["size"], r["provider"]): r for r in rows}
+def _cases(rows):
+    cases = {}
     for r in rows:
-        nbytes = r.get("bytes")
-        if nbytes:
-            gbps = nbytes / r["time_ms"] / 1e6
-            r["gbps"] = gbps
-            r["pct_copy_bw"] = 100.0 * gbps / bandwidth["copy"]
-            r["pct_rmw_bw"] = 100.0 * gbps / bandwidth["rmw"]
-        if r.get("flops"):
-            r["tflops"] = r["flops"] / r["time_ms"] / 1e9
-        base = by_key.get((r["op"], r["size"], r.get("baseline")))
-        if base is not None:
-            r["ratio_to_baseline"] = r["time_ms"] / base["time_ms"]
+        cases.setdefault((r["op"], r["size"]), []).append(r)
+    return cases
+
+
+def annotate(rows):
+    """Add GB/s, TFLOP/s, the ratio to each row's baseline and % of the ceiling (in place).
+
+    The ceiling of a case is the highest GB/s among its rows, the probe's included, all timed in
+    the same interleaved rounds: a fraction of it is at most 100% by construction, and it is only
+    given in cases that have a probe row (without one it would only rank the providers).
+    """
+    for case in _cases(rows).values():
+        by_provider = {r["provider"]: r for r in case}
+        for r in case:
+            if r.get("bytes"):
+                r["gbps"] = r["bytes"] / r["time_ms"] / 1e6
+            if r.get("flops"):
+                r["tflops"] = r["flops"] / r["time_ms"] / 1e9
+            base = by_provider.get(r.get("baseline"))
+            if base is not None and not r.get("probe"):
+                r["ratio_to_baseline"] = r["time_ms"] / base["time_ms"]
+        if not any(r.get("probe") for r in case):
+            continue
+        measured = [r for r in case if "gbps" in r]
+        top = max(measured, key=lambda r: r["gbps"])
+        for r in measured:
+            r["ceiling_gbps"] = top["gbps"]
+            r["ceiling_by"] = top["provider"]
+            r["pct_ceiling"] = 100.0 * r["gbps"] / top["gbps"]
     return rows
 
 
-def format_table(rows):
-    headers = ["op", "size", "provider", "time ms", "GB/s", "% copy bw", "% rmw bw",
-               "TFLOP/s", "x baseline", "note"]
-
-    def fmt(value, spec):
-        return "" if value is None else format(value, spec)
-
-    lines = []
-    for r in rows:
-        ratio = r.get("ratio_to_baseline")
-        lines.append([
-            r["op"], r["size"], r["provider"], fmt(r["time_ms"], ".3f"), fmt(r.get("gbps"), ".1f"),
-            fmt(r.get("pct_copy_bw"), ".0f"), fmt(r.get("pct_rmw_bw"), ".0f"),
-            fmt(r.get("tflops"), ".2f"),
-            "" if ratio is None else f"{ratio:.2f} vs {r['baseline']}",
-            r.get("note") or "",
-        ])
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
-              for i, h in enumerate(headers)]
-    out = [" | ".join(h.ljust(w) for h, w in zip(headers, widths))]
-    out.append("-+-".join("-" * w for w in widths))
-    out += [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+def format_table(rows, width=120):
+    """The rows as text, one block per (op, size): a heading line, one line per provider with
+    only the columns that case has (time, GB/s, % ceiling, TFLOP/s, x baseline), then its notes.
+    No line is wider than `width` unless a single word is."""
+    columns = [  # (header, key, format)
+        ("time ms", "time_ms", ".3f"),
+        ("GB/s", "gbps", ".1f"),
+        ("% ceiling", "pct_ceiling", ".0f"),
+        ("TFLOP/s", "tflops", ".2f"),
+        ("x base", "ratio_to_baseline", ".2f"),
+    ]
+    wrap = textwrap.TextWrapper(width=width, subsequent_indent="    ", break_on_hyphens=False)
+    out = []
+    for (op, size), case in _cases(rows).items():
+        if out:
+            out.append("")
+        baselines = {r["baseline"] for r in case if r.get("ratio_to_baseline") is not None}
+        heading = f"{op}: {size}"
+        if len(baselines) == 1:
+            heading += f" (x base: time over {baselines.pop()}'s)"
+        out += wrap.wrap(heading)
+        present = [c for c in columns if any(r.get(c[1]) is not None for r in case)]
+        name_w = min(max(len("provider"), *(len(r["provider"]) for r in case)),
+                     max(16, width - 2 - sum(len(h) + 2 for h, _, _ in present)))
+        cells = [[format(r[key], spec) if r.get(key) is not None else "" for _, key, spec in present]
+                 for r in case]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(present)]
+        out.append(("  " + "provider".ljust(name_w) + "".join(
+            "  " + h.rjust(w) for (h, _, _), w in zip(present, widths))).rstrip())
+        for r, row in zip(case, cells):
+            name = r["provider"] if len(r["provider"]) <= name_w else r["provider"][:name_w - 1] + "~"
+            out.append(("  " + name.ljust(name_w) + "".join(
+                "  " + c.rjust(w) for c, w in zip(row, widths))).rstrip())
+        for r in case:
+            if r.get("note"):
+                out += textwrap.wrap(f"{r['provider']}: {r['note']}", width=width,
+                                     initial_indent="  - ", subsequent_indent="    ",
+                                     break_on_hyphens=False)
     return "\n".join(out)
 
 

@@ -33,6 +33,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_dropout_add_cpu", &fastllm::lora_dropout_add_cpu, no_gil);
   m.def("adamw_master_step_cpu", &fastllm::adamw_master_step_cpu, no_gil);
   m.def("l2norm_cpu", &fastllm::l2norm_cpu, no_gil);
+  m.def("scaled_copy_cpu", &fastllm::scaled_copy_cpu, no_gil);
+  // PowerSGD and GaLore
+  m.def("orthogonalize_cpu", &fastllm::orthogonalize_cpu, no_gil);
+  m.def("powersgd_decompress_cpu", &fastllm::powersgd_decompress_cpu, no_gil);
+  m.def("galore_adam_step_cpu", &fastllm::galore_adam_step_cpu, no_gil);
+  m.def("adamw8bit_step_cpu", &fastllm::adamw8bit_step_cpu, no_gil);
 #ifdef FASTLLM_WITH_CUDA
   m.def("adamw_step_cuda", &fastllm::adamw_step_cuda, no_gil);
   m.def("adamw_master_step_cuda", &fastllm::adamw_master_step_cuda, no_gil);

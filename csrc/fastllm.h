@@ -59,6 +59,51 @@ void lora_dropout_add_cpu(const at::Tensor& out, const at::Tensor& x, double p, 
 void stream_probe_cpu(const std::vector<at::Tensor>& read_write,
                       const std::vector<at::Tensor>& read_only);
 
+// fastllm::scaled_copy (csrc/cpu/scaled_copy.cpp)
+// dst[i] = src[i] * (scale / *divisor) for each pair, computed in fp32, rounded to nearest even
+// into dst[i]'s dtype (fp32, bf16, fp16); pairs have equal numel and are contiguous CPU tensors.
+void scaled_copy_cpu(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src,
+                     double scale, const c10::optional<at::Tensor>& divisor);
+
+// PowerSGD and GaLore (csrc/cpu/orthogonalize.cpp, powersgd_decompress.cpp,
+// galore_adam_step.cpp) ---
+// Modified Gram-Schmidt on the columns of each (n, r) fp32/fp64 matrix, in place:
+// x_i /= ||x_i|| + epsilon, then x_i is removed from every later column.
+void orthogonalize_cpu(const std::vector<at::Tensor>& matrices, double epsilon);
+// For each i: errors[i] = matrices[i] - ps[i] local_qs[i]^T (when errors is not empty), then
+// matrices[i] = scale * ps[i] qs[i]^T. M (n, m), P (n, r), Q and local Q (m, r), one fp32/fp64
+// dtype, contiguous CPU tensors; errors and local_qs both empty or as long as matrices.
+void powersgd_decompress_cpu(const std::vector<at::Tensor>& matrices,
+                             const std::vector<at::Tensor>& ps, const std::vector<at::Tensor>& qs,
+                             const std::vector<at::Tensor>& local_qs,
+                             const std::vector<at::Tensor>& errors, double scale);
+// One GaLore AdamW step of a 2-D param: project grad with proj (left: (rows, r), right:
+// (cols, r)), update the low-rank moments, back-project, apply with decoupled weight decay.
+void galore_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& proj,
+                          const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, double step,
+                          bool left, double lr, double beta1, double beta2, double eps,
+                          double weight_decay, double scale);
+
+// fastllm::adamw8bit_step (csrc/cpu/adamw8bit.cpp)
+// AdamW with low-byte moments (fastllm/ops/adamw8bit.py): params/grads fp32, bf16 or fp16,
+// optional fp32 masters; exp_avgs/exp_avg_sqs uint8 codes (block-wise absmax in
+// exp_avg_absmaxes/exp_avg_sq_absmaxes, fp32, ceil(numel / block_size) each; qmaps (2, 384)
+// fp32 the code tables) or bf16 (absmax lists empty). Grads are multiplied by
+// *clip_coef / *grad_scale; nothing changes when *found_inf != 0.
+void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
+                        const std::vector<at::Tensor>& grads,
+                        const std::vector<at::Tensor>& masters,
+                        const std::vector<at::Tensor>& exp_avgs,
+                        const std::vector<at::Tensor>& exp_avg_sqs,
+                        const std::vector<at::Tensor>& exp_avg_absmaxes,
+                        const std::vector<at::Tensor>& exp_avg_sq_absmaxes,
+                        const std::vector<at::Tensor>& steps, const at::Tensor& qmaps, double lr,
+                        double beta1, double beta2, double eps, double weight_decay,
+                        int64_t block_size, bool maximize, bool stochastic_rounding, int64_t seed,
+                        const c10::optional<at::Tensor>& grad_scale,
+                        const c10::optional<at::Tensor>& clip_coef,
+                        const c10::optional<at::Tensor>& found_inf);
+
 #ifdef FASTLLM_WITH_CUDA
 // Same contract on CUDA tensors: one multi-tensor launch per chunk of tensors. grad_scale and
 // found_inf are read on the device (no host sync); steps may live on the CPU or on the device.

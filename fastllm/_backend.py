@@ -39,6 +39,23 @@ def use_backend(name):
         _local.forced = previous
 
 
+@contextlib.contextmanager
+def validated():
+    """Inside the block (this thread), ops skip their per-tensor argument checks: the caller
+    (fastllm.optim.AdamW's step) has just checked the same tensors, with better names in its
+    messages. Once per step instead of twice is what the Python overhead of a small step was."""
+    previous = getattr(_local, "validated", False)
+    _local.validated = True
+    try:
+        yield
+    finally:
+        _local.validated = previous
+
+
+def prevalidated():
+    return getattr(_local, "validated", False)
+
+
 def forced_backend():
     name = getattr(_local, "forced", None) or os.environ.get("FASTLLM_BACKEND") or None
     if name is not None and name not in BACKENDS:

@@ -44,6 +44,35 @@ SCHEMAS = {
         "Tensor lora_b, Tensor xa_t, float scaling, float dropout_p, Tensor seed, "
         "bool[] output_mask) -> (Tensor, Tensor, Tensor)"
     ),
+    # dst[i] = src[i] * (scale / divisor) in fp32, rounded into dst[i]'s dtype; pairs of equal
+    # numel. The pack/unpack and wire cast of fastllm.distributed; see fastllm/ops/scaled_copy.py.
+    "scaled_copy": (
+        "scaled_copy(Tensor(a!)[] dst, Tensor[] src, float scale, Tensor? divisor=None) -> ()"
+    ),
+    # PowerSGD and GaLore (fastllm/ops/orthogonalize.py, powersgd_decompress.py,
+    # galore_adam_step.py) ---
+    # Gram-Schmidt on the columns of each (n, r) matrix, in place (torch's powerSGD_hook order).
+    "orthogonalize": "orthogonalize(Tensor(a!)[] matrices, float epsilon=0.0) -> ()",
+    # error = M - P Q_local^T (errors and local_qs may be empty); M = scale * P Q^T. Per matrix.
+    "powersgd_decompress": (
+        "powersgd_decompress(Tensor(a!)[] matrices, Tensor[] ps, Tensor[] qs, "
+        "Tensor[] local_qs, Tensor(b!)[] errors, float scale) -> ()"
+    ),
+    # One GaLore AdamW step of a 2-D param with an orthonormal projector (left or right).
+    "galore_adam_step": (
+        "galore_adam_step(Tensor(a!) param, Tensor grad, Tensor proj, Tensor(b!) exp_avg, "
+        "Tensor(c!) exp_avg_sq, *, float step, bool left, float lr, float beta1, float beta2, "
+        "float eps, float weight_decay, float scale) -> ()"
+    ),
+    # AdamW with 8-bit block-quantised or bf16 moments (fastllm/ops/adamw8bit.py)
+    "adamw8bit_step": (
+        "adamw8bit_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
+        "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_absmaxes, "
+        "Tensor(f!)[] exp_avg_sq_absmaxes, Tensor[] steps, Tensor qmaps, *, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, int block_size=256, "
+        "bool maximize=False, bool stochastic_rounding=False, int seed=0, "
+        "Tensor? grad_scale=None, Tensor? clip_coef=None, Tensor? found_inf=None) -> ()"
+    ),
 }
 
 for _schema in SCHEMAS.values():

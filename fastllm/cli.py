@@ -1,17 +1,20 @@
 """The `fastllm` command.
 
-    fastllm bench [--device cpu|cuda] [--full] [--ops adamw,...] [--json PATH] [--plot PATH]
+    fastllm bench [--device cpu|cuda] [--full] [--ops adamw,...|all] [--json PATH] [--plot PATH]
 
 Runs each op's benchmark (bench/bench_<op>.py) against PyTorch and the field's best peer in the
-same run, measures this machine's memory bandwidth, and prints one table: time, GB/s, % of the
-measured copy and read-modify-write bandwidth, and the ratio to each case's baseline.
+same run, with a memory probe timed in the same interleaved rounds, and prints one table: time,
+GB/s, % of the ceiling (the probe's or the fastest provider's GB/s), and the ratio to each case's
+baseline.
 """
 
 import argparse
 import datetime
 import importlib
 import json
+import shutil
 import sys
+import textwrap
 import time
 
 import torch
@@ -24,7 +27,9 @@ def _progress_printer(stream):
     def progress(message):
         line = f"[{time.perf_counter() - start:6.1f}s] {message}"
         if interactive:
-            stream.write("\r\033[K" + line)
+            # a line wider than the terminal wraps, and \r would then rewrite only its last part
+            width = shutil.get_terminal_size().columns - 1
+            stream.write("\r\033[K" + (line if len(line) <= width else line[:width - 3] + "..."))
         else:
             stream.write(line + "\n")
         stream.flush()
@@ -38,34 +43,35 @@ def _progress_printer(stream):
 
 
 def bench(args):
-    from fastllm.bench import OPS, harness
+    from fastllm.bench import DEFAULT_OPS, OPS, harness
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("fastllm bench: --device cuda but torch sees no GPU")
-    ops = list(OPS) if args.ops is None else args.ops.split(",")
+    if args.ops is None:
+        ops = list(DEFAULT_OPS)
+    else:
+        ops = list(OPS) if args.ops == "all" else args.ops.split(",")
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         sys.exit(f"fastllm bench: unknown op(s) {unknown}; available: {list(OPS)}")
     progress, done = _progress_printer(sys.stderr)
-    progress(f"measuring memory bandwidth on {device}")
-    bandwidth = harness.memory_bandwidth(device)
     rows = []
     for op in ops:
+        progress(f"{op}: setting up")
         module = importlib.import_module(OPS[op])
         rows += module.run(device=device, full=args.full, progress=progress)
     done()
-    harness.annotate(rows, bandwidth)
+    harness.annotate(rows)
     machine = harness.machine_description(device)
     date = datetime.date.today().isoformat()
-    print(f"fastllm bench on {device}: {machine}; {date}")
-    print(f"measured bandwidth: copy {bandwidth['copy']:.1f} GB/s, "
-          f"read-modify-write {bandwidth['rmw']:.1f} GB/s")
+    print(f"fastllm bench on {device}: {machine}; {date}\n")
     print(harness.format_table(rows))
+    print("\n" + textwrap.fill(harness.LEGEND, width=100))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "machine": machine, "date": date,
-                       "bandwidth_gbps": bandwidth, "rows": rows}, f, indent=1)
+            json.dump({"device": device, "machine": machine, "date": date, "rows": rows}, f,
+                      indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         try:
@@ -81,12 +87,26 @@ def main(argv=None):
     p = sub.add_parser("bench", help="benchmark fastllm's kernels against PyTorch and peers")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--full", action="store_true", help="also run the large sizes")
-    p.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
+    p.add_argument("--ops", default=None,
+                   help="comma-separated ops, or 'all' (default: the per-kernel benchmarks, "
+                        "about a minute; see fastllm.bench.DEFAULT_OPS)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG bar chart")
+    # `fastllm train`, `fastllm report` (fastllm/train/cli.py)
+    from fastllm.train.cli import add_train_commands
+
+    add_train_commands(sub)
+    # `fastllm plan` (fastllm/parallel/planner.py)
+    from fastllm.parallel.planner import add_plan_arguments, plan_command
+
+    p = sub.add_parser("plan", help="size a dp x tp x pp training run: memory, step time, MFU")
+    add_plan_arguments(p)
+    p.set_defaults(handler=plan_command)
     args = parser.parse_args(argv)
     if args.command == "bench":
         bench(args)
+    elif getattr(args, "handler", None) is not None:  # train, report
+        args.handler(args)
 
 
 if __name__ == "__main__":

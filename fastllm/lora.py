@@ -6,6 +6,7 @@
     save_adapter(model, "out/")          # adapter_config.json + adapter_model.safetensors
     peft.PeftModel.from_pretrained(fresh_model, "out/")   # a PEFT user reads it as is
     load_adapter(other_model, "peft_adapter/")            # and fastllm reads PEFT's
+    merge_and_unload(model)              # the plain model again, LoRA folded into its weights
 
 LoRALinear(base) computes base(x) + scaling * B A dropout(x) with fastllm.ops.lora_linear; the
 parameter names and initialisation follow PEFT (lora_A kaiming-uniform, lora_B zero, scaling =
@@ -114,9 +115,19 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
                 use_rslora=False, rank_pattern=None, alpha_pattern=None):
     """Replace every nn.Linear whose name matches `target_modules` by a LoRALinear, in place.
 
-    Every other parameter of the model is frozen. rank_pattern / alpha_pattern map a module-name
-    suffix to its own r / alpha (PEFT's fields of the same names). Returns the model.
+    target_modules: module-name suffixes (a list), or one regex string matched against the whole
+    name (PEFT's rule for both). Every other parameter of the model is frozen. rank_pattern /
+    alpha_pattern map a module-name suffix to its own r / alpha (PEFT's fields of the same names).
+    A model that already has LoRA layers is refused (unload() or merge_and_unload() first).
+    Returns the model.
     """
+    existing = lora_modules(model)
+    if existing:
+        raise ValueError(
+            f"fastllm.inject_lora: LoRA is already injected into this model ({len(existing)} "
+            f"LoRALinear layers, e.g. {existing[0][0]!r}); call fastllm.lora.unload(model) or "
+            "merge_and_unload(model) before injecting again"
+        )
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
     targets = [(name, module) for name, module in model.named_modules()
                if name and isinstance(module, nn.Linear) and _matches(name, target_modules)]
@@ -126,12 +137,19 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
         )
     model.requires_grad_(False)
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         layer_r = _pattern_value(name, rank_pattern, r)
         layer_alpha = _pattern_value(name, alpha_pattern, alpha)
-        setattr(parent, child, LoRALinear(module, layer_r, layer_alpha, dropout, use_rslora))
+        _replace(model, name, LoRALinear(module, layer_r, layer_alpha, dropout, use_rslora))
+    # save_adapter writes a regex back as the regex: its suffixes would adapt other layers too
+    model._fastllm_lora_target_modules = (
+        target_modules if isinstance(target_modules, str) else None)
     return model
+
+
+def _replace(model, name, module):
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
 
 
 def _pattern_value(name, pattern, default):
@@ -174,6 +192,34 @@ def unmerge_lora(model):
     return model
 
 
+def merge_and_unload(model):
+    """Merge every LoRA layer into its base weight and put the plain nn.Linear back (PEFT's
+    `merge_and_unload`): the model's state_dict is then the base model's (no `base_layer`, no
+    `lora_` keys), loadable by a plain `from_pretrained`. Refuses, unchanged, like merge_lora.
+    Layers merged already stay merged. Returns the model.
+    """
+    if _check_merge_state(model, merged=False):
+        merge_lora(model)
+    return _unload(model)
+
+
+@torch.no_grad()
+def unload(model):
+    """Remove every LoRA layer, putting the original nn.Linear back (unmerged first where
+    merged, unlike PEFT's `unload`, which keeps a merged weight): the base model again. Returns
+    the model."""
+    if _check_merge_state(model, merged=True):
+        unmerge_lora(model)
+    return _unload(model)
+
+
+def _unload(model):
+    for name, layer in lora_modules(model):
+        _replace(model, name, layer.base_layer)
+    model._fastllm_lora_target_modules = None
+    return model
+
+
 def _adapter_config(model, layers, task_type):
     ranks = Counter(m.r for _, m in layers)
     alphas = Counter(m.alpha for _, m in layers)
@@ -193,7 +239,7 @@ def _adapter_config(model, layers, task_type):
         "lora_alpha": alpha,
         "lora_dropout": dropouts.pop(),
         "use_rslora": rslora.pop(),
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n, _ in layers}),
+        "target_modules": _saved_target_modules(model, layers),
         "rank_pattern": {n: m.r for n, m in layers if m.r != r},
         "alpha_pattern": {n: m.alpha for n, m in layers if m.alpha != alpha},
         "bias": "none",
@@ -203,6 +249,13 @@ def _adapter_config(model, layers, task_type):
         "modules_to_save": None,
         "use_dora": False,
     }
+
+
+def _saved_target_modules(model, layers):
+    regex = getattr(model, "_fastllm_lora_target_modules", None)
+    if isinstance(regex, str) and all(_matches(n, regex) for n, _ in layers):
+        return regex
+    return sorted({n.rsplit(".", 1)[-1] for n, _ in layers})
 
 
 def save_adapter(model, path, task_type=None):
@@ -231,42 +284,65 @@ def load_adapter(model, path):
     """Load a PEFT LoRA adapter (from PEFT or save_adapter) into `model`.
 
     A model without LoRA layers gets them first (inject_lora with the adapter's config); one that
-    has them must have the adapter's layers and shapes. Returns the model.
+    has them must have the adapter's layers and shapes. Base weights that PEFT saves beside an
+    adapted layer (`<layer>.base_layer.weight`, e.g. for lm_head) are loaded into it, as PEFT
+    does. A refused adapter leaves the model unchanged. Returns the model.
     """
     from safetensors.torch import load_file
 
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         config = json.load(f)
     _check_supported(config)
-    if not lora_modules(model):
-        inject_lora(model, target_modules=config["target_modules"], r=config["r"],
-                    alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
-                    use_rslora=config.get("use_rslora", False),
-                    rank_pattern=config.get("rank_pattern"),
-                    alpha_pattern=config.get("alpha_pattern"))
     state = load_file(os.path.join(path, ADAPTER_WEIGHTS))
+    if lora_modules(model):
+        return _load_state(model, state)
+    trainable = {p: p.requires_grad for p in model.parameters()}
+    inject_lora(model, target_modules=config["target_modules"], r=config["r"],
+                alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
+                use_rslora=config.get("use_rslora", False),
+                rank_pattern=config.get("rank_pattern"),
+                alpha_pattern=config.get("alpha_pattern"))
+    try:
+        return _load_state(model, state)
+    except ValueError:
+        _unload(model)  # a refused adapter leaves the model as it came
+        for p, requires_grad in trainable.items():
+            p.requires_grad_(requires_grad)
+        raise
+
+
+def _load_state(model, state):
     layers = dict(lora_modules(model))
     expected = set()
-    for name in layers:
-        expected.add(f"{_PEFT_PREFIX}{name}.lora_A.weight")
-        expected.add(f"{_PEFT_PREFIX}{name}.lora_B.weight")
+    copies = []  # (destination, saved tensor, key), every one checked before any is copied
+    for name, layer in layers.items():
+        for attr in ("lora_A", "lora_B"):
+            key = f"{_PEFT_PREFIX}{name}.{attr}.weight"
+            expected.add(key)
+            copies.append((getattr(layer, attr), state.get(key), key))
+        # PEFT saves the base weight of an adapted embedding-like layer (lm_head) too, and loads
+        # it back into the model: so do we
+        for attr in ("weight", "bias"):
+            key = f"{_PEFT_PREFIX}{name}.base_layer.{attr}"
+            if key in state and getattr(layer.base_layer, attr) is not None:
+                expected.add(key)
+                copies.append((getattr(layer.base_layer, attr), state[key], key))
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise ValueError(
             f"fastllm.load_adapter: adapter and model disagree; missing {sorted(missing)[:4]}, "
             f"unexpected {sorted(unexpected)[:4]}"
         )
+    for name, layer in layers.items():
+        if layer.merged:
+            raise ValueError(f"fastllm.load_adapter: {name} is merged; unmerge_lora first")
+    for dst, src, key in copies:
+        if src.shape != dst.shape:
+            raise ValueError(f"fastllm.load_adapter: {key[len(_PEFT_PREFIX):]} is "
+                             f"{tuple(dst.shape)} in the model, {tuple(src.shape)} in the adapter")
     with torch.no_grad():
-        for name, layer in layers.items():
-            if layer.merged:
-                raise ValueError(f"fastllm.load_adapter: {name} is merged; unmerge_lora first")
-            for attr in ("lora_A", "lora_B"):
-                src = state[f"{_PEFT_PREFIX}{name}.{attr}.weight"]
-                dst = getattr(layer, attr)
-                if src.shape != dst.shape:
-                    raise ValueError(f"fastllm.load_adapter: {name}.{attr} is {tuple(dst.shape)} "
-                                     f"in the model, {tuple(src.shape)} in the adapter")
-                dst.copy_(src)
+        for dst, src, _ in copies:
+            dst.copy_(src)
     return model
 
 

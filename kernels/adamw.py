@@ -7,9 +7,11 @@ Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     v  = v * beta2 + (1 - beta2) * g * g
     vm = max(vm, v)                      (amsgrad: the denominator uses vm)
     p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-Loads are upcast to fp32 and all arithmetic is fp32 with IEEE-rounded sqrt and division, so the
-result matches the C++ kernel and torch's single-tensor AdamW to a few ulps. grad_scale and
-found_inf are read on the device: a GradScaler step costs no host synchronisation.
+Loads are upcast to fp32 and the update is kernels/adam_math.py's, shared with the mixed-precision
+kernel: the same order of operations, host-computed constants and IEEE-rounded sqrt and division
+as the C++ and CUDA kernels, so the backends agree with torch's single-tensor AdamW to a few ulps.
+grad_scale, found_inf and the step count are read on the device: a step costs no host
+synchronisation and can be captured in a CUDA graph.
 """
 
 import torch
@@ -17,6 +19,8 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+from fastllm.kernels.adam_math import (adam_moments, adam_param, bias_corrections,
+                                       device_step, host_constants, inv_grad_scale)
 from fastllm.kernels.rounding import store_rounded
 
 
@@ -27,14 +31,17 @@ def _adamw_kernel(
     exp_avg_ptr,  # *T, first moment, updated in place
     exp_avg_sq_ptr,  # *T, second moment, updated in place
     max_exp_avg_sq_ptr,  # *T, running max of the second moment (read only when AMSGRAD)
+    step_ptr,  # *fp32 scalar, this tensor's step count, already incremented
     grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
     n_elements,  # number of elements of this tensor
     decay,  # 1 - lr * weight_decay
     lerp_weight,  # 1 - beta1
     beta2,  # second-moment decay
-    neg_step_size,  # -lr / (1 - beta1^t)
-    bc2_sqrt,  # sqrt(1 - beta2^t)
+    one_minus_beta2,  # 1 - beta2, from the host's double
+    lr_hi, lr_lo,  # lr as an fp32 pair (see adam_math.split_f64)
+    ln_beta1_hi, ln_beta1_lo,  # log(beta1) as an fp32 pair
+    ln_beta2_hi, ln_beta2_lo,  # log(beta2) as an fp32 pair
     eps,  # added to the denominator
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -48,29 +55,24 @@ def _adamw_kernel(
     if HAS_FOUND_INF:
         # A broadcast load (every lane reads the one flag) keeps the mask a block-shaped tensor.
         mask = mask & (tl.load(found_inf_ptr + tl.zeros_like(offsets)) == 0)
+    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
+                                               ln_beta2_hi, ln_beta2_lo)
 
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_GRAD_SCALE:
-        g = g * (1.0 / tl.load(grad_scale_ptr).to(tl.float32))
+        g = g * inv_grad_scale(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
     p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * decay
     m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-    diff = g - m
-    if lerp_weight < 0.5:
-        m = m + lerp_weight * diff
-    else:
-        m = g - diff * (1.0 - lerp_weight)
-    v = v * beta2 + (1.0 - beta2) * g * g
+    m, v = adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2)
     v_used = v
     if AMSGRAD:
         v_max = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         v_used = tl.maximum(v_max, v)
         store_rounded(max_exp_avg_sq_ptr, offsets, v_used, mask)
-    denom = tl.div_rn(tl.sqrt_rn(v_used), bc2_sqrt) + eps
-    p = p + tl.div_rn(neg_step_size * m, denom)
+    p = adam_param(p, m, v_used, neg_step_size, bc2_sqrt, eps)
 
     store_rounded(param_ptr, offsets, p, mask)
     store_rounded(exp_avg_ptr, offsets, m, mask)
@@ -99,21 +101,19 @@ def adamw_step_triton(
         if found_inf is not None and found_inf.device != device:
             found_inf = found_inf.to(device)
     block = _block_size()
+    consts = host_constants(lr, beta1, beta2, weight_decay)
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
             continue
-        step = float(steps[i])
-        bc1 = 1.0 - beta1**step
-        bc2 = 1.0 - beta2**step
         grid = (triton.cdiv(n, block),)
         _adamw_kernel[grid](
             p, grads[i], exp_avgs[i], exp_avg_sqs[i],
             max_exp_avg_sqs[i] if amsgrad else p,
+            device_step(steps[i], p.device),
             grad_scale if grad_scale is not None else p,
             found_inf if found_inf is not None else p,
-            n,
-            1.0 - lr * weight_decay, 1.0 - beta1, beta2, -lr / bc1, bc2**0.5, eps,
+            n, eps=eps, **consts,
             AMSGRAD=amsgrad, MAXIMIZE=maximize,
             HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
             BLOCK_SIZE=block,

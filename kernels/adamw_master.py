@@ -7,14 +7,18 @@ Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     m  = lerp(m, g, 1 - beta1);   v = v * beta2 + (1 - beta2) * g * g
     x  = x - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     master = x;   param = round(x);   kahan_comp = round(x - param)
-Loads are upcast to fp32; sqrt and division are IEEE-rounded. Stochastic rounding takes its
-random bits from tl.randint (Philox keyed by a per-tensor seed and the element offset). grad_scale, clip_coef and found_inf are read on the device.
+Loads are upcast to fp32 and the update is kernels/adam_math.py's, shared with the plain AdamW
+kernel. Stochastic rounding takes its random bits from tl.randint (Philox keyed by a per-tensor
+seed and the element offset): the same distribution as the C++/CUDA kernels' hash, not the same
+bits. grad_scale, clip_coef, found_inf and the step count are read on the device.
 """
 
 import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+from fastllm.kernels.adam_math import (adam_moments, adam_param, bias_corrections,
+                                       device_step, host_constants, inv_grad_scale)
 from fastllm.kernels.rounding import round_nearest, round_stochastic
 
 
@@ -29,12 +33,15 @@ def _adamw_master_kernel(
     grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)
     clip_coef_ptr,  # *fp32 scalar, the clipping factor (read only when HAS_CLIP_COEF)
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
+    step_ptr,  # *fp32 scalar, this tensor's step count, already incremented
     n_elements,  # number of elements of this tensor
     decay,  # 1 - lr * weight_decay
     lerp_weight,  # 1 - beta1
     beta2,  # second-moment decay
-    neg_step_size,  # -lr / (1 - beta1^t)
-    bc2_sqrt,  # sqrt(1 - beta2^t)
+    one_minus_beta2,  # 1 - beta2, from the host's double
+    lr_hi, lr_lo,  # lr as an fp32 pair (see adam_math.split_f64)
+    ln_beta1_hi, ln_beta1_lo,  # log(beta1) as an fp32 pair
+    ln_beta2_hi, ln_beta2_lo,  # log(beta2) as an fp32 pair
     eps,  # added to the denominator
     seed,  # this tensor's random stream (read only when SR)
     MASTER: tl.constexpr,
@@ -50,11 +57,14 @@ def _adamw_master_kernel(
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     if HAS_FOUND_INF:
-        mask = mask & (tl.load(found_inf_ptr) == 0)
+        # A broadcast load (every lane reads the one flag) keeps the mask a block-shaped tensor.
+        mask = mask & (tl.load(found_inf_ptr + tl.zeros_like(offsets)) == 0)
+    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
+                                               ln_beta2_hi, ln_beta2_lo)
 
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_GRAD_SCALE:
-        g = g * (1.0 / tl.load(grad_scale_ptr).to(tl.float32))
+        g = g * inv_grad_scale(grad_scale_ptr)
     if HAS_CLIP_COEF:
         g = g * tl.load(clip_coef_ptr).to(tl.float32)
     if MAXIMIZE:
@@ -68,14 +78,8 @@ def _adamw_master_kernel(
     x = x * decay
     m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
-    diff = g - m
-    if lerp_weight < 0.5:
-        m = m + lerp_weight * diff
-    else:
-        m = g - diff * (1.0 - lerp_weight)
-    v = v * beta2 + (1.0 - beta2) * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    x = x + tl.div_rn(neg_step_size * m, denom)
+    m, v = adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2)
+    x = adam_param(x, m, v, neg_step_size, bc2_sqrt, eps)
 
     if SR:
         random = tl.randint(seed, offsets.to(tl.uint32))
@@ -117,13 +121,11 @@ def adamw_master_step_triton(
             t.to(device) if t is not None and t.device != device else t
             for t in (grad_scale, clip_coef, found_inf))
     block = _block_size()
+    consts = host_constants(lr, beta1, beta2, weight_decay)
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
             continue
-        step = float(steps[i])
-        bc1 = 1.0 - beta1**step
-        bc2 = 1.0 - beta2**step
         _adamw_master_kernel[(triton.cdiv(n, block),)](
             p, grads[i],
             masters[i] if masters else exp_avgs[i],
@@ -132,9 +134,8 @@ def adamw_master_step_triton(
             grad_scale if grad_scale is not None else exp_avgs[i],
             clip_coef if clip_coef is not None else exp_avgs[i],
             found_inf if found_inf is not None else exp_avgs[i],
-            n,
-            1.0 - lr * weight_decay, 1.0 - beta1, beta2, -lr / bc1, bc2**0.5, eps,
-            _tensor_seed(seed, i),
+            device_step(steps[i], p.device),
+            n, eps=eps, seed=_tensor_seed(seed, i), **consts,
             MASTER=bool(masters), KAHAN=bool(kahan_comps), SR=stochastic_rounding,
             MAXIMIZE=maximize,
             HAS_GRAD_SCALE=grad_scale is not None, HAS_CLIP_COEF=clip_coef is not None,

@@ -296,8 +296,6 @@ def _assert_untouched(p, opt, before):
 @pytest.mark.parametrize("case,match", [
     ("sparse", "sparse"),
     ("complex", "complex"),
-    ("noncontiguous_grad", "not contiguous"),
-    ("noncontiguous_param", "not contiguous"),
 ])
 def test_bad_input_is_refused_before_anything_changes(case, match):
     base = torch.randn(6, 4)
@@ -342,7 +340,7 @@ def test_nan_lr_set_later_is_refused_before_step():
     p, opt = _opt_with(torch.randn(10), torch.randn(10))
     before = p.detach().clone()
     opt.param_groups[0]["lr"] = float("nan")
-    with pytest.raises(ValueError, match="param group 0: invalid learning rate nan"):
+    with pytest.raises(ValueError, match="param group 0: Invalid learning rate: nan"):
         opt.step()
     _assert_untouched(p, opt, before)
 

@@ -14,8 +14,10 @@ from fastllm.lora import (
     inject_lora,
     load_adapter,
     lora_modules,
+    merge_and_unload,
     merge_lora,
     save_adapter,
+    unload,
     unmerge_lora,
 )
 from fastllm.ops.lora_linear import lora_dropout_ref, lora_linear_ref, new_dropout_seed
@@ -285,3 +287,109 @@ def test_saved_activations_no_more_than_peft(dropout):
     peft_bytes = _saved_activation_bytes(theirs, x)
     assert ours_bytes == 64 * 8 * 4  # xa (64 x 8 fp32)
     assert ours_bytes <= peft_bytes
+
+
+# Defects found using fastllm inside real clients (issue 11, item 9): each test failed before.
+
+
+def test_inject_twice_says_already_injected():
+    model = inject_lora(_tiny_llama(), target_modules=["q_proj"], r=4)
+    for targets in (["q_proj"], r".*q_proj.*"):  # the regex would also match q_proj.base_layer
+        with pytest.raises(ValueError, match="already injected"):
+            inject_lora(model, target_modules=targets, r=4)
+    assert len(lora_modules(model)) == 2
+    assert not any(isinstance(m.base_layer, LoRALinear) for _, m in lora_modules(model))
+
+
+def test_save_adapter_keeps_a_regex_target(tmp_path, recwarn):
+    regex = r".*layers\.0\.self_attn\.q_proj"
+    model = inject_lora(_tiny_llama(), target_modules=regex, r=4, alpha=8)
+    _randomise_lora(model)
+    assert [n for n, _ in lora_modules(model)] == ["model.layers.0.self_attn.q_proj"]
+    save_adapter(model, str(tmp_path), task_type="CAUSAL_LM")
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["target_modules"] == regex
+
+    peft_model = peft.PeftModel.from_pretrained(_tiny_llama(), str(tmp_path)).eval()
+    adapted = [n for n, m in peft_model.named_modules() if isinstance(m, peft.tuners.lora.Linear)]
+    assert adapted == ["base_model.model.model.layers.0.self_attn.q_proj"]
+    assert not [w for w in recwarn if "missing" in str(w.message).lower()]
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, peft_model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    # and fastllm reads its own regex back onto the same single layer
+    again = load_adapter(_tiny_llama(), str(tmp_path))
+    assert [n for n, _ in lora_modules(again)] == ["model.layers.0.self_attn.q_proj"]
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merge_and_unload", "unload"])
+def test_merge_and_unload_gives_the_plain_model(tmp_path, merge):
+    plain = _tiny_llama()
+    model = inject_lora(_tiny_llama(), target_modules=["q_proj", "v_proj"], r=4, alpha=8)
+    _randomise_lora(model, std=0.2)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        with_lora = model(input_ids=ids).logits
+        out = merge_and_unload(model) if merge else unload(model)
+        assert out is model and not lora_modules(model)
+        assert sorted(model.state_dict()) == sorted(plain.state_dict())  # no base_layer, no lora_
+        assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+        got = model(input_ids=ids).logits
+        if merge:
+            torch.testing.assert_close(got, with_lora, rtol=1e-4, atol=1e-4)
+        else:
+            for n, p in model.state_dict().items():
+                assert torch.equal(p, plain.state_dict()[n]), n
+        # a plain from_pretrained of the saved model starts from these weights, not random ones
+        model.save_pretrained(str(tmp_path))
+        reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, got, rtol=1e-5, atol=1e-5)
+    inject_lora(model, target_modules=["q_proj"], r=2)  # and LoRA can be injected again
+
+
+def test_merge_and_unload_of_an_already_merged_model():
+    model = inject_lora(_tiny_llama(), target_modules=["q_proj"], r=4)
+    _randomise_lora(model, std=0.2)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        merge_lora(model)
+        merge_and_unload(model)  # merges nothing twice
+        torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_load_adapter_accepts_peft_lm_head(tmp_path):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
+    peft_model = peft.get_peft_model(_tiny_llama(), config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    with pytest.warns(UserWarning, match="embedding"):
+        peft_model.save_pretrained(str(tmp_path))
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert "base_model.model.lm_head.base_layer.weight" in saved  # what made it fail before
+
+    model = load_adapter(_tiny_llama(), str(tmp_path)).eval()
+    assert "lm_head" in dict(lora_modules(model))
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits,
+                                   peft_model.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_load_adapter_refusal_leaves_the_model_unchanged(tmp_path):
+    model = inject_lora(_tiny_llama(), target_modules=["q_proj"], r=4)
+    save_adapter(model, str(tmp_path))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    config["r"] = 3  # the weights say 4
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    fresh = _tiny_llama()
+    with pytest.raises(ValueError, match="in the adapter"):
+        load_adapter(fresh, str(tmp_path))
+    assert not lora_modules(fresh)
+    assert all(p.requires_grad for p in fresh.parameters())

@@ -12,11 +12,11 @@
 //   x  = x - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //   master = x;  p = round(x);  kahan_comp = round(x - p)
 // round() is round-to-nearest-even, or stochastic rounding (bf16: 16 random bits added to the bits
-// that bf16 drops, then truncation; fp16: see cpu/low_precision.h), which rounds up with
+// that bf16 drops, then truncation; fp16: see csrc/low_precision.h), which rounds up with
 // probability equal to the dropped fraction, so E[round(x)] = x. The random bits come from a
 // counter-based hash of (seed, tensor index, element index): a step is reproducible from its seed.
 //
-// bf16/fp16 <-> fp32 conversions are integer and fp32 operations (cpu/low_precision.h) so the
+// bf16/fp16 <-> fp32 conversions are integer and fp32 operations (csrc/low_precision.h) so the
 // inner loop vectorises (AVX-512 / AVX2 with -march=native). The loop layout is adamw.cpp's: all
 // tensors of a call cut into chunks, one parallel region.
 #include <ATen/ATen.h>
@@ -27,7 +27,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cpu/low_precision.h"
+#include "low_precision.h"
 #include "fastllm.h"
 #include "static_dispatch.h"
 #include "tensor_checks.h"
@@ -40,16 +40,6 @@ using lowp::F16;
 
 constexpr int64_t kChunk = 1 << 16;
 
-// Chris Wellons' "lowbias32" integer hash (github.com/skeeto/hash-prospector): a bijection on
-// uint32 with good avalanche, cheap enough to run per element in a vectorised loop.
-inline uint32_t hash32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
 
 struct Scalars {
   float decay;          // 1 - lr * weight_decay

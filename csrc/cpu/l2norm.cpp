@@ -12,7 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cpu/low_precision.h"
+#include "low_precision.h"
 #include "fastllm.h"
 
 namespace fastllm {

@@ -1,7 +1,15 @@
 // Memory-bandwidth probe for `fastllm bench`: the access pattern of an optimizer step (several
 // arrays read and written back, some only read) with no arithmetic to speak of, parallelised the
-// same way as the fused kernels. Its bytes per second are the ceiling that a memory-bound fused
+// same way as the fused kernels. Its bytes per second, timed in the same interleaved rounds as
+// the providers (bench/harness.py memory_probe), are the ceiling that a memory-bound fused
 // kernel with that pattern can reach on this machine.
+//
+// Why benchmark-only code ships in fastllm._C: `fastllm bench` is part of the installed package
+// and runs wherever fastllm is installed, where there may be no compiler to build a probe at
+// run time (and a JIT build would cost a minute of the benchmark). The ceiling must come from
+// code compiled like the kernels it bounds (same -O3/-march, OpenMP, at::parallel_for chunks),
+// and PyTorch's eager ops cannot stream four arrays in one pass. It is not a torch.library op
+// and not public API (only fastllm._C.stream_probe_cpu), and it adds one small function.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>

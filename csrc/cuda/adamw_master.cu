@@ -12,14 +12,13 @@
 // the C++ kernel (lowbias32 of seed, tensor index and element index). grad_scale, clip_coef and
 // found_inf on the GPU are read by the kernel (no host synchronisation); on the CPU, here.
 //
-// l2norm: each block writes the fp32 sum of squares of its chunk to its own slot; the slots are
-// added in fp64 afterwards, so the norm is the same from run to run.
+// l2norm: each block writes the sum of squares of its chunk (summed in fp32, in fp64 for fp64
+// tensors) to its own fp64 slot; the slots are added in fp64 afterwards, so the norm is the same
+// from run to run.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/irange.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cub/block/block_reduce.cuh>
 #include <cmath>
@@ -28,6 +27,7 @@
 
 #include "cuda/multi_tensor_apply.cuh"
 #include "fastllm.h"
+#include "low_precision.h"
 #include "static_dispatch.h"
 #include "tensor_checks.h"
 
@@ -36,57 +36,12 @@ namespace {
 
 using mta::TensorListMetadata;
 
-// Chris Wellons' "lowbias32" (github.com/skeeto/hash-prospector), as in csrc/cpu/adamw_master.cpp.
-__host__ __device__ __forceinline__ uint32_t hash32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-
-struct BF16Format {
-  static __device__ __forceinline__ float load(uint16_t h) {
-    return __uint_as_float(uint32_t(h) << 16);
-  }
-  static __device__ __forceinline__ uint16_t round_nearest(float f) {
-    const uint32_t u = __float_as_uint(f);
-    const uint32_t rounded = (u + 0x7fffU + ((u >> 16) & 1U)) >> 16;
-    return f != f ? uint16_t(0x7fc0) : uint16_t(rounded);
-  }
-  static __device__ __forceinline__ uint16_t round_stochastic(float f, uint32_t random) {
-    const uint32_t rounded = (__float_as_uint(f) + (random & 0xffffU)) >> 16;
-    return f != f ? uint16_t(0x7fc0) : uint16_t(rounded);
-  }
-};
-
-struct F16Format {
-  static __device__ __forceinline__ float load(uint16_t h) {
-    return __half2float(__ushort_as_half(h));
-  }
-  static __device__ __forceinline__ uint16_t round_nearest(float f) {
-    return __half_as_ushort(__float2half_rn(f));
-  }
-  // As csrc/cpu/low_precision.h: choose between the neighbours lo <= |f| < hi with probability
-  // (|f| - lo) / (hi - lo), compared exactly in fp32 against 24 random bits.
-  static __device__ __forceinline__ uint16_t round_stochastic(float f, uint32_t random) {
-    const uint16_t rn = round_nearest(f);
-    const float af = fabsf(f);
-    const float arn = fabsf(load(rn));
-    const bool below = arn < af;
-    const uint16_t other = below ? uint16_t(rn + 1) : uint16_t(rn - 1);
-    const uint16_t lo = below ? rn : other;
-    const uint16_t hi = below ? other : rn;
-    const float alo = fabsf(load(lo));
-    const float ulp = fabsf(load(hi)) - alo;
-    const bool up = float(random >> 8) * ulp < (af - alo) * 16777216.0f;
-    const bool keep = arn == af || isinf(arn) || f != f;
-    return keep ? rn : (up ? hi : lo);
-  }
-};
+// bf16/fp16 rounding (lowp::BF16, lowp::F16) and the stochastic-rounding hash (hash32) come
+// from csrc/low_precision.h, shared with the C++ kernels: the cpp and cuda backends round alike
+// and draw the same random bits.
 
 struct MasterTensorMeta {
+  const float* step;    // the step count on the GPU, or nullptr when the two below are set
   float neg_step_size;  // -lr / (1 - beta1^t)
   float bc2_sqrt;       // sqrt(1 - beta2^t)
   uint32_t seed;        // this tensor's random stream
@@ -105,6 +60,7 @@ struct AdamWMasterFunctor {
   float one_minus_beta2;  // 1 - beta2
   float eps;
   float host_grad_mult;   // clip_coef / grad_scale from CPU scalars (1 when absent)
+  double lr, beta1_d, beta2_d;  // for the bias corrections of step counts on the GPU
   const float* grad_scale;  // on the GPU, or nullptr
   const float* clip_coef;   // on the GPU, or nullptr
   const float* found_inf;   // on the GPU, or nullptr
@@ -116,7 +72,13 @@ struct AdamWMasterFunctor {
     float mult = host_grad_mult;
     if (grad_scale != nullptr) mult = mult / *grad_scale;
     if (clip_coef != nullptr) mult = mult * *clip_coef;
-    const MasterTensorMeta meta = tl.meta[tensor];
+    MasterTensorMeta meta = tl.meta[tensor];
+    if (meta.step != nullptr) {
+      // Device step counts (capturable): the host corrections' formula, in fp64, here.
+      const double step = *meta.step;
+      meta.neg_step_size = float(-lr / (1.0 - ::pow(beta1_d, step)));
+      meta.bc2_sqrt = float(::sqrt(1.0 - ::pow(beta2_d, step)));
+    }
     // torch's lerp switches formula at weight 0.5 for accuracy (ATen/native/Lerp.h).
     const bool small_weight = lerp_weight < 0.5f;
     const float one_minus_weight = 1.0f - lerp_weight;
@@ -168,19 +130,21 @@ struct AdamWMasterFunctor {
 template <typename T>
 struct SumSquaresFunctor {
   using Metadata = TensorListMetadata<1, int64_t>;  // meta: this tensor's first slot
-  float* partial;
+  // fp64 tensors are summed in fp64: their squares can overflow or underflow fp32.
+  using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  double* partial;
 
   __device__ __forceinline__ void operator()(const Metadata& tl, int tensor, int64_t start,
                                              int n) const {
     const T* x = static_cast<const T*>(tl.addresses[0][tensor]) + start;
-    float acc = 0.0f;
+    acc_t acc = 0;
     for (int i = threadIdx.x; i < n; i += mta::kBlockSize) {
-      const float v = static_cast<float>(x[i]);
+      const acc_t v = static_cast<acc_t>(x[i]);
       acc += v * v;
     }
-    using BlockReduce = cub::BlockReduce<float, mta::kBlockSize>;
+    using BlockReduce = cub::BlockReduce<acc_t, mta::kBlockSize>;
     __shared__ typename BlockReduce::TempStorage temp;
-    const float total = BlockReduce(temp).Sum(acc);
+    const acc_t total = BlockReduce(temp).Sum(acc);
     if (threadIdx.x == 0) partial[tl.meta[tensor] + start / mta::kChunkSize] = total;
   }
 };
@@ -251,10 +215,17 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
   for (const auto i : c10::irange(params.size())) {
     TORCH_CHECK(steps[i].numel() == 1, "fastllm.adamw_master_step (cuda): steps[", i,
                 "] must have one element");
-    const double step = steps[i].item<double>();
-    meta[i] = {float(-lr / (1.0 - std::pow(beta1, step))),
-               float(std::sqrt(1.0 - std::pow(beta2, step))),
-               hash32(seed32 + 0x9e3779b9U * uint32_t(i + 1))};
+    const uint32_t tensor_seed = hash32(seed32 + 0x9e3779b9U * uint32_t(i + 1));
+    if (steps[i].device() == device) {
+      // Read by the kernel: no host synchronisation, and the step can be graph-captured.
+      TORCH_CHECK(steps[i].scalar_type() == at::kFloat, "fastllm.adamw_master_step (cuda): "
+                  "steps[", i, "] on the GPU must be fp32, got ", steps[i].scalar_type());
+      meta[i] = {steps[i].data_ptr<float>(), 0.0f, 1.0f, tensor_seed};
+    } else {
+      const double step = steps[i].item<double>();
+      meta[i] = {nullptr, float(-lr / (1.0 - std::pow(beta1, step))),
+                 float(std::sqrt(1.0 - std::pow(beta2, step))), tensor_seed};
+    }
   }
 
   const at::cuda::CUDAGuard guard(device);
@@ -270,6 +241,9 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
     op.one_minus_beta2 = float(1.0 - beta2);
     op.eps = float(eps);
     op.host_grad_mult = float(host_mult);
+    op.lr = lr;
+    op.beta1_d = beta1;
+    op.beta2_d = beta2;
     op.grad_scale = grad_scale_ptr;
     op.clip_coef = clip_coef_ptr;
     op.found_inf = found_inf_ptr;
@@ -287,9 +261,9 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
     dispatch_bool(kahan && !master, [&](auto ka) {
       dispatch_bool(stochastic_rounding, [&](auto sr) {
         if (dtype == at::kBFloat16) {
-          run(BF16Format{}, ma, ka, sr);
+          run(lowp::BF16{}, ma, ka, sr);
         } else {
-          run(F16Format{}, ma, ka, sr);
+          run(lowp::F16{}, ma, ka, sr);
         }
       });
     });
@@ -313,7 +287,7 @@ at::Tensor l2norm_cuda(const std::vector<at::Tensor>& tensors) {
   }
   const at::cuda::CUDAGuard guard(device);
   auto partial = at::zeros({std::max<int64_t>(slots, 1)},
-                           at::TensorOptions().dtype(at::kFloat).device(device));
+                           at::TensorOptions().dtype(at::kDouble).device(device));
   auto run = [&](auto tag, at::ScalarType dtype) {
     using T = decltype(tag);
     std::vector<at::Tensor> group;
@@ -324,7 +298,7 @@ at::Tensor l2norm_cuda(const std::vector<at::Tensor>& tensors) {
       meta.push_back(first_slot[t]);
     }
     if (group.empty()) return;
-    SumSquaresFunctor<T> op{partial.data_ptr<float>()};
+    SumSquaresFunctor<T> op{partial.data_ptr<double>()};
     mta::multi_tensor_apply<1>({&group}, meta, op);
   };
   for (const auto t : c10::irange(tensors.size())) {
@@ -337,7 +311,7 @@ at::Tensor l2norm_cuda(const std::vector<at::Tensor>& tensors) {
   run(at::Half{}, at::kHalf);
   run(float{}, at::kFloat);
   run(double{}, at::kDouble);
-  return partial.to(at::kDouble).sum().sqrt().to(at::kFloat);
+  return partial.sum().sqrt().to(at::kFloat);
 }
 
 }  // namespace fastllm

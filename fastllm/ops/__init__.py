@@ -5,8 +5,17 @@ from fastllm.ops.adamw import adamw_step, adamw_step_ref
 from fastllm.ops.adamw_master import adamw_master_step, adamw_master_step_ref
 from fastllm.ops.l2norm import l2norm, l2norm_ref
 from fastllm.ops.lora_linear import lora_linear, lora_linear_ref
+from fastllm.ops.scaled_copy import scaled_copy, scaled_copy_ref
+from fastllm.ops.galore_adam_step import galore_adam_step, galore_adam_step_ref
+from fastllm.ops.orthogonalize import orthogonalize, orthogonalize_ref
+from fastllm.ops.powersgd_decompress import powersgd_decompress, powersgd_decompress_ref
+from fastllm.ops.adamw8bit import adamw8bit_step, adamw8bit_step_ref
 
 __all__ = [
     "adamw_master_step", "adamw_master_step_ref", "adamw_step", "adamw_step_ref", "l2norm",
     "l2norm_ref", "lora_linear", "lora_linear_ref",
+    "scaled_copy", "scaled_copy_ref",
+    "galore_adam_step", "galore_adam_step_ref", "orthogonalize", "orthogonalize_ref",
+    "powersgd_decompress", "powersgd_decompress_ref",
+    "adamw8bit_step", "adamw8bit_step_ref",
 ]

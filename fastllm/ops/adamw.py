@@ -130,9 +130,10 @@ def _raise_bad_tensor(where, t, p, i, device):
 def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
                      lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
                      grad_scale=None, found_inf=None):
-    check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
-                     beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                     amsgrad=amsgrad)
+    if not _backend.prevalidated():
+        check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
+                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad)
     if not params:
         return
     device_type = params[0].device.type

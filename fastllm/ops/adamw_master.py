@@ -17,7 +17,11 @@ Per element, with step t (torch.optim.AdamW's maths, decoupled weight decay):
 
 round() is round-to-nearest-even, or with stochastic_rounding=True rounds up with probability
 equal to the fraction dropped, so its mean is exact. The random bits are a function
-of (seed, tensor index, element index): the same call with the same seed writes the same bits.
+of (seed, tensor index, element index): the same call with the same seed writes the same bits on
+one backend. The backends do NOT draw the same bits: cpp and cuda share one hash (lowbias32 of
+seed and element index), triton uses Philox (`tl.randint`), ref a torch.Generator. Each is
+unbiased with the same distribution (tests check the mean and the rounding probabilities), so
+runs on different backends agree statistically, not bitwise.
 
 Shapes and dtypes: at every index i, params[i] and grads[i] are bf16 or fp16 (one dtype per
 call); masters[i] (empty list, or one per param) and exp_avgs[i], exp_avg_sqs[i] are fp32;
@@ -214,8 +218,10 @@ def _adamw_master_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
                             lr, beta1, beta2, eps, weight_decay, maximize=False,
                             stochastic_rounding=False, seed=0, grad_scale=None, clip_coef=None,
                             found_inf=None):
-    check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps,
-                            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if not _backend.prevalidated():
+        check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps,
+                                steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=weight_decay)
     if not params:
         return
     device_type = params[0].device.type

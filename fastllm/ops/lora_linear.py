@@ -22,11 +22,14 @@ projections is one [A_q; A_k; A_v] x^T, and dX sums each projection's dX term.
 
 Backends: cpp (CPU: ATen matmuls with the low-rank terms accumulated in place into the base
 outputs, addmm with beta=1, plus the C++ dropout kernel of csrc/cpu/lora_linear.cpp), triton (GPU;
-CPU under TRITON_INTERPRET=1; kernels/lora_linear.py), ref (the same maths as cpp in plain PyTorch).
+CPU under TRITON_INTERPRET=1; kernels/lora_linear.py: cuBLAS does the base matmuls, Triton the
+fused low-rank part), ref (the same maths as cpp in plain PyTorch). A Triton launch that raises
+OutOfResources falls back to ref for that dtype and rank, with one warning.
 `lora_linear_ref` is the autograd-through-PyTorch oracle the tests compare against.
 """
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -213,9 +216,20 @@ _BACKWARD = {
 
 
 # The Triton kernels keep an r-wide tile per block in shared memory: up to this rank they fit
-# on every supported GPU (checked by tests/lora_sm90_compile.py for sm_90); past it, and for
-# fp64, which they do not support, the GPU path is the reference (cuBLAS matmuls).
+# on every supported GPU (tests/lora_compile_check.py compiles every rank and dtype sent to them
+# for sm_80, sm_86, sm_89 and sm_90); past it, and for fp64, which they do not support, the GPU
+# path is the reference (cuBLAS matmuls).
 _TRITON_MAX_RANK = 128
+
+# (device, dtype, rank block) whose Triton launch raised OutOfResources (a GPU with less shared
+# memory than the compile check assumed): the reference runs those from then on.
+_TRITON_OUT_OF_RESOURCES = set()
+
+
+def _triton_key(x, lora_a):
+    from fastllm.kernels.lora_linear import _block_r  # the launch configs depend on these only
+
+    return (str(x.device), x.dtype, _block_r(lora_a.shape[0]))
 
 
 def _select(x, lora_a):
@@ -228,6 +242,9 @@ def _select(x, lora_a):
                 f"fastllm.lora_linear: backend 'triton' was forced but its GPU kernels support "
                 f"rank <= {_TRITON_MAX_RANK} and fp32/bf16/fp16 (got rank {lora_a.shape[0]}, "
                 f"{x.dtype})")
+        return "ref"
+    if (backend == "triton" and _backend.forced_backend() != "triton"
+            and _triton_key(x, lora_a) in _TRITON_OUT_OF_RESOURCES):
         return "ref"
     if backend not in _FORWARD:
         raise RuntimeError(
@@ -244,18 +261,37 @@ def _select(x, lora_a):
     return backend
 
 
+def _run(table, x, lora_a, *args):
+    backend = _select(x, lora_a)
+    if backend != "triton":
+        return table[backend](*args)
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return table["triton"](*args)
+    except OutOfResources as exc:  # raised at launch, before the kernel wrote anything
+        if _backend.forced_backend() == "triton":
+            raise
+        _TRITON_OUT_OF_RESOURCES.add(_triton_key(x, lora_a))
+        warnings.warn(
+            f"fastllm.lora_linear: the Triton kernels do not fit this GPU for {x.dtype}, rank "
+            f"{lora_a.shape[0]} ({exc}); using the PyTorch reference for these from now on",
+            RuntimeWarning, stacklevel=3)
+        return table["ref"](*args)
+
+
 def _lora_linear_impl(x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
     check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
     with _backend.device_guard(x.device):
-        return _FORWARD[_select(x, lora_a)](x, weight, lora_a, lora_b, scaling, bias, dropout_p,
-                                            int(seed))
+        return _run(_FORWARD, x, lora_a, x, weight, lora_a, lora_b, scaling, bias, dropout_p,
+                    int(seed))
 
 
 def _lora_linear_backward_impl(grad_out, x, weight, lora_a, lora_b, xa, scaling, dropout_p, seed,
                                output_mask):
     with _backend.device_guard(x.device):
-        return _BACKWARD[_select(x, lora_a)](grad_out, x, weight, lora_a, lora_b, xa, scaling,
-                                             dropout_p, int(seed), list(output_mask))
+        return _run(_BACKWARD, x, lora_a, grad_out, x, weight, lora_a, lora_b, xa, scaling,
+                    dropout_p, int(seed), list(output_mask))
 
 
 lib.impl("lora_linear", _lora_linear_impl, "CPU")

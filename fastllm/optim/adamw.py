@@ -20,10 +20,22 @@ import math
 
 import torch
 
+from fastllm import _backend
 from fastllm.amp import LossScaler
 from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.ops.l2norm import l2norm
+
+# FSDP2 (fully_shard) params, grads and states are DTensors; the fused kernels run on
+# each rank's local shard (same storage), and the grad norm is reduced over the mesh.
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:
+    _DTensor = ()
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, _DTensor) else t
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # State tensors kept in fp32 for a low-precision param in master / pure mode.
@@ -55,21 +67,83 @@ def _scalar(value, name):
 
 
 def _check_hyperparameters(where, lr, betas, eps, weight_decay):
-    lr = _scalar(lr, "lr")
-    if not math.isfinite(lr) or lr < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: invalid learning rate {lr}")
+    # The messages contain torch.optim.AdamW's own wording, which code and tests match on.
+    lr_value = _scalar(lr, "lr")
+    if not math.isfinite(lr_value) or lr_value < 0.0:
+        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {lr}")
     if not math.isfinite(eps) or eps < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: invalid epsilon {eps}")
+        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid epsilon value: {eps}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be a pair, got {betas!r}")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be either both floats or "
+                         f"both Tensors")
     for i, beta in enumerate(betas):
-        beta = _scalar(beta, f"betas[{i}]")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"fastllm.optim.AdamW: {where}: invalid beta parameter at index "
+        value = _scalar(beta, f"betas[{i}]")
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid beta parameter at index "
                              f"{i}: {beta}")
     if not math.isfinite(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: invalid weight_decay value "
+        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid weight_decay value: "
                          f"{weight_decay}")
+
+
+def _is_dense(t):
+    """Whether t's elements fill one gap-free block of memory (in some order of its dims)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _dense_views(tensors, writebacks):
+    """(param, grad, states...) as contiguous tensors whose elements correspond one to one.
+
+    Contiguous tensors pass through. A non-contiguous but dense param (channels_last, a
+    transposed weight) is stepped in its own memory order: each tensor with the param's strides
+    becomes a flat view of its storage, any other is copied into the param's layout first. A
+    param with gaps is stepped on contiguous copies. Copies of written tensors are queued in
+    `writebacks` as (tensor, copy), to be copied back after the kernels ran (the grad is only
+    read)."""
+    if all(t is None or t.is_contiguous() for t in tensors):
+        return tensors
+    p = tensors[0]
+    # Flat views in the param's memory order when it is dense but permuted; plain contiguous
+    # copies when the param itself is contiguous or has gaps.
+    flat = not p.is_contiguous() and _is_dense(p)
+    out = []
+    for i, t in enumerate(tensors):
+        if t is None or (t.is_contiguous() and not flat):
+            out.append(t)
+            continue
+        if flat and t.stride() == p.stride() and _is_dense(t):
+            out.append(t.as_strided((t.numel(),), (1,)))
+            continue
+        copy = torch.empty_like(p, dtype=t.dtype) if flat else t.contiguous()
+        if flat:
+            copy.copy_(t)
+        if i != 1:
+            writebacks.append((t, copy))
+        out.append(copy.as_strided((copy.numel(),), (1,)) if flat else copy)
+    return out
+
+
+# low-byte optimizer state lives in fastllm/optim/adamw8bit.py (imported lazily:
+# it subclasses AdamW).
+def _lowbyte():
+    from fastllm.optim import adamw8bit
+
+    return adamw8bit
+
+
+def _lowbyte_mode(opt, p):
+    return getattr(opt, "state_dtype", None) is not None and _lowbyte().mode(opt, p) is not None
+
+
+def _lowbyte_block_keys():
+    return ("exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 class _LazyName:
@@ -90,10 +164,19 @@ class _LazyName:
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay, one fused pass per parameter tensor.
 
-    Args are those of torch.optim.AdamW. `foreach`, `fused` and `capturable` are accepted and
-    recorded in the param groups (for state_dict compatibility) but do not change the kernel:
-    fastllm always runs its own fused implementation. `differentiable=True` is refused, since the
+    Args are those of torch.optim.AdamW. `foreach` and `fused` are accepted for compatibility and
+    recorded in the param groups (torch's state_dicts carry them) but change nothing: fastllm
+    always runs its own fused multi-tensor kernels. `differentiable=True` is refused, since the
     fused step is not differentiable.
+
+    No host synchronisation: step counts live on the params' device (as with torch's fused and
+    capturable AdamW), the bias corrections are computed in the kernels from them, and an
+    inf/nan step (GradScaler's `found_inf`, or a non-finite grad norm) is turned into a no-op
+    inside the kernels, after which the step counts are decremented on the device. So `step()`
+    reads nothing back from the GPU, and with `capturable=True` it can be captured in a CUDA graph
+    or traced by `torch.compile(fullgraph=True)`. `capturable=True` refuses, at construction, the
+    two options that need the host: `loss_scaler` (a host-side scale; use torch.amp.GradScaler)
+    and `stochastic_rounding` (its seed advances on the host each step).
 
     Works with torch.amp.GradScaler through the fused-optimizer protocol: the scaler hands over
     `grad_scale` and `found_inf`, grads are unscaled inside the kernel, and a step with inf/nan
@@ -117,14 +200,19 @@ class AdamW(torch.optim.Optimizer):
     before clipping, as `self.grad_norm`, a 0-dim fp32 tensor); if it is inf or nan the step is
     skipped, nothing changes bitwise, `self.step_skipped` is True and `self.skipped_steps` counts
     it. Training without master weights is implemented for bf16 params only; amsgrad is not
-    supported together with these options.
+    supported together with these options. `grad_norm`, `step_skipped` and `skipped_steps` are
+    device tensors, read only when you look at them.
+
+    A parameter changed outside the optimizer (`model.load_state_dict`, an in-place clip) while it
+    has a master copy is noticed through its version counter and the master is re-synced from it,
+    so the next step does not write the stale master back.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, master_weights=False,
                  stochastic_rounding=False, kahan_summation=False, max_grad_norm=None,
-                 loss_scaler=None):
+                 loss_scaler=None, state_dtype=None):
         _check_hyperparameters("defaults", lr, betas, eps, weight_decay)
         if max_grad_norm is not None:
             max_grad_norm = float(max_grad_norm)
@@ -142,7 +230,25 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("fastllm.optim.AdamW: amsgrad is not supported with master_weights, "
                              "stochastic_rounding or kahan_summation")
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("fastllm.optim.AdamW: tensor lr must have one element")
+            raise ValueError("fastllm.optim.AdamW: Tensor lr must be 1-element")
+        if foreach and fused:
+            raise RuntimeError("fastllm.optim.AdamW: `fused` and `foreach` cannot be `True` "
+                               "together.")
+        if isinstance(lr, torch.Tensor) and foreach and not capturable:
+            raise ValueError("fastllm.optim.AdamW: lr as a Tensor is not supported for "
+                             "capturable=False and foreach=True")
+        if isinstance(betas[0], torch.Tensor) and foreach and not capturable:
+            raise ValueError("fastllm.optim.AdamW: betas[0] as a Tensor is not supported for "
+                             "capturable=False and foreach=True")
+        if capturable and loss_scaler is not None:
+            raise ValueError("fastllm.optim.AdamW: capturable=True cannot be combined with "
+                             "loss_scaler: fastllm.amp.LossScaler keeps its scale on the host and "
+                             "must read the overflow flag back every step. Use "
+                             "torch.amp.GradScaler, whose scale lives on the device")
+        if capturable and stochastic_rounding:
+            raise ValueError("fastllm.optim.AdamW: capturable=True cannot be combined with "
+                             "stochastic_rounding: its random stream is re-keyed on the host "
+                             "every step, which a captured graph would freeze")
         if differentiable:
             raise NotImplementedError(
                 "fastllm.optim.AdamW: differentiable=True is not supported (the fused step is "
@@ -158,12 +264,25 @@ class AdamW(torch.optim.Optimizer):
         self.kahan_summation = bool(kahan_summation)
         self.max_grad_norm = max_grad_norm
         self.loss_scaler = loss_scaler
+        # low-byte moments (bf16, or 8-bit in AdamW8bit), fastllm/optim/adamw8bit.py.
+        _lowbyte().check_options(self, state_dtype, amsgrad, self.kahan_summation,
+                                 capturable=capturable)
         # Drawn only when used, so the default optimizer leaves the global RNG alone.
         self._sr_seed = (int(torch.randint(0, 2**62, ()).item())
                          if self.stochastic_rounding else None)
+        self._sr_calls = 0  # host count of step() calls: keys the stochastic-rounding stream
         self.grad_norm = None
         self.step_skipped = False
         self.skipped_steps = 0
+        # param -> its _version right after the optimizer last wrote it (master mode only).
+        self._written_versions = {}
+        if capturable:
+            # Reported tensors exist from the start and are only written in place, so a compiled
+            # or graph-captured step updates them.
+            device = next((p.device for g in self.param_groups for p in g["params"]), None)
+            self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+            self.step_skipped = torch.zeros((), dtype=torch.bool, device=device)
+            self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
 
     @property
     def _mixed(self):
@@ -184,8 +303,9 @@ class AdamW(torch.optim.Optimizer):
     # stochastic-rounding seed travel with a pickled or deep-copied optimizer too.
     _EXTRA_ATTRS = {"master_weights": False, "stochastic_rounding": False,
                     "kahan_summation": False, "max_grad_norm": None, "loss_scaler": None,
-                    "_sr_seed": None, "grad_norm": None, "step_skipped": False,
-                    "skipped_steps": 0}
+                    "_sr_seed": None, "_sr_calls": 0, "grad_norm": None,
+                    "step_skipped": False, "skipped_steps": 0,
+                    "state_dtype": None, "block_size": 256, "min_8bit_size": 4096}
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -196,6 +316,7 @@ class AdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         for key, value in self._EXTRA_ATTRS.items():
             self.__dict__.setdefault(key, value)
+        self.__dict__.setdefault("_written_versions", {})
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -203,7 +324,8 @@ class AdamW(torch.optim.Optimizer):
             group.setdefault("capturable", False)
             group.setdefault("differentiable", False)
             group.setdefault("fused", None)
-            group.setdefault("decoupled_weight_decay", True)
+            # As torch.optim.AdamW: always decoupled, also after loading a torch.optim.Adam state.
+            group["decoupled_weight_decay"] = True
 
     @staticmethod
     def _name(group, group_index, param_index, param):
@@ -237,11 +359,6 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError(f"fastllm.optim.AdamW: the grad of {where} has dtype "
                                        f"{grad.dtype} and shape {tuple(grad.shape)}; expected "
                                        f"{p.dtype} and {tuple(p.shape)}")
-                if not p.is_contiguous():
-                    raise RuntimeError(f"fastllm.optim.AdamW: {where} is not contiguous")
-                if not grad.is_contiguous():
-                    raise RuntimeError(f"fastllm.optim.AdamW: the grad of {where} is not "
-                                       f"contiguous")
                 kind = self._kind(p)
                 if p.dtype == torch.float16 and kind == "pure":
                     raise NotImplementedError(
@@ -249,7 +366,9 @@ class AdamW(torch.optim.Optimizer):
                         f"weights (stochastic_rounding or kahan_summation alone) is implemented "
                         f"for bfloat16 params only. Use master_weights=True for fp16 params")
                 state = self.state.get(p)
-                if state:
+                if state and _lowbyte_mode(self, p):
+                    _lowbyte().check_state(self, where, p, state)
+                elif state:
                     self._check_state(where, p, state, group["amsgrad"], kind)
 
     @staticmethod
@@ -264,18 +383,18 @@ class AdamW(torch.optim.Optimizer):
                                    f"{tuple(t.shape)}, expected {tuple(p.shape)}")
             # Mixed-precision params keep fp32 moments (a drop-in state in p.dtype is upcast).
             dtype_ok = t.dtype == p.dtype or (kind != "plain" and t.dtype == torch.float32)
-            if t.device != p.device or not dtype_ok or not t.is_contiguous():
+            if t.device != p.device or not dtype_ok:
                 raise RuntimeError(f"fastllm.optim.AdamW: state '{key}' of {where} must be a "
-                                   f"contiguous {p.dtype} tensor on {p.device}, got {t.dtype} "
+                                   f"{p.dtype} tensor on {p.device}, got {t.dtype} "
                                    f"on {t.device}")
         for key, dtype in (("master_param", torch.float32), ("kahan_comp", p.dtype)):
             t = state.get(key)
             if t is None:
                 continue
             if (not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype
-                    or t.device != p.device or not t.is_contiguous()):
+                    or t.device != p.device):
                 raise RuntimeError(f"fastllm.optim.AdamW: state '{key}' of {where} must be a "
-                                   f"contiguous {dtype} tensor of shape {tuple(p.shape)} on "
+                                   f"{dtype} tensor of shape {tuple(p.shape)} on "
                                    f"{p.device}")
         step = state.get("step")
         if not isinstance(step, torch.Tensor) or step.numel() != 1:
@@ -290,6 +409,7 @@ class AdamW(torch.optim.Optimizer):
         """
         saved_groups = state_dict.get("param_groups", [])
         saved_state = state_dict.get("state", {})
+        _lowbyte().check_loaded(self, state_dict)  # refuse mismatched moment layouts
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"fastllm.optim.AdamW: the state_dict has {len(saved_groups)} param "
                              f"groups, this optimizer has {len(self.param_groups)}")
@@ -309,6 +429,8 @@ class AdamW(torch.optim.Optimizer):
                             raise RuntimeError(f"fastllm.optim.AdamW: state 'step' of {where} "
                                                f"is {type(value).__name__}")
                         continue
+                    if key in _lowbyte_block_keys():  # one value per block
+                        continue
                     if isinstance(value, torch.Tensor) and value.shape != p.shape:
                         raise RuntimeError(f"fastllm.optim.AdamW: cannot load state '{key}' of "
                                            f"{where}: the state_dict has shape "
@@ -318,14 +440,6 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("fastllm.optim.AdamW: the state_dict holds a loss scaler's state but "
                              "this optimizer has no loss_scaler")
         super().load_state_dict(state_dict)
-        for state in self.state.values():
-            step = state.get("step")
-            if step is not None and not isinstance(step, torch.Tensor):
-                state["step"] = torch.tensor(float(step), dtype=torch.float32)
-            elif step is not None and step.device.type != "cpu":
-                # torch's fused/capturable AdamW keeps steps on the param's device; fastllm's
-                # kernels take the bias corrections from CPU steps (no device sync per tensor).
-                state["step"] = step.detach().to("cpu", torch.float32)
         # torch casts every floating state tensor to its param's dtype on load; the fp32 masters
         # and moments of low-precision params are put back as saved, bit for bit.
         saved_ids = [pid for g in saved_groups for pid in g["params"]]
@@ -338,12 +452,54 @@ class AdamW(torch.optim.Optimizer):
                 value = saved.get(key)
                 if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
                     self.state[p][key] = value.to(device=p.device, copy=True)
+        for p in params:
+            state = self.state.get(p)
+            # A load-state-dict post-hook may store anything in optimizer.state; leave it alone.
+            if isinstance(state, dict) and state:
+                self._convert_loaded_state(p, state)
+        _lowbyte().restore_loaded(self, state_dict)  # low-byte moments bit for bit
+        self._written_versions.clear()  # a loaded master is the truth, not the param
         if extra is not None:
             if extra.get("sr_seed") is not None:
                 self._sr_seed = int(extra["sr_seed"])
+            self._sr_calls = int(extra.get("sr_calls", 0))
             self.skipped_steps = int(extra.get("skipped_steps", 0))
             if extra.get("loss_scaler") is not None:
                 self.loss_scaler.load_state_dict(extra["loss_scaler"])
+
+    def _convert_loaded_state(self, p, state):
+        """Bring a loaded per-param state into this optimizer's mode for `p`.
+
+        Step counts become fp32 tensors on the param's device. A checkpoint of another mode is
+        converted, not refused: into plain mode the master copy and Kahan buffer are dropped and
+        the moments cast to the param's dtype; into master mode a Kahan buffer is folded into the
+        new master (param + comp is the pure-bf16 run's best value); into pure mode a master is
+        turned into the Kahan buffer (master - param) or dropped. Moments become fp32 where the
+        mode keeps them in fp32 (`_init_state`)."""
+        step = state.get("step")
+        if step is not None:
+            if not isinstance(step, torch.Tensor):
+                step = torch.tensor(float(step))
+            state["step"] = step.detach().to(device=p.device, dtype=torch.float32)
+        kind = self._kind(p)
+        master, comp = state.get("master_param"), state.get("kahan_comp")
+        if kind == "plain":
+            state.pop("master_param", None)
+            state.pop("kahan_comp", None)
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                t = state.get(key)
+                if isinstance(t, torch.Tensor) and t.dtype != p.dtype:
+                    state[key] = t.to(p.dtype)
+        elif kind == "master":
+            if master is None and comp is not None:
+                state["master_param"] = p.detach().float() + comp.float()
+            state.pop("kahan_comp", None)
+        else:  # pure
+            if self.kahan_summation and comp is None and master is not None:
+                state["kahan_comp"] = (master - p.detach().float()).to(p.dtype)
+            if not self.kahan_summation:
+                state.pop("kahan_comp", None)
+            state.pop("master_param", None)
 
     def state_dict(self):
         """torch.optim.Optimizer.state_dict; with a mixed-precision option set it also holds a
@@ -353,7 +509,8 @@ class AdamW(torch.optim.Optimizer):
         if self._mixed:
             state_dict["fastllm"] = {
                 "sr_seed": self._sr_seed,
-                "skipped_steps": self.skipped_steps,
+                "sr_calls": self._sr_calls,
+                "skipped_steps": int(self.skipped_steps),
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
             }
         return state_dict
@@ -362,7 +519,8 @@ class AdamW(torch.optim.Optimizer):
         state = self.state[p]
         fp32 = kind != "plain"
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            # On the param's device, as torch's fused/capturable AdamW: the kernels read it there.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             like = (lambda: torch.zeros_like(p, dtype=torch.float32)) if fp32 else (
                 lambda: torch.zeros_like(p, memory_format=torch.preserve_format))
             state["exp_avg"] = like()
@@ -384,10 +542,13 @@ class AdamW(torch.optim.Optimizer):
     def _global_grad_norm(self):
         """The L2 norm of every grad of every group (as the grads are, i.e. still scaled)."""
         by_device = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_device.setdefault(p.device, []).append(p.grad)
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if any(isinstance(g, _DTensor) for g in grads):  # one all-reduce over the mesh
+            from fastllm.distributed._dtensor import global_grad_norm
+
+            return global_grad_norm(grads, l2norm)
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
         if not by_device:
             return None
         norms = [l2norm(grads) for grads in by_device.values()]
@@ -416,40 +577,69 @@ class AdamW(torch.optim.Optimizer):
                 raise RuntimeError("fastllm.optim.AdamW: this optimizer has a loss_scaler and is "
                                    "also being stepped by torch.amp.GradScaler; use one of them")
             grad_scale = self.loss_scaler.scale_tensor()
-        if found_inf is not None and bool(found_inf.item()):
-            self.step_skipped = True
-            self.skipped_steps += 1
-            return loss  # inf/nan grads under GradScaler: change nothing
-
+        # `found`: one fp32 flag on the device, nonzero when this step must change nothing. Every
+        # kernel of the step reads it, so skipping needs no host read.
+        found = None if found_inf is None else found_inf.to(torch.float32)
         clip_coef = None
         if self._mixed:
             norm = self._global_grad_norm()
-            if norm is not None and grad_scale is not None:
-                norm = norm / grad_scale.to(norm.device)
-            self.grad_norm = norm
-            if norm is not None and not bool(torch.isfinite(norm)):
-                self.step_skipped = True
-                self.skipped_steps += 1
-                if self.loss_scaler is not None:
-                    self.loss_scaler.update(found_inf=True)
-                return loss
-            if norm is not None and self.max_grad_norm is not None:
-                # torch.nn.utils.clip_grad_norm_'s coefficient.
-                clip_coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-        self.step_skipped = False
+            if norm is not None:
+                if grad_scale is not None:
+                    norm = norm / grad_scale.to(norm.device)
+                bad = (~torch.isfinite(norm)).to(torch.float32)
+                found = bad if found is None else torch.maximum(found.to(bad.device), bad)
+                if self.max_grad_norm is not None:
+                    # torch.nn.utils.clip_grad_norm_'s coefficient (nan on a skipped step).
+                    clip_coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+                self._record("grad_norm", norm)
+        if found is not None:
+            self._record("step_skipped", found != 0)
+            if not isinstance(self.skipped_steps, torch.Tensor):
+                self.skipped_steps = torch.full((), int(self.skipped_steps), dtype=torch.int64,
+                                                device=found.device)
+            self.skipped_steps.add_(found.to(device=self.skipped_steps.device,
+                                             dtype=torch.int64))
+        elif isinstance(self.step_skipped, torch.Tensor):
+            self.step_skipped.zero_()
+        if self.stochastic_rounding:
+            self._sr_calls += 1
 
+        with _backend.validated():  # _validate() above checked what the ops would check
+            self._step_groups(grad_scale, clip_coef, found)
+        if self.master_weights:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and self._kind(p) == "master":
+                        self._written_versions[p] = p._version
+        if self.loss_scaler is not None:
+            # fastllm's LossScaler keeps its scale on the host: its one read of the flag.
+            self.loss_scaler.update(found_inf=found is not None and bool(found))
+        return loss
+
+    def _step_groups(self, grad_scale, clip_coef, found):
+        """The fused kernels over every param group, bucketed by (device, dtype, kind)."""
         for gi, group in enumerate(self.param_groups):
             buckets = {}
+            writebacks = []
+            lowbyte = []  # params with low-byte moments, stepped by their own op
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if _lowbyte_mode(self, p):
+                    lowbyte.append(p)
+                    continue
                 kind = self._kind(p)
                 state = self._init_state(p, group, kind)
-                lists = buckets.setdefault((p.device, p.dtype, kind), ([], [], [], [], [], []))
+                if kind == "master":
+                    self._resync_master(p, state)
                 extra = (state.get("max_exp_avg_sq") if kind == "plain"
                          else state.get("master_param", state.get("kahan_comp")))
-                for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                                          extra, state["step"])):
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                                               extra, state["step"])]
+                tensors[:5] = _dense_views(tensors[:5], writebacks)
+                lists = buckets.setdefault((tensors[0].device, p.dtype, kind),
+                                           ([], [], [], [], [], []))
+                for lst, t in zip(lists, tensors):
                     lst.append(t)
             group_steps = [t for lists in buckets.values() for t in lists[5]]
             if group_steps:
@@ -458,12 +648,12 @@ class AdamW(torch.optim.Optimizer):
             lr = _scalar(group["lr"], "lr")
             for bi, ((device, _, kind), (ps, gs, ms, vs, extras, steps)) in enumerate(
                     buckets.items()):
-                scale = grad_scale
-                if scale is not None and scale.device != device:
-                    scale = scale.to(device, non_blocking=True)
-                coef = clip_coef
-                if coef is not None and coef.device != device:
-                    coef = coef.to(device, non_blocking=True)
+                scale, coef, skip = (None if t is None or t.device == device
+                                     else t.to(device, non_blocking=True)
+                                     for t in (grad_scale, clip_coef, found))
+                scale = grad_scale if scale is None else scale
+                coef = clip_coef if coef is None else coef
+                skip = found if skip is None else skip
                 if kind == "plain":
                     if coef is not None:
                         # adamw_step divides by grad_scale: fold the clipping factor into it.
@@ -472,20 +662,42 @@ class AdamW(torch.optim.Optimizer):
                         ps, gs, ms, vs, extras if group["amsgrad"] else [], steps,
                         lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-                        maximize=group["maximize"], grad_scale=scale,
+                        maximize=group["maximize"], grad_scale=scale, found_inf=skip,
                     )
-                    continue
-                seed = 0
-                if self.stochastic_rounding:
-                    seed = _mix_seed(self._sr_seed, gi, bi, int(steps[0].item()))
-                adamw_master_step(
-                    ps, gs, extras if kind == "master" else [], ms, vs,
-                    extras if kind == "pure" and self.kahan_summation else [], steps,
-                    lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], maximize=group["maximize"],
-                    stochastic_rounding=self.stochastic_rounding, seed=seed,
-                    grad_scale=scale, clip_coef=coef,
-                )
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf=False)
-        return loss
+                else:
+                    seed = 0
+                    if self.stochastic_rounding:
+                        seed = _mix_seed(self._sr_seed, gi, bi, self._sr_calls)
+                    adamw_master_step(
+                        ps, gs, extras if kind == "master" else [], ms, vs,
+                        extras if kind == "pure" and self.kahan_summation else [], steps,
+                        lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], maximize=group["maximize"],
+                        stochastic_rounding=self.stochastic_rounding, seed=seed,
+                        grad_scale=scale, clip_coef=coef, found_inf=skip,
+                    )
+                if skip is not None:
+                    # As torch's fused AdamW: a skipped step takes its count back, on the device.
+                    torch._foreach_sub_(steps, [skip] * len(steps))
+            for dst, src in writebacks:
+                dst.copy_(src)
+            if lowbyte:
+                _lowbyte().step(self, group, gi, lowbyte, grad_scale, clip_coef, found)
+
+    def _record(self, name, value):
+        """Set a reported tensor (grad_norm, step_skipped) in place when it exists: what
+        torch.compile and CUDA graphs see (a new attribute set inside a compiled step is lost)."""
+        current = getattr(self, name, None)
+        if (isinstance(current, torch.Tensor) and current.shape == value.shape
+                and current.dtype == value.dtype and current.device == value.device):
+            current.copy_(value)
+        else:
+            setattr(self, name, value.detach().clone())
+
+    def _resync_master(self, p, state):
+        """Re-sync the fp32 master from `p` if something outside the optimizer wrote `p` since
+        the optimizer's own last write (model.load_state_dict, an in-place clip, ...): otherwise
+        the next step would write the stale master back over that change."""
+        written = self._written_versions.get(p)
+        if written is not None and p._version != written:
+            state["master_param"].copy_(_local(p).detach())

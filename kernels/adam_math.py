@@ -1,0 +1,103 @@
+"""The AdamW update shared by the Triton kernels (kernels/adamw.py, kernels/adamw_master.py).
+
+One `@triton.jit` helper per stage, so both kernels compute the same thing in the same order as
+csrc/cpu/adamw.cpp and csrc/cuda/adamw.cu (torch's single-tensor AdamW):
+    g  = grad * (1 / grad_scale)           correctly rounded reciprocal, as the C++/CUDA kernels
+    m  = lerp(m, g, 1 - beta1)             torch's two-formula lerp (ATen/native/Lerp.h)
+    v  = v * beta2 + (1 - beta2) * g * g
+    x  = x + (-lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+Constants are computed on the host in double and passed rounded to fp32 (`host_constants`), as
+the C++ and CUDA kernels get them, never recomputed from fp32 operands in the kernel. The bias
+corrections come from the step count on the device (`bias_corrections`), computed in fp64 there,
+so a step needs no host read of the step and can be captured in a CUDA graph. Triton passes
+Python floats as fp32, so the fp64 inputs of that computation travel as (hi, lo) fp32 pairs.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+def split_f64(value):
+    """value as two fp32-representable floats whose sum carries ~48 significant bits."""
+    if not math.isfinite(value):
+        return value, 0.0
+    hi = struct_f32(value)
+    return hi, struct_f32(value - hi)
+
+
+def struct_f32(value):
+    """value rounded to the nearest fp32 (what Triton does to a Python float argument)."""
+    import struct
+
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def host_constants(lr, beta1, beta2, weight_decay):
+    """The kernel's scalar arguments, in double on the host: a dict of keyword arguments."""
+    ln_beta1 = math.log(beta1) if beta1 > 0 else -math.inf
+    ln_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
+    lr_hi, lr_lo = split_f64(lr)
+    b1_hi, b1_lo = split_f64(ln_beta1)
+    b2_hi, b2_lo = split_f64(ln_beta2)
+    return dict(decay=1.0 - lr * weight_decay, lerp_weight=1.0 - beta1, beta2=beta2,
+                one_minus_beta2=1.0 - beta2, lr_hi=lr_hi, lr_lo=lr_lo, ln_beta1_hi=b1_hi,
+                ln_beta1_lo=b1_lo, ln_beta2_hi=b2_hi, ln_beta2_lo=b2_lo)
+
+
+def device_step(step, device):
+    """The step count as the fp32 tensor on `device` that the kernel reads (a copy only when a
+    caller hands steps elsewhere; fastllm.optim.AdamW keeps them on the params' device)."""
+    if step.device != device or step.dtype != torch.float32:
+        step = step.to(device=device, dtype=torch.float32)
+    return step
+
+
+@triton.jit
+def bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo, ln_beta2_hi, ln_beta2_lo):
+    """(-lr / (1 - beta1^t), sqrt(1 - beta2^t)) in fp32, from the fp32 step count at step_ptr.
+
+    beta^t = exp(t ln beta) in fp64 agrees with the host's pow to ~1e-15 relative, far below the
+    fp32 rounding that follows."""
+    step = tl.load(step_ptr).to(tl.float64)
+    # tl.cast, not .to: the interpreter hands scalar arguments over as Python floats.
+    lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
+    ln_beta1 = tl.cast(ln_beta1_hi, tl.float64) + tl.cast(ln_beta1_lo, tl.float64)
+    ln_beta2 = tl.cast(ln_beta2_hi, tl.float64) + tl.cast(ln_beta2_lo, tl.float64)
+    bc1 = 1.0 - tl.exp(step * ln_beta1)
+    bc2 = 1.0 - tl.exp(step * ln_beta2)
+    neg_step_size = (-lr / bc1).to(tl.float32)
+    bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
+    return neg_step_size, bc2_sqrt
+
+
+@triton.jit
+def inv_grad_scale(grad_scale_ptr):
+    """1 / grad_scale, correctly rounded (the C++/CUDA kernels' 1.0 / scale rounded to fp32)."""
+    scale = tl.load(grad_scale_ptr).to(tl.float32)
+    return tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2):
+    """The moment updates in fp32: (lerp(m, g, 1 - beta1), v * beta2 + (1 - beta2) g^2).
+
+    torch's lerp takes 1 - weight in fp32 from the fp32 weight; so does this."""
+    diff = g - m
+    if lerp_weight < 0.5:
+        m = m + lerp_weight * diff
+    else:
+        m = g - diff * (1.0 - lerp_weight)
+    v = v * beta2
+    v = v + one_minus_beta2 * g * g
+    return m, v
+
+
+@triton.jit
+def adam_param(x, m, v_used, neg_step_size, bc2_sqrt, eps):
+    """x + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), sqrt and divisions IEEE-rounded."""
+    denom = tl.div_rn(tl.sqrt_rn(v_used), bc2_sqrt) + eps
+    return x + tl.div_rn(neg_step_size * m, denom)

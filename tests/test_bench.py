@@ -1,0 +1,221 @@
+"""The benchmark harness's logic (not its timings: tests never assert on wall-clock times).
+
+% ceiling is at most 100 by construction, the table fits in 120 columns, the memory probe moves
+the bytes it says it moves, `fastllm bench` runs without pytest installed, and a DeepSpeed build
+is announced before it starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fastllm
+from fastllm.bench import DEFAULT_OPS, OPS, bench_adamw, harness
+
+LONG_PROVIDERS = ["fastllm (cuda) pure bf16 + Kahan", "peft (fp32 adapter, its default)",
+                  "torch sequence, preallocated", "deepspeed cpu_adam"]
+
+
+def _case(op, size, times, nbytes=1 << 30, probe_ms=None, baseline=None):
+    rows = [dict(op=op, size=size, provider=name, time_ms=t, bytes=nbytes,
+                 baseline=baseline or next(iter(times))) for name, t in times.items()]
+    if probe_ms is not None:
+        rows.append(dict(op=op, size=size, provider=harness.PROBE, time_ms=probe_ms,
+                         bytes=nbytes, baseline=baseline or next(iter(times)), probe=True))
+    return rows
+
+
+@pytest.mark.parametrize("probe_ms", [0.5, 1.0, 3.0, 100.0])
+def test_pct_ceiling_never_passes_100(probe_ms):
+    # A probe slower than every provider is what drift or a weak probe gives; the fraction must
+    # still be at most 100 and exactly 100 for the fastest row.
+    gen = torch.Generator().manual_seed(0)
+    times = {f"p{i}": 1.0 + 5 * torch.rand((), generator=gen).item() for i in range(5)}
+    rows = harness.annotate(_case("adamw", "x", times, probe_ms=probe_ms))
+    pcts = [r["pct_ceiling"] for r in rows]
+    assert max(pcts) == pytest.approx(100.0)
+    assert all(0 < p <= 100.0 + 1e-9 for p in pcts)
+    fastest = min(rows, key=lambda r: r["time_ms"])
+    assert fastest["pct_ceiling"] == pytest.approx(100.0)
+    assert all(r["ceiling_by"] == fastest["provider"] for r in rows)
+    for r in rows:
+        assert r["pct_ceiling"] == pytest.approx(100.0 * fastest["time_ms"] / r["time_ms"])
+
+
+def test_pct_ceiling_uses_gbps_when_bytes_differ():
+    rows = [dict(op="m", size="s", provider="a", time_ms=1.0, bytes=30),
+            dict(op="m", size="s", provider="b", time_ms=1.0, bytes=24),
+            dict(op="m", size="s", provider=harness.PROBE, time_ms=1.0, bytes=60, probe=True)]
+    harness.annotate(rows)
+    assert [r["pct_ceiling"] for r in rows] == pytest.approx([50.0, 40.0, 100.0])
+
+
+def test_no_ceiling_without_probe_and_ratios_per_case():
+    rows = _case("adamw", "small", {"torch fused": 2.0, "fastllm (cpp)": 1.0}, baseline="torch fused")
+    rows += _case("adamw", "big", {"torch fused": 10.0, "fastllm (cpp)": 20.0}, probe_ms=8.0,
+                  baseline="torch fused")
+    harness.annotate(rows)
+    small = [r for r in rows if r["size"] == "small"]
+    assert all("pct_ceiling" not in r for r in small)
+    assert [r["ratio_to_baseline"] for r in small] == pytest.approx([1.0, 0.5])
+    big = {r["provider"]: r for r in rows if r["size"] == "big"}
+    assert big["fastllm (cpp)"]["ratio_to_baseline"] == pytest.approx(2.0)
+    assert "ratio_to_baseline" not in big[harness.PROBE]
+    assert big[harness.PROBE]["pct_ceiling"] == pytest.approx(100.0)
+
+
+def _wide_rows():
+    rows = []
+    for op, size in [("adamw_master", "256M bf16 params / 64 tensors, scale+clip"),
+                     ("lora_linear", "x 8192x4096, W 4096x4096, r=128, bfloat16, dropout 0.1 " * 3)]:
+        times = {name: 1000.0 + i for i, name in enumerate(LONG_PROVIDERS)}
+        case = _case(op, size, times, nbytes=10**12, probe_ms=1.0)
+        for i, r in enumerate(case):
+            r["flops"] = 10**15
+            r["note"] = f"saved activations {i}.25 MiB, x1.49 vs peft; " * 4
+        rows += case
+    rows.append(dict(op="x", size="y", provider="p" * 200, time_ms=1.0))
+    return harness.annotate(rows)
+
+
+def test_table_fits_in_120_columns_and_notes_go_below():
+    table = harness.format_table(_wide_rows())
+    lines = table.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    header = next(line for line in lines if line.lstrip().startswith("provider"))
+    for column in ("time ms", "GB/s", "% ceiling", "TFLOP/s", "x base"):
+        assert column in header
+    assert "note" not in header
+    # each note is printed under its case, after the case's last provider line
+    first_note = next(i for i, line in enumerate(lines) if "saved activations" in line)
+    assert lines[first_note].startswith("  - ")
+    assert "memory probe" in lines[first_note - 1]
+
+
+def test_table_has_only_the_columns_a_case_has():
+    rows = harness.annotate(_case("adamw", "s", {"a": 1.0, "b": 2.0}, baseline="a"))
+    header = harness.format_table(rows).splitlines()[1]
+    assert header.split() == ["provider", "time", "ms", "GB/s", "x", "base"]
+
+
+def test_measure_many_interleaves():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    timings = harness.measure_many(fns, warmup=1, min_reps=3, max_reps=3, min_time_s=0.0)
+    assert calls == list("abc") + list("abc") * 3
+    assert {name: t.reps for name, t in timings.items()} == dict.fromkeys("abc", 3)
+
+
+def test_memory_probe_moves_what_it_says():
+    ext = fastllm._extension.extension()
+    if ext is None or not hasattr(ext, "stream_probe_cpu"):
+        pytest.fail("fastllm._C has no stream_probe_cpu: rebuild it (make build)")
+    fn, moved = harness.memory_probe(28 * 1000 + 5, "cpu")
+    assert moved == 28 * 1000
+    fn()
+    # The C++ probe's arithmetic, checked on small arrays (4097 elements: a partial chunk).
+    n = 4097
+    rw = [torch.randn(n) for _ in range(3)]
+    ro = [torch.randn(n)]
+    expected = [a * 0.5 + ro[0] for a in rw]
+    before_ro = ro[0].clone()
+    ext.stream_probe_cpu(rw, ro)
+    for a, e in zip(rw, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert torch.equal(ro[0], before_ro)
+    # the generic pattern (one array read and written, two read)
+    a, b, c = torch.randn(7), torch.randn(7), torch.randn(7)
+    expected = a * 0.5 + b + c
+    ext.stream_probe_cpu([a], [b, c])
+    torch.testing.assert_close(a, expected)
+
+
+def test_memory_probe_refuses_bad_input():
+    ext = fastllm._extension.extension()
+    if ext is None or not hasattr(ext, "stream_probe_cpu"):
+        pytest.fail("fastllm._C has no stream_probe_cpu: rebuild it (make build)")
+    with pytest.raises(RuntimeError, match="at least one read_write"):
+        ext.stream_probe_cpu([], [torch.zeros(3)])
+    with pytest.raises(RuntimeError, match="contiguous fp32 CPU tensors of one size"):
+        ext.stream_probe_cpu([torch.zeros(3)], [torch.zeros(4)])
+    with pytest.raises(RuntimeError, match="contiguous fp32 CPU tensors of one size"):
+        ext.stream_probe_cpu([torch.zeros(3, dtype=torch.float64)], [])
+    with pytest.raises(RuntimeError, match="contiguous fp32 CPU tensors of one size"):
+        ext.stream_probe_cpu([torch.zeros(3, 2).t()], [])
+
+
+def test_memory_probe_without_extension(monkeypatch):
+    monkeypatch.setattr(fastllm._extension, "extension", lambda: None)
+    fn, moved = harness.memory_probe(12 * 50, "cpu")
+    assert moved == 12 * 50
+    fn()
+
+
+def test_deepspeed_build_is_announced_before_it_starts(monkeypatch):
+    messages = []
+
+    class FakeCPUAdam(torch.optim.AdamW):
+        def __init__(self, params, adamw_mode, fp32_optimizer_states):
+            # what DeepSpeedCPUAdam does first: build its op (here: check it was announced)
+            assert any("building DeepSpeed CPUAdam (first use, ~60 s)" in m for m in messages)
+            super().__init__(params)
+
+    monkeypatch.setattr(bench_adamw, "_deepspeed_adam", lambda: FakeCPUAdam)
+    monkeypatch.setattr(bench_adamw, "_deepspeed_cpu_adam_built", lambda: False)
+    monkeypatch.setattr(bench_adamw, "_DEEPSPEED_ANNOUNCED", False)
+    monkeypatch.setattr(bench_adamw, "QUICK", [(1000, 3, False), (10, 1, False)])
+    measure_many = harness.measure_many
+    monkeypatch.setattr(harness, "measure_many", lambda fns, device: measure_many(
+        fns, device=device, warmup=1, min_reps=1, max_reps=1, min_time_s=0.0))
+    rows = bench_adamw.run("cpu", progress=messages.append)
+    assert sum("DeepSpeed CPUAdam" in m for m in messages) == 1  # once per process
+    assert {r["provider"] for r in rows} >= {"deepspeed cpu_adam", harness.PROBE, "torch fused"}
+    assert sum(r.get("probe", False) for r in rows) == 2
+
+
+# Run in a fresh interpreter in which pytest cannot be imported, as after
+# `pip install fastllm[bench]`: every module in OPS imports, and `fastllm bench` runs end to end
+# (at tiny sizes) for the ops this file knows how to shrink.
+_NO_PYTEST = textwrap.dedent("""
+    import json, sys
+    for name in ("pytest", "_pytest", "pytest_benchmark"):
+        sys.modules[name] = None
+    import importlib
+    import torch
+    torch.set_num_threads(1)
+    from fastllm.bench import OPS, harness
+    for module in OPS.values():
+        importlib.import_module(module)
+    from fastllm.bench import bench_adamw, bench_adamw_master, bench_lora_linear
+    bench_adamw.QUICK = [(1000, 3, False)]
+    bench_adamw._deepspeed_adam = lambda: None
+    bench_adamw_master.QUICK = [(1000, 3)]
+    bench_lora_linear.QUICK = [(8, 16, 24, 4, torch.float32, 0.1)]
+    measure_many = harness.measure_many
+    harness.measure_many = lambda fns, device, **kw: measure_many(
+        fns, device=device, warmup=1, min_reps=2, max_reps=2, min_time_s=0.0)
+    from fastllm import cli
+    cli.main(["bench", "--ops", "adamw,adamw_master,lora_linear", "--json", sys.argv[1]])
+""")
+
+
+def test_fastllm_bench_runs_without_pytest(tmp_path):
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _NO_PYTEST, str(out)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "memory bandwidth" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines if not line.startswith("fastllm bench on")) <= 120
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"adamw", "adamw_master", "lora_linear"}
+    with_ceiling = [r for r in rows if "pct_ceiling" in r]
+    assert {r["op"] for r in with_ceiling} == {"adamw", "adamw_master"}
+    assert all(r["pct_ceiling"] <= 100.0 + 1e-9 for r in with_ceiling)
+    assert set(DEFAULT_OPS) <= set(OPS)
