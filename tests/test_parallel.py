@@ -34,6 +34,8 @@ def _layouts(ckpt):
         "dp2_tp2": ((1, 2, 2), ("pp", "dp", "tp"), {"save_dir": ckpt, "save_at": SAVE_AT}),
         "dp2_tp2_recompute": ((1, 2, 2), ("pp", "dp", "tp"), {"activation_checkpointing": True}),
         "dp2_tp2_fastllm_adamw": ((1, 2, 2), ("pp", "dp", "tp"), {"optimizer": "fastllm"}),
+        # fastllm.optim.AdamW(max_grad_norm=...) over FSDP2 x TP grads (_StridedShard placements)
+        "dp2_tp2_fastllm_clip": ((1, 2, 2), ("pp", "dp", "tp"), {"optimizer": "fastllm_clip"}),
         "pp2_dp2": ((2, 2, 1), ("pp", "dp", "tp"), {"schedule": "1f1b"}),
         "pp2_tp2": ((2, 1, 2), ("pp", "dp", "tp"), {"schedule": "gpipe"}),
         "pp2_dp2_lora": ((2, 2, 1), ("pp", "dp", "tp"), {"lora_rank": 4}),
@@ -160,7 +162,8 @@ def _close(actual, expected):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "dp2_tp2",
-                                    "dp2_tp2_recompute", "dp2_tp2_fastllm_adamw", "pp2_dp2",
+                                    "dp2_tp2_recompute", "dp2_tp2_fastllm_adamw",
+                                    "dp2_tp2_fastllm_clip", "pp2_dp2",
                                     "pp2_tp2", "pp2_dp2_lora"])
 def test_layout_matches_one_process(runs, layout):
     single = runs["single_lora" if layout.endswith("lora") else "single"]

@@ -78,7 +78,9 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
     (model and optimizer, layout-independent names); save_at: the step after which to save.
     start_step: the index of the first batch (for a resumed run). distributed=False runs one
     process even inside a process group. lora_rank > 0: train only fastllm.lora adapters on
-    q/k/v/o (not with tensor parallel).
+    q/k/v/o (not with tensor parallel). optimizer: "torch" or "fastllm" (clipped by
+    fastllm.parallel.clip_grad_norm_), or "fastllm_clip": fastllm.optim.AdamW(max_grad_norm=...)
+    clips inside its own step, by the norm it reduces over the DTensor shards (no pipeline).
     """
     if distributed is None:
         distributed = dist.is_available() and dist.is_initialized()
@@ -138,9 +140,14 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
     else:
         module = wrap(model)
     params = [p for p in module.parameters() if p.requires_grad]
-    if optimizer == "fastllm":
+    if optimizer in ("fastllm", "fastllm_clip"):
         from fastllm.optim import AdamW
-        opt = AdamW(params, lr=lr, weight_decay=0.1)
+        clip_in_step = optimizer == "fastllm_clip"
+        if clip_in_step and pp > 1:
+            raise ValueError("fastllm.parallel.run: optimizer='fastllm_clip' reduces the grad "
+                             "norm over DTensor shards only, not over pipeline stages")
+        opt = AdamW(params, lr=lr, weight_decay=0.1,
+                    max_grad_norm=max_norm if clip_in_step else None)
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
 
@@ -177,8 +184,12 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
             out = vocab_parallel_cross_entropy(module(input_ids=ids).logits, labels)
             loss_backward(out)
             loss = _local(out).detach()
-        norm = clip_grad_norm_(params, max_norm, pp_group)
-        opt.step()
+        if optimizer == "fastllm_clip":
+            opt.step()
+            norm = opt.grad_norm
+        else:
+            norm = clip_grad_norm_(params, max_norm, pp_group)
+            opt.step()
         if dp > 1:
             dist.all_reduce(loss, group=mesh["dp"].get_group())
             loss = loss / dp
