@@ -82,6 +82,21 @@ def inv_grad_scale(grad_scale_ptr):
 
 
 @triton.jit
+def load_grad(grad_ptr, offsets, mask, grad_scale_ptr, clip_coef_ptr,
+              HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """The gradient as the update sees it, in fp32: grad / grad_scale * clip_coef, negated when
+    maximising (the scalars read on the device; a pointer whose flag is off is never read)."""
+    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GRAD_SCALE:
+        g = g * inv_grad_scale(grad_scale_ptr)
+    if HAS_CLIP_COEF:
+        g = g * tl.load(clip_coef_ptr).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
 def adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2):
     """The moment updates in fp32: (lerp(m, g, 1 - beta1), v * beta2 + (1 - beta2) g^2).
 

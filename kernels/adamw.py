@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fastllm._backend import triton_interpreting
 from fastllm.kernels.adam_math import (adam_moments, adam_param, bias_corrections,
-                                       device_step, host_constants, inv_grad_scale)
+                                       device_step, host_constants, load_grad)
 from fastllm.kernels.rounding import store_rounded
 
 
@@ -58,11 +58,8 @@ def _adamw_kernel(
     neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
                                                ln_beta2_hi, ln_beta2_lo)
 
-    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_GRAD_SCALE:
-        g = g * inv_grad_scale(grad_scale_ptr)
-    if MAXIMIZE:
-        g = -g
+    g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, grad_scale_ptr, HAS_GRAD_SCALE,
+                  False, MAXIMIZE)
     p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * decay
     m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)

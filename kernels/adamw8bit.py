@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
-from fastllm.kernels.adam_math import adam_moments, inv_grad_scale
+from fastllm.kernels.adam_math import adam_moments, load_grad
 from fastllm.kernels.rounding import round_nearest, round_stochastic
 
 # The qmaps row layout of fastllm/ops/adamw8bit.py.
@@ -89,13 +89,8 @@ def _adamw8bit_kernel(
         mask = mask & go
         row_mask = row_mask & go
 
-    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_GRAD_SCALE:
-        g = g * inv_grad_scale(grad_scale_ptr)
-    if HAS_CLIP_COEF:
-        g = g * tl.load(clip_coef_ptr).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
+    g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, clip_coef_ptr, HAS_GRAD_SCALE,
+                  HAS_CLIP_COEF, MAXIMIZE)
     if MASTER:
         x = tl.load(master_ptr + offsets, mask=mask, other=0.0)
     else:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from fastllm._backend import triton_interpreting
 from fastllm.kernels.adam_math import (adam_moments, adam_param, bias_corrections,
-                                       device_step, host_constants, inv_grad_scale)
+                                       device_step, host_constants, load_grad)
 from fastllm.kernels.rounding import round_nearest, round_stochastic
 
 
@@ -62,13 +62,8 @@ def _adamw_master_kernel(
     neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
                                                ln_beta2_hi, ln_beta2_lo)
 
-    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_GRAD_SCALE:
-        g = g * inv_grad_scale(grad_scale_ptr)
-    if HAS_CLIP_COEF:
-        g = g * tl.load(clip_coef_ptr).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
+    g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, clip_coef_ptr, HAS_GRAD_SCALE,
+                  HAS_CLIP_COEF, MAXIMIZE)
     if MASTER:
         x = tl.load(master_ptr + offsets, mask=mask, other=0.0)
     else:
