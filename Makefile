@@ -1,8 +1,9 @@
 # The two commands a fresh machine needs (README.md):
-#   make bench   set up .venv, build fastllm, run `fastllm bench` on the CPU
+#   make train   set up .venv, build fastllm, run the default `fastllm train` on the CPU
 #   make test    set up .venv, build fastllm, run the test suite (Triton kernels via the interpreter)
-# Other targets: build (incremental rebuild of fastllm._C), cuda-check (nvcc builds csrc/cuda
-# against a CUDA build of torch; no GPU needed), bench-suite (pytest-benchmark over bench/).
+# Other targets: bench (`fastllm bench`: kernels against PyTorch and the peers installed), build
+# (incremental rebuild of fastllm._C), cuda-check (nvcc builds csrc/cuda against a CUDA build of
+# torch; no GPU needed), bench-suite (pytest-benchmark over bench/).
 
 PYTHON ?= python3
 VENV ?= .venv
