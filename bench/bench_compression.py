@@ -3,7 +3,9 @@ otherwise use, in one run:
 
     PowerSGD hook, rank 4, on a 4096x4096 gradient + its bias (one DDP bucket), world 2, Gloo,
         one thread per rank: fastllm powersgd_hook vs torch's powerSGD_hook vs the dense
-        all-reduce; notes give the elements each rank sends per step.
+        all-reduce; notes give the elements each rank sends per step. And the whole
+        DistributedOptimizer step (ZeRO-2, fastllm AdamW, param all-gather waited for) on that
+        layer with grad_compression=PowerSGD against the exact reduce-scatter.
     GaLore on 2048x2048 layers at rank 128: the optimizer step (no refresh) of fastllm
         GaLoreAdamW vs galore-torch's GaLoreAdamW vs dense AdamW, with the optimizer-state
         bytes; and the projection refresh: fastllm's range finder (warm and cold start) vs the
@@ -99,7 +101,44 @@ def _hook_worker(rank, world, rounds, warmup):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's time
             if r >= warmup:
                 times[name].append(elapsed.item() * 1e3)
-    return dict(times=times, sent=ours.last_numel_sent, numel=numel)
+    return dict(times=times, sent=ours.last_numel_sent, numel=numel,
+                **_distopt_times(world, rounds, warmup, source))
+
+
+def _distopt_times(world, rounds, warmup, source):
+    import torch.distributed as dist
+
+    from fastllm.distributed import DistributedOptimizer, PowerSGD
+
+    weight = source[:HOOK_ROWS * HOOK_COLS].view(HOOK_ROWS, HOOK_COLS)
+    bias = source[HOOK_ROWS * HOOK_COLS:]
+    comp = PowerSGD(rank=HOOK_RANK, start_iter=0)
+    opts = {}
+    for name, kwargs in (("fastllm DistributedOptimizer ZeRO-2", {}),
+                         ("fastllm DistributedOptimizer ZeRO-2 + PowerSGD",
+                          dict(grad_compression=comp))):
+        layer = torch.nn.Linear(HOOK_COLS, HOOK_ROWS)
+        opts[name] = (layer, DistributedOptimizer(layer, stage=2, overlap_param_gather=False,
+                                                  lr=1e-4, **kwargs))
+    times = {name: [] for name in opts}
+    sent = 0
+    for r in range(warmup + rounds):
+        for name, (layer, opt) in opts.items():
+            opt.zero_grad()
+            layer.weight.grad.copy_(weight)
+            layer.bias.grad.copy_(bias)
+            before = comp.total_numel_after_compression
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            elapsed = torch.tensor([time.perf_counter() - t0])
+            if comp.total_numel_after_compression > before:
+                # Two buckets here (the weight is over bucket_cap_mb): all they sent this step.
+                sent = comp.total_numel_after_compression - before
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if r >= warmup:
+                times[name].append(elapsed.item() * 1e3)
+    return dict(distopt_times=times, distopt_sent=sent)
 
 
 def _powersgd_rows(full, progress):
@@ -119,6 +158,13 @@ def _powersgd_rows(full, progress):
         rows.append(dict(op="compression", size=size, provider=name,
                          time_ms=statistics.median(times), baseline="torch powerSGD_hook",
                          note=note))
+    exact = "fastllm DistributedOptimizer ZeRO-2"
+    for name, times in result["distopt_times"].items():
+        sent = result["numel"] if name == exact else result["distopt_sent"]
+        rows.append(dict(op="compression", size=f"{size}: whole optimizer step", provider=name,
+                         time_ms=statistics.median(times), baseline=exact,
+                         note=f"grad reduction sends {sent * 4 / 2**10:.0f} KiB/rank/step; "
+                              f"the param all-gather is the same"))
     return rows
 
 

@@ -20,6 +20,20 @@ Layout (Megatron-LM's distributed optimizer, written here for torch.distributed)
 
 Where a grad cannot be a view of its bucket (fp32 reduction of bf16 grads, or a grad that a user
 replaced), it is packed into the bucket by fastllm::scaled_copy when its hook fires.
+
+grad_compression (a fastllm.distributed.PowerSGD, the same state the DDP hook takes): from its
+start_iter on, each complete bucket is averaged by PowerSGD.compressed_average_ (the matrices of
+the bucket batched, vectors and small matrices uncompressed, error feedback on the bucket) instead
+of the all-reduce / reduce-scatter of sums: every rank then holds the whole approximate average,
+and uses its shard of it (stage 1 and 2 alike). Before start_iter the plain path runs.
+
+GaLore (optimizer_class=fastllm.optim.GaLoreAdamW): the projection needs the whole reduced
+gradient matrix, identical on every rank. Projected params get buckets of their own that are
+all-reduced (not reduce-scattered, also at stage 2) and are not sharded: every rank computes the
+same projector (the same seeded range finder on the same averaged grad) and the same small
+low-rank Adam state (r x cols or rows x r), and updates the whole param, so these buckets skip
+the param all-gather. Their traffic, one all-reduce, equals stage 2's reduce-scatter plus
+all-gather; the replicated state is the low-rank moments and the projector only.
 """
 
 import contextlib
@@ -29,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fastllm.distributed import failure
+from fastllm.distributed.powersgd import PowerSGD
 from fastllm.ops.l2norm import l2norm
 from fastllm.ops.scaled_copy import scaled_copy
 
@@ -44,8 +59,11 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 class _Bucket:
     """One flat bucket: params (views into `param_flat`), their grads, this rank's shard."""
 
-    def __init__(self, index, params, names, dtype, grad_dtype, world, rank, device):
+    def __init__(self, index, params, names, dtype, grad_dtype, world, rank, device,
+                 replicated=False):
         self.index = index
+        # Replicated (GaLore-projected params): all-reduced and updated whole on every rank.
+        self.replicated = replicated
         self.params = params
         self.names = names
         self.dtype = dtype
@@ -101,18 +119,29 @@ class DistributedOptimizer:
             wait per module (False: wait at the end of step()).
         timeout: seconds or timedelta; a collective that does not finish in time raises
             fastllm.distributed.DistributedFailure naming the rank that failed.
+        grad_compression: a fastllm.distributed.PowerSGD (None: exact reduction). Its
+            process_group must be this one; not with loss_scaler (the error feedback would mix
+            loss scales and keep inf/nan).
         **optimizer_kwargs: passed to optimizer_class (lr, betas, weight_decay, ...), except
             max_grad_norm (clip by the global norm over all ranks), loss_scaler (a
             fastllm.amp.LossScaler: grads are unscaled and inf/nan steps skipped on every rank
             together) and master_weights (always on for bf16/fp16 params), applied here.
+            With optimizer_class=fastllm.optim.GaLoreAdamW: rank, update_proj_gap, scale and
+            proj_type form the projected param group, galore_params (default: every 2-D
+            trainable param; fp32/fp64 only) picks its params, power_iters and seed are
+            GaLoreAdamW's; the other params are sharded and get its plain AdamW update. The
+            inner optimizer is then one GaLoreAdamW with groups [galore_params, flat shards]:
+            the same projectors and updates as a single-process GaLoreAdamW with groups
+            [galore_params, the other params] (model order in both).
 
     `optimizer.grad_norm`, `step_skipped`, `skipped_steps` are as in fastllm.optim.AdamW; the
-    inner optimizer is `self.optimizer` (wrap it in an LR scheduler). One param group: every
-    trainable param gets the same hyperparameters.
+    inner optimizer is `self.optimizer` (wrap it in an LR scheduler). One param group (two with
+    GaLoreAdamW): every trainable param gets the same hyperparameters.
 
     Grads: between zero_grad() and step() each p.grad is a view of its bucket (bf16/fp16 params:
     a grad of their own, packed into the fp32 bucket when it is complete). After the reduction
-    the bucket holds the sum over ranks (stage 1) or still the local grads (stage 2); read
+    the bucket holds the sum over ranks (stage 1, GaLore-projected params) or still the local
+    grads (stage 2), or with grad_compression the approximate average (both stages); read
     `grad_norm` rather than p.grad after step(). Params unused in a step get a zero grad (they are
     still decayed), as under DDP. After step() the params are being all-gathered: the next
     forward (overlap_param_gather) or model.state_dict() waits for them; call
@@ -121,9 +150,37 @@ class DistributedOptimizer:
 
     def __init__(self, model, optimizer_class=None, stage=2, process_group=None,
                  bucket_cap_mb=25, overlap_grad_reduce=True, overlap_param_gather=True,
-                 timeout=None, **optimizer_kwargs):
+                 timeout=None, grad_compression=None, **optimizer_kwargs):
+        from fastllm.optim.galore import GaLoreAdamW
+
         if optimizer_class is None:
             from fastllm.optim import AdamW as optimizer_class
+        galore = None
+        if isinstance(optimizer_class, type) and issubclass(optimizer_class, GaLoreAdamW):
+            galore = {k: optimizer_kwargs.pop(k) for k in ("rank", "update_proj_gap", "scale",
+                                                            "proj_type", "galore_params")
+                      if k in optimizer_kwargs}
+            if "rank" not in galore:
+                raise ValueError("fastllm.distributed.DistributedOptimizer: "
+                                 "optimizer_class=GaLoreAdamW needs rank=<projection rank>")
+        elif "galore_params" in optimizer_kwargs:
+            raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params needs "
+                             f"optimizer_class=fastllm.optim.GaLoreAdamW, got "
+                             f"{getattr(optimizer_class, '__name__', optimizer_class)}")
+        if grad_compression is not None:
+            if not isinstance(grad_compression, PowerSGD):
+                raise TypeError(f"fastllm.distributed.DistributedOptimizer: grad_compression "
+                                f"must be a fastllm.distributed.PowerSGD, got "
+                                f"{type(grad_compression).__name__}")
+            if optimizer_kwargs.get("loss_scaler") is not None:
+                raise NotImplementedError(
+                    "fastllm.distributed.DistributedOptimizer: grad_compression with a "
+                    "loss_scaler is not supported (the error feedback would mix loss scales "
+                    "and keep inf/nan); use bf16, which needs no loss scaling")
+            mine = process_group if process_group is not None else dist.group.WORLD
+            if grad_compression._group() is not mine:
+                raise ValueError("fastllm.distributed.DistributedOptimizer: grad_compression's "
+                                 "process_group is not this optimizer's process_group")
         if stage not in (1, 2):
             raise ValueError(f"fastllm.distributed.DistributedOptimizer: stage must be 1 or 2, "
                              f"got {stage!r}")
@@ -142,6 +199,8 @@ class DistributedOptimizer:
                 raise NotImplementedError(f"fastllm.distributed.DistributedOptimizer: {key} is "
                                           f"not supported (shards keep fp32 master weights)")
         self.stage = stage
+        self.grad_compression = grad_compression
+        self._averaged = False  # this step's buckets hold averages (compressed), not sums
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -163,13 +222,39 @@ class DistributedOptimizer:
         self._check_same_model(named)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        galore_ids = set()
+        if galore is not None:
+            chosen = galore.pop("galore_params", None)
+            if chosen is None:
+                chosen = [p for p in self.params if p.dim() == 2]
+            chosen = list(chosen)
+            known = {id(p): n for n, p in named}
+            for p in chosen:
+                if id(p) not in known:
+                    raise ValueError("fastllm.distributed.DistributedOptimizer: galore_params "
+                                     "holds a tensor that is not a trainable parameter of model")
+                if p.dim() != 2:
+                    raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params: "
+                                     f"{known[id(p)]} has shape {tuple(p.shape)}; GaLore "
+                                     f"projects 2-D params only")
+                if p.dtype not in (torch.float32, torch.float64):
+                    raise NotImplementedError(
+                        f"fastllm.distributed.DistributedOptimizer: galore_params: "
+                        f"{known[id(p)]} is {p.dtype}; GaLore under DistributedOptimizer "
+                        f"supports fp32/fp64 params")
+            galore_ids = {id(p) for p in chosen}
+        # The params of each inner param group, in model order (state_dict's group layout).
+        self._group_params = ([[p for p in self.params if id(p) in galore_ids],
+                               [p for p in self.params if id(p) not in galore_ids]]
+                              if galore is not None else [self.params])
+        self._group_params = [g for g in self._group_params if g]
         self.grad_norm = None
         self.step_skipped = False
         self.skipped_steps = 0
         self._sync = True
         self._gathers_pending = False
 
-        self.buckets = self._make_buckets(named, bucket_cap_mb)
+        self.buckets = self._make_buckets(named, bucket_cap_mb, galore_ids)
         self._where = {}  # id(param) -> (bucket, index in bucket)
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -181,8 +266,17 @@ class DistributedOptimizer:
                 b.shard_param = shard.float()  # the fp32 master of this rank's shard
             else:
                 b.shard_param = shard  # a view: the update lands in the params directly
-            shard_params.append(b.shard_param)
-        self.optimizer = optimizer_class(shard_params, **optimizer_kwargs)
+            if not b.replicated:
+                shard_params.append(b.shard_param)
+        if galore is None:
+            self.optimizer = optimizer_class(shard_params, **optimizer_kwargs)
+        else:
+            groups = [dict(params=[p for p in self.params if id(p) in galore_ids], **galore)]
+            if not groups[0]["params"]:
+                groups.pop(0)
+            if shard_params:
+                groups.append({"params": shard_params})
+            self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self._attach_grads()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self.params]
@@ -218,11 +312,11 @@ class DistributedOptimizer:
                              f"across ranks: rank {self.rank} has {len(mine)} trainable "
                              f"parameters, rank {r} has {len(theirs)} (first extra: {extra})")
 
-    def _make_buckets(self, named, bucket_cap_mb):
+    def _make_buckets(self, named, bucket_cap_mb, replicated_ids=()):
         cap_bytes = bucket_cap_mb * 1024 * 1024
         open_buckets, done = {}, []
         for name, p in reversed(named):
-            key = (p.dtype, p.device)
+            key = (p.dtype, p.device, id(p) in replicated_ids)
             cur = open_buckets.setdefault(key, ([], [], 0))
             size = p.numel() * p.element_size()
             if cur[0] and cur[2] + size > cap_bytes:
@@ -237,10 +331,10 @@ class DistributedOptimizer:
         order = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         done.sort(key=lambda kv: order[id(kv[1][0][0])])
         buckets = []
-        for i, ((dtype, device), (params, names, _)) in enumerate(done):
+        for i, ((dtype, device, replicated), (params, names, _)) in enumerate(done):
             grad_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
             buckets.append(_Bucket(i, params, names, dtype, grad_dtype, self.world, self.rank,
-                                   device))
+                                   device, replicated))
         return buckets
 
     def _attach_grads(self):
@@ -275,7 +369,13 @@ class DistributedOptimizer:
             self._launch(b)
 
     def _launch(self, b):
-        if self.stage == 1:
+        comp = self.grad_compression
+        if comp is not None and comp.compressing:
+            # Synchronous, as in the DDP hook; every rank gets the whole approximate average.
+            comp.compressed_average_(b.grad_flat, b.grad_views, b.index)
+            self._averaged = True
+            b.shard_grad = b.grad_flat[b.lo:b.hi]
+        elif self.stage == 1 or b.replicated:
             b.work = dist.all_reduce(b.grad_flat, group=self.group, async_op=True)
             b.shard_grad = b.grad_flat[b.lo:b.hi]
         else:
@@ -334,8 +434,12 @@ class DistributedOptimizer:
                 loss = closure()
         self._finish_param_gather()
         self.finish_grad_sync()
+        averaged, self._averaged = self._averaged, False
+        if self.grad_compression is not None:
+            self.grad_compression.iter += 1
         scale = None if self.loss_scaler is None else self.loss_scaler.scale_tensor()
-        factor = 1.0 / self.world
+        # Exact reductions leave sums, PowerSGD averages.
+        factor = 1.0 if averaged else 1.0 / self.world
         coef = None
         needs_norm = (self.max_grad_norm is not None or self.loss_scaler is not None
                       or any(b.dtype in _LOW_PRECISION for b in self.buckets))
@@ -345,7 +449,7 @@ class DistributedOptimizer:
             sq = l2norm([b.shard_grad for b in self.buckets]).square()
             work = dist.all_reduce(sq, group=self.group, async_op=True)
             failure.wait(work, "grad-norm all-reduce", self.timeout)
-            norm = sq.sqrt() / self.world
+            norm = sq.sqrt() * factor
             if scale is not None:
                 norm = norm / scale.to(norm.device)
             self.grad_norm = norm
@@ -368,6 +472,10 @@ class DistributedOptimizer:
             if coef is not None:
                 divisor = divisor / coef.float().cpu()
         for b in self.buckets:
+            if b.replicated:
+                # The whole averaged grad, in place: its params' grads are views of it.
+                scaled_copy([b.grad_flat], [b.grad_flat], factor, divisor)
+                continue
             # The 1/W average, unscale and clip in one pass, into the grad the optimizer reads.
             grad = b.shard_grad
             if grad.dtype != b.shard_param.dtype:
@@ -376,6 +484,8 @@ class DistributedOptimizer:
             b.shard_param.grad = grad
         self.optimizer.step()
         for b in self.buckets:
+            if b.replicated:
+                continue
             b.shard_param.grad = None
             if b.shard_param.data_ptr() != b.param_flat[b.lo:b.hi].data_ptr():
                 scaled_copy([b.param_flat[b.lo:b.hi]], [b.shard_param], 1.0)
@@ -401,12 +511,15 @@ class DistributedOptimizer:
                 failure.wait(b.work, f"gradient reduction of bucket {b.index}", self.timeout)
                 b.work = None
             b.grad_flat.zero_()
+        self._averaged = False
         self._reset_buckets()
         self._attach_grads()
 
     # param all-gather --------------------------------------------------------------------------
     def _start_param_gather(self):
         for b in self.buckets:
+            if b.replicated:  # updated whole on every rank
+                continue
             shard = b.param_flat[b.lo:b.hi].clone()
             b.gather_work = _all_gather(b.param_flat, shard, group=self.group,
                                                         async_op=True)
@@ -447,11 +560,19 @@ class DistributedOptimizer:
         """The consolidated state in single-process fastllm.optim.AdamW layout (collective: every
         rank calls it and gets the same dict). Param index i is the i-th trainable param of
         model.named_parameters(); bf16/fp16 params carry fp32 'master_param' as in
-        AdamW(master_weights=True). torch.optim.AdamW loads it too."""
+        AdamW(master_weights=True). torch.optim.AdamW loads it too. With GaLoreAdamW: two param
+        groups, [galore_params, the others], and the projected params' low-rank state, as a
+        single-process GaLoreAdamW with those groups saves it."""
         self._finish_param_gather()
         index = {id(p): i for i, p in enumerate(self.params)}
         state = {}
         for b in self.buckets:
+            if b.replicated:
+                for p in b.params:
+                    if self.optimizer.state.get(p):
+                        state[index[id(p)]] = {k: v.detach().clone() if isinstance(
+                            v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
+                continue
             inner = dict(self.optimizer.state.get(b.shard_param, {}))
             if b.dtype in _LOW_PRECISION and inner:
                 inner["master_param"] = b.shard_param.detach()
@@ -471,9 +592,12 @@ class DistributedOptimizer:
                     else:
                         entry[key] = value
                 state[index[id(p)]] = entry
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self.params)))
-        out = {"state": state, "param_groups": [group]}
+        groups = []
+        for g, params in zip(self.optimizer.param_groups, self._group_params):
+            group = {k: v for k, v in g.items() if k != "params"}
+            group["params"] = [index[id(p)] for p in params]
+            groups.append(group)
+        out = {"state": state, "param_groups": groups}
         if self.max_grad_norm is not None or self.loss_scaler is not None or any(
                 b.dtype in _LOW_PRECISION for b in self.buckets):
             out["fastllm"] = {
@@ -488,21 +612,39 @@ class DistributedOptimizer:
         its own slice. Validates everything before changing anything."""
         groups = state_dict.get("param_groups", [])
         saved = state_dict.get("state", {})
-        if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
+        want = [len(g) for g in self._group_params]
+        if [len(g["params"]) for g in groups] != want:
             raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state_dict must hold "
-                             f"one param group of {len(self.params)} params, got "
+                             f"param groups of {want} params, got "
                              f"{[len(g['params']) for g in groups]}")
-        ids = groups[0]["params"]
-        for i, (pid, p) in enumerate(zip(ids, self.params)):
-            for key, value in saved.get(pid, {}).items():
+        pid_of = {id(p): pid for g, params in zip(groups, self._group_params)
+                  for pid, p in zip(g["params"], params)}
+        replicated = {id(p) for b in self.buckets if b.replicated for p in b.params}
+        for i, p in enumerate(self.params):
+            if id(p) in replicated:
+                entry = saved.get(pid_of[id(p)], {})
+                if entry and "projector" not in entry:
+                    raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state of "
+                                     f"{self.param_names[i]} has no GaLore projector")
+                continue
+            for key, value in saved.get(pid_of[id(p)], {}).items():
                 if isinstance(value, torch.Tensor) and key != "step" and value.shape != p.shape:
                     raise ValueError(f"fastllm.distributed.DistributedOptimizer: state '{key}' of "
                                      f"{self.param_names[i]} has shape {tuple(value.shape)}, the "
                                      f"parameter {tuple(p.shape)}")
         self._finish_param_gather()
-        index = {id(p): i for i, p in enumerate(self.params)}
         for b in self.buckets:
-            entries = [saved.get(ids[index[id(p)]], {}) for p in b.params]
+            if b.replicated:
+                for p in b.params:
+                    entry = saved.get(pid_of[id(p)])
+                    if entry:  # low-rank moments and projector stay fp32, as GaLoreAdamW's
+                        self.optimizer.state[p] = {
+                            k: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                            for k, v in entry.items()}
+                    else:
+                        self.optimizer.state.pop(p, None)
+                continue
+            entries = [saved.get(pid_of[id(p)], {}) for p in b.params]
             if not any(entries):
                 self.optimizer.state.pop(b.shard_param, None)
                 continue
@@ -526,9 +668,10 @@ class DistributedOptimizer:
                     shard[at:at + c - a].copy_(src)
                 new[key] = shard
             self._install(b, new, [float(e["step"]) for e in entries if "step" in e])
-        for key, value in groups[0].items():
-            if key != "params":
-                self.optimizer.param_groups[0][key] = value
+        for mine, group in zip(self.optimizer.param_groups, groups):
+            for key, value in group.items():
+                if key != "params":
+                    mine[key] = value
         extra = state_dict.get("fastllm")
         if extra is not None:
             self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -551,6 +694,7 @@ class DistributedOptimizer:
         them, or their "state" entries merged into one dict); each rank copies the ranges that
         overlap its own slice. No collective. Raises, before changing anything, when a range
         names an unknown parameter or a trainable parameter is not covered."""
+        self._refuse_sharded_galore("load_sharded_state_dict")
         shards = [shards] if isinstance(shards, dict) else list(shards)
         ranges = {}
         for sd in shards:
@@ -595,9 +739,15 @@ class DistributedOptimizer:
             if key != "params":
                 self.optimizer.param_groups[0][key] = value
 
+    def _refuse_sharded_galore(self, what):
+        if any(b.replicated for b in self.buckets):
+            raise NotImplementedError(f"fastllm.distributed.DistributedOptimizer.{what}: GaLore's "
+                                      f"low-rank state is not sharded; use state_dict()")
+
     def sharded_state_dict(self):
         """This rank's slice only, keyed "<param name>[<first>:<end>]" (flat element range of that
         param): {"state": {key: {state name: 1-D tensor}}, "param_groups": [...]}. No collective."""
+        self._refuse_sharded_galore("sharded_state_dict")
         out = {}
         for b in self.buckets:
             inner = dict(self.optimizer.state.get(b.shard_param, {}))

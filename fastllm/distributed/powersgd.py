@@ -2,6 +2,7 @@
 
     state = fastllm.distributed.PowerSGD(rank=4, start_iter=10)
     ddp.register_comm_hook(state, fastllm.distributed.powersgd_hook)
+    # or: fastllm.distributed.DistributedOptimizer(model, ..., grad_compression=state)
 
 The same maths and defaults as torch's `powerSGD_hook` (torch/distributed/algorithms/
 ddp_comm_hooks/powerSGD_hook.py), so the two can be compared one to one. Per bucket (a flat
@@ -151,18 +152,31 @@ class PowerSGD:
         which names its state; is_last: counts an iteration after the last bucket of a step.
         Returns buffer.
         """
-        group = self._group()
-        world = dist.get_world_size(group)
-        if self.iter < self.start_iter:
+        if not self.compressing:
+            group = self._group()
             if is_last:
                 self.iter += 1
-            buffer.div_(world)
+            buffer.div_(dist.get_world_size(group))
             dist.all_reduce(buffer, group=group)
             self.last_numel_sent = buffer.numel()
             return buffer
-        self._compressed_reduce(buffer, grads, key, group, world)
+        self.compressed_average_(buffer, grads, key)
         if is_last:
             self.iter += 1
+        return buffer
+
+    @property
+    def compressing(self):
+        """Whether this iteration is compressed (start_iter reached)."""
+        return self.iter >= self.start_iter
+
+    def compressed_average_(self, buffer, grads, key):
+        """The compressed average of `buffer` across the group, in place, whatever the
+        iteration and without counting one (reduce_ after start_iter; what
+        fastllm.distributed.DistributedOptimizer calls per bucket). Elements of `buffer` outside
+        every grad (padding) are left as they are. Arguments as reduce_; returns buffer."""
+        group = self._group()
+        self._compressed_reduce(buffer, grads, key, group, dist.get_world_size(group))
         return buffer
 
     def _offsets(self, buffer, grads):

@@ -26,12 +26,26 @@ defaults (eps 1e-6, weight_decay 0) are galore-torch's. Gradients must be the fu
 under DDP the projection is computed from the averaged gradient, identical on every rank.
 State per projected param: `step`, `exp_avg`, `exp_avg_sq` (low-rank, fp32) and `projector`
 (fp32), in `state_dict()`.
+
+Under FSDP2 (`fully_shard`: params and grads are DTensors sharded on dim 0 over a 1-D mesh, the
+grads already averaged): a projector refresh all-gathers the gradient (`full_tensor()`, once per
+update_proj_gap steps), so every rank runs the same range finder on the same matrix as one
+process would. Between refreshes, with the rows sharded:
+    - right projection (P (cols, r)): the low-rank grad G_local P, its moments (local rows, r)
+      and the update are all row-local: the fused step on the local shard, no communication;
+    - left projection (P (rows, r)): P^T G = sum over ranks of P_local^T G_local, one all-reduce
+      of (r, cols) per param and step; the moments (r, cols) are replicated, each rank writes
+      its rows P_local N of the update.
+Under fastllm.distributed.DistributedOptimizer, see its docstring (projected params are
+all-reduced and updated whole on every rank).
 """
 
 import math
 
 import torch
+import torch.distributed as dist
 
+from fastllm.distributed._dtensor import is_dtensor, local
 from fastllm.ops.adamw import adamw_step
 from fastllm.ops.galore_adam_step import galore_adam_step
 from fastllm.ops.orthogonalize import orthogonalize
@@ -160,7 +174,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 states = [self._plain_state(p) for p in params]
                 for s in states:
                     s["step"] += 1
-                adamw_step(params, [p.grad for p in params],
+                # DTensors (FSDP2): the elementwise update runs on the local shards.
+                adamw_step([local(p) for p in params], [local(p.grad) for p in params],
                            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                            [], [s["step"] for s in states], lr=group["lr"], beta1=beta1,
                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
@@ -170,8 +185,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg"] = torch.zeros_like(local(p), memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(local(p), memory_format=torch.contiguous_format)
         return state
 
     def _projected_step(self, group, p, index, beta1, beta2):
@@ -180,14 +195,19 @@ class GaLoreAdamW(torch.optim.Optimizer):
         left = self._left(group, p)
         rank = min(group["rank"], rows, cols)
         opmath = torch.float64 if p.dtype == torch.float64 else torch.float32
+        sharded = is_dtensor(p)
+        if sharded:
+            offset, local_rows, process_group = _row_shard(p)
         grad = p.grad.contiguous()
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            low_shape = (rank, cols) if left else (rows, rank)
+            low_shape = (rank, cols) if left else ((local_rows if sharded else rows), rank)
             state["exp_avg"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
             state["exp_avg_sq"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
         step = int(state["step"].item())
         if "projector" not in state or step % group["update_proj_gap"] == 0:
+            if sharded:
+                grad = grad.full_tensor()  # the same matrix on every rank, once per refresh
             a = grad if left else grad.t()
             previous = state.get("projector")
             generator = None
@@ -196,10 +216,31 @@ class GaLoreAdamW(torch.optim.Optimizer):
             state["projector"] = range_finder(a, rank, previous, self.power_iters,
                                               generator).to(opmath).contiguous()
         state["step"] += 1
+        if sharded:
+            self._row_sharded_step(group, p, state, step + 1, left, beta1, beta2, offset,
+                                   local_rows, process_group)
+            return
         galore_adam_step(p, grad, state["projector"], state["exp_avg"], state["exp_avg_sq"],
                          step=step + 1, left=left, lr=group["lr"], beta1=beta1, beta2=beta2,
                          eps=group["eps"], weight_decay=group["weight_decay"],
                          scale=group["scale"])
+
+    @staticmethod
+    def _row_sharded_step(group, p, state, step, left, beta1, beta2, offset, local_rows,
+                          process_group):
+        """The projected step on this rank's rows [offset, offset + local_rows) of a DTensor."""
+        param, grad = p.to_local(), p.grad.to_local()
+        proj = state["projector"]
+        hyper = dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], scale=group["scale"])
+        if not left:  # G P, its moments and P N^T are row-local
+            galore_adam_step(param, grad.contiguous(), proj, state["exp_avg"],
+                             state["exp_avg_sq"], left=False, **hyper)
+            return
+        rows_proj = proj[offset:offset + local_rows]
+        low = rows_proj.t() @ grad.to(proj.dtype)
+        dist.all_reduce(low, group=process_group)  # P^T G, (r, cols)
+        _low_rank_adam_(param, low, rows_proj, state["exp_avg"], state["exp_avg_sq"], **hyper)
 
     def load_state_dict(self, state_dict):
         """torch.optim.Optimizer.load_state_dict, keeping the low-rank state in fp32 (torch
@@ -213,3 +254,33 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 continue
             for key in _LOW_RANK_KEYS:
                 self.state[p][key] = saved[key].to(device=p.device, copy=True)
+
+
+def _row_shard(p):
+    """(first row, local rows, process group) of a DTensor param sharded on dim 0 over a 1-D mesh
+    (FSDP2's layout); anything else is refused."""
+    from torch.distributed.tensor import Shard
+
+    if p.device_mesh.ndim != 1 or len(p.placements) != 1 or p.placements[0] != Shard(0):
+        raise NotImplementedError(f"fastllm.optim.GaLoreAdamW: a projected DTensor param must be "
+                                  f"sharded on dim 0 over a 1-D mesh (FSDP2), got placements "
+                                  f"{p.placements} on a {p.device_mesh.ndim}-D mesh")
+    rows = p.shape[0]
+    # Shard(0) splits as torch.chunk: ceil(rows / world) rows per rank, the last ones fewer.
+    chunk = -(-rows // p.device_mesh.size())
+    offset = min(p.device_mesh.get_local_rank(0) * chunk, rows)
+    return offset, p.to_local().shape[0], p.device_mesh.get_group(0)
+
+
+def _low_rank_adam_(param, low, proj, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
+                    weight_decay, scale):
+    """galore_adam_step's rule after the projection (fastllm.ops.galore_adam_step_ref's maths)
+    for a left projection given the projected grad `low` (r, cols): param (rows_local, cols)
+    gets proj (rows_local, r) times the low-rank Adam direction."""
+    exp_avg.lerp_(low, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = math.sqrt(1.0 - beta2**step)
+    update = exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + eps)
+    w = param.to(proj.dtype) * (1.0 - lr * weight_decay) - (lr * scale / bc1) * (proj @ update)
+    param.copy_(w)
