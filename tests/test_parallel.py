@@ -1,7 +1,9 @@
 """3D parallel layouts against one process: one 4-rank Gloo world (spawned once for the module)
 trains the same tiny Llama in tp2, pp2 (GPipe, 1F1B, interleaved 1F1B), dp2 x tp2 (with
-activation checkpointing, with fastllm's AdamW), pp2 x dp2 (also LoRA), pp2 x tp2, and resumes
-a DCP checkpoint saved at dp2 x tp2 in other layouts; each rank runs one thread."""
+activation checkpointing, with fastllm's AdamW), pp2 x dp2 (also LoRA), pp2 x tp2, sequence
+parallelism (tp2, dp2 x tp2, pp2 x tp2), LoRA under tensor parallel (tp2, and dp2 x tp2
+with sequence parallelism), and resumes a DCP checkpoint saved at dp2 x tp2 in other layouts; each
+rank runs one thread."""
 
 import os
 import pickle
@@ -39,6 +41,17 @@ def _layouts(ckpt):
         "pp2_dp2": ((2, 2, 1), ("pp", "dp", "tp"), {"schedule": "1f1b"}),
         "pp2_tp2": ((2, 1, 2), ("pp", "dp", "tp"), {"schedule": "gpipe"}),
         "pp2_dp2_lora": ((2, 2, 1), ("pp", "dp", "tp"), {"lora_rank": 4}),
+        # sequence parallel: norms on sequence shards, their replicated weights' grads reduced
+        "tp2_sp": ((2, 2), ("rep", "tp"), {"sequence_parallel": True}),
+        "dp2_tp2_sp": ((1, 2, 2), ("pp", "dp", "tp"), {"sequence_parallel": True}),
+        # stage boundaries: each stage takes its sequence shard and gathers it at its end
+        "pp2_tp2_sp": ((2, 1, 2), ("pp", "dp", "tp"), {"schedule": "gpipe",
+                                                        "sequence_parallel": True}),
+        # LoRA adapters sharded with their column/row-parallel projections; fastllm's AdamW
+        # clips and steps on the local shards of the adapters' reduced grads
+        "tp2_lora": ((2, 2), ("rep", "tp"), {"lora_rank": 4, "optimizer": "fastllm_clip"}),
+        "dp2_tp2_sp_lora": ((1, 2, 2), ("pp", "dp", "tp"), {"lora_rank": 4,
+                                                             "sequence_parallel": True}),
     }
 
 
@@ -68,7 +81,7 @@ def _saved_bytes(model, ids, labels):
     return sum(saved.values())
 
 
-def _tp2_memory():
+def _tp2_memory(sequence_parallel=False):
     """(measured, planned) bytes per rank of activations and of weights, tensor parallel 2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -79,15 +92,49 @@ def _tp2_memory():
 
     shape = {"layers": 3, "hidden": 96, "heads": 6, "kv_heads": 2, "ffn": 256, "vocab": 200}
     model = tiny_llama(**shape)
-    parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "tp")))
+    parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "tp")),
+                sequence_parallel=sequence_parallel)
     ids, labels = make_batches(1, 4, 48, 200)[0]
     acts = _saved_bytes(model, ids, labels)
     weights = 4 * sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                       for p in model.parameters())
     cpu = GPUSpec("cpu", 24e9, 60e9, 30e9, 10e9, 10e9, reserved=0, dtype_bytes=4)
-    est = estimate(ModelSpec("tiny", 3, 96, 6, 2, 256, 200), Layout(tp=2, micro_batch=4), 48, 4,
-                   cpu)
+    est = estimate(ModelSpec("tiny", 3, 96, 6, 2, 256, 200),
+                   Layout(tp=2, micro_batch=4, sequence_parallel=sequence_parallel), 48, 4, cpu)
     return acts, est["memory"]["activations"], weights, est["memory"]["weights"]
+
+
+def _clip_partial():
+    """clip_grad_norm_ over a Partial (unreduced) and a Replicate grad on the tp mesh:
+    (returned norm, norm of the reduced grads, max error of the clipped Partial grad)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from fastllm.parallel import clip_grad_norm_
+
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "tp"))["tp"]
+    parts = [torch.randn(5, 3, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    rep = torch.arange(4.0)
+    p = torch.nn.Parameter(DTensor.from_local(torch.zeros(5, 3), tp, [Replicate()]))
+    p.grad = DTensor.from_local(parts[tp.get_local_rank()].clone(), tp, [Partial()])
+    q = torch.nn.Parameter(DTensor.from_local(torch.zeros(4), tp, [Replicate()]))
+    q.grad = DTensor.from_local(rep.clone(), tp, [Replicate()])
+    norm = clip_grad_norm_([p, q], max_norm=1.0)
+    full = parts[0] + parts[1]
+    expected = torch.cat([full.flatten(), rep]).norm()
+    err = (p.grad.full_tensor() - full / (expected + 1e-6)).abs().max()
+    return norm.item(), expected.item(), err.item()
+
+
+def _lora_sp_trainable():
+    """Names of the trainable parameters of a LoRA model after dp2 x tp2 + sequence parallel."""
+    from fastllm.lora import inject_lora
+    from fastllm.parallel import parallelize
+    from fastllm.parallel.run import tiny_llama
+
+    model = inject_lora(tiny_llama(layers=2), ["q_proj", "v_proj", "o_proj", "down_proj"], r=2)
+    parallelize(model, build_mesh(dp=2, tp=2), sequence_parallel=True)
+    return sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad})
 
 
 def _worker(rank, port, out_path, ckpt):
@@ -108,6 +155,9 @@ def _worker(rank, port, out_path, ckpt):
             results[name] = train(dp=dp, tp=tp, pp=pp, schedule=schedule, steps=STEPS - SAVE_AT,
                                   load_dir=ckpt, start_step=SAVE_AT)
         results["tp2_memory"] = _tp2_memory()
+        results["tp2_sp_memory"] = _tp2_memory(sequence_parallel=True)
+        results["clip_partial"] = _clip_partial()
+        results["lora_sp_trainable"] = _lora_sp_trainable()
         errors = {}
         try:
             build_mesh(dp=3, tp=1, pp=1)
@@ -117,6 +167,10 @@ def _worker(rank, port, out_path, ckpt):
             train(dp=2, tp=2, global_batch=7, steps=1)
         except ValueError as e:
             errors["batch"] = str(e)
+        try:
+            train(dp=2, tp=2, seq_len=15, steps=1, sequence_parallel=True)
+        except ValueError as e:
+            errors["seq"] = str(e)
         results["errors"] = errors
     finally:
         dist.destroy_process_group()
@@ -164,9 +218,10 @@ def _close(actual, expected):
 @pytest.mark.parametrize("layout", ["tp2", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "dp2_tp2",
                                     "dp2_tp2_recompute", "dp2_tp2_fastllm_adamw",
                                     "dp2_tp2_fastllm_clip", "pp2_dp2",
-                                    "pp2_tp2", "pp2_dp2_lora"])
+                                    "pp2_tp2", "pp2_dp2_lora", "tp2_sp", "dp2_tp2_sp",
+                                    "pp2_tp2_sp", "tp2_lora", "dp2_tp2_sp_lora"])
 def test_layout_matches_one_process(runs, layout):
-    single = runs["single_lora" if layout.endswith("lora") else "single"]
+    single = runs["single_lora" if "lora" in layout else "single"]
     assert len(runs[layout]["losses"]) == STEPS
     # the model learns: a layout that silently skipped the update would fail this too
     assert single["losses"][-1] < single["losses"][0]
@@ -190,10 +245,29 @@ def test_planner_memory_matches_tp2_rank(runs):
     assert planned_weights == pytest.approx(weights, rel=0.10)
 
 
+def test_sequence_parallel_shards_activations(runs):
+    # the norms keep sequence shards: fewer saved bytes per rank than plain tp2, as planned
+    acts, planned_acts, _, _ = runs["tp2_sp_memory"]
+    assert acts < runs["tp2_memory"][0]
+    assert planned_acts == pytest.approx(acts, rel=0.10)
+
+
+def test_clip_reduces_partial_grads(runs):
+    norm, expected, err = runs["clip_partial"]
+    assert norm == pytest.approx(expected, rel=1e-6)
+    assert err < 1e-6
+
+
+def test_lora_tp_trains_only_adapters(runs):
+    # SequenceParallel re-creates the (frozen) norm weights; they must stay frozen
+    assert runs["lora_sp_trainable"] == ["lora_A", "lora_B"]
+
+
 def test_clear_errors(runs):
     errors = runs["errors"]
     assert "parallel.dp=3" in errors["mesh"] and "world size is 4" in errors["mesh"]
     assert "global_batch_size=7" in errors["batch"] and "parallel.dp=2" in errors["batch"]
+    assert "sequence length (15)" in errors["seq"] and "parallel.tp=2" in errors["seq"]
 
 
 def test_split_layers_balances_cost():

@@ -1,7 +1,11 @@
-"""`fastllm train parallel.tp=2`: the training runtime with fastllm.parallel's tensor parallel,
-two processes (torchrun, Gloo, one thread each) against the same run in one process."""
+"""`fastllm train` with fastllm.parallel: tensor parallel (tp2), pipeline parallel with data
+parallel (pp2 x dp2, 1F1B), a pipeline resuming a one-process checkpoint (pp2, GPipe) and an
+interleaved pipeline (pp2, 2 stages per rank), each launched once by torchrun (Gloo, one thread
+per rank) and compared with the same run in one process: same samples, losses and global grad
+norms within fp32 rounding."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -9,6 +13,8 @@ import pytest
 import torch
 
 from fastllm.train import TrainConfig, Trainer
+from fastllm.train import checkpoint as ckpt
+from fastllm.train.config import ConfigError
 from fastllm.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,6 +25,7 @@ def _args(cache_dir, output_dir, *extra):
     return ["model=tiny", "data.seq_len=32", "micro_batch_size=4", "global_batch_size=8",
             "lr=1e-2", "min_lr=1e-3", "warmup_steps=2", "threads=1", "log_interval=1000",
             f"max_steps={STEPS}", "max_grad_norm=0.5", f"data.cache_dir={cache_dir}",
+            "checkpoint.interval=5", "checkpoint.keep_last=2", "data.log_indices=true",
             f"output_dir={output_dir}", *extra]
 
 
@@ -26,37 +33,174 @@ def _metric(output_dir, key):
     return [r[key] for r in read_metrics(os.path.join(output_dir, "metrics.jsonl"))]
 
 
-def test_tp2_matches_one_process(tmp_path):
-    cache = str(tmp_path / "cache")
-    ref = str(tmp_path / "ref")
+def _in_process(args):
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        Trainer(TrainConfig.from_args(_args(cache, ref))).train()
+        return Trainer(TrainConfig.from_args(args)).train()
     finally:
         torch.set_num_threads(old)
-    out = str(tmp_path / "tp2")
+
+
+def _torchrun(nproc, args, port_offset):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29500 + (os.getpid() + 17) % 1000), "-m", "fastllm", "train",
-           *_args(cache, out, "parallel.tp=2")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(29500 + (os.getpid() + port_offset) % 1000), "-m", "fastllm",
+           "train", *args]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stdout.decode()[-3000:] + done.stderr.decode()[-3000:]
-    assert "strategy=fsdp" in done.stderr.decode()
-    ref_losses, tp_losses = _metric(ref, "loss"), _metric(out, "loss")
-    assert len(tp_losses) == STEPS
-    assert ref_losses[-1] < ref_losses[0]
-    # the same samples, the matmuls split over two ranks: fp32 rounding apart
-    torch.testing.assert_close(tp_losses, ref_losses, rtol=1e-4, atol=0)
+    return done.stderr.decode()
+
+
+def _assert_same_run(out, ref, first_step=1):
+    """Steps first_step.. of `out` against the reference: the same samples and token counts,
+    losses and global grad norms within fp32 rounding (the same sums in another order)."""
+    skip = first_step - 1
+    assert _metric(out, "step") == list(range(first_step, STEPS + 1))
+    assert _metric(out, "samples") == _metric(ref, "samples")[skip:]
+    assert _metric(out, "tokens") == _metric(ref, "tokens")[skip:]
+    torch.testing.assert_close(_metric(out, "loss"), _metric(ref, "loss")[skip:], rtol=1e-4,
+                               atol=0)
+    torch.testing.assert_close(_metric(out, "grad_norm"), _metric(ref, "grad_norm")[skip:],
+                               rtol=1e-4, atol=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, global batch 8 = 4 x 2 accumulation; checkpoints at steps 5 and 10."""
+    root = tmp_path_factory.mktemp("parallel-train")
+    cache, ref = str(root / "cache"), str(root / "ref")
+    _in_process(_args(cache, ref))
+    assert _metric(ref, "loss")[-1] < _metric(ref, "loss")[0]
+    return cache, ref
+
+
+def test_tp2_matches_one_process(reference, tmp_path):
+    cache, ref = reference
+    out = str(tmp_path / "tp2")
+    # the default global batch is micro_batch_size x dp (1 here), not x world size (2)
+    log = _torchrun(2, _args(cache, out, "parallel.tp=2", "micro_batch_size=8",
+                             "global_batch_size=0"), 17)
+    assert "strategy=fsdp" in log and "global batch 8 = 8 x 1 accumulation x 1 data" in log
     # fastllm AdamW clips by the norm over both ranks' shards: the one-process norm
+    _assert_same_run(out, ref)
+
+
+def test_tp2_sequence_parallel_matches_one_process(reference, tmp_path):
+    cache, ref = reference
+    out = str(tmp_path / "tp2sp")
+    _torchrun(2, _args(cache, out, "parallel.tp=2", "parallel.sequence_parallel=true"), 23)
+    # norms and residual stream sharded on the sequence: the same sums, the same run
+    _assert_same_run(out, ref)
+
+
+def test_pp2_dp2_matches_one_process_and_resumes_in_one(reference, tmp_path):
+    cache, ref = reference
+    out = str(tmp_path / "pp2dp2")
+    # global batch by default: micro_batch_size 2 x dp 2 x pp 2 micro-batches = 8
+    log = _torchrun(4, _args(cache, out, "parallel.pp=2", "parallel.dp=2", "micro_batch_size=2",
+                             "global_batch_size=0", "parallel.schedule=1f1b"), 29)
+    assert "strategy=pipeline" in log and "dp 2 x tp 1 x pp 2" in log
+    assert "global batch 8 = 2 x 2 accumulation x 2 data parallel" in log
+    _assert_same_run(out, ref)
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    # 1F1B with 2 stages and 2 micro-batches idles (2 - 1) / (2 + 2 - 1) of the schedule
+    assert all(r["bubble_s"] == pytest.approx((r["bubble_s"] + r["fwd_bwd_s"]) / 3)
+               for r in records)
+    # the pipeline's checkpoint is one process's layout: resume step 5 in one process
+    for step, path in ckpt.list_checkpoints(out):
+        if step > 5:
+            shutil.rmtree(path)
+    s = _in_process(_args(cache, out))
+    assert s["resumed_from"].endswith("checkpoint-5") and s["world_size"] == 1
+    _assert_same_run(out, ref)
+
+
+def test_pp2_gpipe_resumes_a_one_process_checkpoint(reference, tmp_path):
+    cache, ref = reference
+    out = str(tmp_path / "pp2")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(ref, "checkpoint-5"), os.path.join(out, "checkpoint-5"))
+    log = _torchrun(2, _args(cache, out, "parallel.pp=2", "parallel.schedule=gpipe"), 41)
+    assert "resumed from" in log and "pipeline gpipe, 2 micro-batches" in log
+    _assert_same_run(out, ref, first_step=6)
+    # rank 0 wrote the whole model, in the layout of one process
+    want = torch.load(os.path.join(ref, "checkpoint-10", "model.pt"))
+    got = torch.load(os.path.join(out, "checkpoint-10", "model.pt"))
+    assert sorted(got) == sorted(want)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_pp2_interleaved_matches_one_process(reference, tmp_path):
+    cache, _ = reference
+    # interleaved 1F1B: 4 layers in 4 stages, rank r holds stages r and r + 2
+    extra = ("model_config.num_hidden_layers=4", "max_steps=4", "checkpoint.interval=0")
+    ref = str(tmp_path / "ref")
+    _in_process(_args(cache, ref, *extra))
+    out = str(tmp_path / "interleaved")
+    log = _torchrun(2, _args(cache, out, *extra, "parallel.pp=2",
+                             "parallel.schedule=interleaved"), 53)
+    assert "pipeline interleaved, 2 micro-batches, rank 0 holds 2/4 layers" in log
+    assert _metric(out, "samples") == _metric(ref, "samples")
+    torch.testing.assert_close(_metric(out, "loss"), _metric(ref, "loss"), rtol=1e-4, atol=0)
     torch.testing.assert_close(_metric(out, "grad_norm"), _metric(ref, "grad_norm"), rtol=1e-4,
                                atol=0)
+    # the checkpoint holds the layers of both of rank 0's stages and of rank 1's, by name
+    want = torch.load(os.path.join(ref, "checkpoint-4", "model.pt"))
+    got = torch.load(os.path.join(out, "checkpoint-4", "model.pt"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    want = torch.load(os.path.join(ref, "checkpoint-4", "optimizer.pt"))
+    got = torch.load(os.path.join(out, "checkpoint-4", "optimizer.pt"))
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in
+                                                          want["param_groups"]]
+    torch.testing.assert_close(got["state"], want["state"], rtol=1e-4, atol=1e-7)
 
 
-def test_pp_in_trainer_is_refused_clearly(tmp_path):
-    from fastllm.parallel import parallelize_from_config
+def test_pipeline_settings_refused_clearly(tmp_path):
+    from fastllm.train.model import check_pipeline, data_parallel_size
 
-    cfg = TrainConfig.from_args(_args(str(tmp_path), str(tmp_path), "parallel.pp=2"))
-    with pytest.raises(NotImplementedError, match="parallel.pp > 1"):
-        parallelize_from_config(None, cfg, 2, torch.device("cpu"))
+    def cfg(*extra):
+        return TrainConfig.from_args(["model=tiny", "parallel.pp=2", *extra])
+
+    with pytest.raises(ValueError, match=r"parallel.pp=4 needs at least 4 decoder layers; the "
+                                         r"model has num_hidden_layers=2"):
+        check_pipeline(cfg("parallel.pp=4", "global_batch_size=16"), 2, 1)
+    with pytest.raises(ValueError, match="parallel.schedule=interleaved .* num_hidden_layers=2"):
+        check_pipeline(cfg("parallel.schedule=interleaved"), 2, 1)
+    with pytest.raises(ValueError, match=r"global_batch_size=8 must be a multiple of "
+                                         r"micro_batch_size \* data-parallel size = 3 \* 1"):
+        check_pipeline(cfg("micro_batch_size=3", "global_batch_size=8"), 2, 1)
+    with pytest.raises(ValueError, match=r"parallel.schedule=1f1b needs at least parallel.pp=2 "
+                                         r"micro-batches per step, got .* = 1"):
+        check_pipeline(cfg("micro_batch_size=4", "global_batch_size=8"), 2, 2)
+    with pytest.raises(ValueError, match="interleaved needs the micro-batches per step .* = 3"):
+        check_pipeline(cfg("parallel.schedule=interleaved", "micro_batch_size=4",
+                           "global_batch_size=12"), 4, 1)
+    assert check_pipeline(cfg("parallel.schedule=gpipe", "micro_batch_size=4",
+                              "global_batch_size=8"), 2, 2) == (1, 1)
+    assert check_pipeline(cfg("parallel.schedule=interleaved"), 4, 1) == (2, 2)
+    with pytest.raises(ValueError, match=r"parallel.tp=1 x parallel.pp=2 = 2 does not divide "
+                                         r"the world size 3"):
+        data_parallel_size(cfg(), 3)
+    with pytest.raises(ValueError, match=r"parallel.dp=2 x parallel.tp=1 x parallel.pp=2 = 4 "
+                                         r"ranks, but the world size is 2"):
+        data_parallel_size(cfg("parallel.dp=2"), 2)
+    assert data_parallel_size(cfg("parallel.tp=2"), 8) == 2
+    for bad, says in ((["finetune=lora"], "finetune=full only"),
+                      (["precision=fp16"], "precision fp32 or bf16"),
+                      (["parallel.strategy=zero2"], "parallel.strategy must be auto or fsdp"),
+                      (["parallel.schedule=zb"], "parallel.schedule must be one of"),
+                      (["parallel.tp=2", "parallel.sequence_parallel=true"],
+                       "sequence_parallel is not supported with parallel.pp > 1"),
+                      (["parallel.pp=1", "parallel.sequence_parallel=true"],
+                       "sequence_parallel needs parallel.tp > 1"),
+                      (["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                        "data.seq_len=33"], r"data.seq_len \(33\) divisible by parallel.tp")):
+        with pytest.raises(ConfigError, match=says):
+            cfg(*bad)
+    # one process cannot hold two stages: refused before anything is written
+    out = tmp_path / "one"
+    with pytest.raises(ValueError, match="does not divide the world size 1"):
+        Trainer(cfg(f"output_dir={out}")).train()
+    assert not out.exists()

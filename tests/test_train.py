@@ -115,6 +115,16 @@ def test_config_overrides_yaml_and_errors(tmp_path):
         TrainConfig.from_args(["checkpoint_ratio=1.5"])
     with pytest.raises(ConfigError, match="expected key=value"):
         TrainConfig.from_args(["max_steps"])
+    with pytest.raises(ConfigError, match="optim must be one of"):
+        TrainConfig.from_args(["optim=sgd"])
+    for bad, says in ((["backend=torch"], "backend=torch runs torch.optim.AdamW"),
+                      (["parallel.strategy=zero2"], "strategy=zero2"),
+                      (["parallel.strategy=fsdp"], "strategy=fsdp"),
+                      (["parallel.tp=2"], "tp=2"),
+                      (["finetune=galore"], "finetune=galore"),
+                      (["optimizer_in_backward=true", "max_grad_norm=0"], "optimizer_in_backward")):
+        with pytest.raises(ConfigError, match=says):
+            TrainConfig.from_args(["optim=adamw8bit", *bad])
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -136,6 +146,8 @@ def test_lr_schedule_warmup_then_cosine():
     ("lora", "fp32", ["lora.layers=1", "lora.dropout=0.1", "lr=5e-2",
                       "lora.target_modules=q_proj,v_proj,gate_proj,up_proj,down_proj"]),
     ("full", "bf16", []),
+    ("full", "fp32", ["optim=adamw8bit"]),
+    ("full", "bf16", ["optim=adamw_bf16"]),
     ("full", "fp16", ["data.seq_len=16"]),
     ("galore", "fp32", ["galore.rank=8", "galore.update_proj_gap=5"]),
     ("badam", "fp32", ["badam.switch_block_every=2", "badam.switch_mode=descending"]),
@@ -372,6 +384,52 @@ def test_sigterm_saves_a_checkpoint_and_exits(cache_dir, tmp_path):
 
 
 # ----- report, CLI -----
+
+def test_optim_switches_at_a_checkpoint(cache_dir, reference, tmp_path):
+    """Resume the fp32-state checkpoint of step 9 with optim=adamw8bit, then that 8-bit
+    checkpoint with optim=adamw: the moments are converted (fastllm.optim.convert_state), the
+    step counts carry on."""
+    import shutil
+
+    from fastllm.optim import convert_state
+
+    def resume(src, out, *extra):
+        os.makedirs(out)
+        shutil.copytree(src, os.path.join(out, os.path.basename(src)))
+        return run(cache_dir, out, "checkpoint.interval=1", "checkpoint.keep_last=3", *extra)
+
+    def optimizer_state(out, step):
+        return torch.load(os.path.join(out, f"checkpoint-{step}", "optimizer.pt"))
+
+    fp32 = str(tmp_path / "fp32")  # the fp32-state continuation: the state 8-bit must track
+    resume(os.path.join(reference, "checkpoint-9"), fp32, "max_steps=10")
+    q8 = str(tmp_path / "q8")
+    s = resume(os.path.join(reference, "checkpoint-9"), q8, "max_steps=11", "optim=adamw8bit")
+    assert s["resumed_from"].endswith("checkpoint-9")
+    # step 10's loss is computed before any 8-bit step: the loaded weights are the reference's
+    assert losses(q8)[0] == losses(reference)[9]
+    torch.testing.assert_close(losses(q8)[1], losses(reference)[10], rtol=2e-3, atol=0)
+    want, got = optimizer_state(fp32, 10), optimizer_state(q8, 10)
+    assert got["fastllm_lowbyte"]["state_dtype"] == "uint8"
+    assert any("exp_avg_codes" in st for st in got["state"].values())
+    got = convert_state(got, torch.float32)
+    for i, st in want["state"].items():
+        assert float(got["state"][i]["step"]) == float(st["step"]) == 10.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            # within the 8-bit code's spacing of the tensor's largest value (a fresh 8-bit
+            # state, one step old, is off by most of it)
+            scale = float(st[key].abs().max())
+            torch.testing.assert_close(got["state"][i][key], st[key], rtol=0,
+                                       atol=0.02 * scale)
+    back = str(tmp_path / "back")
+    s = resume(os.path.join(q8, "checkpoint-11"), back, "max_steps=12", "optim=adamw")
+    assert s["resumed_from"].endswith("checkpoint-11")
+    state = optimizer_state(back, 12)
+    assert "fastllm_lowbyte" not in state
+    for st in state["state"].values():
+        assert float(st["step"]) == 12.0 and st["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(losses(back)[0], losses(reference)[11], rtol=5e-3, atol=0)
+
 
 def test_report_writes_a_png(reference, tmp_path, capsys):
     from fastllm.cli import main

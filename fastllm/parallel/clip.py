@@ -8,9 +8,11 @@ from torch.distributed.tensor import DTensor
 def clip_grad_norm_(parameters, max_norm, pp_group=None, norm_type=2.0):
     """Clip in place by the norm of all gradients of the whole model; returns that norm (fp32).
 
-    DTensor gradients (tensor parallel, FSDP2) are reduced over their meshes by DTensor; the
-    squares are then summed over pp_group, whose ranks hold different layers. Every rank
-    returns the same norm, equal to the single-process `torch.nn.utils.clip_grad_norm_`.
+    DTensor gradients (tensor parallel, FSDP2) are reduced over their meshes by DTensor: Shard
+    placements sum their shards' squares, Replicate ones count once, and Partial (unreduced)
+    grads are summed before their norm is taken. The squares are then summed over pp_group,
+    whose ranks hold different layers. Every rank returns the same norm, equal to the
+    single-process `torch.nn.utils.clip_grad_norm_`.
     """
     if norm_type != 2.0:
         raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")

@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 4 -m fastllm.parallel.run --dp 2 --tp 2
     torchrun --nproc_per_node 4 -m fastllm.parallel.run --pp 2 --dp 2 --schedule 1f1b
+    torchrun --nproc_per_node 4 -m fastllm.parallel.run --dp 2 --tp 2 --sequence-parallel
+    torchrun --nproc_per_node 4 -m fastllm.parallel.run --dp 2 --tp 2 --lora-rank 4
 
 Every layout sees the same global batches (rows split over dp in rank order), so its losses
 equal one process's step by step. Prints one line per step on rank 0.
@@ -70,7 +72,8 @@ def _pipeline_loss(logits, labels):
 def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=3e-3,
           max_norm=1.0, schedule="1f1b", n_microbatches=None, model_kwargs=None,
           optimizer="torch", activation_checkpointing=False, load_dir=None, save_dir=None,
-          save_at=None, start_step=0, batch_seed=1, distributed=None, lora_rank=0):
+          save_at=None, start_step=0, batch_seed=1, distributed=None, lora_rank=0,
+          sequence_parallel=False):
     """Train `steps` steps; returns {"losses", "grad_norms", "step_times"} (lists, every rank).
 
     mesh: a mesh with dims among "pp", "dp", "tp" (default build_mesh(dp, tp, pp)); None and
@@ -78,9 +81,11 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
     (model and optimizer, layout-independent names); save_at: the step after which to save.
     start_step: the index of the first batch (for a resumed run). distributed=False runs one
     process even inside a process group. lora_rank > 0: train only fastllm.lora adapters on
-    q/k/v/o (not with tensor parallel). optimizer: "torch" or "fastllm" (clipped by
-    fastllm.parallel.clip_grad_norm_), or "fastllm_clip": fastllm.optim.AdamW(max_grad_norm=...)
-    clips inside its own step, by the norm it reduces over the DTensor shards (no pipeline).
+    q/k/v/o (sharded with their projections under tensor parallel). sequence_parallel: tensor
+    parallel with the norms and residual stream sharded on the sequence. optimizer: "torch" or
+    "fastllm" (clipped by fastllm.parallel.clip_grad_norm_), or "fastllm_clip":
+    fastllm.optim.AdamW(max_grad_norm=...) clips inside its own step, by the norm it reduces over
+    the DTensor shards (no pipeline).
     """
     if distributed is None:
         distributed = dist.is_available() and dist.is_initialized()
@@ -94,9 +99,6 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
     local_batch = global_batch // dp
     model = tiny_llama(**(model_kwargs or TINY))
     if lora_rank:
-        if mesh_size(mesh, "tp") > 1:
-            raise ValueError("LoRA with parallel.tp > 1 is not supported: the adapters of a "
-                             "column/row-parallel projection would need sharding too")
         from fastllm.lora import inject_lora
 
         torch.manual_seed(1234)  # the same adapters on every rank
@@ -109,7 +111,7 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
     def wrap(module):
         if mesh is not None:
             parallelize(module, mesh, activation_checkpointing=activation_checkpointing,
-                        vocab_parallel_logits=pp == 1)
+                        vocab_parallel_logits=pp == 1, sequence_parallel=sequence_parallel)
         elif activation_checkpointing:
             apply_activation_checkpointing(module)
         return module
@@ -212,13 +214,18 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="shard norms and the residual stream on the sequence under --tp")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train only LoRA adapters of this rank on q/k/v/o")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         out = train(dp=args.dp, tp=args.tp, pp=args.pp, steps=args.steps,
                     global_batch=args.global_batch, seq_len=args.seq_len,
-                    schedule=args.schedule, n_microbatches=args.microbatches)
+                    schedule=args.schedule, n_microbatches=args.microbatches,
+                    sequence_parallel=args.sequence_parallel, lora_rank=args.lora_rank)
         if dist.get_rank() == 0:
             for i, (loss, norm, t) in enumerate(zip(out["losses"], out["grad_norms"],
                                                     out["step_times"]), 1):

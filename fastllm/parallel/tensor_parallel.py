@@ -5,17 +5,25 @@ mesh["tp"], activation checkpointing per decoder layer, then FSDP2 (`fully_shard
 mesh["dp"]. The model must be a transformers Llama-style causal LM (`model.model.layers`,
 `self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, `model.model.embed_tokens`,
 `model.lm_head`), or a pipeline stage built from one by `fastllm.parallel.build_pipeline_stage`.
+Optional sequence parallelism shards the norms and the residual stream on the sequence; the
+projections may be wrapped by fastllm.lora (LoRALinear), whose adapters are sharded with them.
 """
 
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
+from fastllm.lora import LoRALinear
+from fastllm.ops.lora_linear import lora_linear, new_dropout_seed
 from fastllm.parallel.mesh import mesh_size
 
 
@@ -25,23 +33,47 @@ def decoder_layers(model):
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
-def llama_tp_plan():
+def llama_tp_plan(sequence_parallel=False):
     """The per-layer plan: q/k/v and gate/up column-parallel, o and down row-parallel.
 
     Column-parallel q/k/v split the heads, so each rank holds heads/tp query heads and
     kv_heads/tp key/value heads (grouped-query attention keeps its ratio; transformers'
-    attention reshapes with -1 heads). Sequence parallelism is not offered: transformers'
-    Llama derives rotary positions from the local sequence length, which a sequence shard
-    would get wrong.
+    attention reshapes with -1 heads).
+
+    sequence_parallel (Megatron-LM's, Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models"): between the tensor-parallel regions the
+    residual stream (batch, seq, hidden) stays sharded on seq; the two RMSNorms run on
+    sequence shards (`SequenceParallel`, weights replicated), attention and MLP inputs are
+    all-gathered on seq (`PrepareModuleInput`) before the column-parallel projections, and
+    o/down reduce-scatter onto seq instead of all-reducing. Attention itself sees the whole
+    sequence, so transformers' rotary positions and causal mask stay right.
     """
+    if not sequence_parallel:
+        return {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
     return {
+        "input_layernorm": SequenceParallel(),
+        # transformers calls attention with hidden_states=..., the MLP positionally
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                        use_local_output=True),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
 
 
@@ -65,7 +97,150 @@ def _check_tp(model, tp, vocab_parallel=True):
                          "embedding is row-split and the head column-split on the vocabulary")
 
 
-def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_parallel=True):
+class _ColwiseLoRALinear(LoRALinear):
+    """A LoRALinear whose base weight and lora_B are split on out_features over the tp mesh
+    (Shard(0)) and lora_A is replicated: y_local = x W_local^T + s x A^T B_local^T, one fused
+    `lora_linear` on the local shards. x: (..., in_features), the same on every tp rank; its
+    gradient and lora_A's are partial sums over the ranks, reduced by DTensor."""
+
+    def forward(self, x):
+        weight, bias = self.base_layer.weight, self.base_layer.bias
+        mesh = weight.device_mesh
+        if isinstance(x, DTensor):
+            x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        else:
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+        # tp ranks share torch's seed, so they draw the same dropout mask for the replicated x
+        return lora_linear(x, weight.to_local(), self.lora_A.to_local(grad_placements=[Partial()]),
+                           self.lora_B.to_local(), self.scaling,
+                           None if bias is None else bias.to_local(), self.dropout,
+                           training=self.training)
+
+
+class _RowwiseLoRALinear(LoRALinear):
+    """A LoRALinear whose base weight and lora_A are split on in_features over the tp mesh
+    (Shard(1)) and lora_B is replicated: each rank computes x_local W_local^T + s (x_local
+    A_local^T) B^T, a partial sum of the output, reduced in one collective with the base
+    output (all-reduce, or reduce-scatter onto the sequence under sequence parallelism); the
+    bias is added once after it. x: (..., in_features / tp), the column-parallel output."""
+
+    def forward(self, x):
+        weight, bias = self.base_layer.weight, self.base_layer.bias
+        mesh = weight.device_mesh
+        if isinstance(x, DTensor):
+            x = x.redistribute(placements=[Shard(-1)]).to_local()
+        seed = None
+        if self.training and self.dropout > 0.0:
+            # x holds other columns on each rank: decorrelate the ranks' masks (the
+            # constant is Knuth's 2^32 / golden ratio)
+            seed = new_dropout_seed() + mesh.get_local_rank() * 0x9E3779B9
+        y = lora_linear(x, weight.to_local(), self.lora_A.to_local(),
+                        self.lora_B.to_local(grad_placements=[Partial()]), self.scaling, None,
+                        self.dropout, training=self.training, seed=seed)
+        y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
+        y = y.redistribute(placements=[self._tp_output_layout]).to_local()
+        if bias is not None:
+            seq_sharded = isinstance(self._tp_output_layout, Shard)
+            y = y + bias.to_local(grad_placements=[Partial()] if seq_sharded else None)
+        return y
+
+
+class _LoRAParallel(ParallelStyle):
+    """Column- or row-parallel for a fastllm.lora.LoRALinear (torch's Colwise/RowwiseParallel
+    take only nn.Linear): column-parallel splits W and lora_B on out_features and replicates
+    lora_A; row-parallel splits W and lora_A on in_features and replicates lora_B and the bias.
+    Inputs and outputs are local tensors, as with torch's styles' defaults."""
+
+    def __init__(self, colwise, output_layout=None):
+        super().__init__()
+        self.colwise = colwise
+        self.output_layout = output_layout or (Shard(-1) if colwise else Replicate())
+
+    def _apply(self, module, device_mesh):
+        if not isinstance(module, LoRALinear):
+            raise TypeError(f"expected a fastllm.lora.LoRALinear, got {type(module).__name__}")
+        if module.merged:
+            raise ValueError("tensor parallel of a merged LoRA layer: unmerge_lora first")
+        col = self.colwise
+
+        def shard(owner, name, placement):
+            t = getattr(owner, name)
+            if t is not None:
+                owner.register_parameter(name, nn.Parameter(
+                    distribute_tensor(t.detach(), device_mesh, [placement]),
+                    requires_grad=t.requires_grad))
+
+        shard(module.base_layer, "weight", Shard(0) if col else Shard(1))
+        shard(module.base_layer, "bias", Shard(0) if col else Replicate())
+        shard(module, "lora_A", Replicate() if col else Shard(1))
+        shard(module, "lora_B", Shard(0) if col else Replicate())
+        module.__class__ = _ColwiseLoRALinear if col else _RowwiseLoRALinear
+        module._tp_output_layout = self.output_layout
+        return module
+
+
+def _lora_aware(layer, plan):
+    """`plan` with torch's Colwise/RowwiseParallel replaced by `_LoRAParallel` on the
+    submodules of `layer` that are LoRALinear."""
+    out = {}
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        if isinstance(module, LoRALinear) and isinstance(style, (ColwiseParallel,
+                                                                  RowwiseParallel)):
+            col = isinstance(style, ColwiseParallel)
+            expected_in = Replicate() if col else Shard(-1)
+            if (style.input_layouts[0] != expected_in
+                    or (col and style.output_layouts[0] != Shard(-1))
+                    or not style.use_local_output):
+                raise ValueError(f"tensor parallel LoRA on {name}: only the default layouts "
+                                 f"(and a row-parallel output on the sequence) are supported, "
+                                 f"got {style}")
+            style = _LoRAParallel(col, style.output_layouts[0])
+        out[name] = style
+    return out
+
+
+def _check_seq_len(tp):
+    def hook(module, args):
+        seq = args[0].shape[1]
+        if seq % tp:
+            raise ValueError(f"parallel.sequence_parallel needs the sequence length ({seq}) "
+                             f"divisible by parallel.tp={tp}")
+    return hook
+
+
+def _grad_to_param_layout(param):
+    # DTensor leaves grads in whatever layout the backward produced: Partial (unreduced) on
+    # replicated weights used with sharded activations (norms under sequence parallelism,
+    # column-parallel lora_A, row-parallel lora_B; Megatron-LM all-reduces its sequence-parallel
+    # norm grads likewise), Replicate on the vocabulary-split embedding. Put each grad in its
+    # parameter's layout as it is accumulated, so optimizers and clipping that work on local
+    # shards see the right numbers. FSDP2 replaces the parameters (dropping this hook) and
+    # redistributes the grads itself.
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
+
+
+def _sequence_parallel_norm(norm, tp_mesh):
+    # SequenceParallel re-creates the weight as a new Parameter that requires grad: keep a
+    # frozen norm (LoRA) frozen
+    frozen = {n for n, p in norm.named_parameters() if not p.requires_grad}
+    parallelize_module(norm, tp_mesh, SequenceParallel())
+    for n, p in norm.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
+
+
+def _hook_grad_layouts(model):
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_post_accumulate_grad_hook(_grad_to_param_layout)
+
+
+def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_parallel=True,
+                          sequence_parallel=False):
     """Shard a Llama-style model (or pipeline stage) over tp_mesh in place.
 
     Embedding and head are vocabulary-parallel; the head returns logits as a DTensor sharded
@@ -73,21 +248,60 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
     logits are gathered into a plain tensor, which torch's pipeline schedules need because
     they run the loss's backward outside loss_parallel). vocab_parallel=False keeps the
     embedding and head whole on every rank (a vocabulary tp does not divide, tied weights).
+
+    sequence_parallel: see `llama_tp_plan`. The embedding's output stays whole (transformers
+    derives positions and the causal mask from its length); the first decoder layer takes its
+    sequence shard, and the final norm runs on shards before the head gathers them (when the
+    head is vocabulary-parallel; else, and at the end of a pipeline stage without the head,
+    the last layer's output is gathered). The sequence length must divide by tp.
+
+    Projections wrapped by fastllm.lora (LoRALinear) get the LoRA-aware column/row styles
+    (`_LoRAParallel`): adapters are sharded with their base weight and stay the only trainable
+    parameters.
     """
-    _check_tp(model, tp_mesh.size(), vocab_parallel)
+    tp = tp_mesh.size()
+    _check_tp(model, tp, vocab_parallel)
     inner = model.model
-    if vocab_parallel and getattr(inner, "embed_tokens", None) is not None:
-        parallelize_module(inner.embed_tokens, tp_mesh,
+    embed = getattr(inner, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    norm = getattr(inner, "norm", None)
+    if vocab_parallel and any(isinstance(m, LoRALinear) for m in (embed, head)):
+        raise ValueError("tensor parallel LoRA on embed_tokens/lm_head is not supported: "
+                         "adapt the decoder layers' projections only")
+    if vocab_parallel and embed is not None:
+        parallelize_module(embed, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    if vocab_parallel and getattr(model, "lm_head", None) is not None:
-        parallelize_module(model.lm_head, tp_mesh,
-                           ColwiseParallel(input_layouts=Replicate(),
+    head_takes_shards = sequence_parallel and vocab_parallel and norm is not None
+    if vocab_parallel and head is not None:
+        parallelize_module(head, tp_mesh,
+                           ColwiseParallel(input_layouts=Shard(1) if head_takes_shards
+                                           else Replicate(),
                                            output_layouts=Shard(-1) if vocab_parallel_logits
                                            else Replicate(),
                                            use_local_output=not vocab_parallel_logits))
-    plan = llama_tp_plan()
-    for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, plan)
+    plan = llama_tp_plan(sequence_parallel)
+    layers = decoder_layers(model)
+    norms = ("input_layernorm", "post_attention_layernorm")
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, _lora_aware(
+            layer, {k: v for k, v in plan.items() if k not in norms}))
+        if sequence_parallel:
+            for name in norms:
+                _sequence_parallel_norm(layer.get_submodule(name), tp_mesh)
+    if sequence_parallel and layers:
+        layers[0].register_forward_pre_hook(_check_seq_len(tp), prepend=True)
+        parallelize_module(layers[0], tp_mesh,
+                           PrepareModuleInput(input_layouts=(Replicate(),),
+                                              desired_input_layouts=(Shard(1),),
+                                              use_local_output=True))
+        if head_takes_shards:
+            _sequence_parallel_norm(norm, tp_mesh)
+        else:
+            parallelize_module(layers[-1], tp_mesh,
+                               PrepareModuleOutput(output_layouts=(Shard(1),),
+                                                   desired_output_layouts=(Replicate(),),
+                                                   use_local_output=True))
+    _hook_grad_layouts(model)
     return model
 
 
@@ -112,7 +326,8 @@ def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_afte
 
 
 def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param_dtype=None,
-                reduce_dtype=None, reshard_after_forward=True, vocab_parallel_logits=True):
+                reduce_dtype=None, reshard_after_forward=True, vocab_parallel_logits=True,
+                sequence_parallel=False):
     """Apply tensor parallel over mesh["tp"] and FSDP2 over mesh["dp"], in place; returns model.
 
     mesh: a DeviceMesh from `build_mesh` (or any mesh with dims named "tp" and/or "dp"; a
@@ -121,6 +336,9 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
     {submodule name within a decoder layer: ParallelStyle} applied to every decoder layer.
     param_dtype/reduce_dtype: FSDP2's mixed precision (e.g. torch.bfloat16 / torch.float32).
     vocab_parallel_logits: see `apply_tensor_parallel` (False inside a pipeline).
+    sequence_parallel: shard the residual stream and the norms on the sequence between the
+    tensor-parallel regions (`llama_tp_plan`; the sequence length must divide by tp; only with
+    plan=None). Projections wrapped by fastllm.lora are sharded with their adapters.
     Pipeline parallel is not applied here: build the stage first (`build_pipeline_stage`),
     then parallelize the stage module over the tp/dp submesh.
     """
@@ -128,13 +346,18 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
     dp = mesh_size(mesh, "dp")
     if tp > 1:
         if plan is None:
-            apply_tensor_parallel(model, mesh["tp"], vocab_parallel_logits)
-        elif isinstance(plan, dict):
+            apply_tensor_parallel(model, mesh["tp"], vocab_parallel_logits,
+                                  sequence_parallel=sequence_parallel)
+        elif not isinstance(plan, dict):
+            raise ValueError(f"plan must be None or a dict, got {plan!r}")
+        elif sequence_parallel:
+            raise ValueError("sequence_parallel=True needs plan=None (the Llama plan); a custom "
+                             "plan sets its own layouts (llama_tp_plan(sequence_parallel=True))")
+        else:
             _check_tp(model, tp)
             for layer in decoder_layers(model):
-                parallelize_module(layer, mesh["tp"], plan)
-        else:
-            raise ValueError(f"plan must be None or a dict, got {plan!r}")
+                parallelize_module(layer, mesh["tp"], _lora_aware(layer, plan))
+            _hook_grad_layouts(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if dp > 1:
@@ -149,14 +372,14 @@ def parallelize_from_config(model, cfg, world_size, device):
     parallel with gathered logits (the runtime computes transformers' loss on them; embedding
     and head stay whole when tp does not divide the vocabulary) and FSDP2 over dp. Sets
     `model._fastllm_dp = (dp_rank, dp)`: the runtime must shard data by these, not by the
-    global rank, since the ranks of one tp group must see the same batch. Returns the model.
+    global rank, since the ranks of one tp group must see the same batch.
+    parallel.sequence_parallel shards the norms and residual stream on the sequence. Returns the
+    model.
     """
     par = cfg.parallel
     if par.pp > 1:
-        raise NotImplementedError(
-            "fastllm train: parallel.pp > 1 is not wired into the trainer yet (its loop calls "
-            "the model once per micro-batch); fastllm.parallel.build_pipeline_stage and "
-            "build_schedule run pipelines today (python -m fastllm.parallel.run --pp 2)")
+        raise ValueError("parallelize_from_config is for parallel.pp == 1; the runtime builds "
+                         "pipelines with fastllm.train.model.build_pipeline")
     from fastllm.parallel.mesh import build_mesh
 
     if par.dp not in (-1, 0) and par.dp * par.tp != world_size:
@@ -169,7 +392,8 @@ def parallelize_from_config(model, cfg, world_size, device):
     vocab_parallel = (cfg_model.vocab_size % par.tp == 0
                       and not getattr(cfg_model, "tie_word_embeddings", False))
     apply_tensor_parallel(model, mesh["tp"], vocab_parallel_logits=False,
-                          vocab_parallel=vocab_parallel)
+                          vocab_parallel=vocab_parallel,
+                          sequence_parallel=par.sequence_parallel)
     if dp > 1:
         apply_fsdp(model, mesh["dp"])
     model._fastllm_dp = (mesh["dp"].get_local_rank(), dp)

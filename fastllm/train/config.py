@@ -5,7 +5,9 @@
 
 Names follow Hugging Face's TrainingArguments where the concept is the same (output_dir,
 max_steps, warmup_steps, seed, report_to, gradient_accumulation_steps is derived from
-global_batch_size / (micro_batch_size * world_size)).
+global_batch_size / (micro_batch_size * data-parallel size); the data-parallel size is
+world_size / (parallel.tp * parallel.pp)). Under pipeline parallel those accumulation
+micro-batches are the pipeline's micro-batches.
 """
 
 import dataclasses
@@ -59,12 +61,16 @@ class ParallelConfig:
     strategy: str = "auto"                # auto (ddp when world > 1) | none | ddp | fsdp | zero1 | zero2
     dp: int = -1                          # -1: world_size / (tp * pp)
     tp: int = 1
-    pp: int = 1
+    pp: int = 1                           # pipeline stages (micro-batches: the accumulation)
+    schedule: str = "1f1b"                # pipeline schedule: gpipe | 1f1b | interleaved
+    sequence_parallel: bool = False       # tp > 1: norms and residual sharded on the sequence
 
 
 _MODES = ("full", "freeze", "lora", "galore", "badam")
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _STRATEGIES = ("auto", "none", "ddp", "fsdp", "zero1", "zero2")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_OPTIMS = ("adamw", "adamw_bf16", "adamw8bit")
 
 
 @dataclass
@@ -86,7 +92,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     warmup_steps: int = 20
     micro_batch_size: int = 8
-    global_batch_size: int = 0            # 0: micro_batch_size * world_size (no accumulation)
+    global_batch_size: int = 0            # 0: micro_batch_size * dp size (x pp under pipelining)
     precision: str = "fp32"               # fp32 | bf16 | fp16 (low precision: fp32 master weights)
     max_grad_norm: float = 1.0            # 0: no clipping
     checkpoint_ratio: float = 0.0         # fraction of decoder layers recomputed in backward
@@ -97,6 +103,7 @@ class TrainConfig:
     device: str = "auto"                  # auto | cpu | cuda
     threads: int = 0                      # torch intra-op threads per process; 0: torch's default
     backend: str = "fastllm"              # fastllm | torch (torch.optim.AdamW fused, PEFT, autocast)
+    optim: str = "adamw"                  # adamw (fp32 state) | adamw_bf16 | adamw8bit (fastllm)
     track_memory: bool = True             # measure step 1's peak tensor memory on CPU (PeakMemory)
     nan_batches: typing.List[int] = field(default_factory=list)  # fault injection: poisoned steps
     data: DataConfig = field(default_factory=DataConfig)
@@ -133,6 +140,40 @@ class TrainConfig:
         need(self.lora.r >= 1 and 0 <= self.lora.dropout < 1, "need lora.r >= 1 and "
              "lora.dropout in [0, 1)")
         need(self.parallel.tp >= 1 and self.parallel.pp >= 1, "parallel.tp and pp must be >= 1")
+        need(self.parallel.dp >= -1, f"parallel.dp must be >= 1 (or -1: world_size / (tp * pp)),"
+             f" got {self.parallel.dp}")
+        need(self.parallel.schedule in _SCHEDULES, f"parallel.schedule must be one of "
+             f"{_SCHEDULES}, got {self.parallel.schedule!r}")
+        if self.parallel.sequence_parallel:
+            need(self.parallel.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1")
+            need(self.parallel.pp == 1, "parallel.sequence_parallel is not supported with "
+                 "parallel.pp > 1 (the stages exchange whole-sequence activations)")
+            need(self.data.seq_len % self.parallel.tp == 0, f"parallel.sequence_parallel needs "
+                 f"data.seq_len ({self.data.seq_len}) divisible by parallel.tp "
+                 f"({self.parallel.tp})")
+        need(self.optim in _OPTIMS, f"optim must be one of {_OPTIMS}, got {self.optim!r}")
+        if self.optim != "adamw":
+            need(self.backend == "fastllm", f"optim={self.optim} is fastllm's optimizer; "
+                 f"backend=torch runs torch.optim.AdamW(fused=True) (use optim=adamw)")
+            need(self.finetune in ("full", "freeze", "lora"), f"optim={self.optim} does not "
+                 f"apply to finetune={self.finetune} (it brings its own optimizer)")
+            need(not self.optimizer_in_backward, f"optim={self.optim} is not supported with "
+                 f"optimizer_in_backward")
+            # The runtime's sharded layouts (FSDP2/DTensor full-state checkpoints, ZeRO's flat
+            # shards) do not carry low-byte state (8-bit absmax is per local block).
+            need(self.parallel.strategy in ("auto", "none", "ddp") and self.parallel.tp == 1
+                 and self.parallel.pp == 1, f"optim={self.optim} runs on plain (unsharded) "
+                 f"parameters only: parallel.strategy none/ddp/auto with parallel.tp=1 and "
+                 f"parallel.pp=1, got strategy={self.parallel.strategy} tp={self.parallel.tp} "
+                 f"pp={self.parallel.pp}")
+        if self.parallel.pp > 1:
+            need(self.finetune == "full", f"parallel.pp > 1 trains finetune=full only, got "
+                 f"finetune={self.finetune}")
+            need(self.backend == "fastllm" and self.precision != "fp16", "parallel.pp > 1 runs "
+                 "with backend=fastllm and precision fp32 or bf16")
+            need(self.parallel.strategy in ("auto", "fsdp"), f"parallel.pp > 1 shards data "
+                 f"parallel with FSDP2: parallel.strategy must be auto or fsdp, got "
+                 f"{self.parallel.strategy}")
         if self.optimizer_in_backward:
             need(self.finetune == "full" and self.backend == "fastllm",
                  "optimizer_in_backward is for finetune=full with backend=fastllm")

@@ -192,7 +192,7 @@ class Loader:
         per_rank, rem = divmod(global_batch, world)
         if rem or per_rank % micro_batch:
             raise ValueError(f"fastllm train: global_batch_size={global_batch} must be a multiple "
-                             f"of micro_batch_size * world_size = {micro_batch} * {world}")
+                             f"of micro_batch_size * data-parallel size = {micro_batch} * {world}")
         self.dataset = dataset
         self.rank, self.world = rank, world
         self.micro_batch, self.global_batch, self.per_rank = micro_batch, global_batch, per_rank

@@ -7,6 +7,10 @@ all-reduces) and optimizer; the summary warns at > 10% data wait or > 15% expose
 communication. Exposed communication is measured for DDP (from the last gradient bucket's launch
 to the end of backward, by a comm hook) plus the per-step loss all-reduce; FSDP's and
 DistributedOptimizer's own collectives are counted in forward+backward / optimizer.
+Under pipeline parallel (parallel.pp > 1) the schedule's run is split into bubble_s, its idle
+share by the schedule's formula ((pp - 1) / (chunks * micro-batches + pp - 1), planner's
+bubble_fraction), and forward+backward (the rest, the stages' sends and receives included);
+the summary warns at a bubble > 15%.
 
 peak_mem_bytes: on CUDA torch.cuda.max_memory_allocated of the step; on the CPU in one process
 the peak tensor memory of the first step (fastllm.train.memory.PeakMemory, params, grads and
@@ -26,6 +30,7 @@ FIELDS = ("step", "loss", "lr", "grad_norm", "skipped", "tokens", "tokens_per_s"
 
 DATA_WAIT_WARN = 0.10
 COMM_WARN = 0.15
+BUBBLE_WARN = 0.15
 
 
 def read_metrics(path):
@@ -162,8 +167,10 @@ def summarize(records, skip_first=1):
         return {}
     timed = records[skip_first:] if len(records) > skip_first + 2 else records
     step_time = sum(r["step_time_s"] for r in timed)
-    split = {k: sum((r.get(k) or 0.0) for r in timed) for k in
-             ("data_wait_s", "fwd_bwd_s", "comm_s", "optim_s")}
+    keys = ["data_wait_s", "fwd_bwd_s", "comm_s", "optim_s"]
+    if any("bubble_s" in r for r in records):
+        keys.insert(2, "bubble_s")
+    split = {k: sum((r.get(k) or 0.0) for r in timed) for k in keys}
     losses = [r["loss"] for r in records if not r["skipped"]]
     n = max(1, min(10, len(losses) // 5))
     return {
@@ -199,4 +206,8 @@ def format_summary(s, title="run summary"):
         lines.append(f"  WARNING: exposed communication is {split['comm_s']:.0%} of the step "
                      f"(> 15%): use a larger micro batch or gradient accumulation, or overlap "
                      f"more (fsdp/zero2)")
+    if split.get("bubble_s", 0.0) > BUBBLE_WARN:
+        lines.append(f"  WARNING: the pipeline bubble is {split['bubble_s']:.0%} of the step "
+                     f"(> 15%): use more micro-batches per step (a larger global_batch_size or "
+                     f"a smaller micro_batch_size) or parallel.schedule=interleaved")
     return "\n".join(lines)

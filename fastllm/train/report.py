@@ -8,7 +8,7 @@ from fastllm.train.metrics import format_summary, read_metrics, summarize
 __all__ = ["report"]
 
 _SPLIT = (("data_wait_s", "data wait"), ("fwd_bwd_s", "forward+backward"),
-          ("comm_s", "exposed comm"), ("optim_s", "optimizer"))
+          ("bubble_s", "pipeline bubble"), ("comm_s", "exposed comm"), ("optim_s", "optimizer"))
 
 
 def report(run_dir, out=None):
@@ -42,6 +42,8 @@ def report(run_dir, out=None):
     ax = axes[1][1]
     bottom = [0.0] * len(records)
     for key, label in _SPLIT:
+        if key == "bubble_s" and not any(key in r for r in records):
+            continue
         vals = [(r.get(key) or 0.0) * 1e3 for r in records]
         ax.bar(steps, vals, bottom=bottom, width=1.0, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]

@@ -8,7 +8,9 @@ accumulation micro-batches, checks the loss across ranks (a non-finite loss skip
 max_bad_steps in a row roll back to the last checkpoint and the offending batches are skipped),
 steps the optimizer, logs a metrics line and checkpoints every checkpoint.interval steps.
 SIGTERM/SIGINT finish the step, save a checkpoint and return. Under torchrun the same code
-trains data parallel; a checkpoint resumes at any world size.
+trains data parallel, and with parallel.tp / parallel.pp tensor and pipeline parallel (the
+accumulation micro-batches then run through a torch.distributed.pipelining schedule); a
+checkpoint (one process's layout) resumes at any world size and layout.
 """
 
 import math
@@ -29,11 +31,46 @@ from fastllm.train.memory import PeakMemory
 from fastllm.train.data import Loader, PackedDataset, build_tokenizer, load_text, tokenize_to_file
 from fastllm.train.metrics import MetricsWriter, format_summary, read_metrics, summarize
 from fastllm.train.model import (_parallelize, apply_activation_checkpointing, apply_finetune,
-                                 build_model, decoder_layers, unwrap)
+                                 build_model, build_pipeline, data_parallel_size, decoder_layers,
+                                 global_batch_size, unwrap)
 
 __all__ = ["Trainer", "lr_at"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# optim= -> the optimizer state's dtype (fastllm.optim.convert_state's state_dtype)
+_STATE_DTYPES = {"adamw": torch.float32, "adamw_bf16": torch.bfloat16, "adamw8bit": torch.uint8}
+
+
+def _pipeline_loss(logits, input_ids):
+    """transformers' causal LM loss (mean token cross-entropy of the next token, in fp32) from
+    the last stage's logits (batch, seq, vocab) and the micro-batch's input_ids (batch, seq)."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                             input_ids[:, 1:].flatten())
+
+
+def _model_order(name):
+    """Sort key putting a Llama parameter name in the full model's order (embedding, layers,
+    final norm, head), whichever stage holds it."""
+    parts = name.split(".")
+    if "layers" in parts:
+        return (1, int(parts[parts.index("layers") + 1]))
+    if "embed_tokens" in parts:
+        return (0, 0)
+    return (3, 0) if "lm_head" in parts else (2, 0)
+
+
+def _state_dtype_of(optim_state):
+    """The moments' dtype of an AdamW-style optimizer state_dict: uint8 (8-bit), bf16 or fp32;
+    None for other layouts (GaLore/BAdam, per-parameter optimizers)."""
+    if not isinstance(optim_state, dict) or "state" not in optim_state:
+        return None
+    if optim_state.get("fastllm_lowbyte") is not None:
+        return torch.uint8
+    for entry in optim_state["state"].values():
+        avg = entry.get("exp_avg") if isinstance(entry, dict) else None
+        if isinstance(avg, torch.Tensor):
+            return avg.dtype if avg.dtype == torch.bfloat16 else torch.float32
+    return torch.float32
 
 
 def lr_at(cfg, step):
@@ -67,6 +104,7 @@ class Trainer:
         self._log = log
         self._owns_pg = False
         self._stop_signal = None
+        self._poisoned = False
 
     # ----- set-up -----
 
@@ -79,6 +117,8 @@ class Trainer:
             self._owns_pg = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # tensor and pipeline ranks share their batch: the batch is split over dp only
+        self.dp_size = data_parallel_size(self.cfg, self.world)
         if want_cuda:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             self.device = torch.device("cuda", local)
@@ -111,7 +151,7 @@ class Trainer:
             self._barrier()
         self.tokenizer = tok
         self.dataset = PackedDataset(path, cfg.data.seq_len, cfg.seed)
-        self.global_batch = cfg.global_batch_size or cfg.micro_batch_size * self.world
+        self.global_batch = global_batch_size(cfg, self.dp_size)
 
     def _build_model(self):
         cfg = self.cfg
@@ -124,7 +164,13 @@ class Trainer:
         model.to(self.device)
         model.train()
         self.n_checkpointed = apply_activation_checkpointing(model, cfg.checkpoint_ratio)
-        self.model, self.strategy = _parallelize(model, cfg, self.world, self.device)
+        self.n_layers = len(decoder_layers(model))
+        self.pipeline = None
+        if cfg.parallel.pp > 1:
+            self.pipeline = build_pipeline(model, cfg, self.world, self.device, self._stage_loss)
+            self.model, self.strategy = self.pipeline.module, "pipeline"
+        else:
+            self.model, self.strategy = _parallelize(model, cfg, self.world, self.device)
         self.module = unwrap(self.model)
         self.autocast = (torch.autocast(self.device.type, dtype=_DTYPES[cfg.precision])
                          if low and cfg.backend == "torch" else None)
@@ -146,7 +192,7 @@ class Trainer:
         if not decay and not no_decay:
             raise ValueError(f"fastllm train: finetune={self.cfg.finetune} left no trainable "
                              f"parameters")
-        self.param_names = dnames + nnames
+        self.param_names, self.n_decay = dnames + nnames, len(dnames)
         return [{"params": decay, "weight_decay": self.cfg.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
 
@@ -167,8 +213,14 @@ class Trainer:
 
         if cfg.precision == "fp16":
             self.loss_scaler = LossScaler()
-        opt_kw = dict(kw, master_weights=cfg.precision != "fp32", max_grad_norm=clip,
+        # Under pipeline parallel each rank holds some layers: the step clips by the norm over
+        # all stages (fastllm.parallel.clip_grad_norm_), not inside the optimizer.
+        opt_kw = dict(kw, master_weights=cfg.precision != "fp32",
+                      max_grad_norm=None if self.pipeline is not None else clip,
                       loss_scaler=self.loss_scaler)
+        adamw = fastllm.optim.AdamW8bit if cfg.optim == "adamw8bit" else fastllm.optim.AdamW
+        if cfg.optim == "adamw_bf16":
+            opt_kw["state_dtype"] = torch.bfloat16
         if cfg.finetune in ("galore", "badam"):
             self.optimizer = _compression_optimizer(cfg, self.model, groups, kw)
         elif self.strategy in ("zero1", "zero2"):
@@ -190,8 +242,24 @@ class Trainer:
         elif cfg.optimizer_in_backward:
             self.optimizer = _InBackwardOptimizer(groups, opt_kw)
         else:
-            self.optimizer = fastllm.optim.AdamW(groups, **opt_kw)
+            self.optimizer = adamw(groups, **opt_kw)
+        if self.pipeline is not None:
+            self._gather_param_names()
 
+    def _stage_loss(self, logits, input_ids):
+        loss = _pipeline_loss(logits, input_ids)
+        return loss * float("nan") if self._poisoned else loss
+
+    def _gather_param_names(self):
+        """The whole model's trainable parameter names in one process's optimizer order
+        (decayed, then not decayed, each in model order): the index layout of optimizer.pt,
+        so that a pipeline checkpoint resumes in any layout."""
+        mine = (self.param_names[:self.n_decay], self.param_names[self.n_decay:])
+        parts = [None] * self.pipeline.pp
+        dist.all_gather_object(parts, mine, group=self.pipeline.pp_group)
+        decay = sorted((n for d, _ in parts for n in d), key=_model_order)
+        no_decay = sorted((n for _, nd in parts for n in nd), key=_model_order)
+        self.model_param_names, self.model_n_decay = decay + no_decay, len(decay)
     # ----- checkpoints -----
 
     def _state(self):
@@ -240,12 +308,93 @@ class Trainer:
             return {"state": state, "param_groups": groups}
         return self.optimizer.state_dict()
 
+    def _pipeline_states(self):
+        """(model state, optimizer state) of the whole model in one process's layout on rank 0,
+        (None, None) elsewhere: each stage's full state (gathered over its dp and tp ranks by
+        DCP's get_*_state_dict), then the stages' states gathered to rank 0 over the pipeline."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        pipe = self.pipeline
+        opts = StateDictOptions(full_state_dict=True)
+        msd = get_model_state_dict(self.model, options=opts)
+        osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        if pipe.dp[0] != 0 or pipe.tp_rank != 0:  # a copy of what a dp 0, tp 0 rank holds
+            return None, None
+
+        def cpu(t):
+            return t.detach().cpu() if isinstance(t, torch.Tensor) else t
+
+        mine = {"model": {k: cpu(v) for k, v in msd.items()},
+                "state": {k: {kk: cpu(vv) for kk, vv in v.items()}
+                          for k, v in osd["state"].items()},
+                "groups": osd["param_groups"]}
+        parts = [None] * pipe.pp if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=pipe.pp_group)
+        if self.rank != 0:
+            return None, None
+        model_state, state, hyper = {}, {}, {}
+        for part in parts:
+            model_state.update(part["model"])
+            state.update(part["state"])
+            for g in part["groups"]:
+                for n in g["params"]:
+                    hyper[n] = {k: v for k, v in g.items() if k != "params"}
+        names, nd = self.model_param_names, self.model_n_decay
+        index = {n: i for i, n in enumerate(names)}
+        groups = [dict(hyper[names[0]], params=list(range(nd)))]
+        if nd < len(names):
+            groups.append(dict(hyper[names[nd]], params=list(range(nd, len(names)))))
+        return model_state, {"state": {index[n]: v for n, v in state.items()},
+                             "param_groups": groups}
+
+    def _load_pipeline(self, model_state, optim_state):
+        """Load this rank's stage(s) from a checkpoint in one process's layout."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        local = set(self.model.state_dict())
+        set_model_state_dict(self.model, {k: v for k, v in model_state.items() if k in local},
+                             options=opts)
+        names, mine = self.model_param_names, set(self.param_names)
+        n_saved = sum(len(g["params"]) for g in optim_state["param_groups"])
+        if n_saved != len(names):
+            raise ValueError(f"fastllm train: the checkpoint's optimizer holds {n_saved} "
+                             f"parameters, this model {len(names)}")
+        fqn = {"state": {names[i]: v for i, v in optim_state["state"].items() if names[i] in mine},
+               "param_groups": [dict(g, params=[names[i] for i in g["params"] if names[i] in mine])
+                                for g in optim_state["param_groups"]]}
+        set_optimizer_state_dict(self.model, self.optimizer, fqn, options=opts)
+
+    def _convert_optimizer_state(self, optim_state, path):
+        """A checkpoint saved with another optim= (fp32, bf16 or 8-bit moments) converted to
+        this run's (fastllm.optim.convert_state): a run can switch optim at a checkpoint."""
+        want = torch.float32 if self.cfg.backend == "torch" else _STATE_DTYPES[self.cfg.optim]
+        have = _state_dtype_of(optim_state)
+        if have is None or have == want:
+            return optim_state
+        from fastllm.optim import convert_state
+
+        kw = {}
+        if want == torch.uint8:
+            kw = dict(block_size=self.optimizer.block_size,
+                      min_8bit_size=self.optimizer.min_8bit_size)
+        self.log(f"fastllm train: {path} holds {have} optimizer moments; converting them to "
+                 f"{want} for optim={self.cfg.optim}")
+        return convert_state(optim_state, want, **kw)
+
     def save_checkpoint(self):
         cfg = self.cfg
         state = self._state()
-        # First: DistributedOptimizer.state_dict also finishes its pending parameter all-gather.
-        optim_state = self._optimizer_state()
-        model_state = self._model_state()
+        if self.pipeline is not None:
+            model_state, optim_state = self._pipeline_states()
+        else:
+            # First: DistributedOptimizer.state_dict also finishes its pending parameter all-gather.
+            optim_state = self._optimizer_state()
+            model_state = self._model_state()
         if self.rank == 0:
             writers = {
                 "trainer_state.pt": lambda p: ckpt.save_file(state, p),
@@ -288,7 +437,10 @@ class Trainer:
         cfg = self.cfg
         state = ckpt.load_file(os.path.join(path, "trainer_state.pt"))
         optim_state = ckpt.load_file(os.path.join(path, "optimizer.pt"))
-        if cfg.finetune == "lora":
+        optim_state = self._convert_optimizer_state(optim_state, path)
+        if self.pipeline is not None:
+            self._load_pipeline(ckpt.load_file(os.path.join(path, "model.pt")), optim_state)
+        elif cfg.finetune == "lora":
             self._load_adapter(os.path.join(path, "adapter"))
         else:
             model_state = ckpt.load_file(os.path.join(path, "model.pt"))
@@ -300,7 +452,9 @@ class Trainer:
                                      options=StateDictOptions(full_state_dict=True))
             else:
                 self.module.load_state_dict(model_state)
-        if self.strategy == "fsdp":
+        if self.pipeline is not None:
+            pass  # loaded with the model by _load_pipeline
+        elif self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                  set_optimizer_state_dict)
 
@@ -357,6 +511,8 @@ class Trainer:
     def _forward_backward(self, micro, step_index):
         """Forward and backward over this rank's micro-batches. Returns (summed loss, exposed
         communication seconds)."""
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(micro, step_index)
         accum = len(micro)
         loss_sum = torch.zeros((), dtype=torch.float64)
         exposed = 0.0
@@ -391,6 +547,26 @@ class Trainer:
                     exposed += end - self.comm_timer.last_launch
         return loss_sum, exposed
 
+    def _pipeline_forward_backward(self, micro, step_index):
+        """One run of the pipeline schedule over this step's micro-batches (the accumulation
+        micro-batches: torch splits the concatenated batch back into them). The last stage
+        holds the losses; returns (their sum, 0.0): the pipeline's sends and receives are not
+        timed apart from its compute."""
+        pipe = self.pipeline
+        ids = torch.cat([m for _, m in micro]).to(self.device, non_blocking=True)
+        self._poisoned = step_index in self._nan_batches
+        losses = []
+        if pipe.first:
+            pipe.schedule.step(ids)
+        elif pipe.last:
+            pipe.schedule.step(target=ids, losses=losses)
+        else:
+            pipe.schedule.step()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for loss in losses:
+            loss_sum += loss.detach().double().cpu()
+        return loss_sum, 0.0
+
     def _optimizer_step(self):
         """Clip (inside fastllm's AdamW), step, zero the grads. Returns (grad_norm, skipped)."""
         cfg = self.cfg
@@ -412,6 +588,18 @@ class Trainer:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm, skipped
+        if self.pipeline is not None:
+            from fastllm.parallel.clip import clip_grad_norm_
+
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            norm = clip_grad_norm_(params, cfg.max_grad_norm or None, self.pipeline.pp_group)
+            grad_norm = float(norm)
+            if not math.isfinite(grad_norm):  # as fastllm AdamW's own clipping: a no-op step
+                self.optimizer.zero_grad(set_to_none=True)
+                return grad_norm, True
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm, False
         self.optimizer.step()
         norm = getattr(self.optimizer, "grad_norm", None)
         grad_norm = float(norm) if norm is not None else None
@@ -493,20 +681,39 @@ class Trainer:
                     self.log(f"fastllm train: {cfg.output_dir} is already at max_steps="
                              f"{cfg.max_steps}; raise max_steps or pick another output_dir to "
                              f"train more")
-        # the ranks of one tensor-parallel group read the same batch
-        dp_rank, dp_world = getattr(self.module, "_fastllm_dp", (self.rank, self.world))
+        # the ranks of one tensor-parallel group, and the stages of one pipeline, read the same
+        # batch
+        if self.pipeline is not None:
+            dp_rank, dp_world = self.pipeline.dp
+        else:
+            dp_rank, dp_world = getattr(self.module, "_fastllm_dp", (self.rank, self.world))
+        if dp_world != self.dp_size:
+            raise RuntimeError(f"fastllm train: the model is split over {dp_world} data-parallel "
+                               f"ranks, the batch over {self.dp_size}")
         self.loader = Loader(self.dataset, dp_rank, dp_world, cfg.micro_batch_size,
                              self.global_batch, cfg.data.prefetch, self.position)
+        # this rank's parameters (a tp shard counts whole: DTensor.numel is the global size)
         n_params = sum(p.numel() for p in self.module.parameters())
         n_train = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        par = cfg.parallel
+        layout = ""
+        if par.tp > 1 or par.pp > 1:
+            layout = f" (dp {self.dp_size} x tp {par.tp} x pp {par.pp})"
+        pipeline = ""
+        if self.pipeline is not None:
+            pipeline = (f"; pipeline {par.schedule}, {self.pipeline.n_microbatches} micro-batches,"
+                        f" rank 0 holds {len(decoder_layers(self.module))}/{self.n_layers} "
+                        f"layers, bubble "
+                        f"{self.pipeline.bubble():.1%}")
         self.log(f"fastllm train: {cfg.model} ({n_params / 1e6:.2f}M params, "
-                 f"{n_train / 1e6:.3f}M trainable, finetune={cfg.finetune}, "
-                 f"precision={cfg.precision}, backend={cfg.backend}) on {self.world} x "
-                 f"{self.device.type}, strategy={self.strategy}; {self.dataset.num_sequences} "
-                 f"sequences of {cfg.data.seq_len} tokens; global batch {self.global_batch} = "
-                 f"{cfg.micro_batch_size} x {self.loader.accumulation} accumulation x "
-                 f"{self.world}; {self.n_checkpointed}/{len(decoder_layers(self.module))} layers "
-                 f"recomputed")
+                 f"{n_train / 1e6:.3f}M trainable"
+                 f"{' on rank 0' if self.pipeline is not None else ''}, finetune={cfg.finetune}, "
+                 f"precision={cfg.precision}, backend={cfg.backend}, optim={cfg.optim}) on "
+                 f"{self.world} x {self.device.type}{layout}, strategy={self.strategy}; "
+                 f"{self.dataset.num_sequences} sequences of {cfg.data.seq_len} tokens; global "
+                 f"batch {self.global_batch} = {cfg.micro_batch_size} x "
+                 f"{self.loader.accumulation} accumulation x {self.dp_size} data parallel; "
+                 f"{self.n_checkpointed}/{self.n_layers} layers recomputed{pipeline}")
         writer = MetricsWriter(cfg, cfg.output_dir, self.rank == 0, cfg.max_steps, self.step)
         tokens_per_step = self.global_batch * cfg.data.seq_len
         self._install_signal_handlers()
@@ -537,7 +744,8 @@ class Trainer:
                     if self.world > 1:
                         dist.all_reduce(flags)
                     t_opt = time.perf_counter()
-                    loss = float(flags[0]) / (len(micro) * self.world)
+                    # every rank of the last pipeline stage holds the loss (tp ranks: copies)
+                    loss = float(flags[0]) / (len(micro) * self.world // cfg.parallel.pp)
                     finite = math.isfinite(loss)
                     if finite:
                         grad_norm, skipped = self._optimizer_step()
@@ -567,6 +775,10 @@ class Trainer:
                     "comm_s": comm,
                     "optim_s": t_end - t_opt, "peak_mem_bytes": self._peak_memory(None),
                 }
+                if self.pipeline is not None:
+                    # the schedule's idle share (planner.bubble_fraction), taken out of compute
+                    rec["bubble_s"] = self.pipeline.bubble() * rec["fwd_bwd_s"]
+                    rec["fwd_bwd_s"] -= rec["bubble_s"]
                 if self.loss_scaler is not None:
                     rec["loss_scale"] = self.loss_scaler.get_scale()
                 if cfg.data.log_indices:
@@ -616,7 +828,8 @@ class Trainer:
             return mine
         everyone = [None] * self.world
         dist.all_gather_object(everyone, mine)
-        return [s for part in everyone for s in part]
+        # the tp ranks and pipeline stages of one data-parallel rank read the same samples
+        return list({s for part in everyone for s in part})
 
 
 class _nullcontext:
