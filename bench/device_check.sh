@@ -11,7 +11,8 @@
 #
 # Environment: PYTHON (default python3), FASTLLM_CUDA_ARCHS (default 9.0), MAX_JOBS (default 16),
 # DEVICE_CHECK_BUDGET (seconds, default 480), DEVICE_TESTS (pytest arguments, default the GPU
-# cases: -k "cuda or gpu" tests), BENCH_OPS (comma-separated ops for `fastllm bench`).
+# cases: -k "cuda or gpu" tests), BENCH_OPS (comma-separated ops for `fastllm bench`; default
+# adamw,adamw_master,lora_linear,adamw8bit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -105,7 +106,10 @@ fi
 if ((build_ok)); then
   # `python3 -m fastllm.cli` is the `fastllm` console script, run by the interpreter chosen here.
   # BENCH_OPS (comma-separated) limits the ops, e.g. BENCH_OPS=adamw,adamw_master.
-  run_step bench 90 "$PY" -m fastllm.cli bench --device cuda ${BENCH_OPS:+--ops "$BENCH_OPS"} \
+  # Default: the per-kernel benchmarks plus AdamW8bit (against bitsandbytes on the GPU when it
+  # is installed there).
+  run_step bench 120 "$PY" -m fastllm.cli bench --device cuda \
+    --ops "${BENCH_OPS:-adamw,adamw_master,lora_linear,adamw8bit}" \
     --json "$OUT/bench_cuda.json" &&
     cat "$OUT/bench.log"
 else
