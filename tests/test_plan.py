@@ -73,6 +73,24 @@ def test_memory_by_hand():
     assert activation_bytes_per_layer(m, 1, 32, 2, tp=2) == pytest.approx(32 * half)
 
 
+def test_pipeline_memory_by_hand():
+    """What torch.distributed.pipelining holds beyond activations (FASTLLM runtime only): a
+    receive buffer per micro-batch on each end stage, and while micro-batches accumulate, one
+    fresh gradient of the stage's largest parameter beside the accumulated one."""
+    from fastllm.parallel.planner import FASTLLM
+
+    m = ModelSpec("t", 4, 64, 4, 2, 128, 100)
+    cpu = GPUSpec("cpu", 24e9, 60e9, 30e9, 10e9, 10e9, reserved=0, dtype_bytes=4)
+    lo = Layout(pp=2, schedule="1f1b", micro_batch=1)
+    ours = estimate(m, lo, 32, 8, cpu, runtime=FASTLLM)["memory"]
+    megatron = estimate(m, lo, 32, 8, cpu)["memory"]
+    assert ours["pipeline_buffers"] == 8 * 32 * 64 * 4  # 8 micro-batches x (32, 64) fp32
+    assert "pipeline_buffers" not in megatron
+    assert ours["backward_workspace"] == 64 * 128 * 4  # an MLP matrix beats the 100 x 64 head
+    one = estimate(m, Layout(micro_batch=8), 32, 8, cpu, runtime=FASTLLM)["memory"]
+    assert one["backward_workspace"] == 0  # one micro-batch: nothing accumulates
+
+
 def test_layout_errors_name_the_setting():
     m = MODELS["llama2-70b"]
     with pytest.raises(ValueError, match="parallel.tp=16 does not divide num_key_value_heads=8"):
@@ -206,3 +224,130 @@ def test_plan_cli(capsys, tmp_path):
     assert "llama3-70b" in out and "tokens/s" in out and "dp" in out
     with pytest.raises(SystemExit, match="neither a known name"):
         main(["plan", "--model", "nope", "--seq-len", "1", "--global-batch", "1", "--gpus", "8"])
+
+
+# --- the cost model against real runs on this machine -------------------------------------------
+
+SMALL = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=344, vocab=512)
+
+
+def _small_spec(shape=SMALL):
+    return ModelSpec("small", shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"],
+                     shape["ffn"], shape["vocab"])
+
+
+def test_runtime_op_counts():
+    """FASTLLM's eager op count per decoder layer (forward, backward, optimizer) is what a
+    one-process step of fastllm.parallel.run really dispatches: the difference of 1 and 2
+    layers, and of 1 and 2 steps (so model building is left out)."""
+    from fastllm.parallel.planner import FASTLLM, _count_ops
+    from fastllm.parallel.run import train
+
+    torch.set_num_threads(1)
+
+    def ops(layers, steps):
+        shape = dict(SMALL, layers=layers, hidden=64, ffn=160, vocab=128)
+        return _count_ops(lambda: train(steps=steps, global_batch=2, seq_len=8,
+                                        model_kwargs=shape))
+
+    per_layer = (ops(2, 2) - ops(2, 1)) - (ops(1, 2) - ops(1, 1))
+    expected = FASTLLM.ops_layer + FASTLLM.tensors_layer * FASTLLM.ops_param
+    assert per_layer == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_memory_estimate_matches_peak(recompute):
+    """The planner's weights + grads + optimizer state + activations against the peak bytes of
+    tensor storage over two real training steps of one process (fastllm.train.memory)."""
+    from fastllm.parallel.planner import measure_peak_memory
+    from fastllm.parallel.run import train
+
+    torch.set_num_threads(1)
+    peak = measure_peak_memory(lambda: train(steps=2, global_batch=4, seq_len=64,
+                                             model_kwargs=SMALL,
+                                             activation_checkpointing=recompute))
+    cpu = GPUSpec("cpu", 24e9, 60e9, 30e9, 10e9, 10e9, reserved=0, dtype_bytes=4)
+    est = estimate(_small_spec(), Layout(micro_batch=4, recompute=recompute), 64, 4, cpu)
+    print("mem", sum(est["memory"].values()), peak)
+    assert sum(est["memory"].values()) == pytest.approx(peak, rel=0.10)
+
+
+def test_step_time_ratio_against_measured():
+    """Two layouts of one process, with and without activation recomputation, timed in the
+    same run (alternating steps, medians); the planner on this machine's measured figures
+    (fastllm.parallel.planner.measure_host) must predict their ratio within 25%. A ratio of
+    two measurements, not a time limit."""
+    import statistics
+
+    from fastllm.parallel.planner import FASTLLM, machine_spec, measure_host
+    from fastllm.parallel.run import train
+
+    torch.set_num_threads(1)
+    shape = dict(SMALL, hidden=256, ffn=688)
+    seq, batch = 128, 4
+    host = measure_host(shape["hidden"], shape["ffn"], seq * batch)
+    spec = machine_spec(host, {2: {"latency": 1e-4, "bus_bandwidth": 1e9, "sync_cost": 0.0,
+                                   "busy_flops": host["square_flops"]}}, ranks=1, cores=1)
+    times = {False: [], True: []}
+    for _ in range(3):
+        for rec in (False, True):
+            out = train(steps=3, global_batch=batch, seq_len=seq, model_kwargs=shape,
+                        activation_checkpointing=rec)
+            times[rec] += out["step_times"][1:]
+    measured = statistics.median(times[True]) / statistics.median(times[False])
+    model = _small_spec(shape)
+    est = {rec: estimate(model, Layout(micro_batch=batch, recompute=rec), seq, batch, spec,
+                         runtime=FASTLLM)["step_time"] for rec in (False, True)}
+    print("ratio", est[True] / est[False], measured)
+    assert est[True] / est[False] == pytest.approx(measured, rel=0.25)
+
+
+# name -> (mesh shape, mesh dims, train() kwargs, planner Layout); "rep" runs two copies
+LAYOUTS = {
+    "tp2": ((2, 2), ("rep", "tp"), {}, Layout(tp=2, micro_batch=8)),
+    "pp2_gpipe": ((2, 2), ("rep", "pp"), {"schedule": "gpipe", "n_microbatches": 4},
+                  Layout(pp=2, schedule="gpipe", micro_batch=2)),
+    "pp2_1f1b": ((2, 2), ("rep", "pp"), {"schedule": "1f1b", "n_microbatches": 4},
+                 Layout(pp=2, schedule="1f1b", micro_batch=2)),
+    "dp2_tp2": ((1, 2, 2), ("pp", "dp", "tp"), {}, Layout(dp=2, tp=2, zero=3, micro_batch=4)),
+    "pp2_dp2": ((2, 2, 1), ("pp", "dp", "tp"), {"schedule": "1f1b", "n_microbatches": 2},
+                Layout(pp=2, dp=2, zero=3, schedule="1f1b", micro_batch=2)),
+    "dp4": ((4,), ("dp",), {}, Layout(dp=4, zero=3, micro_batch=2)),
+}
+LAYOUT_SEQ, LAYOUT_BATCH = 64, 8
+
+
+def _layout_peaks(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastllm.parallel.planner import measure_peak_memory
+    from fastllm.parallel.run import train
+
+    peaks = {}
+    for name, (shape, dims, kwargs, _) in LAYOUTS.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        peaks[name] = measure_peak_memory(lambda: train(
+            mesh=mesh, steps=2, global_batch=LAYOUT_BATCH, seq_len=LAYOUT_SEQ,
+            model_kwargs=SMALL, **kwargs))
+    return peaks
+
+
+@pytest.fixture(scope="module")
+def layout_peaks():
+    from fastllm.distributed.launch import spawn
+
+    return spawn(_layout_peaks, 4, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_memory_estimate_matches_peak_per_layout(layout_peaks, name):
+    """Per GPU: the planner's memory against the highest rank's peak bytes over two steps of
+    each layout (one 4-rank Gloo world, spawned once for all layouts)."""
+    peak = max(r[name] for r in layout_peaks)
+    from fastllm.parallel.planner import FASTLLM
+
+    cpu = GPUSpec("cpu", 24e9, 60e9, 30e9, 10e9, 10e9, reserved=0, dtype_bytes=4)
+    est = estimate(_small_spec(), LAYOUTS[name][3], LAYOUT_SEQ, LAYOUT_BATCH, cpu, node_size=4,
+                   runtime=FASTLLM)
+    print("layoutmem", name, sum(est["memory"].values()), [r[name] for r in layout_peaks])
+    assert sum(est["memory"].values()) == pytest.approx(peak, rel=0.10)

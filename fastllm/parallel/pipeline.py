@@ -88,6 +88,10 @@ class LlamaStage(nn.Module):
             inner.norm = None
         self.model = inner
         self.lm_head = model.lm_head if last else None
+        if not last:
+            # `model` is consumed, but a caller may still hold it: drop the head there too, so
+            # that only the last stage keeps its (vocab x hidden) weight alive
+            model.lm_head = None
         self.config = model.config
         self.first, self.last = first, last
 

@@ -24,6 +24,12 @@ Everything is in bytes and seconds. Formulas and their sources:
 - Activations saved per Llama decoder layer were counted from the tensors PyTorch's autograd
   saves for transformers' ``LlamaDecoderLayer`` (SDPA attention; fp32 and bf16); the test suite
   checks the count against ``torch.autograd.graph.saved_tensors_hooks`` on a real model.
+- What torch.distributed.pipelining holds (its ``schedules.py`` and ``stage.py``, torch 2.13):
+  Schedule1F1B runs pp - i forwards on stage i before its first backward; every stage keeps a
+  receive buffer per micro-batch for the whole step and the last stage keeps every
+  micro-batch's output; with FSDP2 inside a stage, backward gathers the weights once and
+  reduce-scatters once, after the last micro-batch. The tests check the memory of each CPU
+  layout against the peak a real run holds.
 """
 
 import dataclasses
@@ -143,6 +149,15 @@ class GPUSpec:
     reserved: float = 2 * GiB  # context, workspaces, allocator slack
     dtype_bytes: int = 2       # training dtype of weights and activations
     latency: float = 5e-6      # seconds per collective hop
+    # Host-bound costs, zero on a GPU (kernels queue asynchronously behind the host); measured
+    # by calibrate() on a CPU, where every eager op is paid on the critical path:
+    op_overhead: float = 0.0       # seconds of Python and dispatch per eager aten op
+    dtensor_overhead: float = 0.0  # extra seconds per op on DTensors (sharding propagation)
+    sync_costs: tuple = ()         # ((group size, seconds), ...): the extra wait of a blocking
+    #                                collective or receive when the ranks share cores (a peer
+    #                                the scheduler set aside), by the size of its group
+    cores: float = 0               # cores the ranks share (measured: what other jobs leave);
+    #                                0: one device per rank
 
 
 # Vendor datasheets (NVIDIA A100 80GB SXM, H100 SXM5, H200 SXM): dense bf16 tensor-core FLOP/s,
@@ -153,6 +168,296 @@ GPUS = {
     "H100": GPUSpec("H100-SXM", 80e9, 989e12, 3.35e12, 450e9, 50e9),
     "H200": GPUSpec("H200-SXM", 141e9, 989e12, 4.8e12, 450e9, 50e9),
 }
+
+
+# --- this machine: measured, not looked up ------------------------------------------------------
+
+def _median_time(fn, reps=5, warmup=1, best=False):
+    """Median (best=True: the fastest) of `reps` timed calls; the machine's capability is the
+    fastest a shared machine allows, a collective's cost the typical one."""
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) if best else statistics.median(times)
+
+
+def _op_chain(x, n=40):
+    """n tiny elementwise ops and their backward: the per-op cost with nothing to compute."""
+    import torch
+
+    y = x
+    for _ in range(n // 2):
+        y = torch.nn.functional.silu(y) * 0.5
+    y.sum().backward()
+
+
+def _linear_chain(x, w, mesh=None, n=8):
+    """n tiny linears and their backward; with a mesh, each as ColwiseParallel runs one: the
+    input made a Replicate DTensor, multiplied by the sharded weight, the output made local."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    y = x
+    for _ in range(n):
+        if mesh is not None:
+            y = torch.nn.functional.linear(DTensor.from_local(y, mesh, [Replicate()]), w)
+            y = y.to_local()
+        else:
+            y = torch.nn.functional.linear(y, w)
+    y.sum().backward()
+
+
+def _count_ops(fn, dtensor_only=False):
+    """Aten ops fn dispatches (dtensor_only: those with a DTensor argument)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not dtensor_only or any(isinstance(a, DTensor)
+                                       for a in tree_flatten((args, kwargs))[0]):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def measure_host(hidden=256, ffn=688, tokens=512):
+    """One process, one thread, alone: matmul FLOP/s at a layer's shape, copy bandwidth, and
+    the host cost of an eager op on a plain tensor (tiny elementwise ops and their backward)
+    and on a DTensor (tiny column-parallel linears on a world-1 mesh, from_local and to_local
+    included, over the ops that see a DTensor).
+
+    Returns a dict of floats (FLOP/s, bytes/s, seconds). Call before starting other ranks.
+    """
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(tokens, hidden), torch.randn(hidden, ffn)
+        t = _median_time(lambda: a @ b, reps=20, warmup=3, best=True)
+        flops = 2 * tokens * hidden * ffn / t
+        sq = torch.randn(256, 256)
+        square = 2 * 256**3 / _median_time(lambda: sq @ sq, reps=20, warmup=3, best=True)
+        x = torch.empty(16 << 20)
+        y = torch.empty_like(x)
+        copy = 2 * x.numel() * 4 / _median_time(lambda: y.copy_(x), reps=10, best=True)
+        del x, y
+        leaf = torch.randn(4, 4, requires_grad=True)
+        n_ops = _count_ops(lambda: _op_chain(leaf))
+        op = _median_time(lambda: _op_chain(leaf), reps=20, warmup=3, best=True) / n_ops
+        own_group = not (dist.is_available() and dist.is_initialized())
+        if own_group:
+            with tempfile.TemporaryDirectory() as tmp:
+                dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
+                                        world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
+            w = torch.randn(4, 4, requires_grad=True)
+            dw = distribute_tensor(w.detach(), mesh, [Shard(0)]).requires_grad_()
+            x = torch.randn(2, 4, requires_grad=True)
+            n_dops = _count_ops(lambda: _linear_chain(x, dw, mesh), dtensor_only=True)
+            t_d = _median_time(lambda: _linear_chain(x, dw, mesh), reps=10, warmup=2, best=True)
+            t_p = _median_time(lambda: _linear_chain(x, w), reps=10, warmup=2, best=True)
+            dop = op + (t_d - t_p) / n_dops
+        finally:
+            if own_group:
+                dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)
+    return {"matmul_flops": flops, "square_flops": square, "copy_bandwidth": copy,
+            "op_overhead": op,
+            "dtensor_overhead": max(dop - op, 0.0)}
+
+
+def measure_peak_memory(fn):
+    """Run fn() under fastllm.train.memory.PeakMemory; the most bytes of tensor storage held
+    at once, tensors made before fn excluded (so build the model inside fn). A DTensor counts
+    by its local shard: PeakMemory sees a DTensor op's output, not the local ops inside it."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map
+
+    from fastllm.train.memory import PeakMemory
+
+    def counted(t):
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if isinstance(t, torch.Tensor):
+            try:  # FSDP2 frees an unsharded parameter by resizing its storage away
+                t.untyped_storage().data_ptr()
+            except RuntimeError:
+                return None
+        return t
+
+    class Peak(PeakMemory):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = []
+
+            def call(*a, **k):
+                out.append(func(*a, **k))
+                return tree_map(counted, out[0])
+
+            super().__torch_dispatch__(call, types, args, kwargs)
+            return out[0]
+
+    with Peak() as mode:
+        fn()
+    return mode.peak
+
+
+_GROUPS = {}  # (world, n) -> this rank's group of n consecutive ranks (None: left over)
+
+
+def measure_comm(nbytes=4 << 20, work_s=5e-3, reps=10, bandwidth=True):
+    """Gloo collectives as the layouts see them; call on every rank of an initialised world.
+
+    For each group size n in (2, world): all groups of n consecutive ranks all-reduce at once
+    (as two tp2 or pp2 copies do), timing a 4-byte buffer (the latency a) and an nbytes one
+    (the bus bandwidth; skipped when bandwidth=False, for a quick probe of the load). sync_cost:
+    how much longer `work, tiny all-reduce` takes in a loop than `work` alone, less a, with
+    every rank working at once: on a machine with fewer cores than ranks, a collective waits
+    for peers the scheduler has set aside, and the wait grows with the work between
+    collectives (up to a scheduler time slice): work_s is about one layer's forward or
+    backward of the layouts priced here. busy_flops: the 256 x 256 matmul rate a rank gets
+    while every rank computes (what the cores, and other jobs on them, leave it). On a shared
+    machine these move with the other jobs' load: probe again beside each measurement.
+    Returns {n: dict}.
+    """
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    out = {}
+    a = torch.randn(256, 256)
+    per_mm = _median_time(lambda: a @ a, reps=10, warmup=2, best=True)
+    work_reps = max(1, round(work_s / per_mm))
+
+    def work():
+        for _ in range(work_reps):
+            a @ a
+
+    for n in sorted({min(2, world), world}):
+        if n < 2:
+            continue
+        if (world, n) not in _GROUPS:
+            groups = [dist.new_group(list(range(i, i + n)))
+                      for i in range(0, world - world % n, n)]
+            _GROUPS[world, n] = groups[rank // n] if rank < world - world % n else None
+        group = _GROUPS[world, n]
+        tiny, big = torch.ones(1), torch.ones(nbytes // 4)
+
+        def coll(x, k=1):
+            def fn():
+                for _ in range(k):
+                    if group is not None:
+                        dist.all_reduce(x, group=group)
+            return fn
+
+        dist.barrier()
+        t_tiny = _median_time(coll(tiny, 20), reps=reps, warmup=1) / 20
+        t_big = 0.0
+        if bandwidth:
+            dist.barrier()
+            t_big = _median_time(coll(big), reps=reps, warmup=2)
+        def work_and_sync():
+            for _ in range(10):
+                work()
+                coll(tiny)()
+
+        # alternated, so that each pair sees the same load; the median of the pairs' excess
+        dist.barrier()
+        works, excess = [], []
+        for _ in range(max(reps, 5)):
+            t_work = _median_time(lambda: [work() for _ in range(10)], reps=1, warmup=0)
+            t_both = _median_time(work_and_sync, reps=1, warmup=0)
+            works.append(t_work)
+            excess.append(t_both - t_work)
+        t_work, t_excess = statistics.median(works), statistics.median(excess)
+        vals = torch.tensor([t_tiny, t_big, t_work, t_excess], dtype=torch.float64)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        t_tiny, t_big, t_work, t_excess = vals.tolist()
+        out[n] = {"busy_flops": 2 * 256**3 * work_reps * 10 / t_work,
+                  "latency": t_tiny,
+                  "sync_cost": max(t_excess / 10 - t_tiny, 0.0)}
+        if bandwidth:
+            out[n]["bus_bandwidth"] = 2 * (n - 1) / n * nbytes / max(t_big - t_tiny, 1e-9)
+    return out
+
+
+def machine_spec(host, comm, ranks, cores=None, name="this machine"):
+    """A GPUSpec for this CPU from measure_host() and measure_comm() (fp32, one thread a rank).
+
+    Gloo's latency per hop and bus bandwidth are averaged over the measured group sizes; the
+    sync costs (by group size) were measured with `ranks` ranks at once, and count only when
+    the ranks outnumber the cores. cores: the cores' worth the ranks get, if measured
+    otherwise (bench/bench_parallel.py times a decoder layer on every rank at once); by
+    default from busy_flops, whose 256 x 256 matmuls are shorter than a scheduler time slice
+    and so can overstate it.
+    """
+    import os
+
+    sizes = sorted(comm)
+    if cores is None:
+        # the cores the ranks really get: all of them computing at once, each reaches this
+        # share of its rate alone (2 cores, 4 ranks, a quiet machine: one half)
+        share = min(1.0, comm[sizes[-1]]["busy_flops"] / host["square_flops"])
+        cores = min(ranks * share, len(os.sched_getaffinity(0)))
+    hop = sum(comm[n]["latency"] / (2 * (n - 1)) for n in sizes) / len(sizes)
+    bus = sum(comm[n]["bus_bandwidth"] for n in sizes) / len(sizes)
+    sync = tuple((n, comm[n]["sync_cost"]) for n in sizes) if ranks > cores else ()
+    return GPUSpec(name, memory=24e9, peak_flops=host["matmul_flops"],
+                   hbm_bandwidth=host["copy_bandwidth"], intra_node_bandwidth=bus,
+                   inter_node_bandwidth=bus, matmul_efficiency=1.0, comm_efficiency=1.0,
+                   reserved=0, dtype_bytes=4, latency=hop, op_overhead=host["op_overhead"],
+                   dtensor_overhead=host["dtensor_overhead"], sync_costs=sync, cores=cores)
+
+
+def calibrate(ranks=4, timeout=300):
+    """Measure this machine and enter it in GPUS as "this-machine"; returns its GPUSpec.
+
+    Spawns `ranks` Gloo processes (one thread each) for the collectives; the host figures are
+    measured here first, alone.
+    """
+    from fastllm.distributed.launch import spawn
+
+    host = measure_host()
+    comm = spawn(_comm_entry, ranks, timeout=timeout)[0]
+    GPUS["this-machine"] = machine_spec(host, comm, ranks)
+    return GPUS["this-machine"]
+
+
+def _comm_entry(rank, world):
+    return measure_comm()
+
+
+def sync_cost(gpu, n):
+    """The extra wait of a collective over n ranks on `gpu`'s shared cores: the figure measured
+    for the largest group size not above n (0 when nothing was measured)."""
+    known = [(size, c) for size, c in gpu.sync_costs if size <= n]
+    return max(known)[1] if known else 0.0
 
 
 def gpu_from_dict(d):
@@ -202,6 +507,43 @@ class Layout:
         if self.lora_rank:
             s += f" lora{self.lora_rank}"
         return s
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeSpec:
+    """What a training runtime issues per step, beyond FLOPs and bytes.
+
+    tp_allreduces: tensor-parallel all-reduces per decoder layer and micro-batch, forward and
+    backward (Megatron-LM fuses q/k/v and gate/up: 2 and 2; DTensor's plan on transformers'
+    Llama reduces the input gradient of q, k, v, gate and up separately: 2 and 5).
+    The op counts price host-bound machines (GPUSpec.op_overhead): eager aten ops per decoder
+    layer and micro-batch, forward + backward (without and with tensor parallel, where some run
+    on DTensors), FSDP2's per layer and micro-batch, per micro-batch outside the layers
+    (embedding, head, loss), and the optimizer's and clipping's per parameter tensor.
+    """
+
+    name: str
+    tp_allreduces: tuple = (2, 2)
+    tp_allreduces_outside: int = 0   # per micro-batch: vocabulary-parallel embedding and head
+    ops_layer: int = 0
+    ops_layer_tp: tuple = (0, 0)     # (plain ops, DTensor ops)
+    ops_fsdp_layer: int = 0
+    ops_outside: int = 0
+    ops_param: int = 0
+    tensors_layer: int = 9           # parameter tensors per decoder layer (Llama: 7 + 2 norms)
+    small_collectives: int = 0       # per step: loss and gradient-norm all-reduces
+    # torch.distributed.pipelining: every micro-batch's receive buffers and the last stage's
+    # outputs are held until the step ends (Megatron-LM allocates them per transfer)
+    pipeline_buffers: bool = False
+
+
+MEGATRON = RuntimeSpec("megatron")
+# fastllm.parallel on transformers' LlamaForCausalLM with torch AdamW (foreach off on CPU):
+# counted with a TorchDispatchMode over one step of each layout (tests/test_plan.py
+# ::test_runtime_op_counts recounts them).
+FASTLLM = RuntimeSpec("fastllm.parallel", tp_allreduces=(2, 5), tp_allreduces_outside=2,
+                      ops_layer=246, ops_layer_tp=(199, 69), ops_fsdp_layer=84, ops_outside=100,
+                      ops_param=8, small_collectives=1, pipeline_buffers=True)
 
 
 def bubble_fraction(pp, micro_batches, chunks=1):
@@ -282,11 +624,13 @@ def _collective_time(kind, nbytes, n, bandwidth, latency=5e-6):
 
 
 def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
-             dp_overlap=0.5, grad_bytes=None, check=True):
+             dp_overlap=0.5, grad_bytes=None, check=True, runtime=None):
     """Price one layout. Returns a dict of bytes (per GPU) and seconds (per optimizer step).
 
     dp_overlap: the fraction of data-parallel communication hidden behind backward compute.
     grad_bytes: bytes per gradient element (default: the training dtype's).
+    runtime: a RuntimeSpec (default MEGATRON: fused projections, no host cost); FASTLLM for
+    fastllm.parallel's layouts, whose op and collective counts matter on a host-bound machine.
     """
     lo = layout
     if check:
@@ -327,7 +671,19 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         acts = layers_stage * act_layer * in_flight
     # logits, their fp32 copy (none when already fp32), the log-softmax the loss keeps
     logits = b * s * model.vocab / t * (e + (4 if e < 4 else 0) + 4)
+    # torch.distributed.pipelining keeps, until the step ends, a receive buffer per micro-batch
+    # (and chunk) for each boundary tensor a stage receives: the activation from the previous
+    # stage, the gradient from the next (PipelineStage args_recv_info / grad_recv_info); and
+    # the last stage keeps every micro-batch's output, the logits (output_chunks, merged into
+    # step()'s result)
+    boundary = b * s * model.hidden * e / (t if lo.sequence_parallel else 1)
+    # when micro-batches accumulate into an existing .grad, a backward holds the new gradient
+    # of a parameter beside the accumulated one (autograd's AccumulateGrad adds it in
+    # afterwards): the largest parameter tensor of the stage. (The logits' gradient replaces
+    # the log-softmax the loss frees: one process measures no net growth there.)
+    largest_layer_param = max(model.hidden * model.ffn, model.hidden * model.hidden) / t
 
+    rt = runtime or MEGATRON
     best = None
     for first, last in {(True, lo.pp == 1), (lo.pp == 1, True)}:
         p = stage_params(first, last)
@@ -341,37 +697,85 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             weights = p * e / (lo.dp if lo.zero >= 3 else 1)
             grads = p * g / (lo.dp if lo.zero >= 2 else 1)
             optim = p * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
-        # 1F1B: the first stage holds pp micro-batches in flight, the last one; GPipe: all m
-        a = acts if first or lo.schedule == "gpipe" else acts / in_flight
+        # 1F1B: stage i runs pp - i forwards before its first backward (Schedule1F1B's
+        # warm-up), so the first stage holds pp micro-batches in flight, the last one, and each
+        # backward after the first runs with every gradient of the stage already allocated;
+        # GPipe: all m, the loss's logits included
+        gpipe = lo.pp > 1 and lo.schedule == "gpipe"
+        a = acts if first or gpipe else acts / in_flight
         if last:
-            a += logits
+            a += logits * (m if gpipe else 1)
+            if lo.pp > 1 and not gpipe and rt.pipeline_buffers:
+                a += (m - 1) * b * s * model.vocab / t * e  # the other micro-batches' outputs
         mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": a}
+        if lo.pp > 1 and rt.pipeline_buffers:
+            mem["pipeline_buffers"] = m * v * ((not first) + (not last)) * boundary
+        work = 0.0
+        accumulating = m > 1 and not (lo.zero >= 3 and lo.dp > 1)  # FSDP2: in "gathered"
+        if accumulating and not lo.lora_rank:
+            largest = largest_layer_param
+            if first:
+                largest = max(largest, model.embedding_params() / t)
+            if last:
+                largest = max(largest, model.head_params() / t)
+            work += largest * g
+        mem["backward_workspace"] = work
+        if lo.zero >= 3 and lo.dp > 1 and not lo.lora_rank:
+            # FSDP2 gathers each layer whole (the next one prefetched) and keeps the root's
+            # parameters (embedding, final norm, head) whole from forward to backward; a
+            # layer's and the root's gradients are whole until their reduce-scatter
+            root = (model.embedding_params() if first else 0) + \
+                ((model.head_params() + model.hidden) if last else 0)
+            layer = model.layer_params() / t
+            mem["gathered"] = (2 * layer + root / t) * e + (layer + root / t) * g
         total = sum(mem.values())
         if best is None or total > best[0]:
             best = (total, mem, p, trainable)
     total, mem, p_stage, trainable = best
 
     # compute per micro-batch on one stage
+    # ranks sharing cores (a CPU): a blocking collective also waits for descheduled peers
+    shared = bool(gpu.cores) and n_gpus > gpu.cores
+
+    def sync(n):
+        return sync_cost(gpu, n) if shared and n > 1 else 0.0
     tokens = b * s
     layer_fwd = 2 * tokens * model.layer_linear_params() + 4 * b * s * s * model.hidden
     head_fwd = 2 * tokens * model.hidden * model.vocab
     bwd_factor = 1 if lo.lora_rank else 2  # LoRA: input grads only through frozen weights
     passes = 1 + bwd_factor + (1 if lo.recompute else 0)
     # the last stage carries the head too, and the pipeline runs at its pace
-    stage_flops = (layers_stage * layer_fwd * passes + head_fwd * (1 + bwd_factor)) / t
+    layers_flops = layers_stage * layer_fwd * passes / t
+    head_flops_micro = head_fwd * (1 + bwd_factor) / t
     rate = gpu.peak_flops * gpu.matmul_efficiency
     # elementwise work (norms, rotary, activation functions, softmax without flash) is
     # memory-bound: about one activation-sized read and write per pass
     elementwise = layers_stage * 2 * act_layer * passes
-    t_compute_micro = stage_flops / rate + elementwise / gpu.hbm_bandwidth
+    # host cost of the eager ops (zero on a GPU, whose kernels queue behind the host);
+    # recomputation repeats the forward's ops, about a third of forward + backward
+    fsdp = lo.dp > 1 and lo.zero == 3
+    plain_ops, dtensor_ops = rt.ops_layer_tp if t > 1 else (rt.ops_layer, 0)
+    rec = 4 / 3 if lo.recompute else 1.0
+    op, dop = gpu.op_overhead, gpu.op_overhead + gpu.dtensor_overhead
+    host_layers = layers_stage * (rec * (plain_ops * op + dtensor_ops * dop)
+                                  + (rt.ops_fsdp_layer * op if fsdp else 0.0))
+    host_outside = rt.ops_outside * op
+    t_layers_micro = layers_flops / rate + elementwise / gpu.hbm_bandwidth + host_layers
+    t_head_micro = head_flops_micro / rate + host_outside
+    t_compute_micro = t_layers_micro + t_head_micro
 
-    # tensor parallel: two all-reduces (or reduce-scatter + all-gather) per layer per pass
+    # tensor parallel: all-reduces (or reduce-scatter + all-gather) per layer per pass
     bw_tp = gpu.intra_node_bandwidth * gpu.comm_efficiency
     if t > node_size:
         bw_tp = gpu.inter_node_bandwidth * gpu.comm_efficiency
     tp_bytes = tokens * model.hidden * e
-    t_tp_micro = layers_stage * 2 * (2 + (1 if lo.recompute else 0)) * \
-        _collective_time("all_reduce", tp_bytes, t, bw_tp, gpu.latency)
+    n_fwd, n_bwd = rt.tp_allreduces
+    tp_count = layers_stage * (n_fwd * (2 if lo.recompute else 1) + n_bwd) \
+        + rt.tp_allreduces_outside
+    t_tp_micro = 0.0
+    if t > 1:
+        t_tp_micro = tp_count * (_collective_time("all_reduce", tp_bytes, t, bw_tp, gpu.latency)
+                                 + sync(t))
 
     t_micro = t_compute_micro + t_tp_micro
     t_bubble = (lo.pp - 1) / v * t_micro
@@ -382,7 +786,8 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                                    else gpu.inter_node_bandwidth)
     t_p2p = 0.0
     if lo.pp > 1:
-        t_p2p = 2 * (m * v + lo.pp - 1) * (tokens * model.hidden * e / bw_pp + gpu.latency)
+        t_p2p = 2 * (m * v + lo.pp - 1) * (tokens * model.hidden * e / bw_pp + gpu.latency
+                                          + sync(2))
 
     # data parallel: gradients reduced (ZeRO: reduce-scatter, then all-gather of weights)
     dp_inside = lo.tp * lo.dp <= node_size
@@ -394,24 +799,44 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     buckets = layers_stage + 1
 
     def coll(kind, nbytes):
-        return buckets * _collective_time(kind, nbytes / buckets, lo.dp, bw_dp, gpu.latency)
+        if lo.dp <= 1:
+            return 0.0
+        return buckets * (_collective_time(kind, nbytes / buckets, lo.dp, bw_dp, gpu.latency)
+                          + sync(lo.dp))
 
     if lo.zero == 0:
         t_dp = coll("all_reduce", grad_buf)
     else:
         t_dp = coll("reduce_scatter", grad_buf) + coll("all_gather", trainable * e)
         if lo.zero == 3:
-            # weights re-gathered for forward and backward of every micro-batch
-            t_dp += coll("all_gather", trainable * e) * (2 * m - 1)
+            # weights re-gathered for forward and backward of every micro-batch; under
+            # torch.distributed.pipelining the stage's FSDP2 modules reshard and reduce only
+            # after the last micro-batch's backward (set_reshard_after_backward /
+            # set_requires_gradient_sync), so backward gathers once: m + 1 in all (counted:
+            # pp2 x dp2, 2 micro-batches, 3 all-gathers per layer and 1 reduce-scatter)
+            t_dp += coll("all_gather", trainable * e) * (m if lo.pp > 1 else 2 * m - 1)
     t_dp_exposed = t_dp * (1 - dp_overlap)
+    # the loss and the gradient norm: one tiny all-reduce each, over every rank
+    n_small = rt.small_collectives + (lo.pp > 1) + (lo.dp > 1) if rt.small_collectives else 0
+    t_small = n_small * (_collective_time("all_reduce", 8, n_gpus, bw_dp, gpu.latency)
+                         + sync(n_gpus))
 
-    # optimizer: memory-bound over the local shard (master, two moments, grad, weight)
+    # optimizer: memory-bound over the local shard (master, two moments, grad, weight), and
+    # the host cost of its ops per parameter tensor (on DTensors under tp or FSDP)
     opt_elems = trainable / (lo.dp if lo.zero >= 1 else 1)
-    t_opt = opt_elems * (2 * (12 if mixed else 8) + g + e) / gpu.hbm_bandwidth
+    tensors = layers_stage * rt.tensors_layer + (3 if lo.pp == 1 else 2)
+    t_opt = opt_elems * (2 * (12 if mixed else 8) + g + e) / gpu.hbm_bandwidth \
+        + tensors * rt.ops_param * (dop if (t > 1 or lo.dp > 1) else op)
 
+    comm = m * t_tp_micro + t_p2p + t_dp_exposed + t_small
+    step = m * t_micro + t_bubble + t_p2p + t_dp_exposed + t_opt + t_small
+    if shared:
+        # more ranks than cores: a rank idle in a bubble or a collective leaves its core to
+        # another, so the step is at least every rank's work shared out over the cores
+        # (the head's work is on one stage of pp), plus the communication
+        busy = m * (t_layers_micro + t_head_micro / lo.pp) + t_opt
+        step = max(step, n_gpus / gpu.cores * busy + comm)
     compute = m * t_compute_micro
-    step = m * t_micro + t_bubble + t_p2p + t_dp_exposed + t_opt
-    comm = m * t_tp_micro + t_p2p + t_dp_exposed
     tokens_step = global_batch * seq_len
     # model FLOPs (no recomputation) for MFU; Megatron's counted FLOPs for "achieved"
     head_flops = 2 * seq_len * model.hidden * model.vocab
@@ -440,6 +865,9 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         "time_dp_exposed": t_dp_exposed,
         "time_bubble": t_bubble,
         "time_optimizer": t_opt,
+        "time_small_collectives": t_small,
+        "time_host": m * (host_layers + host_outside),
+        "shared_cores": shared,
         "step_time": step,
         "tokens_per_s": tokens_step / step,
         "mfu": model_flops / step / (n_gpus * gpu.peak_flops),
