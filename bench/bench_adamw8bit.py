@@ -128,6 +128,12 @@ def run(device="cpu", full=False, progress=print):
                 row["state_bytes"] = state
                 row["note"] = (f"state {state / 2**20:.0f} MiB = {100 * state / fp32_state:.1f}% "
                                f"of fp32 AdamW state; floor {per_param[kinds[name]]:.2f} B/param")
+                if name.startswith("fastllm AdamW8bit"):
+                    # The bandwidth target: the probe streams exactly this step's bytes,
+                    # so its time over the step's is the step's share of the probe's bandwidth.
+                    probe_ms = timings[harness.PROBE].median_ms
+                    row["note"] += (f"; {100 * probe_ms / timing.median_ms:.0f}% of the memory "
+                                    f"probe's bandwidth for its own bytes")
             rows.append(row)
         del fns, opts
         gc.collect()

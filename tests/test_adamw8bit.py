@@ -367,6 +367,43 @@ def test_convert_state_both_ways():
     AdamW(model.parameters(), state_dtype=torch.bfloat16).load_state_dict(bf16)
 
 
+def test_export_and_import_state_invert_each_other():
+    """export_state (fp32 moments, for flat-shard optimizers that gather state per element) and
+    import_state (back to the optimizer's layout): exact for the second moment and for every
+    first-moment block stored with code 255 (+1.0); a block whose largest |m| is negative moves by
+    at most half a code gap of its absmax."""
+    from fastllm.optim.adamw8bit import export_state, import_state
+
+    model, opt = _train(lambda ps: AdamW8bit(ps, lr=1e-2, min_8bit_size=1000), steps=3)
+    weight = next(model.parameters())  # (80, 96): 30 blocks of 256
+    state = opt.state[weight]
+    exported = export_state(opt, state)
+    assert exported["exp_avg"].dtype == torch.float32 and "exp_avg_codes" in state
+    back = import_state(opt, weight, {k: v.clone() for k, v in exported.items()})
+    assert sorted(back) == sorted(state)
+    for key in ("step", "exp_avg_sq_codes", "exp_avg_sq_absmax"):
+        assert torch.equal(back[key], state[key]), key
+    blocks, blocks_back = state["exp_avg_codes"].view(-1, 256), back["exp_avg_codes"].view(-1, 256)
+    top = (blocks == 255).any(dim=1)
+    assert 0 < int(top.sum()) < top.numel()  # both kinds of block occur
+    assert torch.equal(blocks_back[top], blocks[top])
+    assert torch.equal(back["exp_avg_absmax"][top], state["exp_avg_absmax"][top])
+    again = export_state(opt, back)["exp_avg"]
+    absmax = state["exp_avg_absmax"].repeat_interleave(256).view_as(again)
+    half_gap = float((SIGNED[1:] - SIGNED[:-1]).max()) / 2
+    assert ((again - exported["exp_avg"]).abs() <= absmax * half_gap * (1 + 1e-6)).all()
+    # bf16 moments: exported as they are, imported from fp32 back to the same bf16 values.
+    model, opt = _train(lambda ps: AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16))
+    weight = next(model.parameters())
+    state = opt.state[weight]
+    fp32 = {k: v.float() if k.startswith("exp_avg") else v
+            for k, v in export_state(opt, state).items()}
+    back = import_state(opt, weight, fp32)
+    assert back["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(back["exp_avg"], state["exp_avg"])
+    assert torch.equal(back["exp_avg_sq"], state["exp_avg_sq"])
+
+
 def test_mismatched_state_is_refused():
     model, opt = _train(lambda ps: AdamW8bit(ps, lr=1e-2, min_8bit_size=1000), steps=1)
     sd = opt.state_dict()

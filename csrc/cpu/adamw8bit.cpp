@@ -8,13 +8,19 @@
 //   master = x;  param = round(x);  m_q = quant(m);  v_q = quant(v)
 // 8-bit moments: per block of block_size elements an fp32 absmax and one byte per element, an
 // index into bitsandbytes' dynamic map (256 sorted codes; signed for m, unsigned for v).
-// dequant(c) = code[c] * absmax (an AVX-512 gather from the 1 KiB table). quant() picks the
-// nearest code without searching: inside a decade the codes are equally spaced, so
-// k = trunc(a * inv_spacing + offset), and the decade is a lookup by the fp32 exponent of
-// a = |x| / absmax plus one comparison (every binary octave holds at most one decade boundary).
+// dequant(c) = code[c] * absmax: with VBMI byte permutes over the table's four byte planes,
+// else an AVX-512 gather from the 1 KiB table; the absmax multiply is folded into beta1 and
+// beta2. quant() picks the nearest code without searching: inside a decade the codes
+// are equally spaced, so k = trunc(a * inv_spacing + offset), and the decade is a lookup by the
+// fp32 exponent of a = |x| / absmax plus one comparison of mantissa bits (every binary octave
+// holds at most one decade boundary), done as one integer add (Code::oct_key).
 // The constants come from `qmaps` (built once in Python, fastllm/ops/adamw8bit.py), so Python,
-// C++ and Triton share one definition. A block is processed in two passes over a 4 KiB stack
-// buffer: update (writing params, tracking the new absmax), then encode with that absmax.
+// C++ and Triton share one definition. A block is processed in two passes over stack buffers
+// (L1-resident): update (writing params, tracking the new absmax), then encode with that
+// absmax. On this AMD EPYC (Zen 4) VM the step is compute-bound (two decodes, the update with
+// its sqrt and reciprocal, two encodes): ~0.95 ns per element on one core (about 2.5 cycles at
+// the nominal 2.6 GHz), the same in L2 as from DRAM, so it runs above the memory probe's time
+// for its bytes; bench/bench_adamw8bit.py measures both.
 // bf16 moments: dequant is an upcast, quant a round-to-nearest-even.
 //
 // Blocks of all tensors of one call are cut into chunks and split across the ATen (OpenMP) thread
@@ -55,10 +61,18 @@ struct alignas(64) Code {
   float value[256];
   int32_t first[16];
   int32_t span[16];  // last - first
+  int32_t last[16];
   float inv[16];
   float offset[16];
   int32_t oct_base[32];
   float oct_thr[32];
+  // Per octave, base and threshold in one integer for the vector encoder: (base << 23) +
+  // 2^23 - mantissa bits of the threshold (2^23 - 2^23 = 0 where the octave holds no boundary,
+  // its threshold being 2.0). Adding the mantissa bits of an `a` in that octave carries into
+  // bit 23 exactly when a >= threshold, so key >> 23 is the segment.
+  int32_t oct_key[32];
+  // The code values' bytes by significance (planes[b][c] = byte b of value[c]), for decode64.
+  alignas(64) uint8_t planes[4][256];
 };
 
 Code make_code(const float* row) {
@@ -73,6 +87,16 @@ Code make_code(const float* row) {
   for (int s = 0; s < 32; ++s) {
     c.oct_base[s] = int32_t(row[kOctBase + s]);
     c.oct_thr[s] = row[kOctThr + s];
+    const float thr = c.oct_thr[s];
+    // A threshold inside octave s has that octave's exponent; 2.0 marks "none" (the
+    // segment's upper boundary lies in a later octave).
+    const bool inside = thr < std::ldexp(1.0f, s - 30);
+    const int32_t mant = inside ? int32_t(float_to_bits(thr) & 0x7fffffu) : (1 << 23);
+    c.oct_key[s] = (c.oct_base[s] << 23) + ((1 << 23) - mant);
+  }
+  for (int j = 0; j < 16; ++j) c.last[j] = c.first[j] + c.span[j];
+  for (int i = 0; i < 256; ++i) {
+    for (int b = 0; b < 4; ++b) c.planes[b][i] = uint8_t(float_to_bits(c.value[i]) >> (8 * b));
   }
   return c;
 }
@@ -271,107 +295,234 @@ inline __m512 reciprocal_nr(__m512 d) {
 }
 
 struct CodeVec {
-  __m512 inv, offset, oct_thr_lo, oct_thr_hi;
-  __m512i first, span, oct_base_lo, oct_base_hi;
+  __m512 inv, offset;
+  __m512i first, last, key_lo, key_hi;
   const float* value;
+  const uint8_t (*planes)[256];
   explicit CodeVec(const Code& c)
       : inv(_mm512_load_ps(c.inv)),
         offset(_mm512_load_ps(c.offset)),
-        oct_thr_lo(_mm512_load_ps(c.oct_thr)),
-        oct_thr_hi(_mm512_load_ps(c.oct_thr + 16)),
         first(_mm512_load_si512(c.first)),
-        span(_mm512_load_si512(c.span)),
-        oct_base_lo(_mm512_load_si512(c.oct_base)),
-        oct_base_hi(_mm512_load_si512(c.oct_base + 16)),
-        value(c.value) {}
+        last(_mm512_load_si512(c.last)),
+        key_lo(_mm512_load_si512(c.oct_key)),
+        key_hi(_mm512_load_si512(c.oct_key + 16)),
+        value(c.value),
+        planes(c.planes) {}
 };
 
-// encode_magnitude for 16 values of a in [0, 2) (nan and -0.0 allowed): a >= 1 (slot 31,
-// the last segment, one code) and nan give the top code; -0.0 gives code 0's segment.
+#ifdef __AVX512VBMI__
+// Code values of 64 codes with byte permutes (no gather): each byte plane of the 256-entry
+// table is 4 zmm; two vpermi2b look up the lower and upper 128 entries, a blend on the code's
+// top bit picks one. The codes are first reordered so that the in-lane unpacks that assemble
+// the four planes into floats return elements 0-15, 16-31, 32-47 and 48-63 in order.
+inline void decode64(const uint8_t (*planes)[256], __m512i codes, __m512 out[4]) {
+  const __m512i order = _mm512_set_epi8(
+      63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12,
+      59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24, 11, 10, 9, 8,
+      55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4,
+      51, 50, 49, 48, 35, 34, 33, 32, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i c = _mm512_permutexvar_epi8(order, codes);
+  const __mmask64 upper = _mm512_movepi8_mask(c);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(planes[k]), c,
+                                                _mm512_load_si512(planes[k] + 64));
+    const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(planes[k] + 128), c,
+                                                _mm512_load_si512(planes[k] + 192));
+    b[k] = _mm512_mask_blend_epi8(upper, lo, hi);
+  }
+  const __m512i b01_lo = _mm512_unpacklo_epi8(b[0], b[1]);
+  const __m512i b01_hi = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i b23_lo = _mm512_unpacklo_epi8(b[2], b[3]);
+  const __m512i b23_hi = _mm512_unpackhi_epi8(b[2], b[3]);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_lo, b23_lo));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_lo, b23_lo));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b01_hi, b23_hi));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b01_hi, b23_hi));
+}
+#endif
+
+// encode_magnitude for 16 values of a in [0, 2) (nan, inf and -0.0 allowed): a >= 1, inf and nan
+// fall in octave slot 31, the last segment (one code, the top one); -0.0 in code 0's segment.
 inline __m512i encode_magnitude_vec(const CodeVec& c, __m512 a) {
-  // Exponents 96..127 select slots 0..31: permutex2var reads the low 5 bits of the index.
-  const __m512i e = _mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 23),
-                                     _mm512_set1_epi32(96));
-  const __m512i base = _mm512_permutex2var_epi32(c.oct_base_lo, e, c.oct_base_hi);
-  const __m512 thr = _mm512_permutex2var_ps(c.oct_thr_lo, e, c.oct_thr_hi);
-  const __m512i j = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(a, thr, _CMP_GE_OQ), base,
-                                          _mm512_set1_epi32(1));
+  const __m512i bits = _mm512_castps_si512(a);
+  // Exponents 96..127 select slots 0..31 (permutex2var reads the low 5 bits of the index);
+  // below 2^-31 there is no boundary, so slot 0's key (which has none) holds.
+  const __m512i e = _mm512_max_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(96));
+  const __m512i key = _mm512_permutex2var_epi32(c.key_lo, e, c.key_hi);
+  const __m512i j = _mm512_srli_epi32(
+      _mm512_add_epi32(key, _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffff))), 23);
   const __m512 t = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(j, c.inv),
                                    _mm512_permutexvar_ps(j, c.offset));
-  // t >= 0 for every a in segment j (the segment starts at or above its first decision
-  // boundary), so truncation is floor and only the top needs a clamp.
-  const __m512i k = _mm512_min_epi32(_mm512_cvttps_epi32(t), _mm512_permutexvar_epi32(j, c.span));
-  return _mm512_add_epi32(_mm512_permutexvar_epi32(j, c.first), k);
+  // t > -1 for every a in segment j (its first decision boundary is less than a spacing below
+  // the first code's), so truncation gives k >= 0 and only the top needs a clamp.
+  const __m512i k = _mm512_add_epi32(_mm512_cvttps_epi32(t), _mm512_permutexvar_epi32(j, c.first));
+  return _mm512_min_epi32(k, _mm512_permutexvar_epi32(j, c.last));
 }
 
+// Code of the first moment: the magnitude's code mirrored for m < 0 (254 - i; -0.0 and nan
+// keep the magnitude's code).
+inline __m512i encode_signed_vec(const CodeVec& c, __m512 m, __m512 inv_absmax) {
+  const __m512i c254 = _mm512_set1_epi32(254);
+  const __m512i i = encode_magnitude_vec(c, _mm512_mul_ps(_mm512_abs_ps(m), inv_absmax));
+  const __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_sub_epi32(i, neg, c254, _mm512_min_epi32(i, c254));
+}
+
+// The low bytes of four int32 vectors, in order: 3 shuffles for 64 codes (vpmovdb costs 2 each).
+inline __m512i pack_low_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
+#ifndef __AVX512VBMI__
+  const __m512i lo = _mm512_inserti32x4(_mm512_castsi128_si512(_mm512_cvtepi32_epi8(a)),
+                                        _mm512_cvtepi32_epi8(b), 1);
+  const __m512i hi = _mm512_inserti32x4(_mm512_castsi128_si512(_mm512_cvtepi32_epi8(c)),
+                                        _mm512_cvtepi32_epi8(d), 1);
+  return _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+#else
+  const __m512i idx = _mm512_set_epi8(
+      124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64,
+      60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0,
+      124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64,
+      60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+  const __m512i lo = _mm512_permutex2var_epi8(a, idx, b);
+  const __m512i hi = _mm512_permutex2var_epi8(c, idx, d);
+  return _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+#endif
+}
+
+// The per-block constants of the vector step.
+struct VecScalars {
+  __m512 decay, beta2, omb1, omb2, nss, ibc2, eps, mult, w;
+  bool small_weight;
+  explicit VecScalars(const Scalars& s, bool maximize)
+      : decay(_mm512_set1_ps(s.decay)),
+        beta2(_mm512_set1_ps(s.beta2)),
+        omb1(_mm512_set1_ps(s.lerp_weight)),
+        omb2(_mm512_set1_ps(s.one_minus_beta2)),
+        nss(_mm512_set1_ps(s.neg_step_size)),
+        ibc2(_mm512_set1_ps(s.inv_bc2_sqrt)),
+        eps(_mm512_set1_ps(s.eps)),
+        mult(_mm512_set1_ps(maximize ? -s.grad_mult : s.grad_mult)),
+        w(_mm512_set1_ps(s.lerp_weight < 0.5f ? s.lerp_weight : 1.0f - s.lerp_weight)),
+        small_weight(s.lerp_weight < 0.5f) {}
+};
+
+// 16 elements at offset i of the block: load, update m and v (given their dequantised values
+// before the step, or for 8-bit moments their code values with the absmax folded into
+// beta1_absmax / beta2_absmax), write the param (and master); returns the new m, v.
+template <typename Fmt, bool Q8, bool MASTER, bool SR>
+inline void update16(const TensorPtrs& t, int64_t at, __mmask16 k, const VecScalars& c,
+                     uint32_t seed, __m512 beta1_absmax, __m512 beta2_absmax, __m512& m,
+                     __m512& v) {
+  using T = typename Fmt::T;
+  T* p = static_cast<T*>(t.p) + at;
+  const __m512 g = _mm512_mul_ps(load_vec<Fmt>(static_cast<const T*>(t.g) + at, k), c.mult);
+  __m512 x = MASTER ? _mm512_maskz_loadu_ps(k, t.master + at) : load_vec<Fmt>(p, k);
+  if constexpr (Q8) {
+    // m = beta1 * absmax * code + (1 - beta1) * g; v = beta2 * absmax * code + (1 - beta2) * g^2
+    m = _mm512_fmadd_ps(m, beta1_absmax, _mm512_mul_ps(g, c.omb1));
+    v = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, g), g, _mm512_mul_ps(v, beta2_absmax));
+  } else {
+    const __m512 diff = _mm512_sub_ps(g, m);
+    m = c.small_weight ? _mm512_fmadd_ps(c.w, diff, m) : _mm512_fnmadd_ps(diff, c.w, g);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, g), g, _mm512_mul_ps(v, c.beta2));
+  }
+  const __m512 denom = _mm512_fmadd_ps(sqrt_nr(v), c.ibc2, c.eps);
+  x = _mm512_fmadd_ps(x, c.decay, _mm512_mul_ps(_mm512_mul_ps(c.nss, m), reciprocal_nr(denom)));
+  if constexpr (MASTER) _mm512_mask_storeu_ps(t.master + at, k, x);
+  store_vec<Fmt, SR>(p, k, x, seed + uint32_t(at));
+}
+
+// One block. 8-bit moments: one pass updates the block (dequantising both moments), keeping
+// the new m and v in an L1 buffer and tracking their absmax; a second pass encodes them with
+// that absmax. Full groups of 64 elements run unmasked and store 64 codes at
+// once; a ragged end runs in masked steps of 16.
 template <typename Fmt, bool Q8, bool MASTER, bool SR, bool MAXIMIZE>
 void block_avx512(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block,
                   const Scalars& s, const CodeVec& cm, const CodeVec& cv) {
-  using T = typename Fmt::T;
-  T* p = static_cast<T*>(t.p) + begin;
-  const T* g_ptr = static_cast<const T*>(t.g) + begin;
-  alignas(64) float mbuf[kMaxBlock];
-  alignas(64) float vbuf[kMaxBlock];
-  const __m512 old_am = _mm512_set1_ps(Q8 ? t.absmax_m[block] : 0.0f);
-  const __m512 old_av = _mm512_set1_ps(Q8 ? t.absmax_v[block] : 0.0f);
-  const bool small_weight = s.lerp_weight < 0.5f;
-  const __m512 w = _mm512_set1_ps(small_weight ? s.lerp_weight : 1.0f - s.lerp_weight);
-  const __m512 decay = _mm512_set1_ps(s.decay), beta2 = _mm512_set1_ps(s.beta2);
-  const __m512 omb2 = _mm512_set1_ps(s.one_minus_beta2);
-  const __m512 nss = _mm512_set1_ps(s.neg_step_size), ibc2 = _mm512_set1_ps(s.inv_bc2_sqrt);
-  const __m512 eps = _mm512_set1_ps(s.eps), mult = _mm512_set1_ps(s.grad_mult);
-  __m512 max_m = _mm512_setzero_ps(), max_v = _mm512_setzero_ps();
-  for (int64_t i = 0; i < len; i += 16) {
-    const __mmask16 k = tail_mask(len - i);
-    __m512 g = _mm512_mul_ps(load_vec<Fmt>(g_ptr + i, k), mult);
-    if constexpr (MAXIMIZE) g = _mm512_sub_ps(_mm512_setzero_ps(), g);
-    __m512 x = MASTER ? _mm512_maskz_loadu_ps(k, t.master + begin + i) : load_vec<Fmt>(p + i, k);
-    __m512 m, v;
-    if constexpr (Q8) {
-      const __m512i mi = _mm512_cvtepu8_epi32(
-          _mm_maskz_loadu_epi8(k, static_cast<uint8_t*>(t.m) + begin + i));
-      const __m512i vi = _mm512_cvtepu8_epi32(
-          _mm_maskz_loadu_epi8(k, static_cast<uint8_t*>(t.v) + begin + i));
-      m = _mm512_mul_ps(_mm512_i32gather_ps(mi, cm.value, 4), old_am);
-      v = _mm512_mul_ps(_mm512_i32gather_ps(vi, cv.value, 4), old_av);
-    } else {
-      m = load_vec<BF16>(static_cast<uint16_t*>(t.m) + begin + i, k);
-      v = load_vec<BF16>(static_cast<uint16_t*>(t.v) + begin + i, k);
+  const VecScalars c(s, MAXIMIZE);
+  if constexpr (!Q8) {
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 k = tail_mask(len - i);
+      uint16_t* mp = static_cast<uint16_t*>(t.m) + begin + i;
+      uint16_t* vp = static_cast<uint16_t*>(t.v) + begin + i;
+      __m512 m = load_vec<BF16>(mp, k), v = load_vec<BF16>(vp, k);
+      update16<Fmt, false, MASTER, SR>(t, begin + i, k, c, s.seed, m, m, m, v);
+      _mm256_mask_storeu_epi16(mp, k, bf16_round_nearest_vec(m));
+      _mm256_mask_storeu_epi16(vp, k, bf16_round_nearest_vec(v));
     }
-    const __m512 diff = _mm512_sub_ps(g, m);
-    m = small_weight ? _mm512_fmadd_ps(w, diff, m) : _mm512_fnmadd_ps(diff, w, g);
-    v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, beta2));
-    const __m512 denom = _mm512_fmadd_ps(sqrt_nr(v), ibc2, eps);
-    x = _mm512_fmadd_ps(x, decay, _mm512_mul_ps(_mm512_mul_ps(nss, m), reciprocal_nr(denom)));
-    if constexpr (MASTER) _mm512_mask_storeu_ps(t.master + begin + i, k, x);
-    store_vec<Fmt, SR>(p + i, k, x, s.seed + uint32_t(begin + i));
-    if constexpr (Q8) {
+  } else {
+    alignas(64) float mbuf[kMaxBlock];
+    alignas(64) float vbuf[kMaxBlock];
+    uint8_t* mq = static_cast<uint8_t*>(t.m) + begin;
+    uint8_t* vq = static_cast<uint8_t*>(t.v) + begin;
+    const __m512 b1am = _mm512_set1_ps((1.0f - s.lerp_weight) * t.absmax_m[block]);
+    const __m512 b2av = _mm512_set1_ps(s.beta2 * t.absmax_v[block]);
+    __m512 max_m = _mm512_setzero_ps(), max_v = _mm512_setzero_ps();
+    int64_t i = 0;
+    // Full groups of 64 run unmasked, the 64 values of each moment decoded up front: with VBMI
+    // by byte permutes instead of gathers (a gather is 16 loads). On this Zen 4 VM decoding the
+    // first moment this way too made the whole step 19% faster per element than gathering it
+    // (1.25 -> 1.02 ns, one thread, 64K elements in L2; 1.19 -> 0.97 ns from DRAM).
+    for (; i + 64 <= len; i += 64) {
+      __m512 vd[4];
+#ifdef __AVX512VBMI__
+      __m512 md[4];
+      decode64(cv.planes, _mm512_loadu_si512(vq + i), vd);
+      decode64(cm.planes, _mm512_loadu_si512(mq + i), md);
+#else
+      for (int u = 0; u < 4; ++u) {
+        vd[u] = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                        reinterpret_cast<const __m128i*>(vq + i + 16 * u))),
+                                    cv.value, 4);
+      }
+#endif
+      for (int u = 0; u < 4; ++u) {
+        const int64_t iu = i + 16 * u;
+#ifdef __AVX512VBMI__
+        __m512 m = md[u];
+#else
+        const __m512i mi =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mq + iu)));
+        __m512 m = _mm512_i32gather_ps(mi, cm.value, 4);
+#endif
+        __m512 v = vd[u];
+        update16<Fmt, true, MASTER, SR>(t, begin + iu, __mmask16(0xffff), c, s.seed, b1am, b2av,
+                                        m, v);
+        _mm512_store_ps(mbuf + iu, m);
+        _mm512_store_ps(vbuf + iu, v);
+        max_m = _mm512_max_ps(max_m, _mm512_abs_ps(m));
+        max_v = _mm512_max_ps(max_v, v);  // v >= 0
+      }
+    }
+    for (; i < len; i += 16) {
+      const __mmask16 k = tail_mask(len - i);
+      const __m512i mi = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, mq + i));
+      const __m512i vi = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, vq + i));
+      __m512 m = _mm512_i32gather_ps(mi, cm.value, 4);
+      __m512 v = _mm512_i32gather_ps(vi, cv.value, 4);
+      update16<Fmt, true, MASTER, SR>(t, begin + i, k, c, s.seed, b1am, b2av, m, v);
       _mm512_store_ps(mbuf + i, m);
       _mm512_store_ps(vbuf + i, v);
       max_m = _mm512_mask_max_ps(max_m, k, max_m, _mm512_abs_ps(m));
       max_v = _mm512_mask_max_ps(max_v, k, max_v, v);  // v >= 0
-    } else {
-      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.m) + begin + i, k,
-                               bf16_round_nearest_vec(m));
-      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.v) + begin + i, k,
-                               bf16_round_nearest_vec(v));
     }
-  }
-  if constexpr (Q8) {
     const float am = _mm512_reduce_max_ps(max_m), av = _mm512_reduce_max_ps(max_v);
     const __m512 inv_m = _mm512_set1_ps(am > 0.0f ? 1.0f / am : 0.0f);
     const __m512 inv_v = _mm512_set1_ps(av > 0.0f ? 1.0f / av : 0.0f);
-    const __m512i c254 = _mm512_set1_epi32(254);
-    uint8_t* mq = static_cast<uint8_t*>(t.m) + begin;
-    uint8_t* vq = static_cast<uint8_t*>(t.v) + begin;
-    for (int64_t i = 0; i < len; i += 16) {
+    i = 0;
+    for (; i + 64 <= len; i += 64) {
+      __m512i ci[4], vi[4];
+      for (int u = 0; u < 4; ++u) {
+        ci[u] = encode_signed_vec(cm, _mm512_load_ps(mbuf + i + 16 * u), inv_m);
+        vi[u] = encode_magnitude_vec(cv, _mm512_mul_ps(_mm512_load_ps(vbuf + i + 16 * u), inv_v));
+      }
+      _mm512_storeu_si512(mq + i, pack_low_bytes(ci[0], ci[1], ci[2], ci[3]));
+      _mm512_storeu_si512(vq + i, pack_low_bytes(vi[0], vi[1], vi[2], vi[3]));
+    }
+    for (; i < len; i += 16) {
       const __mmask16 k = tail_mask(len - i);
-      const __m512 m = _mm512_load_ps(mbuf + i);
-      const __m512 v = _mm512_load_ps(vbuf + i);
-      __m512i ci = encode_magnitude_vec(cm, _mm512_mul_ps(_mm512_abs_ps(m), inv_m));
-      const __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
-      ci = _mm512_mask_sub_epi32(ci, neg, c254, _mm512_min_epi32(ci, c254));
-      const __m512i vi = encode_magnitude_vec(cv, _mm512_mul_ps(v, inv_v));
+      const __m512i ci = encode_signed_vec(cm, _mm512_load_ps(mbuf + i), inv_m);
+      const __m512i vi = encode_magnitude_vec(cv, _mm512_mul_ps(_mm512_load_ps(vbuf + i), inv_v));
       _mm_mask_storeu_epi8(mq + i, k, _mm512_cvtepi32_epi8(ci));
       _mm_mask_storeu_epi8(vq + i, k, _mm512_cvtepi32_epi8(vi));
     }

@@ -56,6 +56,20 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _export_state(opt, state):
+    """One shard's state with low-byte moments (fastllm.optim.AdamW8bit, AdamW(state_dtype=...))
+    as fp32 or bf16 tensors of the shard's length, which can be gathered and sliced per param."""
+    from fastllm.optim.adamw8bit import export_state
+
+    return export_state(opt, state)
+
+
+def _import_state(opt, shard, state):
+    from fastllm.optim.adamw8bit import import_state
+
+    return import_state(opt, shard, state)
+
+
 class _Bucket:
     """One flat bucket: params (views into `param_flat`), their grads, this rank's shard."""
 
@@ -573,7 +587,7 @@ class DistributedOptimizer:
                         state[index[id(p)]] = {k: v.detach().clone() if isinstance(
                             v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
                 continue
-            inner = dict(self.optimizer.state.get(b.shard_param, {}))
+            inner = _export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
             if b.dtype in _LOW_PRECISION and inner:
                 inner["master_param"] = b.shard_param.detach()
             fulls = {}
@@ -610,6 +624,10 @@ class DistributedOptimizer:
         """Load a consolidated state (from state_dict() at any world size, or from a
         single-process fastllm/torch AdamW over the same model); every rank calls it and keeps
         its own slice. Validates everything before changing anything."""
+        if "fastllm_lowbyte" in state_dict:  # a single-process AdamW8bit's: per-param blocks
+            from fastllm.optim import convert_state
+
+            state_dict = convert_state(state_dict, torch.float32)
         groups = state_dict.get("param_groups", [])
         saved = state_dict.get("state", {})
         want = [len(g) for g in self._group_params]
@@ -687,7 +705,8 @@ class DistributedOptimizer:
             if master is None:
                 master = b.param_flat[b.lo:b.hi].float()
             b.shard_param.copy_(master)
-        self.optimizer.state[b.shard_param] = new
+        # fp32 moments -> the inner optimizer's low-byte layout (8-bit blocks of this shard).
+        self.optimizer.state[b.shard_param] = _import_state(self.optimizer, b.shard_param, new)
 
     def load_sharded_state_dict(self, shards):
         """Load the sharded_state_dict() of every rank of a run at any world size (a list of
@@ -750,7 +769,7 @@ class DistributedOptimizer:
         self._refuse_sharded_galore("sharded_state_dict")
         out = {}
         for b in self.buckets:
-            inner = dict(self.optimizer.state.get(b.shard_param, {}))
+            inner = _export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
             if b.dtype in _LOW_PRECISION and inner:
                 inner["master_param"] = b.shard_param.detach()
             for i, name in enumerate(b.names):

@@ -28,7 +28,7 @@ from fastllm.ops.adamw8bit import (
 )
 from fastllm.optim.adamw import AdamW, _local, _mix_seed, _scalar
 
-__all__ = ["AdamW8bit", "convert_state"]
+__all__ = ["AdamW8bit", "convert_state", "export_state", "import_state"]
 
 CODE_NAME = "bnb-dynamic-8bit"
 Q8_KEYS = ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
@@ -307,6 +307,69 @@ class AdamW8bit(AdamW):
         state_dict["fastllm_lowbyte"] = {"state_dtype": "uint8", "block_size": self.block_size,
                                          "code": CODE_NAME}
         return state_dict
+
+
+def export_state(opt, state):
+    """One param's state with its moments as fp32 `exp_avg` / `exp_avg_sq` (the layout of
+    torch.optim.AdamW), for code that gathers or slices state element by element, such as a
+    flat-shard optimizer consolidating its state (fastllm.distributed.DistributedOptimizer):
+    8-bit codes are only meaningful with their block's absmax, and the blocks of a shard do not
+    fall where a single process's would. Under FSDP2 the fp32 moments are DTensors placed as the
+    codes are, so torch.distributed.checkpoint can gather them (it cannot gather the per-rank
+    absmax of 8-bit state correctly: that is a plain tensor of this rank's blocks). bf16 moments
+    and fp32 state come back as they are; the input is not modified. 8-bit -> fp32 is exact (the
+    dequantised values)."""
+    if getattr(opt, "state_dtype", None) == torch.uint8 and all(k in state for k in Q8_KEYS):
+        codes = state["exp_avg_codes"]
+        local = {k: _local(v) if k in Q8_KEYS else v for k, v in state.items()}
+        out = _dequantize_state(local, opt.block_size)
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = _like(codes, out[key])
+        return out
+    return dict(state)
+
+
+def import_state(opt, p, state):
+    """In place: fp32 (or other float) `exp_avg` / `exp_avg_sq` in param p's state dict turned
+    into the moments `opt` keeps for p (8-bit codes and absmax per block of p's local tensor, or
+    bf16), the inverse of export_state for state installed without load_state_dict (a flat
+    shard's slice of a consolidated state_dict). A state export_state made from 8-bit moments
+    with the same blocks comes back bit for bit where the block's largest value is stored as
+    +1.0 times its absmax: always for exp_avg_sq, and for exp_avg where the block's largest |m|
+    is positive. The signed map has no -1.0 (its most negative code is -0.993), so a block whose
+    largest |m| is negative gets a smaller absmax and is requantised once (each value moves by
+    at most half a code gap of the absmax). Returns state."""
+    m = mode(opt, p)
+    if m is None or "exp_avg" not in state or "exp_avg_sq" not in state:
+        return state
+    local = _local(p)
+    exp_avg = _local(state["exp_avg"]).reshape(local.shape)
+    exp_avg_sq = _local(state["exp_avg_sq"]).reshape(local.shape)
+    if m == "bf16":
+        state["exp_avg"], state["exp_avg_sq"] = (
+            _like(p, t.to(device=local.device, dtype=torch.bfloat16).contiguous())
+            for t in (exp_avg, exp_avg_sq))
+        return state
+    codes, absmax = quantize_blockwise_ref(exp_avg.cpu(), dynamic_code(True), opt.block_size)
+    sq_codes, sq_absmax = quantize_blockwise_ref(exp_avg_sq.cpu(), dynamic_code(False),
+                                                 opt.block_size)
+    codes, sq_codes = _like(p, codes.to(local.device)), _like(p, sq_codes.to(local.device))
+    del state["exp_avg"], state["exp_avg_sq"]
+    state.update(exp_avg_codes=codes, exp_avg_sq_codes=sq_codes,
+                 exp_avg_absmax=absmax.to(local.device),
+                 exp_avg_sq_absmax=sq_absmax.to(local.device))
+    return state
+
+
+def _like(p, local):
+    """`local` (this rank's part of a tensor shaped like p) as p is: a DTensor with p's placements
+    under FSDP2 (the moments _init_state makes from p are), else itself."""
+    if _local(p) is p:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
 
 
 def _dequantize_state(state, block_size):
