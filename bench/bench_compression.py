@@ -102,10 +102,10 @@ def _hook_worker(rank, world, rounds, warmup):
             if r >= warmup:
                 times[name].append(elapsed.item() * 1e3)
     return dict(times=times, sent=ours.last_numel_sent, numel=numel,
-                **_distopt_times(world, rounds, warmup, source))
+                **_distopt_times(rounds, warmup, source))
 
 
-def _distopt_times(world, rounds, warmup, source):
+def _distopt_times(rounds, warmup, source):
     import torch.distributed as dist
 
     from fastllm.distributed import DistributedOptimizer, PowerSGD

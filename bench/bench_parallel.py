@@ -11,7 +11,8 @@ one transformers decoder layer's forward + backward, which sets the share of tho
 real layer reaches), then Gloo's latency and bandwidth in the 4-rank world (measure_comm). The
 machine is shared with other jobs whose load changes by the minute, so beside every layout (just
 before and just after its steps) a short probe measures what the ranks get then: the cores'
-share (a matmul's rate with every rank busy) and the extra wait of a blocking collective when
+share (one decoder layer's forward + backward with every rank busy, against the layer
+alone) and the extra wait of a blocking collective when
 ranks outnumber cores; the one process gets the same share probe. Nothing is fitted to any
 layout's step time, the one process's included. Peak memory: the most bytes of tensor storage
 a rank holds at once over two training steps (fastllm.train.memory.PeakMemory, DTensor shards
@@ -61,8 +62,7 @@ def _worker(rank, world):
 
     from fastllm.parallel.planner import measure_comm, measure_peak_memory
 
-    torch.set_num_threads(1)
-    results = {"comm": measure_comm()}
+    results = {"comm": measure_comm()}  # one thread per rank: fastllm.distributed.launch
     for name, (shape, names, kwargs, _, _) in LAYOUTS.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         # the load other jobs put on the cores changes by the minute: probe the cores' share
@@ -169,7 +169,7 @@ def run(device="cpu", full=False, progress=print):
     progress(f"parallel: {WORLD}-rank Gloo world: collectives, {len(LAYOUTS)} layouts")
     per_rank = spawn(_worker, WORLD, timeout=900)
     comm = per_rank[0]["comm"]
-    raw = machine_spec(host, comm, WORLD)
+    raw = machine_spec(host, comm, WORLD, cores=WORLD)  # priced for one process only
     # One figure from the layer timed alone: the share of the bare matmul and copy rates that
     # a real decoder layer's forward + backward reaches (smaller and transposed matmuls,
     # attention, rotary, norms), applied to the whole model; the host-op part is priced apart.

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from fastllm.distributed import DistributedOptimizer
+from fastllm.distributed._dtensor import local as _local
 from fastllm.distributed.launch import spawn
 from fastllm.optim import AdamW8bit
 from fastllm.ops.adamw8bit import dynamic_code
@@ -73,10 +74,6 @@ def _distance(a, b, init):
     num = sum((x - y).square().sum() for x, y in zip(a, b)).sqrt()
     den = sum((y - z).square().sum() for y, z in zip(b, init)).sqrt()
     return (num / den).item()
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _state_bytes(opt):

@@ -128,7 +128,7 @@ struct Scalars {
   float neg_step_size;  // -lr / (1 - beta1^t)
   float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^t)
   float eps;
-  float grad_mult;      // clip_coef / grad_scale
+  float grad_mult;      // clip_coef / grad_scale, negated when maximize
   uint32_t seed;        // this tensor's random stream (stochastic rounding)
 };
 
@@ -158,7 +158,7 @@ struct TensorPtrs {
 
 // One block, scalar: the reference loop for builds without AVX-512 (and fp16 with stochastic
 // rounding, which has no vector path).
-template <typename Fmt, bool Q8, bool MASTER, bool SR, bool MAXIMIZE>
+template <typename Fmt, bool Q8, bool MASTER, bool SR>
 void block_scalar(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block,
                   const Scalars& s, const Code& cm, const Code& cv) {
   using T = typename Fmt::T;
@@ -170,8 +170,7 @@ void block_scalar(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
   const bool small_weight = s.lerp_weight < 0.5f;
   float max_m = 0.0f, max_v = 0.0f;
   for (int64_t i = 0; i < len; ++i) {
-    float g = Fmt::load(g_ptr[i]) * s.grad_mult;
-    if constexpr (MAXIMIZE) g = -g;
+    const float g = Fmt::load(g_ptr[i]) * s.grad_mult;
     float x = MASTER ? t.master[begin + i] : Fmt::load(p[i]);
     float m, v;
     if constexpr (Q8) {
@@ -393,7 +392,7 @@ inline __m512i pack_low_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
 struct VecScalars {
   __m512 decay, beta2, omb1, omb2, nss, ibc2, eps, mult, w;
   bool small_weight;
-  explicit VecScalars(const Scalars& s, bool maximize)
+  explicit VecScalars(const Scalars& s)
       : decay(_mm512_set1_ps(s.decay)),
         beta2(_mm512_set1_ps(s.beta2)),
         omb1(_mm512_set1_ps(s.lerp_weight)),
@@ -401,7 +400,7 @@ struct VecScalars {
         nss(_mm512_set1_ps(s.neg_step_size)),
         ibc2(_mm512_set1_ps(s.inv_bc2_sqrt)),
         eps(_mm512_set1_ps(s.eps)),
-        mult(_mm512_set1_ps(maximize ? -s.grad_mult : s.grad_mult)),
+        mult(_mm512_set1_ps(s.grad_mult)),
         w(_mm512_set1_ps(s.lerp_weight < 0.5f ? s.lerp_weight : 1.0f - s.lerp_weight)),
         small_weight(s.lerp_weight < 0.5f) {}
 };
@@ -436,10 +435,10 @@ inline void update16(const TensorPtrs& t, int64_t at, __mmask16 k, const VecScal
 // the new m and v in an L1 buffer and tracking their absmax; a second pass encodes them with
 // that absmax. Full groups of 64 elements run unmasked and store 64 codes at
 // once; a ragged end runs in masked steps of 16.
-template <typename Fmt, bool Q8, bool MASTER, bool SR, bool MAXIMIZE>
+template <typename Fmt, bool Q8, bool MASTER, bool SR>
 void block_avx512(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block,
                   const Scalars& s, const CodeVec& cm, const CodeVec& cv) {
-  const VecScalars c(s, MAXIMIZE);
+  const VecScalars c(s);
   if constexpr (!Q8) {
     for (int64_t i = 0; i < len; i += 16) {
       const __mmask16 k = tail_mask(len - i);
@@ -532,7 +531,7 @@ void block_avx512(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
 }
 #endif  // FASTLLM_ADAMW8BIT_AVX512
 
-template <typename Fmt, bool Q8, bool MASTER, bool SR, bool MAXIMIZE>
+template <typename Fmt, bool Q8, bool MASTER, bool SR>
 void run_tensors(const std::vector<TensorPtrs>& tensors, const std::vector<int64_t>& numels,
                  const std::vector<Scalars>& scalars, int64_t block_size, const Code& cm,
                  const Code& cv) {
@@ -561,12 +560,12 @@ void run_tensors(const std::vector<TensorPtrs>& tensors, const std::vector<int64
         const int64_t len = std::min(block_size, n - begin);
 #ifdef FASTLLM_ADAMW8BIT_AVX512
         if constexpr (!(std::is_same_v<Fmt, F16> && SR)) {
-          block_avx512<Fmt, Q8, MASTER, SR, MAXIMIZE>(t, begin, len, b, scalars[ch.tensor], vm,
+          block_avx512<Fmt, Q8, MASTER, SR>(t, begin, len, b, scalars[ch.tensor], vm,
                                                       vv);
           continue;
         }
 #endif
-        block_scalar<Fmt, Q8, MASTER, SR, MAXIMIZE>(t, begin, len, b, scalars[ch.tensor], cm,
+        block_scalar<Fmt, Q8, MASTER, SR>(t, begin, len, b, scalars[ch.tensor], cm,
                                                     cv);
       }
     }
@@ -648,7 +647,8 @@ void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
     const double bc2 = 1.0 - std::pow(beta2, step);
     scalars[i] = {float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2),
                   float(1.0 - beta2), float(-lr / bc1), float(1.0 / std::sqrt(bc2)), float(eps),
-                  float(grad_mult), hash32(seed32 + 0x9e3779b9U * uint32_t(i + 1))};
+                  float(maximize ? -grad_mult : grad_mult),
+                  hash32(seed32 + 0x9e3779b9U * uint32_t(i + 1))};
     tensors[i] = {params[i].data_ptr(), grads[i].data_ptr(),
                   master ? masters[i].data_ptr<float>() : nullptr, exp_avgs[i].data_ptr(),
                   exp_avg_sqs[i].data_ptr(),
@@ -662,10 +662,8 @@ void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
     dispatch_bool(q8, [&](auto q) {
       dispatch_bool(master && !std::is_same_v<Fmt, F32>, [&](auto ma) {
         dispatch_bool(sr && !std::is_same_v<Fmt, F32>, [&](auto s) {
-          dispatch_bool(maximize, [&](auto mx) {
-            run_tensors<Fmt, decltype(q)::value, decltype(ma)::value, decltype(s)::value,
-                        decltype(mx)::value>(tensors, numels, scalars, block_size, cm, cv);
-          });
+          run_tensors<Fmt, decltype(q)::value, decltype(ma)::value, decltype(s)::value>(
+              tensors, numels, scalars, block_size, cm, cv);
         });
       });
     });

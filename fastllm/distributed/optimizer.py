@@ -45,6 +45,7 @@ import torch.distributed as dist
 from fastllm.distributed import failure
 from fastllm.distributed.powersgd import PowerSGD
 from fastllm.ops.l2norm import l2norm
+from fastllm.optim.adamw8bit import export_state, import_state
 from fastllm.ops.scaled_copy import scaled_copy
 
 __all__ = ["DistributedOptimizer"]
@@ -54,20 +55,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def _export_state(opt, state):
-    """One shard's state with low-byte moments (fastllm.optim.AdamW8bit, AdamW(state_dtype=...))
-    as fp32 or bf16 tensors of the shard's length, which can be gathered and sliced per param."""
-    from fastllm.optim.adamw8bit import export_state
-
-    return export_state(opt, state)
-
-
-def _import_state(opt, shard, state):
-    from fastllm.optim.adamw8bit import import_state
-
-    return import_state(opt, shard, state)
 
 
 class _Bucket:
@@ -142,7 +129,7 @@ class DistributedOptimizer:
             together) and master_weights (always on for bf16/fp16 params), applied here.
             With optimizer_class=fastllm.optim.GaLoreAdamW: rank, update_proj_gap, scale and
             proj_type form the projected param group, galore_params (default: every 2-D
-            trainable param; fp32/fp64 only) picks its params, power_iters and seed are
+            trainable param; fp32 only) picks its params, power_iters and seed are
             GaLoreAdamW's; the other params are sharded and get its plain AdamW update. The
             inner optimizer is then one GaLoreAdamW with groups [galore_params, flat shards]:
             the same projectors and updates as a single-process GaLoreAdamW with groups
@@ -214,7 +201,6 @@ class DistributedOptimizer:
                                           f"not supported (shards keep fp32 master weights)")
         self.stage = stage
         self.grad_compression = grad_compression
-        self._averaged = False  # this step's buckets hold averages (compressed), not sums
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -251,17 +237,18 @@ class DistributedOptimizer:
                     raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params: "
                                      f"{known[id(p)]} has shape {tuple(p.shape)}; GaLore "
                                      f"projects 2-D params only")
-                if p.dtype not in (torch.float32, torch.float64):
+                if p.dtype != torch.float32:
                     raise NotImplementedError(
                         f"fastllm.distributed.DistributedOptimizer: galore_params: "
                         f"{known[id(p)]} is {p.dtype}; GaLore under DistributedOptimizer "
-                        f"supports fp32/fp64 params")
+                        f"supports fp32 params")
             galore_ids = {id(p) for p in chosen}
-        # The params of each inner param group, in model order (state_dict's group layout).
-        self._group_params = ([[p for p in self.params if id(p) in galore_ids],
-                               [p for p in self.params if id(p) not in galore_ids]]
+        # The params of each inner param group, in model order (state_dict's group layout):
+        # with GaLore the projected ones, then the others (each group only if it has params).
+        galore_list = [p for p in self.params if id(p) in galore_ids]
+        self._group_params = ([g for g in (galore_list, [p for p in self.params
+                                                         if id(p) not in galore_ids]) if g]
                               if galore is not None else [self.params])
-        self._group_params = [g for g in self._group_params if g]
         self.grad_norm = None
         self.step_skipped = False
         self.skipped_steps = 0
@@ -285,11 +272,8 @@ class DistributedOptimizer:
         if galore is None:
             self.optimizer = optimizer_class(shard_params, **optimizer_kwargs)
         else:
-            groups = [dict(params=[p for p in self.params if id(p) in galore_ids], **galore)]
-            if not groups[0]["params"]:
-                groups.pop(0)
-            if shard_params:
-                groups.append({"params": shard_params})
+            groups = (([dict(params=galore_list, **galore)] if galore_list else [])
+                      + ([{"params": shard_params}] if shard_params else []))
             self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self._attach_grads()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -387,7 +371,6 @@ class DistributedOptimizer:
         if comp is not None and comp.compressing:
             # Synchronous, as in the DDP hook; every rank gets the whole approximate average.
             comp.compressed_average_(b.grad_flat, b.grad_views, b.index)
-            self._averaged = True
             b.shard_grad = b.grad_flat[b.lo:b.hi]
         elif self.stage == 1 or b.replicated:
             b.work = dist.all_reduce(b.grad_flat, group=self.group, async_op=True)
@@ -448,9 +431,11 @@ class DistributedOptimizer:
                 loss = closure()
         self._finish_param_gather()
         self.finish_grad_sync()
-        averaged, self._averaged = self._averaged, False
-        if self.grad_compression is not None:
-            self.grad_compression.iter += 1
+        # every bucket of this step was compressed iff the iteration it ran in compresses
+        comp = self.grad_compression
+        averaged = comp is not None and comp.compressing
+        if comp is not None:
+            comp.iter += 1
         scale = None if self.loss_scaler is None else self.loss_scaler.scale_tensor()
         # Exact reductions leave sums, PowerSGD averages.
         factor = 1.0 if averaged else 1.0 / self.world
@@ -525,7 +510,6 @@ class DistributedOptimizer:
                 failure.wait(b.work, f"gradient reduction of bucket {b.index}", self.timeout)
                 b.work = None
             b.grad_flat.zero_()
-        self._averaged = False
         self._reset_buckets()
         self._attach_grads()
 
@@ -587,7 +571,7 @@ class DistributedOptimizer:
                         state[index[id(p)]] = {k: v.detach().clone() if isinstance(
                             v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
                 continue
-            inner = _export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
+            inner = export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
             if b.dtype in _LOW_PRECISION and inner:
                 inner["master_param"] = b.shard_param.detach()
             fulls = {}
@@ -706,7 +690,7 @@ class DistributedOptimizer:
                 master = b.param_flat[b.lo:b.hi].float()
             b.shard_param.copy_(master)
         # fp32 moments -> the inner optimizer's low-byte layout (8-bit blocks of this shard).
-        self.optimizer.state[b.shard_param] = _import_state(self.optimizer, b.shard_param, new)
+        self.optimizer.state[b.shard_param] = import_state(self.optimizer, b.shard_param, new)
 
     def load_sharded_state_dict(self, shards):
         """Load the sharded_state_dict() of every rank of a run at any world size (a list of
@@ -769,7 +753,7 @@ class DistributedOptimizer:
         self._refuse_sharded_galore("sharded_state_dict")
         out = {}
         for b in self.buckets:
-            inner = _export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
+            inner = export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
             if b.dtype in _LOW_PRECISION and inner:
                 inner["master_param"] = b.shard_param.detach()
             for i, name in enumerate(b.names):

@@ -152,31 +152,15 @@ class PowerSGD:
         which names its state; is_last: counts an iteration after the last bucket of a step.
         Returns buffer.
         """
-        if not self.compressing:
+        if self.compressing:
+            self.compressed_average_(buffer, grads, key)
+        else:
             group = self._group()
-            if is_last:
-                self.iter += 1
             buffer.div_(dist.get_world_size(group))
             dist.all_reduce(buffer, group=group)
             self.last_numel_sent = buffer.numel()
-            return buffer
-        self.compressed_average_(buffer, grads, key)
         if is_last:
             self.iter += 1
-        return buffer
-
-    @property
-    def compressing(self):
-        """Whether this iteration is compressed (start_iter reached)."""
-        return self.iter >= self.start_iter
-
-    def compressed_average_(self, buffer, grads, key):
-        """The compressed average of `buffer` across the group, in place, whatever the
-        iteration and without counting one (reduce_ after start_iter; what
-        fastllm.distributed.DistributedOptimizer calls per bucket). Elements of `buffer` outside
-        every grad (padding) are left as they are. Arguments as reduce_; returns buffer."""
-        group = self._group()
-        self._compressed_reduce(buffer, grads, key, group, dist.get_world_size(group))
         return buffer
 
     def _offsets(self, buffer, grads):
@@ -193,7 +177,18 @@ class PowerSGD:
             offsets.append(offset)
         return offsets
 
-    def _compressed_reduce(self, buffer, grads, key, group, world):
+    @property
+    def compressing(self):
+        """Whether this iteration is compressed (start_iter reached)."""
+        return self.iter >= self.start_iter
+
+    def compressed_average_(self, buffer, grads, key):
+        """The compressed average of `buffer` across the group, in place, whatever the
+        iteration and without counting one (reduce_ after start_iter; what
+        fastllm.distributed.DistributedOptimizer calls per bucket). Elements of `buffer` outside
+        every grad (padding) are left as they are. Arguments as reduce_; returns buffer."""
+        group = self._group()
+        world = dist.get_world_size(group)
         offsets = self._offsets(buffer, grads)
         work = buffer if buffer.dtype in _WORK_DTYPES else buffer.float()
         layout = (work.numel(), work.dtype, tuple(tuple(g.shape) for g in grads))
@@ -289,6 +284,7 @@ class PowerSGD:
         if not self.warm_start:
             self.p_memory.pop(key, None)
             self.q_memory.pop(key, None)
+        return buffer
 
 
 def _rng_state_to_torch(state):

@@ -34,6 +34,17 @@ def galore_adam_step_ref(param, grad, proj, exp_avg, exp_avg_sq, *, step, left, 
     """Plain PyTorch, in the projector's dtype."""
     g = grad.to(proj.dtype)
     low = proj.t() @ g if left else g @ proj
+    low_rank_adam_update_(param, low, proj, exp_avg, exp_avg_sq, step=step, left=left, lr=lr,
+                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                          scale=scale)
+
+
+def low_rank_adam_update_(param, low, proj, exp_avg, exp_avg_sq, *, step, left, lr, beta1, beta2,
+                          eps, weight_decay, scale):
+    """galore_adam_step_ref after the projection, given the projected grad `low` (r, cols) for a
+    left projection, (rows, r) for a right one: Adam in the low-rank space, back-projected into
+    param with decoupled weight decay. (Also GaLore's row-sharded step under FSDP2, where `low`
+    is all-reduced first.)"""
     exp_avg.lerp_(low, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
     bc1 = 1.0 - beta1**step

@@ -350,14 +350,22 @@ def import_state(opt, p, state):
             _like(p, t.to(device=local.device, dtype=torch.bfloat16).contiguous())
             for t in (exp_avg, exp_avg_sq))
         return state
-    codes, absmax = quantize_blockwise_ref(exp_avg.cpu(), dynamic_code(True), opt.block_size)
-    sq_codes, sq_absmax = quantize_blockwise_ref(exp_avg_sq.cpu(), dynamic_code(False),
-                                                 opt.block_size)
-    codes, sq_codes = _like(p, codes.to(local.device)), _like(p, sq_codes.to(local.device))
-    del state["exp_avg"], state["exp_avg_sq"]
-    state.update(exp_avg_codes=codes, exp_avg_sq_codes=sq_codes,
-                 exp_avg_absmax=absmax.to(local.device),
-                 exp_avg_sq_absmax=sq_absmax.to(local.device))
+    state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
+    _quantize_state(state, opt.block_size, local.device)
+    for key in ("exp_avg_codes", "exp_avg_sq_codes"):
+        state[key] = _like(p, state[key])
+    return state
+
+
+def _quantize_state(state, block_size, device):
+    """In place: fp32 exp_avg / exp_avg_sq replaced by their 8-bit codes and per-block absmax
+    (the reference quantiser) on `device`. Returns state."""
+    codes, absmax = quantize_blockwise_ref(state.pop("exp_avg").cpu(), dynamic_code(True),
+                                           block_size)
+    sq_codes, sq_absmax = quantize_blockwise_ref(state.pop("exp_avg_sq").cpu(),
+                                                 dynamic_code(False), block_size)
+    state.update(exp_avg_codes=codes.to(device), exp_avg_sq_codes=sq_codes.to(device),
+                 exp_avg_absmax=absmax.to(device), exp_avg_sq_absmax=sq_absmax.to(device))
     return state
 
 
@@ -421,15 +429,7 @@ def convert_state(state_dict, state_dtype, *, block_size=256, min_8bit_size=4096
         if "exp_avg" in state:
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             if state_dtype == torch.uint8 and exp_avg.numel() >= min_8bit_size:
-                codes, absmax = quantize_blockwise_ref(exp_avg.cpu(), dynamic_code(True),
-                                                       block_size)
-                sq_codes, sq_absmax = quantize_blockwise_ref(exp_avg_sq.cpu(),
-                                                             dynamic_code(False), block_size)
-                device = exp_avg.device
-                del state["exp_avg"], state["exp_avg_sq"]
-                state.update(exp_avg_codes=codes.to(device), exp_avg_sq_codes=sq_codes.to(device),
-                             exp_avg_absmax=absmax.to(device),
-                             exp_avg_sq_absmax=sq_absmax.to(device))
+                _quantize_state(state, block_size, exp_avg.device)
             elif state_dtype == torch.bfloat16:
                 state["exp_avg"] = exp_avg.to(torch.bfloat16)
                 state["exp_avg_sq"] = exp_avg_sq.to(torch.bfloat16)

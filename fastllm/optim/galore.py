@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from fastllm.distributed._dtensor import is_dtensor, local
 from fastllm.ops.adamw import adamw_step
-from fastllm.ops.galore_adam_step import galore_adam_step
+from fastllm.ops.galore_adam_step import galore_adam_step, low_rank_adam_update_
 from fastllm.ops.orthogonalize import orthogonalize
 
 __all__ = ["GaLoreAdamW", "range_finder"]
@@ -198,7 +198,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         sharded = is_dtensor(p)
         if sharded:
             offset, local_rows, process_group = _row_shard(p)
-        grad = p.grad.contiguous()
+        grad = p.grad if sharded else p.grad.contiguous()  # sharded: full_tensor() at a refresh
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             low_shape = (rank, cols) if left else ((local_rows if sharded else rows), rank)
@@ -240,7 +240,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
         rows_proj = proj[offset:offset + local_rows]
         low = rows_proj.t() @ grad.to(proj.dtype)
         dist.all_reduce(low, group=process_group)  # P^T G, (r, cols)
-        _low_rank_adam_(param, low, rows_proj, state["exp_avg"], state["exp_avg_sq"], **hyper)
+        low_rank_adam_update_(param, low, rows_proj, state["exp_avg"], state["exp_avg_sq"],
+                              left=True, **hyper)
 
     def load_state_dict(self, state_dict):
         """torch.optim.Optimizer.load_state_dict, keeping the low-rank state in fp32 (torch
@@ -270,17 +271,3 @@ def _row_shard(p):
     chunk = -(-rows // p.device_mesh.size())
     offset = min(p.device_mesh.get_local_rank(0) * chunk, rows)
     return offset, p.to_local().shape[0], p.device_mesh.get_group(0)
-
-
-def _low_rank_adam_(param, low, proj, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-                    weight_decay, scale):
-    """galore_adam_step's rule after the projection (fastllm.ops.galore_adam_step_ref's maths)
-    for a left projection given the projected grad `low` (r, cols): param (rows_local, cols)
-    gets proj (rows_local, r) times the low-rank Adam direction."""
-    exp_avg.lerp_(low, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
-    bc1 = 1.0 - beta1**step
-    bc2_sqrt = math.sqrt(1.0 - beta2**step)
-    update = exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + eps)
-    w = param.to(proj.dtype) * (1.0 - lr * weight_decay) - (lr * scale / bc1) * (proj @ update)
-    param.copy_(w)

@@ -150,7 +150,7 @@ class GPUSpec:
     dtype_bytes: int = 2       # training dtype of weights and activations
     latency: float = 5e-6      # seconds per collective hop
     # Host-bound costs, zero on a GPU (kernels queue asynchronously behind the host); measured
-    # by calibrate() on a CPU, where every eager op is paid on the critical path:
+    # by measure_host() on a CPU, where every eager op is paid on the critical path:
     op_overhead: float = 0.0       # seconds of Python and dispatch per eager aten op
     dtensor_overhead: float = 0.0  # extra seconds per op on DTensors (sharding propagation)
     sync_costs: tuple = ()         # ((group size, seconds), ...): the extra wait of a blocking
@@ -216,7 +216,6 @@ def _linear_chain(x, w, mesh=None, n=8):
 
 def _count_ops(fn, dtensor_only=False):
     """Aten ops fn dispatches (dtensor_only: those with a DTensor argument)."""
-    import torch
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -256,8 +255,6 @@ def measure_host(hidden=256, ffn=688, tokens=512):
         a, b = torch.randn(tokens, hidden), torch.randn(hidden, ffn)
         t = _median_time(lambda: a @ b, reps=20, warmup=3, best=True)
         flops = 2 * tokens * hidden * ffn / t
-        sq = torch.randn(256, 256)
-        square = 2 * 256**3 / _median_time(lambda: sq @ sq, reps=20, warmup=3, best=True)
         x = torch.empty(16 << 20)
         y = torch.empty_like(x)
         copy = 2 * x.numel() * 4 / _median_time(lambda: y.copy_(x), reps=10, best=True)
@@ -284,43 +281,18 @@ def measure_host(hidden=256, ffn=688, tokens=512):
                 dist.destroy_process_group()
     finally:
         torch.set_num_threads(threads)
-    return {"matmul_flops": flops, "square_flops": square, "copy_bandwidth": copy,
+    return {"matmul_flops": flops, "copy_bandwidth": copy,
             "op_overhead": op,
             "dtensor_overhead": max(dop - op, 0.0)}
 
 
 def measure_peak_memory(fn):
     """Run fn() under fastllm.train.memory.PeakMemory; the most bytes of tensor storage held
-    at once, tensors made before fn excluded (so build the model inside fn). A DTensor counts
-    by its local shard: PeakMemory sees a DTensor op's output, not the local ops inside it."""
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map
-
+    at once, tensors made before fn excluded (so build the model inside fn); DTensors count by
+    their local shards."""
     from fastllm.train.memory import PeakMemory
 
-    def counted(t):
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        if isinstance(t, torch.Tensor):
-            try:  # FSDP2 frees an unsharded parameter by resizing its storage away
-                t.untyped_storage().data_ptr()
-            except RuntimeError:
-                return None
-        return t
-
-    class Peak(PeakMemory):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = []
-
-            def call(*a, **k):
-                out.append(func(*a, **k))
-                return tree_map(counted, out[0])
-
-            super().__torch_dispatch__(call, types, args, kwargs)
-            return out[0]
-
-    with Peak() as mode:
+    with PeakMemory() as mode:
         fn()
     return mode.peak
 
@@ -338,8 +310,7 @@ def measure_comm(nbytes=4 << 20, work_s=5e-3, reps=10, bandwidth=True):
     every rank working at once: on a machine with fewer cores than ranks, a collective waits
     for peers the scheduler has set aside, and the wait grows with the work between
     collectives (up to a scheduler time slice): work_s is about one layer's forward or
-    backward of the layouts priced here. busy_flops: the 256 x 256 matmul rate a rank gets
-    while every rank computes (what the cores, and other jobs on them, leave it). On a shared
+    backward of the layouts priced here. On a shared
     machine these move with the other jobs' load: probe again beside each measurement.
     Returns {n: dict}.
     """
@@ -399,32 +370,22 @@ def measure_comm(nbytes=4 << 20, work_s=5e-3, reps=10, bandwidth=True):
         vals = torch.tensor([t_tiny, t_big, t_work, t_excess], dtype=torch.float64)
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         t_tiny, t_big, t_work, t_excess = vals.tolist()
-        out[n] = {"busy_flops": 2 * 256**3 * work_reps * 10 / t_work,
-                  "latency": t_tiny,
+        out[n] = {"latency": t_tiny,
                   "sync_cost": max(t_excess / 10 - t_tiny, 0.0)}
         if bandwidth:
             out[n]["bus_bandwidth"] = 2 * (n - 1) / n * nbytes / max(t_big - t_tiny, 1e-9)
     return out
 
 
-def machine_spec(host, comm, ranks, cores=None, name="this machine"):
+def machine_spec(host, comm, ranks, cores, name="this machine"):
     """A GPUSpec for this CPU from measure_host() and measure_comm() (fp32, one thread a rank).
 
     Gloo's latency per hop and bus bandwidth are averaged over the measured group sizes; the
     sync costs (by group size) were measured with `ranks` ranks at once, and count only when
-    the ranks outnumber the cores. cores: the cores' worth the ranks get, if measured
-    otherwise (bench/bench_parallel.py times a decoder layer on every rank at once); by
-    default from busy_flops, whose 256 x 256 matmuls are shorter than a scheduler time slice
-    and so can overstate it.
+    the ranks outnumber the cores. cores: the cores' worth the ranks get (bench/bench_parallel.py
+    times a decoder layer on every rank at once against the layer alone).
     """
-    import os
-
     sizes = sorted(comm)
-    if cores is None:
-        # the cores the ranks really get: all of them computing at once, each reaches this
-        # share of its rate alone (2 cores, 4 ranks, a quiet machine: one half)
-        share = min(1.0, comm[sizes[-1]]["busy_flops"] / host["square_flops"])
-        cores = min(ranks * share, len(os.sched_getaffinity(0)))
     hop = sum(comm[n]["latency"] / (2 * (n - 1)) for n in sizes) / len(sizes)
     bus = sum(comm[n]["bus_bandwidth"] for n in sizes) / len(sizes)
     sync = tuple((n, comm[n]["sync_cost"]) for n in sizes) if ranks > cores else ()
@@ -433,24 +394,6 @@ def machine_spec(host, comm, ranks, cores=None, name="this machine"):
                    inter_node_bandwidth=bus, matmul_efficiency=1.0, comm_efficiency=1.0,
                    reserved=0, dtype_bytes=4, latency=hop, op_overhead=host["op_overhead"],
                    dtensor_overhead=host["dtensor_overhead"], sync_costs=sync, cores=cores)
-
-
-def calibrate(ranks=4, timeout=300):
-    """Measure this machine and enter it in GPUS as "this-machine"; returns its GPUSpec.
-
-    Spawns `ranks` Gloo processes (one thread each) for the collectives; the host figures are
-    measured here first, alone.
-    """
-    from fastllm.distributed.launch import spawn
-
-    host = measure_host()
-    comm = spawn(_comm_entry, ranks, timeout=timeout)[0]
-    GPUS["this-machine"] = machine_spec(host, comm, ranks)
-    return GPUS["this-machine"]
-
-
-def _comm_entry(rank, world):
-    return measure_comm()
 
 
 def sync_cost(gpu, n):
@@ -665,6 +608,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     else:
         in_flight = lo.pp
     layer_input = b * s * model.hidden * e / (t if lo.sequence_parallel else 1)
+    fsdp = lo.dp > 1 and lo.zero == 3  # ZeRO-3 is FSDP2's layout
     if lo.recompute:
         acts = layers_stage * layer_input * in_flight + act_layer
     else:
@@ -676,7 +620,6 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     # stage, the gradient from the next (PipelineStage args_recv_info / grad_recv_info); and
     # the last stage keeps every micro-batch's output, the logits (output_chunks, merged into
     # step()'s result)
-    boundary = b * s * model.hidden * e / (t if lo.sequence_parallel else 1)
     # when micro-batches accumulate into an existing .grad, a backward holds the new gradient
     # of a parameter beside the accumulated one (autograd's AccumulateGrad adds it in
     # afterwards): the largest parameter tensor of the stage. (The logits' gradient replaces
@@ -709,9 +652,9 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                 a += (m - 1) * b * s * model.vocab / t * e  # the other micro-batches' outputs
         mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": a}
         if lo.pp > 1 and rt.pipeline_buffers:
-            mem["pipeline_buffers"] = m * v * ((not first) + (not last)) * boundary
+            mem["pipeline_buffers"] = m * v * ((not first) + (not last)) * layer_input
         work = 0.0
-        accumulating = m > 1 and not (lo.zero >= 3 and lo.dp > 1)  # FSDP2: in "gathered"
+        accumulating = m > 1 and not fsdp  # FSDP2: in "gathered"
         if accumulating and not lo.lora_rank:
             largest = largest_layer_param
             if first:
@@ -720,7 +663,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                 largest = max(largest, model.head_params() / t)
             work += largest * g
         mem["backward_workspace"] = work
-        if lo.zero >= 3 and lo.dp > 1 and not lo.lora_rank:
+        if fsdp and not lo.lora_rank:
             # FSDP2 gathers each layer whole (the next one prefetched) and keeps the root's
             # parameters (embedding, final norm, head) whole from forward to backward; a
             # layer's and the root's gradients are whole until their reduce-scatter
@@ -753,7 +696,6 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     elementwise = layers_stage * 2 * act_layer * passes
     # host cost of the eager ops (zero on a GPU, whose kernels queue behind the host);
     # recomputation repeats the forward's ops, about a third of forward + backward
-    fsdp = lo.dp > 1 and lo.zero == 3
     plain_ops, dtensor_ops = rt.ops_layer_tp if t > 1 else (rt.ops_layer, 0)
     rec = 4 / 3 if lo.recompute else 1.0
     op, dop = gpu.op_overhead, gpu.op_overhead + gpu.dtensor_overhead

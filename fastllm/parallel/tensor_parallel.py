@@ -106,11 +106,9 @@ class _ColwiseLoRALinear(LoRALinear):
     def forward(self, x):
         weight, bias = self.base_layer.weight, self.base_layer.bias
         mesh = weight.device_mesh
-        if isinstance(x, DTensor):
-            x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-        else:
-            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(
-                grad_placements=[Partial()])
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
         # tp ranks share torch's seed, so they draw the same dropout mask for the replicated x
         return lora_linear(x, weight.to_local(), self.lora_A.to_local(grad_placements=[Partial()]),
                            self.lora_B.to_local(), self.scaling,

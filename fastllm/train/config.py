@@ -140,7 +140,7 @@ class TrainConfig:
         need(self.lora.r >= 1 and 0 <= self.lora.dropout < 1, "need lora.r >= 1 and "
              "lora.dropout in [0, 1)")
         need(self.parallel.tp >= 1 and self.parallel.pp >= 1, "parallel.tp and pp must be >= 1")
-        need(self.parallel.dp >= -1, f"parallel.dp must be >= 1 (or -1: world_size / (tp * pp)),"
+        need(self.parallel.dp >= -1, f"parallel.dp must be >= 1 (or 0 / -1: world_size / (tp * pp)),"
              f" got {self.parallel.dp}")
         need(self.parallel.schedule in _SCHEDULES, f"parallel.schedule must be one of "
              f"{_SCHEDULES}, got {self.parallel.schedule!r}")

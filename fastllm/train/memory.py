@@ -4,6 +4,8 @@ On CUDA torch.cuda.max_memory_allocated answers this; on the CPU nothing does, s
 under PeakMemory: bytes held when it starts (every tensor passed to track: params, grads,
 optimizer state) plus the highest total of the storages the step itself allocates and still
 holds, each counted once however many views share it, released when its storage is freed.
+A DTensor counts by its local shard (the mode sees a DTensor op's output, not the local ops inside
+it); a storage already freed by resizing (FSDP2's unsharded parameters) is not counted.
 """
 
 import weakref
@@ -11,6 +13,11 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
 
 __all__ = ["PeakMemory"]
 
@@ -40,9 +47,15 @@ class PeakMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
+            if _DTensor is not None and isinstance(t, _DTensor):
+                t = t._local_tensor
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
+            try:
+                st.data_ptr()
+            except RuntimeError:  # resized away (FSDP2 frees an unsharded parameter so)
+                continue
             if st in self._live or st.data_ptr() in self._known or st.nbytes() == 0:
                 continue
             self._live[st] = st.nbytes()

@@ -230,7 +230,7 @@ class Pipeline:
     under the full model's parameter names), the torch schedule, and the mesh coordinates."""
 
     def __init__(self, module, schedule, mesh, n_microbatches, chunks):
-        self.module, self.schedule, self.mesh = module, schedule, mesh
+        self.module, self.schedule = module, schedule
         self.pp = mesh["pp"].size()
         self.pp_rank = mesh["pp"].get_local_rank()
         self.pp_group = mesh["pp"].get_group()
@@ -238,11 +238,10 @@ class Pipeline:
         self.n_microbatches, self.chunks = n_microbatches, chunks
         self.dp = (mesh["dp"].get_local_rank(), mesh["dp"].size())
         self.tp_rank = mesh["tp"].get_local_rank()
-
-    def bubble(self):
         from fastllm.parallel.planner import bubble_fraction
 
-        return bubble_fraction(self.pp, self.n_microbatches, self.chunks)
+        # the idle fraction of the schedule (the planner's formula), reported per step
+        self.bubble = bubble_fraction(self.pp, n_microbatches, chunks)
 
 
 def build_pipeline(model, cfg, world_size, device, loss_fn):

@@ -44,19 +44,16 @@ _STATE_DTYPES = {"adamw": torch.float32, "adamw_bf16": torch.bfloat16, "adamw8bi
 def _pipeline_loss(logits, input_ids):
     """transformers' causal LM loss (mean token cross-entropy of the next token, in fp32) from
     the last stage's logits (batch, seq, vocab) and the micro-batch's input_ids (batch, seq)."""
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
-                                             input_ids[:, 1:].flatten())
+    from fastllm.parallel.loss import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits[:, :-1], input_ids[:, 1:])
 
 
-def _model_order(name):
-    """Sort key putting a Llama parameter name in the full model's order (embedding, layers,
-    final norm, head), whichever stage holds it."""
-    parts = name.split(".")
-    if "layers" in parts:
-        return (1, int(parts[parts.index("layers") + 1]))
-    if "embed_tokens" in parts:
-        return (0, 0)
-    return (3, 0) if "lm_head" in parts else (2, 0)
+def _decay_split(module):
+    """module's trainable parameters as (decayed, not decayed) lists of (name, param): matrices
+    and embeddings are decayed, vectors (norms, biases) not; each in model order."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [(n, p) for n, p in named if p.ndim >= 2], [(n, p) for n, p in named if p.ndim < 2]
 
 
 def _state_dtype_of(optim_state):
@@ -167,6 +164,12 @@ class Trainer:
         self.n_layers = len(decoder_layers(model))
         self.pipeline = None
         if cfg.parallel.pp > 1:
+            # The whole model's trainable names in one process's optimizer order, taken before
+            # the model is cut into stages: the index layout of optimizer.pt, so that a pipeline
+            # checkpoint resumes in any layout (stages keep the full model's names).
+            decay, no_decay = _decay_split(model)
+            self.model_param_names = [n for n, _ in decay + no_decay]
+            self.model_n_decay = len(decay)
             self.pipeline = build_pipeline(model, cfg, self.world, self.device, self._stage_loss)
             self.model, self.strategy = self.pipeline.module, "pipeline"
         else:
@@ -182,19 +185,14 @@ class Trainer:
             raise ValueError("fastllm train: optimizer_in_backward runs on one process only")
 
     def _param_groups(self):
-        decay, no_decay = [], []
-        dnames, nnames = [], []
-        for name, p in self.module.named_parameters():
-            if not p.requires_grad:
-                continue
-            (decay if p.ndim >= 2 else no_decay).append(p)
-            (dnames if p.ndim >= 2 else nnames).append(name)
+        decay, no_decay = _decay_split(self.module)
         if not decay and not no_decay:
             raise ValueError(f"fastllm train: finetune={self.cfg.finetune} left no trainable "
                              f"parameters")
-        self.param_names, self.n_decay = dnames + nnames, len(dnames)
-        return [{"params": decay, "weight_decay": self.cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]
+        self.param_names = [n for n, _ in decay + no_decay]
+        self.n_decay = len(decay)
+        return [{"params": [p for _, p in decay], "weight_decay": self.cfg.weight_decay},
+                {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
 
     def _build_optimizer(self):
         cfg = self.cfg
@@ -243,23 +241,11 @@ class Trainer:
             self.optimizer = _InBackwardOptimizer(groups, opt_kw)
         else:
             self.optimizer = adamw(groups, **opt_kw)
-        if self.pipeline is not None:
-            self._gather_param_names()
 
     def _stage_loss(self, logits, input_ids):
         loss = _pipeline_loss(logits, input_ids)
         return loss * float("nan") if self._poisoned else loss
 
-    def _gather_param_names(self):
-        """The whole model's trainable parameter names in one process's optimizer order
-        (decayed, then not decayed, each in model order): the index layout of optimizer.pt,
-        so that a pipeline checkpoint resumes in any layout."""
-        mine = (self.param_names[:self.n_decay], self.param_names[self.n_decay:])
-        parts = [None] * self.pipeline.pp
-        dist.all_gather_object(parts, mine, group=self.pipeline.pp_group)
-        decay = sorted((n for d, _ in parts for n in d), key=_model_order)
-        no_decay = sorted((n for _, nd in parts for n in nd), key=_model_order)
-        self.model_param_names, self.model_n_decay = decay + no_decay, len(decay)
     # ----- checkpoints -----
 
     def _state(self):
@@ -704,7 +690,7 @@ class Trainer:
             pipeline = (f"; pipeline {par.schedule}, {self.pipeline.n_microbatches} micro-batches,"
                         f" rank 0 holds {len(decoder_layers(self.module))}/{self.n_layers} "
                         f"layers, bubble "
-                        f"{self.pipeline.bubble():.1%}")
+                        f"{self.pipeline.bubble:.1%}")
         self.log(f"fastllm train: {cfg.model} ({n_params / 1e6:.2f}M params, "
                  f"{n_train / 1e6:.3f}M trainable"
                  f"{' on rank 0' if self.pipeline is not None else ''}, finetune={cfg.finetune}, "
@@ -777,7 +763,7 @@ class Trainer:
                 }
                 if self.pipeline is not None:
                     # the schedule's idle share (planner.bubble_fraction), taken out of compute
-                    rec["bubble_s"] = self.pipeline.bubble() * rec["fwd_bwd_s"]
+                    rec["bubble_s"] = self.pipeline.bubble * rec["fwd_bwd_s"]
                     rec["fwd_bwd_s"] -= rec["bubble_s"]
                 if self.loss_scaler is not None:
                     rec["loss_scale"] = self.loss_scaler.get_scale()
