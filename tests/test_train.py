@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -63,19 +62,18 @@ def subprocess_env():
     return env
 
 
-def wait_for_steps(proc, metrics, n, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode(errors="replace")
-            raise AssertionError(f"training process exited early ({proc.returncode}):\n{out}")
-        if os.path.exists(metrics):
-            with open(metrics) as f:
-                if sum(1 for line in f if line.endswith("\n")) >= n:
-                    return
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"no {n} steps within {timeout}s")
+def train_cli(args, fault=None, timeout=180):
+    """`fastllm train` in a subprocess, with FASTLLM_FAULT (fastllm.train.faults) set: a kill
+    "at step k" is the run killing itself at step k, never a poller racing it."""
+    env = subprocess_env()
+    if fault:
+        env["FASTLLM_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "fastllm", "train", *args], cwd=ROOT, env=env,
+                          capture_output=True, timeout=timeout)
+
+
+def text_of(done):
+    return done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
 
 
 # ----- the uninterrupted reference run (12 steps, checkpoints every 3) -----
@@ -274,22 +272,42 @@ def test_sigkill_then_resume_gives_the_same_losses_bitwise(cache_dir, reference,
     out = str(tmp_path)
     args = tiny(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3",
                 "data.log_indices=true")
-    proc = subprocess.Popen([sys.executable, "-m", "fastllm", "train", *args], cwd=ROOT,
-                            env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    # any step: the kill is exact whichever is drawn
     kill_at = random.Random(os.getpid()).randint(4, REF_STEPS - 2)
-    try:
-        wait_for_steps(proc, os.path.join(out, "metrics.jsonl"), kill_at)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    done = max(s for s, _ in ckpt.list_checkpoints(out))
-    assert 3 <= done < REF_STEPS, done
+    done = train_cli(args, f"sigkill_after_step={kill_at}")
+    assert done.returncode == -signal.SIGKILL, (kill_at, text_of(done)[-3000:])
+    assert len(losses(out)) == kill_at
+    assert max(s for s, _ in ckpt.list_checkpoints(out)) == kill_at // 3 * 3, kill_at
     s = run(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3",
             "data.log_indices=true")
-    assert s["resumed_from"].endswith(f"checkpoint-{done}")
+    assert s["resumed_from"].endswith(f"checkpoint-{kill_at // 3 * 3}")
     assert losses(out) == losses(reference)          # bitwise: the same floats
     assert samples(out) == samples(reference)        # no batch twice, none skipped
+
+
+def test_sigkill_inside_a_checkpoint_write_resumes_from_the_previous(cache_dir, reference,
+                                                                    tmp_path):
+    out = str(tmp_path)
+    args = tiny(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3")
+    # 4 files per checkpoint: the 6th is checkpoint-6's second (optimizer.pt)
+    done = train_cli(args, "sigkill_after_checkpoint_file=6")
+    assert done.returncode == -signal.SIGKILL, text_of(done)[-3000:]
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [3]
+    assert any(n.startswith(".tmp-checkpoint-6") for n in os.listdir(out))
+    s = run(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3")
+    assert s["resumed_from"].endswith("checkpoint-3")
+    assert not any(n.startswith(".tmp") for n in os.listdir(out))
+    assert losses(out) == losses(reference)
+
+
+def test_fault_spec_is_checked():
+    from fastllm.train import faults
+
+    assert faults.parse("sigkill_after_step=5, rank=1") == {"sigkill_after_step": 5, "rank": 1}
+    with pytest.raises(ValueError, match="sigkil_after_step"):
+        faults.parse("sigkil_after_step=5")
+    with pytest.raises(ValueError, match="needs an integer"):
+        faults.parse("sigkill_after_step=five")
 
 
 def test_crash_while_writing_leaves_the_previous_checkpoint(cache_dir, reference, tmp_path,
@@ -336,6 +354,95 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_used(reference, tmp_path
     assert "truncated" in messages[-1]
 
 
+def _manifest(path):
+    return os.path.join(path, ckpt.MANIFEST)
+
+
+@pytest.mark.parametrize("breakage", ["files_list", "no_bytes", "bytes_text", "no_optimizer",
+                                      "outside", "not_a_mapping"])
+def test_malformed_manifest_means_invalid_checkpoint(reference, tmp_path, breakage):
+    import shutil
+
+    out = str(tmp_path / "run")
+    shutil.copytree(reference, out)
+    newest = os.path.join(out, "checkpoint-12")
+    data = json.load(open(_manifest(newest)))
+    files = data["files"]
+    if breakage == "files_list":
+        data["files"] = sorted(files)
+    elif breakage == "no_bytes":
+        del files["model.pt"]["bytes"]
+    elif breakage == "bytes_text":
+        files["model.pt"]["bytes"] = str(files["model.pt"]["bytes"])
+    elif breakage == "no_optimizer":
+        # a corrupt optimizer.pt the manifest does not list must not load
+        del files["optimizer.pt"]
+        with open(os.path.join(newest, "optimizer.pt"), "r+b") as f:
+            f.seek(200)
+            f.write(b"\x00" * 64)
+    elif breakage == "outside":
+        files["../checkpoint-9/model.pt"] = files["model.pt"]
+    else:
+        data = [data]
+    json.dump(data, open(_manifest(newest), "w"))
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.verify(newest)
+    messages = []
+    assert ckpt.latest_valid(out, log=messages.append)[0] == 9
+    assert "checkpoint-12" in messages[0]
+
+
+def test_a_second_run_into_a_locked_output_dir_is_refused(cache_dir, tmp_path):
+    from fastllm.train import run_dir
+
+    out = str(tmp_path)
+    holder = run_dir.lock(out)  # another open file description: flock conflicts as across PIDs
+    try:
+        with pytest.raises(run_dir.RunDirError, match=f"in use by .*PID {os.getpid()}"):
+            run(cache_dir, out, "max_steps=2", "checkpoint.interval=0")
+        assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
+        assert not os.path.exists(os.path.join(out, "config.yaml"))
+    finally:
+        run_dir.release(holder)
+    assert run(cache_dir, out, "max_steps=2", "checkpoint.interval=0")["steps"] == 2
+
+
+def test_fresh_run_over_another_run_refuses_unless_overwrite(cache_dir, reference, tmp_path):
+    import shutil
+
+    out = str(tmp_path / "run")
+    shutil.copytree(reference, out)  # checkpoint-9, checkpoint-12, metrics of 12 steps
+    fresh = ("max_steps=8", "checkpoint.auto_resume=false", "checkpoint.interval=4")
+    with pytest.raises(RuntimeError, match="overwrite_output_dir=true"):
+        run(cache_dir, out, *fresh)
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [12, 9]
+    run(cache_dir, out, *fresh, "overwrite_output_dir=true")
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [8, 4]
+    assert [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))] == list(
+        range(1, 9))
+
+
+def test_prune_never_deletes_the_checkpoint_just_saved(tmp_path):
+    for step in (9, 10, 8):
+        os.makedirs(tmp_path / f"checkpoint-{step}")
+    ckpt.prune(str(tmp_path), 2, keep=str(tmp_path / "checkpoint-8"))
+    assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [10, 9, 8]
+    ckpt.prune(str(tmp_path), 2)
+    assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [10, 9]
+
+
+def test_full_disk_says_enospc_and_the_path(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+
+    def write(path):
+        ckpt.save_file({"w": torch.zeros(1 << 16)}, "/dev/full")
+
+    with pytest.raises(ckpt.CheckpointError, match="ENOSPC.*model.pt"):
+        ckpt.save(str(tmp_path), 1, {"model.pt": write})
+    assert not ckpt.list_checkpoints(str(tmp_path))
+
+
 def test_nan_loss_is_skipped_and_a_run_of_them_rolls_back(cache_dir, tmp_path):
     one = run(cache_dir, str(tmp_path / "one"), "max_steps=8", "checkpoint.interval=0",
               "nan_batches=[4]")
@@ -365,22 +472,13 @@ def test_rollback_without_a_checkpoint_says_so(cache_dir, tmp_path):
 def test_sigterm_saves_a_checkpoint_and_exits(cache_dir, tmp_path):
     out = str(tmp_path)
     args = tiny(cache_dir, out, "max_steps=100000", "checkpoint.interval=0")
-    proc = subprocess.Popen([sys.executable, "-m", "fastllm", "train", *args], cwd=ROOT,
-                            env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    try:
-        wait_for_steps(proc, os.path.join(out, "metrics.jsonl"), 3)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-    text = proc.stdout.read().decode(errors="replace")
-    assert rc == 0, text
+    # SIGTERM arrives after step 3: step 4 sees it, saves checkpoint-4 and stops
+    done = train_cli(args, "sigterm_after_step=3")
+    text = text_of(done)
+    assert done.returncode == 0, text[-3000:]
     assert "SIGTERM received" in text
     step, path = ckpt.latest_valid(out)
-    assert step == read_metrics(os.path.join(out, "metrics.jsonl"))[-1]["step"] >= 3
+    assert step == read_metrics(os.path.join(out, "metrics.jsonl"))[-1]["step"] == 4
 
 
 # ----- report, CLI -----

@@ -3,9 +3,13 @@ sha256 checksums, written to a temporary folder, fsynced, then renamed into plac
 
 A crash while writing leaves a `.tmp-checkpoint-*` folder that is never read (and is removed by
 the next run); a checkpoint whose files do not match its manifest is refused with the reason, and
-the next older one is used.
+the next older one is used. The manifest must list every file the loader reads (trainer_state.pt,
+optimizer.pt, and model.pt or the adapter's two files) with its size and sha256; a manifest of
+any other shape is an invalid checkpoint, never a crash. Every .pt file is read with
+torch.load(weights_only=True): a checkpoint holds tensors and plain containers, no code.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -14,6 +18,8 @@ import shutil
 import uuid
 
 import torch
+
+from fastllm.train import faults
 
 __all__ = ["CheckpointError", "save", "verify", "latest_valid", "list_checkpoints", "prune",
            "load_file", "MANIFEST"]
@@ -59,7 +65,16 @@ def save(output_dir, step, writers):
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     for name, write in writers.items():
-        write(os.path.join(tmp, name))
+        target = os.path.join(tmp, name)
+        try:
+            write(target)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise CheckpointError(f"no space left on device (ENOSPC) while writing {target} "
+                                      f"of checkpoint-{step}; free space in {output_dir} (the "
+                                      f"previous checkpoints are intact)") from e
+            raise
+        faults.after_checkpoint_file()
     entries = {}
     for rel in _files(tmp):
         full = os.path.join(tmp, rel)
@@ -84,16 +99,46 @@ def save(output_dir, step, writers):
     return final
 
 
-def verify(path):
-    """Raise CheckpointError (saying what is wrong) unless every file matches the manifest."""
+# The files load_checkpoint reads: all of REQUIRED and one of the model alternatives.
+REQUIRED = ("trainer_state.pt", "optimizer.pt")
+MODEL_FILES = (("model.pt",), ("adapter/adapter_model.safetensors", "adapter/adapter_config.json"))
+
+
+def _read_manifest(path):
+    """The manifest's {relative name: {"bytes": int, "sha256": str}}, or CheckpointError."""
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest):
         raise CheckpointError(f"{path} has no {MANIFEST} (an incomplete write?)")
     try:
         with open(manifest) as f:
-            entries = json.load(f)["files"]
-    except (ValueError, KeyError) as e:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}/{MANIFEST} is unreadable: {e}") from None
+    entries = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{path}/{MANIFEST} is malformed: 'files' must be a mapping of "
+                              f"file name to size and sha256")
+    for rel, meta in entries.items():
+        parts = rel.replace("\\", "/").split("/")
+        if os.path.isabs(rel) or ".." in parts:
+            raise CheckpointError(f"{path}/{MANIFEST} names {rel!r}, outside the checkpoint")
+        if not (isinstance(meta, dict) and type(meta.get("bytes")) is int
+                and isinstance(meta.get("sha256"), str)):
+            raise CheckpointError(f"{path}/{MANIFEST} is malformed: the entry of {rel!r} needs "
+                                  f"an integer 'bytes' and a string 'sha256', got {meta!r}")
+    missing = [r for r in REQUIRED if r not in entries]
+    if not any(all(r in entries for r in alt) for alt in MODEL_FILES):
+        missing.append(" or ".join("+".join(alt) for alt in MODEL_FILES))
+    if missing:
+        raise CheckpointError(f"{path}/{MANIFEST} does not list {', '.join(missing)}, which the "
+                              f"loader reads (every file read must be checksummed)")
+    return entries
+
+
+def verify(path):
+    """Raise CheckpointError (saying what is wrong) unless the manifest is well formed, lists
+    every file the loader reads, and every listed file matches its size and sha256."""
+    entries = _read_manifest(path)
     for rel, meta in entries.items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
@@ -130,10 +175,13 @@ def latest_valid(output_dir, log=print):
     return None
 
 
-def prune(output_dir, keep_last):
-    """Delete all but the newest keep_last checkpoints, and leftovers of interrupted writes."""
+def prune(output_dir, keep_last, keep=None):
+    """Delete all but the newest keep_last checkpoints, and leftovers of interrupted writes.
+    `keep` (the path just saved) is never deleted, whatever its step."""
+    kept = os.path.abspath(keep) if keep is not None else None
     for _, path in list_checkpoints(output_dir)[keep_last:]:
-        shutil.rmtree(path, ignore_errors=True)
+        if os.path.abspath(path) != kept:
+            shutil.rmtree(path, ignore_errors=True)
     remove_partial(output_dir)
 
 
@@ -146,7 +194,9 @@ def remove_partial(output_dir):
 
 
 def save_file(obj, path):
-    torch.save(obj, path)
+    # Through a Python file: a full disk is OSError(ENOSPC), not torch's "unexpected pos".
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def load_file(path):

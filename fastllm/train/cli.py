@@ -4,6 +4,7 @@
     fastllm report RUN_DIR [--out PATH.png]
 """
 
+import argparse
 import copy
 import sys
 
@@ -17,7 +18,8 @@ def add_train_commands(sub):
     p.add_argument("--compare", default=None, choices=["torch"],
                    help="also run the same model, data and seed with plain PyTorch parts "
                         "(torch.optim.AdamW fused, PEFT LoRA, autocast) and compare")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
+    # REMAINDER, then _split_options: options may come after the overrides too.
+    p.add_argument("overrides", nargs=argparse.REMAINDER, metavar="key=value",
                    help="config overrides, e.g. max_steps=200 lora.r=16 checkpoint.interval=50")
     p.set_defaults(handler=_train)
     p = sub.add_parser("report", help="plot a training run's curves and time split")
@@ -27,16 +29,48 @@ def add_train_commands(sub):
     p.set_defaults(handler=_report)
 
 
-def _train(args):
-    from fastllm.train.config import ConfigError, TrainConfig
-    from fastllm.train.trainer import Trainer
+_OPTIONS = {"--config": None, "--compare": ("torch",)}
 
+
+def _split_options(args):
+    """Take --config/--compare (as `--opt value` or `--opt=value`) out of the overrides, where
+    argparse leaves them when they follow a key=value."""
+    rest = []
+    items = iter(args.overrides)
+    for item in items:
+        name, eq, value = item.partition("=")
+        if name not in _OPTIONS:
+            rest.append(item)
+            continue
+        if not eq:
+            value = next(items, None)
+            if value is None:
+                sys.exit(f"fastllm train: {name} needs a value")
+        choices = _OPTIONS[name]
+        if choices is not None and value not in choices:
+            sys.exit(f"fastllm train: {name} must be one of {', '.join(choices)}, got {value!r}")
+        setattr(args, name[2:], value)
+    args.overrides = rest
+
+
+def _train(args):
+    from fastllm.train.checkpoint import CheckpointError
+    from fastllm.train.config import ConfigError, TrainConfig
+    from fastllm.train.run_dir import RunDirError
+    from fastllm.train.trainer import Trainer
+    from fastllm.train.watchdog import CollectiveTimeout
+
+    _split_options(args)
     try:
         cfg = TrainConfig.from_args(args.overrides, args.config)
     except (ConfigError, OSError) as e:
         sys.exit(str(e))
     if args.compare is None:
-        summary = Trainer(cfg).train()
+        try:
+            summary = Trainer(cfg).train()
+        except (RunDirError, CheckpointError, CollectiveTimeout) as e:
+            # A clear one-line error and a nonzero exit (torchrun restarts on it)
+            sys.exit(str(e))
         if summary.get("status") == "stopped":
             sys.exit(0)
         return

@@ -12,12 +12,13 @@ micro-batches are the pipeline's micro-batches.
 
 import dataclasses
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
 
-__all__ = ["TrainConfig", "DataConfig", "LoraConfig", "FreezeConfig", "CheckpointConfig",
-           "ParallelConfig", "ConfigError"]
+__all__ = ["TrainConfig", "DataConfig", "LoraConfig", "FreezeConfig", "GaloreConfig",
+           "BAdamConfig", "CheckpointConfig", "ParallelConfig", "ConfigError"]
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,24 @@ class LoraConfig:
 
 
 @dataclass
+class GaloreConfig:
+    """finetune=galore: fastllm.optim.GaLoreAdamW's projected param group (the decoder layers'
+    weight matrices)."""
+    rank: int = 16                        # at most the smallest matrix side (clamped to it)
+    update_proj_gap: int = 200            # steps between projector refreshes
+    scale: float = 0.25                   # the back-projected update's factor
+    proj_type: str = "std"                # std | reverse_std | left | right
+
+
+@dataclass
+class BAdamConfig:
+    """finetune=badam: fastllm.optim.BAdam's block schedule."""
+    switch_block_every: int = 100
+    switch_mode: str = "ascending"        # ascending | descending | random
+    blocks: typing.Optional[typing.List[typing.List[str]]] = None  # name prefixes; None: per layer
+
+
+@dataclass
 class FreezeConfig:
     layers: int = 1                       # finetune=freeze trains the last N decoder layers + head
 
@@ -64,6 +83,8 @@ class ParallelConfig:
     pp: int = 1                           # pipeline stages (micro-batches: the accumulation)
     schedule: str = "1f1b"                # pipeline schedule: gpipe | 1f1b | interleaved
     sequence_parallel: bool = False       # tp > 1: norms and residual sharded on the sequence
+    timeout_s: float = 300.0              # a collective waiting longer fails its step; 0: torch's
+    init_timeout_s: float = 600.0         # the same for set-up and the first step; 0: torch's
 
 
 _MODES = ("full", "freeze", "lora", "galore", "badam")
@@ -78,15 +99,16 @@ class TrainConfig:
     model: str = "mini"                   # built-in name (tiny, mini, small, base) or an HF folder
     model_config: typing.Dict[str, typing.Any] = field(default_factory=dict)  # LlamaConfig overrides
     output_dir: str = "runs/default"
+    overwrite_output_dir: bool = False    # a fresh run may delete another run's files there
     seed: int = 0
     max_steps: int = 300
     finetune: str = "full"                # full | freeze | lora | galore | badam
     lora: LoraConfig = field(default_factory=LoraConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
-    galore: typing.Dict[str, typing.Any] = field(default_factory=dict)  # GaLoreAdamW kwargs
-    badam: typing.Dict[str, typing.Any] = field(default_factory=dict)   # BAdam kwargs
+    galore: GaloreConfig = field(default_factory=GaloreConfig)
+    badam: BAdamConfig = field(default_factory=BAdamConfig)
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr: typing.Optional[float] = None  # the cosine's floor; None: 0.1 x lr
     betas: typing.List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -128,7 +150,9 @@ class TrainConfig:
         need(self.global_batch_size >= 0, "global_batch_size must be >= 0")
         need(0.0 <= self.checkpoint_ratio <= 1.0,
              f"checkpoint_ratio must be in [0, 1], got {self.checkpoint_ratio}")
-        need(self.lr > 0 and 0 <= self.min_lr <= self.lr, "need lr > 0 and 0 <= min_lr <= lr")
+        need(math.isfinite(self.lr) and self.lr > 0, f"lr must be finite and > 0, got {self.lr}")
+        need(self.min_lr is None or 0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr="
+             f"{self.lr}] (or null: 0.1 x lr), got {self.min_lr}")
         need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
              f"betas must be two numbers in [0, 1), got {self.betas}")
         need(self.warmup_steps >= 0, "warmup_steps must be >= 0")
@@ -139,6 +163,7 @@ class TrainConfig:
         need(self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
         need(self.lora.r >= 1 and 0 <= self.lora.dropout < 1, "need lora.r >= 1 and "
              "lora.dropout in [0, 1)")
+        _validate_values(self, need)
         need(self.parallel.tp >= 1 and self.parallel.pp >= 1, "parallel.tp and pp must be >= 1")
         need(self.parallel.dp >= -1, f"parallel.dp must be >= 1 (or 0 / -1: world_size / (tp * pp)),"
              f" got {self.parallel.dp}")
@@ -181,6 +206,11 @@ class TrainConfig:
                  "global grad norm exists: set max_grad_norm=0")
             need(self.precision != "fp16", "optimizer_in_backward does not do fp16 loss scaling")
         return self
+
+    @property
+    def resolved_min_lr(self):
+        """min_lr, or 0.1 x lr where it is left null."""
+        return 0.1 * self.lr if self.min_lr is None else self.min_lr
 
     # ----- reading and writing -----
 
@@ -246,6 +276,66 @@ class TrainConfig:
             raise ConfigError(f"fastllm train: unknown config key {dotted!r}; known: {known}")
         current = getattr(target, leaf)
         setattr(target, leaf, _convert(dotted, text, current, _field_type(target, leaf)))
+
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+def _validate_values(cfg, need):
+    """Ranges of the values validate() does not check inline, each error naming its key."""
+    need(cfg.device in _DEVICES, f"device must be one of {_DEVICES}, got {cfg.device!r}")
+    if cfg.device == "cuda":
+        import torch
+
+        need(torch.cuda.is_available(), f"device=cuda but torch.cuda.is_available() is False "
+             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use device=cpu "
+             f"or auto")
+    need(cfg.threads >= 0, f"threads must be >= 0 (0: torch's default), got {cfg.threads}")
+    need(cfg.freeze.layers >= 1, f"freeze.layers must be >= 1 (the last N decoder layers "
+         f"train), got {cfg.freeze.layers}")
+    need(cfg.lora.layers >= 0, f"lora.layers must be >= 0 (0: all layers), got "
+         f"{cfg.lora.layers}")
+    need(math.isfinite(cfg.lora.alpha) and cfg.lora.alpha > 0, f"lora.alpha must be finite and "
+         f"> 0, got {cfg.lora.alpha}")
+    need(cfg.log_interval >= 1, f"log_interval must be >= 1, got {cfg.log_interval}")
+    need(math.isfinite(cfg.eps) and cfg.eps >= 0, f"eps must be finite and >= 0, got {cfg.eps}")
+    need(math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, f"weight_decay must be "
+         f"finite and >= 0, got {cfg.weight_decay}")
+    need(math.isfinite(cfg.max_grad_norm), f"max_grad_norm must be finite, got "
+         f"{cfg.max_grad_norm}")
+    for key in ("timeout_s", "init_timeout_s"):
+        value = getattr(cfg.parallel, key)
+        need(math.isfinite(value) and value >= 0, f"parallel.{key} must be finite and >= 0 (0: "
+             f"torch's default), got {value}")
+    need(cfg.data.path is None or cfg.data.path.strip() != "", "data.path is empty: give a "
+         "text file or folder, or null for the built-in corpus")
+    if cfg.data.path is not None and os.path.exists(cfg.data.path):
+        need(os.path.isfile(cfg.data.path) or os.path.isdir(cfg.data.path),
+             f"data.path {cfg.data.path} is not a regular file or folder (a device or pipe?)")
+    need(cfg.data.vocab_size >= 2, f"data.vocab_size must be >= 2, got {cfg.data.vocab_size}")
+    need(cfg.data.prefetch >= 0, f"data.prefetch must be >= 0, got {cfg.data.prefetch}")
+    g = cfg.galore
+    need(g.rank >= 1, f"galore.rank must be >= 1, got {g.rank}")
+    need(g.update_proj_gap >= 1, f"galore.update_proj_gap must be >= 1, got {g.update_proj_gap}")
+    need(math.isfinite(g.scale) and g.scale > 0, f"galore.scale must be finite and > 0, got "
+         f"{g.scale}")
+    need(g.proj_type in ("std", "reverse_std", "left", "right"), f"galore.proj_type must be one "
+         f"of std, reverse_std, left, right, got {g.proj_type!r}")
+    b = cfg.badam
+    need(b.switch_block_every >= 1, f"badam.switch_block_every must be >= 1, got "
+         f"{b.switch_block_every}")
+    need(b.switch_mode in ("ascending", "descending", "random"), f"badam.switch_mode must be "
+         f"ascending, descending or random, got {b.switch_mode!r}")
+    need(b.blocks is None or (b.blocks and all(b.blocks)), f"badam.blocks must be null or a "
+         f"non-empty list of non-empty lists of name prefixes, got {b.blocks!r}")
+    if cfg.model_config:
+        need(not os.path.isdir(cfg.model), f"model_config applies to the built-in models; "
+             f"model={cfg.model} is a folder whose config.json is used as it is")
+        from transformers import LlamaConfig
+
+        known = set(LlamaConfig().to_dict())
+        unknown = sorted(k for k in cfg.model_config if k not in known)
+        need(not unknown, f"unknown model_config key(s) {unknown} (not LlamaConfig fields)")
 
 
 def _field_names(obj):

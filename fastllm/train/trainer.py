@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fastllm.train import checkpoint as ckpt
+from fastllm.train import faults, run_dir, watchdog
 from fastllm.train.config import TrainConfig
 from fastllm.train.memory import PeakMemory
 from fastllm.train.data import Loader, PackedDataset, build_tokenizer, load_text, tokenize_to_file
@@ -77,7 +78,8 @@ def lr_at(cfg, step):
         return cfg.lr * step / cfg.warmup_steps
     span = max(1, cfg.max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    min_lr = cfg.resolved_min_lr
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 class _CommTimer:
@@ -110,7 +112,8 @@ class Trainer:
         want_cuda = self.cfg.device == "cuda" or (self.cfg.device == "auto"
                                                   and torch.cuda.is_available())
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if want_cuda else "gloo")
+            dist.init_process_group("nccl" if want_cuda else "gloo",
+                                    timeout=watchdog.pg_timeout(self.cfg))
             self._owns_pg = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -220,7 +223,7 @@ class Trainer:
         if cfg.optim == "adamw_bf16":
             opt_kw["state_dtype"] = torch.bfloat16
         if cfg.finetune in ("galore", "badam"):
-            self.optimizer = _compression_optimizer(cfg, self.model, groups, kw)
+            self.optimizer = _compression_optimizer(cfg, self.model, groups, opt_kw)
         elif self.strategy in ("zero1", "zero2"):
             try:
                 from fastllm.distributed import DistributedOptimizer
@@ -392,7 +395,7 @@ class Trainer:
             else:
                 writers["model.pt"] = lambda p: ckpt.save_file(model_state, p)
             path = ckpt.save(cfg.output_dir, self.step, writers)
-            ckpt.prune(cfg.output_dir, cfg.checkpoint.keep_last)
+            ckpt.prune(cfg.output_dir, cfg.checkpoint.keep_last, keep=path)
             self.log(f"fastllm train: saved {path}")
         self._barrier()
         self.last_saved = self.step
@@ -625,9 +628,11 @@ class Trainer:
     def train(self):
         """Run to cfg.max_steps (or a stop signal). Returns the run summary (a dict)."""
         self._setup_distributed()
+        self._run_lock = None
         try:
             return self._train()
         finally:
+            run_dir.release(self._run_lock)
             loader = getattr(self, "loader", None)
             if loader is not None:
                 loader.close()
@@ -637,8 +642,7 @@ class Trainer:
     def _train(self):
         cfg = self.cfg
         if self.rank == 0:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-            ckpt.remove_partial(cfg.output_dir)
+            self._run_lock = run_dir.prepare(cfg, self.log)
             cfg.save(cfg.output_dir)
         self._barrier()
         self._build_data()
@@ -706,6 +710,7 @@ class Trainer:
         status = "completed"
         try:
             while self.step < cfg.max_steps:
+                faults.before_step(self.step + 1)
                 t_start = time.perf_counter()
                 step_index = self.position // self.global_batch
                 micro, data_wait = self.loader.next_step()
@@ -788,6 +793,10 @@ class Trainer:
                     self.log(f"fastllm train: {name} received: saved checkpoint-{self.step} "
                              f"and stopped")
                     break
+                watchdog.after_step(cfg)
+                faults.after_step(self.step)
+        except RuntimeError as e:
+            watchdog.reraise(e, self.step, cfg)
         finally:
             self._restore_signal_handlers()
             writer.close()
@@ -884,9 +893,11 @@ def _compression_optimizer(cfg, model, groups, kw):
     scale, proj_type) and everything else in plain AdamW groups. finetune=badam: BAdam over the
     model's named parameters, one block per layer (cfg.badam: switch_block_every, switch_mode,
     blocks)."""
+    import dataclasses
+
     import fastllm
 
-    options = dict(getattr(cfg, cfg.finetune))
+    options = dataclasses.asdict(getattr(cfg, cfg.finetune))
     if cfg.finetune == "badam":
         return fastllm.optim.BAdam(model.named_parameters(), weight_decay=cfg.weight_decay,
                                    **kw, **options)

@@ -1,0 +1,103 @@
+"""The run folder (output_dir) of one `fastllm train` run: an exclusive lock, and the rules for
+a fresh run into a folder that already holds one.
+
+    lock = run_dir.prepare(cfg, log)   # rank 0, before anything is written
+    ...
+    run_dir.release(lock)
+
+The lock is `fcntl.flock` on output_dir/.lock, held for the run's life (the OS drops it when the
+process dies, so a crashed run never leaves a stale lock); the file holds the holder's PID, which
+a refused second run names. Only rank 0 of a job takes it (the other ranks write nothing there).
+
+A fresh run (checkpoint.auto_resume=false) into a folder that holds checkpoints or metrics of
+another run is refused unless overwrite_output_dir=true (Hugging Face's name), which clears them
+first; otherwise their checkpoints would be pruned instead of the new run's and their metrics
+lines mixed with the new ones.
+"""
+
+import errno
+import fcntl
+import os
+import shutil
+
+from fastllm.train import checkpoint as ckpt
+
+__all__ = ["RunDirError", "lock", "prepare", "release", "previous_run"]
+
+LOCK = ".lock"
+# What a run leaves besides checkpoint-<step>/ folders.
+_RUN_FILES = ("metrics.jsonl", "summary.json", "report.png")
+
+
+class RunDirError(RuntimeError):
+    """The output_dir is in use by another run, or holds one that would be destroyed."""
+
+
+def lock(output_dir):
+    """Take the exclusive lock on output_dir/.lock and write this PID into it; returns the open
+    file (keep it open for the run). Raises RunDirError naming the holder's PID if it is taken."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            f.close()
+            raise
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirError(f"fastllm train: output_dir {output_dir} is in use by another fastllm "
+                          f"train run (PID {holder}, holding {path}); wait for it to finish or "
+                          f"pick another output_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def release(handle):
+    """Drop the lock taken by lock() (closing the file releases the flock)."""
+    if handle is not None and not handle.closed:
+        handle.close()
+
+
+def previous_run(output_dir):
+    """The checkpoint folders and run files another run left in output_dir (names, sorted)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [os.path.basename(p) for _, p in ckpt.list_checkpoints(output_dir)]
+    found += [n for n in _RUN_FILES if os.path.exists(os.path.join(output_dir, n))]
+    return sorted(found)
+
+
+def prepare(cfg, log=print):
+    """Rank 0 at the start of a run: lock output_dir, refuse (or with overwrite_output_dir
+    clear) another run's checkpoints and metrics when this run starts fresh, remove leftovers
+    of interrupted checkpoint writes. Returns the lock handle for release()."""
+    handle = lock(cfg.output_dir)
+    try:
+        if not cfg.checkpoint.auto_resume:
+            old = previous_run(cfg.output_dir)
+            if old and not cfg.overwrite_output_dir:
+                raise RunDirError(
+                    f"fastllm train: output_dir {cfg.output_dir} holds another run "
+                    f"({', '.join(old[:4])}{', ...' if len(old) > 4 else ''}) and "
+                    f"checkpoint.auto_resume=false starts a fresh one: set "
+                    f"overwrite_output_dir=true to delete it, or pick another output_dir")
+            if old:
+                for name in old:
+                    full = os.path.join(cfg.output_dir, name)
+                    if os.path.isdir(full):
+                        shutil.rmtree(full)
+                    else:
+                        os.remove(full)
+                log(f"fastllm train: overwrite_output_dir=true: removed {len(old)} entries of "
+                    f"the previous run in {cfg.output_dir}")
+        ckpt.remove_partial(cfg.output_dir)
+    except BaseException:
+        release(handle)
+        raise
+    return handle
