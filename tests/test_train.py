@@ -587,6 +587,39 @@ def test_two_processes_resume_at_world_size_one(cache_dir, reference, tmp_path, 
     torch.testing.assert_close(losses(out), losses(reference), rtol=1e-4, atol=0)
 
 
+def test_a_hung_peer_fails_its_step_with_a_named_timeout(cache_dir, tmp_path):
+    """Rank 1 SIGSTOPs itself before step 3 (fault injection): rank 0's collective times out
+    after parallel.timeout_s, the error names the step and the collective, and rank 0 exits
+    nonzero (what torchrun --max-restarts restarts on)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = tiny(cache_dir, str(tmp_path), "max_steps=6", "checkpoint.interval=0",
+                "parallel.timeout_s=4")
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = dict(subprocess_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       FASTLLM_FAULT="sigstop_before_step=3,rank=1")
+            procs.append(subprocess.Popen([sys.executable, "-m", "fastllm", "train", *args],
+                                          cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT))
+        out, _ = procs[0].communicate(timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    text = out.decode(errors="replace")
+    assert procs[0].returncode not in (0, None), text[-3000:]
+    assert "step 3:" in text and "timed out after parallel.timeout_s=4 s" in text, text[-3000:]
+    assert "torchrun --max-restarts" in text
+    assert len(losses(str(tmp_path))) == 2
+
+
 def _has_distributed_optimizer():
     try:
         from fastllm.distributed import DistributedOptimizer  # noqa: F401
