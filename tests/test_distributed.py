@@ -194,7 +194,7 @@ def world2(rank, world, folder):
     r["ddp"] = run_ddp(rank, world, torch.float32)
     r["ddp_bf16_master"] = run_ddp(rank, world, torch.bfloat16, master_weights=True,
                                    max_grad_norm=0.5)
-    model, opt, _ = run_dist_opt(rank, world, torch.float32, stage=1)
+    model, opt, _ = run_dist_opt(rank, world, torch.float32, stage=1, overlap_param_gather=True)
     r["zero1"] = params_of(model, opt)
     r["zero1_shard_numel"] = opt.shard_numel()
     model, opt, _ = run_dist_opt(rank, world, torch.float32, stage=2, micro=2, max_grad_norm=0.5)
@@ -318,6 +318,7 @@ def resume(rank, world, folder):
     _, _, r["zero_losses"] = run_dist_opt(rank, world, torch.float32, stage, model=model,
                                           opt=opt, start=HALF)
     r["zero_params"] = params_of(model, opt)
+    r["refused"] = refused_states(ckpt["optim"])
 
     model = fsdp_model() if world > 1 else Net()
     opt = fastllm.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -333,6 +334,35 @@ def resume(rank, world, folder):
         r["zero3_stage2"] = params_of(*run_dist_opt(rank, world, torch.float32, stage=2)[:2])
         r["failure"] = failing_rank(rank, folder)
     return r
+
+
+def refused_states(good):
+    """Bad states are refused before anything changes; after step() the params are current."""
+    import copy
+
+    model = Net()
+    opt = DistributedOptimizer(model, stage=2, lr=LR, timeout=60)
+    out = {"overlap_default": opt.overlap_param_gather}
+    bad = copy.deepcopy(good)
+    for entry in bad["state"].values():
+        entry.pop("exp_avg_sq")
+    before = copy.deepcopy(opt.state_dict())
+    for name, call in (("no_exp_avg_sq", lambda: opt.load_state_dict(bad)),
+                       ("empty_shards", lambda: opt.load_sharded_state_dict([]))):
+        try:
+            call()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    out["unchanged"] = repr(opt.state_dict()) == repr(before)
+    x, y = batch(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn(model, x, y).backward()
+    opt.step()
+    # no forward since step(): read through model.parameters(), the params are this step's
+    out["params_current_after_step"] = all(not torch.equal(a, p) for a, p in
+                                           zip(before, model.parameters()))
+    return out
 
 
 def failing_rank(rank, folder):
@@ -513,6 +543,34 @@ def test_mismatched_models_name_the_parameter(runs):
     for rank_result in runs[2]:
         assert rank_result["mismatch"] is not None
         assert "fc2.weight" in rank_result["mismatch"]
+
+
+@pytest.mark.parametrize("world", [3, 1])
+def test_bad_states_are_refused_and_params_current_after_step(runs, world):
+    for rank_result in runs[world]:
+        r = rank_result["refused"]
+        assert "lacks ['exp_avg_sq']" in r["no_exp_avg_sq"], r
+        assert "no state" in r["empty_shards"], r
+        assert r["unchanged"] and r["overlap_default"] is False
+        assert r["params_current_after_step"]
+
+
+def test_checkpoint_load_never_runs_code(tmp_path):
+    """fastllm.distributed.checkpoint.load reads with weights_only=True: a pickle whose
+    __reduce__ would run code is refused, and the code does not run."""
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "x": Payload()}, path)
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        load(path)
+    assert not marker.exists()
+    save_atomic({"w": torch.ones(3), "step": 4, "names": ["a"]}, tmp_path / "ok.pt")
+    assert load(tmp_path / "ok.pt")["step"] == 4
 
 
 def test_failing_rank_is_named_within_the_timeout(runs):

@@ -1,5 +1,6 @@
 """Atomic checkpoint files: written under a temporary name, fsynced, renamed into place, so a
-half-written checkpoint is never picked up (a crash leaves the previous file or none)."""
+half-written checkpoint is never picked up (a crash leaves the previous file or none). load()
+never runs code from the file (torch.load with weights_only=True)."""
 
 import os
 import tempfile
@@ -37,8 +38,12 @@ def save_atomic(obj, path):
 
 
 def load(path, map_location="cpu"):
-    """torch.load of a file written by save_atomic (never a temporary)."""
-    return torch.load(os.fspath(path), map_location=map_location, weights_only=False)
+    """torch.load of a file written by save_atomic (never a temporary), with weights_only=True:
+    tensors, numbers, strings and plain containers load; a pickle that would run code (a
+    `__reduce__` of any other type) is refused with torch's UnpicklingError. fastllm's own
+    state holds nothing else; a type of your own in the saved object needs
+    torch.serialization.add_safe_globals([YourType]) before load."""
+    return torch.load(os.fspath(path), map_location=map_location, weights_only=True)
 
 
 class _ignore:

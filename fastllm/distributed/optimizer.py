@@ -116,8 +116,11 @@ class DistributedOptimizer:
         bucket_cap_mb: bucket size limit in MiB of param dtype.
         overlap_grad_reduce: start each bucket's reduction from the grad hooks during backward
             (False: all at step()).
-        overlap_param_gather: after step(), all-gather asynchronously and let the next forward
-            wait per module (False: wait at the end of step()).
+        overlap_param_gather: opt-in (default False, as Megatron's): after step(), all-gather
+            asynchronously and let the next forward wait per module. Until that forward (or
+            finish_param_sync(), or model.state_dict()) the params read any other way, e.g.
+            model.parameters() for an EMA or a metric, are the previous step's. False: step()
+            returns with every param updated.
         timeout: seconds or timedelta; a collective that does not finish in time raises
             fastllm.distributed.DistributedFailure naming the rank that failed.
         grad_compression: a fastllm.distributed.PowerSGD (None: exact reduction). Its
@@ -150,7 +153,7 @@ class DistributedOptimizer:
     """
 
     def __init__(self, model, optimizer_class=None, stage=2, process_group=None,
-                 bucket_cap_mb=25, overlap_grad_reduce=True, overlap_param_gather=True,
+                 bucket_cap_mb=25, overlap_grad_reduce=True, overlap_param_gather=False,
                  timeout=None, grad_compression=None, **optimizer_kwargs):
         from fastllm.optim.galore import GaLoreAdamW
 
@@ -289,6 +292,14 @@ class DistributedOptimizer:
                     buckets = sorted({self._where[id(p)][0].index for p in own})
                     self._forward_hooks.append(module.register_forward_pre_hook(
                         self._make_gather_waiter([self.buckets[i] for i in buckets])))
+
+    @property
+    def _required_state(self):
+        """The per-param state keys a loaded entry must hold: Adam's moments for the AdamW
+        family (whose step() would fail on a state without them), nothing otherwise."""
+        if "Adam" in type(self.optimizer).__name__:
+            return ("step", "exp_avg", "exp_avg_sq")
+        return ()
 
     # construction ------------------------------------------------------------------------------
     def _check_same_model(self, named):
@@ -629,7 +640,14 @@ class DistributedOptimizer:
                     raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state of "
                                      f"{self.param_names[i]} has no GaLore projector")
                 continue
-            for key, value in saved.get(pid_of[id(p)], {}).items():
+            entry = saved.get(pid_of[id(p)], {})
+            missing = [k for k in self._required_state if entry and k not in entry]
+            if missing:
+                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state of "
+                                 f"{self.param_names[i]} lacks {missing}, which "
+                                 f"{type(self.optimizer).__name__} needs (another optimizer's "
+                                 f"state_dict?)")
+            for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and key != "step" and value.shape != p.shape:
                     raise ValueError(f"fastllm.distributed.DistributedOptimizer: state '{key}' of "
                                      f"{self.param_names[i]} has shape {tuple(value.shape)}, the "
@@ -706,6 +724,9 @@ class DistributedOptimizer:
                 a, c = (int(v) for v in span.rstrip("]").split(":"))
                 ranges.setdefault(name, []).append((a, c, st))
         numel = {n: p.numel() for n, p in zip(self.param_names, self.params)}
+        if numel and not ranges:
+            raise ValueError("fastllm.distributed.DistributedOptimizer.load_sharded_state_dict: "
+                             "the shards hold no state (an empty list?)")
         for name, spans in ranges.items():
             if name not in numel:
                 raise ValueError(f"fastllm.distributed.DistributedOptimizer: the sharded state "

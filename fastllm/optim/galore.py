@@ -38,6 +38,15 @@ process would. Between refreshes, with the rows sharded:
       its rows P_local N of the update.
 Under fastllm.distributed.DistributedOptimizer, see its docstring (projected params are
 all-reduced and updated whole on every rank).
+
+Every step first takes the global grad norm (one fastllm::l2norm pass; over the mesh for
+DTensor grads). A step whose grads hold an inf or nan changes nothing: no param, moment,
+projector or step count moves, `step_skipped` is True and `skipped_steps` counts it, as
+fastllm.optim.AdamW with its mixed-precision options. The keyword-only options are AdamW's:
+max_grad_norm clips by that norm, loss_scaler (a fastllm.amp.LossScaler) unscales the grads
+inside the step and is updated by it, master_weights keeps an fp32 copy (state 'master_param')
+of every bf16/fp16 param and steps that. torch.amp.GradScaler works as with any optimizer
+(it unscales the grads and skips step() on inf/nan itself).
 """
 
 import math
@@ -45,15 +54,20 @@ import math
 import torch
 import torch.distributed as dist
 
-from fastllm.distributed._dtensor import is_dtensor, local
+from fastllm.amp import LossScaler
+from fastllm.distributed._dtensor import global_grad_norm, is_dtensor, local
 from fastllm.ops.adamw import adamw_step
+from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.ops.galore_adam_step import galore_adam_step, low_rank_adam_update_
+from fastllm.ops.l2norm import l2norm
 from fastllm.ops.orthogonalize import orthogonalize
 
 __all__ = ["GaLoreAdamW", "range_finder"]
 
 _PROJ_TYPES = ("std", "reverse_std", "left", "right")
-_LOW_RANK_KEYS = ("exp_avg", "exp_avg_sq", "projector")
+_LOW_RANK_KEYS = ("exp_avg", "exp_avg_sq", "projector", "master_param")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_GROUP_KEYS = ("rank", "update_proj_gap", "scale", "proj_type")
 
 
 def range_finder(a, rank, previous=None, power_iters=2, generator=None):
@@ -86,11 +100,13 @@ class GaLoreAdamW(torch.optim.Optimizer):
     Args: params (iterable of tensors or param groups; groups may set rank, update_proj_gap,
     scale, proj_type), lr, betas, eps, weight_decay as torch.optim.AdamW (defaults as
     galore-torch: eps 1e-6, weight_decay 0); correct_bias must stay True (galore-torch's flag);
-    power_iters: power iterations per projector refresh; seed: seeds the first projectors.
+    power_iters: power iterations per projector refresh; seed: seeds the first projectors;
+    max_grad_norm, loss_scaler, master_weights: as fastllm.optim.AdamW (module docstring).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
-                 correct_bias=True, no_deprecation_warning=True, *, power_iters=2, seed=0):
+                 correct_bias=True, no_deprecation_warning=True, *, power_iters=2, seed=0,
+                 max_grad_norm=None, loss_scaler=None, master_weights=False):
         if not correct_bias:
             raise ValueError("fastllm.optim.GaLoreAdamW: correct_bias=False is not supported")
         if not (math.isfinite(lr) and lr >= 0):
@@ -102,25 +118,53 @@ class GaLoreAdamW(torch.optim.Optimizer):
         if not (isinstance(power_iters, int) and power_iters >= 1):
             raise ValueError(f"fastllm.optim.GaLoreAdamW: power_iters must be an int >= 1, got "
                              f"{power_iters!r}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        if max_grad_norm is not None:
+            max_grad_norm = float(max_grad_norm)
+            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+                raise ValueError(f"fastllm.optim.GaLoreAdamW: max_grad_norm must be finite and "
+                                 f"> 0, got {max_grad_norm}")
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(f"fastllm.optim.GaLoreAdamW: loss_scaler must be a "
+                            f"fastllm.amp.LossScaler, got {type(loss_scaler).__name__}")
         self.power_iters = power_iters
         self.seed = seed
-        for gi, group in enumerate(self.param_groups):
-            if "rank" not in group:
-                continue
+        self.max_grad_norm = max_grad_norm
+        self.loss_scaler = loss_scaler
+        self.master_weights = bool(master_weights)
+        self.grad_norm = None
+        self.step_skipped = False
+        self.skipped_steps = 0
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        """torch's add_param_group, with a `rank` group's GaLore keys defaulted and checked
+        before the group is added (torch.optim.Optimizer.__init__ calls it for every group)."""
+        gi = len(self.param_groups)
+        if isinstance(param_group, dict) and "rank" in param_group:
+            group = param_group
             group.setdefault("update_proj_gap", 200)
             group.setdefault("scale", 0.25)
             group.setdefault("proj_type", "std")
-            if not (isinstance(group["rank"], int) and group["rank"] >= 1):
+            if not (isinstance(group["rank"], int) and not isinstance(group["rank"], bool)
+                    and group["rank"] >= 1):
                 raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: rank must be an "
                                  f"int >= 1, got {group['rank']!r}")
             if not (isinstance(group["update_proj_gap"], int) and group["update_proj_gap"] >= 1):
                 raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: update_proj_gap "
                                  f"must be an int >= 1, got {group['update_proj_gap']!r}")
+            if not (isinstance(group["scale"], (int, float)) and math.isfinite(group["scale"])):
+                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: scale must be a "
+                                 f"finite number, got {group['scale']!r}")
             if group["proj_type"] not in _PROJ_TYPES:
                 raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: proj_type "
                                  f"{group['proj_type']!r} is not one of {_PROJ_TYPES}")
+        elif isinstance(param_group, dict):
+            stray = [k for k in _GROUP_KEYS if k in param_group]
+            if stray:
+                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi} sets {stray} "
+                                 f"without 'rank' (only rank groups are projected)")
+        super().add_param_group(param_group)
 
     @staticmethod
     def _left(group, p):
@@ -158,6 +202,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate()
+        factor = self._grad_factor()
+        if factor is None:  # inf/nan: nothing changes
+            return loss
         index = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -167,29 +214,83 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if not self._projected(group, p):
-                    plain.setdefault((p.device, p.dtype), []).append(p)
+                    plain.setdefault((p.device, p.dtype, self._has_master(p)), []).append(p)
                     continue
-                self._projected_step(group, p, index - 1, beta1, beta2)
-            for params in plain.values():
+                self._projected_step(group, p, index - 1, beta1, beta2, factor)
+            for (device, _, master), params in plain.items():
                 states = [self._plain_state(p) for p in params]
                 for s in states:
                     s["step"] += 1
+                hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"])
+                # the kernels divide by grad_scale: 1 / factor folds unscaling and clipping
+                scale = (None if factor == 1.0 else
+                         torch.tensor(1.0 / factor, dtype=torch.float32, device=device))
                 # DTensors (FSDP2): the elementwise update runs on the local shards.
+                if master:
+                    adamw_master_step([local(p) for p in params], [local(p.grad) for p in params],
+                                      [s["master_param"] for s in states],
+                                      [s["exp_avg"] for s in states],
+                                      [s["exp_avg_sq"] for s in states], [],
+                                      [s["step"] for s in states], grad_scale=scale, **hyper)
+                    continue
                 adamw_step([local(p) for p in params], [local(p.grad) for p in params],
                            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                           [], [s["step"] for s in states], lr=group["lr"], beta1=beta1,
-                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+                           [], [s["step"] for s in states], grad_scale=scale, **hyper)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=False)
         return loss
+
+    def _has_master(self, p):
+        return self.master_weights and p.dtype in _LOW_PRECISION
+
+    def _grad_factor(self):
+        """The global grad norm (unscaled, before clipping) into self.grad_norm; returns the
+        factor each grad is multiplied by in the update (1 / loss scale x clip coefficient), or
+        None when the norm is inf/nan: then the step is recorded as skipped (and the loss
+        scaler backs off) before anything changed."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        scale = self.loss_scaler.get_scale() if self.loss_scaler is not None else 1.0
+        if not grads:
+            self.grad_norm, self.step_skipped = None, False
+            return 1.0
+        if any(is_dtensor(g) for g in grads):
+            norm = global_grad_norm(grads, l2norm)
+        else:
+            by_device = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            norms = [l2norm(gs).to(grads[0].device) for gs in by_device.values()]
+            norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+        norm = norm / scale
+        self.grad_norm = norm
+        value = float(norm)  # the step already reads the step count back each matrix
+        self.step_skipped = not math.isfinite(value)
+        if self.step_skipped:
+            self.skipped_steps += 1
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(found_inf=True)
+            return None
+        factor = 1.0 / scale
+        if self.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_'s coefficient
+            factor *= min(1.0, self.max_grad_norm / (value + 1e-6))
+        return factor
 
     def _plain_state(self, p):
         state = self.state[p]
         if not state:
+            fp32 = self._has_master(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(local(p), memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(local(p), memory_format=torch.contiguous_format)
+            zeros = (lambda: torch.zeros_like(local(p), dtype=torch.float32)) if fp32 else (
+                lambda: torch.zeros_like(local(p), memory_format=torch.contiguous_format))
+            state["exp_avg"] = zeros()
+            state["exp_avg_sq"] = zeros()
+            if fp32:
+                state["master_param"] = local(p).detach().float().contiguous()
         return state
 
-    def _projected_step(self, group, p, index, beta1, beta2):
+    def _projected_step(self, group, p, index, beta1, beta2, factor=1.0):
         state = self.state[p]
         rows, cols = p.shape
         left = self._left(group, p)
@@ -204,6 +305,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
             low_shape = (rank, cols) if left else ((local_rows if sharded else rows), rank)
             state["exp_avg"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
             state["exp_avg_sq"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
+            if self._has_master(p):
+                state["master_param"] = local(p).detach().float().contiguous()
         step = int(state["step"].item())
         if "projector" not in state or step % group["update_proj_gap"] == 0:
             if sharded:
@@ -216,45 +319,110 @@ class GaLoreAdamW(torch.optim.Optimizer):
             state["projector"] = range_finder(a, rank, previous, self.power_iters,
                                               generator).to(opmath).contiguous()
         state["step"] += 1
+        master = state.get("master_param")
         if sharded:
             self._row_sharded_step(group, p, state, step + 1, left, beta1, beta2, offset,
-                                   local_rows, process_group)
+                                   local_rows, process_group, factor, master)
             return
-        galore_adam_step(p, grad, state["projector"], state["exp_avg"], state["exp_avg_sq"],
-                         step=step + 1, left=left, lr=group["lr"], beta1=beta1, beta2=beta2,
-                         eps=group["eps"], weight_decay=group["weight_decay"],
-                         scale=group["scale"])
+        target = p if master is None else master
+        grad = grad.to(target.dtype) if factor == 1.0 else (grad.to(target.dtype) * factor)
+        galore_adam_step(target, grad.contiguous(), state["projector"], state["exp_avg"],
+                         state["exp_avg_sq"], step=step + 1, left=left, lr=group["lr"],
+                         beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], scale=group["scale"])
+        if master is not None:
+            p.copy_(master)
 
     @staticmethod
     def _row_sharded_step(group, p, state, step, left, beta1, beta2, offset, local_rows,
-                          process_group):
-        """The projected step on this rank's rows [offset, offset + local_rows) of a DTensor."""
+                          process_group, factor=1.0, master=None):
+        """The projected step on this rank's rows [offset, offset + local_rows) of a DTensor
+        (on its fp32 master rows when there is one); grads times `factor`."""
         param, grad = p.to_local(), p.grad.to_local()
+        target = param if master is None else master
         proj = state["projector"]
         hyper = dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"], scale=group["scale"])
         if not left:  # G P, its moments and P N^T are row-local
-            galore_adam_step(param, grad.contiguous(), proj, state["exp_avg"],
+            grad = grad.to(target.dtype) if factor == 1.0 else grad.to(target.dtype) * factor
+            galore_adam_step(target, grad.contiguous(), proj, state["exp_avg"],
                              state["exp_avg_sq"], left=False, **hyper)
-            return
-        rows_proj = proj[offset:offset + local_rows]
-        low = rows_proj.t() @ grad.to(proj.dtype)
-        dist.all_reduce(low, group=process_group)  # P^T G, (r, cols)
-        low_rank_adam_update_(param, low, rows_proj, state["exp_avg"], state["exp_avg_sq"],
-                              left=True, **hyper)
+        else:
+            rows_proj = proj[offset:offset + local_rows]
+            low = rows_proj.t() @ grad.to(proj.dtype)
+            dist.all_reduce(low, group=process_group)  # P^T G, (r, cols)
+            if factor != 1.0:
+                low.mul_(factor)
+            low_rank_adam_update_(target, low, rows_proj, state["exp_avg"], state["exp_avg_sq"],
+                                  left=True, **hyper)
+        if master is not None:
+            param.copy_(master)
 
     def load_state_dict(self, state_dict):
-        """torch.optim.Optimizer.load_state_dict, keeping the low-rank state in fp32 (torch
-        casts every floating state tensor to its param's dtype)."""
+        """torch.optim.Optimizer.load_state_dict, keeping the low-rank state and fp32 masters as
+        saved (torch casts every floating state tensor to its param's dtype). Every entry is
+        checked against this optimizer's params first (keys, low-rank and full shapes): a state
+        of another model or optimizer is refused before anything changes."""
+        self._check_state(state_dict)
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             saved = state_dict["state"].get(pid)
-            if not saved or "projector" not in saved:
+            if not saved:
                 continue
             for key in _LOW_RANK_KEYS:
-                self.state[p][key] = saved[key].to(device=p.device, copy=True)
+                if key in saved:
+                    self.state[p][key] = saved[key].to(device=p.device, copy=True)
+
+    def _check_state(self, state_dict):
+        where = "fastllm.optim.GaLoreAdamW.load_state_dict"
+        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+                and isinstance(state_dict.get("param_groups"), list)):
+            raise ValueError(f"{where}: expected a dict with 'state' and 'param_groups'")
+        groups = state_dict["param_groups"]
+        if [len(g.get("params", ())) for g in groups] != [len(g["params"])
+                                                          for g in self.param_groups]:
+            raise ValueError(f"{where}: the state_dict's param groups have "
+                             f"{[len(g.get('params', ())) for g in groups]} params, this "
+                             f"optimizer's {[len(g['params']) for g in self.param_groups]}")
+        for gi, (saved_group, group) in enumerate(zip(groups, self.param_groups)):
+            if ("rank" in saved_group) != ("rank" in group):
+                raise ValueError(f"{where}: param group {gi} is projected in one of the "
+                                 f"state_dict and this optimizer only")
+            for pi, (pid, p) in enumerate(zip(saved_group["params"], group["params"])):
+                entry = state_dict["state"].get(pid)
+                if not entry:
+                    continue
+                name = f"param {pi} of param group {gi} (shape {tuple(p.shape)})"
+                projected = self._projected(group, p)
+                need = ("step", "exp_avg", "exp_avg_sq") + (("projector",) if projected else ())
+                missing = [k for k in need if not isinstance(entry.get(k), torch.Tensor)]
+                if missing:
+                    raise ValueError(f"{where}: the state of {name} lacks {missing}")
+                full = tuple(local(p).shape)
+                if not projected:
+                    shapes = {"exp_avg": full, "exp_avg_sq": full}
+                else:
+                    rows, cols = p.shape
+                    rank = entry["projector"].shape[-1]
+                    left = self._left(group, p)
+                    shapes = {"projector": (rows if left else cols, rank)}
+                    low = entry["exp_avg"].shape
+                    if not (rank <= min(rows, cols) and (
+                            (left and tuple(low) == (rank, cols))
+                            or (not left and tuple(low) == (full[0], rank)))):
+                        raise ValueError(f"{where}: the low-rank moments of {name} have shape "
+                                         f"{tuple(low)}, which no rank-{rank} "
+                                         f"{'left' if left else 'right'} projection of it has")
+                    shapes["exp_avg_sq"] = tuple(low)
+                if "master_param" in entry:
+                    shapes["master_param"] = full
+                for key, shape in shapes.items():
+                    if tuple(entry[key].shape) != shape:
+                        raise ValueError(f"{where}: state '{key}' of {name} has shape "
+                                         f"{tuple(entry[key].shape)}, expected {shape} (the "
+                                         f"state of another model?)")
 
 
 def _row_shard(p):

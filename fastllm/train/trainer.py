@@ -235,11 +235,12 @@ class Trainer:
             if self.world == 1:
                 raise ValueError(f"fastllm train: parallel.strategy={self.strategy} needs "
                                  f"torchrun with more than one process")
-            # One param group (weight decay on every param): DistributedOptimizer's layout.
+            # One param group (weight decay on every param): DistributedOptimizer's layout. The
+            # loop reads params only in forward and state_dict, which wait: overlap is safe.
             opt_kw.pop("master_weights")
             self.optimizer = DistributedOptimizer(
                 self.model, optimizer_class=fastllm.optim.AdamW, stage=int(self.strategy[-1]),
-                weight_decay=cfg.weight_decay, **opt_kw)
+                weight_decay=cfg.weight_decay, overlap_param_gather=True, **opt_kw)
         elif cfg.optimizer_in_backward:
             self.optimizer = _InBackwardOptimizer(groups, opt_kw)
         else:
