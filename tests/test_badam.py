@@ -169,3 +169,61 @@ def ddp_results():
 def test_ddp_matches_one_process(ddp_results):
     for worst in ddp_results:
         assert worst < 1e-5
+
+
+def test_non_finite_step_is_a_no_op_and_options_pass_through():
+    model = _model()
+    scaler = fastllm.amp.LossScaler(init_scale=8.0, hysteresis=1)
+    opt = BAdam(model.named_parameters(), switch_block_every=2, lr=1e-2, max_grad_norm=0.1,
+                loss_scaler=scaler)
+    opt.zero_grad()
+    (_loss(model, 0) * 8.0).backward()
+    opt.step()
+    assert opt.global_step == 1 and 0 < float(opt.grad_norm)
+    opt.zero_grad()
+    (_loss(model, 1) * 8.0).backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert opt.step_skipped and opt.skipped_steps == 1
+    assert opt.global_step == 1 and opt.active_block == 0  # the skipped step does not count
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert scaler.get_scale() == 4.0
+    # the options are the inner AdamW's, not param-group hyperparameters saved in the state
+    assert "loss_scaler" not in opt.state_dict()["hyperparameters"]
+    bf16 = _model().to(torch.bfloat16)
+    opt = BAdam(bf16.named_parameters(), lr=1e-2, master_weights=True)
+    opt.zero_grad()
+    bf16(torch.randn(8, 8).bfloat16()).float().square().mean().backward()
+    opt.step()
+    assert opt.inner.state[bf16[0].weight]["master_param"].dtype == torch.float32
+
+
+def test_load_state_dict_checks_everything_before_changing_anything():
+    model = _model()
+    opt = BAdam(model.named_parameters(), switch_block_every=2, lr=1e-2)
+    _train(model, opt, 3)
+    good = opt.state_dict()
+    fresh = _model()
+    other = BAdam(fresh.named_parameters(), switch_block_every=2, lr=1e-2)
+    flags = [p.requires_grad for p in fresh.parameters()]
+    for breakage in ("inner", "order", "position"):
+        bad = dict(good)
+        if breakage == "inner":
+            bad["inner"] = {"state": {0: {"step": torch.tensor(1.0)}},
+                            "param_groups": [dict(good["inner"]["param_groups"][0],
+                                                  params=[0, 1, 2])]}
+        elif breakage == "order":
+            bad["order"] = [0, 0, 1]
+        else:
+            bad["position"] = 7
+        with pytest.raises(ValueError):
+            other.load_state_dict(bad)
+        assert other.global_step == 0 and other.active_block == 0
+        assert [p.requires_grad for p in fresh.parameters()] == flags
+    other.load_state_dict(good)
+    assert other.global_step == 3 and other.active_block == opt.active_block
+    with pytest.raises(ValueError, match="blocks must be a non-empty list"):
+        BAdam(model.named_parameters(), blocks=[])
+    with pytest.raises(ValueError, match="blocks must be a non-empty list"):
+        BAdam(model.named_parameters(), blocks=["0."])

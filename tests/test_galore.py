@@ -209,6 +209,132 @@ def test_state_dict_round_trip_continues_identically():
         assert torch.equal(pa, pb)
 
 
+def _snapshot(model, opt):
+    import copy
+
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("when", ["first", "later"])
+def test_a_non_finite_grad_changes_nothing(bad, when):
+    """One nan/inf element: params, moments, projectors and step counts stay bitwise (as
+    fastllm.optim.AdamW's skipped step), even on the first step."""
+    x, y = torch.randn(16, 32), torch.randn(16, 16)
+    model = _model()
+    opt = _galore(model, gap=2)
+    for _ in range(0 if when == "first" else 3):
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        opt.step()
+    opt.zero_grad()
+    (model(x) - y).square().mean().backward()
+    next(model.parameters()).grad[1, 2] = bad
+    params, state = _snapshot(model, opt)
+    opt.step()
+    assert opt.step_skipped and opt.skipped_steps == 1 and not math.isfinite(opt.grad_norm)
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    assert _same(state, opt.state_dict())
+
+
+def test_clipping_loss_scaling_and_master_weights_match_their_definitions():
+    x, y = torch.randn(16, 32), torch.randn(16, 16)
+
+    def train(clip=None, scale=None, dtype=torch.float32, master=False):
+        model = _model().to(dtype)
+        matrices = [p for p in model.parameters() if p.dim() == 2]
+        others = [p for p in model.parameters() if p.dim() != 2]
+        scaler = None if scale is None else fastllm.amp.LossScaler(init_scale=scale)
+        kw = dict(max_grad_norm=clip, loss_scaler=scaler, master_weights=master)
+        opt = GaLoreAdamW([{"params": matrices, "rank": 8, "update_proj_gap": 2, "scale": 1.0},
+                           {"params": others}], lr=1e-2, **kw)
+        norms = []
+        for _ in range(4):
+            opt.zero_grad()
+            loss = (model(x.to(dtype)) - y.to(dtype)).float().square().mean()
+            (loss * (scale or 1.0)).backward()
+            opt.step()
+            norms.append(float(opt.grad_norm))
+        return model, norms
+
+    plain, norms = train()
+    # loss scaling: the grads are divided by the scale inside the step
+    scaled, scaled_norms = train(scale=1024.0)
+    for a, b in zip(plain.parameters(), scaled.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scaled_norms, norms, rtol=1e-5, atol=0)
+    # clipping: equal to pre-clipping the grads with torch.nn.utils.clip_grad_norm_
+    clip = 0.5 * min(norms)
+    clipped, _ = train(clip=clip)
+    model = _model()
+    opt = _galore(model, gap=2)
+    for _ in range(4):
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    for a, b in zip(model.parameters(), clipped.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+    # bf16: an update far below half a bf16 spacing is lost without masters, kept in them
+    for master in (False, True):
+        model = _model().to(torch.bfloat16)
+        start = [p.detach().clone() for p in model.parameters()]
+        opt = GaLoreAdamW([{"params": [model[0].weight], "rank": 8, "update_proj_gap": 2},
+                           {"params": [model[0].bias]}], lr=1e-6, master_weights=master)
+        for _ in range(2):
+            opt.zero_grad()
+            model(x.bfloat16()).float().square().mean().backward()
+            opt.step()
+        # most bf16 elements cannot move by 1e-6 (only those within ~1e-4 of zero do)
+        moved = int((model[0].weight != start[0]).sum())
+        assert moved < 0.1 * start[0].numel()
+        masters = [opt.state[p].get("master_param") for p in (model[0].weight, model[0].bias)]
+        if master:
+            assert masters[0].dtype == torch.float32
+            assert int((masters[0] != start[0].float()).sum()) > 0.9 * start[0].numel()
+        else:
+            assert masters == [None, None]
+
+
+def test_state_of_another_model_and_bad_groups_are_refused_first():
+    x, y = torch.randn(16, 32), torch.randn(16, 16)
+    a = _model()
+    opt_a = _galore(a, gap=3)
+    opt_a.zero_grad()
+    (a(x) - y).square().mean().backward()
+    opt_a.step()
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 64), nn.Tanh(),
+                          nn.Linear(64, 16))
+    opt_o = _galore(other, gap=3)
+    opt_o.zero_grad()
+    (other(x) - y).square().mean().backward()
+    opt_o.step()
+    before = _snapshot(a, opt_a)[1]
+    with pytest.raises(ValueError, match="shape"):
+        opt_a.load_state_dict(opt_o.state_dict())
+    assert _same(before, opt_a.state_dict())
+    with pytest.raises(ValueError, match="update_proj_gap"):
+        opt_a.add_param_group({"params": [nn.Parameter(torch.ones(3, 3))], "rank": 2,
+                               "update_proj_gap": 0})
+    with pytest.raises(ValueError, match="without 'rank'"):
+        opt_a.add_param_group({"params": [nn.Parameter(torch.ones(3, 3))], "scale": 0.5})
+    assert len(opt_a.param_groups) == 2
+    opt_a.add_param_group({"params": [nn.Parameter(torch.ones(3, 3))], "rank": 2})
+    assert opt_a.param_groups[-1]["update_proj_gap"] == 200
+
+
 def test_gradient_accumulation_equals_the_full_batch():
     x, y = torch.randn(16, 32), torch.randn(16, 16)
     a, b = _model(), _model()

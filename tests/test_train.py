@@ -149,6 +149,10 @@ def test_lr_schedule_warmup_then_cosine():
     ("full", "fp16", ["data.seq_len=16"]),
     ("galore", "fp32", ["galore.rank=8", "galore.update_proj_gap=5"]),
     ("badam", "fp32", ["badam.switch_block_every=2", "badam.switch_mode=descending"]),
+    # the loss scale is undone inside GaLoreAdamW/BAdam's step (NaN from step 3 before)
+    ("galore", "fp16", ["galore.rank=8", "galore.update_proj_gap=5", "data.seq_len=16"]),
+    ("badam", "fp16", ["badam.switch_block_every=2", "badam.switch_mode=descending",
+                       "data.seq_len=16"]),
 ])
 def test_loss_falls_in_every_mode(cache_dir, tmp_path, finetune, precision, extra):
     s = run(cache_dir, str(tmp_path), "max_steps=20", "checkpoint.interval=0",
@@ -156,6 +160,11 @@ def test_loss_falls_in_every_mode(cache_dir, tmp_path, finetune, precision, extr
     ls = s["losses"]
     assert all(math.isfinite(x) for x in ls), ls
     assert sum(ls[-4:]) / 4 < ls[0] - 0.3, ls
+    recs = read_metrics(str(tmp_path / "metrics.jsonl"))
+    # every optimizer reports the norm it clips by (fp16: inf on a loss-scale overflow, skipped)
+    assert all(r["grad_norm"] is not None and (math.isfinite(r["grad_norm"]) or r["skipped"])
+               for r in recs), [(r["grad_norm"], r["skipped"]) for r in recs]
+    assert sum(r["skipped"] for r in recs) <= 3
     if finetune == "lora":
         from safetensors.torch import load_file
 

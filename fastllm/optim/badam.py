@@ -20,6 +20,13 @@ resumed run switches at the same steps to the same blocks.
 
 Under DDP, build the model's DDP with find_unused_parameters=True (the inactive blocks get no
 gradient); every rank follows the same schedule.
+
+With the default inner optimizer, fastllm.optim.AdamW's options pass through: max_grad_norm
+(clipping by the active block's grad norm, the only grads there are), loss_scaler (a
+fastllm.amp.LossScaler, kept across block switches), master_weights (fp32 masters of bf16/fp16
+params; a block's master is rebuilt from its param when the block comes back, as its moments
+are). A step with inf/nan grads is a no-op, as in AdamW, and does not count towards
+switch_block_every; `grad_norm`, `step_skipped` and `skipped_steps` report it.
 """
 
 import re
@@ -29,6 +36,9 @@ import torch
 __all__ = ["BAdam", "default_blocks"]
 
 _MODES = ("ascending", "descending", "random")
+# Inner-optimizer options that are not param-group hyperparameters (objects, flags).
+_OPTIONS = ("master_weights", "max_grad_norm", "loss_scaler", "stochastic_rounding",
+            "kahan_summation", "state_dtype")
 _LAYER = re.compile(r"^(.*?(?:^|\.)(?:layers|h|layer|blocks)\.\d+\.)|^(\d+\.)")
 
 
@@ -75,6 +85,12 @@ class BAdam(torch.optim.Optimizer):
             raise ValueError(f"fastllm.optim.BAdam: switch_mode {switch_mode!r} is not one of "
                              f"{_MODES}")
         names = [n for n, _ in named]
+        if blocks is not None:
+            blocks = list(blocks)
+            if not blocks or not all(isinstance(b, (list, tuple)) and b
+                                     and all(isinstance(pre, str) for pre in b) for b in blocks):
+                raise ValueError(f"fastllm.optim.BAdam: blocks must be a non-empty list of "
+                                 f"non-empty lists of parameter-name prefixes, got {blocks!r}")
         blocks = default_blocks(names) if blocks is None else [list(b) for b in blocks]
         members = [[i for i, n in enumerate(names) if any(n.startswith(pre) for pre in block)]
                    for block in blocks]
@@ -94,7 +110,11 @@ class BAdam(torch.optim.Optimizer):
         self.generator = torch.Generator().manual_seed(seed)
         self.global_step = 0
         self.switches = []  # (step, block) of every activation, for inspection and tests
-        super().__init__([p for _, p in named], dict(optimizer_kwargs))
+        self.skipped_steps = 0
+        self.grad_norm = None  # the last step's (the inner optimizer's, of the active block)
+        self.step_skipped = False
+        super().__init__([p for _, p in named],
+                         {k: v for k, v in optimizer_kwargs.items() if k not in _OPTIONS})
         self._order = self._new_order()
         self._position = 0
         if start_block is not None:
@@ -117,18 +137,22 @@ class BAdam(torch.optim.Optimizer):
     def _params(self):
         return self.param_groups[0]["params"]
 
-    def _activate(self, inner_state=None, record=True):
+    def _new_inner(self, block):
+        params = self._params()
+        return self.optimizer_class([params[i] for i in sorted(self.members[block])],
+                                    **self.optimizer_kwargs)
+
+    def _activate(self, inner=None, record=True):
+        """Make the active block trainable (the others frozen, their grads freed) with a new
+        inner optimizer, or `inner` (already built and loaded for that block)."""
         params = self._params()
         active = set(self.members[self.active_block])
         for i, p in enumerate(params):
             p.requires_grad_(i in active)
             if i not in active:
                 p.grad = None
-        self.inner = self.optimizer_class([params[i] for i in sorted(active)],
-                                          **self.optimizer_kwargs)
+        self.inner = inner if inner is not None else self._new_inner(self.active_block)
         self._sync_hyperparameters()
-        if inner_state is not None:
-            self.inner.load_state_dict(inner_state)
         if record:
             self.switches.append((self.global_step, self.active_block))
 
@@ -152,10 +176,18 @@ class BAdam(torch.optim.Optimizer):
         """One step of the active block's optimizer; switches block every switch_block_every."""
         self._sync_hyperparameters()
         loss = self.inner.step(closure)
+        # read before a switch drops the inner optimizer
+        self.grad_norm = getattr(self.inner, "grad_norm", None)
+        self.step_skipped = bool(getattr(self.inner, "step_skipped", False))
+        if self.step_skipped:  # inf/nan: the inner step changed nothing, nor does the schedule
+            self.skipped_steps += 1
+            return loss
         self.global_step += 1
         if self.global_step % self.switch_block_every == 0:
             self._switch()
         return loss
+
+
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none)
@@ -183,14 +215,39 @@ class BAdam(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict):
+        """Restore a state_dict() of a BAdam over the same parameters and blocks. Everything is
+        checked first, the inner state by loading it into a new inner optimizer of the block
+        it names; only then do the step count, schedule and requires_grad change."""
+        where = "fastllm.optim.BAdam.load_state_dict"
+        keys = ("inner", "hyperparameters", "global_step", "order", "position", "generator",
+                "blocks", "switch_block_every", "switch_mode", "switches")
+        missing = [k for k in keys if not isinstance(state_dict, dict) or k not in state_dict]
+        if missing:
+            raise ValueError(f"{where}: the state_dict lacks {missing}")
         for key in ("blocks", "switch_block_every", "switch_mode"):
             if state_dict[key] != getattr(self, key):
                 raise ValueError(f"fastllm.optim.BAdam: the state_dict has {key} "
                                  f"{state_dict[key]!r}, this optimizer {getattr(self, key)!r}")
+        n = len(self.blocks)
+        order, position, step = state_dict["order"], state_dict["position"], state_dict[
+            "global_step"]
+        if sorted(order) != list(range(n)):
+            raise ValueError(f"{where}: order {order!r} is not a permutation of the {n} blocks")
+        if not (isinstance(position, int) and 0 <= position < n):
+            raise ValueError(f"{where}: position {position!r} is not in 0..{n - 1}")
+        if not (isinstance(step, int) and step >= 0):
+            raise ValueError(f"{where}: global_step {step!r} is not an int >= 0")
+        generator = torch.Generator()
+        try:
+            generator.set_state(state_dict["generator"])
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"{where}: the generator state is invalid: {e}") from None
+        inner = self._new_inner(order[position])
+        inner.load_state_dict(state_dict["inner"])  # raises here, before anything changed
         self.param_groups[0].update(state_dict["hyperparameters"])
-        self.global_step = int(state_dict["global_step"])
-        self._order = list(state_dict["order"])
-        self._position = int(state_dict["position"])
+        self.global_step = step
+        self._order = list(order)
+        self._position = position
         self.generator.set_state(state_dict["generator"])
         self.switches = list(state_dict["switches"])
-        self._activate(state_dict["inner"], record=False)
+        self._activate(inner, record=False)
