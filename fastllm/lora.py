@@ -40,10 +40,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"fastllm.lora.LoRALinear wraps nn.Linear, got {type(base).__name__}")
-        if r < 1:
-            raise ValueError(f"fastllm.lora.LoRALinear: r must be >= 1, got {r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"fastllm.lora.LoRALinear: dropout must be in [0, 1), got {dropout}")
+        check_lora_args("fastllm.lora.LoRALinear", r, alpha, dropout)
         self.base_layer = base
         self.r = int(r)
         self.alpha = alpha
@@ -52,8 +49,9 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.merged = False
         w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, dtype=w.dtype, device=w.device))
-        self.lora_B = nn.Parameter(torch.empty(base.out_features, r, dtype=w.dtype,
+        self.lora_A = nn.Parameter(torch.empty(self.r, base.in_features, dtype=w.dtype,
+                                               device=w.device))
+        self.lora_B = nn.Parameter(torch.empty(base.out_features, self.r, dtype=w.dtype,
                                                device=w.device))
         base.requires_grad_(False)
         self.reset_lora_parameters()
@@ -99,6 +97,20 @@ class LoRALinear(nn.Module):
                 f"dropout={self.dropout}, merged={self.merged}")
 
 
+def check_lora_args(where, r, alpha, dropout):
+    """Refuse a LoRA rank that is not a positive integer, an alpha that is not finite and > 0,
+    a dropout outside [0, 1), naming the value (before any layer is built)."""
+    if (isinstance(r, bool) or not isinstance(r, (int, float))
+            or (isinstance(r, float) and not r.is_integer()) or r < 1):
+        raise ValueError(f"{where}: r must be an integer >= 1, got {r!r}")
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+            or not math.isfinite(alpha) or alpha <= 0):
+        raise ValueError(f"{where}: alpha must be a finite number > 0, got {alpha!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
+            0.0 <= dropout < 1.0):
+        raise ValueError(f"{where}: dropout must be in [0, 1), got {dropout!r}")
+
+
 def _matches(name, target_modules):
     # PEFT's rule: a string is a regex that must match the whole name; a list matches by suffix.
     if isinstance(target_modules, str):
@@ -135,10 +147,15 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
         raise ValueError(
             f"fastllm.inject_lora: no nn.Linear in the model matches {target_modules!r}"
         )
-    model.requires_grad_(False)
+    # every layer's values are checked before the model changes (no half-injected model)
+    values = []
     for name, module in targets:
         layer_r = _pattern_value(name, rank_pattern, r)
         layer_alpha = _pattern_value(name, alpha_pattern, alpha)
+        check_lora_args(f"fastllm.inject_lora: {name}", layer_r, layer_alpha, dropout)
+        values.append((int(layer_r), layer_alpha))
+    model.requires_grad_(False)
+    for (name, module), (layer_r, layer_alpha) in zip(targets, values):
         _replace(model, name, LoRALinear(module, layer_r, layer_alpha, dropout, use_rslora))
     # save_adapter writes a regex back as the regex: its suffixes would adapt other layers too
     model._fastllm_lora_target_modules = (

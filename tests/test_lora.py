@@ -260,6 +260,31 @@ def test_load_adapter_rejects_mismatch(tmp_path):
         load_adapter(other, str(tmp_path))
 
 
+@pytest.mark.parametrize("change,says", [
+    ({"r": 0}, "r must be an integer >= 1"),
+    ({"r": 2.5}, "r must be an integer >= 1"),
+    ({"lora_alpha": float("inf")}, "alpha must be a finite number"),
+    ({"lora_dropout": 1.0}, "dropout must be in"),
+    ({"rank_pattern": {"v_proj": 0}}, "v_proj: r must be an integer"),
+])
+def test_refused_adapter_config_leaves_the_model_unchanged(tmp_path, change, says):
+    model = _tiny_llama()
+    inject_lora(model, target_modules=["q_proj", "v_proj"], r=4)
+    save_adapter(model, str(tmp_path))
+    path = tmp_path / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config.update(change)
+    path.write_text(json.dumps(config))
+    fresh = _tiny_llama()
+    before = {n: (p.requires_grad, p.detach().clone()) for n, p in fresh.named_parameters()}
+    modules = [n for n, _ in fresh.named_modules()]
+    with pytest.raises(ValueError, match=says):
+        load_adapter(fresh, str(tmp_path))
+    assert [n for n, _ in fresh.named_modules()] == modules  # nothing injected
+    for n, p in fresh.named_parameters():
+        assert p.requires_grad == before[n][0] and torch.equal(p, before[n][1]), n
+
+
 def _saved_activation_bytes(module, x):
     params = {p.data_ptr() for p in module.parameters()}
     seen = {}
