@@ -133,9 +133,34 @@ class LossScaler:
         }
 
     def load_state_dict(self, state_dict):
+        """Restore a state_dict(); every value is checked (as the constructor checks them)
+        before any is set."""
+        where = "fastllm.amp.LossScaler.load_state_dict"
         missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state_dict)
         if missing:
-            raise KeyError(f"fastllm.amp.LossScaler.load_state_dict: missing {sorted(missing)}")
+            raise KeyError(f"{where}: missing {sorted(missing)}")
+        merged = dict(self.state_dict(), **state_dict)
+
+        def number(key):
+            value = merged[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+            return float(value)
+
+        checks = (
+            ("scale", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
+            ("growth_factor", lambda v: v > 1.0, "> 1"),
+            ("backoff_factor", lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+            ("min_scale", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
+            ("growth_interval", lambda v: v.is_integer() and v >= 1, "an integer >= 1"),
+            ("hysteresis", lambda v: v.is_integer() and v >= 1, "an integer >= 1"),
+            ("growth_tracker", lambda v: v.is_integer() and v >= 0, "an integer >= 0"),
+            ("hysteresis_tracker", lambda v: v.is_integer(), "an integer"),
+            ("overflows", lambda v: v.is_integer() and v >= 0, "an integer >= 0"),
+        )
+        for key, ok, want in checks:
+            if not ok(number(key)):
+                raise ValueError(f"{where}: {key} must be {want}, got {merged[key]!r}")
         for key in ("growth_factor", "backoff_factor", "min_scale"):
             if key in state_dict:
                 setattr(self, key, float(state_dict[key]))

@@ -1,6 +1,7 @@
 """The planner's cost model: hand-computed cases, published Megatron-LM results, the activation
 count against what autograd really saves, and the `fastllm plan` command."""
 
+import json
 import math
 
 import pytest
@@ -225,6 +226,42 @@ def test_plan_cli(capsys, tmp_path):
     assert "llama3-70b" in out and "tokens/s" in out and "dp" in out
     with pytest.raises(SystemExit, match="neither a known name"):
         main(["plan", "--model", "nope", "--seq-len", "1", "--global-batch", "1", "--gpus", "8"])
+
+
+def test_plan_cli_refuses_bad_arguments_and_files(tmp_path):
+    from fastllm.cli import main
+
+    base = ["plan", "--model", "llama3-8b", "--seq-len", "4096", "--global-batch", "64",
+            "--gpus", "8"]
+    for option, value in (("--gpus", "-8"), ("--seq-len", "-1"), ("--global-batch", "0"),
+                          ("--node-size", "0"), ("--dp-overlap", "2")):
+        args = list(base)
+        if option in args:
+            args[args.index(option) + 1] = value
+        else:
+            args += [option, value]
+        with pytest.raises(SystemExit, match=f"{option} must be"):
+            main(args)
+    gpu = tmp_path / "gpu.json"
+    for data, says in (({"memory_gb": 80}, "missing key 'peak_tflops'"),
+                       ({"memory_gb": 80, "peak_tflops": 0, "hbm_gbps": 1, "intra_node_gbps": 1,
+                         "inter_node_gbps": 1}, "peak_flops must be a finite number > 0"),
+                       ([1, 2], "expected a JSON object")):
+        gpu.write_text(json.dumps(data))
+        with pytest.raises(SystemExit, match=says):
+            main(base + ["--gpu", str(gpu)])
+    gpu.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read it as JSON"):
+        main(base + ["--gpu", str(gpu)])
+    model = tmp_path / "config.json"
+    for data, says in (({"hidden_size": 64}, "none of"),
+                       ({"hidden_size": 64, "num_attention_heads": 0, "num_hidden_layers": 2,
+                         "vocab_size": 100}, "heads must be a finite number > 0"),
+                       ({"hidden_size": 64, "num_attention_heads": 5, "num_hidden_layers": 2,
+                         "vocab_size": 100}, "do not divide")):
+        model.write_text(json.dumps(data))
+        with pytest.raises(SystemExit, match=says):
+            main(["plan", "--model", str(model)] + base[3:])
 
 
 # --- the cost model against real runs on this machine -------------------------------------------

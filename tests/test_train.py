@@ -125,6 +125,51 @@ def test_config_overrides_yaml_and_errors(tmp_path):
             TrainConfig.from_args(["optim=adamw8bit", *bad])
 
 
+@pytest.mark.parametrize("overrides,says", [
+    (["galore.update_proj_gapp=5"], "unknown config key 'galore.update_proj_gapp'"),
+    (["galore.rank=0"], "galore.rank must be >= 1"),
+    (["galore.proj_type=diagonal"], "galore.proj_type must be one of"),
+    (["badam.switch_block_every=0"], "badam.switch_block_every must be >= 1"),
+    (["badam.blocks=[]"], "badam.blocks must be null or a non-empty list"),
+    (["device=tpu"], "device must be one of"),
+    (["model_config.num_hidden_layer=3"], "unknown model_config key"),
+    (["data.path="], "data.path is empty"),
+    (["data.path=/dev/zero"], "not a regular file or folder"),
+    (["freeze.layers=0"], "freeze.layers must be >= 1"),
+    (["lora.layers=-1"], "lora.layers must be >= 0"),
+    (["lora.alpha=inf"], "lora.alpha must be finite"),
+    (["threads=-1"], "threads must be >= 0"),
+    (["parallel.timeout_s=-1"], "parallel.timeout_s must be finite and >= 0"),
+    (["lr=1e-4", "min_lr=1e-3"], "min_lr must be in"),
+])
+def test_config_refuses_unknown_and_out_of_range_values(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        TrainConfig.from_args(overrides)
+
+
+def test_config_defaults_that_follow_the_user(tmp_path):
+    # min_lr follows lr (0.1 x lr) unless set: lr alone below the old fixed min_lr is fine
+    cfg = TrainConfig.from_args(["lr=1e-4"])
+    assert cfg.min_lr is None and cfg.resolved_min_lr == pytest.approx(1e-5)
+    assert lr_at(cfg, cfg.max_steps) == pytest.approx(1e-5)
+    path = tmp_path / "run.yaml"
+    path.write_text("galore:\n  update_proj_gapp: 5\n")
+    with pytest.raises(ConfigError, match="galore.update_proj_gapp"):
+        TrainConfig.from_args([], str(path))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device=cuda but torch.cuda.is_available"):
+            TrainConfig.from_args(["device=cuda"])
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    from fastllm.train.data import load_text
+
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        load_text(str(binary))
+    binary.write_bytes(b"text\x00\x00more")
+    with pytest.raises(ValueError, match="NUL bytes"):
+        load_text(str(binary))
+
+
 def test_lr_schedule_warmup_then_cosine():
     cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
     assert lr_at(cfg, 1) == pytest.approx(0.1)
@@ -547,6 +592,27 @@ def test_report_writes_a_png(reference, tmp_path, capsys):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "tokens/s" in text and "time split" in text
+
+
+def test_report_without_matplotlib_prints_the_table(reference, tmp_path, capsys, monkeypatch):
+    from fastllm.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    main(["report", reference, "--out", str(tmp_path / "r.png")])
+    captured = capsys.readouterr()
+    assert "tokens/s" in captured.out and "matplotlib is not installed" in captured.err
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_cli_overrides_before_options(cache_dir, tmp_path, capsys):
+    from fastllm.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 2\ncheckpoint:\n  interval: 0\n")
+    main(["train", *tiny(cache_dir, str(tmp_path / "a")), "--config", str(path)])
+    assert len(losses(str(tmp_path / "a"))) == 2
+    with pytest.raises(SystemExit, match="--compare must be one of torch"):
+        main(["train", "max_steps=1", "--compare", "jax"])
 
 
 def test_cli_train_and_compare_torch(cache_dir, tmp_path, capsys):

@@ -35,6 +35,7 @@ Everything is in bytes and seconds. Formulas and their sources:
 import dataclasses
 import itertools
 import json
+import math
 import os
 
 GiB = 1024**3
@@ -911,20 +912,69 @@ def add_plan_arguments(p):
                    help="fraction of data-parallel communication hidden behind backward")
 
 
+def check_plan_args(args):
+    """Refuse `fastllm plan` arguments out of range, naming the option (SystemExit)."""
+    for option, value, low in (("--seq-len", args.seq_len, 1), ("--global-batch",
+                                                               args.global_batch, 1),
+                               ("--gpus", args.gpus, 1), ("--node-size", args.node_size, 1),
+                               ("--top", args.top, 1), ("--lora", args.lora, 0)):
+        if value < low:
+            raise SystemExit(f"fastllm plan: {option} must be >= {low}, got {value}")
+    if not 0.0 <= args.dp_overlap <= 1.0:
+        raise SystemExit(f"fastllm plan: --dp-overlap must be in [0, 1], got {args.dp_overlap}")
+
+
+def load_json_spec(path, option, build):
+    """build(the JSON object in `path`), any missing key or bad value of the file refused as
+    SystemExit naming the option, the file and the problem (not a KeyError later)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"fastllm plan: {option} {path}: cannot read it as JSON: {e}")
+    if not isinstance(data, dict):
+        raise SystemExit(f"fastllm plan: {option} {path}: expected a JSON object, got "
+                         f"{type(data).__name__}")
+    try:
+        spec = build(data)
+    except KeyError as e:
+        raise SystemExit(f"fastllm plan: {option} {path}: missing key {e}")
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"fastllm plan: {option} {path}: {e}")
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if field.name == "name" or isinstance(value, (bool, tuple)):
+            continue
+        if not isinstance(value, (int, float)):
+            raise SystemExit(f"fastllm plan: {option} {path}: {field.name} must be a number, "
+                             f"got {value!r}")
+        ok = math.isfinite(value) and (value > 0 or (value == 0 and field.name in (
+            "reserved", "latency", "op_overhead", "dtensor_overhead", "cores")))
+        if not ok:
+            raise SystemExit(f"fastllm plan: {option} {path}: {field.name} must be a finite "
+                             f"number > 0, got {value}")
+    if hasattr(spec, "heads") and (spec.hidden % spec.heads or spec.heads % spec.kv_heads):
+        raise SystemExit(f"fastllm plan: {option} {path}: hidden size {spec.hidden}, "
+                         f"{spec.heads} heads and {spec.kv_heads} key/value heads do not divide")
+    return spec
+
+
 def plan_command(args):
     """Entry point of `fastllm plan`; returns the printed text."""
+    check_plan_args(args)
     if args.model in MODELS:
         model = MODELS[args.model]
     elif os.path.isfile(args.model):
-        model = model_from_hf_config(args.model)
+        model = load_json_spec(args.model, "--model",
+                               lambda d: model_from_hf_config(d, name=os.path.basename(
+                                   os.path.dirname(os.path.abspath(args.model))) or "model"))
     else:
         raise SystemExit(f"fastllm plan: --model {args.model!r} is neither a known name "
                          f"({', '.join(MODELS)}) nor a config.json file")
     if args.gpu in GPUS:
         gpu = GPUS[args.gpu]
     elif os.path.isfile(args.gpu):
-        with open(args.gpu) as f:
-            gpu = gpu_from_dict(json.load(f))
+        gpu = load_json_spec(args.gpu, "--gpu", gpu_from_dict)
     else:
         raise SystemExit(f"fastllm plan: --gpu {args.gpu!r} is neither {', '.join(GPUS)} nor a "
                          "JSON file")

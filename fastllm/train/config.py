@@ -312,6 +312,8 @@ def _validate_values(cfg, need):
     if cfg.data.path is not None and os.path.exists(cfg.data.path):
         need(os.path.isfile(cfg.data.path) or os.path.isdir(cfg.data.path),
              f"data.path {cfg.data.path} is not a regular file or folder (a device or pipe?)")
+    need(cfg.data.cache_dir is None or cfg.data.cache_dir.strip() != "", "data.cache_dir is "
+         "empty: give a folder, or null for $FASTLLM_CACHE or ~/.cache/fastllm")
     need(cfg.data.vocab_size >= 2, f"data.vocab_size must be >= 2, got {cfg.data.vocab_size}")
     need(cfg.data.prefetch >= 0, f"data.prefetch must be >= 0, got {cfg.data.prefetch}")
     g = cfg.galore
@@ -365,9 +367,13 @@ def _convert(key, value, current, hint):
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin is typing.Union and type(None) in args:  # Optional[X]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        inner = next(a for a in args if a is not type(None))
+        # an empty string stays a (refused) empty path for Optional[str]: `data.path=` must
+        # not silently mean the built-in corpus
+        empty = () if inner is str else ("",)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") + empty):
             return None
-        hint = next(a for a in args if a is not type(None))
+        hint = inner
         origin, args = typing.get_origin(hint), typing.get_args(hint)
     try:
         if hint is bool:

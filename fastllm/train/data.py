@@ -45,8 +45,17 @@ def load_text(path):
         raise FileNotFoundError(f"fastllm train: data.path {path} does not exist")
     docs = []
     for name in files:
-        with open(name, encoding="utf-8", errors="replace") as f:
-            docs.append(f.read())
+        with open(name, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"fastllm train: data.path {name} is not UTF-8 text (byte "
+                             f"{e.start}: {raw[e.start:e.start + 4]!r}); a binary file?") from None
+        if "\x00" in text:
+            raise ValueError(f"fastllm train: data.path {name} holds NUL bytes (at "
+                             f"{text.index(chr(0))}): a binary file, not text")
+        docs.append(text)
     return docs
 
 

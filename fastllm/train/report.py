@@ -2,6 +2,7 @@
 run (its metrics.jsonl) drawn to one PNG, and the run's summary table printed."""
 
 import os
+import sys
 
 from fastllm.train.metrics import format_summary, read_metrics, summarize
 
@@ -12,14 +13,21 @@ _SPLIT = (("data_wait_s", "data wait"), ("fwd_bwd_s", "forward+backward"),
 
 
 def report(run_dir, out=None):
-    """Write the PNG (default RUN_DIR/report.png), print the summary; returns the PNG's path."""
+    """Write the PNG (default RUN_DIR/report.png), print the summary; returns the PNG's path
+    (None without matplotlib: then only the summary and the table are printed, and why)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (is {run_dir} a fastllm train output_dir?)")
     records = read_metrics(path)
     if not records:
         raise ValueError(f"{path} holds no steps")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        _print_table(records, run_dir)
+        print("fastllm report: matplotlib is not installed (pip install matplotlib), so no PNG "
+              "was written; the table above has the numbers", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -54,6 +62,12 @@ def report(run_dir, out=None):
     out = out or os.path.join(run_dir, "report.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    _print_table(records, run_dir)
+    print(f"wrote {out}")
+    return out
+
+
+def _print_table(records, run_dir):
     s = summarize(records)
     print(format_summary(s, f"fastllm report: {run_dir}"))
     print(f"{'':2}{'step':>6} {'loss':>8} {'lr':>9} {'tokens/s':>10} {'step ms':>8} "
@@ -65,5 +79,3 @@ def report(run_dir, out=None):
         print(f"  {r['step']:6d} {loss} {r['lr']:9.2e} {r['tokens_per_s']:10.0f} "
               f"{t * 1e3:8.1f} {100 * (r.get('data_wait_s') or 0) / t:7.1f} "
               f"{100 * (r.get('comm_s') or 0) / t:7.1f} {100 * (r.get('optim_s') or 0) / t:8.1f}")
-    print(f"wrote {out}")
-    return out
