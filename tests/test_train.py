@@ -141,6 +141,7 @@ def test_config_overrides_yaml_and_errors(tmp_path):
     (["threads=-1"], "threads must be >= 0"),
     (["parallel.timeout_s=-1"], "parallel.timeout_s must be finite and >= 0"),
     (["lr=1e-4", "min_lr=1e-3"], "min_lr must be in"),
+    (["finetune=galore", "backend=torch"], "backend=torch has no GaLore/BAdam"),
 ])
 def test_config_refuses_unknown_and_out_of_range_values(overrides, says):
     with pytest.raises(ConfigError, match=says):

@@ -283,6 +283,9 @@ _DEVICES = ("auto", "cpu", "cuda")
 
 def _validate_values(cfg, need):
     """Ranges of the values validate() does not check inline, each error naming its key."""
+    need(cfg.finetune not in ("galore", "badam") or cfg.backend == "fastllm", f"finetune="
+         f"{cfg.finetune} is fastllm's optimizer; backend=torch has no GaLore/BAdam (it would "
+         f"train every parameter with torch.optim.AdamW)")
     need(cfg.device in _DEVICES, f"device must be one of {_DEVICES}, got {cfg.device!r}")
     if cfg.device == "cuda":
         import torch

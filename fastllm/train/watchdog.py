@@ -1,6 +1,7 @@
-"""parallel.timeout_s: after the first step, a collective that waits longer than this for a hung or dead peer becomes
-an error naming the step and the collective, and the process exits nonzero, so that
-`torchrun --max-restarts N` restarts the job and it auto-resumes from the last checkpoint.
+"""parallel.timeout_s: after the first step, a collective that waits longer than this for a
+hung or dead peer becomes an error naming the step and the collective, and the process exits
+nonzero, so that `torchrun --max-restarts N` restarts the job and it auto-resumes from the last
+checkpoint.
 
     dist.init_process_group(backend, timeout=watchdog.pg_timeout(cfg))  # init_timeout_s
     try:
