@@ -696,6 +696,21 @@ def test_a_hung_peer_fails_its_step_with_a_named_timeout(cache_dir, tmp_path):
     assert len(losses(str(tmp_path))) == 2
 
 
+def test_only_backend_timeouts_become_collective_timeouts():
+    from fastllm.distributed.failure import DistributedFailure
+    from fastllm.train import watchdog
+
+    cfg = TrainConfig.from_args(["parallel.timeout_s=7"])
+    for exc in (RuntimeError("fastllm train: 3 non-finite losses in a row"),
+                DistributedFailure("rank 1 failed: Timed out waiting for it")):
+        with pytest.raises(type(exc)) as caught:
+            watchdog.reraise(exc, 2, cfg)
+        assert caught.value is exc
+    with pytest.raises(watchdog.CollectiveTimeout, match="step 3: a collective timed out after "
+                       "parallel.timeout_s=7 s"):
+        watchdog.reraise(RuntimeError("[pair.cc:1] Timed out waiting 7000ms for recv"), 2, cfg)
+
+
 def _has_distributed_optimizer():
     try:
         from fastllm.distributed import DistributedOptimizer  # noqa: F401

@@ -20,7 +20,8 @@ __all__ = ["CollectiveTimeout", "pg_timeout", "after_step", "is_timeout", "rerai
 
 # Gloo: "Timed out waiting 2000ms for recv operation"; NCCL's watchdog: "Watchdog caught
 # collective operation timeout"; the c10d store: "Socket Timeout", "wait timeout".
-_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_TIMEOUT = re.compile(r"Timed out waiting|collective operation timeout|Socket Timeout|"
+                      r"wait timeout|timed out after", re.IGNORECASE)
 
 
 class CollectiveTimeout(RuntimeError):
@@ -52,9 +53,13 @@ def after_step(cfg):
 
 
 def is_timeout(exc):
-    """Whether a distributed error is a timeout (torch raises RuntimeError/DistBackendError
-    with the backend's message, not a type of its own)."""
-    return isinstance(exc, RuntimeError) and bool(_TIMEOUT.search(str(exc)))
+    """Whether a distributed error is a backend's timeout (torch raises RuntimeError or
+    DistBackendError with the backend's message, not a type of its own). fastllm's own
+    DistributedFailure (a peer raised and said so) is not one."""
+    from fastllm.distributed.failure import DistributedFailure
+
+    return (isinstance(exc, RuntimeError) and not isinstance(exc, DistributedFailure)
+            and bool(_TIMEOUT.search(str(exc))))
 
 
 def _where(exc, step):
