@@ -5,6 +5,9 @@
     model.py       built-in Llama configs, training modes, activation checkpointing, the
                    data/tensor parallel wrapping (_parallelize), pipeline stages (build_pipeline)
     checkpoint.py  atomic checkpoint-<step>/ folders with a manifest of checksums
+    run_dir.py     the output_dir lock (flock, the holder's PID) and overwrite_output_dir
+    watchdog.py    parallel.timeout_s: a collective timeout names its step, exits nonzero
+    faults.py      FASTLLM_FAULT: deterministic kills and hangs for the tests
     metrics.py     metrics.jsonl, progress, the time split and the run summary
     trainer.py     the loop
     report.py      `fastllm report RUN_DIR`: curves and the time split to a PNG
