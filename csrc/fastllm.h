@@ -43,9 +43,18 @@ void adamw_master_step_cpu(const std::vector<at::Tensor>& params,
                            const c10::optional<at::Tensor>& clip_coef,
                            const c10::optional<at::Tensor>& found_inf);
 
-// sqrt of the sum of squares of every element of every tensor (a 0-dim fp32 CPU tensor);
-// non-finite when any element is inf or nan.
+// sqrt of the sum of squares of every element of every tensor (a 0-dim CPU tensor, fp64 when
+// every tensor is fp64, else fp32, as torch.nn.utils.get_total_norm); non-finite when any element
+// is inf or nan.
 at::Tensor l2norm_cpu(const std::vector<at::Tensor>& tensors);
+
+// The dtype of l2norm's result: fp64 when every tensor is fp64 (the sum is fp64 anyway), else fp32.
+inline at::ScalarType l2norm_out_dtype(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (t.scalar_type() != at::kDouble) return at::kFloat;
+  }
+  return tensors.empty() ? at::kFloat : at::kDouble;
+}
 
 // LoRA dropout (fastllm::lora_linear): x * keep / (1 - p) for a contiguous (rows, cols) CPU
 // tensor, keep a hash of (seed, row, col) that the backward regenerates (csrc/cpu/lora_linear.cpp).
@@ -132,7 +141,7 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
                             const c10::optional<at::Tensor>& clip_coef,
                             const c10::optional<at::Tensor>& found_inf);
 
-// l2norm_cpu's contract on CUDA tensors of one device: a 0-dim fp32 tensor on that device.
+// l2norm_cpu's contract on CUDA tensors of one device: a 0-dim tensor on that device.
 at::Tensor l2norm_cuda(const std::vector<at::Tensor>& tensors);
 #endif
 

@@ -32,7 +32,8 @@ def _block_size():
 
 
 def l2norm_triton(tensors):
-    """sqrt(sum of squares) of every element of `tensors`: a 0-dim fp32 tensor on their device."""
+    """sqrt(sum of squares) of every element of `tensors`: a 0-dim tensor on their device, fp64
+    when every tensor is fp64, else fp32."""
     block = _block_size()
     blocks = [triton.cdiv(t.numel(), block) for t in tensors]
     partial = torch.zeros(max(sum(blocks), 1), dtype=torch.float64, device=tensors[0].device)
@@ -42,4 +43,5 @@ def l2norm_triton(tensors):
             continue
         _sum_squares_kernel[(nb,)](t, partial[start:], t.numel(), BLOCK_SIZE=block)
         start += nb
-    return partial.sum().sqrt().to(torch.float32)
+    fp64 = all(t.dtype == torch.float64 for t in tensors)
+    return partial.sum().sqrt().to(torch.float64 if fp64 else torch.float32)

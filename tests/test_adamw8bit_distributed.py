@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from fastllm.distributed import DistributedOptimizer
-from fastllm.distributed._dtensor import local as _local
+from fastllm._dtensor import local as _local
 from fastllm.distributed.launch import spawn
 from fastllm.optim import AdamW8bit
 from fastllm.ops.adamw8bit import dynamic_code

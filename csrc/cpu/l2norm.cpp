@@ -94,7 +94,7 @@ at::Tensor l2norm_cpu(const std::vector<at::Tensor>& tensors) {
   });
   double total = 0.0;
   for (const double p : partial) total += p;
-  return at::scalar_tensor(std::sqrt(total), at::TensorOptions().dtype(at::kFloat));
+  return at::scalar_tensor(std::sqrt(total), at::TensorOptions().dtype(l2norm_out_dtype(tensors)));
 }
 
 }  // namespace fastllm

@@ -311,7 +311,7 @@ at::Tensor l2norm_cuda(const std::vector<at::Tensor>& tensors) {
   run(at::Half{}, at::kHalf);
   run(float{}, at::kFloat);
   run(double{}, at::kDouble);
-  return partial.sum().sqrt().to(at::kFloat);
+  return partial.sum().sqrt().to(l2norm_out_dtype(tensors));
 }
 
 }  // namespace fastllm

@@ -1,6 +1,6 @@
 """fastllm::l2norm: the global L2 norm of many tensors in one pass.
 
-    l2norm(tensors) -> Tensor      # 0-dim fp32 on the tensors' device
+    l2norm(tensors) -> Tensor      # 0-dim on the tensors' device: fp64 if all are fp64, else fp32
 
 sqrt(sum over every element of every tensor of x^2), what torch.nn.utils.clip_grad_norm_
 computes with norm_type=2, read once. Squares are accumulated in fp32 (fp64 for fp64 tensors)
@@ -21,12 +21,19 @@ from fastllm._library import lib
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
 
 
+def out_dtype(tensors):
+    """l2norm's result dtype: fp64 when every tensor is fp64 (as torch.nn.utils.get_total_norm
+    returns fp64 for fp64 grads), else fp32."""
+    fp64 = bool(tensors) and all(t.dtype == torch.float64 for t in tensors)
+    return torch.float64 if fp64 else torch.float32
+
+
 def l2norm_ref(tensors):
-    """Plain-PyTorch global norm, accumulated in fp64; a 0-dim fp32 tensor."""
+    """Plain-PyTorch global norm, accumulated in fp64; a 0-dim tensor of `out_dtype(tensors)`."""
     total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
     for t in tensors:
         total += t.to(torch.float64).square().sum()
-    return total.sqrt().to(torch.float32)
+    return total.sqrt().to(out_dtype(tensors))
 
 
 def _compiled(name):
@@ -79,7 +86,7 @@ lib.impl("l2norm", _l2norm_impl, "CUDA")
 
 @torch.library.register_fake("fastllm::l2norm")
 def _l2norm_fake(tensors):
-    return tensors[0].new_empty((), dtype=torch.float32)
+    return tensors[0].new_empty((), dtype=out_dtype(tensors))
 
 
 def l2norm(tensors):

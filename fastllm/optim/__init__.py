@@ -4,5 +4,7 @@ from fastllm.optim.adamw import AdamW
 from fastllm.optim.adamw8bit import AdamW8bit, convert_state
 from fastllm.optim.badam import BAdam
 from fastllm.optim.galore import GaLoreAdamW
+from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
 
-__all__ = ["AdamW", "AdamW8bit", "BAdam", "GaLoreAdamW", "convert_state"]
+__all__ = ["AdamW", "AdamW8bit", "BAdam", "GaLoreAdamW", "clip_coefficient", "convert_state",
+           "global_grad_norm"]

@@ -24,18 +24,11 @@ from fastllm import _backend
 from fastllm.amp import LossScaler
 from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw_master import adamw_master_step
-from fastllm.ops.l2norm import l2norm
+from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
 
 # FSDP2 (fully_shard) params, grads and states are DTensors; the fused kernels run on
 # each rank's local shard (same storage), and the grad norm is reduced over the mesh.
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:
-    _DTensor = ()
-
-
-def _local(t):
-    return t.to_local() if isinstance(t, _DTensor) else t
+from fastllm._dtensor import local as _local
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # State tensors kept in fp32 for a low-precision param in master / pure mode.
@@ -197,10 +190,11 @@ class AdamW(torch.optim.Optimizer):
         loss_scaler: a fastllm.amp.LossScaler; grads are divided by its scale inside the update
             and the optimizer calls its update() after each step.
     With any of them set, each step first computes the global grad norm (exposed, unscaled and
-    before clipping, as `self.grad_norm`, a 0-dim fp32 tensor); if it is inf or nan the step is
-    skipped, nothing changes bitwise, `self.step_skipped` is True and `self.skipped_steps` counts
-    it. Training without master weights is implemented for bf16 params only; amsgrad is not
-    supported together with these options. `grad_norm`, `step_skipped` and `skipped_steps` are
+    before clipping, as `self.grad_norm`: a 0-dim fp32 tensor, fp64 when every grad is fp64;
+    fastllm.optim.grad_norm); if it is inf or nan the step is skipped, nothing changes bitwise,
+    `self.step_skipped` is True and `self.skipped_steps` counts it. Training without master
+    weights is implemented for bf16 params only; amsgrad is not supported together with these
+    options. `grad_norm`, `step_skipped` and `skipped_steps` are
     device tensors, read only when you look at them.
 
     A parameter changed outside the optimizer (`model.load_state_dict`, an in-place clip) while it
@@ -540,22 +534,10 @@ class AdamW(torch.optim.Optimizer):
         return state
 
     def _global_grad_norm(self):
-        """The L2 norm of every grad of every group (as the grads are, i.e. still scaled)."""
-        by_device = {}
+        """The L2 norm of every grad of every group (as the grads are, i.e. still scaled); over
+        the mesh for DTensor grads (fastllm.optim.grad_norm)."""
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if any(isinstance(g, _DTensor) for g in grads):  # one all-reduce over the mesh
-            from fastllm.distributed._dtensor import global_grad_norm
-
-            return global_grad_norm(grads, l2norm)
-        for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad)
-        if not by_device:
-            return None
-        norms = [l2norm(grads) for grads in by_device.values()]
-        if len(norms) == 1:
-            return norms[0]
-        first = norms[0].device
-        return torch.stack([n.to(first) for n in norms]).square().sum().sqrt()
+        return global_grad_norm(grads) if grads else None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -590,7 +572,7 @@ class AdamW(torch.optim.Optimizer):
                 found = bad if found is None else torch.maximum(found.to(bad.device), bad)
                 if self.max_grad_norm is not None:
                     # torch.nn.utils.clip_grad_norm_'s coefficient (nan on a skipped step).
-                    clip_coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+                    clip_coef = clip_coefficient(norm, self.max_grad_norm)
                 self._record("grad_norm", norm)
         if found is not None:
             self._record("step_skipped", found != 0)

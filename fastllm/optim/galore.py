@@ -54,13 +54,13 @@ import math
 import torch
 import torch.distributed as dist
 
+from fastllm._dtensor import is_dtensor, local
 from fastllm.amp import LossScaler
-from fastllm.distributed._dtensor import global_grad_norm, is_dtensor, local
 from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.ops.galore_adam_step import galore_adam_step, low_rank_adam_update_
-from fastllm.ops.l2norm import l2norm
 from fastllm.ops.orthogonalize import orthogonalize
+from fastllm.optim.grad_norm import global_grad_norm
 
 __all__ = ["GaLoreAdamW", "range_finder"]
 
@@ -254,15 +254,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         if not grads:
             self.grad_norm, self.step_skipped = None, False
             return 1.0
-        if any(is_dtensor(g) for g in grads):
-            norm = global_grad_norm(grads, l2norm)
-        else:
-            by_device = {}
-            for g in grads:
-                by_device.setdefault(g.device, []).append(g)
-            norms = [l2norm(gs).to(grads[0].device) for gs in by_device.values()]
-            norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
-        norm = norm / scale
+        norm = global_grad_norm(grads) / scale
         self.grad_norm = norm
         value = float(norm)  # the step already reads the step count back each matrix
         self.step_skipped = not math.isfinite(value)

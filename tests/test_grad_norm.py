@@ -1,0 +1,108 @@
+"""fastllm.optim.global_grad_norm against torch.nn.utils.get_total_norm of the whole tensors: one
+process (dtypes, layouts, devices of one kind, empty lists) and one world-2 Gloo launch (DTensor
+Shard/Replicate/Partial, flat shards over a group, pipeline stages summed over a group)."""
+
+import pytest
+import torch
+
+from fastllm.distributed.launch import spawn
+from fastllm.optim import clip_coefficient, global_grad_norm
+
+
+def _grads(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=gen, dtype=torch.float64) * 3).to(dtype)
+            for s in [(7,), (123, 5), (1,), (0,), (4097,)]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_matches_torch_total_norm(dtype):
+    grads = _grads(dtype)
+    norm = global_grad_norm(grads)
+    expected = torch.nn.utils.get_total_norm([g.double() for g in grads])
+    # fp64 grads give an fp64 norm summed in fp64 (torch's dtype); others fp32.
+    assert norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(norm.double(), expected, rtol=rtol, atol=0)
+
+
+def test_non_contiguous_and_mixed_dtypes():
+    base = _grads(torch.float32)
+    grads = [base[1].t(),  # dense, permuted: read through a flat view
+             torch.randn(9, 8)[::2, 1:],  # gaps: read through a copy
+             base[4].double(), base[0].bfloat16()]
+    before = [g.clone() for g in grads]
+    norm = global_grad_norm(grads)
+    expected = torch.nn.utils.get_total_norm([g.double() for g in grads])
+    assert norm.dtype == torch.float32
+    torch.testing.assert_close(norm.double(), expected, rtol=1e-6, atol=0)
+    for g, b in zip(grads, before):
+        assert torch.equal(g, b)
+
+
+def test_non_finite_and_empty():
+    grads = _grads(torch.float32)
+    grads[4][17] = float("nan")
+    assert torch.isnan(global_grad_norm(grads))
+    grads[4][17] = float("inf")
+    assert not torch.isfinite(global_grad_norm(grads))
+    empty = global_grad_norm([])
+    assert empty.shape == () and empty.item() == 0.0
+    with pytest.raises(ValueError, match="flat_group"):
+        global_grad_norm([], flat_shards=[torch.ones(3)])
+
+
+def test_clip_coefficient_is_torchs():
+    grads = _grads(torch.float32)
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    coef = clip_coefficient(global_grad_norm(grads), 1.0)
+    for g, p in zip(grads, params):
+        torch.testing.assert_close(g * coef, p.grad, rtol=1e-6, atol=0)
+    assert clip_coefficient(torch.tensor(0.5), 1.0) == 1.0
+
+
+def _full(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(9, 5, generator=gen)  # 9 rows: uneven Shard(0) over 2 ranks
+
+
+def _distributed(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    a, b, c, d = (_full(s) for s in range(4))
+    out = {}
+    sharded = distribute_tensor(a, mesh, [Shard(0)])
+    replicated = distribute_tensor(b, mesh, [Replicate()])
+    # A Partial DTensor whose local parts sum to c.
+    partial = torch.distributed.tensor.DTensor.from_local(c / world, mesh, [Partial()])
+    plain = d  # every rank holds the whole tensor: counted once per rank
+    out["dtensors"] = global_grad_norm([sharded, replicated, partial, plain]).item()
+    out["dtensors_ref"] = torch.nn.utils.get_total_norm([a, b, c, d]).item()
+    # Flat shards: rank r holds the r-th half of the flat concatenation of a and b.
+    flat = torch.cat([a.flatten(), b.flatten()])
+    half = (flat.numel() + 1) // 2
+    mine = flat[rank * half:(rank + 1) * half]
+    out["flat"] = global_grad_norm([], flat_shards=[mine], flat_group=dist.group.WORLD).item()
+    out["flat_ref"] = flat.norm().item()
+    # Pipeline stages: rank r holds a different layer's grads; summed over the stage group.
+    stage = [a] if rank == 0 else [b, c]
+    out["stages"] = global_grad_norm(stage, groups=[dist.group.WORLD]).item()
+    out["stages_ref"] = torch.nn.utils.get_total_norm([a, b, c]).item()
+    # A stage with no grads still takes part.
+    stage = [a] if rank == 0 else []
+    out["empty_stage"] = global_grad_norm(stage, groups=[dist.group.WORLD]).item()
+    out["empty_stage_ref"] = a.norm().item()
+    return out
+
+
+def test_distributed_world2():
+    for got in spawn(_distributed, 2, timeout=120):
+        for key in ("dtensors", "flat", "stages", "empty_stage"):
+            assert got[key] == pytest.approx(got[key + "_ref"], rel=1e-6), key
