@@ -21,6 +21,8 @@ OPS = {
     "compression": "fastllm.bench.bench_compression",
     # low-byte optimizer state
     "adamw8bit": "fastllm.bench.bench_adamw8bit",
+    # host cost per tensor of an optimizer step (tiny CPU tensors)
+    "host": "fastllm.bench.bench_host",
 }
 
 # what `fastllm bench` (and `make bench`) runs without --ops: about a minute on an

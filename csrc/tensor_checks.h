@@ -32,4 +32,15 @@ inline void check_tensor_list(const char* op, const std::vector<at::Tensor>& lis
   }
 }
 
+// The value of a one-element tensor as a double. CPU fp32/fp64 tensors (step counts, grad_scale,
+// found_inf) are read straight from memory: Tensor::item() goes through the dispatcher, about a
+// microsecond each, which was most of a small tensor's cost in the CPU optimizer steps.
+inline double scalar_value(const at::Tensor& t) {
+  if (t.device().is_cpu() && t.numel() == 1 && t.layout() == at::kStrided) {
+    if (t.scalar_type() == at::kFloat) return static_cast<double>(*t.const_data_ptr<float>());
+    if (t.scalar_type() == at::kDouble) return *t.const_data_ptr<double>();
+  }
+  return t.item<double>();
+}
+
 }  // namespace fastllm

@@ -56,6 +56,17 @@ def prevalidated():
     return getattr(_local, "validated", False)
 
 
+def direct():
+    """Whether an op's functional form may call its implementation directly instead of through
+    torch.ops (the dispatcher boxes every tensor of every list, a few microseconds per tensor of
+    an optimizer step): only in plain eager code under no_grad, where the dispatcher would do
+    nothing but route the call. Under torch.compile, a dispatch or function mode (FakeTensor,
+    FlopCounter, ...) or grad mode the op goes through torch.ops as before."""
+    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._is_torch_function_mode_enabled())
+
+
 def forced_backend():
     name = getattr(_local, "forced", None) or os.environ.get("FASTLLM_BACKEND") or None
     if name is not None and name not in BACKENDS:

@@ -138,15 +138,15 @@ void adamw_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at:
                 "fastllm.adamw_step: all params of one call must share a dtype; params[", i,
                 "] is ", params[i].scalar_type(), ", params[0] is ", dtype);
   }
-  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+  if (found_inf.has_value() && scalar_value(*found_inf) != 0.0) return;
   double inv_scale = 1.0;
-  if (grad_scale.has_value()) inv_scale = 1.0 / grad_scale->item<double>();
+  if (grad_scale.has_value()) inv_scale = 1.0 / scalar_value(*grad_scale);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "fastllm_adamw_step_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     std::vector<AdamWScalars<opmath_t>> scalars(params.size());
     for (const auto i : c10::irange(params.size())) {
-      const double step = steps[i].item<double>();
+      const double step = scalar_value(steps[i]);
       const double bc1 = 1.0 - std::pow(beta1, step);
       const double bc2 = 1.0 - std::pow(beta2, step);
       scalars[i] = {opmath_t(1.0 - lr * weight_decay), opmath_t(1.0 - beta1), opmath_t(beta2),

@@ -626,10 +626,10 @@ void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
                     qmaps.is_contiguous(),
                 op, ": qmaps must be a contiguous (2, ", kQmapWidth, ") float32 CPU tensor");
   }
-  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+  if (found_inf.has_value() && scalar_value(*found_inf) != 0.0) return;
   double grad_mult = 1.0;
-  if (grad_scale.has_value()) grad_mult /= grad_scale->item<double>();
-  if (clip_coef.has_value()) grad_mult *= clip_coef->item<double>();
+  if (grad_scale.has_value()) grad_mult /= scalar_value(*grad_scale);
+  if (clip_coef.has_value()) grad_mult *= scalar_value(*clip_coef);
 
   Code cm{}, cv{};
   if (q8) {
@@ -642,7 +642,7 @@ void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
   std::vector<Scalars> scalars(params.size());
   const uint32_t seed32 = hash32(uint32_t(uint64_t(seed)) ^ hash32(uint32_t(uint64_t(seed) >> 32)));
   for (const auto i : c10::irange(params.size())) {
-    const double step = steps[i].item<double>();
+    const double step = scalar_value(steps[i]);
     const double bc1 = 1.0 - std::pow(beta1, step);
     const double bc2 = 1.0 - std::pow(beta2, step);
     scalars[i] = {float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2),

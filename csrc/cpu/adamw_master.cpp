@@ -161,15 +161,15 @@ void adamw_master_step_cpu(const std::vector<at::Tensor>& params,
   if (kahan) check(kahan_comps, "kahan_comps", dtype);
   TORCH_CHECK(steps.size() == params.size(), "fastllm.adamw_master_step: steps has ",
               steps.size(), " tensors but params has ", params.size());
-  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+  if (found_inf.has_value() && scalar_value(*found_inf) != 0.0) return;
   double grad_mult = 1.0;
-  if (grad_scale.has_value()) grad_mult /= grad_scale->item<double>();
-  if (clip_coef.has_value()) grad_mult *= clip_coef->item<double>();
+  if (grad_scale.has_value()) grad_mult /= scalar_value(*grad_scale);
+  if (clip_coef.has_value()) grad_mult *= scalar_value(*clip_coef);
 
   std::vector<Scalars> scalars(params.size());
   const uint32_t seed32 = hash32(uint32_t(uint64_t(seed)) ^ hash32(uint32_t(uint64_t(seed) >> 32)));
   for (const auto i : c10::irange(params.size())) {
-    const double step = steps[i].item<double>();
+    const double step = scalar_value(steps[i]);
     const double bc1 = 1.0 - std::pow(beta1, step);
     const double bc2 = 1.0 - std::pow(beta2, step);
     scalars[i] = {float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2),

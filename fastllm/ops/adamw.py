@@ -165,6 +165,14 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, 
     """Functional form of the op (see the module docstring); a no-op for empty lists."""
     if len(params) == 0:
         return
+    if _backend.direct():
+        _adamw_step_impl(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            grad_scale=grad_scale, found_inf=found_inf,
+        )
+        torch.autograd.graph.increment_version(params)  # what the in-place op would have done
+        return
     torch.ops.fastllm.adamw_step(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
         beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,

@@ -380,6 +380,16 @@ def adamw8bit_step(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmax
         return
     if qmaps is None:
         qmaps = build_qmaps(params[0].device)
+    if _backend.direct():  # the torch.ops round trip skipped in plain eager code
+        _adamw8bit_step_impl(
+            params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes, exp_avg_sq_absmaxes,
+            steps, qmaps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            block_size=int(block_size), maximize=maximize,
+            stochastic_rounding=stochastic_rounding, seed=int(seed), grad_scale=grad_scale,
+            clip_coef=clip_coef, found_inf=found_inf,
+        )
+        torch.autograd.graph.increment_version(params)
+        return
     torch.ops.fastllm.adamw8bit_step(
         params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes, exp_avg_sq_absmaxes,
         steps, qmaps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,

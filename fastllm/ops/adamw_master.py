@@ -254,6 +254,15 @@ def adamw_master_step(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps
     """Functional form of the op (see the module docstring); a no-op for empty lists."""
     if len(params) == 0:
         return
+    if _backend.direct():  # the torch.ops round trip skipped in plain eager code
+        _adamw_master_step_impl(
+            params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+            stochastic_rounding=stochastic_rounding, seed=int(seed), grad_scale=grad_scale,
+            clip_coef=clip_coef, found_inf=found_inf,
+        )
+        torch.autograd.graph.increment_version(params)
+        return
     torch.ops.fastllm.adamw_master_step(
         params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr=lr, beta1=beta1,
         beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,

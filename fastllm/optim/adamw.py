@@ -1,19 +1,29 @@
 """fastllm.optim.AdamW: a drop-in replacement for torch.optim.AdamW backed by fastllm::adamw_step,
-with optional mixed-precision training (fastllm::adamw_master_step, fastllm::l2norm).
+with optional mixed-precision training (fastllm::adamw_master_step, fastllm::l2norm), and
+AdamW8bit, the same optimizer with 8-bit moments.
 
 Same signature, defaults, param-group keys and state_dict layout as torch.optim.AdamW (per
 parameter: `step` as a 0-dim fp32 tensor, `exp_avg`, `exp_avg_sq`, and `max_exp_avg_sq` when
-amsgrad), so a torch state_dict loads here and the other way round. Each step validates every
-parameter first, then runs one fused op per (param group, device, dtype).
+amsgrad), so a torch state_dict loads here and the other way round. Every parameter is validated
+before anything changes, then one fused op runs per (param group, device, dtype, state layout).
 
 The keyword-only options master_weights, stochastic_rounding, kahan_summation, max_grad_norm and
 loss_scaler (all off by default, which leaves the drop-in behaviour exactly as above) add:
-    - one norm pass over all grads (fastllm::l2norm) that gives the global grad norm
-      (`optimizer.grad_norm`) and detects inf/nan: such a step is skipped, nothing changes, and
-      `optimizer.step_skipped` / `optimizer.skipped_steps` report it;
+    - one norm pass over all grads (fastllm.optim.global_grad_norm) that gives the global grad
+      norm (`optimizer.grad_norm`) and detects inf/nan: such a step is skipped, nothing changes,
+      and `optimizer.step_skipped` / `optimizer.skipped_steps` report it;
     - clipping by that norm and unscaling by the loss scale, fused into the update;
     - for bf16/fp16 params: fp32 master weights and fp32 moments (master_weights=True), or pure
       bf16 params with fp32 moments, stochastic rounding and/or a bf16 Kahan compensation buffer.
+The moment layouts (torch's, bf16, 8-bit) live in fastllm/optim/state_layout.py.
+
+Host cost. What does not change between steps is kept in a step plan (fastllm/optim/_plan.py):
+the fused calls' tensor lists per group and dtype, the checks of params and state, the step
+counts as views of one buffer per call (one add instead of one per tensor). The plan is checked
+each step against the params and their grads (by identity) and rebuilt when they change; new
+grad tensors (zero_grad(set_to_none=True)) are checked alone. State replaced through
+load_state_dict, add_param_group or a new `optimizer.state` is noticed; a state tensor swapped
+by hand inside `optimizer.state[p]` is not: call `optimizer.invalidate_plan()` after doing so.
 """
 
 import math
@@ -22,136 +32,11 @@ import torch
 
 from fastllm import _backend
 from fastllm.amp import LossScaler
-from fastllm.ops.adamw import adamw_step
-from fastllm.ops.adamw_master import adamw_master_step
+from fastllm.optim._plan import Plan, check_hyperparameters, describe, kind_of
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
+from fastllm.optim.state_layout import Moments
 
-# FSDP2 (fully_shard) params, grads and states are DTensors; the fused kernels run on
-# each rank's local shard (same storage), and the grad norm is reduced over the mesh.
-from fastllm._dtensor import local as _local
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-# State tensors kept in fp32 for a low-precision param in master / pure mode.
-_FP32_STATE_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
-_MASK64 = (1 << 64) - 1
-
-
-def _mix_seed(*values):
-    """A 63-bit seed from integers (splitmix64 steps): the stochastic-rounding key of one call."""
-    z = 0
-    for value in values:
-        z = (z + 0x9E3779B97F4A7C15 + (int(value) & _MASK64)) & _MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        z ^= z >> 31
-    return z >> 1
-
-__all__ = ["AdamW"]
-
-
-def _scalar(value, name):
-    """A hyperparameter as a Python float; tensors must hold one element."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"fastllm.optim.AdamW: tensor {name} must have one element, "
-                             f"got shape {tuple(value.shape)}")
-        value = value.item()
-    return float(value)
-
-
-def _check_hyperparameters(where, lr, betas, eps, weight_decay):
-    # The messages contain torch.optim.AdamW's own wording, which code and tests match on.
-    lr_value = _scalar(lr, "lr")
-    if not math.isfinite(lr_value) or lr_value < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {lr}")
-    if not math.isfinite(eps) or eps < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid epsilon value: {eps}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be a pair, got {betas!r}")
-    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-        raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be either both floats or "
-                         f"both Tensors")
-    for i, beta in enumerate(betas):
-        value = _scalar(beta, f"betas[{i}]")
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid beta parameter at index "
-                             f"{i}: {beta}")
-    if not math.isfinite(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid weight_decay value: "
-                         f"{weight_decay}")
-
-
-def _is_dense(t):
-    """Whether t's elements fill one gap-free block of memory (in some order of its dims)."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _dense_views(tensors, writebacks):
-    """(param, grad, states...) as contiguous tensors whose elements correspond one to one.
-
-    Contiguous tensors pass through. A non-contiguous but dense param (channels_last, a
-    transposed weight) is stepped in its own memory order: each tensor with the param's strides
-    becomes a flat view of its storage, any other is copied into the param's layout first. A
-    param with gaps is stepped on contiguous copies. Copies of written tensors are queued in
-    `writebacks` as (tensor, copy), to be copied back after the kernels ran (the grad is only
-    read)."""
-    if all(t is None or t.is_contiguous() for t in tensors):
-        return tensors
-    p = tensors[0]
-    # Flat views in the param's memory order when it is dense but permuted; plain contiguous
-    # copies when the param itself is contiguous or has gaps.
-    flat = not p.is_contiguous() and _is_dense(p)
-    out = []
-    for i, t in enumerate(tensors):
-        if t is None or (t.is_contiguous() and not flat):
-            out.append(t)
-            continue
-        if flat and t.stride() == p.stride() and _is_dense(t):
-            out.append(t.as_strided((t.numel(),), (1,)))
-            continue
-        copy = torch.empty_like(p, dtype=t.dtype) if flat else t.contiguous()
-        if flat:
-            copy.copy_(t)
-        if i != 1:
-            writebacks.append((t, copy))
-        out.append(copy.as_strided((copy.numel(),), (1,)) if flat else copy)
-    return out
-
-
-# low-byte optimizer state lives in fastllm/optim/adamw8bit.py (imported lazily:
-# it subclasses AdamW).
-def _lowbyte():
-    from fastllm.optim import adamw8bit
-
-    return adamw8bit
-
-
-def _lowbyte_mode(opt, p):
-    return getattr(opt, "state_dtype", None) is not None and _lowbyte().mode(opt, p) is not None
-
-
-def _lowbyte_block_keys():
-    return ("exp_avg_absmax", "exp_avg_sq_absmax")
-
-
-class _LazyName:
-    """A parameter's description for error messages, built only when a message is formatted."""
-
-    __slots__ = ("args",)
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __str__(self):
-        name, *rest = self.args
-        return name(*rest)
-
-    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+__all__ = ["AdamW", "AdamW8bit"]
 
 
 class AdamW(torch.optim.Optimizer):
@@ -207,7 +92,7 @@ class AdamW(torch.optim.Optimizer):
                  differentiable=False, fused=None, master_weights=False,
                  stochastic_rounding=False, kahan_summation=False, max_grad_norm=None,
                  loss_scaler=None, state_dtype=None):
-        _check_hyperparameters("defaults", lr, betas, eps, weight_decay)
+        check_hyperparameters("defaults", lr, betas, eps, weight_decay)
         if max_grad_norm is not None:
             max_grad_norm = float(max_grad_norm)
             if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
@@ -258,9 +143,10 @@ class AdamW(torch.optim.Optimizer):
         self.kahan_summation = bool(kahan_summation)
         self.max_grad_norm = max_grad_norm
         self.loss_scaler = loss_scaler
-        # low-byte moments (bf16, or 8-bit in AdamW8bit), fastllm/optim/adamw8bit.py.
-        _lowbyte().check_options(self, state_dtype, amsgrad, self.kahan_summation,
-                                 capturable=capturable)
+        # The moment layout (torch's, bf16 or 8-bit): fastllm/optim/state_layout.py.
+        self.moments = Moments(state_dtype)
+        self.moments.check_options(amsgrad, self.kahan_summation, capturable)
+        self._plan = None
         # Drawn only when used, so the default optimizer leaves the global RNG alone.
         self._sr_seed = (int(torch.randint(0, 2**62, ()).item())
                          if self.stochastic_rounding else None)
@@ -278,6 +164,7 @@ class AdamW(torch.optim.Optimizer):
             self.step_skipped = torch.zeros((), dtype=torch.bool, device=device)
             self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
 
+
     @property
     def _mixed(self):
         """Whether any mixed-precision option is on (and with it the guarded norm pass)."""
@@ -286,20 +173,19 @@ class AdamW(torch.optim.Optimizer):
 
     def _kind(self, p):
         """'master', 'pure' or 'plain': which update a param gets."""
-        if p.dtype in _LOW_PRECISION:
-            if self.master_weights:
-                return "master"
-            if self.stochastic_rounding or self.kahan_summation:
-                return "pure"
-        return "plain"
+        return kind_of(p, self.master_weights, self.stochastic_rounding, self.kahan_summation)
+
+    # The moment layout's settings, as attributes (bitsandbytes and torchao expose them so).
+    state_dtype = property(lambda self: self.moments.state_dtype)
+    block_size = property(lambda self: self.moments.block_size)
+    min_8bit_size = property(lambda self: self.moments.min_8bit_size)
 
     # Optimizer.__getstate__ keeps only defaults, state and param_groups; the options below and the
     # stochastic-rounding seed travel with a pickled or deep-copied optimizer too.
     _EXTRA_ATTRS = {"master_weights": False, "stochastic_rounding": False,
                     "kahan_summation": False, "max_grad_norm": None, "loss_scaler": None,
                     "_sr_seed": None, "_sr_calls": 0, "grad_norm": None,
-                    "step_skipped": False, "skipped_steps": 0,
-                    "state_dtype": None, "block_size": 256, "min_8bit_size": 4096}
+                    "step_skipped": False, "skipped_steps": 0, "moments": None}
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -310,7 +196,10 @@ class AdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         for key, value in self._EXTRA_ATTRS.items():
             self.__dict__.setdefault(key, value)
+        if self.__dict__.get("moments") is None:
+            self.moments = Moments()
         self.__dict__.setdefault("_written_versions", {})
+        self._plan = None
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -321,138 +210,55 @@ class AdamW(torch.optim.Optimizer):
             # As torch.optim.AdamW: always decoupled, also after loading a torch.optim.Adam state.
             group["decoupled_weight_decay"] = True
 
-    @staticmethod
-    def _name(group, group_index, param_index, param):
-        names = group.get("param_names")
-        label = names[param_index] if names else f"param {param_index}"
-        return f"{label} of param group {group_index} (shape {tuple(param.shape)})"
+    _name = staticmethod(describe)
 
-    def _validate(self):
-        """Check every group and every parameter with a grad; raise before anything changes."""
-        for gi, group in enumerate(self.param_groups):
-            _check_hyperparameters(f"param group {gi}", group["lr"], group["betas"],
-                                   group["eps"], group["weight_decay"])
-            for pi, p in enumerate(group["params"]):
-                grad = p.grad
-                if grad is None:
-                    continue
-                where = _LazyName(self._name, group, gi, pi, p)  # formatted only on error
-                if grad.is_sparse or grad.layout != torch.strided:
-                    raise RuntimeError(f"fastllm.optim.AdamW does not support sparse gradients "
-                                       f"({where})")
-                if torch.is_complex(p) or torch.is_complex(grad):
-                    raise RuntimeError(f"fastllm.optim.AdamW does not support complex "
-                                       f"parameters or gradients ({where}); use "
-                                       f"torch.view_as_real")
-                if not p.dtype.is_floating_point:
-                    raise TypeError(f"fastllm.optim.AdamW: {where} has dtype {p.dtype}")
-                if grad.device != p.device:
-                    raise RuntimeError(f"fastllm.optim.AdamW: the grad of {where} is on "
-                                       f"{grad.device} but the parameter is on {p.device}")
-                if grad.dtype != p.dtype or grad.shape != p.shape:
-                    raise RuntimeError(f"fastllm.optim.AdamW: the grad of {where} has dtype "
-                                       f"{grad.dtype} and shape {tuple(grad.shape)}; expected "
-                                       f"{p.dtype} and {tuple(p.shape)}")
-                kind = self._kind(p)
-                if p.dtype == torch.float16 and kind == "pure":
-                    raise NotImplementedError(
-                        f"fastllm.optim.AdamW: {where} is float16; training without master "
-                        f"weights (stochastic_rounding or kahan_summation alone) is implemented "
-                        f"for bfloat16 params only. Use master_weights=True for fp16 params")
-                state = self.state.get(p)
-                if state and _lowbyte_mode(self, p):
-                    _lowbyte().check_state(self, where, p, state)
-                elif state:
-                    self._check_state(where, p, state, group["amsgrad"], kind)
+    def invalidate_plan(self):
+        """Forget the cached step plan (fastllm/optim/_plan.py): the next step checks every
+        param and state tensor again. Needed only after swapping a tensor inside
+        `optimizer.state[p]` by hand; load_state_dict and add_param_group do it themselves."""
+        self._plan = None
 
-    @staticmethod
-    def _check_state(where, p, state, amsgrad, kind="plain"):
-        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-        for key in keys:
-            t = state.get(key)
-            if not isinstance(t, torch.Tensor):
-                raise RuntimeError(f"fastllm.optim.AdamW: state '{key}' of {where} is missing")
-            if t.shape != p.shape:
-                raise RuntimeError(f"fastllm.optim.AdamW: state '{key}' of {where} has shape "
-                                   f"{tuple(t.shape)}, expected {tuple(p.shape)}")
-            # Mixed-precision params keep fp32 moments (a drop-in state in p.dtype is upcast).
-            dtype_ok = t.dtype == p.dtype or (kind != "plain" and t.dtype == torch.float32)
-            if t.device != p.device or not dtype_ok:
-                raise RuntimeError(f"fastllm.optim.AdamW: state '{key}' of {where} must be a "
-                                   f"{p.dtype} tensor on {p.device}, got {t.dtype} "
-                                   f"on {t.device}")
-        for key, dtype in (("master_param", torch.float32), ("kahan_comp", p.dtype)):
-            t = state.get(key)
-            if t is None:
-                continue
-            if (not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype
-                    or t.device != p.device):
-                raise RuntimeError(f"fastllm.optim.AdamW: state '{key}' of {where} must be a "
-                                   f"{dtype} tensor of shape {tuple(p.shape)} on "
-                                   f"{p.device}")
-        step = state.get("step")
-        if not isinstance(step, torch.Tensor) or step.numel() != 1:
-            raise RuntimeError(f"fastllm.optim.AdamW: state 'step' of {where} must be a "
-                               f"one-element tensor")
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        self._plan = None
 
     def load_state_dict(self, state_dict):
-        """torch.optim.Optimizer.load_state_dict, after checking every state tensor's shape.
+        """torch.optim.Optimizer.load_state_dict, after checking the whole state_dict.
 
-        Accepts state_dicts of torch.optim.AdamW as well. A state whose shape does not match its
-        parameter raises, naming the parameter, and leaves the optimizer unchanged.
+        Accepts state_dicts of torch.optim.AdamW (and Adam) as well. Another optimizer's state
+        (SGD's: no betas, a momentum_buffer), a state without exp_avg_sq, or a state whose shape
+        does not match its parameter raises, naming the parameter, and leaves the optimizer
+        unchanged.
         """
         saved_groups = state_dict.get("param_groups", [])
-        saved_state = state_dict.get("state", {})
-        _lowbyte().check_loaded(self, state_dict)  # refuse mismatched moment layouts
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"fastllm.optim.AdamW: the state_dict has {len(saved_groups)} param "
                              f"groups, this optimizer has {len(self.param_groups)}")
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
+            if missing:
+                raise ValueError(f"fastllm.optim.AdamW: param group {gi} of the state_dict has "
+                                 f"no {missing} (a state_dict of another optimizer?)")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"fastllm.optim.AdamW: param group {gi} of the state_dict has "
                                  f"{len(saved['params'])} params, this optimizer's has "
                                  f"{len(group['params'])}")
-            for pi, (pid, p) in enumerate(zip(saved["params"], group["params"])):
-                state = saved_state.get(pid)
-                if not state:
-                    continue
-                where = self._name(group, gi, pi, p)
-                for key, value in state.items():
-                    if key == "step":
-                        if not isinstance(value, torch.Tensor) and not isinstance(value, (int, float)):
-                            raise RuntimeError(f"fastllm.optim.AdamW: state 'step' of {where} "
-                                               f"is {type(value).__name__}")
-                        continue
-                    if key in _lowbyte_block_keys():  # one value per block
-                        continue
-                    if isinstance(value, torch.Tensor) and value.shape != p.shape:
-                        raise RuntimeError(f"fastllm.optim.AdamW: cannot load state '{key}' of "
-                                           f"{where}: the state_dict has shape "
-                                           f"{tuple(value.shape)}")
+        self.moments.check_loaded(state_dict, self.param_groups, describe)
         extra = state_dict.get("fastllm")
         if extra is not None and extra.get("loss_scaler") is not None and self.loss_scaler is None:
             raise ValueError("fastllm.optim.AdamW: the state_dict holds a loss scaler's state but "
                              "this optimizer has no loss_scaler")
+        self._plan = None
         super().load_state_dict(state_dict)
-        # torch casts every floating state tensor to its param's dtype on load; the fp32 masters
-        # and moments of low-precision params are put back as saved, bit for bit.
-        saved_ids = [pid for g in saved_groups for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
-            saved = saved_state.get(pid)
-            if not saved or p.dtype not in _LOW_PRECISION:
-                continue
-            for key in _FP32_STATE_KEYS:
-                value = saved.get(key)
-                if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+        self.moments.restore_loaded(self.state, state_dict, params)
         for p in params:
             state = self.state.get(p)
             # A load-state-dict post-hook may store anything in optimizer.state; leave it alone.
             if isinstance(state, dict) and state:
-                self._convert_loaded_state(p, state)
-        _lowbyte().restore_loaded(self, state_dict)  # low-byte moments bit for bit
+                self.moments.convert_loaded(p, state, self._kind(p), self.kahan_summation)
         self._written_versions.clear()  # a loaded master is the truth, not the param
+        self._plan = None
         if extra is not None:
             if extra.get("sr_seed") is not None:
                 self._sr_seed = int(extra["sr_seed"])
@@ -461,44 +267,11 @@ class AdamW(torch.optim.Optimizer):
             if extra.get("loss_scaler") is not None:
                 self.loss_scaler.load_state_dict(extra["loss_scaler"])
 
-    def _convert_loaded_state(self, p, state):
-        """Bring a loaded per-param state into this optimizer's mode for `p`.
-
-        Step counts become fp32 tensors on the param's device. A checkpoint of another mode is
-        converted, not refused: into plain mode the master copy and Kahan buffer are dropped and
-        the moments cast to the param's dtype; into master mode a Kahan buffer is folded into the
-        new master (param + comp is the pure-bf16 run's best value); into pure mode a master is
-        turned into the Kahan buffer (master - param) or dropped. Moments become fp32 where the
-        mode keeps them in fp32 (`_init_state`)."""
-        step = state.get("step")
-        if step is not None:
-            if not isinstance(step, torch.Tensor):
-                step = torch.tensor(float(step))
-            state["step"] = step.detach().to(device=p.device, dtype=torch.float32)
-        kind = self._kind(p)
-        master, comp = state.get("master_param"), state.get("kahan_comp")
-        if kind == "plain":
-            state.pop("master_param", None)
-            state.pop("kahan_comp", None)
-            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                t = state.get(key)
-                if isinstance(t, torch.Tensor) and t.dtype != p.dtype:
-                    state[key] = t.to(p.dtype)
-        elif kind == "master":
-            if master is None and comp is not None:
-                state["master_param"] = p.detach().float() + comp.float()
-            state.pop("kahan_comp", None)
-        else:  # pure
-            if self.kahan_summation and comp is None and master is not None:
-                state["kahan_comp"] = (master - p.detach().float()).to(p.dtype)
-            if not self.kahan_summation:
-                state.pop("kahan_comp", None)
-            state.pop("master_param", None)
-
     def state_dict(self):
         """torch.optim.Optimizer.state_dict; with a mixed-precision option set it also holds a
         'fastllm' entry: the loss scaler's state, the stochastic-rounding seed and the skip count.
-        Master weights ('master_param') and Kahan buffers ('kahan_comp') are per-param state."""
+        Master weights ('master_param') and Kahan buffers ('kahan_comp') are per-param state;
+        8-bit state adds the 'fastllm_lowbyte' entry (fastllm/optim/state_layout.py)."""
         state_dict = super().state_dict()
         if self._mixed:
             state_dict["fastllm"] = {
@@ -507,37 +280,29 @@ class AdamW(torch.optim.Optimizer):
                 "skipped_steps": int(self.skipped_steps),
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
             }
+        extra = self.moments.extra()
+        if extra is not None:
+            state_dict["fastllm_lowbyte"] = extra
         return state_dict
 
-    def _init_state(self, p, group, kind):
-        state = self.state[p]
-        fp32 = kind != "plain"
-        if len(state) == 0:
-            # On the param's device, as torch's fused/capturable AdamW: the kernels read it there.
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            like = (lambda: torch.zeros_like(p, dtype=torch.float32)) if fp32 else (
-                lambda: torch.zeros_like(p, memory_format=torch.preserve_format))
-            state["exp_avg"] = like()
-            state["exp_avg_sq"] = like()
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif group["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p)
-        if fp32:
-            for key in ("exp_avg", "exp_avg_sq"):
-                if state[key].dtype != torch.float32:  # a drop-in state loaded into this mode
-                    state[key] = state[key].float()
-        if kind == "master" and "master_param" not in state:
-            state["master_param"] = p.detach().float()
-        if kind == "pure" and self.kahan_summation and "kahan_comp" not in state:
-            state["kahan_comp"] = torch.zeros_like(p)
-        return state
+    def _step_plan(self):
+        """The plan of this step: the cached one when params and grads still match it."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        if torch.compiler.is_compiling():
+            return Plan(self, params, grads, cached=False)  # traced: no host-side cache
+        plan = self._plan
+        if plan is None or not plan.still_valid(self, params, grads):
+            if plan is not None:
+                plan.save_versions(self)
+            self._plan = None
+            plan = self._plan = Plan(self, params, grads, cached=True)
+        return plan
 
-    def _global_grad_norm(self):
+    def _global_grad_norm(self, plan):
         """The L2 norm of every grad of every group (as the grads are, i.e. still scaled); over
         the mesh for DTensor grads (fastllm.optim.grad_norm)."""
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        return global_grad_norm(grads) if grads else None
+        return global_grad_norm(plan.all_grads) if plan.all_grads else None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -550,7 +315,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._validate()
+        plan = self._step_plan()  # checks everything before anything changes
 
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -563,108 +328,34 @@ class AdamW(torch.optim.Optimizer):
         # kernel of the step reads it, so skipping needs no host read.
         found = None if found_inf is None else found_inf.to(torch.float32)
         clip_coef = None
-        if self._mixed:
-            norm = self._global_grad_norm()
-            if norm is not None:
-                if grad_scale is not None:
-                    norm = norm / grad_scale.to(norm.device)
-                bad = (~torch.isfinite(norm)).to(torch.float32)
-                found = bad if found is None else torch.maximum(found.to(bad.device), bad)
-                if self.max_grad_norm is not None:
-                    # torch.nn.utils.clip_grad_norm_'s coefficient (nan on a skipped step).
-                    clip_coef = clip_coefficient(norm, self.max_grad_norm)
-                self._record("grad_norm", norm)
-        if found is not None:
-            self._record("step_skipped", found != 0)
-            if not isinstance(self.skipped_steps, torch.Tensor):
-                self.skipped_steps = torch.full((), int(self.skipped_steps), dtype=torch.int64,
-                                                device=found.device)
-            self.skipped_steps.add_(found.to(device=self.skipped_steps.device,
-                                             dtype=torch.int64))
-        elif isinstance(self.step_skipped, torch.Tensor):
-            self.step_skipped.zero_()
-        if self.stochastic_rounding:
-            self._sr_calls += 1
-
-        with _backend.validated():  # _validate() above checked what the ops would check
-            self._step_groups(grad_scale, clip_coef, found)
-        if self.master_weights:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None and self._kind(p) == "master":
-                        self._written_versions[p] = p._version
+        with _backend.validated():  # the plan checked what the ops would check
+            if self._mixed:
+                norm = self._global_grad_norm(plan)
+                if norm is not None:
+                    if grad_scale is not None:
+                        norm = norm / grad_scale.to(norm.device)
+                    bad = (~torch.isfinite(norm)).to(torch.float32)
+                    found = bad if found is None else torch.maximum(found.to(bad.device), bad)
+                    if self.max_grad_norm is not None:
+                        # torch.nn.utils.clip_grad_norm_'s coefficient (nan on a skipped step).
+                        clip_coef = clip_coefficient(norm, self.max_grad_norm)
+                    self._record("grad_norm", norm)
+            if found is not None:
+                self._record("step_skipped", found != 0)
+                if not isinstance(self.skipped_steps, torch.Tensor):
+                    self.skipped_steps = torch.full((), int(self.skipped_steps),
+                                                    dtype=torch.int64, device=found.device)
+                self.skipped_steps.add_(found.to(device=self.skipped_steps.device,
+                                                 dtype=torch.int64))
+            elif isinstance(self.step_skipped, torch.Tensor):
+                self.step_skipped.zero_()
+            if self.stochastic_rounding:
+                self._sr_calls += 1
+            plan.run(self, grad_scale, clip_coef, found)
         if self.loss_scaler is not None:
             # fastllm's LossScaler keeps its scale on the host: its one read of the flag.
             self.loss_scaler.update(found_inf=found is not None and bool(found))
         return loss
-
-    def _step_groups(self, grad_scale, clip_coef, found):
-        """The fused kernels over every param group, bucketed by (device, dtype, kind)."""
-        for gi, group in enumerate(self.param_groups):
-            buckets = {}
-            writebacks = []
-            lowbyte = []  # params with low-byte moments, stepped by their own op
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if _lowbyte_mode(self, p):
-                    lowbyte.append(p)
-                    continue
-                kind = self._kind(p)
-                state = self._init_state(p, group, kind)
-                if kind == "master":
-                    self._resync_master(p, state)
-                extra = (state.get("max_exp_avg_sq") if kind == "plain"
-                         else state.get("master_param", state.get("kahan_comp")))
-                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                                               extra, state["step"])]
-                tensors[:5] = _dense_views(tensors[:5], writebacks)
-                lists = buckets.setdefault((tensors[0].device, p.dtype, kind),
-                                           ([], [], [], [], [], []))
-                for lst, t in zip(lists, tensors):
-                    lst.append(t)
-            group_steps = [t for lists in buckets.values() for t in lists[5]]
-            if group_steps:
-                torch._foreach_add_(group_steps, 1.0)  # one call, not one tiny op per param
-            beta1, beta2 = (_scalar(b, "beta") for b in group["betas"])
-            lr = _scalar(group["lr"], "lr")
-            for bi, ((device, _, kind), (ps, gs, ms, vs, extras, steps)) in enumerate(
-                    buckets.items()):
-                scale, coef, skip = (None if t is None or t.device == device
-                                     else t.to(device, non_blocking=True)
-                                     for t in (grad_scale, clip_coef, found))
-                scale = grad_scale if scale is None else scale
-                coef = clip_coef if coef is None else coef
-                skip = found if skip is None else skip
-                if kind == "plain":
-                    if coef is not None:
-                        # adamw_step divides by grad_scale: fold the clipping factor into it.
-                        scale = (1.0 / coef) if scale is None else scale / coef
-                    adamw_step(
-                        ps, gs, ms, vs, extras if group["amsgrad"] else [], steps,
-                        lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-                        maximize=group["maximize"], grad_scale=scale, found_inf=skip,
-                    )
-                else:
-                    seed = 0
-                    if self.stochastic_rounding:
-                        seed = _mix_seed(self._sr_seed, gi, bi, self._sr_calls)
-                    adamw_master_step(
-                        ps, gs, extras if kind == "master" else [], ms, vs,
-                        extras if kind == "pure" and self.kahan_summation else [], steps,
-                        lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], maximize=group["maximize"],
-                        stochastic_rounding=self.stochastic_rounding, seed=seed,
-                        grad_scale=scale, clip_coef=coef, found_inf=skip,
-                    )
-                if skip is not None:
-                    # As torch's fused AdamW: a skipped step takes its count back, on the device.
-                    torch._foreach_sub_(steps, [skip] * len(steps))
-            for dst, src in writebacks:
-                dst.copy_(src)
-            if lowbyte:
-                _lowbyte().step(self, group, gi, lowbyte, grad_scale, clip_coef, found)
 
     def _record(self, name, value):
         """Set a reported tensor (grad_norm, step_skipped) in place when it exists: what
@@ -676,10 +367,32 @@ class AdamW(torch.optim.Optimizer):
         else:
             setattr(self, name, value.detach().clone())
 
-    def _resync_master(self, p, state):
-        """Re-sync the fp32 master from `p` if something outside the optimizer wrote `p` since
-        the optimizer's own last write (model.load_state_dict, an in-place clip, ...): otherwise
-        the next step would write the stale master back over that change."""
-        written = self._written_versions.get(p)
-        if written is not None and p._version != written:
-            state["master_param"].copy_(_local(p).detach())
+
+class AdamW8bit(AdamW):
+    """AdamW with 8-bit block-quantised moments: a drop-in for bitsandbytes.optim.AdamW8bit and
+    torchao.optim.AdamW8bit (the arguments they share: lr, betas, eps, weight_decay, amsgrad;
+    block_size as torchao, min_8bit_size as bitsandbytes).
+
+    Each tensor with at least `min_8bit_size` elements (the whole tensor's count, also when it
+    is sharded) keeps both moments as one byte per element (bitsandbytes' dynamic map, signed
+    for exp_avg, unsigned for exp_avg_sq) plus one fp32 absmax per `block_size` elements: about
+    2.03 bytes per parameter instead of torch's 8. Smaller tensors keep fp32 state. The update
+    is fastllm::adamw8bit_step (dequantise, AdamW, requantise in one pass). The state layout is
+    in fastllm/optim/state_layout.py; convert_state() converts to and from torch AdamW's.
+
+    Every keyword option of fastllm.optim.AdamW combines with it (master_weights,
+    stochastic_rounding, max_grad_norm, loss_scaler, GradScaler), except amsgrad (refused, as
+    bitsandbytes does not implement it either) and kahan_summation.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, block_size=256, min_8bit_size=4096, **kwargs):
+        if "state_dtype" in kwargs:
+            raise TypeError("fastllm.optim.AdamW8bit: state_dtype is always torch.uint8; use "
+                            "fastllm.optim.AdamW(state_dtype=...) for other state types")
+        moments = Moments(torch.uint8, block_size, min_8bit_size,
+                          where="fastllm.optim.AdamW8bit")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, state_dtype=torch.uint8,
+                         **kwargs)
+        self.moments = moments
+

@@ -85,6 +85,14 @@ def global_grad_norm(tensors=(), *, flat_shards=(), flat_group=None, groups=(), 
     inf/nan when any element is (fastllm's optimizers skip such a step).
     """
     tensors = list(tensors)
+    if not flat_shards and flat_group is None and not groups and tensors:
+        # The common one-process case, cheaply recognised: one l2norm pass, nothing else.
+        first = tensors[0]
+        if type(first) is torch.Tensor and (device is None or device == first.device):
+            dev = first.device
+            if all(type(t) is torch.Tensor and t.is_contiguous() and t.device == dev
+                   for t in tensors):
+                return l2norm(tensors)
     flat_shards = list(flat_shards)
     groups = [g for g in groups if g is not None]
     dtensors = [t for t in tensors if is_dtensor(t)]
@@ -96,9 +104,6 @@ def global_grad_norm(tensors=(), *, flat_shards=(), flat_group=None, groups=(), 
     inputs = tensors + flat_shards
     fp64 = bool(inputs) and all(t.dtype == torch.float64 for t in inputs)
     out_dtype = torch.float64 if fp64 else torch.float32
-    if (not dtensors and flat_group is None and not groups and plain
-            and all(t.device == device and t.is_contiguous() for t in plain)):
-        return l2norm(plain)  # the common one-process case: one pass, nothing else
     total = _sum_squares(plain, device)
     for mesh, dims, local in _dtensor_parts(dtensors):
         sq = _sum_squares(local, device)

@@ -1,0 +1,434 @@
+"""The step plan of fastllm.optim.AdamW: what a step does, worked out once and reused.
+
+A step runs one fused op per (param group, device, param dtype, moment layout, kind). Building
+those calls means checking every param, grad and state tensor and collecting lists of tensors;
+none of it changes from step to step in a training loop, so a Plan keeps it:
+    - the calls' tensor lists (local shards for DTensors) and their scalar kind;
+    - the step counts of a call as views of one 1-D buffer (`flat_steps`), so the per-step
+      increment and a skipped step's decrement are one tiny op each instead of one per tensor
+      (not with capturable=True, where the step tensors must keep their addresses);
+    - the checked hyperparameters of every group (re-checked when a value changes).
+`Plan.still_valid` compares the params and grads with the ones the plan was built for, by
+identity (a few tens of nanoseconds per tensor); grads that are new tensors (zero_grad with
+set_to_none, the default) are checked alone and swapped into the lists. Anything else that
+changed (a param added, a grad appearing or vanishing, a new state) rebuilds the plan.
+Params or grads that are not contiguous, and DTensors, are prepared again every step
+(`Call.fast` False), as they were before plans existed.
+"""
+
+import math
+import operator
+
+import torch
+
+from fastllm import _backend
+from fastllm._dtensor import is_dtensor, local
+from fastllm.ops.adamw import adamw_step
+from fastllm.ops.adamw8bit import adamw8bit_step
+from fastllm.ops.adamw_master import adamw_master_step
+from fastllm.optim.state_layout import LOW_PRECISION, qmaps
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values):
+    """A 63-bit seed from integers (splitmix64 steps): the stochastic-rounding key of one call."""
+    z = 0
+    for value in values:
+        z = (z + 0x9E3779B97F4A7C15 + (int(value) & _MASK64)) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+    return z >> 1
+
+
+def scalar(value, name):
+    """A hyperparameter as a Python float; tensors must hold one element."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            # torch.optim's wording first: user tests match on it.
+            raise ValueError(f"fastllm.optim.AdamW: Tensor {name} must be 1-element (got shape "
+                             f"{tuple(value.shape)})")
+        value = value.item()
+    return float(value)
+
+
+def check_hyperparameters(where, lr, betas, eps, weight_decay):
+    """Raise ValueError on a bad hyperparameter; the messages contain torch.optim.AdamW's own
+    wording, which code and tests match on."""
+    lr_value = scalar(lr, "lr")
+    if not math.isfinite(lr_value) or lr_value < 0.0:
+        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {lr}")
+    if not math.isfinite(eps) or eps < 0.0:
+        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid epsilon value: {eps}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be a pair, got {betas!r}")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be either both floats or "
+                         f"both Tensors")
+    for i, beta in enumerate(betas):
+        value = scalar(beta, f"betas[{i}]")
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid beta parameter at index "
+                             f"{i}: {beta}")
+    if not math.isfinite(weight_decay) or weight_decay < 0.0:
+        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid weight_decay value: "
+                         f"{weight_decay}")
+
+
+def describe(group, group_index, param_index, param):
+    names = group.get("param_names")
+    label = names[param_index] if names else f"param {param_index}"
+    return f"{label} of param group {group_index} (shape {tuple(param.shape)})"
+
+
+def kind_of(p, master_weights, stochastic_rounding, kahan_summation):
+    """'master', 'pure' or 'plain': which update a param gets."""
+    if p.dtype in LOW_PRECISION:
+        if master_weights:
+            return "master"
+        if stochastic_rounding or kahan_summation:
+            return "pure"
+    return "plain"
+
+
+def check_grad(where, p, grad):
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise RuntimeError(f"fastllm.optim.AdamW does not support sparse gradients ({where})")
+    if torch.is_complex(p) or torch.is_complex(grad):
+        raise RuntimeError(f"fastllm.optim.AdamW does not support complex parameters or "
+                           f"gradients ({where}); use torch.view_as_real")
+    if not p.dtype.is_floating_point:
+        raise TypeError(f"fastllm.optim.AdamW: {where} has dtype {p.dtype}")
+    if grad.device != p.device:
+        raise RuntimeError(f"fastllm.optim.AdamW: the grad of {where} is on {grad.device} but "
+                           f"the parameter is on {p.device}")
+    if grad.dtype != p.dtype or grad.shape != p.shape:
+        raise RuntimeError(f"fastllm.optim.AdamW: the grad of {where} has dtype {grad.dtype} "
+                           f"and shape {tuple(grad.shape)}; expected {p.dtype} and "
+                           f"{tuple(p.shape)}")
+
+
+def _is_dense(t):
+    """Whether t's elements fill one gap-free block of memory (in some order of its dims)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _dense_views(tensors, writebacks):
+    """(param, grad, states...) as contiguous tensors whose elements correspond one to one.
+
+    Contiguous tensors pass through. A non-contiguous but dense param (channels_last, a
+    transposed weight) is stepped in its own memory order: each tensor with the param's strides
+    becomes a flat view of its storage, any other is copied into the param's layout first. A
+    param with gaps is stepped on contiguous copies. Copies of written tensors are queued in
+    `writebacks` as (tensor, copy), to be copied back after the kernels ran (the grad is only
+    read)."""
+    if all(t is None or t.is_contiguous() for t in tensors):
+        return tensors
+    p = tensors[0]
+    flat = not p.is_contiguous() and _is_dense(p)
+    out = []
+    for i, t in enumerate(tensors):
+        if t is None or (t.is_contiguous() and not flat):
+            out.append(t)
+            continue
+        if flat and t.stride() == p.stride() and _is_dense(t):
+            out.append(t.as_strided((t.numel(),), (1,)))
+            continue
+        copy = torch.empty_like(p, dtype=t.dtype) if flat else t.contiguous()
+        if flat:
+            copy.copy_(t)
+        if i != 1:
+            writebacks.append((t, copy))
+        out.append(copy.as_strided((copy.numel(),), (1,)) if flat else copy)
+    return out
+
+
+class Call:
+    """One fused op: the params of one (device, dtype, moment layout, kind) in one group."""
+
+    __slots__ = ("mode", "kind", "device", "seed_index", "params", "grads", "masters",
+                 "exp_avgs", "exp_avg_sqs", "absmax_m", "absmax_v", "extras", "steps",
+                 "flat_steps", "fast", "slots", "versions")
+
+    def __init__(self, mode, kind, device, seed_index):
+        self.mode, self.kind, self.device, self.seed_index = mode, kind, device, seed_index
+        self.params, self.grads, self.masters, self.extras, self.steps = [], [], [], [], []
+        self.exp_avgs, self.exp_avg_sqs, self.absmax_m, self.absmax_v = [], [], [], []
+        self.flat_steps = None
+        self.fast = True
+        self.slots = []  # each param's index in Plan.params
+        # master kind: each param's _version right after the optimizer last wrote it (None:
+        # never), kept here while the plan lives and in opt._written_versions otherwise.
+        self.versions = []
+
+    def tensors(self, opt):
+        """(lists for the op, writebacks): the cached lists, or built again for a slow call."""
+        if self.fast:
+            return (self.params, self.grads, self.masters, self.exp_avgs, self.exp_avg_sqs,
+                    self.absmax_m, self.absmax_v, self.extras), ()
+        writebacks = []
+        lists = ([], [], [], [], [], [], [], [])
+        for p in self.params:
+            state = opt.state[p]
+            m, v, am, av = opt.moments.tensors(state, self.mode)
+            extra = local_or_none(_extra(state, self.kind))
+            param, grad, master = local(p), local(p.grad), local_or_none(state.get("master_param"))
+            if self.mode is None:
+                param, grad, m, v, extra = _dense_views([param, grad, m, v, extra], writebacks)
+            elif not param.is_contiguous():
+                # The low-byte moments follow the param's logical order: step a copy.
+                contiguous = param.contiguous()
+                writebacks.append((param, contiguous))
+                param, grad = contiguous, grad.contiguous()
+            elif not grad.is_contiguous():
+                grad = grad.contiguous()
+            for lst, t in zip(lists, (param, grad, master, m, v, am, av, extra)):
+                lst.append(t)
+        return lists, writebacks
+
+
+def local_or_none(t):
+    return None if t is None else local(t)
+
+
+def _extra(state, kind):
+    """The third state tensor of a torch-layout call: max_exp_avg_sq (plain), the master or the
+    Kahan buffer."""
+    if kind == "plain":
+        return state.get("max_exp_avg_sq")
+    return state.get("master_param", state.get("kahan_comp"))
+
+
+class Plan:
+    """Every call of one step (see the module docstring). Built by checking everything first,
+    then initialising missing state: raises before anything changes."""
+
+    def __init__(self, opt, params, grads, cached):
+        self.params, self.grads, self.cached = params, grads, cached
+        self.state_id, self.options = id(opt.state), _options(opt)
+        self.hyper = [None] * len(opt.param_groups)  # per group: (values, their floats)
+        self.groups = []
+        self.all_grads = []
+        self.check_hyper(opt)
+        index = 0
+        checks = []
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                grad = grads[index + pi]
+                if grad is None:
+                    continue
+                where = _LazyName(describe, group, gi, pi, p)
+                check_grad(where, p, grad)
+                kind = kind_of(p, *self.options)
+                if p.dtype == torch.float16 and kind == "pure":
+                    raise NotImplementedError(
+                        f"fastllm.optim.AdamW: {where} is float16; training without master "
+                        f"weights (stochastic_rounding or kahan_summation alone) is implemented "
+                        f"for bfloat16 params only. Use master_weights=True for fp16 params")
+                state = opt.state.get(p)
+                if state:
+                    opt.moments.check(where, p, state, kind, group["amsgrad"])
+                checks.append((gi, group, index + pi, p, kind))
+            index += len(group["params"])
+        # Everything checked: now state may be created.
+        calls_of, grad_index = {}, {}
+        for gi, group, slot, p, kind in checks:
+            state = opt.moments.init(p, opt.state[p], kind, group["amsgrad"],
+                                     opt.kahan_summation)
+            mode = opt.moments.mode(p)
+            key = (gi, local(p).device, p.dtype, mode, kind)
+            call = calls_of.get(key)
+            if call is None:
+                n = sum(1 for k in calls_of if k[0] == gi and (k[3] is None) == (mode is None))
+                call = calls_of[key] = Call(mode, kind, key[1], n if mode is None else 1000 + n)
+            call.params.append(p)
+            call.slots.append(slot)
+            grad_index[slot] = len(self.all_grads)
+            self.all_grads.append(grads[slot])
+            call.steps.append(state["step"])
+            tensors = (local(p), local(p.grad), local_or_none(state.get("master_param")),
+                       *opt.moments.tensors(state, mode), local_or_none(_extra(state, kind)))
+            call.fast = call.fast and not is_dtensor(p) and all(
+                t is None or t.is_contiguous() for t in tensors)
+            for lst, t in zip((call.params, call.grads, call.masters, call.exp_avgs,
+                               call.exp_avg_sqs, call.absmax_m, call.absmax_v, call.extras),
+                              tensors):
+                if lst is not call.params:
+                    lst.append(t)
+        for gi in range(len(opt.param_groups)):
+            self.groups.append([c for k, c in calls_of.items() if k[0] == gi])
+        for calls in self.groups:
+            for call in calls:
+                if call.fast and cached and not opt.defaults.get("capturable") and all(
+                        type(s) is torch.Tensor and s.numel() == 1 for s in call.steps):
+                    call.flat_steps = torch.stack([s.reshape(()).float() for s in call.steps])
+                    call.steps = list(call.flat_steps.unbind(0))
+                    for slot, step in zip(call.slots, call.steps):
+                        opt.state[params[slot]]["step"] = step
+        # param slot -> (its call, its index in the call, its index in all_grads)
+        self.slot_call = {}
+        for calls in self.groups:
+            for call in calls:
+                if call.kind == "master":
+                    call.versions = [opt._written_versions.get(p) for p in call.params]
+                for i, slot in enumerate(call.slots):
+                    self.slot_call[slot] = (call, i, grad_index[slot])
+
+    def check_hyper(self, opt):
+        """Check each group's hyperparameters when they differ from the last checked ones; the
+        floats the kernels take, per group."""
+        out = []
+        for gi, group in enumerate(opt.param_groups):
+            lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            key = (lr, betas, eps, wd)
+            cached = self.hyper[gi]
+            if (cached is None or any(isinstance(v, torch.Tensor) for v in (lr, *betas))
+                    or cached[0] != key):
+                check_hyperparameters(f"param group {gi}", lr, betas, eps, wd)
+                floats = (scalar(lr, "lr"), scalar(betas[0], "beta"), scalar(betas[1], "beta"),
+                          float(eps), float(wd))
+                cached = self.hyper[gi] = (key, floats)
+            out.append(cached[1])
+        return out
+
+    def still_valid(self, opt, params, grads):
+        """Whether this plan can run the step for these params and grads; new grad tensors of
+        the same params are checked and swapped in."""
+        if (len(params) != len(self.params) or id(opt.state) != self.state_id
+                or _options(opt) != self.options
+                or not all(map(operator.is_, params, self.params))):
+            return False
+        if all(map(operator.is_, grads, self.grads)):
+            return True
+        changed = [i for i, (a, b) in enumerate(zip(grads, self.grads)) if a is not b]
+        for i in changed:
+            grad, p = grads[i], params[i]
+            if (grad is None) != (self.grads[i] is None):
+                return False
+            entry = self.slot_call.get(i)
+            if entry is None:
+                return False
+            call = entry[0]
+            # The cheap test first; the named diagnosis only when it fails.
+            if not (grad.dtype == p.dtype and grad.shape == p.shape and grad.device == p.device
+                    and grad.layout == torch.strided):
+                check_grad(_LazyName(_slot_name, opt, i, p), p, grad)
+            if call.fast and not grad.is_contiguous():
+                return False
+        for i in changed:
+            call, k, gk = self.slot_call[i]
+            if call.fast:
+                call.grads[k] = grads[i]
+            self.all_grads[gk] = grads[i]
+            self.grads[i] = grads[i]
+        return True
+
+    def run(self, opt, grad_scale, clip_coef, found):
+        """The fused ops of every call (everything was checked when the plan was built)."""
+        hyper = self.check_hyper(opt)
+        for gi, (group, calls) in enumerate(zip(opt.param_groups, self.groups)):
+            lr, beta1, beta2, eps, wd = hyper[gi]
+            flat = [c.flat_steps for c in calls if c.flat_steps is not None]
+            for f in flat:
+                f.add_(1.0)
+            loose = [s for c in calls if c.flat_steps is None for s in c.steps]
+            if loose:
+                torch._foreach_add_(loose, 1.0)  # one call, not one tiny op per param
+            for call in calls:
+                scale, coef, skip = (None if t is None or t.device == call.device
+                                     else t.to(call.device, non_blocking=True)
+                                     for t in (grad_scale, clip_coef, found))
+                scale = grad_scale if scale is None else scale
+                coef = clip_coef if coef is None else coef
+                skip = found if skip is None else skip
+                if call.kind == "master":
+                    _resync_masters(opt, call)
+                (ps, gs, masters, ms, vs, ams, avs, extras), writebacks = call.tensors(opt)
+                seed = 0
+                sr = opt.stochastic_rounding and call.kind != "plain"
+                if sr:
+                    seed = mix_seed(opt._sr_seed, gi, call.seed_index, opt._sr_calls)
+                hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                          maximize=group["maximize"])
+                if call.mode is not None:
+                    adamw8bit_step(
+                        ps, gs, masters if call.kind == "master" else [], ms, vs,
+                        ams if call.mode == "q8" else [], avs if call.mode == "q8" else [],
+                        call.steps, qmaps(call.device), block_size=opt.moments.block_size,
+                        stochastic_rounding=sr, seed=seed, grad_scale=scale, clip_coef=coef,
+                        found_inf=skip, **hp)
+                elif call.kind == "plain":
+                    if coef is not None:
+                        # adamw_step divides by grad_scale: fold the clipping factor into it.
+                        scale = (1.0 / coef) if scale is None else scale / coef
+                    adamw_step(ps, gs, ms, vs, extras if group["amsgrad"] else [], call.steps,
+                               amsgrad=group["amsgrad"], grad_scale=scale, found_inf=skip, **hp)
+                else:
+                    adamw_master_step(
+                        ps, gs, extras if call.kind == "master" else [], ms, vs,
+                        extras if call.kind == "pure" and opt.kahan_summation else [],
+                        call.steps, stochastic_rounding=sr, seed=seed, grad_scale=scale,
+                        clip_coef=coef, found_inf=skip, **hp)
+                if skip is not None:
+                    # As torch's fused AdamW: a skipped step takes its count back, on the device.
+                    if call.flat_steps is not None:
+                        call.flat_steps.sub_(skip)
+                    else:
+                        torch._foreach_sub_(call.steps, [skip] * len(call.steps))
+                for dst, src in writebacks:
+                    dst.copy_(src)
+                if call.kind == "master":
+                    call.versions = [p._version for p in call.params]
+        if not self.cached:
+            self.save_versions(opt)  # this plan lives for one step
+
+    def save_versions(self, opt):
+        """Hand the masters' written versions back to opt._written_versions (the plan is being
+        replaced)."""
+        for calls in self.groups:
+            for call in calls:
+                for p, version in zip(call.params, call.versions):
+                    if version is not None:
+                        opt._written_versions[p] = version
+
+
+def _resync_masters(opt, call):
+    """Re-sync the fp32 master from its param if something outside the optimizer wrote the
+    param since the optimizer's own last write (model.load_state_dict, an in-place clip, ...):
+    otherwise this step would write the stale master back over that change."""
+    for p, version in zip(call.params, call.versions):
+        if version is not None and p._version != version:
+            opt.state[p]["master_param"].copy_(local(p).detach())
+
+
+def _slot_name(opt, slot, p):
+    for gi, group in enumerate(opt.param_groups):
+        if slot < len(group["params"]):
+            return describe(group, gi, slot, p)
+        slot -= len(group["params"])
+    return f"a param of shape {tuple(p.shape)}"
+
+
+def _options(opt):
+    return (opt.master_weights, opt.stochastic_rounding, opt.kahan_summation)
+
+
+class _LazyName:
+    """A parameter's description for error messages, built only when a message is formatted."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __str__(self):
+        name, *rest = self.args
+        return name(*rest)
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
