@@ -14,7 +14,7 @@ DEPS := "triton>=3.2" ninja pybind11 numpy pytest pytest-benchmark matplotlib
 DEPS += pyyaml tqdm  # fastllm train (config files, progress bar)
 TEST_EXTRAS := peft transformers safetensors
 
-.PHONY: setup build test bench bench-suite cuda-check
+.PHONY: setup build test bench bench-suite cuda-check kernel-check
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -57,3 +57,7 @@ bench-suite: build
 
 cuda-check:
 	bash .ci/cuda_build_check.sh
+
+# Triton kernels compiled for sm_90 without a GPU: 128-bit loads, no spills, launches per step
+kernel-check: build
+	$(PY) .ci/kernel_check.py

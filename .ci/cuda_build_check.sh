@@ -170,4 +170,9 @@ cuda_fns = sorted(n for n in dir(ext) if n.endswith("_cuda") and callable(getatt
 print(f"    has_cuda=True, CUDA entry points: {', '.join(cuda_fns)}; "
       f"torch.cuda.is_available()={torch.cuda.is_available()}")
 EOF
+# --- what the kernels compile to ----------------------------------------------------------------
+# Registers, spills and 128-bit loads of every CUDA kernel, read from the built .so (cuobjdump).
+log "checking the compiled CUDA kernels (spills, 128-bit loads) ..."
+"$PY" -W ignore "$ROOT/.ci/kernel_check.py" --no-triton --cuda-so "$SO" ||
+  die "the CUDA kernels fail the static check (above)"
 log "OK: csrc/cuda builds and links against torch $TORCH_VERSION (elapsed $((SECONDS - START)) s)"

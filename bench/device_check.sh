@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# On a machine with a GPU: build fastllm with its CUDA kernels, run the test suite (the CUDA
-# backends run automatically when a GPU is present) and the GPU benchmarks, then print a summary.
+# On a machine with a GPU: build fastllm with its CUDA kernels, run the GPU tests in parallel and
+# the one measuring script (bench/device_bench.py: every number issue 18 asks for, interleaved,
+# one JSON and one table), then print a summary. No CPU-only work (the static kernel check and
+# the LoRA compile check run in CI, .ci/run).
 #
 #   bash bench/device_check.sh            (outputs under $OUT, else ./device_out)
 #
-# Made for the lent H200 machine (no network; python3 with torch, triton, pytest, ninja and
-# pybind11 installed): everything fits in DEVICE_CHECK_BUDGET seconds (default 480), each step
-# has its own timeout so that one hang cannot eat the rest, later steps run even when an earlier
-# one failed, and the exit status is non-zero when any step failed.
+# Made for the lent H200 machine (no network; python3 with torch, triton, pytest, pytest-xdist,
+# ninja and pybind11 installed): everything fits in DEVICE_CHECK_BUDGET seconds (default 360:
+# build ~2 min, tests ~1.5 min, measurements ~2 min), each step has its own timeout so that one
+# hang cannot eat the rest, later steps run even when an earlier one failed, and the exit status
+# is non-zero when any step failed.
 #
 # Environment: PYTHON (default python3), FASTLLM_CUDA_ARCHS (default 9.0), MAX_JOBS (default 16),
-# DEVICE_CHECK_BUDGET (seconds, default 480), DEVICE_TESTS (pytest arguments, default the GPU
-# cases: -k "cuda or gpu" tests), BENCH_OPS (comma-separated ops for `fastllm bench`; default
-# adamw,adamw_master,lora_linear,adamw8bit).
+# DEVICE_CHECK_BUDGET (seconds, default 360), DEVICE_TESTS (pytest arguments, default the GPU
+# cases: -k "cuda or gpu" tests), TEST_WORKERS (pytest-xdist workers, default 8),
+# BENCH_CASES (comma-separated cases of bench/device_bench.py; default all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +23,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-BUDGET=${DEVICE_CHECK_BUDGET:-480}
+BUDGET=${DEVICE_CHECK_BUDGET:-360}
 export FASTLLM_CUDA_ARCHS=${FASTLLM_CUDA_ARCHS:-9.0}
 export MAX_JOBS=${MAX_JOBS:-16}
 START=$SECONDS
@@ -66,7 +69,7 @@ log "nvcc: $(command -v nvcc || echo 'not on PATH') ${CUDA_HOME:+(CUDA_HOME=$CUD
 build_ok=0
 # --use-pep517: without it a recent setuptools' legacy `develop` re-runs pip with build
 # isolation, which downloads setuptools and fails on a machine with no network.
-run_step build 170 "$PY" -m pip install -v --no-index --no-build-isolation --no-deps --use-pep517 -e . &&
+run_step build 150 "$PY" -m pip install -v --no-index --no-build-isolation --no-deps --use-pep517 -e . &&
   build_ok=1
 grep -E 'building fastllm._C with' "$OUT/build.log" | sed 's/^/    /'
 
@@ -86,31 +89,23 @@ sys.exit(0 if fastllm.has_cuda_kernels() else "fastllm._C was built without CUDA
 # optimizer step, multi-launch tensor lists). The CPU cases ran in CI already; the whole suite
 # does not fit the budget here. DEVICE_TESTS overrides the selection.
 if ((build_ok)); then
+  # -n: the GPU cases in parallel (pytest-xdist; one process when it is missing).
+  WORKERS=()
+  "$PY" -c 'import xdist' 2>/dev/null && WORKERS=(-n "${TEST_WORKERS:-8}")
   # shellcheck disable=SC2086
-  run_step tests 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider --junitxml="$OUT/tests.xml" \
-    ${DEVICE_TESTS:--k "cuda or gpu" tests} &&
+  run_step tests 120 "$PY" -m pytest -q -rfEs -p no:cacheprovider "${WORKERS[@]}" \
+    --junitxml="$OUT/tests.xml" ${DEVICE_TESTS:--k "cuda or gpu" tests} &&
     tail -n 1 "$OUT/tests.log" | sed 's/^/    /'
 else
   log "tests: SKIPPED (build failed)"
   STEPS+=("tests|skipped: build failed|0")
 fi
 
-# 3b. LoRA: compile every Triton config the dispatcher can send (each dtype and rank block) for
-# sm_80/86/89/90 and report shared memory per config (CPU-only work: ptxas, all cores).
+# 4. The measurements: one process, interleaved, one JSON (device_bench.json) and one table.
 if ((build_ok)); then
-  run_step lora_compile 120 env -u TRITON_INTERPRET "$PY" tests/lora_compile_check.py &&
-    tail -n 1 "$OUT/lora_compile.log" | sed 's/^/    /'
-fi
-
-# 4. GPU benchmarks; the CLI prints its own table and writes the JSON the summary reads.
-if ((build_ok)); then
-  # `python3 -m fastllm.cli` is the `fastllm` console script, run by the interpreter chosen here.
-  # BENCH_OPS (comma-separated) limits the ops, e.g. BENCH_OPS=adamw,adamw_master.
-  # Default: the per-kernel benchmarks plus AdamW8bit (against bitsandbytes on the GPU when it
-  # is installed there).
-  run_step bench 120 "$PY" -m fastllm.cli bench --device cuda \
-    --ops "${BENCH_OPS:-adamw,adamw_master,lora_linear,adamw8bit}" \
-    --json "$OUT/bench_cuda.json" &&
+  # shellcheck disable=SC2086
+  run_step bench 150 "$PY" bench/device_bench.py --json "$OUT/bench_cuda.json" \
+    ${BENCH_CASES:+--cases "$BENCH_CASES"} &&
     cat "$OUT/bench.log"
 else
   log "bench: SKIPPED (build failed)"

@@ -122,10 +122,13 @@ def _adamw8bit_kernel(
     if Q8:
         new_absmax_m = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1)
         new_absmax_v = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1)
-        inv_m = tl.where(new_absmax_m > 0, 1.0 / tl.where(new_absmax_m > 0, new_absmax_m, 1.0),
-                         0.0)
-        inv_v = tl.where(new_absmax_v > 0, 1.0 / tl.where(new_absmax_v > 0, new_absmax_v, 1.0),
-                         0.0)
+        # Correctly rounded reciprocals, as the C++ kernel's 1.0f / absmax: `/` is approximate on
+        # GPUs, and one ulp of the scale can move a value across a code boundary.
+        safe_m = tl.where(new_absmax_m > 0, new_absmax_m, 1.0)
+        safe_v = tl.where(new_absmax_v > 0, new_absmax_v, 1.0)
+        one = tl.full(safe_m.shape, 1.0, tl.float32)
+        inv_m = tl.where(new_absmax_m > 0, tl.div_rn(one, safe_m), 0.0)
+        inv_v = tl.where(new_absmax_v > 0, tl.div_rn(one, safe_v), 0.0)
         m_idx = _encode(m, inv_m[:, None], qmaps_ptr, True)
         v_idx = _encode(v, inv_v[:, None], qmaps_ptr + 384, False)
         tl.store(exp_avg_ptr + offsets, m_idx.to(tl.uint8), mask=mask)

@@ -57,8 +57,10 @@ def _adamw_master_kernel(
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     if HAS_FOUND_INF:
-        # A broadcast load (every lane reads the one flag) keeps the mask a block-shaped tensor.
-        mask = mask & (tl.load(found_inf_ptr + tl.zeros_like(offsets)) == 0)
+        # One scalar load selecting the mask: a uniform condition keeps the mask's constancy, so
+        # the loads stay 128-bit vectors (a per-lane broadcast load of the flag made every access
+        # scalar on sm_90). tl.where, not `&`: the interpreter cannot AND a scalar into a block.
+        mask = tl.where(tl.load(found_inf_ptr) == 0, mask, False)
     neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
                                                ln_beta2_hi, ln_beta2_lo)
 

@@ -21,6 +21,7 @@ def _adam_lowrank_kernel(
     n_elements,
     lerp_weight,  # 1 - beta1
     beta2,
+    one_minus_beta2,  # 1 - beta2, from the host's double (in fp32, 1 - fp32(0.999) is off 1.3e-5)
     inv_bc2_sqrt,  # 1 / sqrt(1 - beta2^t)
     eps,
     BLOCK_SIZE: tl.constexpr,
@@ -32,10 +33,11 @@ def _adam_lowrank_kernel(
     m = tl.load(m_ptr + offsets, mask=mask, other=0.0)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
     m = m + lerp_weight * (g - m)
-    v = beta2 * v + (1.0 - beta2) * g * g
+    v = beta2 * v + one_minus_beta2 * g * g
     tl.store(m_ptr + offsets, m, mask=mask)
     tl.store(v_ptr + offsets, v, mask=mask)
-    tl.store(r_ptr + offsets, m / (tl.sqrt(v) * inv_bc2_sqrt + eps), mask=mask)
+    # IEEE-rounded sqrt and division, as the C++ kernel's (tl.sqrt and / are approximate on GPUs).
+    tl.store(r_ptr + offsets, tl.div_rn(m, tl.sqrt_rn(v) * inv_bc2_sqrt + eps), mask=mask)
 
 
 def galore_adam_step_triton(param, grad, proj, exp_avg, exp_avg_sq, *, step, left, lr, beta1,
@@ -46,7 +48,7 @@ def galore_adam_step_triton(param, grad, proj, exp_avg, exp_avg_sq, *, step, lef
     n = low.numel()
     block = 1024
     _adam_lowrank_kernel[(triton.cdiv(n, block),)](
-        low, exp_avg, exp_avg_sq, n, 1.0 - beta1, beta2,
+        low, exp_avg, exp_avg_sq, n, 1.0 - beta1, beta2, 1.0 - beta2,
         1.0 / math.sqrt(1.0 - beta2**step), eps, BLOCK_SIZE=block)
     decay = 1.0 - lr * weight_decay
     alpha = -lr * scale / (1.0 - beta1**step)

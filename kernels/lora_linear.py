@@ -74,9 +74,11 @@ def _dropout(v, keep, dropout_scale):
     return round_nearest(tl.where(keep, v.to(tl.float32) * dropout_scale, 0.0), v.dtype)
 
 
-# Sizes and the dropout key vary from call to call and only bound loops and masks: not
-# specialising on them saves recompilations. Strides stay specialised (alignment, unit strides).
-@triton.jit(do_not_specialize=["M", "K", "R", "k_per_split", "seed_key", "threshold"])
+# The dropout key varies from call to call: not specialising on it saves recompilations. Sizes
+# stay specialised (Triton specialises an int only on == 1 and divisibility by 16, so a model
+# compiles each kernel a few times at most): without the divisibility hints the masked tile
+# loads cannot be proven 16-byte aligned and were compiled to 2-byte accesses on sm_90.
+@triton.jit(do_not_specialize=["seed_key", "threshold"])
 def _lora_down_kernel(
     p_ptr,  # *T (M, K) at m * stride_pm + k: x (forward) or dY (backward)
     q_ptr,  # *T (R, K) at r * stride_qr + k * stride_qk: A (forward) or B^T (backward)
@@ -116,7 +118,7 @@ def _lora_down_kernel(
              mask=mask_m[:, None] & mask_r[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "N", "R", "seed_key", "threshold"])
+@triton.jit(do_not_specialize=["seed_key", "threshold"])
 def _lora_up_kernel(
     c_ptr,  # *T (M, N) at m * stride_cm + n, updated in place: y (forward) or dX (backward)
     l_ptr,  # (M, R) at m * stride_lm + r * stride_lr: xa (*T) or dY B (*fp32)
@@ -158,7 +160,7 @@ def _lora_up_kernel(
              mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "P", "R", "rows_per_split", "seed_key", "threshold"])
+@triton.jit(do_not_specialize=["seed_key", "threshold"])
 def _lora_pq_kernel(
     p_ptr,  # *T (M, P) at m * stride_pm + p: dY for dB, x for dA (dropout applied on the fly)
     q_ptr,  # *T (M, R) at m * stride_qm + r * stride_qr: xa for dB, dY B (rounded to T) for dA

@@ -32,9 +32,12 @@ def _orthogonalize_kernel(
             tile = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
             xi = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
             dots += tl.sum(xi[:, None] * tile, axis=0)
-        norm = tl.sqrt(tl.sum(tl.where(cols == i, dots, 0.0), axis=0))
+        # IEEE-rounded sqrt and reciprocal as the C++ kernel's (tl.sqrt and / are approximate
+        # on GPUs and exact in the interpreter, so the tests would not see the difference).
+        norm = tl.sqrt_rn(tl.sum(tl.where(cols == i, dots, 0.0), axis=0))
         denom = norm + eps
-        inv = tl.where(denom > 0.0, 1.0 / tl.maximum(denom, 1e-38), 0.0)
+        safe = tl.maximum(denom, 1e-38)
+        inv = tl.where(denom > 0.0, tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe), 0.0)
         coef = tl.where(cols > i, dots * inv * inv, 0.0)
         for start in range(0, n_rows, BLOCK_N):
             rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)

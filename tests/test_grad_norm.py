@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastllm.distributed.launch import spawn
-from fastllm.optim import clip_coefficient, global_grad_norm
+from fastllm.optim import AdamW8bit, clip_coefficient, global_grad_norm
 
 
 def _grads(dtype, seed=0):
@@ -99,6 +99,12 @@ def _distributed(rank, world):
     stage = [a] if rank == 0 else []
     out["empty_stage"] = global_grad_norm(stage, groups=[dist.group.WORLD]).item()
     out["empty_stage_ref"] = a.norm().item()
+    # AdamW8bit decides 8-bit state on the whole tensor's 45 elements, not a rank's 20 or 25.
+    param = torch.nn.Parameter(distribute_tensor(a.clone(), mesh, [Shard(0)]))
+    param.grad = distribute_tensor(b.clone(), mesh, [Shard(0)])
+    opt = AdamW8bit([param], lr=1e-2, min_8bit_size=40, block_size=16)
+    opt.step()
+    out["q8_on_global_numel"] = "exp_avg_codes" in opt.state[param]
     return out
 
 
@@ -106,3 +112,4 @@ def test_distributed_world2():
     for got in spawn(_distributed, 2, timeout=120):
         for key in ("dtensors", "flat", "stages", "empty_stage"):
             assert got[key] == pytest.approx(got[key + "_ref"], rel=1e-6), key
+        assert got["q8_on_global_numel"]

@@ -24,13 +24,13 @@ namespace {
 
 template <typename T>
 void adam_lowrank(T* __restrict r, T* __restrict m, T* __restrict v, int64_t n, T lerp_weight,
-                  T beta2, T inv_bc2_sqrt, T eps) {
+                  T beta2, T one_minus_beta2, T inv_bc2_sqrt, T eps) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       const T g = r[i];
       const T mi = m[i] + lerp_weight * (g - m[i]);
-      const T vi = beta2 * v[i] + (T(1) - beta2) * g * g;
+      const T vi = beta2 * v[i] + one_minus_beta2 * g * g;
       m[i] = mi;
       v[i] = vi;
       r[i] = mi / (std::sqrt(vi) * inv_bc2_sqrt + eps);
@@ -75,11 +75,12 @@ void galore_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const
   if (opmath == at::kDouble) {
     adam_lowrank<double>(low.data_ptr<double>(), exp_avg.data_ptr<double>(),
                          exp_avg_sq.data_ptr<double>(), low.numel(), 1.0 - beta1, beta2,
-                         inv_bc2_sqrt, eps);
+                         1.0 - beta2, inv_bc2_sqrt, eps);
   } else {
     adam_lowrank<float>(low.data_ptr<float>(), exp_avg.data_ptr<float>(),
                         exp_avg_sq.data_ptr<float>(), low.numel(), float(1.0 - beta1),
-                        float(beta2), float(inv_bc2_sqrt), float(eps));
+                        // 1 - beta2 from the double: in fp32, 1 - fp32(0.999) is off by 1.3e-5
+                        float(beta2), float(1.0 - beta2), float(inv_bc2_sqrt), float(eps));
   }
   const double decay = 1.0 - lr * weight_decay;
   const double alpha = -lr * scale / bc1;

@@ -1,0 +1,122 @@
+"""fastllm.optim.AdamW's cached step plan (fastllm/optim/_plan.py) and its load checks: whatever
+changes between steps (new grad tensors, a grad vanishing, a param group added, a scheduled lr,
+a non-contiguous grad) gives what torch.optim.AdamW gives; bad input found at a cached step is
+refused before anything changes; another optimizer's state_dict is refused (issue 16 item 8)."""
+
+import copy
+
+import pytest
+import torch
+
+import fastllm
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _snapshot(opt, model):
+    out = [p.detach().clone() for p in model.parameters()]
+    for state in opt.state.values():
+        out += [t.detach().clone() for t in state.values() if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: fastllm.optim.AdamW(ps, lr=1e-2),
+    lambda ps: fastllm.optim.AdamW(ps, lr=1e-2, max_grad_norm=0.5),
+])
+def test_changes_between_steps_match_torch(make):
+    model, ref_model = _model(), _model()
+    opt = make(model.parameters())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    extra, ref_extra = (torch.nn.Parameter(torch.ones(4, 6)) for _ in range(2))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x = torch.randn(9, 7, generator=gen)
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()  # set_to_none: new grad tensors every step
+            m(x).square().mean().backward()
+        if step == 2:  # a grad vanishes for one step
+            model[2].bias.grad = ref_model[2].bias.grad = None
+        if step == 3:
+            opt.add_param_group({"params": [extra]})
+            ref.add_param_group({"params": [ref_extra]})
+        if step >= 3:
+            g = torch.randn(6, 4, generator=gen).t()  # non-contiguous
+            extra.grad, ref_extra.grad = g, g.clone()
+        if max_norm := getattr(opt, "max_grad_norm", None):
+            torch.nn.utils.clip_grad_norm_(list(ref_model.parameters()) + [ref_extra], max_norm)
+        opt.step()
+        ref.step()
+        sched.step()
+        ref_sched.step()
+    for a, b in zip(list(model.parameters()) + [extra], list(ref_model.parameters()) + [ref_extra]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for p, q in zip(list(model.parameters()) + [extra], list(ref_model.parameters()) + [ref_extra]):
+        assert float(opt.state[p]["step"]) == float(ref.state[q]["step"])
+    # The step counts are views of one buffer per call: state_dict and torch still read them.
+    torch_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    torch_opt.add_param_group({"params": [ref_extra]})
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def test_bad_input_at_a_cached_step_changes_nothing():
+    model = _model()
+    opt = fastllm.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    model(torch.randn(4, 7)).sum().backward()
+    opt.step()
+    opt.step()  # the plan is cached now
+    before = _snapshot(opt, model)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.step()
+    assert _same(before, _snapshot(opt, model))
+    opt.param_groups[0]["lr"] = 1e-2
+    model[0].weight.grad = torch.zeros(5, 7).to_sparse()  # a new grad the kernels cannot take
+    with pytest.raises(RuntimeError, match="sparse gradients.*param 0 of param group 0"):
+        opt.step()
+    assert _same(before, _snapshot(opt, model))
+
+
+def test_tensor_lr_message_has_torchs_wording():
+    params = _model().parameters()
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        fastllm.optim.AdamW(params, lr=torch.tensor([1e-3, 1e-3]))
+    with pytest.raises(ValueError, match=r"Tensor betas\[0\] must be 1-element"):
+        fastllm.optim.AdamW(params, betas=(torch.tensor([0.9, 0.9]), torch.tensor(0.99)))
+
+
+@pytest.mark.parametrize("cls", [fastllm.optim.AdamW, fastllm.optim.AdamW8bit])
+def test_another_optimizers_state_is_refused_before_anything_changes(cls):
+    model = _model()
+    kwargs = {"min_8bit_size": 16} if cls is fastllm.optim.AdamW8bit else {}
+    opt = cls(model.parameters(), lr=1e-2, **kwargs)
+    model(torch.randn(4, 7)).sum().backward()
+    opt.step()
+    before = _snapshot(opt, model)
+    groups = copy.deepcopy(opt.param_groups)
+    sgd = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
+    _model()(torch.randn(4, 7)).sum().backward()
+    for p, q in zip(sgd.param_groups[0]["params"], model.parameters()):
+        p.grad = torch.zeros_like(q)
+    sgd.step()
+    with pytest.raises((ValueError, RuntimeError), match="another optimizer"):
+        opt.load_state_dict(sgd.state_dict())
+    # A state without exp_avg_sq (the fp32 bias below min_8bit_size keeps torch's keys).
+    sd = copy.deepcopy(opt.state_dict())
+    bias = len(list(model.parameters())) - 1
+    del sd["state"][bias]["exp_avg_sq"]
+    with pytest.raises(RuntimeError, match="exp_avg_sq"):
+        opt.load_state_dict(sd)
+    assert _same(before, _snapshot(opt, model))
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in groups]
+    opt.step()  # still steps
