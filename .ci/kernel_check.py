@@ -248,9 +248,20 @@ def _spec(a):
     return ("int", a == 1, a % 16 == 0)
 
 
+def _cuobjdump():
+    """The toolkit's cuobjdump, else the one Triton ships (a CUDA 13 toolkit may lack it)."""
+    found = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")
+    if os.path.exists(found):
+        return found
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+
+
 def cuda_checks(so_path):
     """[(status, check, kernel, detail)] of the CUDA kernels in a built fastllm._C."""
-    cuobjdump = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")
+    cuobjdump = _cuobjdump()
     usage = subprocess.run([cuobjdump, "-res-usage", so_path], capture_output=True, text=True,
                            check=True).stdout
     sass = subprocess.run([cuobjdump, "-sass", so_path], capture_output=True, text=True,
