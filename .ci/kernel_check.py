@@ -25,6 +25,7 @@ them too (what the fixed kernels must eventually pass).
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import re
 import subprocess
@@ -39,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 CAPABILITY = 90
 # 128-bit global accesses in PTX: 4 x 32-bit or 2 x 64-bit vectors, or a 16-byte async copy.
@@ -48,8 +50,6 @@ SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 # (check, kernel) -> why it still fails. Everything here is open work of issue 18.
 KNOWN = {
-    ("launches", "_adamw_kernel"): "Triton AdamW: one launch per tensor (18.2: table-driven)",
-    ("launches", "_adamw_master_kernel"): "Triton master step: one launch per tensor (18.2/18.3)",
     ("launches", "_adamw8bit_kernel"): "Triton 8-bit step: one launch per tensor (18.4)",
     ("launches", "_sum_squares_kernel"): "Triton l2norm: one launch per tensor (18.3)",
     # CUDA kernels (matched as a part of the demangled name)
@@ -57,7 +57,8 @@ KNOWN = {
     ("wide loads", "SumSquaresFunctor"): "CUDA l2norm: scalar 2-byte loads (18.3)",
 }
 # Kernels whose job is streaming memory: their loads must be 128 bits wide.
-BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw8bit_kernel", "_sum_squares_kernel",
+BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw_tensor_kernel",
+             "_adamw_master_tensor_kernel", "_adamw8bit_kernel", "_sum_squares_kernel",
              "_scaled_copy_kernel", "_adam_lowrank_kernel", "_lora_down_kernel",
              "_lora_up_kernel", "_lora_pq_kernel"}
 # Kernels meant to run once per optimizer step, however many tensors it has.
@@ -90,17 +91,19 @@ def recipes():
     flag, scale, coef = torch.zeros(()), torch.full((), 1024.0), torch.full((), 0.5)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
-    def adamw(dtype):
+    def adamw(dtype, per_tensor=False):
         p, g, m, v = (_tensors(n, k, dtype) for _ in range(4))
-        adamw_step_triton(p, g, m, v, [], _steps(k), amsgrad=False, maximize=False,
-                          grad_scale=scale, found_inf=flag, **hyper)
+        with _no_table(per_tensor):
+            adamw_step_triton(p, g, m, v, [], _steps(k), amsgrad=False, maximize=False,
+                              grad_scale=scale, found_inf=flag, **hyper)
 
-    def master():
+    def master(per_tensor=False):
         p, g = _tensors(n, k, torch.bfloat16), _tensors(n, k, torch.bfloat16)
         w, m, v = (_tensors(n, k, torch.float32) for _ in range(3))
-        adamw_master_step_triton(p, g, w, m, v, [], _steps(k), maximize=False,
-                                 stochastic_rounding=False, seed=0, grad_scale=scale,
-                                 clip_coef=coef, found_inf=flag, **hyper)
+        with _no_table(per_tensor):
+            adamw_master_step_triton(p, g, w, m, v, [], _steps(k), maximize=False,
+                                     stochastic_rounding=False, seed=0, grad_scale=scale,
+                                     clip_coef=coef, found_inf=flag, **hyper)
 
     def q8(dtype):
         p, g = _tensors(n, k, dtype), _tensors(n, k, dtype)
@@ -127,13 +130,32 @@ def recipes():
         orthogonalize_triton([torch.randn(512, 16)])
 
     out = {"adamw fp32": lambda: adamw(torch.float32), "adamw bf16": lambda: adamw(torch.bfloat16),
-           "adamw_master bf16": master, "adamw8bit fp32": lambda: q8(torch.float32),
+           "adamw_master bf16": master,
+           # the per-tensor fallback (no table: a graph capture before the table exists)
+           "adamw fp32 per-tensor": lambda: adamw(torch.float32, True),
+           "adamw_master bf16 per-tensor": lambda: master(True),
+           "adamw8bit fp32": lambda: q8(torch.float32),
            "adamw8bit bf16": lambda: q8(torch.bfloat16),
            "l2norm bf16": lambda: l2norm(torch.bfloat16),
            "l2norm fp32": lambda: l2norm(torch.float32),
            "scaled_copy": scaled_copy, "galore_adam_step": galore,
            "orthogonalize": orthogonalize}
     return out
+
+
+@contextlib.contextmanager
+def _no_table(on):
+    """Within: the AdamW launchers find no table and launch once per tensor (their fallback)."""
+    import fastllm.kernels.adamw as adamw
+    import fastllm.kernels.adamw_master as master
+
+    saved = adamw.table, master.table
+    if on:
+        adamw.table = master.table = lambda *args: None
+    try:
+        yield
+    finally:
+        adamw.table, master.table = saved
 
 
 def record(fn):
@@ -244,6 +266,8 @@ def _spec(a):
     if isinstance(a, torch.Tensor):
         return (str(a.dtype), a.data_ptr() % 16 == 0)
     if isinstance(a, bool) or not isinstance(a, int):
+        if isinstance(a, triton.language.dtype):
+            return str(a)  # a constexpr element type: each compiles its own kernel
         return a if isinstance(a, (bool, str)) else type(a).__name__
     return ("int", a == 1, a % 16 == 0)
 

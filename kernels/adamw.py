@@ -1,4 +1,4 @@
-"""AdamW step in Triton: one program per BLOCK_SIZE elements of one tensor.
+"""AdamW step in Triton: one persistent launch per step over every tensor (kernels/tensor_table.py).
 
 Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     g  = grad / grad_scale               (negated when maximize)
@@ -11,7 +11,14 @@ Loads are upcast to fp32 and the update is kernels/adam_math.py's, shared with t
 kernel: the same order of operations, host-computed constants and IEEE-rounded sqrt and division
 as the C++ and CUDA kernels, so the backends agree with torch's single-tensor AdamW to a few ulps.
 grad_scale, found_inf and the step count are read on the device: a step costs no host
-synchronisation and can be captured in a CUDA graph.
+synchronisation and can be captured in a CUDA graph (once its table is built).
+
+`_adamw_kernel` reads a table of the tensors' addresses and strides over their chunks: one launch
+per step, whatever the tensor count; a nonzero found_inf makes its loop empty. Full blocks take
+unmasked 128-bit accesses; a tensor's last partial block is masked. `_adamw_tensor_kernel` is the
+same update for one tensor per launch, the fallback where no table can be used (tensors on
+several devices, which only a direct call of the launcher can pass; a CUDA graph capture before
+the table exists, since uploading it would be captured too).
 """
 
 import torch
@@ -22,10 +29,98 @@ from fastllm._backend import triton_interpreting
 from fastllm.kernels.adam_math import (adam_moments, adam_param, bias_corrections,
                                        device_step, host_constants, load_grad)
 from fastllm.kernels.rounding import store_rounded
+from fastllm.kernels.tensor_table import address, one_device, programs, table
+
+# Table fields per tensor: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, numel.
+_FIELDS = 7
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, offsets, mask,
+            grad_scale_ptr, neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2,
+            eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr):
+    """The AdamW update of the elements at `offsets` (where `mask`) of one tensor."""
+    g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, grad_scale_ptr, HAS_GRAD_SCALE,
+                  False, MAXIMIZE)
+    p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * decay
+    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    m, v = adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2)
+    v_used = v
+    if AMSGRAD:
+        v_max = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        v_used = tl.maximum(v_max, v)
+        store_rounded(max_exp_avg_sq_ptr, offsets, v_used, mask)
+    p = adam_param(p, m, v_used, neg_step_size, bc2_sqrt, eps)
+    store_rounded(param_ptr, offsets, p, mask)
+    store_rounded(exp_avg_ptr, offsets, m, mask)
+    store_rounded(exp_avg_sq_ptr, offsets, v, mask)
 
 
 @triton.jit
 def _adamw_kernel(
+    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and kernels/tensor_table.py)
+    chunks_ptr,  # *int64, (tensor index, first element) per chunk
+    n_chunks,  # number of chunks
+    grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)
+    found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
+    decay,  # 1 - lr * weight_decay
+    lerp_weight,  # 1 - beta1
+    beta2,  # second-moment decay
+    one_minus_beta2,  # 1 - beta2, from the host's double
+    lr_hi, lr_lo,  # lr as an fp32 pair (see adam_math.split_f64)
+    ln_beta1_hi, ln_beta1_lo,  # log(beta1) as an fp32 pair
+    ln_beta2_hi, ln_beta2_lo,  # log(beta2) as an fp32 pair
+    eps,  # added to the denominator
+    DTYPE: tl.constexpr,  # the element type of every param, grad and state
+    FIELDS: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address 16-byte aligned (host-checked)
+    BLOCK_SIZE: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,  # blocks per chunk
+):
+    n_loop = n_chunks
+    if HAS_FOUND_INF:
+        # A skipped step is an empty loop: one uniform scalar test, the accesses stay unmasked.
+        n_loop = tl.where(tl.load(found_inf_ptr) == 0, n_chunks, 0)
+    for c in range(tl.program_id(0), n_loop, tl.num_programs(0)):
+        chunk = chunks_ptr + 2 * c  # c < 2^30: the table would not fit in memory first
+        row = tensors_ptr + tl.load(chunk) * FIELDS
+        start = tl.load(chunk + 1)
+        param_ptr = address(row, 0, DTYPE, ALIGNED)
+        grad_ptr = address(row, 1, DTYPE, ALIGNED)
+        exp_avg_ptr = address(row, 2, DTYPE, ALIGNED)
+        exp_avg_sq_ptr = address(row, 3, DTYPE, ALIGNED)
+        max_exp_avg_sq_ptr = exp_avg_sq_ptr
+        if AMSGRAD:
+            max_exp_avg_sq_ptr = address(row, 4, DTYPE, ALIGNED)
+        step_ptr = address(row, 5, tl.float32, False)
+        n = tl.load(row + 6)
+        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi,
+                                                   ln_beta1_lo, ln_beta2_hi, ln_beta2_lo)
+        n_blocks = tl.minimum(tl.cdiv(n - start, BLOCK_SIZE), CHUNK_BLOCKS)
+        for b in range(0, n_blocks):
+            # Chunks start at multiples of the chunk size, so each block at one of BLOCK_SIZE.
+            first = tl.multiple_of(start + b * BLOCK_SIZE, BLOCK_SIZE)
+            offsets = first + tl.arange(0, BLOCK_SIZE)
+            if first + BLOCK_SIZE <= n:
+                _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                        offsets, tl.full([BLOCK_SIZE], 1, tl.int1), grad_scale_ptr,
+                        neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2, eps,
+                        AMSGRAD, MAXIMIZE, HAS_GRAD_SCALE)
+            else:
+                _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                        offsets, offsets < n, grad_scale_ptr, neg_step_size, bc2_sqrt, decay,
+                        lerp_weight, beta2, one_minus_beta2, eps, AMSGRAD, MAXIMIZE,
+                        HAS_GRAD_SCALE)
+
+
+@triton.jit
+def _adamw_tensor_kernel(
     param_ptr,  # *T, n elements, updated in place
     grad_ptr,  # *T, n elements, read only
     exp_avg_ptr,  # *T, first moment, updated in place
@@ -35,14 +130,8 @@ def _adamw_kernel(
     grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
     n_elements,  # number of elements of this tensor
-    decay,  # 1 - lr * weight_decay
-    lerp_weight,  # 1 - beta1
-    beta2,  # second-moment decay
-    one_minus_beta2,  # 1 - beta2, from the host's double
-    lr_hi, lr_lo,  # lr as an fp32 pair (see adam_math.split_f64)
-    ln_beta1_hi, ln_beta1_lo,  # log(beta1) as an fp32 pair
-    ln_beta2_hi, ln_beta2_lo,  # log(beta2) as an fp32 pair
-    eps,  # added to the denominator
+    decay, lerp_weight, beta2, one_minus_beta2, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
+    ln_beta2_hi, ln_beta2_lo, eps,  # as _adamw_kernel's
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
@@ -59,54 +148,68 @@ def _adamw_kernel(
         mask = tl.where(tl.load(found_inf_ptr) == 0, mask, False)
     neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
                                                ln_beta2_hi, ln_beta2_lo)
-
-    g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, grad_scale_ptr, HAS_GRAD_SCALE,
-                  False, MAXIMIZE)
-    p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * decay
-    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m, v = adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2)
-    v_used = v
-    if AMSGRAD:
-        v_max = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        v_used = tl.maximum(v_max, v)
-        store_rounded(max_exp_avg_sq_ptr, offsets, v_used, mask)
-    p = adam_param(p, m, v_used, neg_step_size, bc2_sqrt, eps)
-
-    store_rounded(param_ptr, offsets, p, mask)
-    store_rounded(exp_avg_ptr, offsets, m, mask)
-    store_rounded(exp_avg_sq_ptr, offsets, v, mask)
+    _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, offsets, mask,
+            grad_scale_ptr, neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2,
+            eps, AMSGRAD, MAXIMIZE, HAS_GRAD_SCALE)
 
 
-def _block_size():
-    # The interpreter runs each program instance in numpy: fewer, larger blocks are much faster
-    # there. On a GPU 1024 elements (4 warps x 8 per thread) keeps loads vectorised.
-    return 16384 if triton_interpreting() else 1024
+def _sizes():
+    """(BLOCK_SIZE, CHUNK_BLOCKS). The interpreter runs each block in numpy: few, large blocks
+    are much faster there. On a GPU 1024 elements (4 warps x 8 per thread: two 16-byte vectors
+    per fp32 array in flight) and chunks of 16K elements, small enough to balance the grid."""
+    return (16384, 1) if triton_interpreting() else (1024, 16)
 
 
 def adamw_step_triton(
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
 ):
-    """Launch one AdamW kernel per non-empty tensor; the same contract as fastllm.ops.adamw_step."""
-    if params and params[0].dtype == torch.float64:
+    """One launch for every tensor (a table); the same contract as fastllm.ops.adamw_step."""
+    if not params:
+        return
+    if params[0].dtype == torch.float64:
         raise TypeError("fastllm.adamw_step (triton): the Triton kernel computes in fp32; fp64 "
                         "params run on the cuda, cpp or ref backend")
-    if params:
-        # The kernel reads the scalars through pointers: they must live where the params do.
-        device = params[0].device
-        if grad_scale is not None and grad_scale.device != device:
-            grad_scale = grad_scale.to(device)
-        if found_inf is not None and found_inf.device != device:
-            found_inf = found_inf.to(device)
-    block = _block_size()
+    device = params[0].device
+    # The kernel reads the scalars through pointers: they must live where the params do.
+    if grad_scale is not None and grad_scale.device != device:
+        grad_scale = grad_scale.to(device)
+    if found_inf is not None and found_inf.device != device:
+        found_inf = found_inf.to(device)
+    steps = [device_step(s, device) for s in steps]
+    block, chunk_blocks = _sizes()
+    arrays = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None]
+    found = None
+    if one_device(device, *arrays):
+        found = table(arrays, steps, block * chunk_blocks, device)
     consts = host_constants(lr, beta1, beta2, weight_decay)
+    if found is None:
+        _per_tensor(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, consts,
+                    eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
+                    found_inf=found_inf)
+        return
+    if found.n_chunks == 0:
+        return
+    _adamw_kernel[(programs(device, found.n_chunks),)](
+        found.tensors, found.chunks, found.n_chunks,
+        grad_scale if grad_scale is not None else found.tensors,
+        found_inf if found_inf is not None else found.tensors,
+        eps=eps, **consts, DTYPE=_TL_DTYPES[params[0].dtype], FIELDS=_FIELDS, AMSGRAD=amsgrad,
+        MAXIMIZE=maximize, HAS_GRAD_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None, ALIGNED=found.aligned, BLOCK_SIZE=block,
+        CHUNK_BLOCKS=chunk_blocks,
+    )
+
+
+def _per_tensor(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, consts, *, eps,
+                amsgrad, maximize, grad_scale, found_inf):
+    """One launch per non-empty tensor (the fallback: see the module docstring)."""
+    block = _sizes()[0]
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
             continue
-        grid = (triton.cdiv(n, block),)
-        _adamw_kernel[grid](
+        _adamw_tensor_kernel[(triton.cdiv(n, block),)](
             p, grads[i], exp_avgs[i], exp_avg_sqs[i],
             max_exp_avg_sqs[i] if amsgrad else p,
             device_step(steps[i], p.device),

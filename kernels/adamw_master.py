@@ -1,4 +1,4 @@
-"""Mixed-precision AdamW step in Triton: one program per BLOCK_SIZE elements of one tensor.
+"""Mixed-precision AdamW step in Triton: one persistent launch per step over every tensor.
 
 Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     g  = grad * clip_coef / grad_scale           (negated when maximize)
@@ -8,22 +8,141 @@ Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     x  = x - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     master = x;   param = round(x);   kahan_comp = round(x - param)
 Loads are upcast to fp32 and the update is kernels/adam_math.py's, shared with the plain AdamW
-kernel. Stochastic rounding takes its random bits from tl.randint (Philox keyed by a per-tensor
-seed and the element offset): the same distribution as the C++/CUDA kernels' hash, not the same
-bits. grad_scale, clip_coef, found_inf and the step count are read on the device.
+kernel. Stochastic rounding takes its random bits from tl.randint (Philox keyed by the call's
+seed, counter (tensor index, element)): the same distribution as the C++/CUDA kernels' hash, not
+the same bits. grad_scale, clip_coef, found_inf and the step count are read on the device.
+
+`_adamw_master_kernel` reads a table of the tensors' addresses (kernels/tensor_table.py) and
+strides over their chunks: one launch per step; a nonzero found_inf makes its loop empty.
+`_adamw_master_tensor_kernel` launches once per tensor, the fallback where no table can be used
+(see kernels/adamw.py).
 """
 
 import triton
 import triton.language as tl
 
-from fastllm._backend import triton_interpreting
 from fastllm.kernels.adam_math import (adam_moments, adam_param, bias_corrections,
                                        device_step, host_constants, load_grad)
+from fastllm.kernels.adamw import _TL_DTYPES, _sizes
 from fastllm.kernels.rounding import round_nearest, round_stochastic
+from fastllm.kernels.tensor_table import address, one_device, programs, table
+
+# Table fields per tensor: param, grad, master, exp_avg, exp_avg_sq, kahan_comp, step, numel.
+_FIELDS = 8
+
+
+@triton.jit
+def _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_ptr, offsets,
+            mask, random_offsets, grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt, decay,
+            lerp_weight, beta2, one_minus_beta2, eps, seed, MASTER: tl.constexpr,
+            KAHAN: tl.constexpr, SR: tl.constexpr, MAXIMIZE: tl.constexpr,
+            HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr):
+    """The update of the elements at `offsets` (where `mask`) of one tensor; random_offsets are
+    the Philox counters of its stochastic rounding."""
+    g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, clip_coef_ptr, HAS_GRAD_SCALE,
+                  HAS_CLIP_COEF, MAXIMIZE)
+    if MASTER:
+        x = tl.load(master_ptr + offsets, mask=mask, other=0.0)
+    else:
+        x = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if KAHAN:
+            x = x + tl.load(comp_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x = x * decay
+    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
+    m, v = adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2)
+    x = adam_param(x, m, v, neg_step_size, bc2_sqrt, eps)
+
+    if SR:
+        random = tl.randint(seed, random_offsets)
+        p_new = round_stochastic(x, random, param_ptr.dtype.element_ty)
+    else:
+        p_new = round_nearest(x, param_ptr.dtype.element_ty)
+    if MASTER:
+        tl.store(master_ptr + offsets, x, mask=mask)
+    if KAHAN:
+        comp = round_nearest(x - p_new.to(tl.float32), comp_ptr.dtype.element_ty)
+        tl.store(comp_ptr + offsets, comp, mask=mask)
+    tl.store(param_ptr + offsets, p_new, mask=mask)
+    tl.store(exp_avg_ptr + offsets, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
 
 
 @triton.jit
 def _adamw_master_kernel(
+    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and kernels/tensor_table.py)
+    chunks_ptr,  # *int64, (tensor index, first element) per chunk
+    n_chunks,  # number of chunks
+    grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)
+    clip_coef_ptr,  # *fp32 scalar, the clipping factor (read only when HAS_CLIP_COEF)
+    found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
+    decay,  # 1 - lr * weight_decay
+    lerp_weight,  # 1 - beta1
+    beta2,  # second-moment decay
+    one_minus_beta2,  # 1 - beta2, from the host's double
+    lr_hi, lr_lo,  # lr as an fp32 pair (see adam_math.split_f64)
+    ln_beta1_hi, ln_beta1_lo,  # log(beta1) as an fp32 pair
+    ln_beta2_hi, ln_beta2_lo,  # log(beta2) as an fp32 pair
+    eps,  # added to the denominator
+    seed,  # the call's random stream (read only when SR)
+    DTYPE: tl.constexpr,  # bf16 or fp16: the params', grads' and Kahan buffers' element type
+    FIELDS: tl.constexpr,
+    MASTER: tl.constexpr,
+    KAHAN: tl.constexpr,
+    SR: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_CLIP_COEF: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address 16-byte aligned (host-checked)
+    BLOCK_SIZE: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,  # blocks per chunk
+):
+    n_loop = n_chunks
+    if HAS_FOUND_INF:
+        # A skipped step is an empty loop: one uniform scalar test, the accesses stay unmasked.
+        n_loop = tl.where(tl.load(found_inf_ptr) == 0, n_chunks, 0)
+    for c in range(tl.program_id(0), n_loop, tl.num_programs(0)):
+        chunk = chunks_ptr + 2 * c  # c < 2^30: the table would not fit in memory first
+        index = tl.load(chunk)
+        row = tensors_ptr + index * FIELDS
+        start = tl.load(chunk + 1)
+        param_ptr = address(row, 0, DTYPE, ALIGNED)
+        grad_ptr = address(row, 1, DTYPE, ALIGNED)
+        master_ptr = address(row, 3, tl.float32, ALIGNED)  # unread unless MASTER
+        if MASTER:
+            master_ptr = address(row, 2, tl.float32, ALIGNED)
+        exp_avg_ptr = address(row, 3, tl.float32, ALIGNED)
+        exp_avg_sq_ptr = address(row, 4, tl.float32, ALIGNED)
+        comp_ptr = param_ptr  # unread unless KAHAN
+        if KAHAN:
+            comp_ptr = address(row, 5, DTYPE, ALIGNED)
+        step_ptr = address(row, 6, tl.float32, False)
+        n = tl.load(row + 7)
+        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi,
+                                                   ln_beta1_lo, ln_beta2_hi, ln_beta2_lo)
+        n_blocks = tl.minimum(tl.cdiv(n - start, BLOCK_SIZE), CHUNK_BLOCKS)
+        for b in range(0, n_blocks):
+            # Chunks start at multiples of the chunk size, so each block at one of BLOCK_SIZE.
+            first = tl.multiple_of(start + b * BLOCK_SIZE, BLOCK_SIZE)
+            offsets = first + tl.arange(0, BLOCK_SIZE)
+            # Philox counter (tensor index, element): a stream per tensor from one seed.
+            random_offsets = offsets + (index << 32)
+            if first + BLOCK_SIZE <= n:
+                _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_ptr,
+                        offsets, tl.full([BLOCK_SIZE], 1, tl.int1), random_offsets,
+                        grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt, decay,
+                        lerp_weight, beta2, one_minus_beta2, eps, seed, MASTER, KAHAN, SR,
+                        MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP_COEF)
+            else:
+                _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_ptr,
+                        offsets, offsets < n, random_offsets, grad_scale_ptr, clip_coef_ptr,
+                        neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2,
+                        eps, seed, MASTER, KAHAN, SR, MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP_COEF)
+
+
+@triton.jit
+def _adamw_master_tensor_kernel(
     param_ptr,  # *bf16|fp16, n elements, rewritten as round(x)
     grad_ptr,  # *bf16|fp16, n elements, read only
     master_ptr,  # *fp32, master weights (read and written only when MASTER)
@@ -35,14 +154,8 @@ def _adamw_master_kernel(
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
     step_ptr,  # *fp32 scalar, this tensor's step count, already incremented
     n_elements,  # number of elements of this tensor
-    decay,  # 1 - lr * weight_decay
-    lerp_weight,  # 1 - beta1
-    beta2,  # second-moment decay
-    one_minus_beta2,  # 1 - beta2, from the host's double
-    lr_hi, lr_lo,  # lr as an fp32 pair (see adam_math.split_f64)
-    ln_beta1_hi, ln_beta1_lo,  # log(beta1) as an fp32 pair
-    ln_beta2_hi, ln_beta2_lo,  # log(beta2) as an fp32 pair
-    eps,  # added to the denominator
+    decay, lerp_weight, beta2, one_minus_beta2, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
+    ln_beta2_hi, ln_beta2_lo, eps,  # as _adamw_master_kernel's
     seed,  # this tensor's random stream (read only when SR)
     MASTER: tl.constexpr,
     KAHAN: tl.constexpr,
@@ -63,43 +176,15 @@ def _adamw_master_kernel(
         mask = tl.where(tl.load(found_inf_ptr) == 0, mask, False)
     neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
                                                ln_beta2_hi, ln_beta2_lo)
-
-    g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, clip_coef_ptr, HAS_GRAD_SCALE,
-                  HAS_CLIP_COEF, MAXIMIZE)
-    if MASTER:
-        x = tl.load(master_ptr + offsets, mask=mask, other=0.0)
-    else:
-        x = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        if KAHAN:
-            x = x + tl.load(comp_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    x = x * decay
-    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
-    m, v = adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2)
-    x = adam_param(x, m, v, neg_step_size, bc2_sqrt, eps)
-
-    if SR:
-        random = tl.randint(seed, offsets.to(tl.uint32))
-        p_new = round_stochastic(x, random, param_ptr.dtype.element_ty)
-    else:
-        p_new = round_nearest(x, param_ptr.dtype.element_ty)
-    if MASTER:
-        tl.store(master_ptr + offsets, x, mask=mask)
-    if KAHAN:
-        comp = round_nearest(x - p_new.to(tl.float32), comp_ptr.dtype.element_ty)
-        tl.store(comp_ptr + offsets, comp, mask=mask)
-    tl.store(param_ptr + offsets, p_new, mask=mask)
-    tl.store(exp_avg_ptr + offsets, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
-
-
-def _block_size():
-    # Few large blocks are much faster under the interpreter (numpy per program instance).
-    return 16384 if triton_interpreting() else 1024
+    _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_ptr, offsets,
+            mask, offsets.to(tl.uint32), grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt,
+            decay, lerp_weight, beta2, one_minus_beta2, eps, seed, MASTER, KAHAN, SR, MAXIMIZE,
+            HAS_GRAD_SCALE, HAS_CLIP_COEF)
 
 
 def _tensor_seed(seed, index):
-    # Distinct, well-mixed 31-bit Philox keys per tensor of one call (splitmix64 finaliser).
+    # Distinct, well-mixed 31-bit Philox keys (splitmix64 finaliser): per tensor of a per-tensor
+    # call; index -1 gives the key of a table call, whose counters carry the tensor index.
     z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
@@ -110,20 +195,52 @@ def adamw_master_step_triton(
     params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *, lr, beta1, beta2, eps,
     weight_decay, maximize, stochastic_rounding, seed, grad_scale, clip_coef, found_inf,
 ):
-    """Launch one kernel per non-empty tensor; the contract of fastllm.ops.adamw_master_step."""
-    if params:
-        # The kernel reads the scalars through pointers: they must live where the params do.
-        device = params[0].device
-        grad_scale, clip_coef, found_inf = (
-            t.to(device) if t is not None and t.device != device else t
-            for t in (grad_scale, clip_coef, found_inf))
-    block = _block_size()
+    """One launch for every tensor (a table); the contract of fastllm.ops.adamw_master_step."""
+    if not params:
+        return
+    # The kernel reads the scalars through pointers: they must live where the params do.
+    device = params[0].device
+    grad_scale, clip_coef, found_inf = (
+        t.to(device) if t is not None and t.device != device else t
+        for t in (grad_scale, clip_coef, found_inf))
+    steps = [device_step(s, device) for s in steps]
+    block, chunk_blocks = _sizes()
+    arrays = [params, grads, masters or None, exp_avgs, exp_avg_sqs, kahan_comps or None]
+    found = None
+    if one_device(device, *arrays):
+        found = table(arrays, steps, block * chunk_blocks, device)
     consts = host_constants(lr, beta1, beta2, weight_decay)
+    flags = dict(MASTER=bool(masters), KAHAN=bool(kahan_comps), SR=stochastic_rounding,
+                 MAXIMIZE=maximize, HAS_GRAD_SCALE=grad_scale is not None,
+                 HAS_CLIP_COEF=clip_coef is not None, HAS_FOUND_INF=found_inf is not None)
+    if found is None:
+        _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, consts,
+                    flags, eps=eps, seed=seed, grad_scale=grad_scale, clip_coef=clip_coef,
+                    found_inf=found_inf)
+        return
+    if found.n_chunks == 0:
+        return
+    spare = found.tensors  # any pointer: the kernel never reads one whose flag is off
+    _adamw_master_kernel[(programs(device, found.n_chunks),)](
+        found.tensors, found.chunks, found.n_chunks,
+        grad_scale if grad_scale is not None else spare,
+        clip_coef if clip_coef is not None else spare,
+        found_inf if found_inf is not None else spare,
+        eps=eps, seed=_tensor_seed(seed, -1), **consts, DTYPE=_TL_DTYPES[params[0].dtype],
+        FIELDS=_FIELDS, **flags, ALIGNED=found.aligned, BLOCK_SIZE=block,
+        CHUNK_BLOCKS=chunk_blocks,
+    )
+
+
+def _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, consts, flags,
+                *, eps, seed, grad_scale, clip_coef, found_inf):
+    """One launch per non-empty tensor (the fallback: see kernels/adamw.py)."""
+    block = _sizes()[0]
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
             continue
-        _adamw_master_kernel[(triton.cdiv(n, block),)](
+        _adamw_master_tensor_kernel[(triton.cdiv(n, block),)](
             p, grads[i],
             masters[i] if masters else exp_avgs[i],
             exp_avgs[i], exp_avg_sqs[i],
@@ -132,10 +249,5 @@ def adamw_master_step_triton(
             clip_coef if clip_coef is not None else exp_avgs[i],
             found_inf if found_inf is not None else exp_avgs[i],
             device_step(steps[i], p.device),
-            n, eps=eps, seed=_tensor_seed(seed, i), **consts,
-            MASTER=bool(masters), KAHAN=bool(kahan_comps), SR=stochastic_rounding,
-            MAXIMIZE=maximize,
-            HAS_GRAD_SCALE=grad_scale is not None, HAS_CLIP_COEF=clip_coef is not None,
-            HAS_FOUND_INF=found_inf is not None,
-            BLOCK_SIZE=block,
+            n, eps=eps, seed=_tensor_seed(seed, i), **consts, **flags, BLOCK_SIZE=block,
         )

@@ -1,0 +1,115 @@
+"""Many tensors in one launch: the device-side table the persistent optimizer kernels read.
+
+One int64 buffer per set of tensors (NVIDIA/apex's multi_tensor_apply packs the same facts into
+kernel arguments, which caps a launch at a few dozen tensors; a table in device memory has no
+cap):
+    tensors: FIELDS int64 per tensor: the base address (data_ptr) of each of its arrays (0 for
+             an array the kernel does not read), the address of its fp32 step count, its
+             element count;
+    chunks:  2 int64 per chunk: (tensor index, first element). A chunk is `chunk` elements of
+             one tensor, its last one shorter; empty tensors have none.
+A persistent grid (`programs`) strides over the chunks; each program reads a chunk's row, casts
+the addresses to typed pointers and updates the chunk. The table is built on the host once per
+set of addresses and kept (`table`): a training loop hands the same storages to every step, so
+the upload happens on the first step and again only when an address changes.
+"""
+
+import collections
+
+import torch
+import triton
+import triton.language as tl
+
+from fastllm._backend import triton_interpreting
+
+_CACHE = collections.OrderedDict()
+_CACHE_SIZE = 16  # distinct tensor sets alive at once (param groups x dtypes), LRU beyond
+_SMS = {}
+
+
+class Table:
+    """The uploaded table: `tensors` and `chunks` int64 views, `n_chunks`, and `aligned`, True
+    when every address is a multiple of 16 bytes (the kernels may then use 128-bit accesses)."""
+
+    __slots__ = ("buffer", "tensors", "chunks", "n_chunks", "aligned")
+
+    def __init__(self, buffer, n_tensor_words, n_chunks, aligned):
+        self.buffer = buffer
+        self.tensors = buffer[:n_tensor_words]
+        self.chunks = buffer[n_tensor_words:]
+        self.n_chunks, self.aligned = n_chunks, aligned
+
+
+def table(arrays, steps, chunk, device):
+    """The Table of len(arrays[0]) tensors, or None when none can be used (the caller then
+    launches once per tensor).
+
+    arrays: lists of tensors, one list per array the kernel reads (a None list: not read), all
+    on `device`; steps: one fp32 one-element tensor per tensor, on `device`; chunk: elements per
+    chunk. None while a CUDA graph is being captured and the table is not cached yet: an upload
+    then would be captured as a copy from a host buffer that the replay reads again."""
+    sizes = [t.numel() for t in arrays[0]]
+    addresses = []
+    for lst in arrays:
+        addresses.append([0] * len(sizes) if lst is None else [t.data_ptr() for t in lst])
+    step_addresses = [s.data_ptr() for s in steps]
+    key = (device, chunk, tuple(sizes), tuple(step_addresses), *map(tuple, addresses))
+    found = _CACHE.get(key)
+    if found is not None:
+        _CACHE.move_to_end(key)
+        return found
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    words = []
+    for i, n in enumerate(sizes):
+        words += [a[i] for a in addresses]
+        words += [step_addresses[i], n]
+    n_tensor_words = len(words)
+    n_chunks = 0
+    for i, n in enumerate(sizes):
+        for start in range(0, n, chunk):
+            words += [i, start]
+            n_chunks += 1
+    aligned = all(a % 16 == 0 for lst in addresses for a in lst)
+    host = torch.tensor(words, dtype=torch.int64)
+    if device.type == "cuda":
+        buffer = host.pin_memory().to(device, non_blocking=True)
+    else:
+        buffer = host.to(device)
+    found = _CACHE[key] = Table(buffer, n_tensor_words, n_chunks, aligned)
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return found
+
+
+def programs(device, n_chunks):
+    """The persistent grid: a few programs per SM on a GPU (enough to hide memory latency, few
+    enough that each loops over many chunks); two under the interpreter, which runs programs one
+    after another, so the grid-stride loop is exercised without a cost."""
+    if triton_interpreting():
+        return max(1, min(n_chunks, 2))
+    if device.type == "cuda":
+        sms = _SMS.get(device.index)
+        if sms is None:
+            sms = _SMS[device.index] = torch.cuda.get_device_properties(
+                device).multi_processor_count
+    else:
+        sms = 132  # the static check (CPU tensors, compiled only): an H200's SM count
+    return max(1, min(n_chunks, 4 * sms))
+
+
+def one_device(device, *lists):
+    """Whether every tensor in lists is on `device`: the table's addresses all point into one
+    device's memory. The ops check this; the launchers are also called directly."""
+    return all(t.device == device for lst in lists if lst for t in lst)
+
+
+@triton.jit
+def address(row_ptr, field: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The field'th address of a table row as a pointer to DTYPE (16-byte aligned when
+    ALIGNED, which the host checked)."""
+    ptr = tl.load(row_ptr + field).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        # On the pointer, not the integer: Triton 3.9 drops a hint on the int64 at the cast.
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr

@@ -1,0 +1,171 @@
+"""The table-driven Triton optimizer steps (kernels/tensor_table.py): many tensors, empty ones
+between, chunks split across a tensor and a masked last block, all in one launch, against the
+plain-PyTorch references; the table cache; misaligned addresses; the per-tensor fallback.
+Triton runs here through the interpreter (tests/conftest.py), with small blocks and chunks so a
+few hundred elements span several of each."""
+
+import pytest
+import torch
+
+from fastllm import _backend
+from fastllm.ops.adamw import adamw_step_ref
+from fastllm.ops.adamw_master import adamw_master_step_ref
+
+pytestmark = pytest.mark.skipif(_backend.unavailable_reason("triton", "cpu") is not None,
+                                reason="triton is not available")
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+# 150 tensors: every third one empty, sizes up to 300 (blocks of 64, chunks of 128 below).
+SIZES = [0 if i % 3 == 0 else (i * 37) % 300 + 1 for i in range(150)]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    from fastllm.kernels import adamw, adamw_master
+
+    monkeypatch.setattr(adamw, "_sizes", lambda: (64, 2))
+    monkeypatch.setattr(adamw_master, "_sizes", lambda: (64, 2))
+    return adamw, adamw_master
+
+
+def _count(monkeypatch, kernel):
+    calls = []
+    run = kernel.run
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", counted)
+    return calls
+
+
+def _lists(count, dtype, gen, sizes=SIZES, positive=False):
+    out = []
+    for _ in range(count):
+        ts = [torch.randn(n, generator=gen) for n in sizes]
+        out.append([(t.abs() if positive else t).to(dtype) for t in ts])
+    return out
+
+
+def _steps(n):
+    return [torch.full((), float(i % 5 + 1)) for i in range(n)]
+
+
+def _close(out, ref, dtype):
+    for a, b in zip(out, ref):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        else:  # both round the same fp32 value to nearest: at most one ulp apart
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_many_tensors_one_launch(kernels, monkeypatch, dtype, amsgrad):
+    adamw, _ = kernels
+    gen = torch.Generator().manual_seed(0)
+    p, g = _lists(2, dtype, gen)
+    m, v, vmax = _lists(3, dtype, gen, positive=True)
+    ref = [[t.clone() for t in lst] for lst in (p, g, m, v, vmax)]
+    steps = _steps(len(SIZES))
+    scale, skip = torch.full((), 4.0), torch.zeros(())
+    calls = _count(monkeypatch, adamw._adamw_kernel)
+    adamw.adamw_step_triton(p, g, m, v, vmax, steps, amsgrad=amsgrad, maximize=False,
+                            grad_scale=scale, found_inf=skip, **HYPER)
+    adamw_step_ref(*ref, steps, amsgrad=amsgrad, maximize=False, grad_scale=scale,
+                   found_inf=skip, **HYPER)
+    assert len(calls) == 1
+    _close(p + m + v + (vmax if amsgrad else []),
+           ref[0] + ref[2] + ref[3] + (ref[4] if amsgrad else []), dtype)
+    assert all(torch.equal(a, b) for a, b in zip(g, ref[1]))  # grads only read
+
+
+def test_adamw_found_inf_changes_nothing(kernels):
+    adamw, _ = kernels
+    gen = torch.Generator().manual_seed(1)
+    p, g = _lists(2, torch.float32, gen)
+    m, v = _lists(2, torch.float32, gen, positive=True)
+    before = [t.clone() for t in p + m + v]
+    adamw.adamw_step_triton(p, g, m, v, [], _steps(len(SIZES)), amsgrad=False, maximize=False,
+                            found_inf=torch.ones(()), **HYPER)
+    assert all(torch.equal(a, b) for a, b in zip(p + m + v, before))
+
+
+@pytest.mark.parametrize("mode", ["master", "kahan", "pure"])
+def test_master_many_tensors_one_launch(kernels, monkeypatch, mode):
+    _, master = kernels
+    gen = torch.Generator().manual_seed(2)
+    p, g = _lists(2, torch.bfloat16, gen)
+    m, v = _lists(2, torch.float32, gen, positive=True)
+    masters = [t.float() for t in p] if mode == "master" else []
+    comps = [torch.zeros_like(t) for t in p] if mode == "kahan" else []
+    ref = [[t.clone() for t in lst] for lst in (p, g, masters, m, v, comps)]
+    steps = _steps(len(SIZES))
+    scalars = dict(grad_scale=torch.full((), 2.0), clip_coef=torch.full((), 0.5),
+                   found_inf=torch.zeros(()))
+    calls = _count(monkeypatch, master._adamw_master_kernel)
+    master.adamw_master_step_triton(p, g, masters, m, v, comps, steps, maximize=False,
+                                    stochastic_rounding=False, seed=0, **scalars, **HYPER)
+    adamw_master_step_ref(*ref, steps, **scalars, **HYPER)
+    assert len(calls) == 1
+    _close(masters + m + v, ref[2] + ref[3] + ref[4], torch.float32)
+    _close(p, ref[0], torch.bfloat16)
+    # The compensation is a residual: an fp32 ulp of x moves it far relative to itself, so the
+    # value it carries (param + compensation) is what must agree.
+    _close([a.float() + c.float() for a, c in zip(p, comps)],
+           [a.float() + c.float() for a, c in zip(ref[0], ref[5])], torch.float32)
+
+
+def test_master_stochastic_rounding_picks_a_neighbour(kernels):
+    _, master = kernels
+    gen = torch.Generator().manual_seed(3)
+    p, g = _lists(2, torch.bfloat16, gen)
+    m, v = _lists(2, torch.float32, gen, positive=True)
+    masters = [t.float() for t in p]
+    master.adamw_master_step_triton(p, g, masters, m, v, [], _steps(len(SIZES)), maximize=False,
+                                    stochastic_rounding=True, seed=7, grad_scale=None,
+                                    clip_coef=None, found_inf=None, **HYPER)
+    x = torch.cat(masters)
+    got = torch.cat(p).float()
+    down = x.to(torch.bfloat16).float()
+    ulp = (down.abs() * 2 ** -7).clamp_min(2 ** -133)
+    assert ((got - x).abs() <= ulp).all()  # one of the two bf16 neighbours of the master
+    assert (got != down).any()  # and not always the nearest
+
+
+def test_table_cached_until_an_address_changes(kernels):
+    from fastllm.kernels import tensor_table
+
+    gen = torch.Generator().manual_seed(4)
+    p, g = _lists(2, torch.float32, gen, sizes=[5, 0, 130])
+    steps = _steps(3)
+    first = tensor_table.table([p, g], steps, 128, p[0].device)
+    assert tensor_table.table([p, g], steps, 128, p[0].device) is first
+    assert first.n_chunks == 3  # 5 -> 1 chunk, 0 -> none, 130 -> 2
+    g[2] = g[2].clone()
+    again = tensor_table.table([p, g], steps, 128, p[0].device)
+    assert again is not first
+    assert again.chunks.view(-1, 2).tolist() == [[0, 0], [2, 0], [2, 128]]
+
+
+def test_misaligned_and_per_tensor_paths_match(kernels, monkeypatch):
+    adamw, _ = kernels
+    gen = torch.Generator().manual_seed(5)
+    sizes = [7, 0, 123, 200]
+    # Views one element into a flat buffer: addresses 4 bytes past a 16-byte boundary.
+    flat = [torch.randn(sum(sizes) + 1, generator=gen) for _ in range(4)]
+    flat[2].abs_()
+    flat[3].abs_()
+    lists = [list(f[1:].split(sizes)) for f in flat]
+    copies = [[t.clone() for t in lst] for lst in lists]
+    steps = _steps(len(sizes))
+    found = adamw.table(lists + [None], steps, 128, flat[0].device)
+    assert not found.aligned
+    adamw.adamw_step_triton(*lists, [], steps, amsgrad=False, maximize=False, **HYPER)
+    calls = _count(monkeypatch, adamw._adamw_tensor_kernel)
+    monkeypatch.setattr(adamw, "table", lambda *args: None)
+    adamw.adamw_step_triton(*copies, [], steps, amsgrad=False, maximize=False, **HYPER)
+    assert len(calls) == 3  # the fallback: one launch per non-empty tensor
+    for a, b in zip(lists[0] + lists[2] + lists[3], copies[0] + copies[2] + copies[3]):
+        assert torch.equal(a, b)
