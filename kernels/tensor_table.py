@@ -25,6 +25,8 @@ from fastllm._backend import triton_interpreting
 _CACHE = collections.OrderedDict()
 _CACHE_SIZE = 16  # distinct tensor sets alive at once (param groups x dtypes), LRU beyond
 _SMS = {}
+# Tables a captured CUDA graph launches with: its replays read them, so the LRU must not free them.
+_CAPTURED = set()
 
 
 class Table:
@@ -47,18 +49,22 @@ def table(arrays, steps, chunk, device):
     arrays: lists of tensors, one list per array the kernel reads (a None list: not read), all
     on `device`; steps: one fp32 one-element tensor per tensor, on `device`; chunk: elements per
     chunk. None while a CUDA graph is being captured and the table is not cached yet: an upload
-    then would be captured as a copy from a host buffer that the replay reads again."""
+    then would be captured as a copy from a host buffer that the replay reads again. A table
+    used in a capture is kept for the life of the process (the graph's replays read it)."""
     sizes = [t.numel() for t in arrays[0]]
     addresses = []
     for lst in arrays:
         addresses.append([0] * len(sizes) if lst is None else [t.data_ptr() for t in lst])
     step_addresses = [s.data_ptr() for s in steps]
     key = (device, chunk, tuple(sizes), tuple(step_addresses), *map(tuple, addresses))
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     found = _CACHE.get(key)
     if found is not None:
         _CACHE.move_to_end(key)
+        if capturing:
+            _CAPTURED.add(found)
         return found
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing:
         return None
     words = []
     for i, n in enumerate(sizes):
