@@ -472,8 +472,9 @@ class DistributedOptimizer(DistributedOptimizerState):
             # One pass over the local shard grads, one tiny all-reduce: every rank sees the same
             # global norm, so clipping and the inf/nan skip are decided identically everywhere.
             try:
+                group = self.group if self.group is not None else dist.group.WORLD
                 norm = global_grad_norm(flat_shards=[b.shard_grad for b in self.buckets],
-                                        flat_group=self.group).float() * factor
+                                        flat_group=group).float() * factor
             except RuntimeError as exc:  # a peer failed: say which
                 raise failure.collective_error("grad-norm all-reduce", exc) from exc
             if scale is not None:
