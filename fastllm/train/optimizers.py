@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from fastllm.train.state_layout import param_order
+from fastllm.train.checkpoint_layout import param_order
 
 __all__ = ["Scalers", "build", "step"]
 

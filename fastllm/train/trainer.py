@@ -6,7 +6,7 @@ Data, model, strategy, optimizer and schedule come from one TrainConfig; each st
 accumulation micro-batches, checks the loss across ranks (non-finite: the step is skipped;
 max_bad_steps in a row roll back to the last checkpoint), steps, logs and checkpoints. How the
 model runs is its strategy's (fastllm.train.strategies); a checkpoint is one process's layout
-(fastllm.train.state_layout) and resumes at any world size and layout.
+(fastllm.train.checkpoint_layout) and resumes at any world size and layout.
 """
 
 import contextlib
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from fastllm.parallel import ParallelLayout, apply_activation_checkpointing, decoder_layers
 from fastllm.parallel.pipeline import pipeline_loss
 from fastllm.train import checkpoint as ckpt
-from fastllm.train import faults, run_dir, state_layout, strategies, watchdog
+from fastllm.train import checkpoint_layout, faults, run_dir, strategies, watchdog
 from fastllm.train.config import TrainConfig
 from fastllm.train.data import Loader, PackedDataset, build_tokenizer, load_text, tokenize_to_file
 from fastllm.train.memory import PeakMemory
@@ -153,7 +153,7 @@ class Trainer:
             "data": {"position": self.position, "global_batch": self.global_batch},
             "schedule": {"kind": "warmup_cosine", "step": self.step},
             **self.strategy.scalers.state_dict(),
-            "rng": state_layout.rng_states(self.device, self.world),
+            "rng": checkpoint_layout.rng_states(self.device, self.world),
             "world_size": self.world,
             "counters": {"skipped": self.skipped_total, "bad_in_a_row": self.bad_in_a_row,
                          "rollbacks": self.rollbacks},
@@ -166,7 +166,7 @@ class Trainer:
                 "config.yaml": lambda p: cfg.save(os.path.dirname(p), os.path.basename(p)),
             }
             if cfg.finetune == "lora":
-                writers["adapter"] = lambda p: state_layout.save_adapter(self.module, p,
+                writers["adapter"] = lambda p: checkpoint_layout.save_adapter(self.module, p,
                                                                          cfg.backend)
             else:
                 writers["model.pt"] = lambda p: ckpt.save_file(model_state, p)
@@ -180,12 +180,12 @@ class Trainer:
         """Restore model, optimizer, schedule, scalers, data position, RNG and counters."""
         cfg = self.cfg
         state = ckpt.load_file(os.path.join(path, "trainer_state.pt"))
-        optim_state = state_layout.convert_moments(
+        optim_state = checkpoint_layout.convert_moments(
             ckpt.load_file(os.path.join(path, "optimizer.pt")), cfg, self.optimizer, self.log,
             path)
         model_state = None
         if cfg.finetune == "lora":
-            state_layout.load_adapter(self.module, os.path.join(path, "adapter"), cfg.backend)
+            checkpoint_layout.load_adapter(self.module, os.path.join(path, "adapter"), cfg.backend)
         else:
             model_state = ckpt.load_file(os.path.join(path, "model.pt"))
         self.strategy.load(model_state, optim_state)
@@ -199,7 +199,7 @@ class Trainer:
         counters = state["counters"]
         self.skipped_total, self.bad_in_a_row = counters["skipped"], counters["bad_in_a_row"]
         self.rollbacks = counters["rollbacks"]
-        state_layout.restore_rng(state["rng"], self.rank, self.device, cfg.seed, self.step)
+        checkpoint_layout.restore_rng(state["rng"], self.rank, self.device, cfg.seed, self.step)
         self.last_saved = self.step
 
     def _rollback(self):

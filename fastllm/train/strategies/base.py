@@ -3,7 +3,7 @@
 A strategy is one way of running the model: it wraps the model (`wrap`), runs a step's
 micro-batches forward and backward, syncing gradients on the last one only
 (`forward_backward`), steps the optimizer (`step`), and saves and loads model and optimizer
-state in one process's layout (`state`, `load`; fastllm.train.state_layout).
+state in one process's layout (`state`, `load`; fastllm.train.checkpoint_layout).
 """
 
 import contextlib
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from fastllm.train import optimizers, state_layout
+from fastllm.train import checkpoint_layout, optimizers
 
 
 class Strategy:
@@ -83,5 +83,5 @@ class Strategy:
 
     @property
     def param_names(self):
-        decay, no_decay = state_layout.param_order(self.module)
+        decay, no_decay = checkpoint_layout.param_order(self.module)
         return [n for n, _ in decay + no_decay]

@@ -1,11 +1,11 @@
 """FSDP2 (`fully_shard` per decoder layer, then the root): parameters, gradients and optimizer
 state sharded over the data-parallel ranks. Checkpoints gather one process's layout with DCP's
-full state dicts (fastllm.train.state_layout.full_state)."""
+full state dicts (fastllm.train.checkpoint_layout.full_state)."""
 
 import torch
 
 from fastllm.parallel import apply_fsdp
-from fastllm.train import state_layout
+from fastllm.train import checkpoint_layout
 from fastllm.train.strategies.base import Strategy
 
 
@@ -13,10 +13,10 @@ class Sharded(Strategy):
     """A model of DTensor parameters: its state is saved and loaded through DCP."""
 
     def state(self):
-        return state_layout.full_state(self.model, self.optimizer, self.param_names)
+        return checkpoint_layout.full_state(self.model, self.optimizer, self.param_names)
 
     def load(self, model_state, optim_state):
-        state_layout.load_full(self.model, self.optimizer, model_state, optim_state,
+        checkpoint_layout.load_full(self.model, self.optimizer, model_state, optim_state,
                                self.param_names)
 
 

@@ -6,7 +6,7 @@ stages; checkpoints gather the stages to rank 0 in one process's layout."""
 import torch
 
 from fastllm.parallel import apply_fsdp, apply_tensor_parallel, build_pipeline, decoder_layers
-from fastllm.train import state_layout
+from fastllm.train import checkpoint_layout
 from fastllm.train.strategies.base import Strategy
 
 
@@ -17,7 +17,7 @@ class Pipeline(Strategy):
         cfg, lay = self.cfg, self.layout
         # The whole model's trainable names in one process's optimizer order, taken before the
         # model is cut into stages: the index layout of optimizer.pt (stages keep the names).
-        decay, no_decay = state_layout.param_order(model)
+        decay, no_decay = checkpoint_layout.param_order(model)
         self.model_names, self.model_n_decay = [n for n, _ in decay + no_decay], len(decay)
         self.n_layers = len(decoder_layers(model))
         lay.check_model(model.config)
@@ -61,9 +61,9 @@ class Pipeline(Strategy):
         return loss_sum, 0.0
 
     def state(self):
-        return state_layout.gather_stages(self.model, self.optimizer, self.model_names,
+        return checkpoint_layout.gather_stages(self.model, self.optimizer, self.model_names,
                                           self.model_n_decay, self.clip_group, self.writer)
 
     def load(self, model_state, optim_state):
-        state_layout.load_full(self.model, self.optimizer, model_state, optim_state,
+        checkpoint_layout.load_full(self.model, self.optimizer, model_state, optim_state,
                                self.model_names)
