@@ -28,13 +28,6 @@ MODULES = _modules()
 # compiled extensions (fastllm._C): no imports of their own
 EXTENSIONS = {"fastllm." + f.split(".")[0] for f in os.listdir(PKG) if f.endswith((".so", ".pyd"))}
 
-# What the optimizer half of issue 17 (fastllm/optim/, another branch) removes: allowed only
-# until it lands. Empty this when it has.
-PENDING = {
-    "long": {"fastllm.optim.adamw"},
-    "cycles": {("fastllm.optim.adamw", "fastllm.optim.adamw8bit", "fastllm.optim.adamw")},
-    "optim": set(),
-}
 
 
 def _imports(name, path):
@@ -74,8 +67,6 @@ def test_trainer_reads_in_one_sitting():
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_file_over_600_lines(name):
-    if name in PENDING["long"]:
-        pytest.skip("the optimizer half of issue 17 splits it")
     assert _lines(os.path.relpath(MODULES[name], ROOT)) <= 600
 
 
@@ -96,7 +87,6 @@ def test_no_import_cycle():
     for m in sorted(GRAPH):
         if m not in state:
             visit(m)
-    cycles = [c for c in cycles if tuple(c) not in PENDING["cycles"]]
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
@@ -110,8 +100,7 @@ def _reaches(src_prefix, dst_prefixes):
 
 
 def test_optim_imports_neither_distributed_nor_train():
-    bad = _reaches("fastllm.optim", ("fastllm.distributed", "fastllm.train"))
-    assert not set(bad) - PENDING["optim"]
+    assert not _reaches("fastllm.optim", ("fastllm.distributed", "fastllm.train"))
 
 
 def test_parallel_does_not_import_train():
