@@ -5,7 +5,7 @@ compute, host overhead, exposed communication and bubble.
 
     fastllm bench --ops parallel
 
-The machine is measured first, alone (fastllm.parallel.planner.measure_host: one-thread matmul
+The machine is measured first, alone (probes.measure_host: one-thread matmul
 FLOP/s at a layer's shape, copy bandwidth, the host cost of an eager op and of a DTensor op; and
 one transformers decoder layer's forward + backward, which sets the share of those bare rates a
 real layer reaches), then Gloo's latency and bandwidth in the 4-rank world (measure_comm). The
@@ -46,8 +46,9 @@ LAYOUTS = {
 
 
 def _train(mesh, kwargs, steps):
-    from fastllm.parallel.run import train
+    from fastllm.bench.harness import example
 
+    train = example("parallel_train").train
     return train(mesh=mesh, steps=steps, global_batch=BATCH, seq_len=SEQ, model_kwargs=MODEL,
                  **kwargs)
 
@@ -60,7 +61,7 @@ def _average(a, b):
 def _worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fastllm.parallel.planner import measure_comm, measure_peak_memory
+    from fastllm.bench.probes import measure_comm, measure_peak_memory
 
     results = {"comm": measure_comm()}  # one thread per rank: fastllm.distributed.launch
     for name, (shape, names, kwargs, _, _) in LAYOUTS.items():
@@ -82,8 +83,10 @@ def _layer_seconds(reps=10, best=True):
     micro-batch (BATCH x SEQ tokens), one thread: the fastest of `reps` alone (best=True: what
     this machine's matmuls, attention and elementwise kernels reach on a real layer), or their
     median (best=False: with other ranks or jobs on the cores, what the rank gets now)."""
-    from fastllm.parallel.planner import _median_time
-    from fastllm.parallel.run import tiny_llama
+    from fastllm.bench.harness import example
+    from fastllm.bench.probes import median_time
+
+    tiny_llama = example("parallel_train").tiny_llama
 
     torch.manual_seed(0)
     model = tiny_llama(**dict(MODEL, layers=1))
@@ -95,7 +98,7 @@ def _layer_seconds(reps=10, best=True):
     def step():
         layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)[0].sum().backward()
 
-    return _median_time(step, reps=reps, warmup=1, best=best)
+    return median_time(step, reps=reps, warmup=1, best=best)
 
 
 def _probe(reps=5):
@@ -104,7 +107,7 @@ def _probe(reps=5):
     of a core: a layer outlasts the scheduler's time slice, a small matmul does not)."""
     import torch.distributed as dist
 
-    from fastllm.parallel.planner import measure_comm
+    from fastllm.bench.probes import measure_comm
 
     out = measure_comm(bandwidth=False, reps=15)
     dist.barrier()
@@ -148,7 +151,7 @@ def run(device="cpu", full=False, progress=print):
     import os
 
     from fastllm.distributed.launch import spawn
-    from fastllm.parallel.planner import machine_spec, measure_host, measure_peak_memory
+    from fastllm.bench.probes import machine_spec, measure_host, measure_peak_memory
 
     if device != "cpu":
         return []

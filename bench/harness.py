@@ -243,3 +243,18 @@ def plot(rows, path, title):
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def example(name):
+    """The module examples/<name>.py of the source tree (the benchmarks of training loops run
+    the examples' loops); its folder joins sys.path so spawned ranks import it too."""
+    import importlib
+    import sys
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if not os.path.isfile(os.path.join(folder, f"{name}.py")):
+        raise RuntimeError(f"fastllm bench: needs examples/{name}.py from fastllm's source tree "
+                           f"(an editable install: pip install -e .), not found in {folder}")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)

@@ -96,8 +96,8 @@ def main(argv=None):
     from fastllm.train.cli import add_train_commands
 
     add_train_commands(sub)
-    # `fastllm plan` (fastllm/parallel/planner.py)
-    from fastllm.parallel.planner import add_plan_arguments, plan_command
+    # `fastllm plan` (fastllm/parallel/planner/)
+    from fastllm.parallel.planner.cli import add_plan_arguments, plan_command
 
     p = sub.add_parser("plan", help="size a dp x tp x pp training run: memory, step time, MFU")
     add_plan_arguments(p)

@@ -10,7 +10,14 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+import sys  # noqa: E402
+
 import torch  # noqa: E402
+
+# examples/parallel_train.py is the tests' multi-layout training loop; spawned ranks inherit
+# sys.path, so they import it too
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
 
 import fastllm  # noqa: E402
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fastllm.parallel import build_mesh, build_schedule, split_layers
-from fastllm.parallel.run import train
+from parallel_train import train
 
 STEPS = 10
 SAVE_AT = 5
@@ -88,7 +88,7 @@ def _tp2_memory(sequence_parallel=False):
 
     from fastllm.parallel import parallelize
     from fastllm.parallel.planner import GPUSpec, Layout, ModelSpec, estimate
-    from fastllm.parallel.run import make_batches, tiny_llama
+    from parallel_train import make_batches, tiny_llama
 
     shape = {"layers": 3, "hidden": 96, "heads": 6, "kv_heads": 2, "ffn": 256, "vocab": 200}
     model = tiny_llama(**shape)
@@ -130,7 +130,7 @@ def _lora_sp_trainable():
     """Names of the trainable parameters of a LoRA model after dp2 x tp2 + sequence parallel."""
     from fastllm.lora import inject_lora
     from fastllm.parallel import parallelize
-    from fastllm.parallel.run import tiny_llama
+    from parallel_train import tiny_llama
 
     model = inject_lora(tiny_llama(layers=2), ["q_proj", "v_proj", "o_proj", "down_proj"], r=2)
     parallelize(model, build_mesh(dp=2, tp=2), sequence_parallel=True)
@@ -285,15 +285,31 @@ def test_schedule_errors():
 
     with pytest.raises(ValueError, match="not divisible by n_microbatches=3"):
         build_schedule(FakeStage(), 3, None, "gpipe", batch_size=8)
-    with pytest.raises(ValueError, match="n_microbatches=1 >= parallel.pp=2"):
+    with pytest.raises(ValueError, match="needs at least parallel.pp=2 micro-batches per step, "
+                                         "got n_microbatches=1"):
         build_schedule(FakeStage(), 1, None, "1f1b", batch_size=8)
     with pytest.raises(ValueError, match="schedule must be one of"):
         build_schedule(FakeStage(), 2, None, "zigzag")
 
 
+def test_layout_sizes_ranks_and_rules():
+    from fastllm.parallel import ParallelLayout
+
+    lay = ParallelLayout.resolve(8, tp=2, pp=2)
+    assert (lay.dp, lay.world_size, lay.stages, lay.describe()) == (2, 8, 2, "dp 2 x tp 2 x pp 2")
+    # init_device_mesh's row-major order over (pp, dp, tp)
+    assert [lay.coords(r) for r in range(8)] == [(p, d, t) for p in range(2) for d in range(2)
+                                                 for t in range(2)]
+    assert ParallelLayout(pp=2, schedule="interleaved").stages == 4
+    with pytest.raises(ValueError, match="parallel.dp must be a positive integer, got 0"):
+        ParallelLayout(dp=0)
+    with pytest.raises(ValueError, match="parallel.sequence_parallel needs parallel.tp > 1"):
+        ParallelLayout(sequence_parallel=True)
+
+
 def test_tp_head_count_error():
-    from fastllm.parallel.run import tiny_llama
-    from fastllm.parallel.tensor_parallel import _check_tp
+    from parallel_train import tiny_llama
+    from fastllm.parallel import ParallelLayout
 
     with pytest.raises(ValueError, match="parallel.tp=4 does not divide num_key_value_heads=2"):
-        _check_tp(tiny_llama(), 4)
+        ParallelLayout(tp=4).check_model(tiny_llama().config, vocab_parallel=True)

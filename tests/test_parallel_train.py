@@ -82,7 +82,7 @@ def test_tp2_matches_one_process(reference, tmp_path):
     # the default global batch is micro_batch_size x dp (1 here), not x world size (2)
     log = _torchrun(2, _args(cache, out, "parallel.tp=2", "micro_batch_size=8",
                              "global_batch_size=0"), 17)
-    assert "strategy=fsdp" in log and "global batch 8 = 8 x 1 accumulation x 1 data" in log
+    assert "strategy=tp" in log and "global batch 8 = 8 x 1 accumulation x 1 data" in log
     # fastllm AdamW clips by the norm over both ranks' shards: the one-process norm
     _assert_same_run(out, ref)
 
@@ -158,10 +158,23 @@ def test_pp2_interleaved_matches_one_process(reference, tmp_path):
 
 
 def test_pipeline_settings_refused_clearly(tmp_path):
-    from fastllm.train.model import check_pipeline, data_parallel_size
+    from types import SimpleNamespace
+
+    from fastllm.parallel import ParallelLayout
 
     def cfg(*extra):
         return TrainConfig.from_args(["model=tiny", "parallel.pp=2", *extra])
+
+    def check_pipeline(c, num_layers, dp):
+        """(micro-batches per step, chunks) as the runtime checks them."""
+        lay = ParallelLayout.resolve(dp * c.parallel.tp * c.parallel.pp, dp, c.parallel.tp,
+                                     c.parallel.pp, schedule=c.parallel.schedule)
+        lay.check_model(SimpleNamespace(num_attention_heads=4, num_hidden_layers=num_layers))
+        gb = c.global_batch_size or lay.default_global_batch(c.micro_batch_size)
+        return lay.micro_batches(gb, c.micro_batch_size), lay.chunks
+
+    def data_parallel_size(c, world):
+        return ParallelLayout.from_config(c.parallel, world).dp
 
     with pytest.raises(ValueError, match=r"parallel.pp=4 needs at least 4 decoder layers; the "
                                          r"model has num_hidden_layers=2"):

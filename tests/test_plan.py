@@ -13,7 +13,6 @@ from fastllm.parallel.planner import (
     GPUSpec,
     Layout,
     ModelSpec,
-    _collective_time,
     activation_bytes_per_layer,
     bubble_fraction,
     check_layout,
@@ -21,6 +20,7 @@ from fastllm.parallel.planner import (
     model_from_hf_config,
     plan,
 )
+from fastllm.parallel.planner.cost import _collective_time
 
 # an fp32 host with round figures, for the memory counts (time does not matter there)
 CPU = GPUSpec("cpu", 24e9, 60e9, 30e9, 10e9, 10e9, reserved=0, dtype_bytes=4)
@@ -102,7 +102,8 @@ def test_layout_errors_name_the_setting():
         check_layout(m, Layout(pp=3), 4096, 64)
     with pytest.raises(ValueError, match="global_batch_size=63 .*parallel.dp=2"):
         check_layout(m, Layout(dp=2), 4096, 63)
-    with pytest.raises(ValueError, match="micro-batches \\(2\\) >= parallel.pp=4"):
+    with pytest.raises(ValueError, match="needs at least parallel.pp=4 micro-batches per step, "
+                                         "got .* = 2"):
         check_layout(m, Layout(dp=8, pp=4, micro_batch=4), 4096, 64)
 
 
@@ -176,7 +177,7 @@ def test_against_megatron_lm_table():
 def test_activation_count_matches_autograd():
     """Bytes saved for backward by a real transformers Llama against the planner's count."""
     from fastllm.parallel.loss import vocab_parallel_cross_entropy
-    from fastllm.parallel.run import make_batches, tiny_llama
+    from parallel_train import make_batches, tiny_llama
 
     torch.set_num_threads(1)
     shape = dict(layers=3, hidden=96, heads=6, kv_heads=3, ffn=256, vocab=200)
@@ -276,16 +277,17 @@ def _small_spec(shape=SMALL):
 
 def test_runtime_op_counts():
     """FASTLLM's eager op count per decoder layer (forward, backward, optimizer) is what a
-    one-process step of fastllm.parallel.run really dispatches: the difference of 1 and 2
+    one-process step of examples/parallel_train.py really dispatches: the difference of 1 and 2
     layers, and of 1 and 2 steps (so model building is left out)."""
-    from fastllm.parallel.planner import FASTLLM, _count_ops
-    from fastllm.parallel.run import train
+    from fastllm.bench.probes import count_ops
+    from fastllm.parallel.planner import FASTLLM
+    from parallel_train import train
 
     torch.set_num_threads(1)
 
     def ops(layers, steps):
         shape = dict(SMALL, layers=layers, hidden=64, ffn=160, vocab=128)
-        return _count_ops(lambda: train(steps=steps, global_batch=2, seq_len=8,
+        return count_ops(lambda: train(steps=steps, global_batch=2, seq_len=8,
                                         model_kwargs=shape))
 
     per_layer = (ops(2, 2) - ops(2, 1)) - (ops(1, 2) - ops(1, 1))
@@ -297,8 +299,8 @@ def test_runtime_op_counts():
 def test_memory_estimate_matches_peak(recompute):
     """The planner's weights + grads + optimizer state + activations against the peak bytes of
     tensor storage over two real training steps of one process (fastllm.train.memory)."""
-    from fastllm.parallel.planner import measure_peak_memory
-    from fastllm.parallel.run import train
+    from fastllm.bench.probes import measure_peak_memory
+    from parallel_train import train
 
     torch.set_num_threads(1)
     peak = measure_peak_memory(lambda: train(steps=2, global_batch=4, seq_len=64,
@@ -312,12 +314,13 @@ def test_memory_estimate_matches_peak(recompute):
 def test_step_time_ratio_against_measured():
     """Two layouts of one process, with and without activation recomputation, timed in the
     same run (alternating steps, medians); the planner on this machine's measured figures
-    (fastllm.parallel.planner.measure_host) must predict their ratio within 25%. A ratio of
+    (bench/probes.py measure_host) must predict their ratio within 25%. A ratio of
     two measurements, not a time limit."""
     import statistics
 
-    from fastllm.parallel.planner import FASTLLM, machine_spec, measure_host
-    from fastllm.parallel.run import train
+    from fastllm.bench.probes import machine_spec, measure_host
+    from fastllm.parallel.planner import FASTLLM
+    from parallel_train import train
 
     torch.set_num_threads(1)
     shape = dict(SMALL, hidden=256, ffn=688)
@@ -357,8 +360,8 @@ LAYOUT_SEQ, LAYOUT_BATCH = 64, 8
 def _layout_peaks(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fastllm.parallel.planner import measure_peak_memory
-    from fastllm.parallel.run import train
+    from fastllm.bench.probes import measure_peak_memory
+    from parallel_train import train
 
     peaks = {}
     for name, (shape, dims, kwargs, _) in LAYOUTS.items():

@@ -261,7 +261,8 @@ def test_optimizer_in_backward_matches_a_separate_step(cache_dir, tmp_path):
 
 
 def test_checkpoint_ratio_same_gradients_less_memory(cache_dir):
-    from fastllm.train.model import apply_activation_checkpointing, build_model
+    from fastllm.parallel import apply_activation_checkpointing
+    from fastllm.train.model import build_model
     from torch.distributed._tools.mem_tracker import MemTracker  # torch's own, as a check
 
     cfg = TrainConfig(model="tiny", model_config={"num_hidden_layers": 4})

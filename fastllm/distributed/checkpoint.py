@@ -2,6 +2,7 @@
 half-written checkpoint is never picked up (a crash leaves the previous file or none). load()
 never runs code from the file (torch.load with weights_only=True)."""
 
+import contextlib
 import os
 import tempfile
 
@@ -27,7 +28,7 @@ def save_atomic(obj, path):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with _ignore():
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
@@ -45,10 +46,3 @@ def load(path, map_location="cpu"):
     torch.serialization.add_safe_globals([YourType]) before load."""
     return torch.load(os.fspath(path), map_location=map_location, weights_only=True)
 
-
-class _ignore:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return True

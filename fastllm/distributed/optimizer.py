@@ -43,19 +43,16 @@ import torch
 import torch.distributed as dist
 
 from fastllm.distributed import failure
+from fastllm.distributed.optimizer_state import (_LOW_PRECISION, DistributedOptimizerState,
+                                                  _all_gather)
 from fastllm.distributed.powersgd import PowerSGD
-from fastllm.ops.l2norm import l2norm
-from fastllm.optim.adamw8bit import export_state, import_state
 from fastllm.ops.scaled_copy import scaled_copy
+from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
 
 __all__ = ["DistributedOptimizer"]
 
 # torch 2.13 renamed the flat collectives; older versions only have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
 
 class _Bucket:
     """One flat bucket: params (views into `param_flat`), their grads, this rank's shard."""
@@ -102,7 +99,87 @@ class _Bucket:
         return a - off, b - off, a - self.lo
 
 
-class DistributedOptimizer:
+def _galore_options(optimizer_class, optimizer_kwargs):
+    """GaLore's projection options, taken out of optimizer_kwargs (None unless optimizer_class
+    is GaLoreAdamW): they form the projected group, not the inner optimizer's defaults."""
+    from fastllm.optim.galore import GaLoreAdamW
+
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, GaLoreAdamW):
+        galore = {k: optimizer_kwargs.pop(k) for k in ("rank", "update_proj_gap", "scale",
+                                                        "proj_type", "galore_params")
+                  if k in optimizer_kwargs}
+        if "rank" not in galore:
+            raise ValueError("fastllm.distributed.DistributedOptimizer: "
+                             "optimizer_class=GaLoreAdamW needs rank=<projection rank>")
+        return galore
+    if "galore_params" in optimizer_kwargs:
+        raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params needs "
+                         f"optimizer_class=fastllm.optim.GaLoreAdamW, got "
+                         f"{getattr(optimizer_class, '__name__', optimizer_class)}")
+    return None
+
+
+def _check_arguments(model, stage, process_group, bucket_cap_mb, grad_compression,
+                     optimizer_kwargs):
+    """Refuse what DistributedOptimizer cannot do, before anything is built."""
+    if grad_compression is not None:
+        if not isinstance(grad_compression, PowerSGD):
+            raise TypeError(f"fastllm.distributed.DistributedOptimizer: grad_compression "
+                            f"must be a fastllm.distributed.PowerSGD, got "
+                            f"{type(grad_compression).__name__}")
+        if optimizer_kwargs.get("loss_scaler") is not None:
+            raise NotImplementedError(
+                "fastllm.distributed.DistributedOptimizer: grad_compression with a "
+                "loss_scaler is not supported (the error feedback would mix loss scales "
+                "and keep inf/nan); use bf16, which needs no loss scaling")
+        mine = process_group if process_group is not None else dist.group.WORLD
+        if grad_compression.group is not mine:
+            raise ValueError("fastllm.distributed.DistributedOptimizer: grad_compression's "
+                             "process_group is not this optimizer's process_group")
+    if stage not in (1, 2):
+        raise ValueError(f"fastllm.distributed.DistributedOptimizer: stage must be 1 or 2, "
+                         f"got {stage!r}")
+    if not (bucket_cap_mb > 0):
+        raise ValueError(f"fastllm.distributed.DistributedOptimizer: bucket_cap_mb must be "
+                         f"> 0, got {bucket_cap_mb}")
+    if not dist.is_initialized():
+        raise RuntimeError("fastllm.distributed.DistributedOptimizer: call "
+                           "torch.distributed.init_process_group first")
+    if optimizer_kwargs.get("master_weights") is False and any(
+            p.dtype in _LOW_PRECISION for p in model.parameters()):
+        raise ValueError("fastllm.distributed.DistributedOptimizer: bf16/fp16 params always "
+                         "get fp32 master weights here; master_weights=False is not supported")
+    for key in ("stochastic_rounding", "kahan_summation"):
+        if optimizer_kwargs.get(key):
+            raise NotImplementedError(f"fastllm.distributed.DistributedOptimizer: {key} is "
+                                      f"not supported (shards keep fp32 master weights)")
+
+
+def _galore_param_ids(galore, named):
+    """ids of the params GaLore projects (galore["galore_params"], default every 2-D param),
+    checked: trainable params of the model, 2-D, fp32."""
+    chosen = galore.pop("galore_params", None)
+    if chosen is None:
+        chosen = [p for _, p in named if p.dim() == 2]
+    chosen = list(chosen)
+    known = {id(p): n for n, p in named}
+    for p in chosen:
+        if id(p) not in known:
+            raise ValueError("fastllm.distributed.DistributedOptimizer: galore_params "
+                             "holds a tensor that is not a trainable parameter of model")
+        if p.dim() != 2:
+            raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params: "
+                             f"{known[id(p)]} has shape {tuple(p.shape)}; GaLore "
+                             f"projects 2-D params only")
+        if p.dtype != torch.float32:
+            raise NotImplementedError(
+                f"fastllm.distributed.DistributedOptimizer: galore_params: "
+                f"{known[id(p)]} is {p.dtype}; GaLore under DistributedOptimizer "
+                f"supports fp32 params")
+    return {id(p) for p in chosen}
+
+
+class DistributedOptimizer(DistributedOptimizerState):
     """ZeRO-1/2 data parallel training with one fused optimizer pass per rank's flat shard.
 
     Args:
@@ -155,53 +232,11 @@ class DistributedOptimizer:
     def __init__(self, model, optimizer_class=None, stage=2, process_group=None,
                  bucket_cap_mb=25, overlap_grad_reduce=True, overlap_param_gather=False,
                  timeout=None, grad_compression=None, **optimizer_kwargs):
-        from fastllm.optim.galore import GaLoreAdamW
-
         if optimizer_class is None:
             from fastllm.optim import AdamW as optimizer_class
-        galore = None
-        if isinstance(optimizer_class, type) and issubclass(optimizer_class, GaLoreAdamW):
-            galore = {k: optimizer_kwargs.pop(k) for k in ("rank", "update_proj_gap", "scale",
-                                                            "proj_type", "galore_params")
-                      if k in optimizer_kwargs}
-            if "rank" not in galore:
-                raise ValueError("fastllm.distributed.DistributedOptimizer: "
-                                 "optimizer_class=GaLoreAdamW needs rank=<projection rank>")
-        elif "galore_params" in optimizer_kwargs:
-            raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params needs "
-                             f"optimizer_class=fastllm.optim.GaLoreAdamW, got "
-                             f"{getattr(optimizer_class, '__name__', optimizer_class)}")
-        if grad_compression is not None:
-            if not isinstance(grad_compression, PowerSGD):
-                raise TypeError(f"fastllm.distributed.DistributedOptimizer: grad_compression "
-                                f"must be a fastllm.distributed.PowerSGD, got "
-                                f"{type(grad_compression).__name__}")
-            if optimizer_kwargs.get("loss_scaler") is not None:
-                raise NotImplementedError(
-                    "fastllm.distributed.DistributedOptimizer: grad_compression with a "
-                    "loss_scaler is not supported (the error feedback would mix loss scales "
-                    "and keep inf/nan); use bf16, which needs no loss scaling")
-            mine = process_group if process_group is not None else dist.group.WORLD
-            if grad_compression._group() is not mine:
-                raise ValueError("fastllm.distributed.DistributedOptimizer: grad_compression's "
-                                 "process_group is not this optimizer's process_group")
-        if stage not in (1, 2):
-            raise ValueError(f"fastllm.distributed.DistributedOptimizer: stage must be 1 or 2, "
-                             f"got {stage!r}")
-        if not (bucket_cap_mb > 0):
-            raise ValueError(f"fastllm.distributed.DistributedOptimizer: bucket_cap_mb must be "
-                             f"> 0, got {bucket_cap_mb}")
-        if not dist.is_initialized():
-            raise RuntimeError("fastllm.distributed.DistributedOptimizer: call "
-                               "torch.distributed.init_process_group first")
-        if optimizer_kwargs.get("master_weights") is False and any(
-                p.dtype in _LOW_PRECISION for p in model.parameters()):
-            raise ValueError("fastllm.distributed.DistributedOptimizer: bf16/fp16 params always "
-                             "get fp32 master weights here; master_weights=False is not supported")
-        for key in ("stochastic_rounding", "kahan_summation"):
-            if optimizer_kwargs.get(key):
-                raise NotImplementedError(f"fastllm.distributed.DistributedOptimizer: {key} is "
-                                          f"not supported (shards keep fp32 master weights)")
+        galore = _galore_options(optimizer_class, optimizer_kwargs)
+        _check_arguments(model, stage, process_group, bucket_cap_mb, grad_compression,
+                         optimizer_kwargs)
         self.stage = stage
         self.grad_compression = grad_compression
         self.group = process_group
@@ -225,27 +260,7 @@ class DistributedOptimizer:
         self._check_same_model(named)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        galore_ids = set()
-        if galore is not None:
-            chosen = galore.pop("galore_params", None)
-            if chosen is None:
-                chosen = [p for p in self.params if p.dim() == 2]
-            chosen = list(chosen)
-            known = {id(p): n for n, p in named}
-            for p in chosen:
-                if id(p) not in known:
-                    raise ValueError("fastllm.distributed.DistributedOptimizer: galore_params "
-                                     "holds a tensor that is not a trainable parameter of model")
-                if p.dim() != 2:
-                    raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params: "
-                                     f"{known[id(p)]} has shape {tuple(p.shape)}; GaLore "
-                                     f"projects 2-D params only")
-                if p.dtype != torch.float32:
-                    raise NotImplementedError(
-                        f"fastllm.distributed.DistributedOptimizer: galore_params: "
-                        f"{known[id(p)]} is {p.dtype}; GaLore under DistributedOptimizer "
-                        f"supports fp32 params")
-            galore_ids = {id(p) for p in chosen}
+        galore_ids = set() if galore is None else _galore_param_ids(galore, named)
         # The params of each inner param group, in model order (state_dict's group layout):
         # with GaLore the projected ones, then the others (each group only if it has params).
         galore_list = [p for p in self.params if id(p) in galore_ids]
@@ -446,7 +461,7 @@ class DistributedOptimizer:
         comp = self.grad_compression
         averaged = comp is not None and comp.compressing
         if comp is not None:
-            comp.iter += 1
+            comp.end_iteration()
         scale = None if self.loss_scaler is None else self.loss_scaler.scale_tensor()
         # Exact reductions leave sums, PowerSGD averages.
         factor = 1.0 if averaged else 1.0 / self.world
@@ -456,10 +471,12 @@ class DistributedOptimizer:
         if needs_norm:
             # One pass over the local shard grads, one tiny all-reduce: every rank sees the same
             # global norm, so clipping and the inf/nan skip are decided identically everywhere.
-            sq = l2norm([b.shard_grad for b in self.buckets]).square()
-            work = dist.all_reduce(sq, group=self.group, async_op=True)
-            failure.wait(work, "grad-norm all-reduce", self.timeout)
-            norm = sq.sqrt() * factor
+            try:
+                group = self.group if self.group is not None else dist.group.WORLD
+                norm = global_grad_norm(flat_shards=[b.shard_grad for b in self.buckets],
+                                        flat_group=group).float() * factor
+            except RuntimeError as exc:  # a peer failed: say which
+                raise failure.collective_error("grad-norm all-reduce", exc) from exc
             if scale is not None:
                 norm = norm / scale.to(norm.device)
             self.grad_norm = norm
@@ -471,8 +488,7 @@ class DistributedOptimizer:
                 self._reset_buckets()
                 return loss
             if self.max_grad_norm is not None:
-                # torch.nn.utils.clip_grad_norm_'s coefficient (as fastllm.optim.AdamW).
-                coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+                coef = clip_coefficient(norm, self.max_grad_norm)
         self.step_skipped = False
         divisor = None
         if scale is not None or coef is not None:
@@ -556,238 +572,6 @@ class DistributedOptimizer:
                 for b in buckets:
                     self._wait_gather(b)
         return wait_for_params
-
-    # checkpoints -------------------------------------------------------------------------------
-    def _gather_flat(self, b, shard):
-        full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-        work = _all_gather(full, shard.contiguous(), group=self.group,
-                                           async_op=True)
-        failure.wait(work, "state_dict all-gather", self.timeout)
-        return full
-
-    def state_dict(self):
-        """The consolidated state in single-process fastllm.optim.AdamW layout (collective: every
-        rank calls it and gets the same dict). Param index i is the i-th trainable param of
-        model.named_parameters(); bf16/fp16 params carry fp32 'master_param' as in
-        AdamW(master_weights=True). torch.optim.AdamW loads it too. With GaLoreAdamW: two param
-        groups, [galore_params, the others], and the projected params' low-rank state, as a
-        single-process GaLoreAdamW with those groups saves it."""
-        self._finish_param_gather()
-        index = {id(p): i for i, p in enumerate(self.params)}
-        state = {}
-        for b in self.buckets:
-            if b.replicated:
-                for p in b.params:
-                    if self.optimizer.state.get(p):
-                        state[index[id(p)]] = {k: v.detach().clone() if isinstance(
-                            v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
-                continue
-            inner = export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
-            if b.dtype in _LOW_PRECISION and inner:
-                inner["master_param"] = b.shard_param.detach()
-            fulls = {}
-            for key, value in inner.items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.dim() > 0:
-                    fulls[key] = self._gather_flat(b, value.detach().reshape(-1))
-            for p, off in zip(b.params, b.offsets):
-                if not inner:
-                    continue
-                entry = {}
-                for key, value in inner.items():
-                    if key in fulls:
-                        entry[key] = fulls[key][off:off + p.numel()].view_as(p).clone()
-                    elif isinstance(value, torch.Tensor):
-                        entry[key] = value.detach().clone()
-                    else:
-                        entry[key] = value
-                state[index[id(p)]] = entry
-        groups = []
-        for g, params in zip(self.optimizer.param_groups, self._group_params):
-            group = {k: v for k, v in g.items() if k != "params"}
-            group["params"] = [index[id(p)] for p in params]
-            groups.append(group)
-        out = {"state": state, "param_groups": groups}
-        if self.max_grad_norm is not None or self.loss_scaler is not None or any(
-                b.dtype in _LOW_PRECISION for b in self.buckets):
-            out["fastllm"] = {
-                "sr_seed": None, "skipped_steps": self.skipped_steps,
-                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            }
-        return out
-
-    def load_state_dict(self, state_dict):
-        """Load a consolidated state (from state_dict() at any world size, or from a
-        single-process fastllm/torch AdamW over the same model); every rank calls it and keeps
-        its own slice. Validates everything before changing anything."""
-        if "fastllm_lowbyte" in state_dict:  # a single-process AdamW8bit's: per-param blocks
-            from fastllm.optim import convert_state
-
-            state_dict = convert_state(state_dict, torch.float32)
-        groups = state_dict.get("param_groups", [])
-        saved = state_dict.get("state", {})
-        want = [len(g) for g in self._group_params]
-        if [len(g["params"]) for g in groups] != want:
-            raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state_dict must hold "
-                             f"param groups of {want} params, got "
-                             f"{[len(g['params']) for g in groups]}")
-        pid_of = {id(p): pid for g, params in zip(groups, self._group_params)
-                  for pid, p in zip(g["params"], params)}
-        replicated = {id(p) for b in self.buckets if b.replicated for p in b.params}
-        for i, p in enumerate(self.params):
-            if id(p) in replicated:
-                entry = saved.get(pid_of[id(p)], {})
-                if entry and "projector" not in entry:
-                    raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state of "
-                                     f"{self.param_names[i]} has no GaLore projector")
-                continue
-            entry = saved.get(pid_of[id(p)], {})
-            missing = [k for k in self._required_state if entry and k not in entry]
-            if missing:
-                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state of "
-                                 f"{self.param_names[i]} lacks {missing}, which "
-                                 f"{type(self.optimizer).__name__} needs (another optimizer's "
-                                 f"state_dict?)")
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.shape != p.shape:
-                    raise ValueError(f"fastllm.distributed.DistributedOptimizer: state '{key}' of "
-                                     f"{self.param_names[i]} has shape {tuple(value.shape)}, the "
-                                     f"parameter {tuple(p.shape)}")
-        self._finish_param_gather()
-        for b in self.buckets:
-            if b.replicated:
-                for p in b.params:
-                    entry = saved.get(pid_of[id(p)])
-                    if entry:  # low-rank moments and projector stay fp32, as GaLoreAdamW's
-                        self.optimizer.state[p] = {
-                            k: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
-                            for k, v in entry.items()}
-                    else:
-                        self.optimizer.state.pop(p, None)
-                continue
-            entries = [saved.get(pid_of[id(p)], {}) for p in b.params]
-            if not any(entries):
-                self.optimizer.state.pop(b.shard_param, None)
-                continue
-            keys = {k for e in entries for k, v in e.items()
-                    if isinstance(v, torch.Tensor) and k != "step"}
-            new = {}
-            for key in sorted(keys):
-                dtype = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
-                shard = torch.zeros(b.shard_size, dtype=dtype, device=b.param_flat.device)
-                for i, e in enumerate(entries):
-                    span = b.overlaps(i)
-                    if span is None:
-                        continue
-                    a, c, at = span
-                    if key in e:
-                        src = e[key].reshape(-1)[a:c]
-                    elif key == "master_param":
-                        src = b.params[i].detach().reshape(-1)[a:c]
-                    else:
-                        continue
-                    shard[at:at + c - a].copy_(src)
-                new[key] = shard
-            self._install(b, new, [float(e["step"]) for e in entries if "step" in e])
-        for mine, group in zip(self.optimizer.param_groups, groups):
-            for key, value in group.items():
-                if key != "params":
-                    mine[key] = value
-        extra = state_dict.get("fastllm")
-        if extra is not None:
-            self.skipped_steps = int(extra.get("skipped_steps", 0))
-            if extra.get("loss_scaler") is not None and self.loss_scaler is not None:
-                self.loss_scaler.load_state_dict(extra["loss_scaler"])
-
-    def _install(self, b, new, steps):
-        """Make `new` (state name -> flat shard) bucket b's optimizer state; a missing fp32
-        master is taken from the params."""
-        new["step"] = torch.tensor(max(steps) if steps else 0.0, dtype=torch.float32)
-        master = new.pop("master_param", None)
-        if b.dtype in _LOW_PRECISION:
-            if master is None:
-                master = b.param_flat[b.lo:b.hi].float()
-            b.shard_param.copy_(master)
-        # fp32 moments -> the inner optimizer's low-byte layout (8-bit blocks of this shard).
-        self.optimizer.state[b.shard_param] = import_state(self.optimizer, b.shard_param, new)
-
-    def load_sharded_state_dict(self, shards):
-        """Load the sharded_state_dict() of every rank of a run at any world size (a list of
-        them, or their "state" entries merged into one dict); each rank copies the ranges that
-        overlap its own slice. No collective. Raises, before changing anything, when a range
-        names an unknown parameter or a trainable parameter is not covered."""
-        self._refuse_sharded_galore("load_sharded_state_dict")
-        shards = [shards] if isinstance(shards, dict) else list(shards)
-        ranges = {}
-        for sd in shards:
-            for key, st in sd["state"].items():
-                name, _, span = key.rpartition("[")
-                a, c = (int(v) for v in span.rstrip("]").split(":"))
-                ranges.setdefault(name, []).append((a, c, st))
-        numel = {n: p.numel() for n, p in zip(self.param_names, self.params)}
-        if numel and not ranges:
-            raise ValueError("fastllm.distributed.DistributedOptimizer.load_sharded_state_dict: "
-                             "the shards hold no state (an empty list?)")
-        for name, spans in ranges.items():
-            if name not in numel:
-                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the sharded state "
-                                 f"holds {name!r}, which is not a trainable parameter here")
-        for name, n in numel.items():
-            covered = sum(c - a for a, c, _ in ranges.get(name, []))
-            if ranges and covered != n:
-                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the sharded state "
-                                 f"covers {covered} of the {n} elements of {name}")
-        self._finish_param_gather()
-        for b in self.buckets:
-            new, steps = {}, []
-            dtype = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
-            for i, name in enumerate(b.names):
-                span = b.overlaps(i)
-                if span is None:
-                    continue
-                a, c, at = span
-                for sa, sc, st in ranges.get(name, []):
-                    lo, hi = max(a, sa), min(c, sc)
-                    if lo >= hi:
-                        continue
-                    for key, value in st.items():
-                        if key == "step":
-                            steps.append(float(value))
-                        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                            dst = new.setdefault(key, torch.zeros(
-                                b.shard_size, dtype=dtype, device=b.param_flat.device))
-                            dst[at + lo - a:at + hi - a].copy_(value[lo - sa:hi - sa])
-            if new or steps:
-                self._install(b, new, steps)
-        group = shards[0].get("param_groups", [{}])[0] if shards else {}
-        for key, value in group.items():
-            if key != "params":
-                self.optimizer.param_groups[0][key] = value
-
-    def _refuse_sharded_galore(self, what):
-        if any(b.replicated for b in self.buckets):
-            raise NotImplementedError(f"fastllm.distributed.DistributedOptimizer.{what}: GaLore's "
-                                      f"low-rank state is not sharded; use state_dict()")
-
-    def sharded_state_dict(self):
-        """This rank's slice only, keyed "<param name>[<first>:<end>]" (flat element range of that
-        param): {"state": {key: {state name: 1-D tensor}}, "param_groups": [...]}. No collective."""
-        self._refuse_sharded_galore("sharded_state_dict")
-        out = {}
-        for b in self.buckets:
-            inner = export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
-            if b.dtype in _LOW_PRECISION and inner:
-                inner["master_param"] = b.shard_param.detach()
-            for i, name in enumerate(b.names):
-                span = b.overlaps(i)
-                if span is None or not inner:
-                    continue
-                a, c, at = span
-                out[f"{name}[{a}:{c}]"] = {
-                    k: (v[at:at + c - a].clone() if isinstance(v, torch.Tensor) and v.dim() > 0
-                        else v.clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in inner.items()}
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return {"state": out, "param_groups": [group]}
 
     def shard_numel(self):
         """Elements of this rank's shards (the pad included): the size of its optimizer state

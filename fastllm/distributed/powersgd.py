@@ -90,16 +90,10 @@ class PowerSGD:
         self.q_memory = {}
         self._layouts = {}
         # Elements before and after compression, summed over every bucket and step (torch's
-        # compression_stats), and the elements the last reduce sent per rank.
+        # PowerSGDState counts the same), and the elements the last reduce sent per rank.
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
         self.last_numel_sent = 0
-
-    def compression_stats(self):
-        """(compress_rate, numel_before_compression, numel_after_compression), as torch's."""
-        after = self.total_numel_after_compression
-        rate = self.total_numel_before_compression / after if after > 0 else 0
-        return rate, self.total_numel_before_compression, after
 
     # ---- checkpointing -------------------------------------------------------------------
 
@@ -141,8 +135,15 @@ class PowerSGD:
 
     # ---- the reduction -------------------------------------------------------------------
 
-    def _group(self):
+    @property
+    def group(self):
+        """The process group it averages over (the default group when none was given)."""
         return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def end_iteration(self):
+        """Count one iteration: what a DistributedOptimizer step calls after the buckets of a
+        step were reduced with compressed_average_ (which counts none)."""
+        self.iter += 1
 
     def reduce_(self, buffer, grads, key, is_last=True):
         """Average `buffer` across the group in place (compressed once start_iter is reached).
@@ -155,12 +156,12 @@ class PowerSGD:
         if self.compressing:
             self.compressed_average_(buffer, grads, key)
         else:
-            group = self._group()
+            group = self.group
             buffer.div_(dist.get_world_size(group))
             dist.all_reduce(buffer, group=group)
             self.last_numel_sent = buffer.numel()
         if is_last:
-            self.iter += 1
+            self.end_iteration()
         return buffer
 
     def _offsets(self, buffer, grads):
@@ -187,7 +188,7 @@ class PowerSGD:
         iteration and without counting one (reduce_ after start_iter; what
         fastllm.distributed.DistributedOptimizer calls per bucket). Elements of `buffer` outside
         every grad (padding) are left as they are. Arguments as reduce_; returns buffer."""
-        group = self._group()
+        group = self.group
         world = dist.get_world_size(group)
         offsets = self._offsets(buffer, grads)
         work = buffer if buffer.dtype in _WORK_DTYPES else buffer.float()

@@ -3,8 +3,12 @@
 `build_pipeline_stage` cuts a transformers causal LM into a stage module that keeps the
 original parameter names (`model.layers.5.mlp.up_proj.weight`, `lm_head.weight`), so DCP
 checkpoints move between pipeline and non-pipeline layouts; `build_schedule` wraps torch's
-GPipe, 1F1B and interleaved 1F1B schedules.
+GPipe, 1F1B and interleaved 1F1B schedules; `build_pipeline` does both for this rank (every
+chunk of an interleaved schedule) and returns a `Pipeline`, whose `step` runs the schedule.
+The training runtime and examples/parallel_train.py both build their pipelines with it.
 """
+
+import copy
 
 import torch
 import torch.nn as nn
@@ -14,6 +18,9 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+
+from fastllm.parallel.layout import bubble_fraction, check_micro_batches
+from fastllm.parallel.loss import vocab_parallel_cross_entropy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -172,13 +179,66 @@ def build_schedule(stages, n_microbatches, loss_fn, schedule="1f1b", batch_size=
     if batch_size is not None and batch_size % n_microbatches:
         raise ValueError(f"the per-pipeline batch ({batch_size}) is not divisible by "
                          f"n_microbatches={n_microbatches}")
-    if schedule != "gpipe" and n_microbatches < pp:
-        raise ValueError(f"{schedule} needs n_microbatches={n_microbatches} >= parallel.pp={pp}")
+    check_micro_batches(schedule, pp, n_microbatches)
     if schedule == "interleaved":
-        if n_microbatches % pp:
-            raise ValueError(f"interleaved 1F1B needs n_microbatches={n_microbatches} divisible "
-                             f"by parallel.pp={pp}")
         return ScheduleInterleaved1F1B(list(stage_list), n_microbatches, loss_fn=loss_fn)
     if len(stage_list) != 1:
         raise ValueError(f"{schedule} runs one stage per rank; got {len(stage_list)}")
     return SCHEDULES[schedule](stage_list[0], n_microbatches, loss_fn=loss_fn)
+
+
+def pipeline_loss(logits, labels):
+    """The last stage's loss: mean token cross-entropy (fp32) of logits (batch, seq, vocab)
+    against labels (batch, seq), already shifted (-100: ignored), as transformers' causal LM
+    loss."""
+    return vocab_parallel_cross_entropy(logits, labels)
+
+
+class Pipeline:
+    """This rank's part of a pipeline-parallel model: `module` (its stage, or its stages merged
+    under the full model's parameter names), the torch `schedule`, and where the rank sits."""
+
+    def __init__(self, module, schedule, pp_mesh, n_microbatches, chunks):
+        self.module, self.schedule = module, schedule
+        self.pp, self.pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+        self.pp_group = pp_mesh.get_group()
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == self.pp - 1
+        self.n_microbatches, self.chunks = n_microbatches, chunks
+        # the idle fraction of the schedule (as the planner prices it), reported per step
+        self.bubble = bubble_fraction(self.pp, n_microbatches, chunks)
+
+    def step(self, input_ids, labels):
+        """One run of the schedule over the batch (batch, seq), split into the micro-batches.
+        Returns the micro-batches' losses on the last stage, [] elsewhere."""
+        losses = []
+        if self.first:
+            self.schedule.step(input_ids)
+        elif self.last:
+            self.schedule.step(target=labels, losses=losses)
+        else:
+            self.schedule.step()
+        return losses
+
+
+def build_pipeline(model, mesh, n_microbatches, schedule="1f1b", loss_fn=pipeline_loss,
+                   device="cpu", seq_len=None, parallelize_fn=None, batch_size=None):
+    """Cut `model` (consumed) into this rank's stage(s) over mesh["pp"]: one stage, or two
+    (pp_rank and pp_rank + pp of 2 pp) for the interleaved schedule; layers balanced by
+    estimated cost (`split_layers`); parallelize_fn(stage) applied to each (tensor parallel,
+    FSDP2 over the rank's dp/tp submesh). loss_fn(logits, labels) runs on the last stage.
+    Returns a Pipeline."""
+    pp_mesh = mesh["pp"]
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    chunks = 2 if schedule == "interleaved" else 1
+    modules, stages = [], []
+    for c in range(chunks):
+        source = copy.deepcopy(model) if c < chunks - 1 else model
+        module, stage = build_pipeline_stage(source, pp_rank + c * pp, pp * chunks,
+                                             group=pp_mesh.get_group(), device=device,
+                                             seq_len=seq_len, parallelize_fn=parallelize_fn)
+        modules.append(module)
+        stages.append(stage)
+    module = modules[0] if chunks == 1 else merge_stages(modules)
+    sched = build_schedule(stages if chunks > 1 else stages[0], n_microbatches, loss_fn,
+                           schedule, batch_size)
+    return Pipeline(module, sched, pp_mesh, n_microbatches, chunks)

@@ -9,6 +9,8 @@ Optional sequence parallelism shards the norms and the residual stream on the se
 projections may be wrapped by fastllm.lora (LoRALinear), whose adapters are sharded with them.
 """
 
+import functools
+
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -24,13 +26,40 @@ from torch.distributed.tensor.parallel import (
 
 from fastllm.lora import LoRALinear
 from fastllm.ops.lora_linear import lora_linear, new_dropout_seed
-from fastllm.parallel.mesh import mesh_size
+from fastllm.parallel.layout import ParallelLayout, mesh_size
 
 
 def decoder_layers(model):
-    """The decoder layers of a causal LM or of a pipeline stage, in order."""
-    layers = model.model.layers
+    """The transformer blocks of a causal LM (model.model.layers; under a PEFT wrapper too) or
+    of a pipeline stage (a ModuleDict keyed by layer index), as a list in order."""
+    if hasattr(model, "get_base_model"):  # a PEFT wrapper
+        model = model.get_base_model()
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected "
+                         f"model.model.layers)")
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def apply_activation_checkpointing(model, ratio=1.0):
+    """Recompute round(ratio * L) of the L decoder layers in backward (torch.utils.checkpoint,
+    non-reentrant); returns how many. The first layers are chosen: their activations live
+    longest. Uses transformers' GradientCheckpointingLayer switch, which checkpoints the
+    layer's forward inside its __call__, so FSDP2's hooks stay outside the recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = decoder_layers(model)
+    n = int(round(ratio * len(layers)))
+    fn = functools.partial(checkpoint, use_reentrant=False)
+    for i, layer in enumerate(layers):
+        on = i < n
+        if hasattr(type(layer), "gradient_checkpointing"):
+            layer.gradient_checkpointing = on
+            layer._gradient_checkpointing_func = fn
+        elif on:
+            raise ValueError(f"{type(layer).__name__} does not support activation "
+                             f"checkpointing (not a transformers GradientCheckpointingLayer)")
+    return n
 
 
 def llama_tp_plan(sequence_parallel=False):
@@ -75,26 +104,6 @@ def llama_tp_plan(sequence_parallel=False):
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
-
-
-def _check_tp(model, tp, vocab_parallel=True):
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide num_attention_heads={heads}")
-    if kv % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide num_key_value_heads={kv}")
-    if cfg.intermediate_size % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide "
-                         f"intermediate_size={cfg.intermediate_size}")
-    if not vocab_parallel:
-        return
-    if cfg.vocab_size % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide vocab_size={cfg.vocab_size}")
-    if getattr(cfg, "tie_word_embeddings", False):
-        raise ValueError("tensor parallel needs untied embeddings (tie_word_embeddings=False): the "
-                         "embedding is row-split and the head column-split on the vocabulary")
 
 
 class _ColwiseLoRALinear(LoRALinear):
@@ -258,7 +267,7 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
     parameters.
     """
     tp = tp_mesh.size()
-    _check_tp(model, tp, vocab_parallel)
+    ParallelLayout(tp=tp).check_model(model.config, vocab_parallel=vocab_parallel)
     inner = model.model
     embed = getattr(inner, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
@@ -303,8 +312,12 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
     return model
 
 
-def apply_activation_checkpointing(model):
-    """Recompute each decoder layer in backward (non-reentrant checkpoint)."""
+def wrap_activation_checkpointing(model):
+    """Wrap each decoder layer in torch's checkpoint_wrapper (non-reentrant): the layer is
+    recomputed in backward. Unlike apply_activation_checkpointing (transformers' switch, which
+    the training runtime uses and which keeps parameter names), the wrapper adds
+    `_checkpoint_wrapped_module.` to named_parameters (state_dict strips it); the planner's
+    recomputation memory was measured with it (examples/parallel_train.py)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     layers = model.model.layers
@@ -352,47 +365,12 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
             raise ValueError("sequence_parallel=True needs plan=None (the Llama plan); a custom "
                              "plan sets its own layouts (llama_tp_plan(sequence_parallel=True))")
         else:
-            _check_tp(model, tp)
+            ParallelLayout(tp=tp).check_model(model.config, vocab_parallel=True)
             for layer in decoder_layers(model):
                 parallelize_module(layer, mesh["tp"], _lora_aware(layer, plan))
             _hook_grad_layouts(model)
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        wrap_activation_checkpointing(model)
     if dp > 1:
         apply_fsdp(model, mesh["dp"], param_dtype, reduce_dtype, reshard_after_forward)
-    return model
-
-
-def parallelize_from_config(model, cfg, world_size, device):
-    """The training runtime's hook (`fastllm.train.model._parallelize`) for parallel.tp > 1.
-
-    Builds the (dp, tp) mesh from cfg.parallel (dp = -1: world_size / tp), applies tensor
-    parallel with gathered logits (the runtime computes transformers' loss on them; embedding
-    and head stay whole when tp does not divide the vocabulary) and FSDP2 over dp. Sets
-    `model._fastllm_dp = (dp_rank, dp)`: the runtime must shard data by these, not by the
-    global rank, since the ranks of one tp group must see the same batch.
-    parallel.sequence_parallel shards the norms and residual stream on the sequence. Returns the
-    model.
-    """
-    par = cfg.parallel
-    if par.pp > 1:
-        raise ValueError("parallelize_from_config is for parallel.pp == 1; the runtime builds "
-                         "pipelines with fastllm.train.model.build_pipeline")
-    from fastllm.parallel.mesh import build_mesh
-
-    if par.dp not in (-1, 0) and par.dp * par.tp != world_size:
-        raise ValueError(f"parallel.dp={par.dp} x parallel.tp={par.tp} != world size {world_size}")
-    if world_size % par.tp:
-        raise ValueError(f"parallel.tp={par.tp} does not divide the world size {world_size}")
-    dp = world_size // par.tp
-    mesh = build_mesh(dp, par.tp, 1, device.type)
-    cfg_model = model.config
-    vocab_parallel = (cfg_model.vocab_size % par.tp == 0
-                      and not getattr(cfg_model, "tie_word_embeddings", False))
-    apply_tensor_parallel(model, mesh["tp"], vocab_parallel_logits=False,
-                          vocab_parallel=vocab_parallel,
-                          sequence_parallel=par.sequence_parallel)
-    if dp > 1:
-        apply_fsdp(model, mesh["dp"])
-    model._fastllm_dp = (mesh["dp"].get_local_rank(), dp)
     return model

@@ -11,7 +11,6 @@ micro-batches are the pipeline's micro-batches.
 """
 
 import dataclasses
-import json
 import math
 import os
 import typing
@@ -435,11 +434,3 @@ def _update(obj, data, prefix):
         else:
             setattr(obj, key, _convert(prefix + key, value, current, _field_type(obj, key)))
 
-
-def _json_default(o):
-    return str(o)
-
-
-def dumps(cfg):
-    """The config as one line of JSON (for logs and checkpoints)."""
-    return json.dumps(cfg.to_dict(), default=_json_default, sort_keys=True)

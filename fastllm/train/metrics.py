@@ -23,7 +23,8 @@ import os
 import sys
 import time
 
-__all__ = ["FIELDS", "MetricsWriter", "read_metrics", "summarize", "format_summary"]
+__all__ = ["FIELDS", "MetricsWriter", "read_metrics", "summarize", "format_summary",
+           "write_summary"]
 
 FIELDS = ("step", "loss", "lr", "grad_norm", "skipped", "tokens", "tokens_per_s", "step_time_s",
           "data_wait_s", "fwd_bwd_s", "comm_s", "optim_s", "peak_mem_bytes")
@@ -143,6 +144,13 @@ class MetricsWriter:
         else:
             print(text, file=sys.stderr, flush=True)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
     def close(self):
         if self._bar is not None:
             self._bar.close()
@@ -211,3 +219,17 @@ def format_summary(s, title="run summary"):
                      f"(> 15%): use more micro-batches per step (a larger global_batch_size or "
                      f"a smaller micro_batch_size) or parallel.schedule=interleaved")
     return "\n".join(lines)
+
+
+def write_summary(output_dir, status, step, **run):
+    """The run summary (summarize over output_dir/metrics.jsonl, plus status and `run`'s
+    fields) written to output_dir/summary.json and printed. Returns it, with the losses."""
+    records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+    summary = summarize(records)
+    summary.update(status=status, output_dir=output_dir, **run,
+                   losses=[r["loss"] for r in records])
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump({k: v for k, v in summary.items() if k != "losses"}, f, indent=1)
+    print(format_summary(summary, f"fastllm train: {status} at step {step} ({output_dir})"),
+          flush=True)
+    return summary

@@ -1,16 +1,18 @@
-"""Train a tiny Llama in any dp x tp x pp layout: the example, the tests' and the benchmark's loop.
+"""Train a tiny Llama in any dp x tp x pp layout with fastllm.parallel, in one short loop.
 
-    torchrun --nproc_per_node 4 -m fastllm.parallel.run --dp 2 --tp 2
-    torchrun --nproc_per_node 4 -m fastllm.parallel.run --pp 2 --dp 2 --schedule 1f1b
-    torchrun --nproc_per_node 4 -m fastllm.parallel.run --dp 2 --tp 2 --sequence-parallel
-    torchrun --nproc_per_node 4 -m fastllm.parallel.run --dp 2 --tp 2 --lora-rank 4
+    torchrun --nproc_per_node 4 examples/parallel_train.py --dp 2 --tp 2
+    torchrun --nproc_per_node 4 examples/parallel_train.py --pp 2 --dp 2 --schedule 1f1b
+    torchrun --nproc_per_node 4 examples/parallel_train.py --dp 2 --tp 2 --sequence-parallel
+    torchrun --nproc_per_node 4 examples/parallel_train.py --dp 2 --tp 2 --lora-rank 4
+
+The pipeline is built as `fastllm train` builds it (fastllm.parallel.build_pipeline). The tests
+(tests/test_parallel.py, tests/test_plan.py) and `fastllm bench --ops parallel` run this loop.
 
 Every layout sees the same global batches (rows split over dp in rank order), so its losses
 equal one process's step by step. Prints one line per step on rank 0.
 """
 
 import argparse
-import copy
 import time
 
 import torch
@@ -23,11 +25,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from fastllm.parallel.clip import clip_grad_norm_
-from fastllm.parallel.loss import loss_backward, vocab_parallel_cross_entropy
-from fastllm.parallel.mesh import build_mesh, mesh_size
-from fastllm.parallel.pipeline import build_pipeline_stage, build_schedule, merge_stages
-from fastllm.parallel.tensor_parallel import apply_activation_checkpointing, parallelize
+from fastllm.parallel import (
+    build_mesh,
+    build_pipeline,
+    clip_grad_norm_,
+    loss_backward,
+    mesh_size,
+    parallelize,
+    vocab_parallel_cross_entropy,
+    wrap_activation_checkpointing,
+)
 
 TINY = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=128)
 
@@ -59,14 +66,6 @@ def make_batches(steps, global_batch, seq_len, vocab, seed=1):
         tokens = (start + stride * torch.arange(seq_len + 1)) % vocab
         out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return out
-
-
-def _local(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _pipeline_loss(logits, labels):
-    return vocab_parallel_cross_entropy(logits, labels)
 
 
 def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=3e-3,
@@ -113,32 +112,18 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
             parallelize(module, mesh, activation_checkpointing=activation_checkpointing,
                         vocab_parallel_logits=pp == 1, sequence_parallel=sequence_parallel)
         elif activation_checkpointing:
-            apply_activation_checkpointing(module)
+            wrap_activation_checkpointing(module)
         return module
 
-    schedule_obj = None
-    pp_group = None
+    pipe = None
     if pp > 1:
-        pp_group = mesh["pp"].get_group()
-        pp_rank = mesh["pp"].get_local_rank()
         n_mb = n_microbatches or pp
         if local_batch % n_mb:
             raise ValueError(f"the per-replica batch ({local_batch} = global_batch_size "
                              f"{global_batch} / dp {dp}) is not divisible by n_microbatches={n_mb}")
-        chunks = 2 if schedule == "interleaved" else 1
-        modules, stages = [], []
-        for c in range(chunks):
-            # interleaved: this rank holds stages pp_rank and pp_rank + pp of 2 pp
-            source = copy.deepcopy(model) if c < chunks - 1 else model
-            mod, stage = build_pipeline_stage(source, pp_rank + c * pp, pp * chunks,
-                                              group=pp_group, seq_len=seq_len,
-                                              parallelize_fn=wrap)
-            modules.append(mod)
-            stages.append(stage)
-        module = modules[0] if chunks == 1 else merge_stages(modules)
-        schedule_obj = build_schedule(stages if chunks > 1 else stages[0], n_mb, _pipeline_loss,
-                                      schedule, local_batch)
-        first, last = pp_rank == 0, pp_rank == pp - 1
+        pipe = build_pipeline(model, mesh, n_mb, schedule, seq_len=seq_len, parallelize_fn=wrap,
+                              batch_size=local_batch)
+        module = pipe.module
     else:
         module = wrap(model)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -146,7 +131,7 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
         from fastllm.optim import AdamW
         clip_in_step = optimizer == "fastllm_clip"
         if clip_in_step and pp > 1:
-            raise ValueError("fastllm.parallel.run: optimizer='fastllm_clip' reduces the grad "
+            raise ValueError("parallel_train: optimizer='fastllm_clip' reduces the grad "
                              "norm over DTensor shards only, not over pipeline stages")
         opt = AdamW(params, lr=lr, weight_decay=0.1,
                     max_grad_norm=max_norm if clip_in_step else None)
@@ -170,27 +155,21 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
             dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        if schedule_obj is not None:
-            mb_losses = []
-            if first:
-                schedule_obj.step(ids)
-            elif last:
-                schedule_obj.step(target=labels, losses=mb_losses)
-            else:
-                schedule_obj.step()
-            loss = torch.stack(mb_losses).mean().detach() if last else torch.zeros(())
+        if pipe is not None:
+            mb_losses = pipe.step(ids, labels)
+            loss = torch.stack(mb_losses).mean().detach() if pipe.last else torch.zeros(())
             # the last stage owns the loss: sum over pp hands it to every stage
-            dist.all_reduce(loss, group=pp_group)
+            dist.all_reduce(loss, group=pipe.pp_group)
         else:
             # the root forward, not model.model: FSDP2 gathers the root's parameters in its hook
             out = vocab_parallel_cross_entropy(module(input_ids=ids).logits, labels)
             loss_backward(out)
-            loss = _local(out).detach()
+            loss = (out.full_tensor() if isinstance(out, DTensor) else out).detach()
         if optimizer == "fastllm_clip":
             opt.step()
             norm = opt.grad_norm
         else:
-            norm = clip_grad_norm_(params, max_norm, pp_group)
+            norm = clip_grad_norm_(params, max_norm, None if pipe is None else pipe.pp_group)
             opt.step()
         if dp > 1:
             dist.all_reduce(loss, group=mesh["dp"].get_group())
@@ -205,7 +184,7 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fastllm.parallel.run")
+    p = argparse.ArgumentParser(prog="examples/parallel_train.py")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)

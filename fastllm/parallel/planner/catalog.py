@@ -1,0 +1,154 @@
+"""The planner's catalogues: model shapes (ModelSpec, MODELS, a Hugging Face config.json) and
+accelerators (GPUSpec, GPUS, a user's JSON)."""
+
+import dataclasses
+import json
+import os
+
+GiB = 1024**3
+
+
+# --- model shapes ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer. gated_mlp: Llama's SwiGLU (3 matrices) vs GPT's 2."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    gated_mlp: bool = True
+    tied_embeddings: bool = False
+
+    @property
+    def head_dim(self):
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self):
+        return self.kv_heads * self.head_dim
+
+    def layer_linear_params(self):
+        """Weights of the matmuls in one layer (q, k, v, o, MLP); norms excluded."""
+        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        return attn + mlp
+
+    def layer_params(self):
+        return self.layer_linear_params() + 2 * self.hidden
+
+    def embedding_params(self):
+        return self.vocab * self.hidden
+
+    def head_params(self):
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    def params(self):
+        return (self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+                + self.hidden)
+
+
+# Published shapes (each model's Hugging Face config.json).
+MODELS = {
+    "llama2-7b": ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000),
+    "llama2-13b": ModelSpec("llama2-13b", 40, 5120, 40, 40, 13824, 32000),
+    "llama2-70b": ModelSpec("llama2-70b", 80, 8192, 64, 8, 28672, 32000),
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
+    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
+}
+
+
+def model_from_hf_config(path_or_dict, name=None):
+    """A ModelSpec from a Hugging Face config.json (Llama-style keys, or GPT-2's n_layer/n_embd)."""
+    if isinstance(path_or_dict, dict):
+        cfg = path_or_dict
+    else:
+        with open(path_or_dict) as f:
+            cfg = json.load(f)
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(path_or_dict))) or "model"
+
+    def get(*keys, default=None):
+        for k in keys:
+            if k in cfg:
+                return cfg[k]
+        if default is None:
+            raise ValueError(f"config has none of {keys}: cannot size the model")
+        return default
+
+    hidden = get("hidden_size", "n_embd", "d_model")
+    heads = get("num_attention_heads", "n_head")
+    gated = "n_embd" not in cfg
+    return ModelSpec(
+        name=name or cfg.get("model_type", "model"),
+        layers=get("num_hidden_layers", "n_layer"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=get("num_key_value_heads", default=heads),
+        ffn=get("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden,
+        vocab=get("vocab_size"),
+        gated_mlp=gated,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", not gated)),
+    )
+
+
+# --- hardware ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator and its links. Bandwidths are per GPU, one direction, in bytes/s.
+
+    matmul_efficiency: the fraction of peak large matmuls reach in a training step;
+    comm_efficiency: the fraction of link bandwidth a ring collective reaches (bus bandwidth).
+    """
+
+    name: str
+    memory: float            # bytes
+    peak_flops: float        # dense bf16 (fp32 for a CPU) FLOP/s
+    hbm_bandwidth: float     # bytes/s
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    matmul_efficiency: float = 0.7
+    comm_efficiency: float = 0.75
+    reserved: float = 2 * GiB  # context, workspaces, allocator slack
+    dtype_bytes: int = 2       # training dtype of weights and activations
+    latency: float = 5e-6      # seconds per collective hop
+    # Host-bound costs, zero on a GPU (kernels queue asynchronously behind the host); measured
+    # by measure_host() on a CPU, where every eager op is paid on the critical path:
+    op_overhead: float = 0.0       # seconds of Python and dispatch per eager aten op
+    dtensor_overhead: float = 0.0  # extra seconds per op on DTensors (sharding propagation)
+    sync_costs: tuple = ()         # ((group size, seconds), ...): the extra wait of a blocking
+    #                                collective or receive when the ranks share cores (a peer
+    #                                the scheduler set aside), by the size of its group
+    cores: float = 0               # cores the ranks share (measured: what other jobs leave);
+    #                                0: one device per rank
+
+
+# Vendor datasheets (NVIDIA A100 80GB SXM, H100 SXM5, H200 SXM): dense bf16 tensor-core FLOP/s,
+# HBM bandwidth, NVLink total bandwidth halved for one direction; one InfiniBand NIC per GPU
+# (HDR 200 Gb/s on DGX A100, NDR 400 Gb/s on DGX H100/H200).
+GPUS = {
+    "A100": GPUSpec("A100-80GB", 80e9, 312e12, 2.039e12, 300e9, 25e9),
+    "H100": GPUSpec("H100-SXM", 80e9, 989e12, 3.35e12, 450e9, 50e9),
+    "H200": GPUSpec("H200-SXM", 141e9, 989e12, 4.8e12, 450e9, 50e9),
+}
+
+
+def gpu_from_dict(d):
+    """A user-defined GPU: keys of GPUSpec; memory in GB, peak_tflops, bandwidths in GB/s."""
+    return GPUSpec(
+        name=d.get("name", "custom"),
+        memory=float(d["memory_gb"]) * 1e9,
+        peak_flops=float(d["peak_tflops"]) * 1e12,
+        hbm_bandwidth=float(d["hbm_gbps"]) * 1e9,
+        intra_node_bandwidth=float(d["intra_node_gbps"]) * 1e9,
+        inter_node_bandwidth=float(d["inter_node_gbps"]) * 1e9,
+        matmul_efficiency=float(d.get("matmul_efficiency", 0.7)),
+        comm_efficiency=float(d.get("comm_efficiency", 0.75)),
+        reserved=float(d.get("reserved_gb", 2.0)) * 1e9,
+        dtype_bytes=int(d.get("dtype_bytes", 2)),
+    )

@@ -1,0 +1,201 @@
+"""Checkpoint layouts: every strategy saves and loads one process's layout, so a checkpoint
+resumes at any world size and in any strategy.
+
+One process's layout is `module.state_dict()` for the model and an index-keyed
+`optimizer.state_dict()` whose indices follow `param_order` (decayed parameters, then the
+rest, in model order). Sharded models (FSDP2, tensor parallel) gather it with DCP's full state
+dicts; pipeline stages gather their parts to rank 0 over the pipeline group. DCP keys
+optimizer state by parameter name: `by_name` / `by_index` are the one remap between the two.
+"""
+
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["rng_states", "restore_rng", "param_order", "by_name", "by_index", "full_state",
+           "load_full", "gather_stages", "convert_moments", "save_adapter", "load_adapter"]
+
+# optim= -> the optimizer state's dtype (fastllm.optim.convert_state's state_dtype)
+STATE_DTYPES = {"adamw": torch.float32, "adamw_bf16": torch.bfloat16, "adamw8bit": torch.uint8}
+
+
+def rng_states(device, world):
+    """Every rank's random streams (torch, Python, CUDA), gathered: trainer_state.pt["rng"]."""
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    rngs = [rng]
+    if world > 1:
+        rngs = [None] * world
+        dist.all_gather_object(rngs, rng)
+    return rngs
+
+
+def restore_rng(rngs, rank, device, seed, step):
+    """This rank's streams back; at another world size a fresh stream per rank (per-rank
+    streams cannot be carried over)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if len(rngs) == world:
+        rng = rngs[rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    else:
+        torch.manual_seed(seed * 7919 + rank + 1_000_003 * step)
+        random.seed(seed + rank + step)
+
+
+def param_order(module):
+    """module's trainable parameters as (decayed, not decayed) lists of (name, param): matrices
+    and embeddings are decayed, vectors (norms, biases) not; each in model order. Their names
+    in this order are the indices of optimizer.pt."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [(n, p) for n, p in named if p.ndim >= 2], [(n, p) for n, p in named if p.ndim < 2]
+
+
+def by_name(optim_state, names, keep=None):
+    """An index-keyed optimizer state_dict keyed by parameter name instead (DCP's layout), for
+    the names in `keep` only (default: all)."""
+    def kept(i):
+        return keep is None or names[i] in keep
+
+    return {"state": {names[i]: v for i, v in optim_state["state"].items() if kept(i)},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"] if kept(i)])
+                             for g in optim_state["param_groups"]]}
+
+
+def by_index(optim_state, names):
+    """A name-keyed optimizer state_dict (DCP's) keyed by index in `names` (one process's)."""
+    index = {n: i for i, n in enumerate(names)}
+    return {"state": {index[n]: v for n, v in optim_state["state"].items()},
+            "param_groups": [dict(g, params=[index[n] for n in g["params"]])
+                             for g in optim_state["param_groups"]]}
+
+
+def full_state(model, optimizer, names, cpu_offload=True):
+    """(model state, index-keyed optimizer state) of a sharded model (FSDP2, tensor parallel)
+    in one process's layout, through DCP's full state dicts. Every rank must call it; with
+    cpu_offload the tensors are gathered on rank 0 only and the others get empty dicts."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    model_state = get_model_state_dict(model, options=opts)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
+    if cpu_offload and dist.is_initialized() and dist.get_rank() != 0:
+        return None, None
+    return model_state, by_index(optim_state, names)
+
+
+def load_full(model, optimizer, model_state, optim_state, names):
+    """Load one process's layout into a sharded model and its optimizer (DCP's full state
+    dicts): only the entries this rank's model holds (a pipeline stage holds some layers)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True)
+    if model_state is not None:  # None: a LoRA run, whose adapter is loaded apart
+        local = set(model.state_dict())
+        set_model_state_dict(model, {k: v for k, v in model_state.items() if k in local},
+                             options=opts)
+    n_saved = sum(len(g["params"]) for g in optim_state["param_groups"])
+    if n_saved != len(names):
+        raise ValueError(f"fastllm train: the checkpoint's optimizer holds {n_saved} "
+                         f"parameters, this model {len(names)}")
+    mine = {n for n, p in model.named_parameters() if p.requires_grad}
+    set_optimizer_state_dict(model, optimizer, by_name(optim_state, names, mine), options=opts)
+
+
+def gather_stages(model, optimizer, names, n_decay, pp_group, writer):
+    """(model state, optimizer state) of the whole pipeline in one process's layout on rank 0
+    (None elsewhere). Each stage takes its part with DCP's full state dicts (over its dp/tp
+    ranks); the ranks with `writer` True (dp 0, tp 0: the others hold copies) send theirs to
+    rank 0 over pp_group. names, n_decay: the whole model's param_order."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True)
+    msd = get_model_state_dict(model, options=opts)
+    osd = get_optimizer_state_dict(model, optimizer, options=opts)
+    if not writer:
+        return None, None
+
+    def cpu(t):
+        return t.detach().cpu() if isinstance(t, torch.Tensor) else t
+
+    mine = {"model": {k: cpu(v) for k, v in msd.items()},
+            "state": {k: {kk: cpu(vv) for kk, vv in v.items()} for k, v in osd["state"].items()},
+            "groups": osd["param_groups"]}
+    root = dist.get_rank() == 0
+    parts = [None] * dist.get_world_size(pp_group) if root else None
+    dist.gather_object(mine, parts, dst=0, group=pp_group)
+    if not root:
+        return None, None
+    model_state, state, hyper = {}, {}, {}
+    for part in parts:
+        model_state.update(part["model"])
+        state.update(part["state"])
+        for g in part["groups"]:
+            for n in g["params"]:
+                hyper[n] = {k: v for k, v in g.items() if k != "params"}
+    groups = [dict(hyper[names[0]], params=names[:n_decay])]
+    if n_decay < len(names):
+        groups.append(dict(hyper[names[n_decay]], params=names[n_decay:]))
+    return model_state, by_index({"state": state, "param_groups": groups}, names)
+
+
+def _moments_dtype(optim_state):
+    """The moments' dtype of an AdamW-style optimizer state_dict: uint8 (8-bit), bf16 or fp32;
+    None for other layouts (GaLore/BAdam, per-parameter optimizers)."""
+    if not isinstance(optim_state, dict) or "state" not in optim_state:
+        return None
+    if optim_state.get("fastllm_lowbyte") is not None:
+        return torch.uint8
+    for entry in optim_state["state"].values():
+        avg = entry.get("exp_avg") if isinstance(entry, dict) else None
+        if isinstance(avg, torch.Tensor):
+            return avg.dtype if avg.dtype == torch.bfloat16 else torch.float32
+    return torch.float32
+
+
+def convert_moments(optim_state, cfg, optimizer, log, path):
+    """A checkpoint saved with another optim= (fp32, bf16 or 8-bit moments) converted to this
+    run's (fastllm.optim.convert_state): a run can switch optim at a checkpoint."""
+    want = torch.float32 if cfg.backend == "torch" else STATE_DTYPES[cfg.optim]
+    have = _moments_dtype(optim_state)
+    if have is None or have == want:
+        return optim_state
+    from fastllm.optim import convert_state
+
+    kw = {}
+    if want == torch.uint8:
+        kw = dict(block_size=optimizer.block_size, min_8bit_size=optimizer.min_8bit_size)
+    log(f"fastllm train: {path} holds {have} optimizer moments; converting them to {want} for "
+        f"optim={cfg.optim}")
+    return convert_state(optim_state, want, **kw)
+
+
+def save_adapter(module, path, backend):
+    """A LoRA run's checkpoint holds the adapter only (PEFT's folder layout)."""
+    if backend == "torch":
+        module.save_pretrained(path)
+        return
+    from fastllm.lora import save_adapter as save
+
+    save(module, path, task_type="CAUSAL_LM")
+
+
+def load_adapter(module, path, backend):
+    if backend == "torch":
+        import peft
+        from safetensors.torch import load_file
+
+        peft.set_peft_model_state_dict(
+            module, load_file(os.path.join(path, "adapter_model.safetensors")))
+        return
+    from fastllm.lora import load_adapter as load
+
+    load(module, path)

@@ -1,0 +1,35 @@
+"""FSDP2 (`fully_shard` per decoder layer, then the root): parameters, gradients and optimizer
+state sharded over the data-parallel ranks. Checkpoints gather one process's layout with DCP's
+full state dicts (fastllm.train.checkpoint_layout.full_state)."""
+
+import torch
+
+from fastllm.parallel import apply_fsdp
+from fastllm.train import checkpoint_layout
+from fastllm.train.strategies.base import Strategy
+
+
+class Sharded(Strategy):
+    """A model of DTensor parameters: its state is saved and loaded through DCP."""
+
+    def state(self):
+        return checkpoint_layout.full_state(self.model, self.optimizer, self.param_names)
+
+    def load(self, model_state, optim_state):
+        checkpoint_layout.load_full(self.model, self.optimizer, model_state, optim_state,
+                               self.param_names)
+
+
+class FSDP(Sharded):
+    name = "fsdp"
+
+    def wrap(self, model, loss_fn):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cfg = self.cfg
+        mesh = init_device_mesh(self.device.type, (self.layout.dp,))
+        dtypes = {}
+        if cfg.backend == "torch" and cfg.precision != "fp32":
+            dtypes = dict(param_dtype=torch.bfloat16 if cfg.precision == "bf16"
+                          else torch.float16, reduce_dtype=torch.float32)
+        self.model = self.module = apply_fsdp(model, mesh, **dtypes)

@@ -1,0 +1,107 @@
+"""The package's shape (issue 17): a trainer that reads in one sitting, no oversized files, and
+imports that run one way: no cycle between fastllm modules (imports inside functions count),
+optim/ below distributed/ and train/, parallel/ below train/."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "fastllm")
+
+
+def _modules():
+    """{module name: path} of every .py file under fastllm/."""
+    out = {}
+    for folder, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join(rel)] = os.path.join(folder, f)
+    return out
+
+
+MODULES = _modules()
+# compiled extensions (fastllm._C): no imports of their own
+EXTENSIONS = {"fastllm." + f.split(".")[0] for f in os.listdir(PKG) if f.endswith((".so", ".pyd"))}
+
+
+
+def _imports(name, path):
+    """The fastllm modules `name` imports, anywhere in the file. `from pkg import x` names the
+    submodule pkg.x when there is one, else pkg; parent packages a dotted import runs first are
+    not counted (every submodule would otherwise import its package)."""
+    tree = ast.parse(open(path).read(), path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in set(MODULES) | EXTENSIONS
+                       else base for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in MODULES and t != name}
+    return out
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _lines(rel):
+    with open(os.path.join(ROOT, rel)) as f:
+        return sum(1 for _ in f)
+
+
+def test_trainer_reads_in_one_sitting():
+    assert _lines("fastllm/train/trainer.py") < 400
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_file_over_600_lines(name):
+    assert _lines(os.path.relpath(MODULES[name], ROOT)) <= 600
+
+
+def test_no_import_cycle():
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(GRAPH[m]):
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _reaches(src_prefix, dst_prefixes):
+    bad = []
+    for m, deps in GRAPH.items():
+        if m == src_prefix or m.startswith(src_prefix + "."):
+            bad += [f"{m} -> {d}" for d in deps
+                    if any(d == p or d.startswith(p + ".") for p in dst_prefixes)]
+    return bad
+
+
+def test_optim_imports_neither_distributed_nor_train():
+    assert not _reaches("fastllm.optim", ("fastllm.distributed", "fastllm.train"))
+
+
+def test_parallel_does_not_import_train():
+    assert not _reaches("fastllm.parallel", ("fastllm.train",))
