@@ -96,6 +96,10 @@ def main(argv=None):
     from fastllm.train.cli import add_train_commands
 
     add_train_commands(sub)
+    # `fastllm export`, `fastllm generate` (fastllm/export.py)
+    from fastllm.export import add_export_commands
+
+    add_export_commands(sub)
     # `fastllm plan` (fastllm/parallel/planner/)
     from fastllm.parallel.planner.cli import add_plan_arguments, plan_command
 
@@ -105,7 +109,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command == "bench":
         bench(args)
-    elif getattr(args, "handler", None) is not None:  # train, report
+    elif getattr(args, "handler", None) is not None:  # train, report, export, generate, plan
         args.handler(args)
 
 

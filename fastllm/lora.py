@@ -124,14 +124,15 @@ def lora_modules(model):
 
 
 def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropout=0.0,
-                use_rslora=False, rank_pattern=None, alpha_pattern=None):
+                use_rslora=False, rank_pattern=None, alpha_pattern=None, layer_cls=None):
     """Replace every nn.Linear whose name matches `target_modules` by a LoRALinear, in place.
 
     target_modules: module-name suffixes (a list), or one regex string matched against the whole
     name (PEFT's rule for both). Every other parameter of the model is frozen. rank_pattern /
     alpha_pattern map a module-name suffix to its own r / alpha (PEFT's fields of the same names).
     A model that already has LoRA layers is refused (unload() or merge_and_unload() first).
-    Returns the model.
+    layer_cls: the layer to build (default LoRALinear; fastllm.dora.inject_dora passes
+    DoRALinear). Returns the model.
     """
     existing = lora_modules(model)
     if existing:
@@ -155,8 +156,9 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
         check_lora_args(f"fastllm.inject_lora: {name}", layer_r, layer_alpha, dropout)
         values.append((int(layer_r), layer_alpha))
     model.requires_grad_(False)
+    layer_cls = layer_cls or LoRALinear
     for (name, module), (layer_r, layer_alpha) in zip(targets, values):
-        _replace(model, name, LoRALinear(module, layer_r, layer_alpha, dropout, use_rslora))
+        _replace(model, name, layer_cls(module, layer_r, layer_alpha, dropout, use_rslora))
     # save_adapter writes a regex back as the regex: its suffixes would adapt other layers too
     model._fastllm_lora_target_modules = (
         target_modules if isinstance(target_modules, str) else None)
@@ -264,8 +266,15 @@ def _adapter_config(model, layers, task_type):
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
-        "use_dora": False,
+        "use_dora": _is_dora(layers),
     }
+
+
+def _is_dora(layers):
+    dora = {hasattr(m, "lora_magnitude_vector") for _, m in layers}
+    if len(dora) > 1:
+        raise ValueError("fastllm.save_adapter: PEFT's format needs all layers LoRA or all DoRA")
+    return dora.pop()
 
 
 def _saved_target_modules(model, layers):
@@ -292,24 +301,33 @@ def save_adapter(model, path, task_type=None):
     for name, layer in layers:
         tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous()
         tensors[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach().cpu().contiguous()
+        if hasattr(layer, "lora_magnitude_vector"):  # DoRA
+            tensors[f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"] = (
+                layer.lora_magnitude_vector.detach().cpu().contiguous())
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
         json.dump(_adapter_config(model, layers, task_type), f, indent=2, sort_keys=True)
 
 
-def load_adapter(model, path):
+def load_adapter(model, path, layer_cls=None):
     """Load a PEFT LoRA adapter (from PEFT or save_adapter) into `model`.
 
     A model without LoRA layers gets them first (inject_lora with the adapter's config); one that
     has them must have the adapter's layers and shapes. Base weights that PEFT saves beside an
     adapted layer (`<layer>.base_layer.weight`, e.g. for lm_head) are loaded into it, as PEFT
-    does. A refused adapter leaves the model unchanged. Returns the model.
+    does. A refused adapter leaves the model unchanged. layer_cls: as inject_lora's (a DoRA
+    adapter needs fastllm.dora.load_adapter, which passes DoRALinear). Returns the model.
     """
     from safetensors.torch import load_file
 
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         config = json.load(f)
     _check_supported(config)
+    dora = bool(config.get("use_dora"))
+    if dora != bool(getattr(layer_cls, "is_dora", False)):
+        raise ValueError(f"fastllm.load_adapter: {path} is a {'DoRA' if dora else 'LoRA'} "
+                         f"adapter; load it with fastllm.adapters.load_adapter (or "
+                         f"fastllm.{'dora' if dora else 'lora'}.load_adapter)")
     state = load_file(os.path.join(path, ADAPTER_WEIGHTS))
     if lora_modules(model):
         return _load_state(model, state)
@@ -318,7 +336,8 @@ def load_adapter(model, path):
                 alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
                 use_rslora=config.get("use_rslora", False),
                 rank_pattern=config.get("rank_pattern"),
-                alpha_pattern=config.get("alpha_pattern"))
+                alpha_pattern=config.get("alpha_pattern"),
+                layer_cls=layer_cls)
     try:
         return _load_state(model, state)
     except ValueError:
@@ -337,6 +356,10 @@ def _load_state(model, state):
             key = f"{_PEFT_PREFIX}{name}.{attr}.weight"
             expected.add(key)
             copies.append((getattr(layer, attr), state.get(key), key))
+        if hasattr(layer, "lora_magnitude_vector"):  # DoRA
+            key = f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"
+            expected.add(key)
+            copies.append((layer.lora_magnitude_vector, state.get(key), key))
         # PEFT saves the base weight of an adapted embedding-like layer (lm_head) too, and loads
         # it back into the model: so do we
         for attr in ("weight", "bias"):
@@ -367,7 +390,7 @@ def _check_supported(config):
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"fastllm.load_adapter: not a LoRA adapter ({config.get('peft_type')})")
     unsupported = {
-        "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+        "fan_in_fan_out": False, "modules_to_save": None,
         "layers_to_transform": None, "bias": "none",
     }
     for key, default in unsupported.items():

@@ -179,11 +179,11 @@ def convert_moments(optim_state, cfg, optimizer, log, path):
 
 
 def save_adapter(module, path, backend):
-    """A LoRA run's checkpoint holds the adapter only (PEFT's folder layout)."""
+    """A LoRA/DoRA/prefix run's checkpoint holds the adapter only (PEFT's folder layout)."""
     if backend == "torch":
         module.save_pretrained(path)
         return
-    from fastllm.lora import save_adapter as save
+    from fastllm.adapters import save_adapter as save
 
     save(module, path, task_type="CAUSAL_LM")
 
@@ -196,6 +196,6 @@ def load_adapter(module, path, backend):
         peft.set_peft_model_state_dict(
             module, load_file(os.path.join(path, "adapter_model.safetensors")))
         return
-    from fastllm.lora import load_adapter as load
+    from fastllm.adapters import load_adapter as load
 
     load(module, path)

@@ -1,6 +1,6 @@
 """`fastllm train` and `fastllm report`, added to the `fastllm` command by fastllm/cli.py.
 
-    fastllm train [--config run.yaml] [--compare torch] [key=value ...]
+    fastllm train [--config run.yaml] [--compare torch|hf] [key=value ...]
     fastllm report RUN_DIR [--out PATH.png]
 """
 
@@ -15,9 +15,10 @@ def add_train_commands(sub):
     p = sub.add_parser("train", help="train a Llama-style model (default: a built-in one on "
                                      "built-in text, about a minute on a CPU)")
     p.add_argument("--config", default=None, metavar="YAML", help="a config file")
-    p.add_argument("--compare", default=None, choices=["torch"],
+    p.add_argument("--compare", default=None, choices=["torch", "hf"],
                    help="also run the same model, data and seed with plain PyTorch parts "
-                        "(torch.optim.AdamW fused, PEFT LoRA, autocast) and compare")
+                        "(torch: torch.optim.AdamW fused, PEFT LoRA, autocast; hf: Hugging "
+                        "Face's Trainer + PEFT) and compare")
     # REMAINDER, then _split_options: options may come after the overrides too.
     p.add_argument("overrides", nargs=argparse.REMAINDER, metavar="key=value",
                    help="config overrides, e.g. max_steps=200 lora.r=16 checkpoint.interval=50")
@@ -29,7 +30,7 @@ def add_train_commands(sub):
     p.set_defaults(handler=_report)
 
 
-_OPTIONS = {"--config": None, "--compare": ("torch",)}
+_OPTIONS = {"--config": None, "--compare": ("torch", "hf")}
 
 
 def _split_options(args):
@@ -74,6 +75,13 @@ def _train(args):
         if summary.get("status") == "stopped":
             sys.exit(0)
         return
+    if args.compare == "hf":
+        from fastllm.train.compare_hf import compare_hf
+
+        try:
+            return compare_hf(cfg)
+        except (RunDirError, CheckpointError, ValueError) as e:
+            sys.exit(str(e))
     runs = []
     for backend in ("fastllm", "torch"):
         c = copy.deepcopy(cfg)

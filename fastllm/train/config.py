@@ -16,8 +16,9 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-__all__ = ["TrainConfig", "DataConfig", "LoraConfig", "FreezeConfig", "GaloreConfig",
-           "BAdamConfig", "CheckpointConfig", "ParallelConfig", "ConfigError"]
+__all__ = ["TrainConfig", "DataConfig", "EvalConfig", "LoraConfig", "PrefixConfig",
+           "FreezeConfig", "GaloreConfig", "BAdamConfig", "CheckpointConfig", "ParallelConfig",
+           "ConfigError", "HF_NAMES", "hf_names"]
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,11 @@ class DataConfig:
     prefetch: int = 0                     # sequences the background loader keeps ready; 0: 4 batches
     cache_dir: typing.Optional[str] = None  # token files; None: $FASTLLM_CACHE or ~/.cache/fastllm
     log_indices: bool = False             # write each step's sample indices to metrics.jsonl
+    format: str = "auto"                  # auto (.jsonl/.json: jsonl) | text | jsonl (SFT records)
+    packing: bool = True                  # jsonl: several examples per row, kept apart
+    train_on_prompt: bool = False         # jsonl: the loss counts prompt/system tokens too
+    eval_path: typing.Optional[str] = None  # jsonl: held-out examples
+    eval_fraction: float = 0.0            # jsonl: hold out this fraction of data.path (seeded)
 
 
 @dataclass
@@ -42,6 +48,23 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     layers: int = 0                       # adapt only the last N decoder layers; 0: all
+    use_dora: bool = False                # DoRA: a learned magnitude per output (PEFT's use_dora)
+
+
+@dataclass
+class EvalConfig:
+    prompts: typing.List[str] = field(default_factory=list)  # generated greedily at each eval
+    prompts_file: typing.Optional[str] = None  # more prompts: .txt lines or {"prompt"} .jsonl
+    max_new_tokens: int = 64
+    batches: int = 0                      # eval batches per evaluation; 0: the whole eval set
+    on_start: bool = True                 # also evaluate before the first step
+
+
+@dataclass
+class PrefixConfig:
+    num_virtual_tokens: int = 16          # learned key/value vectors per layer
+    prefix_projection: bool = False       # PEFT's reparameterisation (a tanh MLP)
+    encoder_hidden_size: int = 0          # its hidden size; 0: kv_heads * head_dim
 
 
 @dataclass
@@ -86,7 +109,7 @@ class ParallelConfig:
     init_timeout_s: float = 600.0         # the same for set-up and the first step; 0: torch's
 
 
-_MODES = ("full", "freeze", "lora", "galore", "badam")
+_MODES = ("full", "freeze", "lora", "galore", "badam", "prefix")
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _STRATEGIES = ("auto", "none", "ddp", "fsdp", "zero1", "zero2")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -101,8 +124,13 @@ class TrainConfig:
     overwrite_output_dir: bool = False    # a fresh run may delete another run's files there
     seed: int = 0
     max_steps: int = 300
+    num_train_epochs: float = 0.0         # > 0: max_steps from the data (HF's name)
+    gradient_accumulation_steps: int = 0  # > 0: global batch = micro x this x dp (HF's name)
+    eval_interval: int = 0                # steps between evaluations (and at the end); 0: the end
+    eval: EvalConfig = field(default_factory=EvalConfig)
     finetune: str = "full"                # full | freeze | lora | galore | badam
     lora: LoraConfig = field(default_factory=LoraConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     galore: GaloreConfig = field(default_factory=GaloreConfig)
     badam: BAdamConfig = field(default_factory=BAdamConfig)
@@ -158,6 +186,7 @@ class TrainConfig:
         need(self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0: no clipping)")
         need(self.max_bad_steps >= 1, "max_bad_steps must be >= 1")
         need(self.data.seq_len >= 2, "data.seq_len must be >= 2")
+        self._validate_sft(need)
         need(self.checkpoint.interval >= 0, "checkpoint.interval must be >= 0")
         need(self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
         need(self.lora.r >= 1 and 0 <= self.lora.dropout < 1, "need lora.r >= 1 and "
@@ -211,6 +240,28 @@ class TrainConfig:
         """min_lr, or 0.1 x lr where it is left null."""
         return 0.1 * self.lr if self.min_lr is None else self.min_lr
 
+    def _validate_sft(self, need):
+        need(self.data.format in ("auto", "text", "jsonl"),
+             f"data.format must be auto, text or jsonl, got {self.data.format!r}")
+        need(0.0 <= self.data.eval_fraction < 1.0,
+             f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
+        need(not (self.data.eval_path and self.data.eval_fraction),
+             "give data.eval_path or data.eval_fraction, not both")
+        need(self.eval_interval >= 0 and self.eval.max_new_tokens >= 1 and self.eval.batches >= 0,
+             "need eval_interval >= 0, eval.max_new_tokens >= 1 and eval.batches >= 0")
+        need(self.num_train_epochs >= 0, "num_train_epochs must be >= 0")
+        need(self.gradient_accumulation_steps >= 0, "gradient_accumulation_steps must be >= 0")
+        need(not (self.gradient_accumulation_steps and self.global_batch_size),
+             "give global_batch_size or gradient_accumulation_steps, not both")
+        if self.finetune == "prefix":
+            need(self.prefix.num_virtual_tokens >= 1 and self.prefix.encoder_hidden_size >= 0,
+                 "need prefix.num_virtual_tokens >= 1 and prefix.encoder_hidden_size >= 0")
+            need(self.backend == "fastllm" and self.parallel.tp == 1 and self.parallel.pp == 1,
+                 "finetune=prefix runs with backend=fastllm and parallel.tp = parallel.pp = 1")
+        if self.eval_interval or self.eval.prompts or self.eval.prompts_file:
+            need(self.parallel.pp == 1, "evaluation (eval_interval, eval.prompts) does not run "
+                 "under parallel.pp > 1")
+
     # ----- reading and writing -----
 
     def to_dict(self):
@@ -219,7 +270,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data):
         cfg = cls()
-        _update(cfg, data, "")
+        _update(cfg, hf_names(data), "")
         return cfg
 
     def save(self, directory, name="config.yaml"):
@@ -257,6 +308,7 @@ class TrainConfig:
 
     def set(self, dotted, text):
         """Set one field from its command-line text, converted to the field's type."""
+        dotted = HF_NAMES.get(dotted, dotted)
         *parents, leaf = dotted.split(".")
         target, path = self, ""
         for part in parents:
@@ -340,6 +392,32 @@ def _validate_values(cfg, need):
         known = set(LlamaConfig().to_dict())
         unknown = sorted(k for k in cfg.model_config if k not in known)
         need(not unknown, f"unknown model_config key(s) {unknown} (not LlamaConfig fields)")
+
+# Hugging Face TrainingArguments names -> fastllm's, where the concept is the same
+# (gradient_accumulation_steps and num_train_epochs are fields of their own)
+HF_NAMES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_size",
+            "eval_steps": "eval_interval", "save_steps": "checkpoint.interval",
+            "logging_steps": "log_interval", "save_total_limit": "checkpoint.keep_last"}
+
+
+def hf_names(data):
+    """A config mapping with HF_NAMES' top-level keys renamed to fastllm's (nested where the
+    fastllm name is dotted); a key given both ways is refused."""
+    if not isinstance(data, dict):
+        return data
+    out = {k: v for k, v in data.items() if k not in HF_NAMES}
+    for key, value in data.items():
+        if key not in HF_NAMES:
+            continue
+        *parents, leaf = HF_NAMES[key].split(".")
+        target = out
+        for part in parents:
+            target[part] = dict(target.get(part) or {})
+            target = target[part]
+        if leaf in target:
+            raise ConfigError(f"fastllm train: {key} is {HF_NAMES[key]}; give one of them")
+        target[leaf] = value
+    return out
 
 
 def _field_names(obj):

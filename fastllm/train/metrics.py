@@ -125,11 +125,14 @@ class MetricsWriter:
                     self._tb.add_scalar(f"train/{key}", rec[key], step)
         loss = rec["loss"]
         text = (f"loss {loss:.4f} lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f}"
-                + (" SKIPPED" if rec["skipped"] else ""))
+                + (" SKIPPED" if rec["skipped"] else "")
+                + (f" eval_loss {rec['eval_loss']:.4f} eval_ppl {rec['eval_ppl']:.2f}"
+                   if rec.get("eval_loss") is not None else ""))
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(1)
-        elif step % self.log_interval == 0 or step == self.max_steps or step == 1:
+        elif (step % self.log_interval == 0 or step == self.max_steps or step == 1
+              or rec.get("eval_loss") is not None):
             done = step - self._start_step
             elapsed = time.perf_counter() - self._t0
             eta = elapsed / max(done, 1) * (self.max_steps - step)
@@ -191,6 +194,8 @@ def summarize(records, skip_first=1):
         "step_time_s": step_time / len(timed),
         "split": {k: (v / step_time if step_time else 0.0) for k, v in split.items()},
         "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records),
+        "eval_loss": next((r["eval_loss"] for r in reversed(records)
+                           if r.get("eval_loss") is not None), None),
     }
 
 
@@ -207,6 +212,9 @@ def format_summary(s, title="run summary"):
                                      for k, v in split.items()),
         f"  peak memory {s['peak_mem_bytes'] / 2**20:.1f} MiB",
     ]
+    if s.get("eval_loss") is not None:
+        lines.append(f"  eval loss {s['eval_loss']:.4f} (perplexity "
+                     f"{math.exp(min(s['eval_loss'], 700)):.2f})")
     if split["data_wait_s"] > DATA_WAIT_WARN:
         lines.append(f"  WARNING: data wait is {split['data_wait_s']:.0%} of the step (> 10%): "
                      f"raise data.prefetch, or make the data pipeline faster")

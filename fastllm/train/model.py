@@ -77,6 +77,11 @@ def apply_finetune(model, cfg):
         if head is not None:
             head.requires_grad_(True)
         return model
+    if mode == "prefix":
+        from fastllm.prefix import attach_prefix
+
+        return attach_prefix(model, cfg.prefix.num_virtual_tokens, cfg.prefix.prefix_projection,
+                             cfg.prefix.encoder_hidden_size or None)
     # lora
     targets = cfg.lora.target_modules
     if cfg.lora.layers > 0:
@@ -88,10 +93,12 @@ def apply_finetune(model, cfg):
 
         peft_cfg = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                    lora_dropout=cfg.lora.dropout, target_modules=targets,
-                                   task_type="CAUSAL_LM")
+                                   use_dora=cfg.lora.use_dora, task_type="CAUSAL_LM")
         return peft.get_peft_model(model, peft_cfg)
+    from fastllm.dora import inject_dora
     from fastllm.lora import inject_lora
 
-    inject_lora(model, target_modules=targets, r=cfg.lora.r, alpha=cfg.lora.alpha,
-                dropout=cfg.lora.dropout)
+    (inject_dora if cfg.lora.use_dora else inject_lora)(
+        model, target_modules=targets, r=cfg.lora.r, alpha=cfg.lora.alpha,
+        dropout=cfg.lora.dropout)
     return model

@@ -40,6 +40,13 @@ def report(run_dir, out=None):
     if skipped:
         ax.scatter(skipped, [0] * len(skipped), marker="x", color="red", label="skipped")
         ax.legend()
+    from fastllm.train.evaluate import read_eval
+
+    evals = read_eval(path)
+    if evals:  # held-out loss of SFT runs (fastllm.train.evaluate)
+        ax.plot([e["eval_step"] for e in evals], [e["eval_loss"] for e in evals], marker="o",
+                label="eval")
+        ax.legend()
     ax.set(title="loss", xlabel="step")
     ax = axes[0][1]
     ax.plot(steps, [r["lr"] for r in records])
@@ -79,3 +86,8 @@ def _print_table(records, run_dir):
         print(f"  {r['step']:6d} {loss} {r['lr']:9.2e} {r['tokens_per_s']:10.0f} "
               f"{t * 1e3:8.1f} {100 * (r.get('data_wait_s') or 0) / t:7.1f} "
               f"{100 * (r.get('comm_s') or 0) / t:7.1f} {100 * (r.get('optim_s') or 0) / t:8.1f}")
+    from fastllm.train.evaluate import read_eval
+
+    for e in read_eval(os.path.join(run_dir, "metrics.jsonl")):
+        print(f"  eval at step {e['eval_step']}: loss {e['eval_loss']:.4f}, perplexity "
+              f"{e['eval_ppl']:.2f} ({e['eval_tokens']} tokens)")

@@ -23,9 +23,10 @@ import torch.distributed as dist
 from fastllm.parallel import ParallelLayout, apply_activation_checkpointing, decoder_layers
 from fastllm.parallel.pipeline import pipeline_loss
 from fastllm.train import checkpoint as ckpt
-from fastllm.train import checkpoint_layout, faults, run_dir, strategies, watchdog
+from fastllm.train import checkpoint_layout, faults, run_dir, sft_data, strategies, watchdog
 from fastllm.train.config import TrainConfig
-from fastllm.train.data import Loader, PackedDataset, build_tokenizer, load_text, tokenize_to_file
+from fastllm.train.data import Loader
+from fastllm.train.evaluate import Evaluator
 from fastllm.train.memory import PeakMemory
 from fastllm.train.metrics import MetricsWriter, write_summary
 from fastllm.train.signals import StopSignals
@@ -104,18 +105,12 @@ class Trainer:
     def _build_data(self):
         cfg = self.cfg
         model_dir = cfg.model if is_model_dir(cfg.model) else None
-        docs = load_text(cfg.data.path)
-        # Rank 0 tokenizes (and trains a BPE) first; the others then find the cached files.
-        for turn in ((0,) if self.world == 1 else (0, 1)):
-            if (self.rank == 0) == (turn == 0):
-                tok = build_tokenizer(cfg.data.tokenizer, docs, cfg.data.vocab_size,
-                                      cfg.data.cache_dir, model_dir)
-                path = tokenize_to_file(docs, tok, cfg.data.cache_dir)
-            self._barrier()
-        self.tokenizer = tok
-        self.dataset = PackedDataset(path, cfg.data.seq_len, cfg.seed)
-        self.global_batch = (cfg.global_batch_size
-                             or self.layout.default_global_batch(cfg.micro_batch_size))
+        # text or JSONL (SFT) examples; rank 0 tokenizes (and trains a BPE) first
+        self.tokenizer, self.dataset, self.eval_dataset = sft_data.build_datasets(
+            cfg, model_dir, self.rank, self.world, self._barrier, self.log)
+        self.global_batch = cfg.global_batch_size or self.layout.default_global_batch(
+            cfg.micro_batch_size * max(1, cfg.gradient_accumulation_steps))
+        cfg.max_steps = sft_data.max_steps(cfg, self.dataset, self.global_batch)
 
     def _build_model(self):
         cfg = self.cfg
@@ -137,7 +132,7 @@ class Trainer:
 
     def _step_loss(self, model, ids):
         with self.autocast:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = model(**sft_data.model_inputs(ids), use_cache=False).loss
         return loss * float("nan") if self._poisoned else loss
 
     def _stage_loss(self, logits, labels):
@@ -165,7 +160,7 @@ class Trainer:
                 "optimizer.pt": lambda p: ckpt.save_file(optim_state, p),
                 "config.yaml": lambda p: cfg.save(os.path.dirname(p), os.path.basename(p)),
             }
-            if cfg.finetune == "lora":
+            if cfg.finetune in ("lora", "prefix"):
                 writers["adapter"] = lambda p: checkpoint_layout.save_adapter(self.module, p,
                                                                          cfg.backend)
             else:
@@ -184,7 +179,7 @@ class Trainer:
             ckpt.load_file(os.path.join(path, "optimizer.pt")), cfg, self.optimizer, self.log,
             path)
         model_state = None
-        if cfg.finetune == "lora":
+        if cfg.finetune in ("lora", "prefix"):
             checkpoint_layout.load_adapter(self.module, os.path.join(path, "adapter"), cfg.backend)
         else:
             model_state = ckpt.load_file(os.path.join(path, "model.pt"))
@@ -255,6 +250,7 @@ class Trainer:
         self.loader = Loader(self.dataset, lay.coords(self.rank)[1], lay.dp, cfg.micro_batch_size,
                              self.global_batch, cfg.data.prefetch, self.position)
         self._log_start()
+        evaluator = Evaluator.start(self)  # before MetricsWriter opens metrics.jsonl
         writer = MetricsWriter(cfg, cfg.output_dir, self.rank == 0, cfg.max_steps, self.step)
         tokens_per_step = self.global_batch * cfg.data.seq_len
         status = "completed"
@@ -278,6 +274,7 @@ class Trainer:
                         for g in self.optimizer.param_groups:
                             g["lr"] = lr_at(cfg, self.step + 1)
                         t_fb = time.perf_counter()
+                        sft_tokens = sft_data.prepare_step(micro)  # None for text windows
                         loss_sum, exposed = strategy.forward_backward(micro, self._step_loss)
                         t_comm = time.perf_counter()
                         flags = torch.tensor([float(loss_sum), float(signals.signum is not None)],
@@ -309,7 +306,8 @@ class Trainer:
                     rec = {
                         "step": self.step, "loss": loss if finite else None,
                         "lr": lr_at(cfg, self.step), "grad_norm": grad_norm, "skipped": skipped,
-                        "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
+                        "tokens": sft_tokens or tokens_per_step,
+                        "tokens_per_s": (sft_tokens or tokens_per_step) / step_time,
                         "step_time_s": step_time, "data_wait_s": data_wait,
                         "fwd_bwd_s": (t_comm - t_fb) - exposed + (0.0 if self.world > 1
                                                                    else t_opt - t_comm),
@@ -328,6 +326,8 @@ class Trainer:
                         writer.message(f"fastllm train: step {self.step}: non-finite loss, step "
                                        f"skipped ({self.bad_in_a_row} in a row)")
                         rec["loss"] = float("nan")
+                    if evaluator is not None and evaluator.due(self.step):
+                        rec.update(evaluator.run(self, self.step))
                     writer.log(rec)
                     if not finite and self.bad_in_a_row >= cfg.max_bad_steps:
                         self._rollback()

@@ -1,0 +1,47 @@
+"""One entry point for every PEFT adapter format fastllm trains: LoRA, DoRA (LoRA's files with
+use_dora) and prefix-tuning (PREFIX_TUNING).
+
+    load_adapter(model, "adapter/")      # whichever the folder's adapter_config.json says
+    save_adapter(model, "adapter/")      # whichever the model carries
+"""
+
+import json
+import os
+
+__all__ = ["load_adapter", "save_adapter", "adapter_kind"]
+
+
+def adapter_kind(path):
+    """'lora', 'dora' or 'prefix' from a folder's adapter_config.json."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    if config.get("peft_type", "LORA") == "PREFIX_TUNING":
+        return "prefix"
+    return "dora" if config.get("use_dora") else "lora"
+
+
+def load_adapter(model, path):
+    """Load the adapter in `path` into a transformers model (fastllm's modules). Returns it."""
+    kind = adapter_kind(path)
+    if kind == "prefix":
+        from fastllm.prefix import load_prefix
+
+        return load_prefix(model, path)
+    if kind == "dora":
+        from fastllm.dora import load_adapter as load_dora
+
+        return load_dora(model, path)
+    from fastllm.lora import load_adapter as load_lora
+
+    return load_lora(model, path)
+
+
+def save_adapter(model, path, task_type="CAUSAL_LM"):
+    """Write the model's adapter (prefix, else LoRA/DoRA layers) in PEFT's format."""
+    if hasattr(model, "_fastllm_prefix"):
+        from fastllm.prefix import save_prefix
+
+        return save_prefix(model, path, task_type=task_type)
+    from fastllm.lora import save_adapter as save_lora
+
+    return save_lora(model, path, task_type=task_type)

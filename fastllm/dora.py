@@ -1,0 +1,125 @@
+"""DoRA, weight-decomposed low-rank adaptation (Liu et al. 2024, arXiv:2402.09353), as PEFT's
+`use_dora=True` computes it, with its adapters in PEFT's format both ways.
+
+    inject_dora(model, target_modules=["q_proj", "v_proj"], r=8, alpha=16)
+    save_adapter(model, "out/")         # fastllm.lora's: PEFT's files, use_dora=true
+    load_adapter(other_model, "peft_dora_adapter/")
+
+A DoRA layer keeps LoRA's A and B and learns a magnitude m (out_features,), initialised to the
+row norms of W:
+
+    y = bias + (m / n) * (x W^T + s x A^T B^T),    n = ||W + s B A||_row  (detached)
+
+n is treated as a constant in backward (the paper's section 4.3, and PEFT). fastllm computes
+x W^T + s x A^T B^T with its fused lora_linear op and n without forming the (out, in) matrix
+W + s B A: n^2 = ||W||^2 + 2 s <B, W A^T> + s^2 <B A A^T, B> per row (||W||^2 cached, W being
+frozen), O(out r (in + r)) work and O(out r) memory. With dropout in training the base term
+sees x and the adapter the dropped x (PEFT's formula), which the fused path cannot share.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastllm import lora
+from fastllm.lora import LoRALinear, save_adapter  # noqa: F401  (save_adapter: one for both)
+from fastllm.ops.lora_linear import lora_linear
+
+__all__ = ["DoRALinear", "inject_dora", "load_adapter", "save_adapter", "dora_weight_norm",
+           "dora_weight_norm_ref", "dora_linear_ref"]
+
+
+def dora_weight_norm_ref(weight, lora_A, lora_B, scaling):
+    """||W + scaling B A|| of each row, fp32 (fp64 for fp64 inputs), (out_features,). weight:
+    (out, in), lora_A: (r, in), lora_B: (out, r). PEFT's DoraLinearLayer.get_weight_norm."""
+    dt = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    w = weight.to(dt) + scaling * (lora_B.to(dt) @ lora_A.to(dt))
+    return torch.linalg.norm(w, dim=1)
+
+
+def dora_weight_norm(weight, lora_A, lora_B, scaling, weight_sq=None):
+    """dora_weight_norm_ref without the (out, in) sum: fp32 (out_features,). weight_sq: the rows'
+    ||W||^2 (fp32, (out,)) if known."""
+    w, a, b = weight.float(), lora_A.float(), lora_B.float()
+    if weight_sq is None:
+        weight_sq = (w * w).sum(1)
+    cross = (b * (w @ a.t())).sum(1)
+    low = ((b @ (a @ a.t())) * b).sum(1)
+    return (weight_sq + 2.0 * scaling * cross + scaling * scaling * low).clamp_min(0).sqrt()
+
+
+def dora_linear_ref(x, weight, lora_A, lora_B, magnitude, scaling, bias=None):
+    """PEFT's DoRA forward without dropout, plain PyTorch: x (..., in) -> (..., out)."""
+    norm = dora_weight_norm_ref(weight, lora_A.detach(), lora_B.detach(), scaling).detach()
+    scale = (magnitude / norm).to(x.dtype)
+    base = F.linear(x, weight)
+    out = (scale - 1) * base + scale * F.linear(F.linear(x, lora_A), lora_B) * scaling
+    out = base + out
+    return out if bias is None else out + bias
+
+
+class DoRALinear(LoRALinear):
+    """A LoRALinear with a learned magnitude: lora_magnitude_vector (out_features,), in the base
+    weight's dtype (PEFT's parameter and state name)."""
+
+    is_dora = True
+
+    def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False):
+        super().__init__(base, r, alpha, dropout, use_rslora)
+        self._weight_sq, self._weight_version = None, None
+        self._merge_norm = None
+        with torch.no_grad():
+            norm = dora_weight_norm(base.weight, self.lora_A, self.lora_B, self.scaling)
+        self.lora_magnitude_vector = nn.Parameter(norm.to(base.weight.dtype))
+
+    def weight_norm(self):
+        """n = ||W + s B A||_row, fp32, detached."""
+        w = self.base_layer.weight
+        if self._weight_sq is None or self._weight_version != (w._version, w.data_ptr()):
+            with torch.no_grad():
+                self._weight_sq = (w.float() ** 2).sum(1)
+            self._weight_version = (w._version, w.data_ptr())
+        with torch.no_grad():
+            return dora_weight_norm(w, self.lora_A, self.lora_B, self.scaling, self._weight_sq)
+
+    def forward(self, x):
+        if self.merged:
+            return self.base_layer(x)
+        w, bias = self.base_layer.weight, self.base_layer.bias
+        scale = (self.lora_magnitude_vector.float() / self.weight_norm()).to(x.dtype)
+        if self.dropout == 0.0 or not self.training:
+            out = lora_linear(x, w, self.lora_A, self.lora_B, self.scaling, None, 0.0,
+                              training=self.training) * scale
+            return out if bias is None else out + bias
+        dropped = F.dropout(x, self.dropout, training=True)
+        base = F.linear(dropped, w)
+        low = F.linear(F.linear(dropped, self.lora_A), self.lora_B) * self.scaling
+        return F.linear(x, w, bias) + (scale - 1) * base + scale * low
+
+    def _merged_weight(self, sign):
+        """+1: (m / n) (W + s B A), the merged weight (PEFT's merge); -1: its inverse, with the n
+        of the merge."""
+        w = self.base_layer.weight
+        opmath = torch.float64 if w.dtype == torch.float64 else torch.float32
+        delta = self.delta_weight(opmath)
+        if sign > 0:
+            norm = self.weight_norm().to(opmath)
+            self._merge_norm = norm
+            factor = self.lora_magnitude_vector.detach().to(opmath) / norm
+            return (factor[:, None] * (w.detach().to(opmath) + delta)).to(w.dtype)
+        factor = self.lora_magnitude_vector.detach().to(opmath) / self._merge_norm
+        return (w.detach().to(opmath) / factor[:, None] - delta).to(w.dtype)
+
+    def extra_repr(self):
+        return super().extra_repr() + ", dora=True"
+
+
+def inject_dora(model, **kwargs):
+    """fastllm.lora.inject_lora with DoRA layers (the same arguments)."""
+    return lora.inject_lora(model, layer_cls=DoRALinear, **kwargs)
+
+
+def load_adapter(model, path):
+    """A PEFT adapter saved with use_dora=true (by PEFT or save_adapter) into `model`, as
+    fastllm.lora.load_adapter does for LoRA."""
+    return lora.load_adapter(model, path, layer_cls=DoRALinear)

@@ -1,0 +1,222 @@
+"""`fastllm export` and `fastllm generate`: a training run as a Hugging Face folder, and a quick
+look at what a model says.
+
+    fastllm export RUN_DIR OUT_DIR [--merged]
+    fastllm generate MODEL_OR_RUN "prompt" [--max-new-tokens 64] [--do-sample --temperature 0.7]
+
+export writes transformers' save_pretrained layout (model.safetensors, config.json,
+generation_config.json, the tokenizer files with its chat template) from the run's newest valid
+checkpoint. --merged folds LoRA (and DoRA) into the weights: the folder is a plain model that
+AutoModelForCausalLM.from_pretrained and `fastllm train model=OUT_DIR` load as is. Without it an
+adapter run (LoRA, DoRA, prefix-tuning) is written as a PEFT adapter (adapter_config.json +
+adapter_model.safetensors) naming its base model (the run's model folder; a built-in model's
+random-init base is written to OUT_DIR/base_model); other runs are whole models either way.
+
+    from fastllm.export import load_run
+    model, tokenizer, cfg = load_run("runs/sft")   # the trained model, as fastllm trains it
+"""
+
+import os
+
+import torch
+
+from fastllm.adapters import load_adapter, save_adapter
+
+__all__ = ["load_run", "export", "load_model", "add_export_commands"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ADAPTER_MODES = ("lora", "prefix")
+
+
+def _checkpoint(run_dir):
+    from fastllm.train import checkpoint as ckpt
+
+    if os.path.exists(os.path.join(run_dir, "trainer_state.pt")):
+        return run_dir  # a checkpoint-<step> folder itself
+    found = ckpt.latest_valid(run_dir, log=lambda *_: None)
+    if found is None:
+        raise FileNotFoundError(f"{run_dir} holds no valid checkpoint-<step> (is it a fastllm "
+                                f"train output_dir?)")
+    return found[1]
+
+
+def run_tokenizer(run_dir, cfg):
+    """The tokenizer a run trained with: RUN_DIR/tokenizer (saved by fastllm train), the model
+    folder's, data.tokenizer's folder, or the byte tokenizer."""
+    from fastllm.train.data import ByteTokenizer, HFTokenizer
+
+    for folder in (os.path.join(run_dir, "tokenizer"), cfg.model, cfg.data.tokenizer):
+        if folder and os.path.isdir(folder) and (
+                os.path.exists(os.path.join(folder, "tokenizer.json"))
+                or os.path.exists(os.path.join(folder, "tokenizer_config.json"))):
+            from transformers import AutoTokenizer
+
+            return HFTokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True),
+                               folder)
+    if cfg.data.tokenizer == "byte":
+        return ByteTokenizer()
+    raise FileNotFoundError(f"fastllm export: cannot find the tokenizer of {run_dir} (no "
+                            f"{run_dir}/tokenizer folder)")
+
+
+def load_run(run_dir):
+    """(model, tokenizer, cfg) of a run's newest valid checkpoint: the model built as fastllm
+    train builds it (fastllm's LoRA/DoRA/prefix modules), on the CPU, in eval mode."""
+    from fastllm.train import checkpoint as ckpt
+    from fastllm.train.config import TrainConfig
+    from fastllm.train.model import build_model
+
+    path = _checkpoint(run_dir)
+    cfg = TrainConfig.load(os.path.join(path, "config.yaml"))
+    root = run_dir if path != run_dir else os.path.dirname(os.path.abspath(run_dir))
+    tokenizer = run_tokenizer(root, cfg)
+    dtype = _DTYPES[cfg.precision] if cfg.backend == "fastllm" else torch.float32
+    model = build_model(cfg, tokenizer.vocab_size, dtype)
+    adapter = os.path.join(path, "adapter")
+    if os.path.isdir(adapter):
+        load_adapter(model, adapter)
+    else:
+        model.load_state_dict(ckpt.load_file(os.path.join(path, "model.pt")))
+    model.eval()
+    return model, tokenizer, cfg
+
+
+def _has_lora(model):
+    from fastllm.lora import lora_modules
+
+    return bool(lora_modules(model))
+
+
+def _finish_config(model, tokenizer):
+    """The model's config and generation config with the run tokenizer's special tokens (a
+    built-in model's LlamaConfig defaults, bos 1 / eos 2, are not the tokenizer's)."""
+    eos = tokenizer.eos_token_id
+    tok = getattr(tokenizer, "tok", None)
+    bos = getattr(tok, "bos_token_id", None)
+    pad = getattr(tok, "pad_token_id", None)
+    for c in (model.config, model.generation_config):
+        c.eos_token_id, c.bos_token_id = eos, bos
+        c.pad_token_id = pad if pad is not None else eos
+    model.config.use_cache = True
+
+
+def export(run_dir, out_dir, merged=False):
+    """Write the run's model (see the module docstring). Returns out_dir."""
+    model, tokenizer, cfg = load_run(run_dir)
+    prefix = hasattr(model, "_fastllm_prefix")
+    if merged and prefix:
+        raise ValueError("fastllm export: a prefix-tuning adapter cannot be merged into the "
+                         "weights; export it without --merged (a PEFT adapter)")
+    os.makedirs(out_dir, exist_ok=True)
+    _finish_config(model, tokenizer)
+    tok = getattr(tokenizer, "tok", None)
+    if tok is not None:
+        tok.save_pretrained(out_dir)
+    if _has_lora(model) and merged:
+        from fastllm.lora import merge_and_unload
+
+        merge_and_unload(model)
+    if _has_lora(model) or prefix:
+        base = cfg.model if os.path.isdir(cfg.model) else None
+        if base is None:  # a built-in model: its random-init base goes beside the adapter
+            base = os.path.join(out_dir, "base_model")
+            plain = _base_copy(model, prefix)
+            _finish_config(plain, tokenizer)
+            plain.save_pretrained(base)
+            if tok is not None:
+                tok.save_pretrained(base)
+        model.config._name_or_path = os.path.abspath(base)
+        save_adapter(model, out_dir)
+        model.generation_config.save_pretrained(out_dir)
+    else:
+        model.save_pretrained(out_dir)
+    return out_dir
+
+
+def _base_copy(model, prefix):
+    import copy
+
+    from fastllm.lora import unload
+
+    plain = copy.deepcopy(model)
+    if prefix:
+        from fastllm.prefix import remove_prefix
+
+        return remove_prefix(plain)
+    return unload(plain)
+
+
+def load_model(name):
+    """(model, tokenizer) of a fastllm run, an HF model folder, or a PEFT adapter folder (its base
+    from base_model_name_or_path, the adapter in fastllm's modules)."""
+    from fastllm.train.data import HFTokenizer
+
+    if os.path.exists(os.path.join(name, "config.yaml")) or os.path.exists(
+            os.path.join(name, "trainer_state.pt")):
+        model, tokenizer, _ = load_run(name)
+        return model, tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = os.path.exists(os.path.join(name, "adapter_config.json"))
+    base = name
+    if adapter:
+        import json
+
+        with open(os.path.join(name, "adapter_config.json")) as f:
+            base = json.load(f).get("base_model_name_or_path")
+        if not base or not os.path.isdir(base):
+            raise FileNotFoundError(f"fastllm generate: the adapter {name} names base model "
+                                    f"{base!r}, which is not a folder here")
+    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    if adapter:
+        load_adapter(model, name)
+    tok_dir = name if os.path.exists(os.path.join(name, "tokenizer_config.json")) else base
+    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    model.eval()
+    return model, HFTokenizer(tok, tok_dir)
+
+
+def add_export_commands(sub):
+    p = sub.add_parser("export", help="write a training run as a Hugging Face model folder")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--merged", action="store_true",
+                   help="fold LoRA/DoRA into the weights (a plain model); default: a PEFT adapter")
+    p.set_defaults(handler=_export)
+    p = sub.add_parser("generate", help="complete a prompt with a model folder or training run")
+    p.add_argument("model", metavar="MODEL_OR_RUN")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_generate)
+
+
+def _export(args):
+    import sys
+
+    try:
+        out = export(args.run_dir, args.out_dir, merged=args.merged)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(str(e))
+    kind = "merged model" if args.merged else "model"
+    names = sorted(n for n in os.listdir(out) if not n.startswith("."))
+    print(f"fastllm export: wrote {kind} {out}: {', '.join(names)}")
+
+
+def _generate(args):
+    import sys
+
+    from fastllm.train.evaluate import generate_samples
+
+    try:
+        model, tokenizer = load_model(args.model)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        sys.exit(f"fastllm generate: {e}")
+    torch.manual_seed(args.seed)
+    text = generate_samples(model, tokenizer, [args.prompt], args.max_new_tokens,
+                            do_sample=args.do_sample, temperature=args.temperature,
+                            top_p=args.top_p)[0]
+    print(text)

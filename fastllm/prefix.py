@@ -1,0 +1,221 @@
+"""Prefix-tuning (Li & Liang 2021, arXiv:2101.00190) for transformers decoder models, computing
+what PEFT's PREFIX_TUNING computes, with its adapters in PEFT's format both ways.
+
+    attach_prefix(model, num_virtual_tokens=16, prefix_projection=False)  # freezes the model
+    ...train (only model.prefix_encoder requires grad)...
+    save_prefix(model, "out/")         # adapter_config.json + adapter_model.safetensors
+    peft.PeftModel.from_pretrained(fresh_model, "out/")   # a PEFT user reads it as is
+    load_prefix(other_model, "peft_adapter/")             # and fastllm reads PEFT's
+
+Each layer gets T learned key/value vectors, (kv_heads, T, head_dim) each, that every token
+attends to. They are the rows of an embedding (T, 2 * layers * kv_heads * head_dim), or with
+prefix_projection (PEFT's reparameterisation) the output of a two-layer tanh MLP over an
+embedding (T, kv_heads * head_dim); PEFT saves, and load_prefix reads, the computed rows
+("prompt_embeddings"), so a reparameterised prefix loads as a plain one. As in PEFT the prefix
+keys carry no rotary embedding and the tokens' positions start at T. The prefix rides in the
+model's cache (transformers' DynamicCache, as PEFT passes it), with a 4-D additive mask that
+lets every token see the prefix, its own example causally (packed rows: position ids restarting
+at 0 mark the examples) and no padding; so a packed batch equals its examples one by one here
+too. A forward pre-hook on the model adds them; generation with a prefix runs
+fastllm.train.evaluate's cache-free greedy loop.
+"""
+
+import json
+import os
+
+import torch
+from torch import nn
+
+__all__ = ["PrefixEncoder", "attach_prefix", "remove_prefix", "save_prefix", "load_prefix",
+           "prefix_mask_ref"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+RESUME_WEIGHTS = "prefix_encoder.safetensors"  # the trainable tensors (MLP included), to resume
+
+
+class PrefixEncoder(nn.Module):
+    """PEFT's PrefixEncoder: forward() -> (T, layers * 2 * token_dim), token_dim = kv_heads *
+    head_dim. Parameter names as PEFT's (embedding.weight, transform.{0,2}.{weight,bias})."""
+
+    def __init__(self, num_virtual_tokens, num_layers, token_dim, prefix_projection=False,
+                 encoder_hidden_size=None, dtype=None, device=None):
+        super().__init__()
+        self.num_virtual_tokens, self.num_layers = num_virtual_tokens, num_layers
+        self.token_dim, self.prefix_projection = token_dim, prefix_projection
+        self.encoder_hidden_size = encoder_hidden_size or token_dim
+        kw = dict(dtype=dtype, device=device)
+        out = num_layers * 2 * token_dim
+        if prefix_projection:
+            self.embedding = nn.Embedding(num_virtual_tokens, token_dim, **kw)
+            self.transform = nn.Sequential(nn.Linear(token_dim, self.encoder_hidden_size, **kw),
+                                           nn.Tanh(),
+                                           nn.Linear(self.encoder_hidden_size, out, **kw))
+        else:
+            self.embedding = nn.Embedding(num_virtual_tokens, out, **kw)
+
+    def forward(self):
+        w = self.embedding.weight
+        return self.transform(w) if self.prefix_projection else w
+
+
+def _dims(config):
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv, head_dim
+
+
+def prefix_mask_ref(position_ids, num_virtual_tokens, attention_mask=None, dtype=torch.float32):
+    """The additive mask (batch, 1, L, T + L): 0 where a token may attend, dtype's min elsewhere.
+    position_ids (batch, L): an example starts where the position does not follow the previous
+    one (transformers' find_packed_sequence_indices); attention_mask (batch, L): 0 = padding."""
+    b, n = position_ids.shape
+    first = position_ids[:, :1] - 1
+    segment = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    i = torch.arange(n, device=position_ids.device)
+    allowed = (segment[:, :, None] == segment[:, None, :]) & (i[None, :, None] >= i[None, None, :])
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, :].bool()
+    allowed = torch.cat([torch.ones(b, n, num_virtual_tokens, dtype=torch.bool,
+                                    device=position_ids.device), allowed], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def _pre_hook(module, args, kwargs):
+    from transformers import DynamicCache
+
+    enc = module.prefix_encoder
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    b, n = (ids.shape if ids is not None else embeds.shape[:2])
+    device = ids.device if ids is not None else embeds.device
+    layers, kv, head_dim = _dims(module.config)
+    t = enc.num_virtual_tokens
+    dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
+    prefix = enc().to(dtype).view(t, layers * 2, kv, head_dim).permute(1, 2, 0, 3)
+    cache = DynamicCache()
+    for layer in range(layers):
+        cache.update(prefix[2 * layer].expand(b, kv, t, head_dim),
+                     prefix[2 * layer + 1].expand(b, kv, t, head_dim), layer)
+    pos = kwargs.get("position_ids")
+    pos = torch.arange(n, device=device).expand(b, n) if pos is None else pos.expand(b, n)
+    mask = kwargs.get("attention_mask")
+    kwargs = dict(kwargs)
+    kwargs["attention_mask"] = prefix_mask_ref(pos, t, mask, dtype)
+    kwargs["position_ids"] = pos + t
+    kwargs["cache"] = cache
+    kwargs.pop("past_key_values", None)
+    kwargs["use_cache"] = True  # the model reads the prefix from its cache
+    if args:
+        kwargs["input_ids"] = ids
+    return (), kwargs
+
+
+def attach_prefix(model, num_virtual_tokens=16, prefix_projection=False,
+                  encoder_hidden_size=None):
+    """Add a trainable prefix to a transformers causal LM (model.prefix_encoder), freezing the
+    rest. Returns the model."""
+    if hasattr(model, "_fastllm_prefix"):
+        raise ValueError("fastllm.prefix: the model has a prefix already (remove_prefix first)")
+    if num_virtual_tokens < 1:
+        raise ValueError(f"fastllm.prefix: num_virtual_tokens must be >= 1, got "
+                         f"{num_virtual_tokens}")
+    layers, kv, head_dim = _dims(model.config)
+    w = model.get_input_embeddings().weight
+    model.requires_grad_(False)
+    model.prefix_encoder = PrefixEncoder(num_virtual_tokens, layers, kv * head_dim,
+                                         prefix_projection, encoder_hidden_size, dtype=w.dtype,
+                                         device=w.device)
+    model._fastllm_prefix = model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    return model
+
+
+def remove_prefix(model):
+    """The model without its prefix (hook and encoder removed). Returns the model."""
+    handle = model._fastllm_prefix
+    # by id, on this module's own dicts: a deep copy's handle still points at the original's
+    model._forward_pre_hooks.pop(handle.id, None)
+    model._forward_pre_hooks_with_kwargs.pop(handle.id, None)
+    del model._fastllm_prefix
+    del model.prefix_encoder
+    return model
+
+
+def _peft_config(model):
+    enc = model.prefix_encoder
+    layers, kv, _ = _dims(model.config)
+    return {
+        "peft_type": "PREFIX_TUNING", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": getattr(model.config, "_name_or_path", None) or None,
+        "num_virtual_tokens": enc.num_virtual_tokens, "token_dim": enc.token_dim,
+        "num_layers": layers, "num_attention_heads": kv, "num_transformer_submodules": 1,
+        "prefix_projection": enc.prefix_projection,
+        "encoder_hidden_size": enc.encoder_hidden_size, "inference_mode": True,
+        "modules_to_save": None, "revision": None,
+    }
+
+
+def save_prefix(model, path, task_type="CAUSAL_LM"):
+    """Write PEFT's PREFIX_TUNING adapter (the computed prefix as 'prompt_embeddings') and, for
+    resuming, the encoder's own tensors (RESUME_WEIGHTS)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with torch.no_grad():
+        rows = model.prefix_encoder().detach().cpu().contiguous()
+    save_file({"prompt_embeddings": rows}, os.path.join(path, ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    save_file({k: v.detach().cpu().contiguous()
+               for k, v in model.prefix_encoder.state_dict().items()},
+              os.path.join(path, RESUME_WEIGHTS), metadata={"format": "pt"})
+    config = _peft_config(model)
+    config["task_type"] = task_type
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def load_prefix(model, path):
+    """Load a PREFIX_TUNING adapter (PEFT's or save_prefix's) into `model`: a model with a prefix
+    of the same shape takes the saved encoder tensors when they are there (a fastllm resume),
+    else the prefix rows; a model without one gets a plain prefix of the saved rows. Checked
+    before anything changes. Returns the model."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        config = json.load(f)
+    if config.get("peft_type") != "PREFIX_TUNING":
+        raise ValueError(f"fastllm.load_prefix: not a prefix-tuning adapter "
+                         f"({config.get('peft_type')})")
+    layers, kv, head_dim = _dims(model.config)
+    if (config["num_layers"], config["token_dim"]) != (layers, kv * head_dim) or \
+            config.get("num_transformer_submodules", 1) != 1:
+        raise ValueError(f"fastllm.load_prefix: the adapter is for {config['num_layers']} layers "
+                         f"of token_dim {config['token_dim']}; the model has {layers} of "
+                         f"{kv * head_dim}")
+    rows = load_file(os.path.join(path, ADAPTER_WEIGHTS))["prompt_embeddings"]
+    t = config["num_virtual_tokens"]
+    if tuple(rows.shape) != (t, layers * 2 * kv * head_dim):
+        raise ValueError(f"fastllm.load_prefix: prompt_embeddings is {tuple(rows.shape)}, "
+                         f"expected {(t, layers * 2 * kv * head_dim)}")
+    resume = os.path.join(path, RESUME_WEIGHTS)
+    if hasattr(model, "_fastllm_prefix"):
+        enc = model.prefix_encoder
+        if enc.num_virtual_tokens != t:
+            raise ValueError(f"fastllm.load_prefix: the adapter has {t} virtual tokens, the "
+                             f"model's prefix {enc.num_virtual_tokens}")
+        if os.path.exists(resume):
+            enc.load_state_dict(load_file(resume))
+        elif not enc.prefix_projection:
+            with torch.no_grad():
+                enc.embedding.weight.copy_(rows)
+        else:
+            raise ValueError("fastllm.load_prefix: the model's prefix is reparameterised "
+                             "(prefix_projection) and the adapter holds only the computed rows")
+        return model
+    attach_prefix(model, t)
+    with torch.no_grad():
+        model.prefix_encoder.embedding.weight.copy_(rows)
+    return model

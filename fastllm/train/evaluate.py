@@ -1,0 +1,222 @@
+"""Evaluation during training: the held-out loss and perplexity, and what the model now says.
+
+    metrics = evaluate_loss(model, eval_dataset, batch_size=8, device="cpu")
+    # {"eval_loss": mean token cross-entropy, "eval_ppl": exp(eval_loss), "eval_tokens": n}
+    texts = generate_samples(model, tokenizer, ["What is 2 + 2?"], max_new_tokens=32)
+
+The trainer runs both every eval_interval steps (and at the start and the end): the loss goes
+to metrics.jsonl as an {"eval_step": s, "eval_loss": ...} line (and into step s's record), the
+samples to output_dir/samples.jsonl as {"step": s, "prompt": ..., "output": ...} lines.
+"""
+
+import json
+import math
+import os
+
+import torch
+
+__all__ = ["evaluate_loss", "generate_samples", "chat_prompt_ids", "read_eval", "read_prompts",
+           "Evaluator"]
+
+
+@torch.no_grad()
+def evaluate_loss(model, dataset, batch_size, device, autocast=None, max_batches=0):
+    """Mean cross-entropy over every target token of `dataset` (an SFTDataset: each row once),
+    summed per token over the whole set (so packing and batch size do not change it)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    try:
+        for k, batch in enumerate(dataset.all_batches(batch_size)):
+            if max_batches and k >= max_batches:
+                break
+            batch.pop("num_tokens")
+            batch = batch.to(device)
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            if n == 0:
+                continue
+            # num_items_in_batch=1: transformers' loss is then the sum over tokens
+            if autocast is not None:
+                with autocast:
+                    out = model(**batch, use_cache=False, num_items_in_batch=1)
+            else:
+                out = model(**batch, use_cache=False, num_items_in_batch=1)
+            total += out.loss.detach().double().cpu()
+            count += n
+    finally:
+        model.train(was_training)
+    loss = float(total) / max(count, 1)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
+
+
+def chat_prompt_ids(tokenizer, prompt):
+    """A prompt's token ids as the model expects them: a user turn plus the generation prompt
+    when the tokenizer has a chat template, else the plain text."""
+    tok = getattr(tokenizer, "tok", tokenizer)
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    if hasattr(tokenizer, "encode") and not hasattr(tokenizer, "tok"):
+        return tokenizer.encode(prompt)
+    return tok(prompt)["input_ids"]
+
+
+@torch.no_grad()
+def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
+                     do_sample=False, temperature=1.0, top_p=1.0):
+    """The model's continuation of each prompt (greedy unless do_sample), as text without the
+    prompt. tokenizer: a fastllm tokenizer (fastllm.train.data) or a transformers one."""
+    was_training = model.training
+    model.eval()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    outs = []
+    try:
+        for prompt in prompts:
+            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
+            kw = dict(do_sample=do_sample)
+            if do_sample:
+                kw.update(temperature=temperature, top_p=top_p)
+            else:  # a checkpoint's own generation_config may ask for sampling
+                kw.update(temperature=None, top_p=None, top_k=None)
+            if hasattr(model, "_fastllm_prefix"):  # the prefix rides in the cache itself
+                new = _decode_without_cache(model, ids, max_new_tokens, eos, do_sample,
+                                            temperature)
+            else:
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=max_new_tokens, use_cache=True,
+                                     pad_token_id=eos, eos_token_id=eos, **kw)
+                new = out[0, ids.shape[1]:].tolist()
+            if eos is not None and eos in new:
+                new = new[:new.index(eos)]
+            outs.append(tokenizer.decode(new))
+    finally:
+        model.train(was_training)
+    return outs
+
+
+def _decode_without_cache(model, ids, max_new_tokens, eos, do_sample, temperature):
+    """Token by token, the whole sequence each time (no KV cache): (new ids)."""
+    new = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+        if do_sample:
+            nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1))
+        else:
+            nxt = int(logits.argmax())
+        new.append(nxt)
+        if nxt == eos:
+            break
+        ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+    return new
+
+
+def read_eval(path):
+    """{eval_step: record} of a metrics.jsonl's evaluation lines (the last of each step)."""
+    out = {}
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "eval_step" in rec:
+                out[rec["eval_step"]] = rec
+    return [out[s] for s in sorted(out)]
+
+
+def read_prompts(prompts, prompts_file):
+    """eval.prompts plus the lines of eval.prompts_file (a .txt: one prompt a line; a .jsonl:
+    {"prompt": ...} lines)."""
+    out = list(prompts)
+    if prompts_file:
+        with open(prompts_file, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                if prompts_file.endswith(".jsonl"):
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                        raise ValueError(f"fastllm train: {prompts_file} line {n}: expected "
+                                         f"{{\"prompt\": a string}}")
+                    line = rec["prompt"]
+                out.append(line)
+    return out
+
+
+def _truncate(path, key, step):
+    """A resumed run redoes the evaluations after its checkpoint: drop their old lines."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get(key, -1) <= step or key not in rec:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+class Evaluator:
+    """The trainer's evaluations: due(step) says when, run(step) evaluates and writes."""
+
+    def __init__(self, cfg, dataset, tokenizer, rank):
+        self.cfg, self.dataset, self.tokenizer, self.rank = cfg, dataset, tokenizer, rank
+        self.prompts = read_prompts(cfg.eval.prompts, cfg.eval.prompts_file)
+        self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(cfg.output_dir, "samples.jsonl")
+
+    @classmethod
+    def start(cls, trainer):
+        """The trainer's Evaluator (None without an eval set or prompts), its files rewound to
+        the trainer's step, and the first evaluation run when the run starts at step 0 (with
+        eval.on_start)."""
+        cfg = trainer.cfg
+        if trainer.eval_dataset is None and not (cfg.eval.prompts or cfg.eval.prompts_file):
+            return None
+        self = cls(cfg, trainer.eval_dataset, trainer.tokenizer, trainer.rank)
+        if self.rank == 0:
+            _truncate(self.metrics_path, "eval_step", trainer.step)
+            _truncate(self.samples_path, "step", trainer.step)
+        if trainer.step == 0 and cfg.eval.on_start:
+            self.run(trainer, 0)
+        return self
+
+    def due(self, step):
+        interval = self.cfg.eval_interval
+        return step == self.cfg.max_steps or bool(interval and step % interval == 0)
+
+    def run(self, trainer, step):
+        """Evaluate at `step`; returns the eval metrics (every rank), written by rank 0."""
+        # the plain module where each rank holds it whole (DDP's forward would sync), else the
+        # sharded model on every rank
+        whole = trainer.strategy.name in ("none", "ddp", "zero1", "zero2")
+        model = trainer.module if whole else trainer.strategy.model
+        out = {}
+        if self.dataset is not None:
+            out = evaluate_loss(model, self.dataset, self.cfg.micro_batch_size, trainer.device,
+                                trainer.autocast, self.cfg.eval.batches)
+        samples = []
+        if self.prompts and self.rank == 0 and whole:
+            samples = generate_samples(trainer.module, self.tokenizer, self.prompts,
+                                       self.cfg.eval.max_new_tokens, trainer.device)
+        if self.rank == 0:
+            if out:
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps(dict(eval_step=step, **out)) + "\n")
+            if samples:
+                with open(self.samples_path, "a") as f:
+                    for p, s in zip(self.prompts, samples):
+                        f.write(json.dumps({"step": step, "prompt": p, "output": s},
+                                           ensure_ascii=False) + "\n")
+        return out

@@ -1,0 +1,462 @@
+"""Supervised fine-tuning data: JSONL instructions and chats -> token ids and a loss mask in the
+memory-mapped cache (tokenised once) -> packed or length-grouped batches.
+
+A JSONL line is one example, in one of these shapes (the names of HF TRL and Alpaca):
+
+    {"text": "..."}                                   every token counts
+    {"prompt": "...", "completion": "..."}            the completion counts
+    {"instruction": "...", "input": "...", "output": "..."}   Alpaca: the output counts
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+                                                      the assistant turns count
+
+Chats are rendered with the tokenizer's own chat template (apply_chat_template), and so are
+Alpaca records when the tokenizer has one (as a user turn and an assistant turn); without a
+template an Alpaca record takes Stanford Alpaca's prompt. data.train_on_prompt=true counts every
+token. A rendered chat is tokenised piece by piece (the text before each assistant reply, the
+reply), so each reply starts on a token boundary as it does when the model generates it after
+add_generation_prompt.
+
+Batches are dicts of (batch, length) int64 tensors: input_ids, labels (-100 where the loss does
+not count: prompts, padding and each example's first token) and position_ids. With packing
+(data.packing=true) several examples share a row and their position ids restart at 0 at each
+example; transformers (>= 4.57's masking_utils.find_packed_sequence_indices) turns restarting
+position ids, with no attention_mask, into a block-diagonal causal mask for eager, sdpa and flex
+attention, so a packed row computes exactly what its examples compute one by one. Without
+packing a row is one example, and a micro-batch's rows have similar lengths (HF's
+LengthGroupedSampler: sorted within mega-batches) and are padded to the longest.
+"""
+
+import glob
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+import torch
+
+__all__ = ["data_format", "read_records", "encode_example", "tokenize_records", "SFTDataset",
+           "split_examples", "build_sft_data", "build_datasets", "Batch", "prepare_step",
+           "model_inputs", "max_steps", "text_pieces", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+_VERSION = "sft-1"
+_ROLES = ("system", "user", "assistant", "tool")
+# Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT)
+_ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately "
+           "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+_ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that "
+                 "provides further context. Write a response that appropriately completes the "
+                 "request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n"
+                 "### Response:\n")
+
+
+def data_format(path, fmt="auto"):
+    """text or jsonl: `fmt` when given, else from the extension (.jsonl/.json: jsonl); a folder is
+    jsonl when it holds .jsonl files."""
+    if fmt != "auto":
+        return fmt
+    if path is None:
+        return "text"
+    if os.path.isdir(path):
+        return "jsonl" if glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True) else "text"
+    return "jsonl" if path.endswith((".jsonl", ".json")) else "text"
+
+
+def _files(path):
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True))
+        if not files:
+            raise FileNotFoundError(f"fastllm train: no .jsonl files under {path}")
+        return files
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"fastllm train: data path {path} does not exist")
+    return [path]
+
+
+def _check(record, where):
+    """The record normalised to (kind, fields), or ValueError naming the line and the key."""
+    def need_str(key, optional=False):
+        value = record.get(key)
+        if value is None and optional:
+            return ""
+        if not isinstance(value, str):
+            got = "missing" if key not in record else f"a {type(value).__name__}"
+            raise ValueError(f"fastllm train: {where}: key {key!r} must be a string, got {got}")
+        return value
+
+    if not isinstance(record, dict):
+        raise ValueError(f"fastllm train: {where}: a record must be a JSON object, got "
+                         f"{type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"fastllm train: {where}: key 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in _ROLES \
+                    or not isinstance(m.get("content"), str):
+                raise ValueError(f"fastllm train: {where}: key 'messages'[{i}] must be "
+                                 f"{{'role': one of {list(_ROLES)}, 'content': a string}}, got "
+                                 f"{json.dumps(m)[:80]}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"fastllm train: {where}: key 'messages' has no assistant turn "
+                             f"(nothing to learn)")
+        return "chat", [{"role": m["role"], "content": m["content"]} for m in messages]
+    if "prompt" in record or "completion" in record:
+        return "completion", (need_str("prompt"), need_str("completion"))
+    if "instruction" in record or "output" in record:
+        return "alpaca", (need_str("instruction"), need_str("input", optional=True),
+                          need_str("output"), need_str("system", optional=True))
+    if "text" in record:
+        return "text", need_str("text")
+    raise ValueError(f"fastllm train: {where}: a record needs the key 'text', 'prompt' + "
+                     f"'completion', 'instruction' + 'output' or 'messages'; got keys "
+                     f"{sorted(record)}")
+
+
+def read_records(path):
+    """Every example of a .jsonl file (or a folder's .jsonl files, in name order), each
+    (kind, fields). A malformed line raises ValueError naming the file, the line and the key,
+    before any is tokenised. Blank lines are skipped."""
+    records = []
+    for name in _files(path):
+        with open(name, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{name} line {n}"
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"fastllm train: {where}: not valid JSON ({e})") from None
+                records.append(_check(record, where))
+    if not records:
+        raise ValueError(f"fastllm train: {path} holds no examples")
+    return records
+
+
+def _template(tokenizer):
+    tok = getattr(tokenizer, "tok", None)
+    return getattr(tok, "chat_template", None) if tok is not None else None
+
+
+def _render(tokenizer, messages, add_generation_prompt=False):
+    return tokenizer.tok.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+
+def _chat_pieces(tokenizer, messages):
+    """The rendered chat as (text, is_assistant_reply) pieces: each assistant reply (its content
+    and the template's end-of-turn text) is the rendering of the chat up to it minus the
+    rendering before it with the generation prompt."""
+    full = _render(tokenizer, messages)
+    pieces, done = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[:i + 1])
+        if not (full.startswith(upto) and upto.startswith(before) and len(before) >= done):
+            raise ValueError("fastllm train: the tokenizer's chat template does not render a "
+                             "chat as a prefix of its longer chats; cannot find the assistant "
+                             "turns to train on")
+        pieces += [(full[done:len(before)], False), (upto[len(before):], True)]
+        done = len(upto)
+    pieces.append((full[done:], False))
+    return [(t, a) for t, a in pieces if t]
+
+
+def encode_example(record, tokenizer, train_on_prompt=False):
+    """(token ids, loss mask) of one (kind, fields) record: lists of ints, mask 1 where the token
+    is a target of the loss."""
+    kind, fields = record
+    eos = tokenizer.eos_token_id
+    if kind == "alpaca":
+        instruction, inp, output, system = fields
+        if _template(tokenizer):
+            user = instruction + ("\n\n" + inp if inp else "")
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+            kind, fields = "chat", messages
+        else:
+            prompt = (_ALPACA_INPUT if inp else _ALPACA).format(instruction=instruction, input=inp)
+            kind, fields = "completion", ((system + "\n\n" if system else "") + prompt, output)
+    if kind == "text":
+        pieces = [(fields, True)]
+    elif kind == "completion":
+        pieces = [(fields[0], False), (fields[1], True)]
+    else:
+        if not _template(tokenizer):
+            raise ValueError(f"fastllm train: chat examples need a tokenizer with a chat "
+                             f"template; {tokenizer.name} has none (data.tokenizer=<a model "
+                             f"folder>, or model=<an HF folder>)")
+        pieces = _chat_pieces(tokenizer, fields)
+    ids, mask = [], []
+    for text, counts in pieces:
+        piece = tokenizer.encode(text)
+        ids += piece
+        mask += [int(counts or train_on_prompt)] * len(piece)
+    if kind != "chat":  # a chat template ends its turns itself
+        ids.append(eos)
+        mask.append(1)
+    return ids, mask
+
+
+def _cache_dir(cfg_dir):
+    return cfg_dir or os.environ.get("FASTLLM_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "fastllm")
+
+
+def tokenize_records(records, tokenizer, cache_dir, train_on_prompt=False):
+    """Tokenise once into `<cache>/sft-<hash>.bin` (ids, uint16/uint32), `.mask.bin` (uint8) and
+    `.offsets.npy` (int64, examples + 1); later calls with the same records, tokenizer, template
+    and masking reuse them. Returns the path of the .bin."""
+    h = hashlib.sha256(f"{_VERSION}-{tokenizer.name}-{tokenizer.vocab_size}-"
+                       f"{train_on_prompt}-{_template(tokenizer)}".encode())
+    for r in records:
+        h.update(json.dumps(r, ensure_ascii=False).encode())
+        h.update(b"\0")
+    folder = _cache_dir(cache_dir)
+    path = os.path.join(folder, f"sft-{h.hexdigest()[:24]}.bin")
+    if os.path.exists(path + ".json"):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    ids, mask, offsets = [], [], [0]
+    for r in records:
+        i, m = encode_example(r, tokenizer, train_on_prompt)
+        ids += i
+        mask += m
+        offsets.append(len(ids))
+    dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32
+    tmp = f".{os.getpid()}.tmp"
+    np.asarray(ids, dtype=dtype).tofile(path + tmp)
+    np.asarray(mask, dtype=np.uint8).tofile(path + ".mask" + tmp)
+    with open(path + ".offsets" + tmp, "wb") as f:
+        np.save(f, np.asarray(offsets, dtype=np.int64))
+    os.replace(path + tmp, path)
+    os.replace(path + ".mask" + tmp, path + ".mask.bin")
+    os.replace(path + ".offsets" + tmp, path + ".offsets.npy")
+    with open(path + ".json" + tmp, "w") as f:
+        json.dump({"dtype": np.dtype(dtype).name, "tokens": len(ids), "examples": len(records),
+                   "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+                   "train_on_prompt": train_on_prompt}, f)
+    os.replace(path + ".json" + tmp, path + ".json")
+    return path
+
+
+def split_examples(n, eval_fraction, seed):
+    """(train indices, eval indices) of n examples: a seeded eval_fraction held out (at least one
+    when the fraction is > 0, and at least one left to train on)."""
+    if eval_fraction <= 0:
+        return list(range(n)), []
+    n_eval = min(n - 1, max(1, int(round(eval_fraction * n))))
+    if n_eval < 1:
+        raise ValueError(f"fastllm train: data.eval_fraction={eval_fraction} needs at least two "
+                         f"examples, the data has {n}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
+    perm = torch.randperm(n, generator=g).tolist()
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+class SFTDataset:
+    """Rows of examples of a tokenize_records cache, `indices` of its examples (truncated to
+    seq_len tokens), in a seeded order reshuffled every epoch; the PackedDataset interface
+    (num_sequences, batch(samples)) so fastllm.train.data.Loader serves it.
+
+    packing: rows are bins of whole examples (best-fit decreasing, computed once), padded to the
+    longest row of the micro-batch; else one example per row, micro-batches of similar length.
+    """
+
+    def __init__(self, path, indices, seq_len, seed, packing=True, micro_batch=1, pad_id=0):
+        with open(path + ".json") as f:
+            meta = json.load(f)
+        self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+        self.mask = np.memmap(path + ".mask.bin", dtype=np.uint8, mode="r")
+        offsets = np.load(path + ".offsets.npy")
+        self.spans = [(int(offsets[i]), min(int(offsets[i + 1]), int(offsets[i]) + seq_len))
+                      for i in indices]
+        if not self.spans:
+            raise ValueError("fastllm train: no examples to train on")
+        self.truncated = sum(int(offsets[i + 1] - offsets[i]) > seq_len for i in indices)
+        self.seq_len, self.seed, self.packing = seq_len, seed, packing
+        self.micro_batch, self.pad_id = max(1, micro_batch), pad_id
+        lengths = [e - s for s, e in self.spans]
+        self.rows = _pack(lengths, seq_len) if packing else [[i] for i in range(len(lengths))]
+        self.num_sequences = len(self.rows)
+        self._lengths = [sum(lengths[i] for i in row) for row in self.rows]
+        self._order_epoch, self._order = None, None
+
+    def _epoch_order(self, epoch):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        perm = torch.randperm(self.num_sequences, generator=g).tolist()
+        if self.packing:
+            return perm
+        # length-grouped (HF's LengthGroupedSampler): longest first within each mega-batch
+        mega = self.micro_batch * 32
+        return [i for k in range(0, len(perm), mega)
+                for i in sorted(perm[k:k + mega], key=lambda j: -self._lengths[j])]
+
+    def row(self, sample):
+        epoch, i = divmod(sample, self.num_sequences)
+        if epoch != self._order_epoch:
+            self._order, self._order_epoch = self._epoch_order(epoch), epoch
+        return self._order[i]
+
+    def batch(self, samples, rows=None):
+        """{'input_ids', 'labels', 'position_ids'}: (len(samples), longest row) int64, and
+        'num_tokens' (a 0-d tensor: the rows' tokens without padding)."""
+        rows = [self.rows[self.row(s)] for s in samples] if rows is None else rows
+        width = max(sum(self.spans[i][1] - self.spans[i][0] for i in row) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.int64)
+        pos = torch.zeros((len(rows), width), dtype=torch.int64)
+        for b, row in enumerate(rows):
+            at = 0
+            for i in row:
+                s, e = self.spans[i]
+                n = e - s
+                tok = torch.from_numpy(self.tokens[s:e].astype(np.int64))
+                keep = torch.from_numpy(self.mask[s:e].astype(bool))
+                ids[b, at:at + n] = tok
+                labels[b, at:at + n] = torch.where(keep, tok, IGNORE_INDEX)
+                # the first token is predicted by nothing of its own example (in a packed row,
+                # by the previous example's last token)
+                labels[b, at] = IGNORE_INDEX
+                pos[b, at:at + n] = torch.arange(n)
+                at += n
+            # padding: a segment of its own (positions from 0), never a target
+            pos[b, at:] = torch.arange(width - at)
+        return Batch({"input_ids": ids, "labels": labels, "position_ids": pos,
+                      "num_tokens": torch.tensor(sum(self.spans[i][1] - self.spans[i][0]
+                                                     for row in rows for i in row))})
+
+    def all_batches(self, batch_size):
+        """Every row once, in order, in batches of batch_size (for evaluation)."""
+        for k in range(0, self.num_sequences, batch_size):
+            yield self.batch(None, rows=self.rows[k:k + batch_size])
+
+
+def _pack(lengths, capacity):
+    """Best-fit decreasing bin packing: lists of example indices, each list's lengths summing to
+    at most capacity; deterministic."""
+    import bisect
+
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins, free = [], []  # free: sorted (room left, bin index)
+    for i in order:
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k == len(free):
+            bins.append([i])
+            room, b = capacity - lengths[i], len(bins) - 1
+        else:
+            room, b = free.pop(k)
+            bins[b].append(i)
+            room -= lengths[i]
+        bisect.insort(free, (room, b))
+    return bins
+
+
+def build_sft_data(cfg, tokenizer, records=None, log=print):
+    """(train SFTDataset, eval SFTDataset or None) for a TrainConfig whose data is JSONL:
+    data.path (or its `records`), split by data.eval_fraction (seeded) unless data.eval_path
+    is given."""
+    data = cfg.data
+    records = read_records(data.path) if records is None else records
+    eval_records = read_records(data.eval_path) if data.eval_path else None
+    path = tokenize_records(records, tokenizer, data.cache_dir, data.train_on_prompt)
+    pad = getattr(getattr(tokenizer, "tok", None), "pad_token_id", None)
+    pad = tokenizer.eos_token_id if pad is None else pad
+    kw = dict(seq_len=data.seq_len, seed=cfg.seed, packing=data.packing,
+              micro_batch=cfg.micro_batch_size, pad_id=pad)
+    if eval_records is not None:
+        train = SFTDataset(path, range(len(records)), **kw)
+        epath = tokenize_records(eval_records, tokenizer, data.cache_dir, data.train_on_prompt)
+        held = SFTDataset(epath, range(len(eval_records)), **kw)
+    else:
+        tr, ev = split_examples(len(records), data.eval_fraction, cfg.seed)
+        train = SFTDataset(path, tr, **kw)
+        held = SFTDataset(path, ev, **kw) if ev else None
+    if train.truncated:
+        log(f"fastllm train: {train.truncated} of {len(train.spans)} examples are longer than "
+            f"data.seq_len={data.seq_len} tokens and were truncated")
+    return train, held
+
+
+class Batch(dict):
+    """An SFT micro-batch: the model's keyword arguments, moved together by .to() (as a tensor
+    of token ids is)."""
+
+    def to(self, device, non_blocking=False):
+        return Batch({k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
+                      for k, v in self.items()})
+
+
+def prepare_step(micro):
+    """Ready a step's micro-batches [(samples, batch)] for the model; returns the step's real
+    (unpadded) tokens, None for plain token windows. SFT batches: the step's loss is the mean
+    over all its target tokens, whichever micro-batch holds them (transformers'
+    num_items_in_batch, times the accumulation, which the trainer's loss / accumulation undoes).
+    """
+    batches = [b for _, b in micro if isinstance(b, dict)]
+    if not batches:
+        return None
+    targets = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
+    for b in batches:
+        b["num_items_in_batch"] = max(targets, 1) / len(micro)
+    return sum(int(b.pop("num_tokens")) for b in batches)
+
+
+def model_inputs(batch):
+    """The model's keyword arguments for a micro-batch: an SFT Batch as it is, a tensor of token
+    ids as input_ids and labels."""
+    return batch if isinstance(batch, dict) else dict(input_ids=batch, labels=batch)
+
+
+def build_datasets(cfg, model_dir, rank, world, barrier, log=print):
+    """(tokenizer, train dataset, eval dataset or None) of cfg.data: JSONL examples (SFTDataset)
+    or text (fastllm.train.data.PackedDataset). Rank 0 tokenises (and trains a BPE) first, the
+    other ranks then find the cache; rank 0 saves an HF tokenizer to output_dir/tokenizer (for
+    fastllm export / generate)."""
+    from fastllm.train.data import PackedDataset, build_tokenizer, load_text, tokenize_to_file
+
+    data = cfg.data
+    sft = data_format(data.path, data.format) == "jsonl"
+    if sft and cfg.parallel.pp > 1:
+        raise ValueError("fastllm train: JSONL (SFT) data does not run under parallel.pp > 1")
+    records = read_records(data.path) if sft else None
+    docs = text_pieces(records) if sft else load_text(data.path)
+    held = None
+    for turn in ((0,) if world == 1 else (0, 1)):
+        if (rank == 0) == (turn == 0):
+            tok = build_tokenizer(data.tokenizer, docs, data.vocab_size, data.cache_dir,
+                                  model_dir)
+            if sft:
+                train, held = build_sft_data(cfg, tok, records, log)
+            else:
+                path = tokenize_to_file(docs, tok, data.cache_dir)
+        barrier()
+    if not sft:
+        train = PackedDataset(path, data.seq_len, cfg.seed)
+    if rank == 0 and hasattr(tok, "tok"):
+        tok.tok.save_pretrained(os.path.join(cfg.output_dir, "tokenizer"))
+    return tok, train, held
+
+
+def max_steps(cfg, dataset, global_batch):
+    """cfg.max_steps, or with num_train_epochs (HF's) the steps that many epochs take."""
+    if not cfg.num_train_epochs:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.num_train_epochs * dataset.num_sequences / global_batch))
+
+
+def text_pieces(records):
+    """Every string of the records (to train a BPE tokenizer on)."""
+    out = []
+    for kind, fields in records:
+        if kind == "chat":
+            out += [m["content"] for m in fields]
+        elif isinstance(fields, str):
+            out.append(fields)
+        else:
+            out += [f for f in fields if f]
+    return out

@@ -1,0 +1,105 @@
+"""DoRA (fastllm.dora): the weight norm and the layer against their references and PEFT's
+use_dora (logits, grads, adapter files both ways), merge, and a training run."""
+
+import pytest
+import torch
+
+from fastllm.dora import (DoRALinear, dora_linear_ref, dora_weight_norm, dora_weight_norm_ref,
+                          inject_dora, save_adapter)
+from fastllm.lora import lora_modules, merge_and_unload
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (7, 5, 3), (123, 33, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_norm_matches_ref(shape, dtype):
+    out, inp, r = shape
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out, inp, generator=g).to(dtype)
+    a = torch.randn(r, inp, generator=g).to(dtype)
+    b = torch.randn(out, r, generator=g).to(dtype)
+    ref = dora_weight_norm_ref(w.double(), a.double(), b.double(), 0.7)
+    got = dora_weight_norm(w, a, b, 0.7)
+    assert got.dtype == torch.float32
+    # the inputs' rounding is shared; the sum is fp32 either way
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dora_weight_norm_ref(w, a, b, 0.7).double(), ref, rtol=1e-5,
+                               atol=1e-5)
+
+
+def _model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=32))
+
+
+def _randomise(model):
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(p + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def test_layer_matches_ref_and_grads(tmp_path):
+    torch.manual_seed(0)
+    base = torch.nn.Linear(13, 7, bias=True)
+    layer = DoRALinear(base, r=3, alpha=5)
+    _randomise(layer)
+    x = torch.randn(2, 5, 13, requires_grad=True)
+    y = layer(x)
+    ref = dora_linear_ref(x, base.weight, layer.lora_A, layer.lora_B, layer.lora_magnitude_vector,
+                          layer.scaling, base.bias)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    params = [x, layer.lora_A, layer.lora_B, layer.lora_magnitude_vector]
+    g1 = torch.autograd.grad(y.square().sum(), params)
+    g2 = torch.autograd.grad(ref.square().sum(), params)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_matches_peft_both_ways(tmp_path):
+    import peft
+
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    # fastllm -> PEFT
+    ours = inject_dora(_model(), target_modules=["q_proj", "v_proj", "down_proj"], r=4, alpha=8)
+    _randomise(ours)
+    save_adapter(ours, str(tmp_path / "a"))
+    theirs = peft.PeftModel.from_pretrained(_model(), str(tmp_path / "a"))
+    want = theirs(input_ids=ids).logits
+    got = ours(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # grads of every adapter parameter, PEFT's training forward
+    theirs = peft.PeftModel.from_pretrained(_model(), str(tmp_path / "a"), is_trainable=True)
+    got.float().square().mean().backward()
+    theirs(input_ids=ids).logits.float().square().mean().backward()
+    peft_grads = {n.replace(".default", "").replace("base_model.model.", ""): p.grad
+                  for n, p in theirs.named_parameters() if p.requires_grad}
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            key = name + (".weight" if name.endswith(("lora_A", "lora_B",
+                                                       "lora_magnitude_vector")) else "")
+            torch.testing.assert_close(p.grad, peft_grads[key], rtol=1e-5, atol=1e-6)
+    # PEFT -> fastllm
+    pm = peft.get_peft_model(_model(), peft.LoraConfig(r=2, lora_alpha=4, use_dora=True,
+                                                       target_modules=["k_proj", "o_proj"]))
+    _randomise(pm)
+    pm.save_pretrained(str(tmp_path / "b"))
+    import fastllm.adapters
+    import fastllm.lora
+
+    with pytest.raises(ValueError, match="is a DoRA adapter"):
+        fastllm.lora.load_adapter(_model(), str(tmp_path / "b"))
+    mine = fastllm.adapters.load_adapter(_model(), str(tmp_path / "b"))
+    assert all(isinstance(m, DoRALinear) for _, m in lora_modules(mine))
+    with torch.no_grad():
+        torch.testing.assert_close(mine(input_ids=ids).logits, pm(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+        merged = merge_and_unload(mine)(input_ids=ids).logits
+    torch.testing.assert_close(merged, pm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(merged, pm.merge_and_unload()(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
