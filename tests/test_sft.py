@@ -231,14 +231,14 @@ def test_sft_run_evaluates_held_out_writes_samples_and_resumes_bitwise(tmp_path,
     assert [e["eval_step"] for e in evals] == [0, 3, 6]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     # held-out only: the eval set's target tokens are the 4 held-out chats' replies
-    tr = Trainer(cfg)
-    tr._setup_distributed()
-    tr._build_data()
-    held = {tuple(tr.eval_dataset.tokens[s:e]) for s, e in tr.eval_dataset.spans}
-    train = {tuple(tr.dataset.tokens[s:e]) for s, e in tr.dataset.spans}
-    assert len(tr.eval_dataset.spans) == 4 and not held & train
-    assert evals[0]["eval_tokens"] == sum(
-        int(tr.eval_dataset.mask[s + 1:e].sum()) for s, e in tr.eval_dataset.spans)
+    from fastllm.train.sft_data import build_datasets
+
+    _, train_set, eval_set = build_datasets(cfg, None, 0, 1, lambda: None)
+    held = {tuple(eval_set.tokens[s:e]) for s, e in eval_set.spans}
+    train = {tuple(train_set.tokens[s:e]) for s, e in train_set.spans}
+    assert len(eval_set.spans) == 4 and not held & train
+    assert evals[0]["eval_tokens"] == sum(int(eval_set.mask[s + 1:e].sum())
+                                          for s, e in eval_set.spans)
     samples = [json.loads(line) for line in open(os.path.join(run, "samples.jsonl"))]
     assert [s["step"] for s in samples] == [0, 3, 6] and all("output" in s for s in samples)
     # resume from checkpoint-3 reproduces steps 4..6 bitwise
