@@ -40,9 +40,12 @@ namespace {
 // -march=native; std::exp would stay scalar): Cephes' expf (Stephen Moshier, netlib.org/cephes):
 // x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the exponent bits.
 // Relative error about 2 ulp; arguments below -87.3 give ~1e-38 instead of 0.
-inline float exp_fast(float x) {
-  x = std::fmin(std::fmax(x, -87.3365f), 88.7228f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+__attribute__((always_inline)) inline float exp_fast(float x) {
+  // ternaries, not std::fmin/fmax: those are library calls (NaN rules) that stop vectorisation
+  x = x < -87.3365f ? -87.3365f : (x > 88.7228f ? 88.7228f : x);
+  // round to nearest by adding and removing 1.5 * 2^23 (std::floor does not vectorise without
+  // -fno-trapping-math: it must not raise "inexact")
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -57,7 +60,7 @@ inline float exp_fast(float x) {
 
 // cap * tanh(x / cap), written with exp_fast so it vectorises: tanh(t) = 1 - 2 / (e^{2t} + 1)
 // (saturates to +-1 for large |t|; absolute error ~1e-7 cap near 0).
-inline float softcap_fast(float x, float cap, float inv_cap) {
+__attribute__((always_inline)) inline float softcap_fast(float x, float cap, float inv_cap) {
   const float t = x * inv_cap;
   return cap * (1.0f - 2.0f / (exp_fast(2.0f * t) + 1.0f));
 }
@@ -94,7 +97,7 @@ struct LossParams {
 // One token's row of logits (vocab entries) -> its loss; with need_grad the row is replaced by
 // w * dloss/dlogits. scratch: vocab fp32 (the row itself for fp32 storage).
 template <typename scalar_t>
-float row_pass(typename Store<scalar_t>::raw_t* __restrict row, float* __restrict scratch,
+float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
                int64_t vocab, int64_t label, float w, const LossParams& p) {
   using S = Store<scalar_t>;
   const bool capped = p.cap > 0.0f;
@@ -106,7 +109,7 @@ float row_pass(typename Store<scalar_t>::raw_t* __restrict row, float* __restric
     for (int64_t j = 0; j < vocab; ++j) {
       const float z = softcap_fast(S::load(row[j]), cap, inv_cap);
       scratch[j] = z;
-      mx = std::fmax(mx, z);
+      mx = z > mx ? z : mx;
       sum_z += z;
     }
   } else {
@@ -114,7 +117,7 @@ float row_pass(typename Store<scalar_t>::raw_t* __restrict row, float* __restric
     for (int64_t j = 0; j < vocab; ++j) {
       const float z = S::load(row[j]);
       scratch[j] = z;
-      mx = std::fmax(mx, z);
+      mx = z > mx ? z : mx;
       sum_z += z;
     }
   }
@@ -129,16 +132,21 @@ float row_pass(typename Store<scalar_t>::raw_t* __restrict row, float* __restric
   if (!p.need_grad) return loss;
   const float coef = w * (1.0f + 2.0f * p.z_loss * lse);
   const float offset = w * eps / static_cast<float>(vocab);
+  // the grad in fp32 in place in scratch, then (bf16/fp16) rounded into the row
   if (capped) {
 #pragma omp simd
     for (int64_t j = 0; j < vocab; ++j) {
       const float z = scratch[j];
       const float t = z * inv_cap;
-      row[j] = S::store((coef * exp_fast(z - lse) - offset) * (1.0f - t * t));
+      scratch[j] = (coef * exp_fast(z - lse) - offset) * (1.0f - t * t);
     }
   } else {
 #pragma omp simd
-    for (int64_t j = 0; j < vocab; ++j) row[j] = S::store(coef * exp_fast(scratch[j] - lse) - offset);
+    for (int64_t j = 0; j < vocab; ++j) scratch[j] = coef * exp_fast(scratch[j] - lse) - offset;
+  }
+  if (static_cast<void*>(scratch) != static_cast<void*>(row)) {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) row[j] = S::store(scratch[j]);
   }
   // the target entry, computed once in fp32 (not from the rounded value just stored)
   const float t = z_y * inv_cap;

@@ -268,7 +268,8 @@ def _run(hidden, weight, labels, bias, token_scale, divide_by_valid, ignore_inde
          label_smoothing, z_loss, cap, grad_mask):
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     flat = labels.reshape(-1)
-    with _backend.device_guard(hidden.device):
+    # no autograd graph inside (the op's grads are its own), and out= GEMMs refuse one
+    with torch.no_grad(), _backend.device_guard(hidden.device):
         return _KERNELS[_select(hidden)](
             hidden2, weight, flat, bias, token_scale, 1.0, divide_by_valid, ignore_index,
             float(label_smoothing), float(z_loss), float(cap), *grad_mask)
