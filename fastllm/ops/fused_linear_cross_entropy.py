@@ -20,14 +20,15 @@ tokens the logits (chunk x V) are computed by one GEMM, turned in place into the
 vectorised pass, and consumed by the two grad GEMMs; the backward only scales the saved grads by
 the incoming grad. That is 3 GEMMs per step, the same as F.cross_entropy over materialised
 logits. Recomputing the logits in the backward instead (cut cross-entropy's scheme) costs a 4th
-GEMM, +33% of the op's time on this CPU, where the GEMMs are >85% of it (BENCHMARKS.md), to save
-holding grad_weight (V x H, the size of the weight) from forward to backward. "none" cannot use
+GEMM, about +33% on this CPU, where the three GEMMs alone already take as long as the whole
+materialised loss (BENCHMARKS.md), to save holding grad_weight (V x H, the size of the weight)
+from forward to backward. "none" cannot use
 it (the incoming grad weights each token differently inside the dW sum), so its forward computes
 the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads are computed only for the
 inputs that require them (a frozen head skips the dW GEMM), and ignored tokens are dropped before
 any GEMM.
 
-Chunk size: ~8 MiB of logits per chunk (`chunk_rows`), e.g. 42 fp32 / 85 bf16 rows at
+Chunk size: CHUNK_BYTES (64 MiB) of logits per chunk (`chunk_rows`), 341 fp32 / 682 bf16 rows at
 V = 49152: the op's extra memory is one chunk plus the grads, independent of the token count.
 
 Backends: cpp (CPU: csrc/cpu/fused_linear_cross_entropy.cpp, ATen GEMMs + an AVX-512 row pass,
@@ -49,10 +50,12 @@ _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 REDUCTIONS = ("mean", "sum", "none")
 _WHERE = "fastllm.fused_linear_cross_entropy"
 
-# Bytes of logits per chunk on the CPU paths: the GEMMs run within ~10% of their large-chunk
-# speed from here up on this machine (bench/bench_fused_linear_cross_entropy.py), while the chunk
-# stays a few MB (csrc/cpu/fused_linear_cross_entropy.cpp uses the same figure).
-CHUNK_BYTES = 8 << 20
+# Bytes of logits per chunk on the CPU paths. Chosen by measurement, not to be "a few MB": every
+# chunk re-reads the whole weight in two GEMMs and read-modify-writes dW, so small chunks turn the
+# GEMMs memory-bound. One fp32 step at 2048 x 576 x 49152 on this 2-core EPYC (load ~10):
+# 2 MiB chunks 69.5 s, 8 MiB 25.8 s, 32 MiB 13.8 s, 96 MiB 12.2 s (BENCHMARKS.md). 64 MiB is
+# 341 fp32 / 682 bf16 rows at V = 49152, still a fixed cost independent of the token count.
+CHUNK_BYTES = 64 << 20
 
 
 def fused_linear_cross_entropy_ref(hidden, weight, labels, bias=None, ignore_index=-100,
