@@ -23,6 +23,8 @@ OPS = {
     "adamw8bit": "fastllm.bench.bench_adamw8bit",
     # host cost per tensor of an optimizer step (tiny CPU tensors)
     "host": "fastllm.bench.bench_host",
+    # the LM head + loss, fused (minutes on 2 CPU cores: SmolLM2's 49152-token vocabulary)
+    "fused_linear_cross_entropy": "fastllm.bench.bench_fused_linear_cross_entropy",
 }
 
 # what `fastllm bench` (and `make bench`) runs without --ops: about a minute on an

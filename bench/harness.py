@@ -258,3 +258,28 @@ def example(name):
     if folder not in sys.path:
         sys.path.insert(0, folder)
     return importlib.import_module(name)
+
+
+def allocator_peak_bytes(fn):
+    """Peak bytes the CPU allocator held during fn() beyond what it held before: every
+    allocation, those inside C++ kernels included (which a TorchDispatchMode such as
+    fastllm/train/memory.py's PeakMemory does not see), from the torch profiler's allocation
+    events and the running total each carries."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    allocs = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            f = node.extra_fields
+            allocs.append((node.start_time_ns, f.total_allocated, f.alloc_size))
+        stack.extend(node.children)
+    if not allocs:
+        return 0
+    allocs.sort()
+    start = allocs[0][1] - allocs[0][2]
+    return max(total for _, total, _ in allocs) - start

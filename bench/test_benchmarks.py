@@ -47,3 +47,15 @@ def test_lora_linear_fwd_bwd(benchmark, provider, dropout):
     x = torch.randn(512, 256, requires_grad=True)
     g = torch.randn(512, 256)
     benchmark(bench_lora_linear._step(layer.train(), x, g))
+
+
+@pytest.mark.parametrize("provider", ["fastllm", "torch materialised"])
+def test_fused_linear_cross_entropy_fwd_bwd(benchmark, provider):
+    from fastllm.bench import bench_fused_linear_cross_entropy as m
+
+    hidden = torch.randn(256, 64, requires_grad=True)
+    weight = torch.randn(1024, 64, requires_grad=True)
+    labels = torch.randint(0, 1024, (256,))
+    loss_fn = (fastllm.ops.fused_linear_cross_entropy if provider == "fastllm"
+               else m._materialised)
+    benchmark(m._step(loss_fn, hidden, weight, labels))

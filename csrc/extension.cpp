@@ -39,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("powersgd_decompress_cpu", &fastllm::powersgd_decompress_cpu, no_gil);
   m.def("galore_adam_step_cpu", &fastllm::galore_adam_step_cpu, no_gil);
   m.def("adamw8bit_step_cpu", &fastllm::adamw8bit_step_cpu, no_gil);
+  m.def("fused_linear_cross_entropy_cpu", &fastllm::fused_linear_cross_entropy_cpu, no_gil);
 #ifdef FASTLLM_WITH_CUDA
   m.def("adamw_step_cuda", &fastllm::adamw_step_cuda, no_gil);
   m.def("adamw_master_step_cuda", &fastllm::adamw_master_step_cuda, no_gil);

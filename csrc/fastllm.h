@@ -113,6 +113,20 @@ void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
                         const c10::optional<at::Tensor>& clip_coef,
                         const c10::optional<at::Tensor>& found_inf);
 
+// fastllm::fused_linear_cross_entropy (csrc/cpu/fused_linear_cross_entropy.cpp)
+// Cross-entropy of logits = hidden weight^T + bias over chunks of tokens, never materialising
+// them. hidden (N, H), weight (V, H), bias (V,) of one dtype (fp32, bf16, fp16), labels (N,)
+// int64, contiguous CPU tensors. Returns {loss (N,) fp32 per token (0 where ignored),
+// grad_hidden (N, H), grad_weight (V, H), grad_bias (V,)}: each grad of
+// sum_i w_i loss_i, w_i = scale * token_scale[i] (/ valid tokens when divide_by_valid), empty
+// unless its need_* flag is set. softcap <= 0: none. chunk_rows <= 0: sized by the kernel.
+std::vector<at::Tensor> fused_linear_cross_entropy_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& token_scale,
+    double scale, bool divide_by_valid, int64_t ignore_index, double label_smoothing,
+    double z_loss, double softcap, bool need_hidden, bool need_weight, bool need_bias,
+    int64_t chunk_rows);
+
 #ifdef FASTLLM_WITH_CUDA
 // Same contract on CUDA tensors: one multi-tensor launch per chunk of tensors. grad_scale and
 // found_inf are read on the device (no host sync); steps may live on the CPU or on the device.

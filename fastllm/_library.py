@@ -73,6 +73,22 @@ SCHEMAS = {
         "bool maximize=False, bool stochastic_rounding=False, int seed=0, "
         "Tensor? grad_scale=None, Tensor? clip_coef=None, Tensor? found_inf=None) -> ()"
     ),
+    # Cross-entropy of hidden weight^T + bias over chunks of tokens (fastllm/ops/
+    # fused_linear_cross_entropy.py): (loss, grad_hidden, grad_weight, grad_bias), the grads of
+    # the loss computed in the same pass for the True entries of grad_mask ([hidden, weight,
+    # bias]; "mean"/"sum" only), else empty. logit_softcap 0: none.
+    "fused_linear_cross_entropy": (
+        "fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, "
+        "int ignore_index, str reduction, float label_smoothing, float z_loss, "
+        "float logit_softcap, bool[] grad_mask) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    # (grad_hidden, grad_weight, grad_bias) for grad_loss (0-d, or labels' shape for "none"),
+    # recomputing the logits chunk by chunk; empty where grad_mask is False.
+    "fused_linear_cross_entropy_backward": (
+        "fused_linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
+        "Tensor labels, Tensor? bias, int ignore_index, str reduction, float label_smoothing, "
+        "float z_loss, float logit_softcap, bool[] grad_mask) -> (Tensor, Tensor, Tensor)"
+    ),
 }
 
 for _schema in SCHEMAS.values():

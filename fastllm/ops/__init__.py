@@ -10,6 +10,8 @@ from fastllm.ops.galore_adam_step import galore_adam_step, galore_adam_step_ref
 from fastllm.ops.orthogonalize import orthogonalize, orthogonalize_ref
 from fastllm.ops.powersgd_decompress import powersgd_decompress, powersgd_decompress_ref
 from fastllm.ops.adamw8bit import adamw8bit_step, adamw8bit_step_ref
+from fastllm.ops.fused_linear_cross_entropy import (
+    fused_linear_cross_entropy, fused_linear_cross_entropy_ref)
 
 __all__ = [
     "adamw_master_step", "adamw_master_step_ref", "adamw_step", "adamw_step_ref", "l2norm",
@@ -18,4 +20,5 @@ __all__ = [
     "galore_adam_step", "galore_adam_step_ref", "orthogonalize", "orthogonalize_ref",
     "powersgd_decompress", "powersgd_decompress_ref",
     "adamw8bit_step", "adamw8bit_step_ref",
+    "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref",
 ]

@@ -1,0 +1,328 @@
+// Fused linear cross-entropy for CPU tensors: the head matmul and the loss over chunks of tokens,
+// with the grads of hidden, weight and bias produced in the same pass; the (tokens x vocab)
+// logits and their grad never exist, only one (chunk rows x vocab) buffer.
+//
+// Per chunk of c valid tokens (ignored tokens are dropped before any matmul: they cost nothing):
+//   Z  = X_c W^T + b                  at::mm / at::addmm (oneDNN / MKL), into the chunk buffer
+//   row pass (OpenMP over rows, vectorised, fp32 whatever the storage dtype), in place in Z:
+//        z = cap * tanh(z / cap)                          (logit_softcap, Gemma-2)
+//        lse = log sum_j exp(z_j)
+//        loss = lse - (1 - eps) z_y - eps mean_j(z_j) + z_loss lse^2
+//        G_j = w (p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j = y]) (1 - (z_j / cap)^2)
+//   dX_c = G W                        at::mm, straight into grad_hidden's rows
+//   dW  += G^T X_c, db += sum_rows G  fp32 accumulation: fp32 in place (addmm_); bf16/fp16 over
+//                                     several chunks through ATen's cpublas::brgemm (oneDNN's
+//                                     bf16 x bf16 -> fp32 GEMM, beta = 1) into an fp32 dW^T, so
+//                                     no partial sum is ever rounded to bf16 (one chunk: at::mm,
+//                                     one rounding, as torch's own backward)
+// w is the token's weight in the reduction (1 / valid tokens for "mean", 1 for "sum", the
+// incoming grad for "none"'s backward). The maths is fastllm/ops/fused_linear_cross_entropy.py's
+// `fused_linear_cross_entropy_ref`, differentiated by hand.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "fastllm.h"
+#include "low_precision.h"
+
+namespace fastllm {
+namespace {
+
+// exp for a vectorised loop (gcc turns `#pragma omp simd` loops over it into AVX-512 under
+// -march=native; std::exp would stay scalar): Cephes' expf (Stephen Moshier, netlib.org/cephes):
+// x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the exponent bits.
+// Relative error about 2 ulp; arguments below -87.3 give ~1e-38 instead of 0.
+__attribute__((always_inline)) inline float exp_fast(float x) {
+  // ternaries, not std::fmin/fmax: those are library calls (NaN rules) that stop vectorisation
+  x = x < -87.3365f ? -87.3365f : (x > 88.7228f ? 88.7228f : x);
+  // round to nearest by adding and removing 1.5 * 2^23 (std::floor does not vectorise without
+  // -fno-trapping-math: it must not raise "inexact")
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  return p * lowp::bits_to_float(static_cast<uint32_t>(e) << 23);
+}
+
+// cap * tanh(x / cap), written with exp_fast so it vectorises: tanh(t) = 1 - 2 / (e^{2t} + 1)
+// (saturates to +-1 for large |t|; absolute error ~1e-7 cap near 0).
+__attribute__((always_inline)) inline float softcap_fast(float x, float cap, float inv_cap) {
+  const float t = x * inv_cap;
+  return cap * (1.0f - 2.0f / (exp_fast(2.0f * t) + 1.0f));
+}
+
+template <typename scalar_t>
+struct Store;  // raw storage type and fp32 conversions of the chunk buffer
+
+template <>
+struct Store<float> {
+  using raw_t = float;
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+};
+template <>
+struct Store<at::BFloat16> {
+  using raw_t = uint16_t;
+  static float load(uint16_t v) { return lowp::BF16::load(v); }
+  static uint16_t store(float v) { return lowp::BF16::round_nearest(v); }
+};
+template <>
+struct Store<at::Half> {
+  using raw_t = uint16_t;
+  static float load(uint16_t v) { return lowp::F16::load(v); }
+  static uint16_t store(float v) { return lowp::F16::round_nearest(v); }
+};
+
+struct LossParams {
+  float smoothing;  // label_smoothing eps
+  float z_loss;     // z_loss coefficient
+  float cap;        // logit_softcap, 0 for none
+  bool need_grad;   // overwrite the row with the logits' grad
+};
+
+// One token's row of logits (vocab entries) -> its loss; with need_grad the row is replaced by
+// w * dloss/dlogits. scratch: vocab fp32 (the row itself for fp32 storage).
+template <typename scalar_t>
+float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
+               int64_t vocab, int64_t label, float w, const LossParams& p) {
+  using S = Store<scalar_t>;
+  const bool capped = p.cap > 0.0f;
+  const float cap = p.cap, inv_cap = capped ? 1.0f / p.cap : 0.0f;
+  float mx = -std::numeric_limits<float>::infinity();
+  float sum_z = 0.0f;
+  if (capped) {
+#pragma omp simd reduction(max : mx) reduction(+ : sum_z)
+    for (int64_t j = 0; j < vocab; ++j) {
+      const float z = softcap_fast(S::load(row[j]), cap, inv_cap);
+      scratch[j] = z;
+      mx = z > mx ? z : mx;
+      sum_z += z;
+    }
+  } else {
+#pragma omp simd reduction(max : mx) reduction(+ : sum_z)
+    for (int64_t j = 0; j < vocab; ++j) {
+      const float z = S::load(row[j]);
+      scratch[j] = z;
+      mx = z > mx ? z : mx;
+      sum_z += z;
+    }
+  }
+  float sum_exp = 0.0f;
+#pragma omp simd reduction(+ : sum_exp)
+  for (int64_t j = 0; j < vocab; ++j) sum_exp += exp_fast(scratch[j] - mx);
+  const float lse = mx + std::log(sum_exp);
+  const float z_y = scratch[label];
+  const float eps = p.smoothing;
+  const float loss = lse - (1.0f - eps) * z_y - eps * (sum_z / static_cast<float>(vocab)) +
+                     p.z_loss * lse * lse;
+  if (!p.need_grad) return loss;
+  const float coef = w * (1.0f + 2.0f * p.z_loss * lse);
+  const float offset = w * eps / static_cast<float>(vocab);
+  // the grad in fp32 in place in scratch, then (bf16/fp16) rounded into the row
+  if (capped) {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) {
+      const float z = scratch[j];
+      const float t = z * inv_cap;
+      scratch[j] = (coef * exp_fast(z - lse) - offset) * (1.0f - t * t);
+    }
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) scratch[j] = coef * exp_fast(scratch[j] - lse) - offset;
+  }
+  if (static_cast<void*>(scratch) != static_cast<void*>(row)) {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) row[j] = S::store(scratch[j]);
+  }
+  // the target entry, computed once in fp32 (not from the rounded value just stored)
+  const float t = z_y * inv_cap;
+  const float dcap = capped ? 1.0f - t * t : 1.0f;
+  row[label] = S::store((coef * exp_fast(z_y - lse) - offset - w * (1.0f - eps)) * dcap);
+  return loss;
+}
+
+void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                  const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& token_scale) {
+  const char* op = "fastllm.fused_linear_cross_entropy";
+  TORCH_CHECK(hidden.device().is_cpu() && weight.device().is_cpu() && labels.device().is_cpu(),
+              op, ": the cpp kernel takes CPU tensors");
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && labels.dim() == 1, op,
+              ": expects hidden (N, H), weight (V, H), labels (N,)");
+  TORCH_CHECK(hidden.size(1) == weight.size(1) && labels.size(0) == hidden.size(0), op,
+              ": shapes disagree: hidden ", hidden.sizes(), ", weight ", weight.sizes(),
+              ", labels ", labels.sizes());
+  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), op, ": hidden is ",
+              hidden.scalar_type(), " but weight is ", weight.scalar_type());
+  TORCH_CHECK(labels.scalar_type() == at::kLong, op, ": labels must be int64");
+  TORCH_CHECK(hidden.is_contiguous() && weight.is_contiguous() && labels.is_contiguous(), op,
+              ": hidden, weight and labels must be contiguous");
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) &&
+                    bias->scalar_type() == weight.scalar_type() && bias->is_contiguous(),
+                op, ": bias must be a contiguous (V,) tensor of weight's dtype");
+  }
+  if (token_scale) {
+    TORCH_CHECK(token_scale->dim() == 1 && token_scale->size(0) == hidden.size(0) &&
+                    token_scale->scalar_type() == at::kFloat && token_scale->is_contiguous(),
+                op, ": token_scale must be a contiguous (N,) fp32 tensor");
+  }
+}
+
+// Rows of the chunk buffer: ~kBudget bytes of (rows x vocab) logits, at least 1 row and no more
+// than the tokens.
+int64_t chunk_rows_for(int64_t tokens, int64_t vocab, int64_t elem_size, int64_t requested) {
+  if (requested > 0) return std::max<int64_t>(1, std::min(requested, tokens));
+  // fastllm/ops/fused_linear_cross_entropy.py passes rows from its CHUNK_BYTES; the same default
+  constexpr int64_t kBudget = int64_t(64) << 20;
+  const int64_t rows = kBudget / std::max<int64_t>(1, vocab * elem_size);
+  return std::max<int64_t>(1, std::min(rows, tokens));
+}
+
+template <typename scalar_t>
+std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
+                            const at::Tensor& labels, const c10::optional<at::Tensor>& bias,
+                            const c10::optional<at::Tensor>& token_scale, double scale,
+                            bool divide_by_valid, int64_t ignore_index, const LossParams& params, bool need_hidden,
+                            bool need_weight, bool need_bias, int64_t chunk_rows_requested) {
+  using raw_t = typename Store<scalar_t>::raw_t;
+  const int64_t n = hidden.size(0), h = hidden.size(1), vocab = weight.size(0);
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  auto loss = at::zeros({n}, f32);
+  const bool grads = params.need_grad;
+  at::Tensor grad_hidden = hidden.new_empty({0});
+  at::Tensor grad_weight = weight.new_empty({0});
+  at::Tensor grad_bias = weight.new_empty({0});
+  const int64_t* lab = labels.const_data_ptr<int64_t>();
+  // Valid tokens, in order; ignored ones are left out of every matmul.
+  std::vector<int64_t> valid;
+  valid.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t y = lab[i];
+    if (y == ignore_index) continue;
+    TORCH_CHECK(y >= 0 && y < vocab, "fastllm.fused_linear_cross_entropy: label ", y,
+                " at token ", i, " is outside [0, ", vocab, ") and is not ignore_index (",
+                ignore_index, ")");
+    valid.push_back(i);
+  }
+  const int64_t m = static_cast<int64_t>(valid.size());
+  if (grads && need_hidden) grad_hidden = m == n ? at::empty_like(hidden) : at::zeros_like(hidden);
+  const bool fp32 = hidden.scalar_type() == at::kFloat;
+  const int64_t rows = chunk_rows_for(m, vocab, hidden.element_size(), chunk_rows_requested);
+  // fp32 accumulators; bf16/fp16 with a single chunk write dW with one product (one rounding)
+  const bool direct_dw = fp32 || m <= rows;
+  at::Tensor dw32, dw32t, db32;  // dw32t: (H, V) fp32, the brgemm accumulator
+  if (grads && need_weight) {
+    if (direct_dw) {
+      dw32 = m > 0 ? at::empty_like(weight) : at::zeros_like(weight);
+    } else {
+      dw32t = at::empty({h, vocab}, f32);
+    }
+  }
+  if (grads && need_bias && bias) db32 = at::zeros({vocab}, f32);
+  if (m > 0) {
+    const bool all_valid = m == n;
+    at::Tensor index;
+    if (!all_valid) index = at::from_blob(valid.data(), {m}, at::kLong).clone();
+    auto buffer = at::empty({rows, vocab}, hidden.options());
+    const float token_weight = static_cast<float>(divide_by_valid ? scale / double(m) : scale);
+    const float* ts = token_scale ? token_scale->const_data_ptr<float>() : nullptr;
+    float* loss_ptr = loss.mutable_data_ptr<float>();
+    const auto wt = weight.t();
+    for (int64_t c0 = 0; c0 < m; c0 += rows) {
+      const int64_t c = std::min(rows, m - c0);
+      auto z = buffer.narrow(0, 0, c);
+      auto x = all_valid ? hidden.narrow(0, c0, c) : hidden.index_select(0, index.narrow(0, c0, c));
+      if (bias) {
+        at::addmm_out(z, *bias, x, wt);
+      } else {
+        at::mm_out(z, x, wt);
+      }
+      raw_t* zp = reinterpret_cast<raw_t*>(z.mutable_data_ptr());
+      const int64_t* vp = valid.data() + c0;
+      const bool stage = !std::is_same<scalar_t, float>::value;
+      at::parallel_for(0, c, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(stage ? vocab : 0);
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t tok = vp[r];
+          raw_t* row = zp + r * vocab;
+          float* s = stage ? scratch.data() : reinterpret_cast<float*>(row);
+          const float w = token_weight * (ts ? ts[tok] : 1.0f);
+          loss_ptr[tok] = row_pass<scalar_t>(row, s, vocab, lab[tok], w, params);
+        }
+      });
+      if (!grads) continue;
+      if (need_hidden) {
+        if (all_valid) {
+          auto out = grad_hidden.narrow(0, c0, c);
+          at::mm_out(out, z, weight);
+        } else {
+          grad_hidden.index_copy_(0, index.narrow(0, c0, c), at::mm(z, weight));
+        }
+      }
+      if (need_weight) {
+        if (direct_dw) {
+          if (c0 == 0) {
+            at::mm_out(dw32, z.t(), x);
+          } else {
+            dw32.addmm_(z.t(), x);
+          }
+        } else {
+          // dW^T (H, V) (+)= X_c^T (H, c) G (c, V), row-major operands, fp32 accumulator
+          const auto xt = x.t().contiguous();
+          at::native::cpublas::brgemm(h, vocab, c, c, vocab, vocab, c0 > 0, xt.const_data_ptr<scalar_t>(),
+                                      z.const_data_ptr<scalar_t>(), dw32t.mutable_data_ptr<float>(),
+                                      false);
+        }
+      }
+      if (db32.defined()) db32.add_(at::sum(z, {0}, false, at::kFloat));
+    }
+  }
+  if (dw32.defined()) grad_weight = dw32;
+  if (dw32t.defined()) grad_weight = at::empty_like(weight).copy_(dw32t.t());
+  if (db32.defined()) grad_bias = db32.to(weight.scalar_type());
+  return {loss, grad_hidden, grad_weight, grad_bias};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> fused_linear_cross_entropy_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& token_scale,
+    double scale, bool divide_by_valid, int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
+    bool need_hidden, bool need_weight, bool need_bias, int64_t chunk_rows) {
+  check_inputs(hidden, weight, labels, bias, token_scale);
+  const LossParams params{static_cast<float>(label_smoothing), static_cast<float>(z_loss),
+                          static_cast<float>(softcap > 0.0 ? softcap : 0.0),
+                          need_hidden || need_weight || need_bias};
+  switch (hidden.scalar_type()) {
+    case at::kFloat:
+      return run<float>(hidden, weight, labels, bias, token_scale, scale, divide_by_valid, ignore_index, params,
+                        need_hidden, need_weight, need_bias, chunk_rows);
+    case at::kBFloat16:
+      return run<at::BFloat16>(hidden, weight, labels, bias, token_scale, scale, divide_by_valid, ignore_index,
+                               params, need_hidden, need_weight, need_bias, chunk_rows);
+    case at::kHalf:
+      return run<at::Half>(hidden, weight, labels, bias, token_scale, scale, divide_by_valid, ignore_index, params,
+                           need_hidden, need_weight, need_bias, chunk_rows);
+    default:
+      TORCH_CHECK(false, "fastllm.fused_linear_cross_entropy: the cpp kernel takes fp32, bf16 or "
+                         "fp16, got ", hidden.scalar_type());
+  }
+}
+
+}  // namespace fastllm

@@ -1,0 +1,510 @@
+"""fastllm::fused_linear_cross_entropy: the LM head's matmul and the cross-entropy loss, fused
+over chunks of tokens, so that the (tokens x vocab) logits and their grad never exist.
+
+    logits = hidden weight^T + bias                     (fp32 accumulation)
+    logits = cap * tanh(logits / cap)                   (logit_softcap, Gemma-2; None: off)
+    loss_i = (1 - eps) (lse_i - z_{i,y_i}) + eps (lse_i - mean_j z_ij) + z_loss lse_i^2
+    lse_i  = logsumexp_j z_ij, eps = label_smoothing, z_loss: PaLM's auxiliary loss
+
+hidden: (..., H) fp32, bf16 or fp16 (fp64 on the ref backend); weight: (V, H) of hidden's dtype
+(tied embeddings: the embedding matrix itself); bias: (V,) or None; labels: (...) int64, already
+aligned with hidden (the caller shifts for causal LM), ignore_index where no loss is wanted.
+reduction: "mean" over non-ignored tokens (as F.cross_entropy: nan when every label is ignored,
+with zero grads), "sum" (0 when every label is ignored) or "none" (per token, labels' shape, 0 at
+ignored tokens). The loss is fp32 (fp64 for fp64 inputs), as Hugging Face's loss over
+`logits.float()`.
+
+How the grads are produced. For "mean" and "sum" the forward computes the loss AND the grads of
+hidden, weight and bias in the same pass over the chunks (Liger-Kernel's scheme): per chunk of
+tokens the logits (chunk x V) are computed by one GEMM, turned in place into their grad by one
+vectorised pass, and consumed by the two grad GEMMs; the backward only scales the saved grads by
+the incoming grad. That is 3 GEMMs per step, the same as F.cross_entropy over materialised
+logits. Recomputing the logits in the backward instead (cut cross-entropy's scheme) costs a 4th
+GEMM, about +33% on this CPU, where the three GEMMs alone already take as long as the whole
+materialised loss (BENCHMARKS.md), to save holding grad_weight (V x H, the size of the weight)
+from forward to backward. "none" cannot use
+it (the incoming grad weights each token differently inside the dW sum), so its forward computes
+the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads are computed only for the
+inputs that require them (a frozen head skips the dW GEMM), and ignored tokens are dropped before
+any GEMM.
+
+Chunk size: CHUNK_BYTES (64 MiB) of logits per chunk (`chunk_rows`), 341 fp32 / 682 bf16 rows at
+V = 49152: the op's extra memory is one chunk plus the grads, independent of the token count.
+
+Backends: cpp (CPU: csrc/cpu/fused_linear_cross_entropy.cpp, ATen GEMMs + an AVX-512 row pass,
+OpenMP over rows), triton (GPU; CPU under TRITON_INTERPRET=1: torch GEMMs and the row pass of
+kernels/fused_linear_cross_entropy.py), ref (the same chunked algorithm with the row pass in
+PyTorch). `fused_linear_cross_entropy_ref` materialises the logits and lets autograd
+differentiate: the oracle the tests compare against.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fastllm import _backend, _extension
+from fastllm._library import lib
+
+_PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
+REDUCTIONS = ("mean", "sum", "none")
+_WHERE = "fastllm.fused_linear_cross_entropy"
+
+# Bytes of logits per chunk on the CPU paths. Chosen by measurement, not to be "a few MB": every
+# chunk re-reads the whole weight in two GEMMs and read-modify-writes dW, so small chunks turn the
+# GEMMs memory-bound. One fp32 step at 2048 x 576 x 49152 on this 2-core EPYC (load ~10):
+# 2 MiB chunks 69.5 s, 8 MiB 25.8 s, 32 MiB 13.8 s, 96 MiB 12.2 s (BENCHMARKS.md). 64 MiB is
+# 341 fp32 / 682 bf16 rows at V = 49152, still a fixed cost independent of the token count.
+CHUNK_BYTES = 64 << 20
+
+
+def fused_linear_cross_entropy_ref(hidden, weight, labels, bias=None, ignore_index=-100,
+                                   reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                                   logit_softcap=None):
+    """Plain PyTorch over materialised logits (upcast to fp32, as Hugging Face's loss), autograd
+    differentiable: the oracle for every backend. Same arguments as fused_linear_cross_entropy."""
+    logits = F.linear(hidden, weight, bias)
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    if logit_softcap is not None:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    logits = logits.reshape(-1, weight.shape[0])
+    flat = labels.reshape(-1)
+    loss = F.cross_entropy(logits, flat, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    valid = flat != ignore_index
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(logits, -1).square() * valid
+    if reduction == "none":
+        return loss.reshape(labels.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()
+
+
+def check_fused_linear_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction,
+                                          label_smoothing, z_loss, logit_softcap):
+    """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
+    tensors = {"hidden": hidden, "weight": weight}
+    if bias is not None:
+        tensors["bias"] = bias
+    for name, t in tensors.items():
+        if t.layout != torch.strided:
+            raise TypeError(f"{_WHERE}: {name} is {t.layout}; only dense tensors are supported")
+        if t.dtype != hidden.dtype:
+            raise TypeError(f"{_WHERE}: {name} has dtype {t.dtype}, hidden has {hidden.dtype}")
+        if t.device != hidden.device:
+            raise ValueError(f"{_WHERE}: {name} is on {t.device}, hidden on {hidden.device}")
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"{_WHERE}: dtype {hidden.dtype} is not supported (fp32, bf16, fp16, "
+                        "fp64)")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"{_WHERE}: labels must be int64, got {labels.dtype}")
+    if labels.device != hidden.device:
+        raise ValueError(f"{_WHERE}: labels are on {labels.device}, hidden on {hidden.device}")
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{_WHERE}: expected hidden (..., H) and weight (V, H), got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{_WHERE}: labels {tuple(labels.shape)} must have hidden's leading "
+                         f"shape {tuple(hidden.shape[:-1])} (shift them for causal LM first)")
+    if weight.shape[0] < 1:
+        raise ValueError(f"{_WHERE}: the vocabulary (weight.shape[0]) is empty")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{_WHERE}: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{_WHERE}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{_WHERE}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (math.isfinite(z_loss) and z_loss >= 0.0):
+        raise ValueError(f"{_WHERE}: z_loss must be finite and >= 0, got {z_loss}")
+    if logit_softcap is not None and not (math.isfinite(logit_softcap) and logit_softcap > 0):
+        raise ValueError(f"{_WHERE}: logit_softcap must be None or > 0, got {logit_softcap}")
+
+
+def _check_labels(flat, ignore_index, vocab):
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{_WHERE}: label {int(flat[i])} at token {i} is outside [0, {vocab}) "
+                         f"and is not ignore_index ({ignore_index})")
+
+
+def chunk_rows(tokens, vocab, elem_size, device_type="cpu", hidden_size=None):
+    """Rows of the chunk buffer (chunk x vocab logits in hidden's dtype)."""
+    if device_type == "cuda" and hidden_size:
+        # Liger-Kernel's choice: about as many logits per chunk as hidden holds elements
+        rows = 1 << max(0, math.ceil(math.log2(max(1, tokens / math.ceil(vocab / hidden_size)))))
+    else:
+        rows = CHUNK_BYTES // max(1, vocab * elem_size)
+    return max(1, min(rows, tokens))
+
+
+def row_pass_ref(z, labels, weights, label_smoothing, z_loss, cap, need_grad):
+    """One chunk's rows of logits z (c, V), in place: returns the per-token losses (c,) fp32 and,
+    with need_grad, overwrites z with weights[:, None] * dloss/dz. labels (c,) all valid."""
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    zf = z.to(acc)
+    if cap:
+        zf = cap * torch.tanh(zf / cap)
+    vocab = z.shape[1]
+    lse = torch.logsumexp(zf, 1)
+    z_y = zf.gather(1, labels[:, None])[:, 0]
+    eps = label_smoothing
+    loss = lse - (1.0 - eps) * z_y - eps * zf.mean(1) + z_loss * lse * lse
+    if need_grad:
+        w = weights.to(acc)
+        g = torch.exp(zf - lse[:, None]) * (w * (1.0 + 2.0 * z_loss * lse))[:, None]
+        g.sub_((w * (eps / vocab))[:, None])
+        g.scatter_add_(1, labels[:, None], -(w * (1.0 - eps))[:, None])
+        if cap:
+            g.mul_(1.0 - (zf / cap).square())
+        z.copy_(g)
+    return loss.to(acc)
+
+
+def _mm_acc(a, b, acc):
+    """a @ b with an fp32 (fp64) result: a chunk's dW product, summed over chunks without ever
+    being rounded to bf16/fp16 (the products of bf16 values are exact in fp32)."""
+    if a.dtype == acc:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=acc)
+    return torch.mm(a.to(acc), b.to(acc))
+
+
+def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_by_valid,
+             ignore_index, label_smoothing, z_loss, cap, need_hidden, need_weight, need_bias,
+             rows=None):
+    """The cpp kernel's algorithm with torch GEMMs and `row_pass` (ref or triton): the same
+    contract as fastllm._C.fused_linear_cross_entropy_cpu."""
+    n, h = hidden2.shape
+    vocab = weight.shape[0]
+    acc = torch.float64 if hidden2.dtype == torch.float64 else torch.float32
+    need_grad = need_hidden or need_weight or need_bias
+    _check_labels(flat, ignore_index, vocab)
+    valid = (flat != ignore_index).nonzero()[:, 0]
+    m = valid.numel()
+    loss = hidden2.new_zeros(n, dtype=acc)
+    empty = hidden2.new_empty(0)
+    gh = torch.zeros_like(hidden2) if need_grad and need_hidden else empty
+    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad and need_weight \
+        else None
+    gb = torch.zeros(vocab, dtype=acc, device=weight.device) if need_grad and need_bias \
+        and bias is not None else None
+    if m > 0:
+        if rows is None:
+            rows = chunk_rows(m, vocab, hidden2.element_size(), hidden2.device.type, h)
+        w_all = torch.full((m,), scale / m if divide_by_valid else scale, dtype=torch.float32,
+                           device=hidden2.device)
+        if token_scale is not None:
+            w_all = w_all * token_scale.float()[valid]
+        for c0 in range(0, m, rows):
+            idx = valid[c0:c0 + rows]
+            x = hidden2[idx]
+            z = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+            loss[idx] = row_pass(z, flat[idx], w_all[c0:c0 + rows], label_smoothing, z_loss,
+                                 cap, need_grad)
+            if not need_grad:
+                continue
+            if need_hidden:
+                gh[idx] = torch.mm(z, weight)
+            if need_weight:
+                gw.add_(_mm_acc(z.t(), x, acc))
+            if gb is not None:
+                gb.add_(z.sum(0, dtype=acc))
+    gw = empty if gw is None else gw.to(weight.dtype)
+    gb = empty if gb is None else gb.to(weight.dtype)
+    return loss, gh, gw, gb
+
+
+def _row_pass_triton(*args):
+    from fastllm.kernels.fused_linear_cross_entropy import row_pass_triton
+
+    return row_pass_triton(*args)
+
+
+def _cpp(hidden2, weight, flat, bias, token_scale, scale, divide_by_valid, ignore_index,
+         label_smoothing, z_loss, cap, need_hidden, need_weight, need_bias):
+    try:
+        return _extension.extension().fused_linear_cross_entropy_cpu(
+            hidden2.contiguous(), weight.contiguous(), flat.contiguous(),
+            None if bias is None else bias.contiguous(),
+            None if token_scale is None else token_scale.float().contiguous(), scale,
+            divide_by_valid, ignore_index, label_smoothing, z_loss, cap, need_hidden,
+            need_weight, need_bias,
+            chunk_rows(hidden2.shape[0], weight.shape[0], hidden2.element_size()))
+    except RuntimeError as exc:  # the kernel's label check: the same error as the other paths
+        if "is outside [0," in str(exc):
+            raise ValueError(str(exc).splitlines()[0]) from None
+        raise
+
+
+_KERNELS = {
+    "ref": lambda *a: _chunked(row_pass_ref, *a),
+    "triton": lambda *a: _chunked(_row_pass_triton, *a),
+    "cpp": _cpp,
+}
+
+
+def _select(hidden):
+    device_type = hidden.device.type
+    backend = _backend.select("fused_linear_cross_entropy", device_type,
+                              _PREFERENCE.get(device_type, ("ref",)))
+    if backend not in _KERNELS:
+        raise RuntimeError(f"{_WHERE}: backend {backend!r} was forced but this op has no "
+                           f"{backend} kernel; its GPU path is triton")
+    if hidden.dtype == torch.float64 and backend != "ref":
+        if _backend.forced_backend() == backend:
+            raise RuntimeError(f"{_WHERE}: backend {backend!r} was forced but it supports fp32, "
+                               "bf16 and fp16; fp64 runs on the ref backend")
+        return "ref"
+    if backend == "cpp" and not hasattr(_extension.extension(), "fused_linear_cross_entropy_cpu"):
+        if _backend.forced_backend() == "cpp":
+            raise RuntimeError(f"{_WHERE}: backend 'cpp' was forced but fastllm._C predates this "
+                               "op; rebuild it (make build)")
+        return "ref"
+    return backend
+
+
+def _run(hidden, weight, labels, bias, token_scale, divide_by_valid, ignore_index,
+         label_smoothing, z_loss, cap, grad_mask):
+    hidden2 = hidden.reshape(-1, hidden.shape[-1])
+    flat = labels.reshape(-1)
+    # no autograd graph inside (the op's grads are its own), and out= GEMMs refuse one
+    with torch.no_grad(), _backend.device_guard(hidden.device):
+        return _KERNELS[_select(hidden)](
+            hidden2, weight, flat, bias, token_scale, 1.0, divide_by_valid, ignore_index,
+            float(label_smoothing), float(z_loss), float(cap), *grad_mask)
+
+
+def _reduce(per_token, labels, ignore_index, reduction):
+    if reduction == "none":
+        return per_token.reshape(labels.shape)
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    return total / (labels != ignore_index).sum()  # nan when every label is ignored, as torch
+
+
+def _fused_impl(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss,
+                logit_softcap, grad_mask):
+    cap = logit_softcap or None
+    check_fused_linear_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction,
+                                          label_smoothing, z_loss, cap)
+    if reduction == "none" and any(grad_mask):
+        raise ValueError(f"{_WHERE}: reduction 'none' computes its grads in the backward op")
+    per_token, gh, gw, gb = _run(hidden, weight, labels, bias, None, reduction == "mean",
+                                 ignore_index, label_smoothing, z_loss, logit_softcap,
+                                 list(grad_mask))
+    loss = _reduce(per_token, labels, ignore_index, reduction)
+    return loss, gh.view(hidden.shape) if gh.numel() else gh, gw, gb
+
+
+def _backward_impl(grad_loss, hidden, weight, labels, bias, ignore_index, reduction,
+                   label_smoothing, z_loss, logit_softcap, grad_mask):
+    """Grads of hidden, weight, bias for an incoming grad_loss (0-d, or labels' shape for
+    'none'), recomputing the logits chunk by chunk."""
+    token_scale = grad_loss.float().expand(labels.shape).reshape(-1)
+    _, gh, gw, gb = _run(hidden, weight, labels, bias, token_scale, reduction == "mean",
+                         ignore_index, label_smoothing, z_loss, logit_softcap, list(grad_mask))
+    return gh.view(hidden.shape) if gh.numel() else gh, gw, gb
+
+
+lib.impl("fused_linear_cross_entropy", _fused_impl, "CPU")
+lib.impl("fused_linear_cross_entropy", _fused_impl, "CUDA")
+lib.impl("fused_linear_cross_entropy_backward", _backward_impl, "CPU")
+lib.impl("fused_linear_cross_entropy_backward", _backward_impl, "CUDA")
+
+
+def _loss_dtype(hidden):
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("fastllm::fused_linear_cross_entropy")
+def _fused_fake(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss,
+                logit_softcap, grad_mask):
+    check_fused_linear_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction,
+                                          label_smoothing, z_loss, logit_softcap or None)
+    shape = labels.shape if reduction == "none" else ()
+    need_h, need_w, need_b = grad_mask
+    return (hidden.new_empty(shape, dtype=_loss_dtype(hidden)),
+            hidden.new_empty(hidden.shape) if need_h else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if need_w else hidden.new_empty(0),
+            weight.new_empty(weight.shape[:1]) if need_b and bias is not None
+            else hidden.new_empty(0))
+
+
+@torch.library.register_fake("fastllm::fused_linear_cross_entropy_backward")
+def _backward_fake(grad_loss, hidden, weight, labels, bias, ignore_index, reduction,
+                   label_smoothing, z_loss, logit_softcap, grad_mask):
+    need_h, need_w, need_b = grad_mask
+    return (hidden.new_empty(hidden.shape) if need_h else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if need_w else hidden.new_empty(0),
+            weight.new_empty(weight.shape[:1]) if need_b and bias is not None
+            else hidden.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, labels, bias, ignore_index, reduction, eps, z_loss, cap, grad_mask = inputs
+    _, gh, gw, gb = output
+    ctx.mark_non_differentiable(gh, gw, gb)
+    ctx.precomputed = list(grad_mask)
+    ctx.args = (ignore_index, reduction, eps, z_loss, cap)
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, labels, bias, gh, gw, gb)
+
+
+def _scaled(grad, grad_loss):
+    # grad_loss is 0-d: the product stays in grad's dtype, computed in fp32
+    return grad * grad_loss.to(torch.float32)
+
+
+def _fused_backward(ctx, grad_loss, *_):
+    hidden, weight, labels, bias, gh, gw, gb = ctx.saved_tensors
+    wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+              ctx.has_bias and ctx.needs_input_grad[3]]
+    grads = [None, None, None]
+    missing = [w and not p for w, p in zip(wanted, ctx.precomputed)]
+    if any(missing):  # not computed in the forward ("none", or grads it was not asked for)
+        recomputed = torch.ops.fastllm.fused_linear_cross_entropy_backward(
+            grad_loss, hidden, weight, labels, bias, *ctx.args, missing)
+        for i, m in enumerate(missing):
+            if m:
+                grads[i] = recomputed[i]
+    for i, saved in enumerate((gh, gw, gb)):
+        if wanted[i] and ctx.precomputed[i]:
+            grads[i] = _scaled(saved, grad_loss)
+    return grads[0], grads[1], None, grads[2], None, None, None, None, None, None
+
+
+torch.library.register_autograd("fastllm::fused_linear_cross_entropy", _fused_backward,
+                                setup_context=_setup_context)
+
+
+def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100,
+                               reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                               logit_softcap=None):
+    """Cross-entropy of `hidden weight^T + bias` against labels without materialising the logits
+    (see the module docstring for shapes, dtypes and the maths). Returns the fp32 loss: 0-d for
+    "mean"/"sum", labels' shape for "none". Under autocast hidden, weight and bias are cast to the
+    autocast dtype, as F.linear's are."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return fused_linear_cross_entropy(hidden, weight, labels, bias, ignore_index,
+                                              reduction, label_smoothing, z_loss, logit_softcap)
+    if logit_softcap is not None and not (math.isfinite(logit_softcap) and logit_softcap > 0):
+        # checked here: the op's schema spells "no cap" as 0
+        raise ValueError(f"{_WHERE}: logit_softcap must be None or > 0, got {logit_softcap}")
+    in_forward = torch.is_grad_enabled() and reduction != "none"
+    grad_mask = [in_forward and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    cap = 0.0 if logit_softcap is None else float(logit_softcap)
+    loss, _, _, _ = torch.ops.fastllm.fused_linear_cross_entropy(
+        hidden, weight, labels, bias, int(ignore_index), reduction, float(label_smoothing),
+        float(z_loss), cap, grad_mask)
+    return loss
+
+
+class _VocabParallel(torch.autograd.Function):
+    """The chunked loss with the vocabulary sharded over `group`: per chunk each rank takes the
+    max, sum of exponentials, target logit and sum of logits of its shard, and only those
+    (chunk,) vectors are all-reduced; dX's partial sums are all-reduced once at the end, dW and
+    db stay local. Grads are computed in the forward, as in the single-process op."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, vocab_start, vocab_size, group, ignore_index,
+                reduction, label_smoothing, z_loss, cap):
+        import torch.distributed as dist
+
+        hidden2 = hidden.reshape(-1, hidden.shape[-1])
+        flat = labels.reshape(-1)
+        n = hidden2.shape[0]
+        v_local = weight.shape[0]
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        _check_labels(flat, ignore_index, vocab_size)
+        valid = (flat != ignore_index).nonzero()[:, 0]
+        m = valid.numel()
+        need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2]]
+        loss = hidden2.new_zeros(n, dtype=acc)
+        gh = torch.zeros(hidden2.shape, dtype=acc, device=hidden.device) if need[0] else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
+        gb = torch.zeros(v_local, dtype=acc, device=weight.device) if need[2] else None
+        w = (1.0 / m if reduction == "mean" else 1.0) if m else 0.0
+        eps = label_smoothing
+        rows = chunk_rows(max(m, 1), v_local, hidden.element_size(), hidden.device.type,
+                          hidden.shape[-1])
+        for c0 in range(0, m, rows):
+            idx = valid[c0:c0 + rows]
+            x = hidden2[idx]
+            z = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+            zf = z.to(acc)
+            if cap:
+                zf = cap * torch.tanh(zf / cap)
+            local_y = flat[idx] - vocab_start
+            mine = (local_y >= 0) & (local_y < v_local)
+            safe_y = torch.where(mine, local_y, 0)
+            gmax = zf.max(1).values
+            dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+            stats = torch.stack([torch.exp(zf - gmax[:, None]).sum(1),
+                                 torch.where(mine, zf.gather(1, safe_y[:, None])[:, 0], 0.0),
+                                 zf.sum(1)], 1)
+            dist.all_reduce(stats, group=group)
+            lse = gmax + stats[:, 0].log()
+            loss[idx] = (lse - (1.0 - eps) * stats[:, 1] - eps * stats[:, 2] / vocab_size
+                         + z_loss * lse * lse)
+            if not any(need):
+                continue
+            g = torch.exp(zf - lse[:, None]) * (w * (1.0 + 2.0 * z_loss * lse))[:, None]
+            g.sub_(w * eps / vocab_size)
+            g.scatter_add_(1, safe_y[:, None], torch.where(mine, -w * (1.0 - eps), 0.0)[:, None]
+                           .to(acc))
+            if cap:
+                g.mul_(1.0 - (zf / cap).square())
+            g = g.to(z.dtype)
+            if need[0]:
+                gh[idx] = torch.mm(g, weight).to(acc)
+            if need[1]:
+                gw.add_(torch.mm(g.t(), x))
+            if need[2]:
+                gb.add_(g.sum(0, dtype=acc))
+        if need[0]:
+            dist.all_reduce(gh, group=group)
+        grads = [None if t is None else t.to(src.dtype)
+                 for t, src in ((gh, hidden), (gw, weight), (gb, weight))]
+        if grads[0] is not None:
+            grads[0] = grads[0].view(hidden.shape)
+        ctx.save_for_backward(*[g for g in grads if g is not None])
+        ctx.present = [g is not None for g in grads]
+        return _reduce(loss, labels, ignore_index, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        saved = iter(ctx.saved_tensors)
+        gh, gw, gb = (_scaled(next(saved), grad_loss) if p else None for p in ctx.present)
+        return gh, gw, gb, None, None, None, None, None, None, None, None, None
+
+
+def vocab_parallel_fused_linear_cross_entropy(hidden, weight, labels, vocab_start, vocab_size,
+                                              group=None, bias=None, ignore_index=-100,
+                                              reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                                              logit_softcap=None):
+    """fused_linear_cross_entropy with the vocabulary sharded over a tensor-parallel group.
+
+    hidden: (..., H), the same on every rank; weight: (V_local, H), this rank's rows
+    [vocab_start, vocab_start + V_local) of the (vocab_size, H) head; bias: (V_local,) or None;
+    labels: (...) int64 global token ids, the same on every rank. Returns the full loss on every
+    rank ("mean" or "sum"); grad_hidden is complete (all-reduced) on every rank, grad_weight and
+    grad_bias are this rank's shard. The (tokens x V_local) logits never exist either.
+    """
+    check_fused_linear_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction,
+                                          label_smoothing, z_loss, logit_softcap)
+    if reduction == "none":
+        raise ValueError(f"{_WHERE}: the vocabulary-parallel form supports 'mean' and 'sum'")
+    return _VocabParallel.apply(hidden, weight, bias, labels, int(vocab_start), int(vocab_size),
+                                group, int(ignore_index), reduction, float(label_smoothing),
+                                float(z_loss), logit_softcap)
