@@ -142,7 +142,7 @@ def _under_fsdp2(rank, world, ref):
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buffer)
     _train(model, opt, rank, world, steps=3, start=STEPS)
     buffer.seek(0)
-    saved = torch.load(buffer, weights_only=False)
+    saved = torch.load(buffer, weights_only=True)
     fresh = _fsdp2(_model(seed=7))
     fresh.load_state_dict(saved["model"])
     fresh_opt = AdamW8bit(fresh.parameters(), lr=LR)
