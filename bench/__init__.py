@@ -25,6 +25,8 @@ OPS = {
     "host": "fastllm.bench.bench_host",
     # the LM head + loss, fused (minutes on 2 CPU cores: SmolLM2's 49152-token vocabulary)
     "fused_linear_cross_entropy": "fastllm.bench.bench_fused_linear_cross_entropy",
+    # RMSNorm, rotary, SwiGLU, and a SmolLM2-shaped training step under fastllm.patch
+    "model": "fastllm.bench.bench_model",
 }
 
 # what `fastllm bench` (and `make bench`) runs without --ops: about a minute on an

@@ -40,6 +40,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("galore_adam_step_cpu", &fastllm::galore_adam_step_cpu, no_gil);
   m.def("adamw8bit_step_cpu", &fastllm::adamw8bit_step_cpu, no_gil);
   m.def("fused_linear_cross_entropy_cpu", &fastllm::fused_linear_cross_entropy_cpu, no_gil);
+  // model ops: RMSNorm, rotary embedding, SwiGLU
+  m.def("rms_norm_cpu", &fastllm::rms_norm_cpu, no_gil);
+  m.def("rms_norm_backward_cpu", &fastllm::rms_norm_backward_cpu, no_gil);
+  m.def("rotary_embedding_cpu", &fastllm::rotary_embedding_cpu, no_gil);
+  m.def("swiglu_cpu", &fastllm::swiglu_cpu, no_gil);
+  m.def("swiglu_backward_cpu", &fastllm::swiglu_backward_cpu, no_gil);
 #ifdef FASTLLM_WITH_CUDA
   m.def("adamw_step_cuda", &fastllm::adamw_step_cuda, no_gil);
   m.def("adamw_master_step_cuda", &fastllm::adamw_master_step_cuda, no_gil);

@@ -126,6 +126,26 @@ std::vector<at::Tensor> fused_linear_cross_entropy_cpu(
     double scale, bool divide_by_valid, int64_t ignore_index, double label_smoothing,
     double z_loss, double softcap, bool need_hidden, bool need_weight, bool need_bias,
     int64_t chunk_rows);
+// Model ops (csrc/cpu/rms_norm.cpp, rotary_embedding.cpp, swiglu.cpp; fastllm/ops/<op>.py) ---
+// RMSNorm of contiguous x (rows, h) with weight (h,) of x's dtype: {y, rstd (rows,) fp32};
+// y = x * rstd * (offset + weight), offset 0 (Llama) or 1 (Gemma).
+std::vector<at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                     double offset);
+// {dx, dweight} of rms_norm_cpu (each empty when not needed), one pass over x and grad_out.
+std::vector<at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
+                                              const at::Tensor& weight, const at::Tensor& rstd,
+                                              double offset, bool need_dx, bool need_dweight);
+// Rotate-half rotary embedding of q (B, S, Hq, D) and k (B, S, Hk, D) into q_out / k_out (which
+// may be q / k); cos, sin (P, D) gathered by position_ids (B or 1, S), or (B or 1, S, D) when
+// position_ids is empty. backward: the transposed rotation (gradients).
+void rotary_embedding_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& position_ids,
+                          const at::Tensor& q_out, const at::Tensor& k_out, bool backward);
+// silu(gate) * up for contiguous gate, up of one shape and dtype.
+at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up);
+// {dgate, dup} of swiglu_cpu, sigmoid(gate) recomputed.
+std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
+                                            const at::Tensor& up);
 
 #ifdef FASTLLM_WITH_CUDA
 // Same contract on CUDA tensors: one multi-tensor launch per chunk of tensors. grad_scale and

@@ -11,7 +11,9 @@ from fastllm import _library  # noqa: F401  (declares the fastllm:: op schemas f
 from fastllm import amp, lora, ops, optim
 from fastllm._backend import BACKENDS, use_backend
 from fastllm._extension import has_cpp, has_cuda_kernels
+from fastllm.patch import KINDS as patch_kinds, patch, patched, unpatch
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "amp", "has_cpp", "has_cuda_kernels", "lora", "ops", "optim", "use_backend"]
+__all__ = ["BACKENDS", "amp", "has_cpp", "has_cuda_kernels", "lora", "ops", "optim", "use_backend",
+           "patch", "patch_kinds", "patched", "unpatch"]

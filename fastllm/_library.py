@@ -89,6 +89,29 @@ SCHEMAS = {
         "Tensor labels, Tensor? bias, int ignore_index, str reduction, float label_smoothing, "
         "float z_loss, float logit_softcap, bool[] grad_mask) -> (Tensor, Tensor, Tensor)"
     ),
+    # Model ops (fastllm/ops/rms_norm.py, rotary_embedding.py, swiglu.py) ---
+    # RMSNorm: (y, rstd); rstd (rows of x,) fp32 is what the backward reads besides x.
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> (Tensor, Tensor)",
+    "rms_norm_backward": (
+        "rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd, float offset, "
+        "bool[] output_mask) -> (Tensor, Tensor)"
+    ),
+    # Rotate-half rotary embedding of q (B, S, Hq, D) and k (B, S, Hk, D) together.
+    "rotary_embedding": (
+        "rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? position_ids=None) "
+        "-> (Tensor, Tensor)"
+    ),
+    "rotary_embedding_backward": (
+        "rotary_embedding_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, "
+        "Tensor? position_ids=None) -> (Tensor, Tensor)"
+    ),
+    "rotary_embedding_": (
+        "rotary_embedding_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, "
+        "Tensor? position_ids=None) -> ()"
+    ),
+    # silu(gate) * up; the backward recomputes sigmoid(gate).
+    "swiglu": "swiglu(Tensor gate, Tensor up) -> Tensor",
+    "swiglu_backward": "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)",
 }
 
 for _schema in SCHEMAS.values():

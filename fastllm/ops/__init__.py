@@ -12,6 +12,9 @@ from fastllm.ops.powersgd_decompress import powersgd_decompress, powersgd_decomp
 from fastllm.ops.adamw8bit import adamw8bit_step, adamw8bit_step_ref
 from fastllm.ops.fused_linear_cross_entropy import (
     fused_linear_cross_entropy, fused_linear_cross_entropy_ref)
+from fastllm.ops.rms_norm import rms_norm, rms_norm_ref
+from fastllm.ops.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from fastllm.ops.swiglu import swiglu, swiglu_ref
 
 __all__ = [
     "adamw_master_step", "adamw_master_step_ref", "adamw_step", "adamw_step_ref", "l2norm",
@@ -21,4 +24,5 @@ __all__ = [
     "powersgd_decompress", "powersgd_decompress_ref",
     "adamw8bit_step", "adamw8bit_step_ref",
     "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref",
+    "rms_norm", "rms_norm_ref", "rotary_embedding", "rotary_embedding_ref", "swiglu", "swiglu_ref",
 ]

@@ -380,3 +380,124 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
         seed = torch.tensor(int(seed), dtype=torch.int64)
     y, _ = torch.ops.fastllm.lora_linear(x, weight, lora_a, lora_b, float(scaling), bias, p, seed)
     return y
+
+
+# --- LoRA over several projections that share one input (q/k/v, gate/up) -----------------------
+#
+#     y_i = x W_i^T + bias_i + s_i x A_i^T B_i^T,   i = 1..n   (no dropout: one x for all)
+#
+# x is read once for all the down products: xa = [A_1; ...; A_n] x^T is one (sum r_i, rows)
+# matmul, and in the backward dX's low-rank part is one matmul, [s_i dY_i B_i] [A_1; ...; A_n],
+# and dA for every projection one more, [s_i dY_i B_i]^T x. A projection without LoRA (A_i None:
+# k_proj when only q and v are adapted) contributes its base matmul only.
+
+class _LoRALinearMulti(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n, scalings, *tensors):
+        weights, biases = tensors[:n], tensors[n:2 * n]
+        lora_as, lora_bs = tensors[2 * n:3 * n], tensors[3 * n:]
+        in_features = x.shape[-1]
+        x2 = x.reshape(-1, in_features)
+        adapted = [i for i in range(n) if lora_as[i] is not None]
+        a_cat = torch.cat([lora_as[i] for i in adapted]) if adapted else None
+        xa_t = torch.mm(a_cat, x2.t()) if adapted else None  # (sum r, rows): x read once
+        outs, offset, spans = [], 0, {}
+        for i in range(n):
+            w, b = weights[i], biases[i]
+            y = torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t())
+            if lora_as[i] is not None:
+                r = lora_as[i].shape[0]
+                spans[i] = (offset, offset + r)
+                y.addmm_(xa_t[offset:offset + r].t(), lora_bs[i].t(), alpha=scalings[i])
+                offset += r
+            outs.append(y.view(*x.shape[:-1], w.shape[0]))
+        ctx.n, ctx.scalings, ctx.spans = n, scalings, spans
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.save_for_backward(x, a_cat, xa_t, *weights, *lora_bs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n, spans, scalings = ctx.n, ctx.spans, ctx.scalings
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
+        x, a_cat, xa_t = saved[:3]
+        weights = saved[3:3 + n]
+        lora_bs = saved[3 + n:]
+        need = ctx.needs_input_grad
+        need_x = need[0]
+        in_features = x.shape[-1]
+        x2 = x.reshape(-1, in_features)
+        dys = [None if g is None else g.reshape(-1, weights[i].shape[0])
+               for i, g in enumerate(grads)]
+        dw = [None] * n
+        db = [None] * n
+        da = [None] * n
+        dbb = [None] * n
+        dyb_parts = []  # s_i (dY_i B_i)^T, (r_i, rows), in the order of a_cat
+        for i in range(n):
+            if i in spans:
+                lo, hi = spans[i]
+                if dys[i] is None:
+                    dyb_parts.append(x2.new_zeros(hi - lo, x2.shape[0]))
+                else:
+                    dyb_parts.append(torch.mm(lora_bs[i].t(), dys[i].t()).mul_(scalings[i]))
+        dyb_t = torch.cat(dyb_parts) if dyb_parts else None
+        dx = None
+        if need_x:
+            dx = torch.zeros_like(x2)
+            for i in range(n):
+                if dys[i] is not None:
+                    dx.addmm_(dys[i], weights[i])
+            if dyb_t is not None:
+                dx.addmm_(dyb_t.t(), a_cat)  # every projection's low-rank dX in one product
+            dx = dx.view(x.shape)
+        want_a = any(need[3 + 2 * n + i] for i in spans)
+        da_cat = torch.mm(dyb_t, x2) if (want_a and dyb_t is not None) else None  # x read once
+        for i in range(n):
+            g = dys[i]
+            if g is None:
+                continue
+            if need[3 + i]:
+                dw[i] = torch.mm(g.t(), x2)
+            if ctx.has_bias[i] and need[3 + n + i]:
+                db[i] = g.sum(0, dtype=torch.float32).to(g.dtype)
+            if i in spans:
+                lo, hi = spans[i]
+                if need[3 + 2 * n + i]:
+                    da[i] = da_cat[lo:hi]
+                if need[3 + 3 * n + i]:
+                    dbb[i] = torch.mm(g.t(), xa_t[lo:hi].t()).mul_(scalings[i])
+        return (dx, None, None, *dw, *db, *da, *dbb)
+
+
+def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
+    """[x W_i^T + bias_i + s_i x A_i^T B_i^T for each i], the input read once for every A.
+
+    x: (..., in_features); weights[i]: (out_i, in_features); lora_as[i]: (r_i, in_features) or
+    None (that projection has no LoRA); lora_bs[i]: (out_i, r_i) or None; scalings[i]: float;
+    biases[i]: (out_i,) or None. One dtype and device. No dropout (with dropout each projection
+    sees its own dropout(x): use lora_linear per projection). Returns a list of (..., out_i).
+    Under autocast every floating input is cast to the autocast dtype, as F.linear's are.
+    """
+    n = len(weights)
+    biases = list(biases) if biases is not None else [None] * n
+    lora_as, lora_bs = list(lora_as), list(lora_bs)
+    if not (len(lora_as) == len(lora_bs) == len(scalings) == len(biases) == n):
+        raise ValueError("fastllm.lora_linear_multi: weights, lora_as, lora_bs, scalings and "
+                         "biases must have one entry per projection")
+    for i in range(n):
+        if (lora_as[i] is None) != (lora_bs[i] is None):
+            raise ValueError(f"fastllm.lora_linear_multi: projection {i} has only one of A, B")
+        if lora_as[i] is not None:
+            check_lora_linear_args(x, weights[i], lora_as[i], lora_bs[i], scalings[i], biases[i],
+                                   0.0)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [None if t is None else t.to(dtype) for t in [x, *weights, *biases, *lora_as,
+                                                              *lora_bs]]
+        with torch.autocast(device_type, enabled=False):
+            return lora_linear_multi(cast[0], cast[1:1 + n], cast[1 + 2 * n:1 + 3 * n],
+                                     cast[1 + 3 * n:], scalings, cast[1 + n:1 + 2 * n])
+    return list(_LoRALinearMulti.apply(x, n, [float(s) for s in scalings], *weights, *biases,
+                                       *lora_as, *lora_bs))

@@ -1,0 +1,250 @@
+"""The model ops and a whole training step: fastllm.patch against plain Hugging Face.
+
+    fastllm bench --ops model [--full]
+
+1. Each op, forward + backward, against torch eager and torch.compile of the same maths (what
+   HF's LlamaRMSNorm, apply_rotary_pos_emb and LlamaMLP's act * up compute), at SmolLM2-135M's
+   sizes for 8 x 512 tokens: time, GB/s (the bytes the op must move at least) and the peak of
+   the tensors it allocates (fastllm.train.memory.PeakMemory).
+2. A training step of a SmolLM2-135M-shaped LlamaForCausalLM (hidden 576, 9 / 3 heads, ffn 1536,
+   vocab 49152, tied embeddings; random init, or the real weights from FASTLLM_BENCH_MODEL=DIR,
+   a folder made by /work/shared/models/prepare_smollm2.py), LoRA (r=16 on q/v) and full
+   fine-tuning, fp32 and bf16 (pure bf16 weights):
+       fastllm   fastllm.patch + fastllm.lora + fastllm.optim.AdamW
+       HF        the unpatched model (+ PEFT for LoRA) + torch.optim.AdamW(fused=True)
+   on the same batch, interleaved: tokens/s, peak tensor memory, and the top of a torch profile
+   of one step of each (self CPU time by op).
+The quick run uses 4 layers, 8 x 256 tokens, 2 timed steps; --full (or FASTLLM_BENCH_LAYERS,
+FASTLLM_BENCH_SEQ, FASTLLM_BENCH_STEPS) the whole 30 layers at 8 x 512.
+"""
+
+import copy
+import gc
+import os
+
+import torch
+import torch.nn.functional as F
+
+import fastllm
+from fastllm.bench import harness
+
+HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 576, 9, 3, 1536, 49152
+HEAD_DIM = HIDDEN // HEADS
+
+
+# --- 1. the ops -------------------------------------------------------------------------------
+
+def _rms_norm_torch(x, w, eps=1e-5):  # LlamaRMSNorm.forward
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotary_torch(q, k, cos, sin):  # apply_rotary_pos_emb on (B, S, H, D), unsqueeze_dim=2
+    def rot(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+    c, s = cos[:, :, None], sin[:, :, None]
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def _swiglu_torch(gate, up):  # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    return F.silu(gate) * up
+
+
+def _rope_tables(b, s, dtype):
+    inv = 1.0 / 100000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+    freqs = torch.arange(s, dtype=torch.float32)[:, None] * inv
+    emb = torch.cat((freqs, freqs), -1)
+    return (emb.cos()[None].expand(b, s, HEAD_DIM).to(dtype),
+            emb.sin()[None].expand(b, s, HEAD_DIM).to(dtype))
+
+
+def _op_cases(b, s, dtype):
+    """[(op, size, inputs needing grad, other inputs, fastllm fn, torch fn, bytes)]."""
+    es = torch.tensor([], dtype=dtype).element_size()
+    t = b * s
+    x = torch.randn(t, HIDDEN, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(HIDDEN)).to(dtype).requires_grad_()
+    q = torch.randn(b, s, HEADS, HEAD_DIM, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, s, KV_HEADS, HEAD_DIM, dtype=dtype, requires_grad=True)
+    cos, sin = _rope_tables(b, s, dtype)
+    gate = torch.randn(t, FFN, dtype=dtype, requires_grad=True)
+    up = torch.randn(t, FFN, dtype=dtype, requires_grad=True)
+    dt = str(dtype).split(".")[-1]
+    return [
+        ("rms_norm", f"x {t}x{HIDDEN}, {dt}", [x, w], [],
+         lambda x, w: fastllm.ops.rms_norm(x, w, 1e-5), _rms_norm_torch,
+         5 * x.numel() * es),  # fwd: x in, y out; bwd: x, dy in, dx out
+        ("rotary_embedding", f"q {b}x{s}x{HEADS}x{HEAD_DIM}, k {KV_HEADS} heads, {dt}", [q, k],
+         [cos, sin], lambda q, k, c, s_: fastllm.ops.rotary_embedding(q, k, c, s_), _rotary_torch,
+         4 * (q.numel() + k.numel()) * es),  # fwd and bwd: q, k in and out
+        ("swiglu", f"gate, up {t}x{FFN}, {dt}", [gate, up], [],
+         lambda g, u: fastllm.ops.swiglu(g, u), _swiglu_torch,
+         8 * gate.numel() * es),  # fwd: 2 in 1 out; bwd: 3 in 2 out
+    ]
+
+
+def _fwd_bwd(fn, grad_inputs, other):
+    def step():
+        out = fn(*grad_inputs, *other)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs])
+
+    return step
+
+
+def _peak_mib(step, *tracked):
+    from fastllm.train.memory import PeakMemory
+
+    gc.collect()
+    with PeakMemory(*tracked) as mem:
+        step()
+    return mem.peak_new / 2**20
+
+
+def run_ops(b, s, dtypes, progress):
+    rows = []
+    for dtype in dtypes:
+        for op, size, grad_inputs, other, ours, theirs, nbytes in _op_cases(b, s, dtype):
+            compiled = torch.compile(theirs)
+            fns = {"fastllm (cpp)": _fwd_bwd(ours, grad_inputs, other),
+                   "torch eager": _fwd_bwd(theirs, grad_inputs, other),
+                   "torch.compile": _fwd_bwd(compiled, grad_inputs, other)}
+            progress(f"model/{op} {size}: compiling the torch.compile peer")
+            fns["torch.compile"]()
+            progress(f"model/{op} {size}: {', '.join(fns)} (interleaved)")
+            timings = harness.measure_many(fns, min_reps=5, min_time_s=1.0)
+            for provider, fn in fns.items():
+                peak = _peak_mib(fn, grad_inputs, other)
+                rows.append(dict(op=f"model/{op}", size=f"{size}, fwd+bwd", provider=provider,
+                                 time_ms=timings[provider].median_ms, bytes=nbytes,
+                                 baseline="torch eager", peak_mib=peak,
+                                 note=f"peak allocated {peak:.1f} MiB"))
+    return rows
+
+
+# --- 2. the training step ---------------------------------------------------------------------
+
+def _model(layers, dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    path = os.environ.get("FASTLLM_BENCH_MODEL")
+    if path:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+        return model.to(dtype), "SmolLM2-135M weights"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+                         num_hidden_layers=layers, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, max_position_embeddings=2048,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config).to(dtype), "random init"
+
+
+def _setups(layers, dtype, finetune):
+    """{provider: (model, optimizer)}: the same weights on both sides."""
+    base, source = _model(layers, dtype)
+    base.train()
+    hf = copy.deepcopy(base)
+    ours = base
+    if finetune == "lora":
+        import peft
+
+        config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                                 lora_dropout=0.0)
+        hf = peft.get_peft_model(hf, config, autocast_adapter_dtype=False)
+        fastllm.lora.inject_lora(ours, ["q_proj", "v_proj"], r=16, alpha=32)
+        # the same adapter on both sides (PEFT's B starts at zero, so does ours: make it nonzero)
+        torch.manual_seed(1)
+        for name, layer in fastllm.lora.lora_modules(ours):
+            theirs = hf.base_model.model.get_submodule(name)
+            with torch.no_grad():
+                layer.lora_B.normal_(0, 0.02)
+                theirs.lora_A["default"].weight.copy_(layer.lora_A)
+                theirs.lora_B["default"].weight.copy_(layer.lora_B)
+    fastllm.patch(ours)
+    trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    return {
+        "fastllm (patched)": (ours, fastllm.optim.AdamW(trainable(ours), lr=1e-5)),
+        "HF + torch AdamW(fused)" if finetune == "full" else "HF + PEFT + torch AdamW(fused)":
+            (hf, torch.optim.AdamW(trainable(hf), lr=1e-5, fused=True)),
+    }, source
+
+
+def _train_step(model, opt, ids):
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _profile_top(step, n=6):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+    return ", ".join(f"{e.key} {100 * e.self_cpu_time_total / total:.0f}%" for e in top)
+
+
+def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
+    rows = []
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (b, s))
+    for dtype in dtypes:
+        for finetune in finetunes:
+            dt = str(dtype).split(".")[-1]
+            setups, source = _setups(layers, dtype, finetune)
+            size = (f"SmolLM2-135M shape ({source}), {layers} layers, {b}x{s} tokens, "
+                    f"{finetune}, {dt}")
+            fns = {name: _train_step(m, o, ids) for name, (m, o) in setups.items()}
+            progress(f"model step {size}: warm-up")
+            losses = {name: float(fn()) for name, fn in fns.items()}
+            progress(f"model step {size}: {', '.join(fns)} (interleaved, {steps} steps)")
+            timings = harness.measure_many(fns, warmup=0, min_reps=steps, max_reps=steps,
+                                           min_time_s=0.0)
+            for name, fn in fns.items():
+                model, opt = setups[name]
+                progress(f"model step {size}: {name}: memory and profile")
+                peak = _peak_mib(fn, model, opt)
+                top = _profile_top(fn)
+                ms = timings[name].median_ms
+                rows.append(dict(op="model step", size=size, provider=name, time_ms=ms,
+                                 tokens_per_s=b * s / ms * 1e3, peak_mib=peak,
+                                 first_loss=losses[name],
+                                 baseline=[p for p in fns if p.startswith("HF")][0],
+                                 note=(f"{b * s / ms * 1e3:.0f} tokens/s, peak {peak:.0f} MiB "
+                                       f"(params, grads, optimizer state and activations), "
+                                       f"first loss {losses[name]:.4f}; profile: {top}")))
+            del setups, fns
+            gc.collect()
+    hf_rows = {r["size"]: r for r in rows if r["provider"].startswith("HF")}
+    for r in rows:
+        if not r["provider"].startswith("HF"):
+            theirs = hf_rows[r["size"]]
+            r["note"] += (f"; vs HF: x{r['tokens_per_s'] / theirs['tokens_per_s']:.2f} tokens/s, "
+                          f"{100 * r['peak_mib'] / theirs['peak_mib']:.0f}% of its memory")
+    return rows
+
+
+def run(device="cpu", full=False, progress=print):
+    if torch.device(device).type != "cpu":
+        raise SystemExit("fastllm bench --ops model: the CPU benchmark; on a GPU run "
+                         "bench/device_check.sh")
+    layers = int(os.environ.get("FASTLLM_BENCH_LAYERS", 30 if full else 4))
+    seq = int(os.environ.get("FASTLLM_BENCH_SEQ", 512 if full else 256))
+    steps = int(os.environ.get("FASTLLM_BENCH_STEPS", 3 if full else 2))
+    dtypes = [torch.float32, torch.bfloat16]
+    rows = run_ops(8, 512, dtypes, progress)
+    rows += run_steps(layers, 8, seq, steps, dtypes, ["lora", "full"], progress)
+    return rows

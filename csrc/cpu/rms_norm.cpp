@@ -1,0 +1,171 @@
+// RMSNorm for CPU tensors, forward and backward each one pass over the rows:
+//   forward   rstd = 1 / sqrt(mean(x^2) + eps),  y = x * rstd * (offset + w)
+//   backward  xhat = x * rstd,  g = dy * (offset + w)
+//             dx = rstd * (g - xhat * mean(g * xhat)),   dw = sum over rows of dy * xhat
+// offset is 0 (Llama) or 1 (Gemma's `1 + weight`). Everything is computed in fp32 (fp64 for fp64)
+// and rounded once into the output dtype. dw is reduced per block of rows into fp32 partial sums
+// (one per block, a fixed number of blocks), then added in block order: deterministic for a
+// given thread count, and the backward reads x and dy exactly once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "cpu/model_io.h"
+#include "fastllm.h"
+
+namespace fastllm {
+namespace {
+
+using model_io::Io;
+
+template <typename scalar_t>
+void forward_rows(const scalar_t* x_raw, const scalar_t* w_raw, scalar_t* y_raw, float* rstd,
+                  int64_t begin, int64_t end, int64_t h, double eps, double offset) {
+  using io = Io<scalar_t>;
+  using op_t = typename io::opmath_t;
+  using raw_t = typename io::raw_t;
+  const raw_t* __restrict x = reinterpret_cast<const raw_t*>(x_raw);
+  const raw_t* __restrict w = reinterpret_cast<const raw_t*>(w_raw);
+  raw_t* __restrict y = reinterpret_cast<raw_t*>(y_raw);
+  const op_t off = static_cast<op_t>(offset);
+  for (int64_t row = begin; row < end; ++row) {
+    const raw_t* __restrict xr = x + row * h;
+    raw_t* __restrict yr = y + row * h;
+    op_t ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < h; ++i) {
+      const op_t v = io::load(xr[i]);
+      ss += v * v;
+    }
+    const op_t r = op_t(1) / std::sqrt(ss / static_cast<op_t>(h) + static_cast<op_t>(eps));
+    rstd[row] = static_cast<float>(r);
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) yr[i] = io::store(io::load(xr[i]) * r * (off + io::load(w[i])));
+  }
+}
+
+template <typename scalar_t>
+void backward_rows(const scalar_t* dy_raw, const scalar_t* x_raw, const scalar_t* w_raw,
+                   const float* rstd, scalar_t* dx_raw,
+                   typename Io<scalar_t>::opmath_t* __restrict dw_acc, int64_t begin,
+                   int64_t end, int64_t h, double offset, bool need_dx) {
+  using io = Io<scalar_t>;
+  using op_t = typename io::opmath_t;
+  using raw_t = typename io::raw_t;
+  const raw_t* __restrict dy = reinterpret_cast<const raw_t*>(dy_raw);
+  const raw_t* __restrict x = reinterpret_cast<const raw_t*>(x_raw);
+  const raw_t* __restrict w = reinterpret_cast<const raw_t*>(w_raw);
+  raw_t* __restrict dx = reinterpret_cast<raw_t*>(dx_raw);
+  const op_t off = static_cast<op_t>(offset);
+  const op_t inv_h = op_t(1) / static_cast<op_t>(h);
+  for (int64_t row = begin; row < end; ++row) {
+    const raw_t* __restrict xr = x + row * h;
+    const raw_t* __restrict dyr = dy + row * h;
+    const op_t r = static_cast<op_t>(rstd[row]);
+    op_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < h; ++i) {
+      const op_t xhat = io::load(xr[i]) * r;
+      const op_t g = io::load(dyr[i]);
+      if (dw_acc != nullptr) dw_acc[i] += g * xhat;
+      dot += g * (off + io::load(w[i])) * xhat;
+    }
+    if (!need_dx) continue;
+    const op_t mean = dot * inv_h;
+    raw_t* __restrict dxr = dx + row * h;
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) {
+      const op_t xhat = io::load(xr[i]) * r;
+      const op_t g = io::load(dyr[i]) * (off + io::load(w[i]));
+      dxr[i] = io::store(r * (g - xhat * mean));
+    }
+  }
+}
+
+void check_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(),
+              "fastllm.rms_norm: the cpp backend takes CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fastllm.rms_norm: x must be contiguous (rows, h)");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "fastllm.rms_norm: weight must be contiguous (h,) of x's dtype");
+}
+
+// Rows per parallel task: enough elements (~16K) that a fork/join is amortised.
+int64_t grain_rows(int64_t h) { return std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(h, 1)); }
+
+}  // namespace
+
+std::vector<at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                     double offset) {
+  check_args(x, weight);
+  const int64_t rows = x.size(0), h = x.size(1);
+  auto y = at::empty_like(x);
+  auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (rows == 0 || h == 0) return {y, rstd};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fastllm_rms_norm_cpu",
+                                  [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    float* rp = rstd.mutable_data_ptr<float>();
+    at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+      forward_rows<scalar_t>(xp, wp, yp, rp, begin, end, h, eps, offset);
+    });
+  });
+  return {y, rstd};
+}
+
+std::vector<at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
+                                              const at::Tensor& weight, const at::Tensor& rstd,
+                                              double offset, bool need_dx, bool need_dweight) {
+  check_args(x, weight);
+  TORCH_CHECK(grad_out.sizes() == x.sizes() && grad_out.is_contiguous() &&
+                  grad_out.scalar_type() == x.scalar_type(),
+              "fastllm.rms_norm: grad_out must be contiguous, of x's shape and dtype");
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == x.size(0) && rstd.is_contiguous(),
+              "fastllm.rms_norm: rstd must be contiguous fp32 (rows,)");
+  const int64_t rows = x.size(0), h = x.size(1);
+  auto dx = need_dx ? at::empty_like(x) : at::empty({0}, x.options());
+  auto dw = need_dweight ? at::empty_like(weight) : at::empty({0}, x.options());
+  const auto op_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  // A fixed number of row blocks (a function of the thread count only), each with its own dw
+  // partial sum: the sum order does not depend on how the scheduler hands them out.
+  const int64_t blocks = need_dweight ? std::max<int64_t>(1, std::min<int64_t>(
+                                            rows, 4 * at::get_num_threads()))
+                                      : std::max<int64_t>(1, rows);
+  auto partial = need_dweight ? at::zeros({blocks, h}, x.options().dtype(op_dtype))
+                              : at::Tensor();
+  if (rows > 0 && h > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+                                    "fastllm_rms_norm_backward_cpu", [&] {
+      using op_t = typename Io<scalar_t>::opmath_t;
+      const scalar_t* dyp = grad_out.const_data_ptr<scalar_t>();
+      const scalar_t* xp = x.const_data_ptr<scalar_t>();
+      const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+      const float* rp = rstd.const_data_ptr<float>();
+      scalar_t* dxp = need_dx ? dx.mutable_data_ptr<scalar_t>() : nullptr;
+      op_t* pp = need_dweight ? partial.mutable_data_ptr<op_t>() : nullptr;
+      const int64_t per_block = (rows + blocks - 1) / blocks;
+      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t begin = b * per_block, end = std::min(rows, begin + per_block);
+          if (begin >= end) continue;
+          backward_rows<scalar_t>(dyp, xp, wp, rp, dxp, pp ? pp + b * h : nullptr, begin, end, h,
+                                  offset, need_dx);
+        }
+      });
+    });
+  }
+  if (need_dweight) {
+    if (rows == 0) {
+      dw.zero_();
+    } else {
+      dw.copy_(partial.sum(0));
+    }
+  }
+  return {dx, dw};
+}
+
+}  // namespace fastllm

@@ -1,0 +1,83 @@
+// SwiGLU for CPU tensors: y = silu(gate) * up, silu(g) = g * sigmoid(g). The backward recomputes
+// sigmoid(gate) from gate instead of reading a saved activation, in the same pass:
+//   dgate = dy * up * sig * (1 + gate * (1 - sig)),   dup = dy * gate * sig
+// fp32 arithmetic (fp64 for fp64), one rounding per output.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "cpu/model_io.h"
+#include "fastllm.h"
+
+namespace fastllm {
+namespace {
+
+using model_io::Io;
+
+constexpr int64_t kGrain = int64_t(1) << 15;  // elements per task: a fork/join amortised
+
+void check(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.sizes() == like.sizes() &&
+                  t.scalar_type() == like.scalar_type(),
+              "fastllm.swiglu: ", name, " must be a contiguous CPU tensor of gate's shape and dtype");
+}
+
+}  // namespace
+
+at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  check(gate, gate, "gate");
+  check(up, gate, "up");
+  auto y = at::empty_like(gate);
+  const int64_t n = gate.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(),
+                                  "fastllm_swiglu_cpu", [&] {
+    using io = Io<scalar_t>;
+    using op_t = typename io::opmath_t;
+    using raw_t = typename io::raw_t;
+    const raw_t* __restrict g = reinterpret_cast<const raw_t*>(gate.const_data_ptr());
+    const raw_t* __restrict u = reinterpret_cast<const raw_t*>(up.const_data_ptr());
+    raw_t* __restrict out = reinterpret_cast<raw_t*>(y.mutable_data_ptr());
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) {
+        const op_t gv = io::load(g[i]);
+        out[i] = io::store(gv / (op_t(1) + std::exp(-gv)) * io::load(u[i]));
+      }
+    });
+  });
+  return y;
+}
+
+std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
+                                            const at::Tensor& up) {
+  check(gate, gate, "gate");
+  check(up, gate, "up");
+  check(grad_out, gate, "grad_out");
+  auto dgate = at::empty_like(gate);
+  auto dup = at::empty_like(gate);
+  const int64_t n = gate.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(),
+                                  "fastllm_swiglu_backward_cpu", [&] {
+    using io = Io<scalar_t>;
+    using op_t = typename io::opmath_t;
+    using raw_t = typename io::raw_t;
+    const raw_t* __restrict dy = reinterpret_cast<const raw_t*>(grad_out.const_data_ptr());
+    const raw_t* __restrict g = reinterpret_cast<const raw_t*>(gate.const_data_ptr());
+    const raw_t* __restrict u = reinterpret_cast<const raw_t*>(up.const_data_ptr());
+    raw_t* __restrict dg = reinterpret_cast<raw_t*>(dgate.mutable_data_ptr());
+    raw_t* __restrict du = reinterpret_cast<raw_t*>(dup.mutable_data_ptr());
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) {
+        const op_t gv = io::load(g[i]), uv = io::load(u[i]), d = io::load(dy[i]);
+        const op_t sig = op_t(1) / (op_t(1) + std::exp(-gv));
+        dg[i] = io::store(d * uv * sig * (op_t(1) + gv * (op_t(1) - sig)));
+        du[i] = io::store(d * gv * sig);
+      }
+    });
+  });
+  return {dgate, dup};
+}
+
+}  // namespace fastllm

@@ -1,0 +1,241 @@
+"""fastllm::rotary_embedding: rotary position embedding of q and k in one pass, Hugging Face's
+rotate-half convention (LlamaAttention's apply_rotary_pos_emb).
+
+    out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])
+
+q: (B, S, Hq, D), k: (B, S, Hk, D) with Hk dividing Hq or not (GQA: any Hk), any strides with a
+unit last stride (HF's (B, H, S, D) tensors go in as their .transpose(1, 2) views, see
+`apply_rotary_pos_emb`). cos, sin: either per position, (B or 1, S, D) as HF's rotary_emb returns
+them, or a (max_positions, D) table indexed by position_ids (B or 1, S), int64. q, k, cos, sin
+share one dtype (fp32, bf16, fp16, fp64); the products are taken in fp32 (fp64 for fp64) and
+rounded once. The backward is the transposed rotation of dq and dk (nothing saved but cos, sin
+and position_ids); cos and sin get no gradient (HF computes them from a frozen buffer).
+
+Ops (schemas in fastllm/_library.py):
+    rotary_embedding(q, k, cos, sin, position_ids) -> (q_out, k_out)     out of place, autograd
+    rotary_embedding_backward(dq, dk, cos, sin, position_ids) -> (dq_in, dk_in)
+    rotary_embedding_(q, k, cos, sin, position_ids) -> ()                in place, no autograd
+Out of place costs no memory that lasts: autograd keeps neither q nor its rotation for this op's
+backward, so the pre-rotation q (a projection's output nobody else keeps) is freed right away.
+Backends: cpp (csrc/cpu/rotary_embedding.cpp), triton (kernels/rotary_embedding.py), ref.
+"""
+
+import torch
+
+from fastllm import _backend, _extension
+from fastllm._library import lib
+
+_PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rows_of(cos, sin, position_ids):
+    """cos, sin as (B or 1, S, 1, D), broadcastable over (B, S, H, D)."""
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    return cos[:, :, None, :], sin[:, :, None, :]
+
+
+def rotary_embedding_ref(q, k, cos, sin, position_ids=None):
+    """Plain-PyTorch rotary embedding, (B, S, H, D) layout, computed in fp32 (fp64 for fp64)."""
+    op = torch.float64 if q.dtype == torch.float64 else torch.float32
+    c, s = _rows_of(cos.to(op), sin.to(op), position_ids)
+    out = []
+    for x in (q, k):
+        xf = x.to(op)
+        out.append((xf * c + _rotate_half(xf) * s).to(x.dtype))
+    return tuple(out)
+
+
+def check_rotary_embedding_args(q, k, cos, sin, position_ids, values=True):
+    """Raise TypeError/ValueError naming the first bad argument; touches nothing. values: also
+    check that position_ids index the table (CPU tensors only: no device sync, no fakes)."""
+    where = "fastllm.rotary_embedding"
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"{where}: dtype {q.dtype} is not supported (fp32, bf16, fp16, fp64)")
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{where}: {name} has dtype {t.dtype}, q has {q.dtype}")
+    for name, t in (("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{where}: {name} is on {t.device}, q on {q.device}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"{where}: q and k must be (B, S, H, D), got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    b, s, _, d = q.shape
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ValueError(f"{where}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, S "
+                         "and D")
+    if d % 2:
+        raise ValueError(f"{where}: head dim D = {d} must be even")
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{where}: {name} must have a unit last stride")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{where}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if position_ids is None:
+        if cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1] != s or cos.shape[2] != d:
+            raise ValueError(f"{where}: without position_ids cos and sin must be (B or 1, S, D) "
+                             f"= ({b} or 1, {s}, {d}), got {tuple(cos.shape)}")
+    else:
+        if position_ids.dtype != torch.int64:
+            raise TypeError(f"{where}: position_ids must be int64, got {position_ids.dtype}")
+        if (position_ids.dim() != 2 or position_ids.shape[0] not in (1, b)
+                or position_ids.shape[1] != s):
+            raise ValueError(f"{where}: position_ids must be (B or 1, S) = ({b} or 1, {s}), got "
+                             f"{tuple(position_ids.shape)}")
+        if cos.dim() != 2 or cos.shape[1] != d:
+            raise ValueError(f"{where}: with position_ids cos and sin must be (positions, D), "
+                             f"got {tuple(cos.shape)}")
+        if values and position_ids.device.type == "cpu" and position_ids.numel():
+            lo, hi = int(position_ids.min()), int(position_ids.max())
+            if lo < 0 or hi >= cos.shape[0]:
+                raise ValueError(f"{where}: position_ids span [{lo}, {hi}] but the cos/sin table "
+                                 f"has {cos.shape[0]} positions")
+
+
+def _ref_into(q, k, cos, sin, position_ids, q_out, k_out, backward):
+    op = torch.float64 if q.dtype == torch.float64 else torch.float32
+    c, s = _rows_of(cos.to(op), sin.to(op), position_ids)
+    half = q.shape[-1] // 2
+    for x, out in ((q, q_out), (k, k_out)):
+        xf = x.to(op)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
+        if backward:
+            o = torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1), dim=-1)
+        else:
+            o = torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+        out.copy_(o)
+
+
+def _cpp_into(q, k, cos, sin, position_ids, q_out, k_out, backward):
+    pos = position_ids if position_ids is not None else q.new_empty(0, dtype=torch.int64)
+    _extension.extension().rotary_embedding_cpu(q, k, cos, sin, pos, q_out, k_out, backward)
+
+
+def _triton_into(*args):
+    from fastllm.kernels.rotary_embedding import rotary_embedding_triton
+
+    rotary_embedding_triton(*args)
+
+
+_INTO = {"ref": _ref_into, "cpp": _cpp_into, "triton": _triton_into}
+
+
+def _select(q):
+    device_type = q.device.type
+    backend = _backend.select("rotary_embedding", device_type,
+                              _PREFERENCE.get(device_type, ("ref",)))
+    if backend == "cpp" and not hasattr(_extension.extension(), "rotary_embedding_cpu"):
+        if _backend.forced_backend() == "cpp":
+            raise RuntimeError("fastllm.rotary_embedding: backend 'cpp' was forced but "
+                               "fastllm._C predates it; rebuild it (make build)")
+        return "ref"
+    if backend == "triton" and q.dtype == torch.float64:
+        if _backend.forced_backend() == "triton":
+            raise RuntimeError("fastllm.rotary_embedding: the Triton kernel takes fp32/bf16/fp16")
+        return "ref"
+    if backend not in _INTO:
+        raise RuntimeError(f"fastllm.rotary_embedding: backend {backend!r} was forced but this "
+                           f"op has no {backend} kernel")
+    return backend
+
+
+def _run(q, k, cos, sin, position_ids, q_out, k_out, backward):
+    with _backend.device_guard(q.device):
+        _INTO[_select(q)](q, k, cos, sin, position_ids, q_out, k_out, backward)
+
+
+def _rotary_impl(q, k, cos, sin, position_ids=None):
+    check_rotary_embedding_args(q, k, cos, sin, position_ids)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    _run(q, k, cos, sin, position_ids, q_out, k_out, False)
+    return q_out, k_out
+
+
+def _rotary_backward_impl(grad_q, grad_k, cos, sin, position_ids=None):
+    grad_q = grad_q if grad_q.stride(-1) == 1 else grad_q.contiguous()
+    grad_k = grad_k if grad_k.stride(-1) == 1 else grad_k.contiguous()
+    dq, dk = torch.empty_like(grad_q), torch.empty_like(grad_k)
+    _run(grad_q, grad_k, cos, sin, position_ids, dq, dk, True)
+    return dq, dk
+
+
+def _rotary_inplace_impl(q, k, cos, sin, position_ids=None):
+    check_rotary_embedding_args(q, k, cos, sin, position_ids)
+    _run(q, k, cos, sin, position_ids, q, k, False)
+
+
+lib.impl("rotary_embedding", _rotary_impl, "CPU")
+lib.impl("rotary_embedding", _rotary_impl, "CUDA")
+lib.impl("rotary_embedding_backward", _rotary_backward_impl, "CPU")
+lib.impl("rotary_embedding_backward", _rotary_backward_impl, "CUDA")
+lib.impl("rotary_embedding_", _rotary_inplace_impl, "CPU")
+lib.impl("rotary_embedding_", _rotary_inplace_impl, "CUDA")
+
+
+@torch.library.register_fake("fastllm::rotary_embedding")
+def _rotary_fake(q, k, cos, sin, position_ids=None):
+    check_rotary_embedding_args(q, k, cos, sin, position_ids, values=False)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("fastllm::rotary_embedding_backward")
+def _rotary_backward_fake(grad_q, grad_k, cos, sin, position_ids=None):
+    grad_q = grad_q if grad_q.stride(-1) == 1 else grad_q.contiguous()
+    grad_k = grad_k if grad_k.stride(-1) == 1 else grad_k.contiguous()
+    return torch.empty_like(grad_q), torch.empty_like(grad_k)
+
+
+@torch.library.register_fake("fastllm::rotary_embedding_")
+def _rotary_inplace_fake(q, k, cos, sin, position_ids=None):
+    check_rotary_embedding_args(q, k, cos, sin, position_ids, values=False)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, position_ids = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+
+
+def _backward(ctx, grad_q, grad_k):
+    cos, sin, position_ids = ctx.saved_tensors
+    dq, dk = torch.ops.fastllm.rotary_embedding_backward(grad_q, grad_k, cos, sin, position_ids)
+    return dq, dk, None, None, None
+
+
+torch.library.register_autograd("fastllm::rotary_embedding", _backward,
+                                setup_context=_setup_context)
+
+
+def rotary_embedding(q, k, cos, sin, position_ids=None, inplace=False):
+    """(q_rot, k_rot) for q (B, S, Hq, D), k (B, S, Hk, D); see the module docstring.
+
+    inplace=True rotates q and k in place and returns them (no autograd: for inference, or
+    tensors that do not require grad). cos and sin are cast to q's dtype if they differ."""
+    if cos.dtype != q.dtype:
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    if inplace:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            raise RuntimeError("fastllm.rotary_embedding: inplace=True does not support autograd; "
+                               "use the out-of-place form (it keeps no extra memory)")
+        torch.ops.fastllm.rotary_embedding_(q, k, cos, sin, position_ids)
+        return q, k
+    return torch.ops.fastllm.rotary_embedding(q, k, cos, sin, position_ids)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Hugging Face's apply_rotary_pos_emb on fastllm's op: q (B, Hq, S, D), k (B, Hk, S, D)
+    with unsqueeze_dim=1 (or (B, S, H, D) with unsqueeze_dim=2), cos/sin (B or 1, S, D)."""
+    if unsqueeze_dim == 1:
+        q_rot, k_rot = rotary_embedding(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+    if unsqueeze_dim == 2:
+        return rotary_embedding(q, k, cos, sin)
+    raise ValueError(f"fastllm.apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got "
+                     f"{unsqueeze_dim}")

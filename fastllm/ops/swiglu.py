@@ -1,0 +1,146 @@
+"""fastllm::swiglu: y = silu(gate) * up, the gated MLP activation of Llama, Qwen2 and Mistral.
+
+gate, up: (...,) of one shape and dtype (fp32, bf16, fp16, fp64), any layout (made contiguous).
+Computed in fp32 (fp64 for fp64) and rounded once. The backward reads gate, up and dy once and
+recomputes sigmoid(gate) instead of keeping silu(gate) (HF's LlamaMLP keeps gate, silu(gate) and
+up for its backward; this keeps gate and up):
+
+    dgate = dy * up * sig * (1 + gate * (1 - sig)),   dup = dy * silu(gate)
+
+Ops (schemas in fastllm/_library.py): swiglu(gate, up) -> y, swiglu_backward(dy, gate, up) ->
+(dgate, dup). Backends: cpp (csrc/cpu/swiglu.cpp), triton (kernels/swiglu.py), ref.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from fastllm import _backend, _extension
+from fastllm._library import lib
+
+_PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _opmath(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def swiglu_ref(gate, up):
+    """Plain-PyTorch silu(gate) * up in fp32 (fp64 for fp64), rounded once."""
+    op = _opmath(gate.dtype)
+    return (F.silu(gate.to(op)) * up.to(op)).to(gate.dtype)
+
+
+def check_swiglu_args(gate, up):
+    where = "fastllm.swiglu"
+    if gate.dtype not in _DTYPES:
+        raise TypeError(f"{where}: dtype {gate.dtype} is not supported (fp32, bf16, fp16, fp64)")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"{where}: up has dtype {up.dtype}, gate has {gate.dtype}")
+    if up.device != gate.device:
+        raise ValueError(f"{where}: up is on {up.device}, gate on {gate.device}")
+    if up.shape != gate.shape:
+        raise ValueError(f"{where}: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    if gate.layout != torch.strided or up.layout != torch.strided:
+        raise TypeError(f"{where}: only dense tensors are supported")
+
+
+def _forward_ref(gate, up):
+    return swiglu_ref(gate, up)
+
+
+def _backward_ref(dy, gate, up):
+    op = _opmath(gate.dtype)
+    g, u, d = gate.to(op), up.to(op), dy.to(op)
+    sig = torch.sigmoid(g)
+    return (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (d * g * sig).to(gate.dtype)
+
+
+def _forward_cpp(gate, up):
+    return _extension.extension().swiglu_cpu(gate, up)
+
+
+def _backward_cpp(dy, gate, up):
+    dg, du = _extension.extension().swiglu_backward_cpu(dy, gate, up)
+    return dg, du
+
+
+def _forward_triton(gate, up):
+    from fastllm.kernels.swiglu import swiglu_fwd_triton
+
+    return swiglu_fwd_triton(gate, up)
+
+
+def _backward_triton(dy, gate, up):
+    from fastllm.kernels.swiglu import swiglu_bwd_triton
+
+    return swiglu_bwd_triton(dy, gate, up)
+
+
+_FORWARD = {"ref": _forward_ref, "cpp": _forward_cpp, "triton": _forward_triton}
+_BACKWARD = {"ref": _backward_ref, "cpp": _backward_cpp, "triton": _backward_triton}
+
+
+def _select(x):
+    device_type = x.device.type
+    backend = _backend.select("swiglu", device_type, _PREFERENCE.get(device_type, ("ref",)))
+    if backend == "cpp" and not hasattr(_extension.extension(), "swiglu_cpu"):
+        if _backend.forced_backend() == "cpp":
+            raise RuntimeError("fastllm.swiglu: backend 'cpp' was forced but fastllm._C predates "
+                               "swiglu_cpu; rebuild it (make build)")
+        return "ref"
+    if backend == "triton" and x.dtype == torch.float64:
+        if _backend.forced_backend() == "triton":
+            raise RuntimeError("fastllm.swiglu: the Triton kernels take fp32/bf16/fp16")
+        return "ref"
+    if backend not in _FORWARD:
+        raise RuntimeError(f"fastllm.swiglu: backend {backend!r} was forced but this op has no "
+                           f"{backend} kernel")
+    return backend
+
+
+def _swiglu_impl(gate, up):
+    check_swiglu_args(gate, up)
+    with _backend.device_guard(gate.device):
+        return _FORWARD[_select(gate)](gate.contiguous(), up.contiguous())
+
+
+def _swiglu_backward_impl(grad_out, gate, up):
+    with _backend.device_guard(gate.device):
+        return _BACKWARD[_select(gate)](grad_out.contiguous(), gate.contiguous(),
+                                        up.contiguous())
+
+
+lib.impl("swiglu", _swiglu_impl, "CPU")
+lib.impl("swiglu", _swiglu_impl, "CUDA")
+lib.impl("swiglu_backward", _swiglu_backward_impl, "CPU")
+lib.impl("swiglu_backward", _swiglu_backward_impl, "CUDA")
+
+
+@torch.library.register_fake("fastllm::swiglu")
+def _swiglu_fake(gate, up):
+    check_swiglu_args(gate, up)
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.register_fake("fastllm::swiglu_backward")
+def _swiglu_backward_fake(grad_out, gate, up):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_y):
+    gate, up = ctx.saved_tensors
+    dg, du = torch.ops.fastllm.swiglu_backward(grad_y, gate, up)
+    return dg, du
+
+
+torch.library.register_autograd("fastllm::swiglu", _backward, setup_context=_setup_context)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up; gate, up (...,) of one shape and dtype."""
+    return torch.ops.fastllm.swiglu(gate, up)

@@ -1,0 +1,295 @@
+"""fastllm.patch(model): run a Hugging Face Llama-family model on fastllm's kernels, in place.
+
+    model = LlamaForCausalLM.from_pretrained(...)      # or Qwen2ForCausalLM, MistralForCausalLM
+    fastllm.patch(model)                                # returns the model
+    out = model(input_ids, labels=labels)               # out.loss; out.logits is None
+    fastllm.unpatch(model)                              # the original forwards again
+
+What is swapped, per module instance (the class and every other model are untouched):
+    *RMSNorm            -> fastllm.ops.rms_norm            (one pass each way, fp32 inside)
+    *Attention          -> the same attention with fastllm.ops.rotary_embedding on q and k
+                           together, and fastllm.lora_linear_multi for q/k/v when they are
+                           fastllm.lora LoRALinear layers (x read once for every A)
+    *MLP (SwiGLU)       -> fastllm.ops.swiglu (silu(gate) * up recomputed in the backward), with
+                           gate/up through lora_linear_multi when both are LoRALinear
+    *ForCausalLM        -> with `labels`, the loss by fastllm.ops.fused_linear_cross_entropy on
+                           the last hidden states and lm_head's weight: the (tokens, vocab) logits
+                           never exist, and the output's `logits` is None (as Liger-Kernel does).
+                           Without labels the original forward runs (generation is unchanged).
+Each swap is an instance attribute `forward` bound to the module, so parameters, names,
+state_dicts, hooks, PEFT's wrappers (patch before or after get_peft_model), gradient
+checkpointing and torch.compile see the model they expect; unpatch deletes the attributes.
+
+Shapes handled: the modules of transformers' Llama, Qwen2 and Mistral (checked against
+transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`).
+A module that does not look like one of those is left alone, and patch() says which it skipped
+with `verbose=True`. Distributed: patch before fully_shard (FSDP2) and before tensor-parallel
+layouts; the kernels take plain (local) tensors, so DTensor-sharded norms and projections are
+not supported (see README).
+"""
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_PATCHED = "_fastllm_patched"
+
+# the kinds of swap, as patch()'s keyword arguments name them
+KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy")
+
+
+def _linear_cross_entropy():
+    """fastllm.ops.fused_linear_cross_entropy where present, else the materialised fallback."""
+    from fastllm import ops
+
+    fn = getattr(ops, "fused_linear_cross_entropy", None)
+    return fn if fn is not None else _materialised_linear_cross_entropy
+
+
+def _materialised_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100,
+                                       reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                                       logit_softcap=None):
+    """The fallback while fused_linear_cross_entropy is not built: full fp32 logits and
+    F.cross_entropy, the same maths (and HF's memory)."""
+    logits = F.linear(hidden, weight, bias).float()
+    if logit_softcap is not None:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    logits = logits.reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if z_loss:
+        valid = labels != ignore_index
+        z = torch.logsumexp(logits, -1).square() * valid
+        loss = loss + z_loss * (z.sum() / valid.sum().clamp(min=1) if reduction == "mean"
+                                else z.sum() if reduction == "sum" else z)
+    return loss
+
+
+# --- the replacement forwards (bound to each patched module) ---------------------------------
+
+def _rms_norm_forward(self, hidden_states):
+    from fastllm.ops.rms_norm import rms_norm
+
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0)
+
+
+def _gemma_rms_norm_forward(self, x):
+    from fastllm.ops.rms_norm import rms_norm
+
+    return rms_norm(x, self.weight, self.eps, 1.0)
+
+
+def _lora_parts(layer):
+    """(A, B, scaling) of a fastllm LoRALinear that lora_linear_multi can take, else None."""
+    from fastllm.lora import LoRALinear
+
+    if isinstance(layer, LoRALinear) and not layer.merged and (
+            layer.dropout == 0.0 or not layer.training):
+        return layer.lora_A, layer.lora_B, layer.scaling
+    return None
+
+
+def _project(x, layers):
+    """[layer(x) for layer in layers], with x read once for every LoRA down product when two or
+    more of them are fastllm LoRALinear layers and the rest plain nn.Linear."""
+    from fastllm.ops.lora_linear import lora_linear_multi
+
+    parts = [_lora_parts(layer) for layer in layers]
+    plain = [type(layer) is nn.Linear for layer in layers]
+    if sum(p is not None for p in parts) < 2 or not all(
+            p is not None or q for p, q in zip(parts, plain)):
+        return [layer(x) for layer in layers]
+    bases = [layer if p is None else layer.base_layer for layer, p in zip(layers, parts)]
+    return lora_linear_multi(
+        x, [b.weight for b in bases], [None if p is None else p[0] for p in parts],
+        [None if p is None else p[1] for p in parts], [1.0 if p is None else p[2] for p in parts],
+        [b.bias for b in bases])
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                       cache=None, **kwargs):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from fastllm.ops.rotary_embedding import rotary_embedding
+
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = _project(hidden_states, [self.q_proj, self.k_proj, self.v_proj])
+    cos, sin = position_embeddings
+    # (B, S, H, D) as the projections lay them out: the kernel rotates q and k in one pass
+    q, k = rotary_embedding(q.view(hidden_shape), k.view(hidden_shape), cos, sin)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = v.view(hidden_shape).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, self._fastllm_eager_attention)
+    extra = {}
+    if hasattr(self, "sliding_window"):  # Qwen2: per layer type
+        extra["sliding_window"] = self.sliding_window
+    elif getattr(self.config, "sliding_window", None) is not None:  # Mistral
+        extra["sliding_window"] = self.config.sliding_window
+    attn_output, attn_weights = attention_interface(
+        self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling, **extra, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+def _mlp_forward(self, x):
+    from fastllm.ops.swiglu import swiglu
+
+    gate, up = _project(x, [self.gate_proj, self.up_proj])
+    return self.down_proj(swiglu(gate, up))
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
+                       **kwargs):
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    original = type(self).forward
+    if labels is None or type(self.lm_head) is not nn.Linear:
+        return original(self, input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
+                        labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                        **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, **kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:  # HF's ForCausalLMLoss: token t predicts label t + 1
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = _linear_cross_entropy()(hidden, self.lm_head.weight,
+                                   shift_labels.to(hidden.device), bias=self.lm_head.bias,
+                                   ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    out = self._fastllm_output_cls(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                   attentions=outputs.attentions)
+    for name in ("cache", "past_key_values"):
+        if hasattr(outputs, name) and name in out.__dataclass_fields__:
+            setattr(out, name, getattr(outputs, name))
+    use_return_dict = return_dict if return_dict is not None else getattr(
+        self.config, "return_dict", True)
+    return out if use_return_dict else out.to_tuple()
+
+
+# --- recognising the modules ------------------------------------------------------------------
+
+def _is_llama_rms_norm(m):
+    return (type(m).__name__.endswith("RMSNorm") and not type(m).__name__.startswith("Gemma")
+            and isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 1
+            and hasattr(m, "variance_epsilon"))
+
+
+def _is_gemma_rms_norm(m):
+    return (type(m).__name__.startswith("Gemma") and type(m).__name__.endswith("RMSNorm")
+            and isinstance(getattr(m, "weight", None), nn.Parameter) and hasattr(m, "eps"))
+
+
+def _is_attention(m):
+    return (type(m).__name__.endswith("Attention") and all(
+        hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling",
+                                "config", "layer_idx"))
+            and getattr(m.config, "model_type", None) in ("llama", "qwen2", "mistral"))
+
+
+def _is_swiglu_mlp(m):
+    act = getattr(m, "act_fn", None)
+    return (type(m).__name__.endswith("MLP") and all(
+        hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
+            and _is_silu(act))
+
+
+def _is_silu(act):
+    # nn.SiLU, or transformers' own SiLUActivation (what ACT2FN["silu"] is in transformers 5)
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or (
+        getattr(act, "__name__", None) == "silu")
+
+
+def _is_causal_lm(m):
+    # the HF model itself, not a wrapper that forwards attributes to it (PEFT's PeftModel)
+    return (type(m).__name__.endswith("ForCausalLM") and "lm_head" in m._modules
+            and "model" in m._modules and hasattr(m, "config"))
+
+
+def _eager_attention_of(module):
+    import sys
+
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+
+
+def _bind(module, kind, fn):
+    module.forward = types.MethodType(fn, module)
+    setattr(module, _PATCHED, kind)
+
+
+def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, verbose=False):
+    """Swap the modules of a Hugging Face Llama / Qwen2 / Mistral model (or a PEFT model around
+    one) for fastllm's kernels, in place; returns the model. Each keyword turns one kind of
+    swap off. Patching a patched model is a no-op for the modules already patched."""
+    chosen = {"rms_norm": rms_norm, "rotary": rotary, "swiglu": swiglu,
+              "cross_entropy": cross_entropy}
+    counts = dict.fromkeys(KINDS, 0)
+    for _, m in model.named_modules():
+        if m.__dict__.get(_PATCHED) is not None:
+            continue
+        if chosen["rms_norm"] and _is_llama_rms_norm(m):
+            _bind(m, "rms_norm", _rms_norm_forward)
+        elif chosen["rms_norm"] and _is_gemma_rms_norm(m):
+            _bind(m, "rms_norm", _gemma_rms_norm_forward)
+        elif chosen["rotary"] and _is_attention(m):
+            m._fastllm_eager_attention = _eager_attention_of(m)
+            _bind(m, "rotary", _attention_forward)
+        elif chosen["swiglu"] and _is_swiglu_mlp(m):
+            _bind(m, "swiglu", _mlp_forward)
+        elif chosen["cross_entropy"] and _is_causal_lm(m):
+            import transformers.modeling_outputs as outputs
+
+            m._fastllm_output_cls = outputs.CausalLMOutputWithPast
+            _bind(m, "cross_entropy", _causal_lm_forward)
+        else:
+            continue
+        counts[m.__dict__[_PATCHED]] += 1
+    if verbose:
+        print("fastllm.patch: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    model._fastllm_patch_counts = counts
+    return model
+
+
+def unpatch(model):
+    """Undo patch(model): every module runs its class's forward again. Returns the model."""
+    for _, m in model.named_modules():
+        if m.__dict__.get(_PATCHED) is not None:
+            del m.forward
+            delattr(m, _PATCHED)
+            for attr in ("_fastllm_eager_attention", "_fastllm_output_cls"):
+                if attr in m.__dict__:
+                    delattr(m, attr)
+    if "_fastllm_patch_counts" in model.__dict__:
+        del model._fastllm_patch_counts
+    return model
+
+
+def patched(model):
+    """{kind: number of modules patched} for `model` (all zero when it is not patched)."""
+    counts = dict.fromkeys(KINDS, 0)
+    for _, m in model.named_modules():
+        kind = m.__dict__.get(_PATCHED)
+        if kind is not None:
+            counts[kind] += 1
+    return counts

@@ -1,0 +1,27 @@
+"""Shared checks for the model-op tests (test_rms_norm.py, test_rotary_embedding.py,
+test_swiglu.py, test_patch.py): the house tolerance rule in one place.
+
+fp32: within 1e-5 of the fp64 oracle relative to its largest magnitude (1e-4 for gradients).
+bf16/fp16: the error against the fp64 oracle at most twice PyTorch's own (what a user would run:
+the Hugging Face module or plain torch in that dtype)."""
+
+import torch
+
+
+def check_close(name, got, torch_lp, oracle, dtype, fp32_rtol=1e-5):
+    oracle = oracle.double()
+    scale = oracle.abs().max().item() + 1e-30
+    err = (got.double() - oracle).abs().max().item()
+    if dtype in (torch.float32, torch.float64):
+        assert err <= fp32_rtol * scale, f"{name}: error {err:.3g} vs scale {scale:.3g}"
+    else:
+        torch_err = (torch_lp.double() - oracle).abs().max().item()
+        # the floor only matters when PyTorch happens to be exact on a tiny tensor
+        bound = 2.0 * torch_err + 1e-3 * torch.finfo(dtype).eps * scale
+        assert err <= bound, f"{name}: error {err:.3g} > 2 x PyTorch's {torch_err:.3g}"
+
+
+def grads(outputs, inputs, grad_outputs):
+    """[outputs..., d inputs...] of sum(outputs . grad_outputs)."""
+    outputs = list(outputs)
+    return outputs + list(torch.autograd.grad(outputs, inputs, grad_outputs))

@@ -1,0 +1,169 @@
+"""fastllm.patch / unpatch on tiny random Hugging Face models shaped like SmolLM2 (Llama, GQA,
+tied embeddings), and on Qwen2 and Mistral: the patched model's loss, logits and every gradient
+equal the unpatched model's (fp32: 1e-5 on the loss, 1e-4 on grads), with PEFT, fastllm.lora
+(through lora_linear_multi), gradient checkpointing and torch.compile."""
+
+import copy
+
+import pytest
+import torch
+
+import fastllm
+from fastllm.ops.lora_linear import lora_linear_multi
+
+transformers = pytest.importorskip("transformers")
+
+
+def _config(family="llama", **over):
+    kw = dict(vocab_size=123, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              rms_norm_eps=1e-5, tie_word_embeddings=True, attn_implementation="sdpa")
+    kw.update(over)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[family]
+    return cls(**kw)
+
+
+def _model(family="llama", **over):
+    torch.manual_seed(0)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "mistral": transformers.MistralForCausalLM}[family]
+    model = cls(_config(family, **over))
+    with torch.no_grad():  # HF initialises norms to 1: make them differ so dweight is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _batch(b=2, s=11, vocab=123):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a masked prompt
+    return ids, labels
+
+
+def _loss_and_grads(model, ids, labels, run=None):
+    model.zero_grad(set_to_none=True)
+    out = (run or model)(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out, grads
+
+
+def _assert_same(ours, theirs, loss_rtol=1e-5, grad_rtol=1e-4):
+    (out_a, grads_a), (out_b, grads_b) = ours, theirs
+    torch.testing.assert_close(out_a.loss, out_b.loss, rtol=loss_rtol, atol=0)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        scale = grads_b[name].abs().max().item() + 1e-30
+        err = (grads_a[name] - grads_b[name]).abs().max().item()
+        assert err <= grad_rtol * scale, f"{name}: {err:.3g} vs {scale:.3g}"
+
+
+def test_patched_llama_equals_unpatched():
+    model = _model()
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    logits = model(input_ids=ids).logits
+    fastllm.patch(model)
+    assert fastllm.patched(model) == {"rms_norm": 5, "rotary": 2, "swiglu": 2,
+                                      "cross_entropy": 1}
+    ours = _loss_and_grads(model, ids, labels)
+    assert ours[0].logits is None  # the loss came from hidden states, as Liger's does
+    _assert_same(ours, theirs)
+    torch.testing.assert_close(model(input_ids=ids).logits, logits, rtol=1e-5, atol=1e-5)
+    # HF's num_items_in_batch (gradient accumulation): sum / count
+    n = (labels[:, 1:] != -100).sum()
+    a = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    fastllm.unpatch(model)
+    assert fastllm.patched(model) == dict.fromkeys(fastllm.patch_kinds, 0)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    b = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_qwen2_and_mistral(family):
+    over = {"sliding_window": 4} if family == "mistral" else {}
+    model = _model(family, **over)
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    fastllm.patch(model)
+    assert fastllm.patched(model)["rotary"] == 2
+    _assert_same(_loss_and_grads(model, ids, labels), theirs)
+
+
+def test_bf16_loss_close_to_fp32():
+    """bf16 end to end: the patched model's loss is no further from the fp32 model's than twice
+    the unpatched bf16 model's is."""
+    model = _model()
+    ids, labels = _batch()
+    ref = model(input_ids=ids, labels=labels).loss.double()
+    lp = copy.deepcopy(model).to(torch.bfloat16)
+    theirs = lp(input_ids=ids, labels=labels).loss.double()
+    fastllm.patch(lp)
+    ours = lp(input_ids=ids, labels=labels).loss.double()
+    assert (ours - ref).abs() <= 2 * (theirs - ref).abs() + 1e-3 * ref.abs()
+
+
+def test_with_fastllm_lora_and_gradient_checkpointing():
+    """fastllm.lora on q/k/v and gate/up (the patch then runs them through lora_linear_multi),
+    with HF's gradient checkpointing: LoRA grads equal the unpatched model's."""
+    model = _model()
+    fastllm.lora.inject_lora(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], r=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    fastllm.patch(model)
+    _assert_same(_loss_and_grads(model, ids, labels), theirs)
+
+
+def test_with_peft():
+    peft = pytest.importorskip("peft")
+    model = _model()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(model, config)
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    fastllm.patch(model)
+    assert fastllm.patched(model)["cross_entropy"] == 1
+    _assert_same(_loss_and_grads(model, ids, labels), theirs)
+
+
+def test_torch_compile():
+    model = _model()
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    fastllm.patch(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    _assert_same(_loss_and_grads(model, ids, labels, run=compiled), theirs)
+
+
+def test_lora_linear_multi_matches_separate_layers():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 24, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(o, 24, dtype=torch.float64) for o in (16, 8, 8)]
+    bs = [torch.randn(16, dtype=torch.float64, requires_grad=True), None, None]
+    a_s = [torch.randn(4, 24, dtype=torch.float64, requires_grad=True), None,
+           torch.randn(2, 24, dtype=torch.float64, requires_grad=True)]
+    b_s = [torch.randn(16, 4, dtype=torch.float64, requires_grad=True), None,
+           torch.randn(8, 2, dtype=torch.float64, requires_grad=True)]
+    scal = [2.0, 1.0, 0.5]
+    inputs = [x, bs[0], a_s[0], a_s[2], b_s[0], b_s[2]]
+    torch.autograd.gradcheck(
+        lambda x, b0, a0, a2, bb0, bb2: tuple(lora_linear_multi(
+            x, ws, [a0, None, a2], [bb0, None, bb2], scal, [b0, None, None])), inputs)
+    outs = lora_linear_multi(x, ws, a_s, b_s, scal, bs)
+    for i, y in enumerate(outs):
+        want = x @ ws[i].T + (0 if bs[i] is None else bs[i])
+        if a_s[i] is not None:
+            want = want + scal[i] * (x @ a_s[i].T) @ b_s[i].T
+        torch.testing.assert_close(y, want)

@@ -1,0 +1,63 @@
+"""fastllm.ops.swiglu on every backend against swiglu_ref (fp64) and what Hugging Face's
+LlamaMLP computes (act_fn(gate) * up): the output and both gradients, fp32/bf16/fp16, and that
+its backward keeps only gate and up."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastllm
+from fastllm.ops.swiglu import swiglu, swiglu_ref
+
+from _model_ops import check_close, grads
+from conftest import backend_device_params
+
+BACKENDS = [p for p in backend_device_params() if p.values[0] != "cuda"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(1,), (3, 7, 123), (33, 1536)]
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_ref_and_hf(backend, device, dtype, shape):
+    gate = (3 * torch.randn(*shape, device=device)).to(dtype).requires_grad_()
+    up = torch.randn(*shape, device=device).to(dtype).requires_grad_()
+    g = torch.randn(*shape, device=device).to(dtype)
+    with fastllm.use_backend(backend):
+        got = grads([swiglu(gate, up)], [gate, up], [g])
+    gd, ud = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    oracle = grads([swiglu_ref(gd, ud)], [gd, ud], [g.double()])
+    gh, uh = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+    theirs = grads([F.silu(gh) * uh], [gh, uh], [g])  # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    for name, a, t, o in zip(("y", "dgate", "dup"), got, theirs, oracle):
+        check_close(name, a, t, o, dtype, fp32_rtol=1e-5 if name == "y" else 1e-4)
+
+
+def test_backward_keeps_only_gate_and_up():
+    gate = torch.randn(16, 32, requires_grad=True)
+    up = torch.randn(16, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        swiglu(gate, up)
+    assert len(saved) == 2 and all(t.data_ptr() in (gate.data_ptr(), up.data_ptr())
+                                   for t in saved)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="differ"):
+        swiglu(torch.randn(3, 4), torch.randn(3, 5))
+    with pytest.raises(TypeError, match="up has dtype"):
+        swiglu(torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64))
+
+
+def test_opcheck_and_compile():
+    gate = torch.randn(5, 33, requires_grad=True)
+    up = torch.randn(5, 33, requires_grad=True)
+    torch.library.opcheck(torch.ops.fastllm.swiglu.default, (gate, up))
+    torch.library.opcheck(torch.ops.fastllm.swiglu_backward.default,
+                          (torch.randn(5, 33), gate.detach(), up.detach()))
+    fn = torch.compile(lambda g, u: swiglu(g, u).sum(), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(fn(gate, up), swiglu(gate, up).sum())
+    fn(gate, up).backward()
+    assert gate.grad is not None and up.grad is not None
