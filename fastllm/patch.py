@@ -143,10 +143,15 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 
 def _mlp_forward(self, x):
-    from fastllm.ops.swiglu import swiglu
+    from fastllm.ops.swiglu import swiglu, swiglu_linear
 
     gate, up = _project(x, [self.gate_proj, self.up_proj])
-    return self.down_proj(swiglu(gate, up))
+    down = self.down_proj
+    if type(down) is nn.Linear and not torch.is_autocast_enabled(x.device.type):
+        # silu(gate) * up, as large as gate, is recomputed for down_proj's weight grad instead
+        # of kept: one elementwise pass for (tokens x ffn) of activation memory per layer
+        return swiglu_linear(gate, up, down.weight, down.bias)
+    return down(swiglu(gate, up))
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,

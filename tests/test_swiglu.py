@@ -61,3 +61,23 @@ def test_opcheck_and_compile():
     torch.testing.assert_close(fn(gate, up), swiglu(gate, up).sum())
     fn(gate, up).backward()
     assert gate.grad is not None and up.grad is not None
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_swiglu_linear_matches_and_keeps_no_product(frozen):
+    from fastllm.ops.swiglu import swiglu_linear
+
+    gate = torch.randn(2, 5, 24, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(2, 5, 24, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 24, dtype=torch.float64, requires_grad=not frozen)
+    b = torch.randn(7, dtype=torch.float64, requires_grad=not frozen)
+    wanted = [gate, up] + ([] if frozen else [w, b])
+    g = torch.randn(2, 5, 7, dtype=torch.float64)
+    got = grads([swiglu_linear(gate, up, w, b)], wanted, [g])
+    want = grads([F.linear(swiglu_ref(gate, up), w, b)], wanted, [g])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        swiglu_linear(gate, up, w, b)
+    assert {t.data_ptr() for t in saved} <= {gate.data_ptr(), up.data_ptr(), w.data_ptr()}

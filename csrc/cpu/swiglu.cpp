@@ -23,6 +23,43 @@ void check(const at::Tensor& t, const at::Tensor& like, const char* name) {
               "fastllm.swiglu: ", name, " must be a contiguous CPU tensor of gate's shape and dtype");
 }
 
+// The loops live outside AT_DISPATCH's lambda: a pragma cannot sit inside a macro argument.
+template <typename scalar_t>
+void forward_range(const scalar_t* g_raw, const scalar_t* u_raw, scalar_t* y_raw, int64_t begin,
+                   int64_t end) {
+  using io = Io<scalar_t>;
+  using op_t = typename io::opmath_t;
+  using raw_t = typename io::raw_t;
+  const raw_t* __restrict g = reinterpret_cast<const raw_t*>(g_raw);
+  const raw_t* __restrict u = reinterpret_cast<const raw_t*>(u_raw);
+  raw_t* __restrict out = reinterpret_cast<raw_t*>(y_raw);
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const op_t gv = io::load(g[i]);
+    out[i] = io::store(gv / (op_t(1) + std::exp(-gv)) * io::load(u[i]));
+  }
+}
+
+template <typename scalar_t>
+void backward_range(const scalar_t* dy_raw, const scalar_t* g_raw, const scalar_t* u_raw,
+                    scalar_t* dg_raw, scalar_t* du_raw, int64_t begin, int64_t end) {
+  using io = Io<scalar_t>;
+  using op_t = typename io::opmath_t;
+  using raw_t = typename io::raw_t;
+  const raw_t* __restrict dy = reinterpret_cast<const raw_t*>(dy_raw);
+  const raw_t* __restrict g = reinterpret_cast<const raw_t*>(g_raw);
+  const raw_t* __restrict u = reinterpret_cast<const raw_t*>(u_raw);
+  raw_t* __restrict dg = reinterpret_cast<raw_t*>(dg_raw);
+  raw_t* __restrict du = reinterpret_cast<raw_t*>(du_raw);
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const op_t gv = io::load(g[i]), uv = io::load(u[i]), d = io::load(dy[i]);
+    const op_t sig = op_t(1) / (op_t(1) + std::exp(-gv));
+    dg[i] = io::store(d * uv * sig * (op_t(1) + gv * (op_t(1) - sig)));
+    du[i] = io::store(d * gv * sig);
+  }
+}
+
 }  // namespace
 
 at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
@@ -32,18 +69,11 @@ at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
   const int64_t n = gate.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(),
                                   "fastllm_swiglu_cpu", [&] {
-    using io = Io<scalar_t>;
-    using op_t = typename io::opmath_t;
-    using raw_t = typename io::raw_t;
-    const raw_t* __restrict g = reinterpret_cast<const raw_t*>(gate.const_data_ptr());
-    const raw_t* __restrict u = reinterpret_cast<const raw_t*>(up.const_data_ptr());
-    raw_t* __restrict out = reinterpret_cast<raw_t*>(y.mutable_data_ptr());
+    const scalar_t* g = gate.const_data_ptr<scalar_t>();
+    const scalar_t* u = up.const_data_ptr<scalar_t>();
+    scalar_t* out = y.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-#pragma omp simd
-      for (int64_t i = begin; i < end; ++i) {
-        const op_t gv = io::load(g[i]);
-        out[i] = io::store(gv / (op_t(1) + std::exp(-gv)) * io::load(u[i]));
-      }
+      forward_range<scalar_t>(g, u, out, begin, end);
     });
   });
   return y;
@@ -59,22 +89,13 @@ std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at
   const int64_t n = gate.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(),
                                   "fastllm_swiglu_backward_cpu", [&] {
-    using io = Io<scalar_t>;
-    using op_t = typename io::opmath_t;
-    using raw_t = typename io::raw_t;
-    const raw_t* __restrict dy = reinterpret_cast<const raw_t*>(grad_out.const_data_ptr());
-    const raw_t* __restrict g = reinterpret_cast<const raw_t*>(gate.const_data_ptr());
-    const raw_t* __restrict u = reinterpret_cast<const raw_t*>(up.const_data_ptr());
-    raw_t* __restrict dg = reinterpret_cast<raw_t*>(dgate.mutable_data_ptr());
-    raw_t* __restrict du = reinterpret_cast<raw_t*>(dup.mutable_data_ptr());
+    const scalar_t* d = grad_out.const_data_ptr<scalar_t>();
+    const scalar_t* g = gate.const_data_ptr<scalar_t>();
+    const scalar_t* u = up.const_data_ptr<scalar_t>();
+    scalar_t* dg = dgate.mutable_data_ptr<scalar_t>();
+    scalar_t* du = dup.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-#pragma omp simd
-      for (int64_t i = begin; i < end; ++i) {
-        const op_t gv = io::load(g[i]), uv = io::load(u[i]), d = io::load(dy[i]);
-        const op_t sig = op_t(1) / (op_t(1) + std::exp(-gv));
-        dg[i] = io::store(d * uv * sig * (op_t(1) + gv * (op_t(1) - sig)));
-        du[i] = io::store(d * gv * sig);
-      }
+      backward_range<scalar_t>(d, g, u, dg, du, begin, end);
     });
   });
   return {dgate, dup};

@@ -460,7 +460,8 @@ class _LoRALinearMulti(torch.autograd.Function):
             if need[3 + i]:
                 dw[i] = torch.mm(g.t(), x2)
             if ctx.has_bias[i] and need[3 + n + i]:
-                db[i] = g.sum(0, dtype=torch.float32).to(g.dtype)
+                acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+                db[i] = g.sum(0, dtype=acc).to(g.dtype)
             if i in spans:
                 lo, hi = spans[i]
                 if need[3 + 2 * n + i]:

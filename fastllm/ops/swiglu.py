@@ -144,3 +144,45 @@ torch.library.register_autograd("fastllm::swiglu", _backward, setup_context=_set
 def swiglu(gate, up):
     """silu(gate) * up; gate, up (...,) of one shape and dtype."""
     return torch.ops.fastllm.swiglu(gate, up)
+
+
+class _SwiGLULinear(torch.autograd.Function):
+    """silu(gate) * up, then the down projection, keeping gate and up only: the product h (as
+    large as gate) is recomputed in the backward when the weight's gradient needs it."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias):
+        h = torch.ops.fastllm.swiglu(gate, up)
+        out = F.linear(h, weight, bias)
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, weight = ctx.saved_tensors
+        need_g, need_u, need_w, need_b = ctx.needs_input_grad
+        dy = grad_out.reshape(-1, weight.shape[0])
+        dgate = dup = dw = db = None
+        if need_w:
+            h = torch.ops.fastllm.swiglu(gate, up)
+            dw = torch.mm(dy.t(), h.reshape(-1, weight.shape[1]))
+            del h
+        if need_b and ctx.has_bias:
+            db = dy.sum(0, dtype=_opmath(dy.dtype)).to(grad_out.dtype)
+        if need_g or need_u:
+            dh = torch.mm(dy, weight).view(gate.shape)
+            dgate, dup = torch.ops.fastllm.swiglu_backward(dh, gate, up)
+        return dgate, dup, dw, db
+
+
+def swiglu_linear(gate, up, weight, bias=None):
+    """F.linear(silu(gate) * up, weight, bias) without keeping silu(gate) * up for the backward.
+
+    gate, up: (..., ffn); weight: (out, ffn); bias: (out,) or None; one dtype. The product is
+    recomputed (one elementwise pass) only when weight requires grad (full fine-tuning); with a
+    frozen weight (LoRA elsewhere) nothing is recomputed."""
+    if weight.dtype != gate.dtype:
+        raise TypeError(f"fastllm.swiglu_linear: weight has dtype {weight.dtype}, gate has "
+                        f"{gate.dtype}")
+    return _SwiGLULinear.apply(gate, up, weight, bias)
