@@ -28,16 +28,18 @@ struct View4 {  // (B, S, H, D) strides in elements, last stride 1
 View4 view_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 template <typename scalar_t, bool BACKWARD>
-void rotate_heads(const typename Io<scalar_t>::raw_t* __restrict src,
-                  typename Io<scalar_t>::raw_t* dst, int64_t heads, int64_t src_sh,
-                  int64_t dst_sh, const typename Io<scalar_t>::raw_t* __restrict c,
-                  const typename Io<scalar_t>::raw_t* __restrict s, int64_t d) {
+void rotate_heads(const typename Io<scalar_t>::raw_t* src, typename Io<scalar_t>::raw_t* dst,
+                  int64_t heads, int64_t src_sh, int64_t dst_sh,
+                  const typename Io<scalar_t>::raw_t* c, const typename Io<scalar_t>::raw_t* s,
+                  int64_t d) {
+  // No __restrict: dst may be src (in place). Each iteration reads its own pair before writing
+  // it and touches no other iteration's elements, so `omp simd` is still exact.
   using io = Io<scalar_t>;
   using op_t = typename io::opmath_t;
   using raw_t = typename io::raw_t;
   const int64_t half = d / 2;
   for (int64_t hd = 0; hd < heads; ++hd) {
-    const raw_t* __restrict x = src + hd * src_sh;
+    const raw_t* x = src + hd * src_sh;
     raw_t* o = dst + hd * dst_sh;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
