@@ -46,7 +46,7 @@ def _batch(b=2, s=11, vocab=123):
 
 def _loss_and_grads(model, ids, labels, run=None):
     model.zero_grad(set_to_none=True)
-    out = (run or model)(input_ids=ids, labels=labels)
+    out = (model if run is None else run)(input_ids=ids, labels=labels)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return out, grads
