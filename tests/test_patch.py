@@ -167,3 +167,12 @@ def test_lora_linear_multi_matches_separate_layers():
         if a_s[i] is not None:
             want = want + scal[i] * (x @ a_s[i].T) @ b_s[i].T
         torch.testing.assert_close(y, want)
+
+
+def test_train_config_kernels():
+    from fastllm.train.config import ConfigError, TrainConfig
+
+    assert TrainConfig.from_args([]).kernels == "fastllm"
+    assert TrainConfig.from_args(["kernels=none"]).kernels == "none"
+    with pytest.raises(ConfigError, match="kernels must be fastllm or none"):
+        TrainConfig.from_args(["kernels=liger"])

@@ -152,6 +152,7 @@ class TrainConfig:
     device: str = "auto"                  # auto | cpu | cuda
     threads: int = 0                      # torch intra-op threads per process; 0: torch's default
     backend: str = "fastllm"              # fastllm | torch (torch.optim.AdamW fused, PEFT, autocast)
+    kernels: str = "fastllm"              # fastllm: fastllm.patch on HF-folder models | none
     optim: str = "adamw"                  # adamw (fp32 state) | adamw_bf16 | adamw8bit (fastllm)
     track_memory: bool = True             # measure step 1's peak tensor memory on CPU (PeakMemory)
     nan_batches: typing.List[int] = field(default_factory=list)  # fault injection: poisoned steps
@@ -170,6 +171,8 @@ class TrainConfig:
              f"parallel.strategy must be one of {_STRATEGIES}, got {self.parallel.strategy!r}")
         need(self.backend in ("fastllm", "torch"), f"backend must be fastllm or torch, got "
              f"{self.backend!r}")
+        need(self.kernels in ("fastllm", "none"), f"kernels must be fastllm or none, got "
+             f"{self.kernels!r}")
         need(self.report_to in ("none", "tensorboard"),
              f"report_to must be none or tensorboard, got {self.report_to!r}")
         need(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fastllm.patch import patch as patch_kernels
 from fastllm.parallel import ParallelLayout, apply_activation_checkpointing, decoder_layers
 from fastllm.parallel.pipeline import pipeline_loss
 from fastllm.train import checkpoint as ckpt
@@ -118,6 +119,9 @@ class Trainer:
         # params under autocast.
         dtype = _DTYPES[cfg.precision] if cfg.backend == "fastllm" else torch.float32
         model = apply_finetune(build_model(cfg, self.tokenizer.vocab_size, dtype), cfg)
+        if (cfg.kernels == "fastllm" and cfg.backend == "fastllm" and is_model_dir(cfg.model)
+                and cfg.parallel.tp == 1):  # the kernels take local tensors, not TP's DTensors
+            patch_kernels(model)  # HF's norms, rotary, SwiGLU and loss on fastllm's kernels
         model.to(self.device)
         model.train()
         self.n_checkpointed = apply_activation_checkpointing(model, cfg.checkpoint_ratio)
