@@ -40,34 +40,6 @@ _PATCHED = "_fastllm_patched"
 KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy")
 
 
-def _linear_cross_entropy():
-    """fastllm.ops.fused_linear_cross_entropy where present, else the materialised fallback."""
-    from fastllm import ops
-
-    fn = getattr(ops, "fused_linear_cross_entropy", None)
-    return fn if fn is not None else _materialised_linear_cross_entropy
-
-
-def _materialised_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100,
-                                       reduction="mean", label_smoothing=0.0, z_loss=0.0,
-                                       logit_softcap=None):
-    """The fallback while fused_linear_cross_entropy is not built: full fp32 logits and
-    F.cross_entropy, the same maths (and HF's memory)."""
-    logits = F.linear(hidden, weight, bias).float()
-    if logit_softcap is not None:
-        logits = logit_softcap * torch.tanh(logits / logit_softcap)
-    logits = logits.reshape(-1, logits.shape[-1])
-    labels = labels.reshape(-1)
-    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction,
-                           label_smoothing=label_smoothing)
-    if z_loss:
-        valid = labels != ignore_index
-        z = torch.logsumexp(logits, -1).square() * valid
-        loss = loss + z_loss * (z.sum() / valid.sum().clamp(min=1) if reduction == "mean"
-                                else z.sum() if reduction == "sum" else z)
-    return loss
-
-
 # --- the replacement forwards (bound to each patched module) ---------------------------------
 
 def _rms_norm_forward(self, hidden_states):
@@ -176,7 +148,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if shift_labels is None:  # HF's ForCausalLMLoss: token t predicts label t + 1
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = _linear_cross_entropy()(hidden, self.lm_head.weight,
+    from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    loss = fused_linear_cross_entropy(hidden, self.lm_head.weight,
                                    shift_labels.to(hidden.device), bias=self.lm_head.bias,
                                    ignore_index=ignore_index, reduction=reduction)
     if num_items_in_batch is not None:
