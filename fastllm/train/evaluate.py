@@ -113,19 +113,11 @@ def _decode_without_cache(model, ids, max_new_tokens, eos, do_sample, temperatur
 
 
 def read_eval(path):
-    """{eval_step: record} of a metrics.jsonl's evaluation lines (the last of each step)."""
-    out = {}
-    if not os.path.exists(path):
-        return out
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if "eval_step" in rec:
-                out[rec["eval_step"]] = rec
-    return [out[s] for s in sorted(out)]
+    """The evaluation records of a metrics.jsonl in eval_step order (the last of each step);
+    [] when there is no file."""
+    from fastllm.train.metrics import read_metrics
+
+    return read_metrics(path, key="eval_step") if os.path.exists(path) else []
 
 
 def read_prompts(prompts, prompts_file):

@@ -34,9 +34,10 @@ COMM_WARN = 0.15
 BUBBLE_WARN = 0.15
 
 
-def read_metrics(path):
-    """The step records of a metrics.jsonl, the last record of each step kept (a resumed run
-    repeats the steps after its checkpoint); a torn last line is ignored."""
+def read_metrics(path, key="step"):
+    """The records of a metrics.jsonl that carry `key` ("step": training steps, "eval_step":
+    evaluations), in order of that key, the last record of each kept (a resumed run repeats the
+    steps after its checkpoint); a torn last line is ignored."""
     by_step = {}
     with open(path) as f:
         for line in f:
@@ -44,8 +45,8 @@ def read_metrics(path):
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if "step" in rec:
-                by_step[rec["step"]] = rec
+            if key in rec:
+                by_step[rec[key]] = rec
     return [by_step[s] for s in sorted(by_step)]
 
 
