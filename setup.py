@@ -44,7 +44,7 @@ def _extensions():
     from torch.utils import cpp_extension
 
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno"] + _cpu_arch_flags()
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"] + _cpu_arch_flags()
     extra = {"cxx": cxx}
     define_macros = []
     with_cuda = _want_cuda(torch, cpp_extension.CUDA_HOME)

@@ -31,39 +31,14 @@
 #include <vector>
 
 #include "fastllm.h"
+#include "cpu/vec_math.h"
 #include "low_precision.h"
 
 namespace fastllm {
 namespace {
 
-// exp for a vectorised loop (gcc turns `#pragma omp simd` loops over it into AVX-512 under
-// -march=native; std::exp would stay scalar): Cephes' expf (Stephen Moshier, netlib.org/cephes):
-// x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the exponent bits.
-// Relative error about 2 ulp; arguments below -87.3 give ~1e-38 instead of 0.
-__attribute__((always_inline)) inline float exp_fast(float x) {
-  // ternaries, not std::fmin/fmax: those are library calls (NaN rules) that stop vectorisation
-  x = x < -87.3365f ? -87.3365f : (x > 88.7228f ? 88.7228f : x);
-  // round to nearest by adding and removing 1.5 * 2^23 (std::floor does not vectorise without
-  // -fno-trapping-math: it must not raise "inexact")
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  return p * lowp::bits_to_float(static_cast<uint32_t>(e) << 23);
-}
-
-// cap * tanh(x / cap), written with exp_fast so it vectorises: tanh(t) = 1 - 2 / (e^{2t} + 1)
-// (saturates to +-1 for large |t|; absolute error ~1e-7 cap near 0).
-__attribute__((always_inline)) inline float softcap_fast(float x, float cap, float inv_cap) {
-  const float t = x * inv_cap;
-  return cap * (1.0f - 2.0f / (exp_fast(2.0f * t) + 1.0f));
-}
+using vec_math::exp_fast;
+using vec_math::softcap_fast;
 
 template <typename scalar_t>
 struct Store;  // raw storage type and fp32 conversions of the chunk buffer
