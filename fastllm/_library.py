@@ -112,6 +112,14 @@ SCHEMAS = {
     # silu(gate) * up; the backward recomputes sigmoid(gate).
     "swiglu": "swiglu(Tensor gate, Tensor up) -> Tensor",
     "swiglu_backward": "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)",
+    # x weight^T + bias, computed in fp32 for bf16/fp16 on CPUs without a native low-precision
+    # GEMM (fastllm/ops/linear.py, fastllm/_lowp.py); (dx, dweight, dbias), empty where
+    # output_mask is False.
+    "linear": "linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    "linear_backward": (
+        "linear_backward(Tensor grad_out, Tensor x, Tensor weight, bool[] output_mask) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
 }
 
 for _schema in SCHEMAS.values():

@@ -12,6 +12,9 @@ What is swapped, per module instance (the class and every other model are untouc
                            fastllm.lora LoRALinear layers (x read once for every A)
     *MLP (SwiGLU)       -> fastllm.ops.swiglu (silu(gate) * up recomputed in the backward), with
                            gate/up through lora_linear_multi when both are LoRALinear
+    nn.Linear           -> fastllm.ops.linear when the input is bf16/fp16 on a CPU without
+                           native low-precision GEMMs (products in fp32, fastllm/_lowp.py); the
+                           attention's sdpa is then computed in fp32 the same way
     *ForCausalLM        -> with `labels`, the loss by fastllm.ops.fused_linear_cross_entropy on
                            the last hidden states and lm_head's weight: the (tokens, vocab) logits
                            never exist, and the output's `logits` is None (as Liger-Kernel does).
@@ -34,13 +37,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastllm import _lowp
+
 _PATCHED = "_fastllm_patched"
 
 # the kinds of swap, as patch()'s keyword arguments name them
-KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy")
+KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
 
 
 # --- the replacement forwards (bound to each patched module) ---------------------------------
+
+def _linear_forward(self, input):
+    # fastllm.ops.linear where it differs from F.linear: bf16/fp16 matmuls on a CPU without
+    # native low-precision GEMMs (fastllm/_lowp.py), autocast's included; else nn.Linear's forward
+    dtype = input.dtype
+    if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+    if _lowp.widens(input.device, dtype):
+        from fastllm.ops.linear import linear
+
+        return linear(input, self.weight, self.bias)
+    return F.linear(input, self.weight, self.bias)
+
 
 def _rms_norm_forward(self, hidden_states):
     from fastllm.ops.rms_norm import rms_norm
@@ -100,6 +118,15 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     v = v.view(hidden_shape).transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    dropout = 0.0 if not self.training else self.attention_dropout
+    if (_lowp.widen(q) and self.config._attn_implementation == "sdpa" and dropout == 0.0
+            and q.shape[2] == k.shape[2] and not kwargs.get("output_attentions", False)):
+        # bf16/fp16 on a CPU without native low-precision GEMMs: PyTorch's flash attention in
+        # fp32 on widened q, k, v (its bf16 backward is ~5x slower there; fastllm/_lowp.py)
+        is_causal = q.shape[2] > 1 and attention_mask is None and getattr(self, "is_causal", True)
+        out = _lowp.scaled_dot_product_attention(q, k, v, attention_mask, is_causal, self.scaling)
+        out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), None
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
         self.config._attn_implementation, self._fastllm_eager_attention)
     extra = {}
@@ -108,8 +135,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     elif getattr(self.config, "sliding_window", None) is not None:  # Mistral
         extra["sliding_window"] = self.config.sliding_window
     attn_output, attn_weights = attention_interface(
-        self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling, **extra, **kwargs)
+        self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
 
@@ -217,12 +243,13 @@ def _bind(module, kind, fn):
     setattr(module, _PATCHED, kind)
 
 
-def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, verbose=False):
+def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, linear=True,
+          verbose=False):
     """Swap the modules of a Hugging Face Llama / Qwen2 / Mistral model (or a PEFT model around
     one) for fastllm's kernels, in place; returns the model. Each keyword turns one kind of
     swap off. Patching a patched model is a no-op for the modules already patched."""
     chosen = {"rms_norm": rms_norm, "rotary": rotary, "swiglu": swiglu,
-              "cross_entropy": cross_entropy}
+              "cross_entropy": cross_entropy, "linear": linear}
     counts = dict.fromkeys(KINDS, 0)
     for _, m in model.named_modules():
         if m.__dict__.get(_PATCHED) is not None:
@@ -236,6 +263,8 @@ def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, ve
             _bind(m, "rotary", _attention_forward)
         elif chosen["swiglu"] and _is_swiglu_mlp(m):
             _bind(m, "swiglu", _mlp_forward)
+        elif chosen["linear"] and type(m) is nn.Linear:
+            _bind(m, "linear", _linear_forward)
         elif chosen["cross_entropy"] and _is_causal_lm(m):
             import transformers.modeling_outputs as outputs
 

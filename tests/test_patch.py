@@ -69,7 +69,7 @@ def test_patched_llama_equals_unpatched():
     logits = model(input_ids=ids).logits
     fastllm.patch(model)
     assert fastllm.patched(model) == {"rms_norm": 5, "rotary": 2, "swiglu": 2,
-                                      "cross_entropy": 1}
+                                      "cross_entropy": 1, "linear": 15}
     ours = _loss_and_grads(model, ids, labels)
     assert ours[0].logits is None  # the loss came from hidden states, as Liger's does
     _assert_same(ours, theirs)
@@ -95,17 +95,30 @@ def test_qwen2_and_mistral(family):
     _assert_same(_loss_and_grads(model, ids, labels), theirs)
 
 
-def test_bf16_loss_close_to_fp32():
-    """bf16 end to end: the patched model's loss is no further from the fp32 model's than twice
-    the unpatched bf16 model's is."""
+@pytest.mark.parametrize("mode", ["fp32", "native"])
+def test_bf16_loss_and_grads_close_to_fp32(mode, monkeypatch):
+    """bf16 end to end, with the CPU's bf16 matmuls widened to fp32 (fastllm/_lowp.py) or not:
+    the patched model's loss and every gradient are no further from the fp32 model's than twice
+    the unpatched bf16 model's are; widened, the attention runs through the fp32 flash kernel."""
+    monkeypatch.setenv("FASTLLM_CPU_LOWP_MATMUL", mode)
     model = _model()
     ids, labels = _batch()
-    ref = model(input_ids=ids, labels=labels).loss.double()
+    ref = _loss_and_grads(model, ids, labels)
     lp = copy.deepcopy(model).to(torch.bfloat16)
-    theirs = lp(input_ids=ids, labels=labels).loss.double()
+    theirs = _loss_and_grads(lp, ids, labels)
     fastllm.patch(lp)
-    ours = lp(input_ids=ids, labels=labels).loss.double()
-    assert (ours - ref).abs() <= 2 * (theirs - ref).abs() + 1e-3 * ref.abs()
+    calls = []
+    wide = fastllm._lowp.scaled_dot_product_attention
+    monkeypatch.setattr(fastllm._lowp, "scaled_dot_product_attention",
+                        lambda *a: calls.append(1) or wide(*a))
+    ours = _loss_and_grads(lp, ids, labels)
+    assert len(calls) == (2 if mode == "fp32" else 0)
+    err = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
+    assert err(ours[0].loss, ref[0].loss) <= 2 * err(theirs[0].loss, ref[0].loss) + 1e-3
+    for name, g in ref[1].items():
+        assert ours[1][name].dtype == torch.bfloat16
+        bound = 2 * err(theirs[1][name], g) + 1e-3 * g.abs().max().item()
+        assert err(ours[1][name], g) <= bound, name
 
 
 def test_with_fastllm_lora_and_gradient_checkpointing():

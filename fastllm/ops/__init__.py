@@ -4,6 +4,7 @@ reference `<op>_ref`, and a functional wrapper."""
 from fastllm.ops.adamw import adamw_step, adamw_step_ref
 from fastllm.ops.adamw_master import adamw_master_step, adamw_master_step_ref
 from fastllm.ops.l2norm import l2norm, l2norm_ref
+from fastllm.ops.linear import linear, linear_ref
 from fastllm.ops.lora_linear import lora_linear, lora_linear_ref
 from fastllm.ops.scaled_copy import scaled_copy, scaled_copy_ref
 from fastllm.ops.galore_adam_step import galore_adam_step, galore_adam_step_ref
@@ -18,7 +19,7 @@ from fastllm.ops.swiglu import swiglu, swiglu_ref
 
 __all__ = [
     "adamw_master_step", "adamw_master_step_ref", "adamw_step", "adamw_step_ref", "l2norm",
-    "l2norm_ref", "lora_linear", "lora_linear_ref",
+    "l2norm_ref", "linear", "linear_ref", "lora_linear", "lora_linear_ref",
     "scaled_copy", "scaled_copy_ref",
     "galore_adam_step", "galore_adam_step_ref", "orthogonalize", "orthogonalize_ref",
     "powersgd_decompress", "powersgd_decompress_ref",

@@ -43,7 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastllm import _backend, _extension
+from fastllm import _backend, _extension, _lowp
 from fastllm._library import lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -226,6 +226,14 @@ def _row_pass_triton(*args):
 
 def _cpp(hidden2, weight, flat, bias, token_scale, scale, divide_by_valid, ignore_index,
          label_smoothing, z_loss, cap, need_hidden, need_weight, need_bias):
+    if _lowp.widen(hidden2):
+        # bf16/fp16 on a CPU without native low-precision GEMMs (fastllm/_lowp.py): the fp32
+        # kernel on widened copies (the weight once per call, not per chunk), grads rounded once
+        loss, gh, gw, gb = _cpp(hidden2.float(), weight.float(), flat,
+                                None if bias is None else bias.float(), token_scale, scale,
+                                divide_by_valid, ignore_index, label_smoothing, z_loss, cap,
+                                need_hidden, need_weight, need_bias)
+        return loss, gh.to(hidden2.dtype), gw.to(weight.dtype), gb.to(weight.dtype)
     try:
         return _extension.extension().fused_linear_cross_entropy_cpu(
             hidden2.contiguous(), weight.contiguous(), flat.contiguous(),

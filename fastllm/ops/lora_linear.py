@@ -34,7 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from fastllm import _backend, _extension
+from fastllm import _backend, _extension, _lowp
 from fastllm._library import lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -203,14 +203,25 @@ def _triton_backward(*args):
     return lora_linear_bwd_triton(*args)
 
 
+def _cpp_forward(*args):  # (x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed)
+    run = lambda *a: _forward_torch(_dropout_cpp, _dropout_add_cpp, *a)  # noqa: E731
+    # bf16/fp16 on a CPU without native low-precision GEMMs: every product in fp32 (_lowp.py)
+    return _lowp.in_fp32(run, *args) if _lowp.widen(args[0]) else run(*args)
+
+
+def _cpp_backward(*args):  # (grad_out, x, weight, lora_a, lora_b, xa_t, scaling, ...)
+    run = lambda *a: _backward_torch(_dropout_cpp, _dropout_add_cpp, *a)  # noqa: E731
+    return _lowp.in_fp32(run, *args) if _lowp.widen(args[1]) else run(*args)
+
+
 _FORWARD = {
     "ref": lambda *a: _forward_torch(lora_dropout_ref, _dropout_add_ref, *a),
-    "cpp": lambda *a: _forward_torch(_dropout_cpp, _dropout_add_cpp, *a),
+    "cpp": _cpp_forward,
     "triton": _triton_forward,
 }
 _BACKWARD = {
     "ref": lambda *a: _backward_torch(lora_dropout_ref, _dropout_add_ref, *a),
-    "cpp": lambda *a: _backward_torch(_dropout_cpp, _dropout_add_cpp, *a),
+    "cpp": _cpp_backward,
     "triton": _triton_backward,
 }
 
@@ -342,7 +353,8 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
     out_features, in_features = weight.shape
     dy = grad_y.reshape(-1, out_features)
     if need_w:  # not LoRA's contract (W is frozen), but correct if someone trains W too
-        grad_w = torch.mm(dy.t(), x.reshape(-1, in_features))
+        grad_w = _lowp.in_fp32(torch.mm, dy.t(), x.reshape(-1, in_features)) \
+            if _lowp.widen(x) else torch.mm(dy.t(), x.reshape(-1, in_features))
     if need_bias:
         grad_bias = dy.sum(0, dtype=torch.float32).to(grad_y.dtype)
     return grad_x, grad_w, grad_a, grad_b, None, grad_bias, None, None
@@ -391,84 +403,99 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
 # and dA for every projection one more, [s_i dY_i B_i]^T x. A projection without LoRA (A_i None:
 # k_proj when only q and v are adapted) contributes its base matmul only.
 
+def _multi_forward(x2, weights, biases, lora_as, lora_bs, scalings):
+    """(outs (rows, out_i) each, a_cat, xa_t) of lora_linear_multi on 2-D x."""
+    n = len(weights)
+    adapted = [i for i in range(n) if lora_as[i] is not None]
+    a_cat = torch.cat([lora_as[i] for i in adapted]) if adapted else None
+    xa_t = torch.mm(a_cat, x2.t()) if adapted else None  # (sum r, rows): x read once
+    outs, offset = [], 0
+    for i in range(n):
+        w, b = weights[i], biases[i]
+        y = torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t())
+        if lora_as[i] is not None:
+            r = lora_as[i].shape[0]
+            y.addmm_(xa_t[offset:offset + r].t(), lora_bs[i].t(), alpha=scalings[i])
+            offset += r
+        outs.append(y)
+    return outs, a_cat, xa_t
+
+
+def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has_bias, need):
+    """(dx2, dw, db, da, dbb) of lora_linear_multi; `need` is ctx.needs_input_grad."""
+    n = len(weights)
+    dw, db, da, dbb = [None] * n, [None] * n, [None] * n, [None] * n
+    dyb_parts = []  # s_i (dY_i B_i)^T, (r_i, rows), in the order of a_cat
+    for i in range(n):
+        if i in spans:
+            lo, hi = spans[i]
+            if dys[i] is None:
+                dyb_parts.append(x2.new_zeros(hi - lo, x2.shape[0]))
+            else:
+                dyb_parts.append(torch.mm(lora_bs[i].t(), dys[i].t()).mul_(scalings[i]))
+    dyb_t = torch.cat(dyb_parts) if dyb_parts else None
+    dx = None
+    if need[0]:
+        dx = torch.zeros_like(x2)
+        for i in range(n):
+            if dys[i] is not None:
+                dx.addmm_(dys[i], weights[i])
+        if dyb_t is not None:
+            dx.addmm_(dyb_t.t(), a_cat)  # every projection's low-rank dX in one product
+    want_a = any(need[3 + 2 * n + i] for i in spans)
+    da_cat = torch.mm(dyb_t, x2) if (want_a and dyb_t is not None) else None  # x read once
+    for i in range(n):
+        g = dys[i]
+        if g is None:
+            continue
+        if need[3 + i]:
+            dw[i] = torch.mm(g.t(), x2)
+        if has_bias[i] and need[3 + n + i]:
+            acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+            db[i] = g.sum(0, dtype=acc).to(g.dtype)
+        if i in spans:
+            lo, hi = spans[i]
+            if need[3 + 2 * n + i]:
+                da[i] = da_cat[lo:hi]
+            if need[3 + 3 * n + i]:
+                dbb[i] = torch.mm(g.t(), xa_t[lo:hi].t()).mul_(scalings[i])
+    return dx, dw, db, da, dbb
+
+
 class _LoRALinearMulti(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, n, scalings, *tensors):
         weights, biases = tensors[:n], tensors[n:2 * n]
         lora_as, lora_bs = tensors[2 * n:3 * n], tensors[3 * n:]
-        in_features = x.shape[-1]
-        x2 = x.reshape(-1, in_features)
-        adapted = [i for i in range(n) if lora_as[i] is not None]
-        a_cat = torch.cat([lora_as[i] for i in adapted]) if adapted else None
-        xa_t = torch.mm(a_cat, x2.t()) if adapted else None  # (sum r, rows): x read once
-        outs, offset, spans = [], 0, {}
+        x2 = x.reshape(-1, x.shape[-1])
+        args = (x2, list(weights), list(biases), list(lora_as), list(lora_bs), scalings)
+        # bf16/fp16 on a CPU without native low-precision GEMMs: the products in fp32 (_lowp.py)
+        outs, a_cat, xa_t = _lowp.in_fp32(_multi_forward, *args) if _lowp.widen(x) \
+            else _multi_forward(*args)
+        spans, offset = {}, 0
         for i in range(n):
-            w, b = weights[i], biases[i]
-            y = torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t())
             if lora_as[i] is not None:
-                r = lora_as[i].shape[0]
-                spans[i] = (offset, offset + r)
-                y.addmm_(xa_t[offset:offset + r].t(), lora_bs[i].t(), alpha=scalings[i])
-                offset += r
-            outs.append(y.view(*x.shape[:-1], w.shape[0]))
+                spans[i] = (offset, offset + lora_as[i].shape[0])
+                offset += lora_as[i].shape[0]
         ctx.n, ctx.scalings, ctx.spans = n, scalings, spans
         ctx.has_bias = [b is not None for b in biases]
         ctx.save_for_backward(x, a_cat, xa_t, *weights, *lora_bs)
-        return tuple(outs)
+        return tuple(y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(outs, weights))
 
     @staticmethod
     def backward(ctx, *grads):
-        n, spans, scalings = ctx.n, ctx.spans, ctx.scalings
+        n = ctx.n
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
         x, a_cat, xa_t = saved[:3]
-        weights = saved[3:3 + n]
-        lora_bs = saved[3 + n:]
-        need = ctx.needs_input_grad
-        need_x = need[0]
-        in_features = x.shape[-1]
-        x2 = x.reshape(-1, in_features)
+        weights, lora_bs = list(saved[3:3 + n]), list(saved[3 + n:])
+        x2 = x.reshape(-1, x.shape[-1])
         dys = [None if g is None else g.reshape(-1, weights[i].shape[0])
                for i, g in enumerate(grads)]
-        dw = [None] * n
-        db = [None] * n
-        da = [None] * n
-        dbb = [None] * n
-        dyb_parts = []  # s_i (dY_i B_i)^T, (r_i, rows), in the order of a_cat
-        for i in range(n):
-            if i in spans:
-                lo, hi = spans[i]
-                if dys[i] is None:
-                    dyb_parts.append(x2.new_zeros(hi - lo, x2.shape[0]))
-                else:
-                    dyb_parts.append(torch.mm(lora_bs[i].t(), dys[i].t()).mul_(scalings[i]))
-        dyb_t = torch.cat(dyb_parts) if dyb_parts else None
-        dx = None
-        if need_x:
-            dx = torch.zeros_like(x2)
-            for i in range(n):
-                if dys[i] is not None:
-                    dx.addmm_(dys[i], weights[i])
-            if dyb_t is not None:
-                dx.addmm_(dyb_t.t(), a_cat)  # every projection's low-rank dX in one product
-            dx = dx.view(x.shape)
-        want_a = any(need[3 + 2 * n + i] for i in spans)
-        da_cat = torch.mm(dyb_t, x2) if (want_a and dyb_t is not None) else None  # x read once
-        for i in range(n):
-            g = dys[i]
-            if g is None:
-                continue
-            if need[3 + i]:
-                dw[i] = torch.mm(g.t(), x2)
-            if ctx.has_bias[i] and need[3 + n + i]:
-                acc = torch.float64 if g.dtype == torch.float64 else torch.float32
-                db[i] = g.sum(0, dtype=acc).to(g.dtype)
-            if i in spans:
-                lo, hi = spans[i]
-                if need[3 + 2 * n + i]:
-                    da[i] = da_cat[lo:hi]
-                if need[3 + 3 * n + i]:
-                    dbb[i] = torch.mm(g.t(), xa_t[lo:hi].t()).mul_(scalings[i])
-        return (dx, None, None, *dw, *db, *da, *dbb)
+        args = (dys, x2, a_cat, xa_t, weights, lora_bs, ctx.spans, ctx.scalings, ctx.has_bias,
+                ctx.needs_input_grad)
+        dx, dw, db, da, dbb = _lowp.in_fp32(_multi_backward, *args) if _lowp.widen(x) \
+            else _multi_backward(*args)
+        return (None if dx is None else dx.view(x.shape), None, None, *dw, *db, *da, *dbb)
 
 
 def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):

@@ -153,7 +153,7 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight, bias):
         h = torch.ops.fastllm.swiglu(gate, up)
-        out = F.linear(h, weight, bias)
+        out = torch.ops.fastllm.linear(h, weight, bias)  # fastllm/_lowp.py's bf16 policy
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
         return out
@@ -162,18 +162,16 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
         need_g, need_u, need_w, need_b = ctx.needs_input_grad
-        dy = grad_out.reshape(-1, weight.shape[0])
+        need_h, need_b = need_g or need_u, need_b and ctx.has_bias
         dgate = dup = dw = db = None
-        if need_w:
-            h = torch.ops.fastllm.swiglu(gate, up)
-            dw = torch.mm(dy.t(), h.reshape(-1, weight.shape[1]))
-            del h
-        if need_b and ctx.has_bias:
-            db = dy.sum(0, dtype=_opmath(dy.dtype)).to(grad_out.dtype)
-        if need_g or need_u:
-            dh = torch.mm(dy, weight).view(gate.shape)
+        # the product h only when dW needs it; dh = dy W reads nothing of h but its shape
+        h = torch.ops.fastllm.swiglu(gate, up) if need_w else gate
+        dh, dw, db = torch.ops.fastllm.linear_backward(grad_out, h, weight,
+                                                       [need_h, need_w, need_b])
+        del h
+        if need_h:
             dgate, dup = torch.ops.fastllm.swiglu_backward(dh, gate, up)
-        return dgate, dup, dw, db
+        return dgate, dup, (dw if need_w else None), (db if need_b else None)
 
 
 def swiglu_linear(gate, up, weight, bias=None):

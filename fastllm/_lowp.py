@@ -1,0 +1,130 @@
+"""bf16/fp16 matmuls on CPUs without native low-precision GEMMs: computed in fp32.
+
+PyTorch multiplies bf16 matrices on the CPU through oneDNN when the CPU has AVX-512 (with or
+without the bf16 instructions) or AMX; anywhere else (AVX2-only CPUs such as AMD Zen 3) it falls
+back to a generic loop. Measured on an AMD EPYC (Zen 3, AVX2) with torch 2.13, 2 threads, at a
+(4096 x 576) x (576 x 1536) product: fp32 87-105 GFLOP/s; bf16 x @ W^T 14.7, dY @ W 1.4 and
+dY^T @ X 15.7 GFLOP/s (BENCHMARKS.md). The same product with both operands widened to fp32 and
+the result rounded to bf16 runs at the fp32 rate: the widening reads each operand once (O(mk +
+kn)) against the product's O(mkn). The result is what a native bf16 GEMM computes (fp32
+accumulation of exact bf16 x bf16 products, one rounding), up to the order of the sum.
+
+So fastllm's CPU matmuls (fastllm.ops.linear, the LoRA ops, the fused loss and the attention of
+fastllm.patch) run in fp32 for bf16/fp16 tensors on such CPUs and keep bf16/fp16 in memory:
+activations, saved tensors and outputs stay low precision. Where PyTorch has the native path
+(`torch.ops.mkldnn._is_mkldnn_bf16_supported()`, `_is_mkldnn_fp16_supported()`) nothing changes.
+
+    FASTLLM_CPU_LOWP_MATMUL=auto|fp32|native    auto (default): as above; fp32: always widen
+                                                (tests use it on every CPU); native: never
+"""
+
+import functools
+import os
+
+import torch
+
+_LOWP = (torch.bfloat16, torch.float16)
+_MODES = ("auto", "fp32", "native")
+
+
+def _mode():
+    mode = os.environ.get("FASTLLM_CPU_LOWP_MATMUL", "auto")
+    if mode not in _MODES:
+        raise ValueError(f"fastllm: FASTLLM_CPU_LOWP_MATMUL={mode!r} is not one of {_MODES}")
+    return mode
+
+
+@functools.lru_cache(maxsize=None)
+def _native(dtype):
+    """Whether PyTorch has a fast GEMM for `dtype` on this CPU (oneDNN's low-precision path)."""
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported",
+             torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a build without oneDNN has no fast path either
+        return False
+
+
+def widens(device, dtype):
+    """Whether matmuls of `dtype` on `device` are computed in fp32 here (CPU bf16/fp16 only)."""
+    if torch.device(device).type != "cpu" or dtype not in _LOWP:
+        return False
+    mode = _mode()
+    if mode == "auto":
+        return not _native(dtype)
+    return mode == "fp32"
+
+
+def widen(t):
+    """Whether a matmul over tensor `t` is computed in fp32 here."""
+    return widens(t.device, t.dtype)
+
+
+def in_fp32(fn, *args):
+    """fn(*args) with every bf16/fp16 tensor argument widened to fp32 (lists too) and every fp32
+    tensor result rounded back to the arguments' low-precision dtype; None and other values pass
+    through; CPU autocast is off inside. For CPU functions made of matmuls and elementwise steps,
+    called when widen() says so."""
+    dtype = None
+
+    def up(a):
+        nonlocal dtype
+        if torch.is_tensor(a) and a.dtype in _LOWP:
+            dtype = a.dtype
+            return a.float()
+        if isinstance(a, (list, tuple)):
+            return type(a)(up(x) for x in a)
+        return a
+
+    widened = [up(a) for a in args]
+    with torch.autocast("cpu", enabled=False):  # fp32 products, not autocast's bf16 again
+        out = fn(*widened)
+
+    def down(o):
+        if torch.is_tensor(o) and o.dtype == torch.float32 and dtype is not None:
+            return o.to(dtype)
+        if isinstance(o, (list, tuple)):
+            return type(o)(down(x) for x in o)
+        return o
+
+    return down(out)
+
+
+def _float_mask(mask, dtype):
+    """sdpa's boolean mask (True: attend) as the additive float mask the CPU kernel takes."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+
+
+class _WideAttention(torch.autograd.Function):
+    """PyTorch's CPU flash attention (forward and backward) on bf16/fp16 q, k, v, computed in
+    fp32: saves q, k, v and the output in their own dtype and the fp32 row logsumexp, and widens
+    them again in the backward (whose bf16 GEMMs are the slow ones: 1034 ms against fp32's 202 ms
+    for forward + backward at 8 x 9 heads x 512 x 64 on the AVX2 machine of BENCHMARKS.md)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, is_causal,
+            attn_mask=_float_mask(attn_mask, torch.float32), scale=scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0,
+            ctx.is_causal, attn_mask=_float_mask(attn_mask, torch.float32), scale=ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    """F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=..., scale=...,
+    enable_gqa=True) without dropout, for CPU bf16/fp16 tensors that widen() says to compute in
+    fp32. q: (B, H, T, D); k, v: (B, H_kv, S, D) with H a multiple of H_kv; attn_mask: None, or
+    boolean (True: attend) / additive, broadcastable to (B, H, T, S)."""
+    return _WideAttention.apply(q, k, v, attn_mask, is_causal, scale)
