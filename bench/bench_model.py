@@ -3,17 +3,18 @@
     fastllm bench --ops model [--full]
 
 1. Each op, forward + backward, against torch eager and torch.compile of the same maths (what
-   HF's LlamaRMSNorm, apply_rotary_pos_emb and LlamaMLP's act * up compute), at SmolLM2-135M's
-   sizes for 8 x 512 tokens: time, GB/s (the bytes the op must move at least) and the peak of
-   the tensors it allocates (fastllm.train.memory.PeakMemory).
+   HF's LlamaRMSNorm, apply_rotary_pos_emb, LlamaMLP's act * up and nn.Linear compute), at
+   SmolLM2-135M's sizes for 8 x 512 tokens: time, GB/s (the bytes the op must move at least) or
+   GFLOP/s (linear), and the peak of the tensors it allocates (PeakMemory).
 2. A training step of a SmolLM2-135M-shaped LlamaForCausalLM (hidden 576, 9 / 3 heads, ffn 1536,
    vocab 49152, tied embeddings; random init, or the real weights from FASTLLM_BENCH_MODEL=DIR,
    a folder made by shared/models/prepare_smollm2.py), LoRA (r=16 on q/v) and full
    fine-tuning, fp32 and bf16 (pure bf16 weights):
        fastllm   fastllm.patch + fastllm.lora + fastllm.optim.AdamW
        HF        the unpatched model (+ PEFT for LoRA) + torch.optim.AdamW(fused=True)
-   on the same batch, interleaved: tokens/s, peak tensor memory, and the top of a torch profile
-   of one step of each (self CPU time by op).
+   on the same batch, interleaved: tokens/s, the peak tensor memory of the first step (params,
+   grads, optimizer state and activations: fastllm.train.memory.PeakMemory), and the top of a
+   torch profile of one step of each (self CPU time by op).
 The quick run uses 4 layers, 8 x 256 tokens, 2 timed steps; --full (or FASTLLM_BENCH_LAYERS,
 FASTLLM_BENCH_SEQ, FASTLLM_BENCH_STEPS) the whole 30 layers at 8 x 512.
 """
@@ -21,6 +22,7 @@ FASTLLM_BENCH_SEQ, FASTLLM_BENCH_STEPS) the whole 30 layers at 8 x 512.
 import copy
 import gc
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +63,8 @@ def _rope_tables(b, s, dtype):
 
 
 def _op_cases(b, s, dtype):
-    """[(op, size, inputs needing grad, other inputs, fastllm fn, torch fn, bytes)]."""
+    """[(op, size, inputs needing grad, other inputs, fastllm fn, torch fn, work)]; work is
+    {"bytes": moved at least} or {"flops": of forward + backward}."""
     es = torch.tensor([], dtype=dtype).element_size()
     t = b * s
     x = torch.randn(t, HIDDEN, dtype=dtype, requires_grad=True)
@@ -71,17 +74,21 @@ def _op_cases(b, s, dtype):
     cos, sin = _rope_tables(b, s, dtype)
     gate = torch.randn(t, FFN, dtype=dtype, requires_grad=True)
     up = torch.randn(t, FFN, dtype=dtype, requires_grad=True)
+    x_lin = torch.randn(t, HIDDEN, dtype=dtype, requires_grad=True)
+    w_lin = (torch.randn(FFN, HIDDEN) / HIDDEN ** 0.5).to(dtype).requires_grad_()
     dt = str(dtype).split(".")[-1]
     return [
+        ("linear", f"x {t}x{HIDDEN}, W {FFN}x{HIDDEN} (gate_proj), {dt}", [x_lin, w_lin], [],
+         fastllm.ops.linear, F.linear, dict(flops=3 * 2 * t * HIDDEN * FFN)),  # y, dX, dW
         ("rms_norm", f"x {t}x{HIDDEN}, {dt}", [x, w], [],
          lambda x, w: fastllm.ops.rms_norm(x, w, 1e-5), _rms_norm_torch,
-         5 * x.numel() * es),  # fwd: x in, y out; bwd: x, dy in, dx out
+         dict(bytes=5 * x.numel() * es)),  # fwd: x in, y out; bwd: x, dy in, dx out
         ("rotary_embedding", f"q {b}x{s}x{HEADS}x{HEAD_DIM}, k {KV_HEADS} heads, {dt}", [q, k],
          [cos, sin], lambda q, k, c, s_: fastllm.ops.rotary_embedding(q, k, c, s_), _rotary_torch,
-         4 * (q.numel() + k.numel()) * es),  # fwd and bwd: q, k in and out
+         dict(bytes=4 * (q.numel() + k.numel()) * es)),  # fwd and bwd: q, k in and out
         ("swiglu", f"gate, up {t}x{FFN}, {dt}", [gate, up], [],
          lambda g, u: fastllm.ops.swiglu(g, u), _swiglu_torch,
-         8 * gate.numel() * es),  # fwd: 2 in 1 out; bwd: 3 in 2 out
+         dict(bytes=8 * gate.numel() * es)),  # fwd: 2 in 1 out; bwd: 3 in 2 out
     ]
 
 
@@ -106,7 +113,7 @@ def _peak_mib(step, *tracked):
 def run_ops(b, s, dtypes, progress):
     rows = []
     for dtype in dtypes:
-        for op, size, grad_inputs, other, ours, theirs, nbytes in _op_cases(b, s, dtype):
+        for op, size, grad_inputs, other, ours, theirs, work in _op_cases(b, s, dtype):
             compiled = torch.compile(theirs)
             fns = {"fastllm (cpp)": _fwd_bwd(ours, grad_inputs, other),
                    "torch eager": _fwd_bwd(theirs, grad_inputs, other),
@@ -118,7 +125,7 @@ def run_ops(b, s, dtypes, progress):
             for provider, fn in fns.items():
                 peak = _peak_mib(fn, grad_inputs, other)
                 rows.append(dict(op=f"model/{op}", size=f"{size}, fwd+bwd", provider=provider,
-                                 time_ms=timings[provider].median_ms, bytes=nbytes,
+                                 time_ms=timings[provider].median_ms, **work,
                                  baseline="torch eager", peak_mib=peak,
                                  note=f"peak allocated {peak:.1f} MiB"))
     return rows
@@ -197,7 +204,17 @@ def _profile_top(step, n=6):
     return ", ".join(f"{e.key} {100 * e.self_cpu_time_total / total:.0f}%" for e in top)
 
 
+# A provider whose step takes longer than this is not profiled (one more step), and a case where
+# any provider's warm-up step took longer is timed over one step: Hugging Face's bf16 step on a
+# CPU without native bf16 GEMMs takes many minutes (fastllm/_lowp.py).
+PROFILE_MAX_S = float(os.environ.get("FASTLLM_BENCH_PROFILE_MAX_S", 120))
+
+
 def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
+    """The training step of each provider: the first (warm-up) step measured for its peak memory
+    (PeakMemory; it also allocates the optimizer state, as every first step does), then `steps`
+    timed steps interleaved across providers (one when a warm-up step took over PROFILE_MAX_S),
+    then one profiled step."""
     rows = []
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (b, s))
@@ -208,17 +225,30 @@ def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
             size = (f"SmolLM2-135M shape ({source}), {layers} layers, {b}x{s} tokens, "
                     f"{finetune}, {dt}")
             fns = {name: _train_step(m, o, ids) for name, (m, o) in setups.items()}
-            progress(f"model step {size}: warm-up")
-            losses = {name: float(fn()) for name, fn in fns.items()}
-            progress(f"model step {size}: {', '.join(fns)} (interleaved, {steps} steps)")
-            timings = harness.measure_many(fns, warmup=0, min_reps=steps, max_reps=steps,
+            losses, peaks, warmup_s = {}, {}, {}
+            for name, fn in fns.items():
+                progress(f"model step {size}: {name}: warm-up step (peak memory)")
+                from fastllm.train.memory import PeakMemory
+
+                model, opt = setups[name]
+                gc.collect()
+                start = time.perf_counter()
+                with PeakMemory(model, opt) as mem:
+                    losses[name] = float(fn())
+                warmup_s[name] = time.perf_counter() - start
+                peaks[name] = mem.peak / 2**20
+            reps = steps if max(warmup_s.values()) <= PROFILE_MAX_S else 1
+            progress(f"model step {size}: {', '.join(fns)} (interleaved, {reps} steps)")
+            timings = harness.measure_many(fns, warmup=0, min_reps=reps, max_reps=reps,
                                            min_time_s=0.0)
             for name, fn in fns.items():
-                model, opt = setups[name]
-                progress(f"model step {size}: {name}: memory and profile")
-                peak = _peak_mib(fn, model, opt)
-                top = _profile_top(fn)
                 ms = timings[name].median_ms
+                if ms / 1e3 <= PROFILE_MAX_S:
+                    progress(f"model step {size}: {name}: profile")
+                    top = _profile_top(fn)
+                else:
+                    top = f"not profiled (a step takes {ms / 1e3:.0f} s > {PROFILE_MAX_S:.0f} s)"
+                peak = peaks[name]
                 rows.append(dict(op="model step", size=size, provider=name, time_ms=ms,
                                  tokens_per_s=b * s / ms * 1e3, peak_mib=peak,
                                  first_loss=losses[name],

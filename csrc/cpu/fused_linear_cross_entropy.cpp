@@ -163,7 +163,7 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
 int64_t chunk_rows_for(int64_t tokens, int64_t vocab, int64_t elem_size, int64_t requested) {
   if (requested > 0) return std::max<int64_t>(1, std::min(requested, tokens));
   // fastllm/ops/fused_linear_cross_entropy.py passes rows from its CHUNK_BYTES; the same default
-  constexpr int64_t kBudget = int64_t(64) << 20;
+  constexpr int64_t kBudget = int64_t(128) << 20;
   const int64_t rows = kBudget / std::max<int64_t>(1, vocab * elem_size);
   return std::max<int64_t>(1, std::min(rows, tokens));
 }

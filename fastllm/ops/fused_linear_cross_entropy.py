@@ -28,7 +28,7 @@ the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads are computed
 inputs that require them (a frozen head skips the dW GEMM), and ignored tokens are dropped before
 any GEMM.
 
-Chunk size: CHUNK_BYTES (64 MiB) of logits per chunk (`chunk_rows`), 341 fp32 / 682 bf16 rows at
+Chunk size: CHUNK_BYTES (128 MiB) of logits per chunk (`chunk_rows`), 682 fp32 / 1365 bf16 rows at
 V = 49152: the op's extra memory is one chunk plus the grads, independent of the token count.
 
 Backends: cpp (CPU: csrc/cpu/fused_linear_cross_entropy.cpp, ATen GEMMs + an AVX-512 row pass,
@@ -51,11 +51,13 @@ REDUCTIONS = ("mean", "sum", "none")
 _WHERE = "fastllm.fused_linear_cross_entropy"
 
 # Bytes of logits per chunk on the CPU paths. Chosen by measurement, not to be "a few MB": every
-# chunk re-reads the whole weight in two GEMMs and read-modify-writes dW, so small chunks turn the
-# GEMMs memory-bound. One fp32 step at 2048 x 576 x 49152 on this 2-core EPYC (load ~10):
-# 2 MiB chunks 69.5 s, 8 MiB 25.8 s, 32 MiB 13.8 s, 96 MiB 12.2 s (BENCHMARKS.md). 64 MiB is
-# 341 fp32 / 682 bf16 rows at V = 49152, still a fixed cost independent of the token count.
-CHUNK_BYTES = 64 << 20
+# chunk re-reads the whole weight in two GEMMs and read-modify-writes dW, and MKL's GEMMs with
+# a few hundred rows against a 49152-wide weight run well below its rate at ~700 rows. One fp32
+# step at 2048 x 576 x 49152 on a 2-core EPYC (Zen 4, load ~10): 2 MiB chunks 69.5 s, 8 MiB 25.8 s,
+# 32 MiB 13.8 s, 96 MiB 12.2 s; at 4096 tokens, frozen head, on a 2-core EPYC (Zen 3, quiet):
+# 64 MiB 4.83 s, 128 MiB 4.17 s, 256 MiB 4.25 s (BENCHMARKS.md). 128 MiB is 682 fp32 rows at
+# V = 49152, a fixed cost independent of the token count.
+CHUNK_BYTES = 128 << 20
 
 
 def fused_linear_cross_entropy_ref(hidden, weight, labels, bias=None, ignore_index=-100,
