@@ -23,6 +23,7 @@ from torch import nn
 
 from fastllm import lora
 from fastllm.lora import LoRALinear, save_adapter  # noqa: F401  (save_adapter: one for both)
+from fastllm.ops.linear import linear
 from fastllm.ops.lora_linear import lora_linear
 
 __all__ = ["DoRALinear", "inject_dora", "load_adapter", "save_adapter", "dora_weight_norm",
@@ -91,10 +92,11 @@ class DoRALinear(LoRALinear):
             out = lora_linear(x, w, self.lora_A, self.lora_B, self.scaling, None, 0.0,
                               training=self.training) * scale
             return out if bias is None else out + bias
+        # fastllm.ops.linear: F.linear, with bf16 widened on CPUs that need it (fastllm/_lowp.py)
         dropped = F.dropout(x, self.dropout, training=True)
-        base = F.linear(dropped, w)
-        low = F.linear(F.linear(dropped, self.lora_A), self.lora_B) * self.scaling
-        return F.linear(x, w, bias) + (scale - 1) * base + scale * low
+        base = linear(dropped, w)
+        low = linear(linear(dropped, self.lora_A), self.lora_B) * self.scaling
+        return linear(x, w, bias) + (scale - 1) * base + scale * low
 
     def _merged_weight(self, sign):
         """+1: (m / n) (W + s B A), the merged weight (PEFT's merge); -1: its inverse, with the n
