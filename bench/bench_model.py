@@ -3,9 +3,11 @@
     fastllm bench --ops model [--full]
 
 1. Each op, forward + backward, against torch eager and torch.compile of the same maths (what
-   HF's LlamaRMSNorm, apply_rotary_pos_emb, LlamaMLP's act * up and nn.Linear compute), at
-   SmolLM2-135M's sizes for 8 x 512 tokens: time, GB/s (the bytes the op must move at least) or
-   GFLOP/s (linear), and the peak of the tensors it allocates (PeakMemory).
+   HF's LlamaRMSNorm, apply_rotary_pos_emb, LlamaMLP's act * up, nn.Linear and its sdpa
+   attention compute), at SmolLM2-135M's sizes for 8 x 512 tokens: time, GB/s (the bytes the op
+   must move at least) or TFLOP/s (linear, attention), and the peak of the tensors it allocates
+   (PeakMemory). "fastllm" for linear and attention is what fastllm.patch runs: fastllm.ops.linear,
+   and the fp32 flash attention of fastllm/_lowp.py where it widens bf16 (else torch's own).
 2. A training step of a SmolLM2-135M-shaped LlamaForCausalLM (hidden 576, 9 / 3 heads, ffn 1536,
    vocab 49152, tied embeddings; random init, or the real weights from FASTLLM_BENCH_MODEL=DIR,
    a folder made by shared/models/prepare_smollm2.py), LoRA (r=16 on q/v) and full
@@ -16,7 +18,8 @@
    grads, optimizer state and activations: fastllm.train.memory.PeakMemory), and the top of a
    torch profile of one step of each (self CPU time by op).
 The quick run uses 4 layers, 8 x 256 tokens, 2 timed steps; --full (or FASTLLM_BENCH_LAYERS,
-FASTLLM_BENCH_SEQ, FASTLLM_BENCH_STEPS) the whole 30 layers at 8 x 512.
+FASTLLM_BENCH_SEQ, FASTLLM_BENCH_STEPS) the whole 30 layers at 8 x 512; FASTLLM_BENCH_DTYPES=fp32
+(or bf16) runs one precision, FASTLLM_BENCH_STEPS=0 the ops only.
 """
 
 import copy
@@ -54,6 +57,18 @@ def _swiglu_torch(gate, up):  # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
     return F.silu(gate) * up
 
 
+def _attention_torch(q, k, v):  # what HF's sdpa attention calls for a causal batch, no mask
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _attention_fastllm(q, k, v):  # fastllm.patch's attention: fp32 flash where _lowp widens
+    from fastllm import _lowp
+
+    if _lowp.widen(q):
+        return _lowp.scaled_dot_product_attention(q, k, v, None, True, None)
+    return _attention_torch(q, k, v)
+
+
 def _rope_tables(b, s, dtype):
     inv = 1.0 / 100000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
     freqs = torch.arange(s, dtype=torch.float32)[:, None] * inv
@@ -76,8 +91,15 @@ def _op_cases(b, s, dtype):
     up = torch.randn(t, FFN, dtype=dtype, requires_grad=True)
     x_lin = torch.randn(t, HIDDEN, dtype=dtype, requires_grad=True)
     w_lin = (torch.randn(FFN, HIDDEN) / HIDDEN ** 0.5).to(dtype).requires_grad_()
+    qa = torch.randn(b, HEADS, s, HEAD_DIM, dtype=dtype, requires_grad=True)
+    ka = torch.randn(b, KV_HEADS, s, HEAD_DIM, dtype=dtype, requires_grad=True)
+    va = torch.randn(b, KV_HEADS, s, HEAD_DIM, dtype=dtype, requires_grad=True)
     dt = str(dtype).split(".")[-1]
     return [
+        ("attention", f"q {b}x{HEADS}x{s}x{HEAD_DIM}, k, v {KV_HEADS} heads, causal, {dt}",
+         [qa, ka, va], [], _attention_fastllm, _attention_torch,
+         # causal: half of the T x T products; forward 2 products, backward 5 (S recomputed)
+         dict(flops=7 * b * HEADS * s * s * HEAD_DIM)),
         ("linear", f"x {t}x{HIDDEN}, W {FFN}x{HIDDEN} (gate_proj), {dt}", [x_lin, w_lin], [],
          fastllm.ops.linear, F.linear, dict(flops=3 * 2 * t * HIDDEN * FFN)),  # y, dX, dW
         ("rms_norm", f"x {t}x{HIDDEN}, {dt}", [x, w], [],
@@ -274,7 +296,12 @@ def run(device="cpu", full=False, progress=print):
     layers = int(os.environ.get("FASTLLM_BENCH_LAYERS", 30 if full else 4))
     seq = int(os.environ.get("FASTLLM_BENCH_SEQ", 512 if full else 256))
     steps = int(os.environ.get("FASTLLM_BENCH_STEPS", 3 if full else 2))
-    dtypes = [torch.float32, torch.bfloat16]
+    names = os.environ.get("FASTLLM_BENCH_DTYPES", "fp32,bf16").split(",")
+    known = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if not names or any(n not in known for n in names):
+        raise SystemExit(f"FASTLLM_BENCH_DTYPES={','.join(names)}: use fp32, bf16 or fp32,bf16")
+    dtypes = [known[n] for n in names]
     rows = run_ops(8, 512, dtypes, progress)
-    rows += run_steps(layers, 8, seq, steps, dtypes, ["lora", "full"], progress)
+    if steps > 0:  # FASTLLM_BENCH_STEPS=0: the ops only
+        rows += run_steps(layers, 8, seq, steps, dtypes, ["lora", "full"], progress)
     return rows
