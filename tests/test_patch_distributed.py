@@ -1,10 +1,10 @@
 """fastllm.patch under FSDP2, tensor parallel and sequence parallel: one 2-rank Gloo world, spawned
 once for the module (fastllm.distributed.launch.spawn: one thread per rank, a timeout on the
 join), runs each layout on a patched tiny SmolLM2-shaped Llama (GQA; tied embeddings, or untied
-where the head is split on the vocabulary) and returns its loss, every gradient gathered and
-which fastllm kernels ran on what. Each test compares with the unpatched model in this process
-(fp32: 1e-5 on the loss, 1e-4 on grads, as tests/test_patch.py; bf16: no further from fp32 than
-twice unpatched bf16)."""
+where the head is split on the vocabulary), returns its loss, every gradient gathered and which
+fastllm kernels ran on what, then runs `fastllm train` with parallel.tp=2 on a Hugging Face folder.
+Each test compares with the unpatched model in this process (fp32: 1e-5 on the loss, 1e-4 on
+grads, as tests/test_patch.py; bf16: no further from fp32 than twice unpatched bf16)."""
 
 import collections
 import os
@@ -21,6 +21,7 @@ WORLD = 2
 SPAWN_TIMEOUT = 600  # about 15 s of CPU per rank; the machine may be shared
 STEPS = 3  # fastllm.optim.AdamW steps under FSDP2
 LR = 1e-2
+TRAIN_STEPS = 3  # fastllm train steps
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # name -> (_model kwargs, how it is parallelised)
@@ -191,15 +192,63 @@ def _run_layout(name, rank):
     return out
 
 
-def _worker(rank, world_size):
+def _hf_folder(path):
+    """A Hugging Face folder (the SmolLM2-shaped tied Llama, a byte-level BPE of 300 tokens) and
+    train.txt, some 16 KB of English from the standard library, for `fastllm train`."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = "\n".join(topics[k] for k in sorted(topics))[:16000]
+    with open(os.path.join(path, "train.txt"), "w") as f:
+        f.write(text)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok,
+                                         eos_token="<|endoftext|>").save_pretrained(path)
+    _model(vocab=300).save_pretrained(path)
+
+
+def _train_args(folder, output_dir, *extra):
+    return [f"model={folder}", f"data.path={os.path.join(folder, 'train.txt')}",
+            "data.seq_len=16", "micro_batch_size=4", "global_batch_size=4",
+            f"max_steps={TRAIN_STEPS}", "lr=1e-2", "warmup_steps=1", "threads=1",
+            "log_interval=1000", "checkpoint.interval=0", f"output_dir={output_dir}",
+            f"data.cache_dir={os.path.join(folder, 'cache')}", *extra]
+
+
+def _train_tp(rank, folder):
+    """`fastllm train` on the folder with parallel.tp=2 and sequence parallel (the run joins
+    this process group): what it patched."""
+    from fastllm.train import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig.from_args(_train_args(
+        folder, os.path.join(folder, "tp2"), "parallel.tp=2", "parallel.sequence_parallel=true")))
+    trainer.train()
+    return fastllm.patched(trainer.module)
+
+
+def _worker(rank, world_size, folder):
     # widen bf16 matmuls on every CPU, as tests/test_patch.py does (fp32 runs are unaffected)
     os.environ["FASTLLM_CPU_LOWP_MATMUL"] = "fp32"
-    return {name: _run_layout(name, rank) for name in LAYOUTS}
+    out = {name: _run_layout(name, rank) for name in LAYOUTS}
+    out["train_tp2_sp"] = _train_tp(rank, folder)
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return spawn(_worker, WORLD, timeout=SPAWN_TIMEOUT)
+def folder(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hf-llama"))
+    _hf_folder(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(folder):
+    return spawn(_worker, WORLD, args=(folder,), timeout=SPAWN_TIMEOUT)
 
 
 def _reference(name, **over):
@@ -302,3 +351,28 @@ def test_bf16_tensor_parallel_close_to_fp32(runs):
             bound = 2 * err(theirs["grads"][name], g) + 1e-3 * g.abs().max().item()
             assert err(got["grads"][name], g) <= bound, name
 
+
+def test_fastllm_train_patches_under_tensor_parallel(runs, folder):
+    """`fastllm train` on a Hugging Face folder with parallel.tp=2 and sequence parallel patches
+    the model (kernels=fastllm, the default) and trains as the unpatched model does in one
+    process (kernels=none): the same losses and global grad norms (tests/test_parallel_train.py's
+    tolerance)."""
+    from fastllm.train import TrainConfig, Trainer
+    from fastllm.train.metrics import read_metrics
+
+    for counts in runs:
+        assert counts["train_tp2_sp"] == {"rms_norm": 5, "rotary": 2, "swiglu": 2,
+                                          "cross_entropy": 1, "linear": 15}
+    single = os.path.join(folder, "single")
+    threads = torch.get_num_threads()
+    try:
+        Trainer(TrainConfig.from_args(_train_args(folder, single, "kernels=none"))).train()
+    finally:
+        torch.set_num_threads(threads)
+    got, want = (read_metrics(os.path.join(d, "metrics.jsonl"))
+                 for d in (os.path.join(folder, "tp2"), single))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(
+        range(1, TRAIN_STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
+                                   atol=0)
