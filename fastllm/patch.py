@@ -26,9 +26,22 @@ checkpointing and torch.compile see the model they expect; unpatch deletes the a
 Shapes handled: the modules of transformers' Llama, Qwen2 and Mistral (checked against
 transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`).
 A module that does not look like one of those is left alone, and patch() says which it skipped
-with `verbose=True`. Distributed: patch before fully_shard (FSDP2) and before tensor-parallel
-layouts; the kernels take plain (local) tensors, so DTensor-sharded norms and projections are
-not supported (see README).
+with `verbose=True`.
+
+Distributed: patch before fully_shard (FSDP2) and before tensor-parallel layouts
+(tests/test_patch_distributed.py). The kernels take plain tensors; under FSDP2 the modules see
+plain unsharded parameters. Under tensor parallel (DTensor parameters) each forward runs its kernel
+on local tensors where that is the same maths, else the module's own computation on DTensors:
+    *RMSNorm            -> x sharded on any dim but the last, weight replicated (sequence
+                           parallel): the kernel on the local rows; the weight's grad is a partial
+                           sum that DTensor reduces. Other DTensor layouts: the original forward
+    *Attention, *MLP    -> the projections' hooks hand back local head / ffn shards: the kernels
+                           run on those; a row-parallel down_proj runs as itself after
+                           fastllm.ops.swiglu, LoRALinear layers sharded by fastllm.parallel too
+    nn.Linear           -> a DTensor weight: F.linear on DTensors (nn.Linear's forward)
+    *ForCausalLM        -> a vocabulary-sharded (Shard(0)) head: the vocabulary-parallel fused
+                           loss (fastllm.parallel.loss); a tensor-parallel head with a bias: the
+                           original forward
 """
 
 import types
@@ -38,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm import _lowp
+from fastllm._dtensor import is_dtensor
 
 _PATCHED = "_fastllm_patched"
 
@@ -48,6 +62,8 @@ KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
 # --- the replacement forwards (bound to each patched module) ---------------------------------
 
 def _linear_forward(self, input):
+    if is_dtensor(self.weight):  # tensor parallel: DTensor's F.linear (the op takes local tensors)
+        return F.linear(input, self.weight, self.bias)
     # fastllm.ops.linear where it differs from F.linear: bf16/fp16 matmuls on a CPU without
     # native low-precision GEMMs (fastllm/_lowp.py), autocast's included; else nn.Linear's forward
     dtype = input.dtype
@@ -61,15 +77,45 @@ def _linear_forward(self, input):
 
 
 def _rms_norm_forward(self, hidden_states):
-    from fastllm.ops.rms_norm import rms_norm
-
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0)
+    return _rms_norm(self, hidden_states, self.variance_epsilon, 0.0)
 
 
 def _gemma_rms_norm_forward(self, x):
+    return _rms_norm(self, x, self.eps, 1.0)
+
+
+def _rms_norm(module, x, eps, offset):
     from fastllm.ops.rms_norm import rms_norm
 
-    return rms_norm(x, self.weight, self.eps, 1.0)
+    weight = module.weight
+    if not (is_dtensor(x) or is_dtensor(weight)):
+        return rms_norm(x, weight, eps, offset)
+    return _dtensor_rms_norm(module, x, weight, eps, offset)
+
+
+def _dtensor_rms_norm(module, x, weight, eps, offset):
+    """RMSNorm of a DTensor x (..., H): each row is normalised over H alone, so with H whole on
+    every rank (x replicated or sharded on another dim, as sequence parallel shards it) and the
+    weight replicated, the kernel on the local rows gives the local rows of the output. The
+    weight's local grad then sums over local rows only: Partial on the mesh dims x is sharded on,
+    reduced by DTensor (the post-accumulate hooks of fastllm.parallel, or FSDP2). Any other
+    layout runs the module's own forward on the DTensors."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from fastllm.ops.rms_norm import rms_norm
+
+    row_local = (
+        isinstance(x, DTensor) and isinstance(weight, DTensor)
+        and x.device_mesh == weight.device_mesh
+        and all(type(p) is Replicate for p in weight.placements)
+        and all(type(p) is Replicate or (type(p) is Shard and p.dim % x.ndim != x.ndim - 1)
+                for p in x.placements))
+    if not row_local:
+        return type(module).forward(module, x)
+    grad_placements = [Partial() if type(p) is Shard else Replicate() for p in x.placements]
+    y = rms_norm(x.to_local(), weight.to_local(grad_placements=grad_placements), eps, offset)
+    return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                              stride=torch.empty(x.shape, device="meta").stride())
 
 
 def _lora_parts(layer):
@@ -77,7 +123,9 @@ def _lora_parts(layer):
     from fastllm.lora import LoRALinear
 
     if isinstance(layer, LoRALinear) and not layer.merged and (
-            layer.dropout == 0.0 or not layer.training):
+            layer.dropout == 0.0 or not layer.training) and not any(
+            is_dtensor(t) for t in (layer.base_layer.weight, layer.lora_A, layer.lora_B)):
+        # (sharded by fastllm.parallel, the layer runs its own forward on the local shards)
         return layer.lora_A, layer.lora_B, layer.scaling
     return None
 
@@ -112,6 +160,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     hidden_shape = (*input_shape, -1, self.head_dim)
     q, k, v = _project(hidden_states, [self.q_proj, self.k_proj, self.v_proj])
     cos, sin = position_embeddings
+    if any(is_dtensor(t) for t in (q, k, v, cos, sin)):
+        # a tensor-parallel plan whose projections hand back DTensors (fastllm.parallel's and
+        # torch's default styles hand back local head shards): the original forward, which
+        # projects again
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
+                                  cache=cache, **kwargs)
     # (B, S, H, D) as the projections lay them out: the kernel rotates q and k in one pass
     q, k = rotary_embedding(q.view(hidden_shape), k.view(hidden_shape), cos, sin)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -145,7 +199,11 @@ def _mlp_forward(self, x):
 
     gate, up = _project(x, [self.gate_proj, self.up_proj])
     down = self.down_proj
-    if type(down) is nn.Linear and not torch.is_autocast_enabled(x.device.type):
+    if is_dtensor(gate) or is_dtensor(up):  # a plan whose projections hand back DTensors
+        return down(self.act_fn(gate) * up)
+    # a row-parallel down_proj (DTensor weight) runs as itself: its hooks reduce the output
+    if (type(down) is nn.Linear and not is_dtensor(down.weight)
+            and not torch.is_autocast_enabled(x.device.type)):
         # silu(gate) * up, as large as gate, is recomputed for down_proj's weight grad instead
         # of kept: one elementwise pass for (tokens x ffn) of activation memory per layer
         return swiglu_linear(gate, up, down.weight, down.bias)
@@ -158,7 +216,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     original = type(self).forward
-    if labels is None or type(self.lm_head) is not nn.Linear:
+    head = self.lm_head
+    if labels is None or type(head) is not nn.Linear or (
+            is_dtensor(head.weight) and head.bias is not None):
         return original(self, input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
                         labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
@@ -174,11 +234,14 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if shift_labels is None:  # HF's ForCausalLMLoss: token t predicts label t + 1
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     reduction = "mean" if num_items_in_batch is None else "sum"
-    from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
-
-    loss = fused_linear_cross_entropy(hidden, self.lm_head.weight,
-                                   shift_labels.to(hidden.device), bias=self.lm_head.bias,
-                                   ignore_index=ignore_index, reduction=reduction)
+    if is_dtensor(head.weight) or is_dtensor(hidden):
+        # tensor parallel: a vocabulary-sharded head runs the vocabulary-parallel fused loss
+        # (hidden gathered; its grad all-reduced), any other DTensor is gathered first
+        from fastllm.parallel.loss import vocab_parallel_linear_cross_entropy as loss_fn
+    else:
+        from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy as loss_fn
+    loss = loss_fn(hidden, head.weight, shift_labels.to(hidden.device), bias=head.bias,
+                   ignore_index=ignore_index, reduction=reduction)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

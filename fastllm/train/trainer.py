@@ -119,9 +119,10 @@ class Trainer:
         # params under autocast.
         dtype = _DTYPES[cfg.precision] if cfg.backend == "fastllm" else torch.float32
         model = apply_finetune(build_model(cfg, self.tokenizer.vocab_size, dtype), cfg)
-        if (cfg.kernels == "fastllm" and cfg.backend == "fastllm" and is_model_dir(cfg.model)
-                and cfg.parallel.tp == 1):  # the kernels take local tensors, not TP's DTensors
-            patch_kernels(model)  # HF's norms, rotary, SwiGLU and loss on fastllm's kernels
+        if cfg.kernels == "fastllm" and cfg.backend == "fastllm" and is_model_dir(cfg.model):
+            # HF's norms, rotary, SwiGLU and loss on fastllm's kernels, before any layout: under
+            # tensor parallel they run on the local shards (tests/test_patch_distributed.py)
+            patch_kernels(model)
         model.to(self.device)
         model.train()
         self.n_checkpointed = apply_activation_checkpointing(model, cfg.checkpoint_ratio)

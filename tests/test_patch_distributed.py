@@ -1,0 +1,378 @@
+"""fastllm.patch under FSDP2, tensor parallel and sequence parallel: one 2-rank Gloo world, spawned
+once for the module (fastllm.distributed.launch.spawn: one thread per rank, a timeout on the
+join), runs each layout on a patched tiny SmolLM2-shaped Llama (GQA; tied embeddings, or untied
+where the head is split on the vocabulary), returns its loss, every gradient gathered and which
+fastllm kernels ran on what, then runs `fastllm train` with parallel.tp=2 on a Hugging Face folder.
+Each test compares with the unpatched model in this process (fp32: 1e-5 on the loss, 1e-4 on
+grads, as tests/test_patch.py; bf16: no further from fp32 than twice unpatched bf16)."""
+
+import collections
+import os
+
+import pytest
+import torch
+
+import fastllm
+from fastllm.distributed.launch import spawn
+
+transformers = pytest.importorskip("transformers")
+
+WORLD = 2
+SPAWN_TIMEOUT = 600  # about 15 s of CPU per rank; the machine may be shared
+STEPS = 3  # fastllm.optim.AdamW steps under FSDP2
+LR = 1e-2
+TRAIN_STEPS = 3  # fastllm train steps
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# name -> (_model kwargs, how it is parallelised)
+LAYOUTS = {
+    # FSDP2 per decoder layer and at the root; each rank its half of the batch
+    "fsdp2": (dict(tied=True), "fsdp"),
+    # ... with transformers' activation checkpointing: the patched layer recomputed in backward
+    "fsdp2_recompute": (dict(tied=True), "fsdp_recompute"),
+    # fastllm.parallel.parallelize on a tp mesh of 2: vocabulary-parallel embedding and head
+    "tp2": (dict(tied=False, vocab=128), "tp"),
+    "tp2_sp": (dict(tied=False, vocab=128), "tp_sp"),
+    # what `fastllm train` does with parallel.tp=2 for a tied model whose vocab tp does not
+    # divide: the embedding and head whole on every rank
+    "tp2_sp_whole_head": (dict(tied=True), "tp_sp_whole_head"),
+    # FSDP2 over tp + sequence parallel on a 1 x 2 (dp x tp) mesh: FSDP2's 2-D path (the units
+    # unshard to tp DTensors; it reduces the norms' partial grads itself) with a dp of 1
+    "dp1_tp2_sp": (dict(tied=False, vocab=128), "dp_tp_sp"),
+    # fastllm.lora under tp + sequence parallel: the adapters sharded with their projections
+    "tp2_sp_lora": (dict(tied=False, vocab=128, lora=True), "tp_sp"),
+    # bf16 with the CPU's bf16 matmuls widened to fp32 (FASTLLM_CPU_LOWP_MATMUL=fp32)
+    "tp2_sp_bf16": (dict(tied=False, vocab=128, dtype=torch.bfloat16), "tp_sp"),
+}
+KERNELS = {
+    "rms_norm": "fastllm.ops.rms_norm",
+    "rotary_embedding": "fastllm.ops.rotary_embedding",
+    "swiglu": "fastllm.ops.swiglu",
+    "swiglu_linear": "fastllm.ops.swiglu",
+    "fused_linear_cross_entropy": "fastllm.ops.fused_linear_cross_entropy",
+    "vocab_parallel_fused_linear_cross_entropy": "fastllm.ops.fused_linear_cross_entropy",
+    "linear": "fastllm.ops.linear",
+    "scaled_dot_product_attention": "fastllm._lowp",
+}
+
+
+def _model(tied=True, vocab=123, lora=False, dtype=torch.float32):
+    """tests/test_patch.py's SmolLM2-shaped Llama: hidden 64, 2 layers, 4 query / 2 kv heads."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, tie_word_embeddings=tied, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # HF initialises norms to 1: make them differ so dweight is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    if lora:
+        fastllm.lora.inject_lora(model, LORA_TARGETS, r=4)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    return model.to(dtype)
+
+
+def _batch(step=0, vocab=123):
+    """4 sequences of 12 tokens (sequence parallel splits 12 over 2 ranks); the same prompt
+    masked in sequences 0 and 2 so both halves of the batch hold as many labelled tokens."""
+    g = torch.Generator().manual_seed(1 + step)
+    ids = torch.randint(0, vocab, (4, 12), generator=g)
+    labels = ids.clone()
+    labels[0::2, :3] = -100
+    return ids, labels
+
+
+def _grads(model):
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _params(model):
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _counting_kernels(calls):
+    """Wrap fastllm's kernels (patch.py imports them when each forward runs) to count their calls
+    and the DTensors among their tensor arguments (fastllm.patch must hand them local tensors)."""
+    import importlib
+
+    from torch.distributed.tensor import DTensor
+
+    originals = []
+    for name, module_name in KERNELS.items():
+        module = importlib.import_module(module_name)
+        fn = getattr(module, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] += 1
+            calls["dtensor_args"] += sum(isinstance(a, DTensor)
+                                         for a in (*args, *kwargs.values()))
+            return _fn(*args, **kwargs)
+
+        setattr(module, name, counted)
+        originals.append((module, name, fn))
+    return originals
+
+
+def _parallelize(model, how, rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fastllm.parallel import (apply_activation_checkpointing, apply_fsdp,
+                                  apply_tensor_parallel, parallelize)
+
+    if how.startswith("fsdp"):
+        if how == "fsdp_recompute":
+            apply_activation_checkpointing(model)
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return slice(rank * 2, rank * 2 + 2)  # this rank's half of the batch
+    if how == "dp_tp_sp":
+        mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+        apply_fsdp(model, mesh["dp"])  # parallelize() skips a dp of 1
+        return slice(None)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    if how == "tp_sp_whole_head":
+        apply_tensor_parallel(model, mesh["tp"], vocab_parallel_logits=False,
+                              vocab_parallel=False, sequence_parallel=True)
+    else:
+        parallelize(model, mesh, sequence_parallel=how == "tp_sp")
+    return slice(None)  # tensor parallel ranks read the same batch
+
+
+def _run_layout(name, rank):
+    import torch.distributed as dist
+
+    kwargs, how = LAYOUTS[name]
+    model = _model(**kwargs)
+    fastllm.patch(model)
+    part = _parallelize(model, how, rank)
+    model.train()
+    ids, labels = _batch(vocab=model.config.vocab_size)
+    calls = collections.Counter()
+    originals = _counting_kernels(calls)
+    try:
+        loss = model(input_ids=ids[part], labels=labels[part]).loss
+        loss.backward()
+    finally:
+        for module, fn_name, fn in originals:
+            setattr(module, fn_name, fn)
+    out = {"calls": dict(calls), "grads": _grads(model)}
+    losses = [loss.detach().clone()]
+    if how == "fsdp":
+        opt = fastllm.optim.AdamW(model.parameters(), lr=LR)
+        for step in range(1, STEPS + 1):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == STEPS:
+                break
+            ids, labels = _batch(step, vocab=model.config.vocab_size)
+            loss = model(input_ids=ids[part], labels=labels[part]).loss
+            loss.backward()
+            losses.append(loss.detach().clone())
+        out["params"] = _params(model)
+    if how.startswith("fsdp"):  # the mean over the ranks' halves (equal label counts)
+        losses = torch.stack(losses)
+        dist.all_reduce(losses)
+        losses = list(losses / WORLD)
+    out["losses"] = [float(x) for x in losses]
+    return out
+
+
+def _hf_folder(path):
+    """A Hugging Face folder (the SmolLM2-shaped tied Llama, a byte-level BPE of 300 tokens) and
+    train.txt, some 16 KB of English from the standard library, for `fastllm train`."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = "\n".join(topics[k] for k in sorted(topics))[:16000]
+    with open(os.path.join(path, "train.txt"), "w") as f:
+        f.write(text)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok,
+                                         eos_token="<|endoftext|>").save_pretrained(path)
+    _model(vocab=300).save_pretrained(path)
+
+
+def _train_args(folder, output_dir, *extra):
+    return [f"model={folder}", f"data.path={os.path.join(folder, 'train.txt')}",
+            "data.seq_len=16", "micro_batch_size=4", "global_batch_size=4",
+            f"max_steps={TRAIN_STEPS}", "lr=1e-2", "warmup_steps=1", "threads=1",
+            "log_interval=1000", "checkpoint.interval=0", f"output_dir={output_dir}",
+            f"data.cache_dir={os.path.join(folder, 'cache')}", *extra]
+
+
+def _train_tp(rank, folder):
+    """`fastllm train` on the folder with parallel.tp=2 and sequence parallel (the run joins
+    this process group): what it patched."""
+    from fastllm.train import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig.from_args(_train_args(
+        folder, os.path.join(folder, "tp2"), "parallel.tp=2", "parallel.sequence_parallel=true")))
+    trainer.train()
+    return fastllm.patched(trainer.module)
+
+
+def _worker(rank, world_size, folder):
+    # widen bf16 matmuls on every CPU, as tests/test_patch.py does (fp32 runs are unaffected)
+    os.environ["FASTLLM_CPU_LOWP_MATMUL"] = "fp32"
+    out = {name: _run_layout(name, rank) for name in LAYOUTS}
+    out["train_tp2_sp"] = _train_tp(rank, folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hf-llama"))
+    _hf_folder(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(folder):
+    return spawn(_worker, WORLD, args=(folder,), timeout=SPAWN_TIMEOUT)
+
+
+def _reference(name, **over):
+    """The unpatched model in this process on the whole batch: losses, first grads, and for
+    the FSDP2 layout the params after STEPS fastllm.optim.AdamW steps."""
+    kwargs, how = LAYOUTS[name]
+    model = _model(**{**kwargs, **over})
+    losses, grads = [], None
+    opt = fastllm.optim.AdamW(model.parameters(), lr=LR) if how == "fsdp" else None
+    for step in range(STEPS if opt else 1):
+        ids, labels = _batch(step, vocab=model.config.vocab_size)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads = grads or _grads(model)
+        if opt:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": grads, "params": _params(model)}
+
+
+def _assert_grads_close(got, want, rtol=1e-4):
+    assert got.keys() == want.keys() and want
+    for name in want:
+        scale = want[name].abs().max().item() + 1e-30
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= rtol * scale, f"{name}: {err:.3g} vs {scale:.3g}"
+
+
+# kernel calls in one forward of the 2-layer model: 5 norms, 2 attentions, 2 MLPs, 1 loss; never
+# fastllm.ops.linear (fp32 takes F.linear; a DTensor weight DTensor's F.linear)
+EXPECTED_CALLS = {
+    # FSDP2: unsharded plain parameters inside each unit; down_proj fused with the SwiGLU
+    "fsdp2": {"rms_norm": 5, "rotary_embedding": 2, "swiglu_linear": 2,
+              "fused_linear_cross_entropy": 1},
+    # each layer's recomputation in backward runs its kernels again
+    "fsdp2_recompute": {"rms_norm": 9, "rotary_embedding": 4, "swiglu_linear": 4,
+                        "fused_linear_cross_entropy": 1},
+    # tp: local head / ffn shards; the row-parallel down_proj runs as itself after swiglu; the
+    # head split on the vocabulary: the vocabulary-parallel fused loss
+    "tp2": {"rms_norm": 5, "rotary_embedding": 2, "swiglu": 2,
+            "vocab_parallel_fused_linear_cross_entropy": 1},
+    "tp2_sp": {"rms_norm": 5, "rotary_embedding": 2, "swiglu": 2,
+               "vocab_parallel_fused_linear_cross_entropy": 1},
+    "tp2_sp_whole_head": {"rms_norm": 5, "rotary_embedding": 2, "swiglu": 2,
+                          "fused_linear_cross_entropy": 1},
+    "dp1_tp2_sp": {"rms_norm": 5, "rotary_embedding": 2, "swiglu": 2,
+                   "vocab_parallel_fused_linear_cross_entropy": 1},
+    "tp2_sp_lora": {"rms_norm": 5, "rotary_embedding": 2, "swiglu": 2,
+                    "vocab_parallel_fused_linear_cross_entropy": 1},
+    # bf16: the attention's widened flash path on the local heads
+    "tp2_sp_bf16": {"rms_norm": 5, "rotary_embedding": 2, "swiglu": 2,
+                    "scaled_dot_product_attention": 2,
+                    "vocab_parallel_fused_linear_cross_entropy": 1},
+}
+
+
+def _assert_kernels_ran(runs, layout):
+    # every replaced module ran its fastllm kernel, and on local tensors only
+    for rank, got in enumerate(runs):
+        calls = got[layout]["calls"]
+        assert calls == {**EXPECTED_CALLS[layout], "dtensor_args": 0}, (rank, calls)
+
+
+@pytest.mark.parametrize("layout", [name for name, (kw, _) in LAYOUTS.items()
+                                    if "dtype" not in kw])
+def test_patched_layout_equals_unpatched_single_process(runs, layout):
+    _assert_kernels_ran(runs, layout)
+    want = _reference(layout)
+    for got in runs:
+        got = got[layout]
+        torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                                   torch.tensor(want["losses"], dtype=torch.float64),
+                                   rtol=1e-5, atol=0)
+        _assert_grads_close(got["grads"], want["grads"])
+        if "params" in got:  # fastllm.optim.AdamW steps on the FSDP2 shards
+            # Adam divides each grad by its own size, so entries whose grads are near zero carry
+            # their rounding differences into the update (seen: lr / 1000); a wrong step: ~lr
+            for name, p in want["params"].items():
+                err = (got["params"][name] - p).abs().max().item()
+                assert err <= LR / 100, f"{name}: {err:.3g} after {STEPS} steps of lr {LR}"
+
+
+def test_bf16_tensor_parallel_close_to_fp32(runs):
+    """bf16 under tp2 + sequence parallel: loss and every grad no further from the fp32 model's
+    than twice the unpatched bf16 model's in one process are (plus 1e-3 of the largest)."""
+    _assert_kernels_ran(runs, "tp2_sp_bf16")
+    exact = _reference("tp2_sp_bf16", dtype=torch.float32)
+    theirs = _reference("tp2_sp_bf16")
+
+    def err(a, b):
+        return (torch.as_tensor(a).double() - torch.as_tensor(b).double()).abs().max().item()
+
+    for got in runs:
+        got = got["tp2_sp_bf16"]
+        assert err(got["losses"], exact["losses"]) <= 2 * err(theirs["losses"],
+                                                               exact["losses"]) + 1e-3
+        for name, g in exact["grads"].items():
+            assert got["grads"][name].dtype == torch.bfloat16
+            bound = 2 * err(theirs["grads"][name], g) + 1e-3 * g.abs().max().item()
+            assert err(got["grads"][name], g) <= bound, name
+
+
+def test_fastllm_train_patches_under_tensor_parallel(runs, folder):
+    """`fastllm train` on a Hugging Face folder with parallel.tp=2 and sequence parallel patches
+    the model (kernels=fastllm, the default) and trains as the unpatched model does in one
+    process (kernels=none): the same losses and global grad norms (tests/test_parallel_train.py's
+    tolerance)."""
+    from fastllm.train import TrainConfig, Trainer
+    from fastllm.train.metrics import read_metrics
+
+    for counts in runs:
+        assert counts["train_tp2_sp"] == {"rms_norm": 5, "rotary": 2, "swiglu": 2,
+                                          "cross_entropy": 1, "linear": 15}
+    single = os.path.join(folder, "single")
+    threads = torch.get_num_threads()
+    try:
+        Trainer(TrainConfig.from_args(_train_args(folder, single, "kernels=none"))).train()
+    finally:
+        torch.set_num_threads(threads)
+    got, want = (read_metrics(os.path.join(d, "metrics.jsonl"))
+                 for d in (os.path.join(folder, "tp2"), single))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(
+        range(1, TRAIN_STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
+                                   atol=0)
