@@ -9,27 +9,38 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
-# Runtime and test dependencies; torch is installed first so nothing pulls in another build.
+# Runtime and test dependencies, resolved in one pass with torch pinned (nothing can pull in
+# another build of it).
 DEPS := "triton>=3.2" ninja pybind11 numpy pytest pytest-benchmark matplotlib
 DEPS += pyyaml tqdm  # fastllm train (config files, progress bar)
 TEST_EXTRAS := peft transformers safetensors
+# Appended to Python's CFLAGS when fastllm._C is compiled. Python's own carry -g, and debug info
+# for ATen's templates is half of the C++ compile time; -g does not change the generated code.
+# `make build EXT_CFLAGS=` for a build a debugger can step through.
+EXT_CFLAGS ?= -g0
+# Written by setup.py after each build of fastllm._C: the build's stamp.
+BUILT := fastllm/_build_info.py
 
 .PHONY: setup build test bench bench-suite cuda-check kernel-check
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q $(DEPS) $(TEST_EXTRAS) $(TORCH)
+	$(PY) -m pip install -q $(TORCH) $(DEPS) $(TEST_EXTRAS)
 	touch $@
 
 setup: $(VENV)/.deps
 
+# Rebuilt when a file under csrc/, setup.py or the environment changed since the last build, so
+# that targets run side by side (CI: tests and kernel-check) never reinstall under each other.
 # flock: helpers and CI may build concurrently; the in-place extension must be built by one at a time.
-build: setup
-	flock /tmp/fastllm-build.lock $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+$(BUILT): $(VENV)/.deps setup.py $(shell find csrc -type f)
+	CFLAGS="$$CFLAGS $(EXT_CFLAGS)" flock /tmp/fastllm-build.lock \
+		$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+build: $(BUILT)
 
 test: build
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q --durations=15 tests
 
 # The benchmark peers: DeepSpeed builds its CPU Adam op on first use (cached afterwards).
 $(VENV)/.bench-deps: $(VENV)/.deps

@@ -8,6 +8,9 @@ torch is a CUDA build and nvcc is found. Build with the torch already in the env
 Environment switches (read at build time):
     FASTLLM_SKIP_CUDA_BUILD=1   build only the C++ CPU kernels even if CUDA is available
     FASTLLM_FORCE_CUDA=1        build the CUDA kernels even if no GPU is visible (CI compile check)
+    FASTLLM_CUDA_ONLY=1         with FASTLLM_FORCE_CUDA=1: only csrc/cuda and the module, no C++ CPU
+                                kernels (CI's compile check of the CUDA sources: the CPU kernels
+                                are compiled by the CPU build; not an importable fastllm)
     FASTLLM_CUDA_ARCHS="8.0;9.0" CUDA architectures (default: TORCH_CUDA_ARCH_LIST, else the visible
                                 GPU, else "8.0;9.0")
     FASTLLM_CPU_ARCH=native     -march for the CPU kernels: "native" (default, vectorised for the
@@ -54,13 +57,19 @@ def _extensions():
             os.environ["TORCH_CUDA_ARCH_LIST"] = archs
         elif not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        if os.environ.get("FASTLLM_CUDA_ONLY", "0") == "1":
+            sources = ["csrc/extension.cpp"]
+            define_macros.append(("FASTLLM_CUDA_ONLY", "1"))
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         extra["nvcc"] = ["-O3", "-lineinfo"]
         define_macros.append(("FASTLLM_WITH_CUDA", "1"))
         ext_cls = cpp_extension.CUDAExtension
     else:
         ext_cls = cpp_extension.CppExtension
-    print(f"fastllm: building fastllm._C with {'C++ CPU + CUDA' if with_cuda else 'C++ CPU'} kernels")
+    what = "C++ CPU + CUDA" if with_cuda else "C++ CPU"
+    if ("FASTLLM_CUDA_ONLY", "1") in define_macros:
+        what = "CUDA only"
+    print(f"fastllm: building fastllm._C with {what} kernels")
     ext = ext_cls(
         name="fastllm._C",
         sources=sources,

@@ -10,7 +10,10 @@
 #   to .cuda-build-check/src and built there, so the CPU build of the repository is never touched.
 #   Object files stay in .cuda-build-check/build, so a rerun only recompiles what changed;
 #   FASTLLM_CUDA_CHECK_CLEAN=1 starts from nothing.
-# - Only sm_90 is built (FASTLLM_CUDA_ARCHS to change it), with MAX_JOBS=2.
+# - Only sm_90 is built (FASTLLM_CUDA_ARCHS to change it), with MAX_JOBS=2, and only csrc/cuda and
+#   the module (setup.py's FASTLLM_CUDA_ONLY=1): the C++ CPU kernels are the CPU build's, compiled
+#   by `make build`; against this torch they took half of this check's time. FASTLLM_CUDA_CHECK_FULL=1
+#   builds the whole extension, CPU kernels included.
 # - One check runs at a time per machine (flock on /tmp/fastllm-cuda-check.lock).
 # - CUDA_HOME defaults to /usr/local/cuda (else the toolkit of the nvcc on PATH). Headers that the
 #   toolkit lacks (cuBLAS, cuSPARSE, ... that ATen's CUDA headers include) and libcudart come
@@ -53,6 +56,9 @@ export CUDA_HOME
 log "nvcc: $("$CUDA_HOME/bin/nvcc" --version | grep -o 'release [0-9.]*') ($CUDA_HOME)"
 
 # --- .venv-cuda: a CUDA build of torch ---------------------------------------------------------
+# pip installs the venv without .pyc files (--no-compile, below): Python writes those of the
+# modules it imports, on first import, even where the environment says not to.
+unset PYTHONDONTWRITEBYTECODE
 STAMP=$VENV/.fastllm-deps
 if [[ -x $PY && -f $STAMP && $(cat "$STAMP") == "$TORCH_SPEC" ]]; then
   log "reusing $VENV ($TORCH_SPEC)"
@@ -61,7 +67,10 @@ else
   rm -rf "$VENV"
   python3 -m venv "$VENV"
   pip_log=$(mktemp)
-  if ! "$PY" -m pip install -q "$TORCH_SPEC" ninja pybind11 setuptools wheel >"$pip_log" 2>&1; then
+  # --no-compile: byte-compiling every module of these 5 GB of wheels costs as much CPU as
+  # unpacking them, for the few modules that the check imports.
+  if ! "$PY" -m pip install -q --no-compile "$TORCH_SPEC" ninja pybind11 setuptools wheel \
+      >"$pip_log" 2>&1; then
     cat "$pip_log"
     die "pip install into $VENV"
   fi
@@ -123,15 +132,23 @@ ls "$SRC"/csrc/cuda/*.cu >/dev/null 2>&1 || die "no csrc/cuda/*.cu to build"
 # --- build ---------------------------------------------------------------------------------------
 ARCHS=${FASTLLM_CUDA_ARCHS:-9.0}
 JOBS=${MAX_JOBS:-2}
-log "building fastllm._C (C++ CPU + CUDA for arch $ARCHS, MAX_JOBS=$JOBS) ..."
+if [[ ${FASTLLM_CUDA_CHECK_FULL:-0} == 1 ]]; then
+  ONLY=0 WHAT="C++ CPU + CUDA"
+else
+  ONLY=1 WHAT="CUDA only"
+fi
+log "building fastllm._C ($WHAT, for arch $ARCHS, MAX_JOBS=$JOBS) ..."
 BUILD_LOG=$CHECK_DIR/build.log
-if ! (cd "$SRC" && FASTLLM_FORCE_CUDA=1 FASTLLM_CUDA_ARCHS=$ARCHS MAX_JOBS=$JOBS \
+# -g0 (as the Makefile's EXT_CFLAGS): no debug info, half of the C++ compile time; same code.
+if ! (cd "$SRC" && FASTLLM_FORCE_CUDA=1 FASTLLM_CUDA_ONLY=$ONLY FASTLLM_CUDA_ARCHS=$ARCHS \
+      MAX_JOBS=$JOBS \
+      CFLAGS="${CFLAGS:-} -g0" \
       "$PY" -W ignore setup.py -q build_ext --inplace \
       --build-temp "$CHECK_DIR/build") >"$BUILD_LOG" 2>&1; then
   tail -n 60 "$BUILD_LOG"
   die "build (full log: $BUILD_LOG)"
 fi
-grep -q 'building fastllm._C with C++ CPU + CUDA kernels' "$BUILD_LOG" ||
+grep -q "building fastllm._C with $WHAT kernels" "$BUILD_LOG" ||
   die "setup.py did not select the CUDA build (see $BUILD_LOG)"
 n_warn=$(grep -ciE 'warning' "$BUILD_LOG" || true)
 if [[ $n_warn -gt 0 ]]; then

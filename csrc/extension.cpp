@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 
   auto no_gil = py::call_guard<py::gil_scoped_release>();
+#ifndef FASTLLM_CUDA_ONLY  // (setup.py's FASTLLM_CUDA_ONLY: CI's compile check of csrc/cuda)
   m.def("adamw_step_cpu", &fastllm::adamw_step_cpu, no_gil);
   m.def("stream_probe_cpu", &fastllm::stream_probe_cpu, no_gil);
   m.def("lora_dropout_cpu", &fastllm::lora_dropout_cpu, no_gil);
@@ -46,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_cpu", &fastllm::rotary_embedding_cpu, no_gil);
   m.def("swiglu_cpu", &fastllm::swiglu_cpu, no_gil);
   m.def("swiglu_backward_cpu", &fastllm::swiglu_backward_cpu, no_gil);
+#endif
 #ifdef FASTLLM_WITH_CUDA
   m.def("adamw_step_cuda", &fastllm::adamw_step_cuda, no_gil);
   m.def("adamw_master_step_cuda", &fastllm::adamw_master_step_cuda, no_gil);
