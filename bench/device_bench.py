@@ -1,5 +1,5 @@
-"""Every GPU measurement issue 18 asks for, in one process, interleaved, into one JSON and one
-table (bench/device_check.sh runs it; about two minutes on an H200):
+"""Every GPU measurement issues 18 and 19 ask for, in one process, interleaved, into one JSON and
+one table (bench/device_check.sh runs it; about three minutes on an H200):
 
     ceilings   device copy and add GB/s, bf16 GEMM TFLOP/s (8192 x 4096 x 4096)
     adamw      64M fp32 params in 16 and in 1024 tensors: torch fused, fastllm cuda, fastllm
@@ -11,20 +11,44 @@ table (bench/device_check.sh runs it; about two minutes on an H200):
                PEFT, fastllm, and fastllm's kernels one by one (profiler)
     large      AdamW on one tensor of 2^31 + 1000 elements (int64 indexing): runs, and its last
                elements equal torch's on the same values
+    model      issue 19 at SmolLM2-135M's sizes, 8 x 2048 tokens, bf16: rms_norm, rotary_embedding,
+               swiglu forward + backward (GB/s, % of the copy_ ceiling timed in the same rounds)
+               and fused_linear_cross_entropy (TFLOP/s, against its three GEMMs alone), each
+               against torch eager and Liger-Kernel; then a whole training step of a 30-layer
+               SmolLM2-135M-shaped LlamaForCausalLM, full and LoRA: HF (+ PEFT), HF + Liger-Kernel
+               (+ PEFT), fastllm (patch + lora + optim.AdamW): tokens/s, peak memory, kernels
 
     python bench/device_bench.py --json out.json        (--smoke: tiny sizes, any device)
+
+The JSON is rewritten after every case (and between the model case's ops and its two training
+steps), so a run cut short by its time limit keeps what it measured.
 """
 
 import argparse
+import contextlib
+import copy
+import dataclasses
+import itertools
 import json
+import math
+import os
 import sys
+import time
+import traceback
+import types
 
 import torch
+import torch.nn.functional as F
 
 import fastllm
-from fastllm.bench import bench_adamw, bench_adamw_master, bench_lora_linear, harness
+from fastllm.bench import (bench_adamw, bench_adamw_master, bench_lora_linear, bench_model,
+                           harness)
 
 M = 1 << 20
+
+# Rewrites the JSON with the rows so far (main sets it): the model case calls it between its
+# parts, so a run cut by its time limit keeps the ops when the training steps are cut.
+_checkpoint = None
 
 
 def _time(fns, device, seconds=0.3):
@@ -63,9 +87,15 @@ def _graphed(make_step, device):
     return graph.replay
 
 
-def ceilings(device, scale, rows):
+def _copy_buffers(device, scale):
+    """(x, y) for the copy ceiling x.copy_(y): 8 bytes moved per element."""
     n = 256 * M // scale
-    x, y = torch.empty(n, device=device), torch.rand(n, device=device)
+    return torch.empty(n, device=device), torch.rand(n, device=device)
+
+
+def ceilings(device, scale, rows):
+    x, y = _copy_buffers(device, scale)
+    n = x.numel()
     a = torch.randn(8192 // scale, 4096 // scale, device=device, dtype=torch.bfloat16)
     w = torch.randn(4096 // scale, 4096 // scale, device=device, dtype=torch.bfloat16)
     t = _time({"copy": lambda: x.copy_(y), "add": lambda: x.add_(y), "gemm": lambda: a @ w.t()},
@@ -197,11 +227,469 @@ def large(device, scale, rows):
                  "provider": "fastllm", "time_ms": t["fastllm"].median_ms, "bytes": 28 * n,
                  "note": f"last 4096 elements within {err:.2e} of torch.optim.AdamW"})
     if not err < 1e-5:
-        raise SystemExit(f"device_bench: the 2^31+ element AdamW is off by {err} at the end")
+        raise RuntimeError(f"the 2^31+ element AdamW is off by {err} at the end")
+
+
+# --- model: issue 19's ops and training step ---------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    layers: int
+
+    @property
+    def head_dim(self):
+        return self.hidden // self.heads
+
+    @property
+    def tokens(self):
+        return self.batch * self.seq
+
+
+def _model_shape(scale):
+    """SmolLM2-135M (bench_model's constants: hidden 576, 9 / 3 heads of 64, ffn 1536, vocab
+    49152, 30 layers) at 8 x 2048 tokens; a toy of the same form for --smoke."""
+    if scale == 1:
+        return _Shape(8, 2048, bench_model.HIDDEN, bench_model.HEADS, bench_model.KV_HEADS,
+                      bench_model.FFN, bench_model.VOCAB, 30)
+    return _Shape(2, 64, 64, 4, 2, 128, 512, 2)
+
+
+# Warm-up steps (the first compiles the Triton kernels and allocates the optimizer state) and
+# timed interleaved rounds of the training step; a 135M step at 16k tokens takes a fraction of a
+# second on an H200, so these add seconds, not minutes.
+STEP_WARMUP, STEP_ROUNDS = 2, 5
+# Input sets an op rotates through so that its data is not in the L2 cache from the call before
+# (60 MB on an H200): enough sets to touch this many bytes between two uses of one set.
+ROTATE_BYTES = 256 * M
+LIGER = "liger-kernel"
+LIGER_STEP = "HF + Liger-Kernel"
+
+
+def _liger_pieces():
+    """(Liger-Kernel's pieces, None), or (None, why it is left out)."""
+    try:
+        from importlib.metadata import version
+
+        from liger_kernel.ops import LigerSiLUMulFunction
+        from liger_kernel.transformers import (LigerFusedLinearCrossEntropyLoss, LigerRMSNorm,
+                                               apply_liger_kernel_to_llama, liger_rotary_pos_emb)
+    except ModuleNotFoundError as exc:
+        return None, f"not installed ({exc})"
+    except Exception as exc:  # installed but broken here (e.g. a transformers it refuses)
+        return None, f"not importable: {type(exc).__name__}: {exc}"
+    return types.SimpleNamespace(
+        version=version("liger-kernel"), RMSNorm=LigerRMSNorm, rotary_pos_emb=liger_rotary_pos_emb,
+        silu_mul=LigerSiLUMulFunction.apply, FusedLinearCrossEntropyLoss=(
+            LigerFusedLinearCrossEntropyLoss), apply_to_llama=apply_liger_kernel_to_llama), None
+
+
+def _liger(device):
+    """_liger_pieces() on a GPU; elsewhere (None, why): imported (so a CPU run checks the names
+    this file uses) but not run."""
+    liger, why = _liger_pieces()
+    if liger is not None and torch.device(device).type != "cuda":
+        return None, (f"{liger.version} imports; not run off a GPU (its RMSNorm and SwiGLU "
+                      "kernels fail in Triton's interpreter)")
+    return liger, why
+
+
+def _peak_mib(fn, device):
+    """Peak device memory fn() allocates beyond what was allocated before it (MiB); None off
+    the GPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / M
+
+
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def _input_sets(make_set, device):
+    """[make_set() ...]: enough sets (2 to 8) to touch ROTATE_BYTES between two uses of one on
+    the GPU, 2 elsewhere. make_set() -> (grad_inputs, others, grad_outputs)."""
+    first = make_set()
+    count = 2
+    if torch.device(device).type == "cuda":
+        per_set = _nbytes([t for part in first for t in part])
+        count = min(8, max(2, math.ceil(ROTATE_BYTES / per_set)))
+    return [first] + [make_set() for _ in range(count - 1)]
+
+
+def _fwd_bwd(fn, sets):
+    """step(): fn(*grad_inputs, *others) forward and backward on the next input set."""
+    cycle = itertools.cycle(sets)
+
+    def step():
+        grad_inputs, others, grad_outputs = next(cycle)
+        outs = fn(*grad_inputs, *others)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        torch.autograd.grad(outs, grad_inputs, grad_outputs)
+
+    return step
+
+
+def _model_op_cases(shape, device, liger):
+    """[(op, size, {provider: fn}, make_set, work)]: fn(*grad_inputs, *others) -> outputs;
+    work is {"bytes": the op must move at least, forward + backward} or {"flops": ...}."""
+    dt, es, eps = torch.bfloat16, 2, 1e-5
+    t, h, ffn = shape.tokens, shape.hidden, shape.ffn
+    b, s, d = shape.batch, shape.seq, shape.head_dim
+
+    def rnd(*size, grad=False):
+        return torch.randn(*size, device=device, dtype=dt, requires_grad=grad)
+
+    ours = f"fastllm ({'triton' if torch.device(device).type == 'cuda' else 'cpp'})"
+    cases = []
+
+    norm_w = torch.nn.Parameter((1 + 0.1 * torch.randn(h, device=device)).to(dt))
+    fns = {ours: lambda x, w: fastllm.ops.rms_norm(x, w, eps),
+           "torch eager": bench_model._rms_norm_torch}
+    if liger:
+        # as apply_liger_kernel_to_llama sets it up: casting_mode "llama", dx written into dy
+        norm = liger.RMSNorm(h, eps=eps).to(device=device, dtype=dt)
+        norm.weight = norm_w
+        fns[LIGER] = lambda x, w: norm(x)
+    cases.append(("rms_norm", f"x {t}x{h}, bf16", fns,
+                  lambda: ([rnd(t, h, grad=True), norm_w], [], [rnd(t, h)]),
+                  dict(bytes=5 * t * h * es)))  # fwd: x in, y out; bwd: x, dy in, dx out
+
+    # cos, sin as one (1, S, D) table for the batch: the op's unavoidable bytes are q and k's
+    inv = 1.0 / 100000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    freqs = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv
+    emb = torch.cat((freqs, freqs), -1)[None]
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    fns = {ours: lambda q, k, c, s_: fastllm.ops.rotary_embedding(q, k, c, s_),
+           "torch eager": bench_model._rotary_torch}
+    if liger:
+        # HF's layout: (B, H, S, D) views of the projections' (B, S, H, D); back to the latter
+        fns[LIGER] = lambda q, k, c, s_: tuple(o.transpose(1, 2) for o in liger.rotary_pos_emb(
+            q.transpose(1, 2), k.transpose(1, 2), c, s_))
+    cases.append(("rotary_embedding",
+                  f"q {b}x{s}x{shape.heads}x{d}, k {shape.kv_heads} heads, cos/sin (1, {s}, {d}), "
+                  "bf16", fns,
+                  lambda: ([rnd(b, s, shape.heads, d, grad=True),
+                            rnd(b, s, shape.kv_heads, d, grad=True)], [cos, sin],
+                           [rnd(b, s, shape.heads, d), rnd(b, s, shape.kv_heads, d)]),
+                  dict(bytes=4 * b * s * (shape.heads + shape.kv_heads) * d * es)))
+
+    fns = {ours: fastllm.ops.swiglu, "torch eager": bench_model._swiglu_torch}
+    if liger:
+        fns[LIGER] = liger.silu_mul
+    cases.append(("swiglu", f"gate, up {t}x{ffn}, bf16", fns,
+                  lambda: ([rnd(t, ffn, grad=True), rnd(t, ffn, grad=True)], [], [rnd(t, ffn)]),
+                  dict(bytes=8 * t * ffn * es)))  # fwd: 2 in 1 out; bwd: 3 in 2 out
+
+    head_w = torch.nn.Parameter(0.02 * torch.randn(shape.vocab, h, device=device).to(dt))
+    fns = {ours: fastllm.ops.fused_linear_cross_entropy,
+           "torch eager": lambda x, w, y: F.cross_entropy(F.linear(x, w).float(), y)}  # HF's
+    if liger:
+        loss = liger.FusedLinearCrossEntropyLoss()
+        fns[LIGER] = lambda x, w, y: loss(w, x, y)
+    one = torch.ones((), device=device)
+    cases.append(("fused_linear_cross_entropy",
+                  f"hidden {t}x{h}, tied head {shape.vocab}x{h}, bf16, mean", fns,
+                  lambda: ([rnd(t, h, grad=True), head_w],
+                           [torch.randint(0, shape.vocab, (t,), device=device)], [one]),
+                  dict(flops=3 * 2 * t * h * shape.vocab)))  # logits, dX, dW
+    return cases
+
+
+def _gemm_floor(shape, device):
+    """The loss's three GEMMs alone (logits, dX, dW into preallocated outputs, bf16): what no
+    fused loss can beat."""
+    dt = torch.bfloat16
+    x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dt)
+    w = torch.randn(shape.vocab, shape.hidden, device=device, dtype=dt)
+    z = torch.empty(shape.tokens, shape.vocab, device=device, dtype=dt)
+    gx, gw = torch.empty_like(x), torch.empty_like(w)
+
+    def step():
+        torch.mm(x, w.t(), out=z)
+        torch.mm(z, w, out=gx)
+        torch.mm(z.t(), x, out=gw)
+
+    return step
+
+
+def _model_ops(shape, device, scale, liger, why, rows):
+    smoke = scale != 1
+    x_copy, y_copy = _copy_buffers(device, 4096 if smoke else 1)
+    for op, size, fns, make_set, work in _model_op_cases(shape, device, liger):
+        size = f"{size}, fwd+bwd"
+        sets = _input_sets(make_set, device)
+        steps, failed = {}, {}
+        for name, fn in fns.items():
+            step = _fwd_bwd(fn, sets)
+            try:
+                step()  # compiles the Triton kernels; a peer that fails here is reported
+            except Exception as exc:
+                if name != LIGER:
+                    raise
+                failed[name] = f"FAILED: {type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            steps[name] = step
+        if "bytes" in work:
+            steps["copy_ (ceiling)"] = lambda: x_copy.copy_(y_copy)
+        else:
+            steps["its 3 GEMMs alone (torch.mm)"] = _gemm_floor(shape, device)
+        if smoke:  # each step ran once above: one more round checks the rest of the code
+            timings = harness.measure_many(steps, device=device, warmup=0, min_reps=1,
+                                           max_reps=1, min_time_s=0.0)
+        else:
+            timings = _time(steps, device)
+        for name, timing in timings.items():
+            if name == "copy_ (ceiling)":
+                rows.append({"op": f"model/{op}", "size": size, "provider": name,
+                             "time_ms": timing.median_ms, "bytes": 8 * x_copy.numel(),
+                             "probe": True, "note": "the ceilings case's copy, timed in these "
+                             "rounds"})
+                continue
+            kernels = _kernels_per_call(steps[name], device)
+            peak = _peak_mib(steps[name], device)
+            notes = [f"{kernels} kernels per call" if kernels is not None else None,
+                     f"peak +{peak:.0f} MiB" if peak is not None else None]
+            rows.append({"op": f"model/{op}", "size": size, "provider": name,
+                         "time_ms": timing.median_ms, **work, "baseline": "torch eager",
+                         "peak_mib": peak, "note": ", ".join(n for n in notes if n) or None})
+        for name, note in failed.items():
+            rows.append({"op": f"model/{op}", "size": size, "provider": name, "time_ms": None,
+                         "note": note})
+        if not liger:
+            rows.append({"op": f"model/{op}", "size": size, "provider": LIGER, "time_ms": None,
+                         "note": why})
+        del sets, steps
+    del x_copy, y_copy
+
+
+_MISSING = object()
+
+
+def _module_state(module, classes=None):
+    """What apply_liger_kernel_to_llama may rebind process-wide in transformers' modeling_llama:
+    its globals (apply_rotary_pos_emb, LlamaRMSNorm, LlamaMLP) and the attributes of the classes
+    it defines (LlamaForCausalLM.forward without model=)."""
+    names = dict(vars(module))
+    if classes is None:
+        classes = [v for v in names.values()
+                   if isinstance(v, type) and v.__module__ == module.__name__]
+    return names, {cls: dict(vars(cls)) for cls in classes}
+
+
+def _set_module_state(module, state):
+    names, classes = state
+    now = vars(module)
+    for key in [k for k in now if k not in names]:
+        delattr(module, key)
+    for key, value in names.items():
+        if now.get(key, _MISSING) is not value:
+            setattr(module, key, value)
+    for cls, attrs in classes.items():
+        now = vars(cls)
+        for key in [k for k in now if k not in attrs]:
+            delattr(cls, key)
+        for key, value in attrs.items():
+            if key not in ("__dict__", "__weakref__") and now.get(key, _MISSING) is not value:
+                setattr(cls, key, value)
+
+
+@contextlib.contextmanager
+def _in_state(module, state, restore):
+    _set_module_state(module, state)
+    try:
+        yield
+    finally:
+        _set_module_state(module, restore)
+
+
+def _llama(shape, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                         intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         max_position_embeddings=max(2048, shape.seq), rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, rope_theta=100000.0,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16).train()
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, rounds, warmup):
+    """One (finetune) case: every provider's model built from `base`'s weights (LoRA: the same
+    adapter everywhere), its warm-up steps, its peak memory, then `rounds` interleaved timed
+    steps and a profiled one."""
+    import peft
+    from transformers.models.llama import modeling_llama
+
+    cuda = torch.device(device).type == "cuda"
+    hf_state = _module_state(modeling_llama)
+    targets = ["q_proj", "v_proj"]
+
+    def allocated():
+        if cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        return 0
+
+    def peft_model(model, ours):
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0),
+            autocast_adapter_dtype=False)
+        with torch.no_grad():
+            for name, layer in fastllm.lora.lora_modules(ours):
+                theirs = model.base_model.model.get_submodule(name)
+                theirs.lora_A["default"].weight.copy_(layer.lora_A)
+                theirs.lora_B["default"].weight.copy_(layer.lora_B)
+        return model
+
+    def fastllm_setup():
+        model = copy.deepcopy(base)
+        if finetune == "lora":
+            fastllm.lora.inject_lora(model, targets, r=16, alpha=32)
+            torch.manual_seed(1)  # B starts at zero, as PEFT's: make the adapter do something
+            with torch.no_grad():
+                for _, layer in fastllm.lora.lora_modules(model):
+                    layer.lora_B.normal_(0, 0.02)
+        fastllm.patch(model)
+        return model, fastllm.optim.AdamW(_trainable(model), lr=1e-5), None
+
+    def hf_setup():
+        model = copy.deepcopy(base)
+        if finetune == "lora":
+            model = peft_model(model, setups[ours][0])
+        return model, torch.optim.AdamW(_trainable(model), lr=1e-5, fused=True), None
+
+    def liger_setup():
+        model = copy.deepcopy(base)
+        try:
+            liger.apply_to_llama(model=model)
+            # its rotary is a global of modeling_llama: Liger's only inside this model's forward
+            state = _module_state(modeling_llama, list(hf_state[1]))
+        finally:
+            _set_module_state(modeling_llama, hf_state)
+        if finetune == "lora":
+            model = peft_model(model, setups[ours][0])
+        return model, torch.optim.AdamW(_trainable(model), lr=1e-5, fused=True), state
+
+    hf = "HF + PEFT" if finetune == "lora" else "HF"
+    lig = LIGER_STEP + (" + PEFT" if finetune == "lora" else "")
+    ours = "fastllm"
+    makers = {ours: fastllm_setup, hf: hf_setup}  # fastllm first: PEFT copies its adapter
+    if liger:
+        makers[lig] = liger_setup
+
+    def train_step(model, opt, state):
+        def step():
+            with _in_state(modeling_llama, state, hf_state) if state else contextlib.nullcontext():
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    setups, fns, first_loss, held, failed = {}, {}, {}, {}, {}
+    for name, make in makers.items():
+        before = allocated()
+        try:
+            setups[name] = make()
+            fns[name] = train_step(*setups[name])
+            first_loss[name] = float(fns[name]())
+            for _ in range(warmup - 1):
+                fns[name]()
+        except Exception as exc:
+            if name != lig:
+                raise
+            failed[name] = f"FAILED: {type(exc).__name__}: {str(exc)[:200]}"
+            setups.pop(name, None)
+            fns.pop(name, None)
+            continue
+        held[name] = allocated() - before  # params, optimizer state, whatever it keeps
+    peaks = {name: _peak_mib(fn, device) for name, fn in fns.items()}
+    order = [n for n in (hf, lig, ours) if n in fns]
+    timings = harness.measure_many({n: fns[n] for n in order}, device=device, warmup=0,
+                                   min_reps=rounds, max_reps=rounds, min_time_s=0.0)
+    kernels = {n: _kernels_per_call(fns[n], device) for n in order}
+
+    size = (f"SmolLM2-135M shape, random init, {shape.layers} layers, "
+            f"{shape.batch}x{shape.seq} tokens, {finetune}"
+            f"{' r=16 on q/v' if finetune == 'lora' else ''}, pure bf16 (bf16 params and AdamW "
+            "state on every side)")
+    result, by_name = {}, {}
+    for name in order:
+        ms = timings[name].median_ms
+        peak = None if peaks[name] is None else held[name] / M + peaks[name]
+        result[name] = (shape.tokens / ms * 1e3, peak)
+        notes = [f"{shape.tokens / ms * 1e3:.0f} tokens/s",
+                 None if peak is None else
+                 f"peak {peak:.0f} MiB (params, grads, optimizer state, activations)",
+                 f"first loss {first_loss[name]:.4f}",
+                 None if kernels[name] is None else f"{kernels[name]} kernels per step"]
+        if name == lig:
+            notes.append(f"liger-kernel {liger.version}")
+        by_name[name] = {"op": "model step", "size": size, "provider": name, "time_ms": ms,
+                         "tokens_per_s": shape.tokens / ms * 1e3, "peak_mib": peak,
+                         "first_loss": first_loss[name], "baseline": hf,
+                         "note": ", ".join(n for n in notes if n)}
+        rows.append(by_name[name])
+    ours_row = by_name[ours]
+    for peer in (hf, lig):
+        if peer in result:
+            tps, peak = result[peer]
+            vs = f"vs {peer}: x{result[ours][0] / tps:.2f} tokens/s"
+            if peak:
+                vs += f", {100 * result[ours][1] / peak:.0f}% of its memory"
+            ours_row["note"] += "; " + vs
+    for name, note in failed.items():
+        rows.append({"op": "model step", "size": size, "provider": name, "time_ms": None,
+                     "note": note})
+    if not liger:
+        rows.append({"op": "model step", "size": size, "provider": lig, "time_ms": None,
+                     "note": why})
+
+
+def model(device, scale, rows):
+    shape = _model_shape(scale)
+    liger, why = _liger(device)
+    _model_ops(shape, device, scale, liger, why, rows)
+    if _checkpoint:
+        _checkpoint()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    base = _llama(shape, device)
+    torch.manual_seed(0)
+    ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), device=device)
+    rounds, warmup = (STEP_ROUNDS, STEP_WARMUP) if scale == 1 else (1, 1)
+    for finetune in ("full", "lora"):
+        _model_step_case(base, ids, finetune, shape, device, liger, why, rows, rounds, warmup)
+        if _checkpoint:
+            _checkpoint()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
 
 
 CASES = {"ceilings": ceilings, "adamw": adamw, "master": master, "lowbyte": lowbyte,
-         "lora": lora, "large": large}
+         "lora": lora, "large": large, "model": model}
 
 
 def main():
@@ -212,20 +700,31 @@ def main():
     opts = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not opts.smoke else "cpu"
     scale = 64 if opts.smoke else 1
+    machine = harness.machine_description(device)
     rows, failed = [], []
+
+    def save():  # whole or not at all: a kill mid-write leaves the last JSON
+        harness.annotate(rows)
+        with open(opts.json + ".tmp", "w") as f:
+            json.dump({"device": device, "machine": machine, "rows": rows, "failed": failed}, f,
+                      indent=1)
+        os.replace(opts.json + ".tmp", opts.json)
+
+    global _checkpoint
+    _checkpoint = save
     for name in opts.cases.split(","):
         print(f"device_bench: {name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         try:
             CASES[name](device, scale, rows)
         except Exception as exc:  # one case failing must not lose the others' numbers
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        print(f"device_bench: {name} took {time.perf_counter() - start:.1f} s", file=sys.stderr,
+              flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    harness.annotate(rows)
-    machine = harness.machine_description(device)
-    with open(opts.json, "w") as f:
-        json.dump({"device": device, "machine": machine, "rows": rows, "failed": failed}, f,
-                  indent=1)
+        save()  # after every case: a run cut short keeps what it measured
     print(f"{device}: {machine}\n")
     print(harness.format_table(rows))
     for line in failed:

@@ -219,3 +219,38 @@ def test_fastllm_bench_runs_without_pytest(tmp_path):
     assert {r["op"] for r in with_ceiling} == {"adamw", "adamw_master"}
     assert all(r["pct_ceiling"] <= 100.0 + 1e-9 for r in with_ceiling)
     assert set(DEFAULT_OPS) <= set(OPS)
+
+
+def test_device_bench_model_case_smoke():
+    # bench/device_bench.py's model case (issue 19) at its --smoke sizes on the CPU: a row per op
+    # and provider, both training steps with the same first loss on every side, and Liger-Kernel
+    # reported as left out (it runs on a GPU only).
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from fastllm.bench import device_bench
+
+    rows = []
+    device_bench.model("cpu", 64, rows)
+    harness.annotate(rows)
+    ops = ["rms_norm", "rotary_embedding", "swiglu", "fused_linear_cross_entropy"]
+    assert list(dict.fromkeys(r["op"] for r in rows)) == [f"model/{op}" for op in ops] + [
+        "model step"]
+    for r in rows:
+        if r["provider"].startswith(("liger-kernel", "HF + Liger-Kernel")):
+            assert r["time_ms"] is None and r["note"]
+        else:
+            assert r["time_ms"] > 0
+    for op in ops:
+        providers = {r["provider"] for r in rows if r["op"] == f"model/{op}"}
+        assert {"fastllm (cpp)", "torch eager", "liger-kernel"} <= providers
+    steps = {}
+    for r in rows:
+        if r["op"] == "model step":
+            finetune = "lora" if ", lora r=16 on q/v," in r["size"] else "full"
+            steps.setdefault(finetune, {})[r["provider"]] = r
+    for finetune, hf in (("full", "HF"), ("lora", "HF + PEFT")):
+        case = steps[finetune]
+        peft = " + PEFT" if finetune == "lora" else ""
+        assert set(case) == {"fastllm", hf, "HF + Liger-Kernel" + peft}
+        assert case["fastllm"]["first_loss"] == pytest.approx(case[hf]["first_loss"], rel=1e-3)
+        assert case["fastllm"]["ratio_to_baseline"] > 0
