@@ -283,9 +283,11 @@ def test_saved_activations_are_x_and_xa():
     assert not any(t.dtype == torch.bool for t in saved)
 
 
-def test_triton_kernels_compile_for_sm86_and_sm90():
+def test_triton_kernels_compile_for_sm86():
     """The interpreter runs the kernels but never compiles them: compile the largest configs for
-    sm_86 and sm_90 here (bench/device_check.sh compiles every config for sm_80/86/89/90)."""
+    sm_86 here, the smallest shared-memory limit (sm_90's are compiled, with their launches as
+    recorded in production, by `make kernel-check`, .ci/kernel_check.py; bench/device_check.sh
+    compiles every config for sm_80/86/89/90)."""
     import os
     import subprocess
     import sys
@@ -293,14 +295,13 @@ def test_triton_kernels_compile_for_sm86_and_sm90():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "lora_compile_check.py")
-    proc = subprocess.run([sys.executable, script, "--quick"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, script, "--quick", "--archs", "86"], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if " B shared of " in line]
-    assert len(lines) >= 24 and all(line.endswith(" ok") for line in lines), proc.stdout
+    assert len(lines) >= 12 and all(line.endswith(" ok") for line in lines), proc.stdout
     for kernel in ("_lora_down_kernel", "_lora_up_kernel", "_lora_pq_kernel"):
-        for arch in ("sm_86", "sm_90"):
-            assert any(kernel in line and arch in line for line in lines), (kernel, arch)
+        assert any(kernel in line and "sm_86" in line for line in lines), kernel
 
 
 # The Triton path on CPU (interpreter) and GPU: shapes past every block size, so each kernel runs
