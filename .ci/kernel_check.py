@@ -7,9 +7,11 @@ sizes grids or picks constexprs is checked as it is, and the number of launches 
 counted. Each distinct recorded launch is compiled ahead of time (no device needed) and
     - a bandwidth kernel whose PTX has no 128-bit global load (ld.global.v4.b32 / .v2.b64, or a
       16-byte cp.async) fails: its loads are scalar;
-    - a kernel that spills registers (ptxas -v: spill stores or loads > 0) fails;
+    - a kernel that spills registers (ptxas -v: spill stores or loads > 0) fails, and so does
+      one with a register budget (MAX_REGISTERS) that uses more;
     - a kernel meant to run once per optimizer step, launched more than once in a step of four
-      tensors, fails.
+      tensors, fails, and so does a whole fastllm.optim step (STEP_LAUNCHES) that makes more
+      Triton launches than its budget.
 CUDA (--cuda-so PATH, run by .ci/cuda_build_check.sh on the extension it builds): cuobjdump
 reads every kernel's resource usage and SASS from the built fastllm._C; a kernel with local
 memory (spills) fails, and so does a bandwidth kernel (AdamW, master, l2norm) without LDG.E.128.
@@ -26,6 +28,8 @@ them too (what the fixed kernels must eventually pass).
 import argparse
 import concurrent.futures
 import contextlib
+import importlib
+import io
 import os
 import re
 import subprocess
@@ -35,6 +39,7 @@ import tempfile
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     sys.exit("run without TRITON_INTERPRET=1: the check compiles, the interpreter does not")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said quietly
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # read by compile_ptx (printed, captured there)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -50,20 +55,27 @@ SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 # (check, kernel) -> why it still fails. Everything here is open work of issue 18.
 KNOWN = {
-    ("launches", "_adamw8bit_kernel"): "Triton 8-bit step: one launch per tensor (18.4)",
-    ("launches", "_sum_squares_kernel"): "Triton l2norm: one launch per tensor (18.3)",
     # CUDA kernels (matched as a part of the demangled name)
     ("wide loads", "AdamWMasterFunctor"): "CUDA master step: scalar loads (18.3, 18.2)",
     ("wide loads", "SumSquaresFunctor"): "CUDA l2norm: scalar 2-byte loads (18.3)",
 }
 # Kernels whose job is streaming memory: their loads must be 128 bits wide.
 BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw_tensor_kernel",
-             "_adamw_master_tensor_kernel", "_adamw8bit_kernel", "_sum_squares_kernel",
+             "_adamw_master_tensor_kernel", "_adamw8bit_kernel", "_adamw8bit_tensor_kernel",
+             "_sum_squares_kernel",
              "_scaled_copy_kernel", "_adam_lowrank_kernel", "_lora_down_kernel",
              "_lora_up_kernel", "_lora_pq_kernel"}
 # Kernels meant to run once per optimizer step, however many tensors it has.
 ONE_PER_STEP = {"_adamw_kernel", "_adamw_master_kernel", "_adamw8bit_kernel",
                 "_sum_squares_kernel"}
+# Whole optimizer steps (recipes below) and the Triton launches each may make in all. Their
+# launches are counted, not compiled: the direct recipes compile the same kernels with a superset
+# of their options (grad_norm_step: every option; adamw_master and adamw8bit bf16: grad_scale as
+# well as the step's clip/unscale multiplier), which keeps the check's time down.
+STEP_LAUNCHES = {"AdamW step bf16 master+clip+LossScaler": 2,
+                 "AdamW8bit step bf16 master+clip+LossScaler": 2}
+# Kernels with a register budget (issue 18 item 4): a compile that uses more fails.
+MAX_REGISTERS = {"_adamw8bit_kernel": 128, "_adamw8bit_tensor_kernel": 128}
 CUDA_BANDWIDTH = ("AdamWFunctor", "AdamWMasterFunctor", "SumSquaresFunctor")
 
 
@@ -82,10 +94,12 @@ def recipes():
     from fastllm.kernels.adamw8bit import adamw8bit_step_triton
     from fastllm.kernels.adamw_master import adamw_master_step_triton
     from fastllm.kernels.galore_adam_step import galore_adam_step_triton
-    from fastllm.kernels.l2norm import l2norm_triton
+    from fastllm.amp import LossScaler
+    from fastllm.kernels.l2norm import grad_norm_step_triton, l2norm_triton
     from fastllm.kernels.orthogonalize import orthogonalize_triton
     from fastllm.kernels.scaled_copy import scaled_copy_triton
     from fastllm.ops.adamw8bit import build_qmaps, n_blocks
+    from fastllm.optim import AdamW8bit
 
     n, k = 1 << 14, 4  # four tensors of 16K elements: a step that must be one launch
     flag, scale, coef = torch.zeros(()), torch.full((), 1024.0), torch.full((), 0.5)
@@ -105,17 +119,52 @@ def recipes():
                                      stochastic_rounding=False, seed=0, grad_scale=scale,
                                      clip_coef=coef, found_inf=flag, **hyper)
 
-    def q8(dtype):
+    def q8(dtype, per_tensor=False, state=torch.uint8, master=False):
         p, g = _tensors(n, k, dtype), _tensors(n, k, dtype)
-        codes = [torch.zeros(n, dtype=torch.uint8) for _ in range(2 * k)]
-        absmax = [torch.ones(n_blocks(n, 256)) for _ in range(2 * k)]
-        adamw8bit_step_triton(p, g, [], codes[:k], codes[k:], absmax[:k], absmax[k:],
-                              _steps(k), build_qmaps(), block_size=256, maximize=False,
-                              stochastic_rounding=False, seed=0, grad_scale=scale,
-                              clip_coef=coef, found_inf=flag, **hyper)
+        w = _tensors(n, k, torch.float32) if master else []
+        q = state == torch.uint8
+        moments = [torch.zeros(n, dtype=state) for _ in range(2 * k)]
+        absmax = [torch.ones(n_blocks(n, 256)) for _ in range(2 * k)] if q else [[], []]
+        with _no_table(per_tensor):
+            adamw8bit_step_triton(p, g, w, moments[:k], moments[k:], absmax[:k] if q else [],
+                                  absmax[k:] if q else [], _steps(k), build_qmaps(),
+                                  block_size=256, maximize=False, stochastic_rounding=False,
+                                  seed=0, grad_scale=scale, clip_coef=coef, found_inf=flag,
+                                  **hyper)
 
     def l2norm(dtype):
-        l2norm_triton(_tensors(n, k, dtype))
+        l2norm_triton(_tensors(n, k, dtype) if dtype is not None else
+                      [t for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+                       for t in _tensors(n, 1, d)])
+
+    def grad_norm_step():
+        # AdamW's mixed-precision prologue with every option: loss scale, GradScaler-style
+        # found_inf, clipping, step counts, LossScaler.
+        scaler = LossScaler().device_state("cpu")
+        grad_norm_step_triton(_tensors(n, k, torch.bfloat16), torch.zeros(4),
+                              skipped=torch.zeros((), dtype=torch.bool),
+                              skipped_steps=torch.zeros((), dtype=torch.int64),
+                              grad_scale=scale, found_inf=flag, max_norm=1.0,
+                              steps=torch.zeros(k), scaler=scaler)
+
+    def optimizer_step(cls, **kwargs):
+        # A whole mixed-precision step of fastllm.optim.AdamW on the Triton backend (CPU tensors
+        # stand in for the GPU's: the launches are recorded, not run).
+        from fastllm import _backend
+        from fastllm.optim import AdamW
+
+        params = [torch.nn.Parameter(t) for t in _tensors(n, k, torch.bfloat16)]
+        for p, g in zip(params, _tensors(n, k, torch.bfloat16)):
+            p.grad = g
+        opt = (cls or AdamW)(params, master_weights=True, max_grad_norm=1.0,
+                             loss_scaler=LossScaler(), **kwargs)
+        saved = _backend.unavailable_reason
+        _backend.unavailable_reason = lambda b, d: None if b == "triton" else saved(b, d)
+        try:
+            with _backend.use_backend("triton"):
+                opt.step()
+        finally:
+            _backend.unavailable_reason = saved
 
     def scaled_copy():
         scaled_copy_triton(_tensors(n, k, torch.bfloat16), _tensors(n, k, torch.float32), 0.5)
@@ -135,9 +184,16 @@ def recipes():
            "adamw fp32 per-tensor": lambda: adamw(torch.float32, True),
            "adamw_master bf16 per-tensor": lambda: master(True),
            "adamw8bit fp32": lambda: q8(torch.float32),
-           "adamw8bit bf16": lambda: q8(torch.bfloat16),
+           "adamw8bit bf16 master": lambda: q8(torch.bfloat16, master=True),
+           "adamw8bit bf16 bf16-state": lambda: q8(torch.bfloat16, state=torch.bfloat16),
+           "adamw8bit fp32 per-tensor": lambda: q8(torch.float32, True),
            "l2norm bf16": lambda: l2norm(torch.bfloat16),
            "l2norm fp32": lambda: l2norm(torch.float32),
+           "l2norm mixed dtypes": lambda: l2norm(None),
+           "grad_norm_step bf16": grad_norm_step,
+           "AdamW step bf16 master+clip+LossScaler": lambda: optimizer_step(None),
+           "AdamW8bit step bf16 master+clip+LossScaler":
+               lambda: optimizer_step(AdamW8bit, min_8bit_size=0),
            "scaled_copy": scaled_copy, "galore_adam_step": galore,
            "orthogonalize": orthogonalize}
     return out
@@ -145,17 +201,22 @@ def recipes():
 
 @contextlib.contextmanager
 def _no_table(on):
-    """Within: the AdamW launchers find no table and launch once per tensor (their fallback)."""
+    """Within: the optimizer launchers find no table and launch once per tensor (their
+    fallback)."""
     import fastllm.kernels.adamw as adamw
+    import fastllm.kernels.adamw8bit as adamw8bit
     import fastllm.kernels.adamw_master as master
 
-    saved = adamw.table, master.table
+    modules = (adamw, master, adamw8bit)
+    saved = [m.table for m in modules]
     if on:
-        adamw.table = master.table = lambda *args: None
+        for m in modules:
+            m.table = lambda *args: None
     try:
         yield
     finally:
-        adamw.table, master.table = saved
+        for m, t in zip(modules, saved):
+            m.table = t
 
 
 def record(fn):
@@ -194,12 +255,22 @@ def compile_ptx(job):
     from triton.compiler import compile as triton_compile
 
     module, name, args, kwargs = job
-    kernel = getattr(sys.modules[module], name)
+    # Imported by name: a worker forked before the recipe that launches it was recorded.
+    kernel = getattr(importlib.import_module(module), name)
     target, signature, constexprs, attrs, options = compile_args(kernel, args, kwargs,
                                                                  CAPABILITY)
-    compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options)
+    # Triton's own ptxas run (with the flags a real launch gets) already passes -v; its log is
+    # printed when TRITON_DUMP_PTXAS_LOG is set (at the top of this file), so one ptxas run per
+    # kernel gives both the cubin and the register report.
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs),
+                                  target=target, options=options)
     ptx = compiled.asm["ptx"]
+    info = log.getvalue()
+    if "registers" in info:
+        return ptx, info
+    # A kernel from Triton's cache ran no ptxas: assemble it here for the report.
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(CAPABILITY).path  # the ptxas Triton itself assembles sm_90 code with
@@ -213,33 +284,52 @@ def compile_ptx(job):
     return ptx, info.stderr + info.stdout
 
 
+def _job_key(kernel, args, kwargs):
+    """Launches with equal keys compile to the same kernel (see _spec)."""
+    return (kernel.fn.__name__, repr([_spec(a) for a in args]),
+            repr(sorted((k, _spec(v)) for k, v in kwargs.items())))
+
+
 def triton_checks(jobs):
-    """[(status, check, kernel, detail)] of the Triton kernels."""
+    """[(status, check, kernel, detail)] of the Triton kernels.
+
+    Each launch is handed to the compile pool as soon as it is recorded, so the kernels compile
+    while the later recipes run (the optimizer steps first import torch._dynamo, seconds)."""
     results = []
     launches = {}
-    work = {}
-    for case, fn in recipes().items():
-        for kernel, args, kwargs in record(fn):
-            name = kernel.fn.__name__
-            launches.setdefault((case, name), 0)
-            launches[(case, name)] += 1
-            key = (name, repr([_spec(a) for a in args]),
-                   repr(sorted((k, _spec(v)) for k, v in kwargs.items())))
-            work.setdefault(key, (case, kernel, args, kwargs))
-    for case, kernel, args, kwargs in lora_launches():
-        key = (kernel.fn.__name__, repr([_spec(a) for a in args]),
-               repr(sorted((k, _spec(v)) for k, v in kwargs.items())))
-        work.setdefault(key, (case, kernel, args, kwargs))
-    for (case, name), count in sorted(launches.items()):
-        if name in ONE_PER_STEP:
-            ok = count == 1
-            results.append((ok, "launches", name, f"{case}: {count} launches for one step of "
-                                                  f"4 tensors"))
+    futures = {}
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs)) as pool:
-        futures = {pool.submit(compile_ptx, (k.fn.__module__, k.fn.__name__, a, kw)):
-                   (case, k.fn.__name__) for case, k, a, kw in work.values()}
-        for future in concurrent.futures.as_completed(futures):
-            case, name = futures[future]
+        def submit(case, kernel, args, kwargs):
+            key = _job_key(kernel, args, kwargs)
+            if key not in futures:
+                job = (kernel.fn.__module__, kernel.fn.__name__, args, kwargs)
+                futures[key] = (pool.submit(compile_ptx, job), case, kernel.fn.__name__)
+
+        steps = recipes()
+        for case, fn in steps.items():
+            if case in STEP_LAUNCHES:
+                continue  # last: counted only (below)
+            for kernel, args, kwargs in record(fn):
+                name = kernel.fn.__name__
+                launches[(case, name)] = launches.get((case, name), 0) + 1
+                submit(case, kernel, args, kwargs)
+        for case, kernel, args, kwargs in lora_launches():
+            submit(case, kernel, args, kwargs)
+        for case in STEP_LAUNCHES:
+            for kernel, args, kwargs in record(steps[case]):
+                name = kernel.fn.__name__
+                launches[(case, name)] = launches.get((case, name), 0) + 1
+        for (case, name), count in sorted(launches.items()):
+            if name in ONE_PER_STEP:
+                ok = count == 1
+                results.append((ok, "launches", name, f"{case}: {count} launches for one step "
+                                                      f"of 4 tensors"))
+        for case, limit in STEP_LAUNCHES.items():
+            total = sum(count for (c, _), count in launches.items() if c == case)
+            results.append((total <= limit, "launches", "optimizer step",
+                            f"{case}: {total} Triton launches in one step of 4 tensors (at most "
+                            f"{limit})"))
+        for future, case, name in futures.values():
             try:
                 ptx, info = future.result()
             except Exception as exc:  # every failure reported, not only the first
@@ -252,6 +342,11 @@ def triton_checks(jobs):
             results.append((not spilled, "spills", name,
                             f"{case}: {regs[0] if regs else '?'} registers, spill "
                             f"stores/loads {spills[0] if spills else '?'}"))
+            if name in MAX_REGISTERS:
+                limit = MAX_REGISTERS[name]
+                results.append((bool(regs) and int(regs[0]) <= limit, "registers", name,
+                                f"{case}: {regs[0] if regs else '?'} registers (at most "
+                                f"{limit})"))
             if name in BANDWIDTH:
                 wide = len(WIDE_LOAD.findall(ptx))
                 scalar = len(re.findall(r"ld\.global(?![\w:.]*\.v[24])[\w:.]*\s", ptx))

@@ -1,6 +1,7 @@
-"""The AdamW update shared by the Triton kernels (kernels/adamw.py, kernels/adamw_master.py).
+"""The AdamW update shared by the Triton kernels (kernels/adamw.py, kernels/adamw_master.py,
+kernels/adamw8bit.py).
 
-One `@triton.jit` helper per stage, so both kernels compute the same thing in the same order as
+One `@triton.jit` helper per stage, so every kernel computes the same thing in the same order as
 csrc/cpu/adamw.cpp and csrc/cuda/adamw.cu (torch's single-tensor AdamW):
     g  = grad * (1 / grad_scale)           correctly rounded reciprocal, as the C++/CUDA kernels
     m  = lerp(m, g, 1 - beta1)             torch's two-formula lerp (ATen/native/Lerp.h)
@@ -11,41 +12,39 @@ Constants are computed on the host in double and passed rounded to fp32 (`host_c
 the C++ and CUDA kernels get them, never recomputed from fp32 operands in the kernel. The bias
 corrections come from the step count on the device (`bias_corrections`), computed in fp64 there,
 so a step needs no host read of the step and can be captured in a CUDA graph. Triton passes
-Python floats as fp32, so the fp64 inputs of that computation travel as (hi, lo) fp32 pairs.
+Python floats as fp32, so the fp64 inputs of that computation (lr, log(beta1), log(beta2)) travel
+as the int64 bit patterns of the host's doubles (`f64_bits`), bitcast back in the kernel: exact,
+and used straight from the kernel's parameters (an fp64 sum of an fp32 pair, live across a
+persistent kernel's loop, is what ptxas once spilled). Every array a step streams is read and
+written with evict_first (`stream_load`, `stream_store`).
 """
 
 import math
+import struct
 
 import torch
 import triton
 import triton.language as tl
 
 
-def split_f64(value):
-    """value as two fp32-representable floats whose sum carries ~48 significant bits."""
-    if not math.isfinite(value):
-        return value, 0.0
-    hi = struct_f32(value)
-    return hi, struct_f32(value - hi)
-
-
-def struct_f32(value):
-    """value rounded to the nearest fp32 (what Triton does to a Python float argument)."""
-    import struct
-
-    return struct.unpack("f", struct.pack("f", value))[0]
+def f64_bits(value):
+    """The IEEE-754 bits of the double `value` as a signed int64 (a kernel argument that
+    `as_f64` turns back into the same double)."""
+    return struct.unpack("q", struct.pack("d", value))[0]
 
 
 def host_constants(lr, beta1, beta2, weight_decay):
     """The kernel's scalar arguments, in double on the host: a dict of keyword arguments."""
     ln_beta1 = math.log(beta1) if beta1 > 0 else -math.inf
     ln_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
-    lr_hi, lr_lo = split_f64(lr)
-    b1_hi, b1_lo = split_f64(ln_beta1)
-    b2_hi, b2_lo = split_f64(ln_beta2)
     return dict(decay=1.0 - lr * weight_decay, lerp_weight=1.0 - beta1, beta2=beta2,
-                one_minus_beta2=1.0 - beta2, lr_hi=lr_hi, lr_lo=lr_lo, ln_beta1_hi=b1_hi,
-                ln_beta1_lo=b1_lo, ln_beta2_hi=b2_hi, ln_beta2_lo=b2_lo)
+                one_minus_beta2=1.0 - beta2, lr_bits=f64_bits(lr),
+                ln_beta1_bits=f64_bits(ln_beta1), ln_beta2_bits=f64_bits(ln_beta2))
+
+
+# The bit-pattern arguments of every kernel that takes host_constants(): not specialised, so a
+# learning-rate schedule never recompiles a kernel (Triton specialises ints divisible by 16).
+CONSTANT_BITS = ("lr_bits", "ln_beta1_bits", "ln_beta2_bits")
 
 
 def device_step(step, device):
@@ -57,19 +56,23 @@ def device_step(step, device):
 
 
 @triton.jit
-def bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo, ln_beta2_hi, ln_beta2_lo):
+def as_f64(bits):
+    """The double whose bits `bits` holds (an int32 argument when Triton typed a small value so:
+    widened first)."""
+    # tl.cast, not .to: the interpreter hands scalar arguments over as Python ints.
+    return tl.cast(tl.cast(bits, tl.int64), tl.float64, bitcast=True)
+
+
+@triton.jit
+def bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits):
     """(-lr / (1 - beta1^t), sqrt(1 - beta2^t)) in fp32, from the fp32 step count at step_ptr.
 
     beta^t = exp(t ln beta) in fp64 agrees with the host's pow to ~1e-15 relative, far below the
     fp32 rounding that follows."""
     step = tl.load(step_ptr).to(tl.float64)
-    # tl.cast, not .to: the interpreter hands scalar arguments over as Python floats.
-    lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
-    ln_beta1 = tl.cast(ln_beta1_hi, tl.float64) + tl.cast(ln_beta1_lo, tl.float64)
-    ln_beta2 = tl.cast(ln_beta2_hi, tl.float64) + tl.cast(ln_beta2_lo, tl.float64)
-    bc1 = 1.0 - tl.exp(step * ln_beta1)
-    bc2 = 1.0 - tl.exp(step * ln_beta2)
-    neg_step_size = (-lr / bc1).to(tl.float32)
+    bc1 = 1.0 - tl.exp(step * as_f64(ln_beta1_bits))
+    bc2 = 1.0 - tl.exp(step * as_f64(ln_beta2_bits))
+    neg_step_size = (-as_f64(lr_bits) / bc1).to(tl.float32)
     bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
     return neg_step_size, bc2_sqrt
 
@@ -82,11 +85,24 @@ def inv_grad_scale(grad_scale_ptr):
 
 
 @triton.jit
+def stream_load(ptr, offsets, mask, other):
+    """A block of an array the step reads once (its params, grads, moments): evict_first, so the
+    stream does not displace from the caches what the rest of the step reuses."""
+    return tl.load(ptr + offsets, mask=mask, other=other, eviction_policy="evict_first")
+
+
+@triton.jit
+def stream_store(ptr, offsets, x, mask):
+    """A block of an array the step writes once (see stream_load)."""
+    tl.store(ptr + offsets, x, mask=mask, eviction_policy="evict_first")
+
+
+@triton.jit
 def load_grad(grad_ptr, offsets, mask, grad_scale_ptr, clip_coef_ptr,
               HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr, MAXIMIZE: tl.constexpr):
     """The gradient as the update sees it, in fp32: grad / grad_scale * clip_coef, negated when
     maximising (the scalars read on the device; a pointer whose flag is off is never read)."""
-    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = stream_load(grad_ptr, offsets, mask, 0.0).to(tl.float32)
     if HAS_GRAD_SCALE:
         g = g * inv_grad_scale(grad_scale_ptr)
     if HAS_CLIP_COEF:

@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
-from fastllm.kernels.adam_math import (adam_moments, adam_param, bias_corrections,
-                                       device_step, host_constants, load_grad)
+from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param,
+                                       bias_corrections, device_step, host_constants, load_grad,
+                                       stream_load)
 from fastllm.kernels.rounding import store_rounded
 from fastllm.kernels.tensor_table import address, one_device, programs, table
 
@@ -40,25 +41,26 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, offsets, mask,
             grad_scale_ptr, neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2,
             eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr):
-    """The AdamW update of the elements at `offsets` (where `mask`) of one tensor."""
+    """The AdamW update of the elements at `offsets` (where `mask`) of one tensor. Each array
+    is read once and written once per step: evict_first (adam_math.stream_load)."""
     g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, grad_scale_ptr, HAS_GRAD_SCALE,
                   False, MAXIMIZE)
-    p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * decay
-    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    p = stream_load(param_ptr, offsets, mask, 0.0).to(tl.float32) * decay
+    m = stream_load(exp_avg_ptr, offsets, mask, 0.0).to(tl.float32)
+    v = stream_load(exp_avg_sq_ptr, offsets, mask, 0.0).to(tl.float32)
     m, v = adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2)
     v_used = v
     if AMSGRAD:
-        v_max = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        v_max = stream_load(max_exp_avg_sq_ptr, offsets, mask, 0.0).to(tl.float32)
         v_used = tl.maximum(v_max, v)
-        store_rounded(max_exp_avg_sq_ptr, offsets, v_used, mask)
+        store_rounded(max_exp_avg_sq_ptr, offsets, v_used, mask, "evict_first")
     p = adam_param(p, m, v_used, neg_step_size, bc2_sqrt, eps)
-    store_rounded(param_ptr, offsets, p, mask)
-    store_rounded(exp_avg_ptr, offsets, m, mask)
-    store_rounded(exp_avg_sq_ptr, offsets, v, mask)
+    store_rounded(param_ptr, offsets, p, mask, "evict_first")
+    store_rounded(exp_avg_ptr, offsets, m, mask, "evict_first")
+    store_rounded(exp_avg_sq_ptr, offsets, v, mask, "evict_first")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CONSTANT_BITS)
 def _adamw_kernel(
     tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and kernels/tensor_table.py)
     chunks_ptr,  # *int64, (tensor index, first element) per chunk
@@ -69,9 +71,9 @@ def _adamw_kernel(
     lerp_weight,  # 1 - beta1
     beta2,  # second-moment decay
     one_minus_beta2,  # 1 - beta2, from the host's double
-    lr_hi, lr_lo,  # lr as an fp32 pair (see adam_math.split_f64)
-    ln_beta1_hi, ln_beta1_lo,  # log(beta1) as an fp32 pair
-    ln_beta2_hi, ln_beta2_lo,  # log(beta2) as an fp32 pair
+    lr_bits,  # lr, the bits of the host's double (see adam_math.f64_bits)
+    ln_beta1_bits,  # log(beta1), likewise
+    ln_beta2_bits,  # log(beta2), likewise
     eps,  # added to the denominator
     DTYPE: tl.constexpr,  # the element type of every param, grad and state
     FIELDS: tl.constexpr,
@@ -100,8 +102,7 @@ def _adamw_kernel(
             max_exp_avg_sq_ptr = address(row, 4, DTYPE, ALIGNED)
         step_ptr = address(row, 5, tl.float32, False)
         n = tl.load(row + 6)
-        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi,
-                                                   ln_beta1_lo, ln_beta2_hi, ln_beta2_lo)
+        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
         n_blocks = tl.minimum(tl.cdiv(n - start, BLOCK_SIZE), CHUNK_BLOCKS)
         for b in range(0, n_blocks):
             # Chunks start at multiples of the chunk size, so each block at one of BLOCK_SIZE.
@@ -119,7 +120,7 @@ def _adamw_kernel(
                         HAS_GRAD_SCALE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CONSTANT_BITS)
 def _adamw_tensor_kernel(
     param_ptr,  # *T, n elements, updated in place
     grad_ptr,  # *T, n elements, read only
@@ -130,8 +131,8 @@ def _adamw_tensor_kernel(
     grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
     n_elements,  # number of elements of this tensor
-    decay, lerp_weight, beta2, one_minus_beta2, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
-    ln_beta2_hi, ln_beta2_lo, eps,  # as _adamw_kernel's
+    decay, lerp_weight, beta2, one_minus_beta2, lr_bits, ln_beta1_bits, ln_beta2_bits,
+    eps,  # as _adamw_kernel's
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
@@ -146,8 +147,7 @@ def _adamw_tensor_kernel(
         # the loads stay 128-bit vectors (a per-lane broadcast load of the flag made every access
         # scalar on sm_90). tl.where, not `&`: the interpreter cannot AND a scalar into a block.
         mask = tl.where(tl.load(found_inf_ptr) == 0, mask, False)
-    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
-                                               ln_beta2_hi, ln_beta2_lo)
+    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
     _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, offsets, mask,
             grad_scale_ptr, neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2,
             eps, AMSGRAD, MAXIMIZE, HAS_GRAD_SCALE)

@@ -21,10 +21,11 @@ strides over their chunks: one launch per step; a nonzero found_inf makes its lo
 import triton
 import triton.language as tl
 
-from fastllm.kernels.adam_math import (adam_moments, adam_param, bias_corrections,
-                                       device_step, host_constants, load_grad)
+from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param,
+                                       bias_corrections, device_step, host_constants, load_grad,
+                                       stream_load, stream_store)
 from fastllm.kernels.adamw import _TL_DTYPES, _sizes
-from fastllm.kernels.rounding import round_nearest, round_stochastic
+from fastllm.kernels.rounding import philox_key, round_nearest, round_stochastic
 from fastllm.kernels.tensor_table import address, one_device, programs, table
 
 # Table fields per tensor: param, grad, master, exp_avg, exp_avg_sq, kahan_comp, step, numel.
@@ -38,18 +39,19 @@ def _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_p
             KAHAN: tl.constexpr, SR: tl.constexpr, MAXIMIZE: tl.constexpr,
             HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP_COEF: tl.constexpr):
     """The update of the elements at `offsets` (where `mask`) of one tensor; random_offsets are
-    the Philox counters of its stochastic rounding."""
+    the Philox counters of its stochastic rounding. Every array is read once and written once
+    per step: evict_first (adam_math.stream_load)."""
     g = load_grad(grad_ptr, offsets, mask, grad_scale_ptr, clip_coef_ptr, HAS_GRAD_SCALE,
                   HAS_CLIP_COEF, MAXIMIZE)
     if MASTER:
-        x = tl.load(master_ptr + offsets, mask=mask, other=0.0)
+        x = stream_load(master_ptr, offsets, mask, 0.0)
     else:
-        x = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = stream_load(param_ptr, offsets, mask, 0.0).to(tl.float32)
         if KAHAN:
-            x = x + tl.load(comp_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            x = x + stream_load(comp_ptr, offsets, mask, 0.0).to(tl.float32)
     x = x * decay
-    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
+    m = stream_load(exp_avg_ptr, offsets, mask, 0.0)
+    v = stream_load(exp_avg_sq_ptr, offsets, mask, 0.0)
     m, v = adam_moments(g, m, v, lerp_weight, beta2, one_minus_beta2)
     x = adam_param(x, m, v, neg_step_size, bc2_sqrt, eps)
 
@@ -59,16 +61,16 @@ def _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_p
     else:
         p_new = round_nearest(x, param_ptr.dtype.element_ty)
     if MASTER:
-        tl.store(master_ptr + offsets, x, mask=mask)
+        stream_store(master_ptr, offsets, x, mask)
     if KAHAN:
         comp = round_nearest(x - p_new.to(tl.float32), comp_ptr.dtype.element_ty)
-        tl.store(comp_ptr + offsets, comp, mask=mask)
-    tl.store(param_ptr + offsets, p_new, mask=mask)
-    tl.store(exp_avg_ptr + offsets, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+        stream_store(comp_ptr, offsets, comp, mask)
+    stream_store(param_ptr, offsets, p_new, mask)
+    stream_store(exp_avg_ptr, offsets, m, mask)
+    stream_store(exp_avg_sq_ptr, offsets, v, mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CONSTANT_BITS)
 def _adamw_master_kernel(
     tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and kernels/tensor_table.py)
     chunks_ptr,  # *int64, (tensor index, first element) per chunk
@@ -80,9 +82,9 @@ def _adamw_master_kernel(
     lerp_weight,  # 1 - beta1
     beta2,  # second-moment decay
     one_minus_beta2,  # 1 - beta2, from the host's double
-    lr_hi, lr_lo,  # lr as an fp32 pair (see adam_math.split_f64)
-    ln_beta1_hi, ln_beta1_lo,  # log(beta1) as an fp32 pair
-    ln_beta2_hi, ln_beta2_lo,  # log(beta2) as an fp32 pair
+    lr_bits,  # lr, the bits of the host's double (see adam_math.f64_bits)
+    ln_beta1_bits,  # log(beta1), likewise
+    ln_beta2_bits,  # log(beta2), likewise
     eps,  # added to the denominator
     seed,  # the call's random stream (read only when SR)
     DTYPE: tl.constexpr,  # bf16 or fp16: the params', grads' and Kahan buffers' element type
@@ -119,8 +121,7 @@ def _adamw_master_kernel(
             comp_ptr = address(row, 5, DTYPE, ALIGNED)
         step_ptr = address(row, 6, tl.float32, False)
         n = tl.load(row + 7)
-        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi,
-                                                   ln_beta1_lo, ln_beta2_hi, ln_beta2_lo)
+        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
         n_blocks = tl.minimum(tl.cdiv(n - start, BLOCK_SIZE), CHUNK_BLOCKS)
         for b in range(0, n_blocks):
             # Chunks start at multiples of the chunk size, so each block at one of BLOCK_SIZE.
@@ -141,7 +142,7 @@ def _adamw_master_kernel(
                         eps, seed, MASTER, KAHAN, SR, MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP_COEF)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CONSTANT_BITS)
 def _adamw_master_tensor_kernel(
     param_ptr,  # *bf16|fp16, n elements, rewritten as round(x)
     grad_ptr,  # *bf16|fp16, n elements, read only
@@ -154,8 +155,8 @@ def _adamw_master_tensor_kernel(
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
     step_ptr,  # *fp32 scalar, this tensor's step count, already incremented
     n_elements,  # number of elements of this tensor
-    decay, lerp_weight, beta2, one_minus_beta2, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
-    ln_beta2_hi, ln_beta2_lo, eps,  # as _adamw_master_kernel's
+    decay, lerp_weight, beta2, one_minus_beta2, lr_bits, ln_beta1_bits, ln_beta2_bits,
+    eps,  # as _adamw_master_kernel's
     seed,  # this tensor's random stream (read only when SR)
     MASTER: tl.constexpr,
     KAHAN: tl.constexpr,
@@ -174,21 +175,11 @@ def _adamw_master_tensor_kernel(
         # the loads stay 128-bit vectors (a per-lane broadcast load of the flag made every access
         # scalar on sm_90). tl.where, not `&`: the interpreter cannot AND a scalar into a block.
         mask = tl.where(tl.load(found_inf_ptr) == 0, mask, False)
-    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_hi, lr_lo, ln_beta1_hi, ln_beta1_lo,
-                                               ln_beta2_hi, ln_beta2_lo)
+    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
     _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_ptr, offsets,
             mask, offsets.to(tl.uint32), grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt,
             decay, lerp_weight, beta2, one_minus_beta2, eps, seed, MASTER, KAHAN, SR, MAXIMIZE,
             HAS_GRAD_SCALE, HAS_CLIP_COEF)
-
-
-def _tensor_seed(seed, index):
-    # Distinct, well-mixed 31-bit Philox keys (splitmix64 finaliser): per tensor of a per-tensor
-    # call; index -1 gives the key of a table call, whose counters carry the tensor index.
-    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFF
 
 
 def adamw_master_step_triton(
@@ -226,7 +217,7 @@ def adamw_master_step_triton(
         grad_scale if grad_scale is not None else spare,
         clip_coef if clip_coef is not None else spare,
         found_inf if found_inf is not None else spare,
-        eps=eps, seed=_tensor_seed(seed, -1), **consts, DTYPE=_TL_DTYPES[params[0].dtype],
+        eps=eps, seed=philox_key(seed, -1), **consts, DTYPE=_TL_DTYPES[params[0].dtype],
         FIELDS=_FIELDS, **flags, ALIGNED=found.aligned, BLOCK_SIZE=block,
         CHUNK_BLOCKS=chunk_blocks,
     )
@@ -249,5 +240,5 @@ def _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, step
             clip_coef if clip_coef is not None else exp_avgs[i],
             found_inf if found_inf is not None else exp_avgs[i],
             device_step(steps[i], p.device),
-            n, eps=eps, seed=_tensor_seed(seed, i), **consts, **flags, BLOCK_SIZE=block,
+            n, eps=eps, seed=philox_key(seed, i), **consts, **flags, BLOCK_SIZE=block,
         )

@@ -10,6 +10,16 @@ import triton
 import triton.language as tl
 
 
+def philox_key(seed, index):
+    """A distinct, well-mixed 31-bit Philox key (splitmix64 finaliser) per tensor `index` of a
+    call seeded `seed`: the key of a per-tensor launch; index -1 gives the key of a table
+    launch, whose counters carry the tensor index instead."""
+    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFF
+
+
 @triton.jit
 def fp32_to_bf16_rne(x):
     bits = x.to(tl.uint32, bitcast=True)
@@ -28,9 +38,11 @@ def round_nearest(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def store_rounded(ptr, offsets, x, mask):
-    """Store fp32 `x` into `ptr`'s element type, rounding to nearest-even."""
-    tl.store(ptr + offsets, round_nearest(x, ptr.dtype.element_ty), mask=mask)
+def store_rounded(ptr, offsets, x, mask, EVICTION: tl.constexpr = ""):
+    """Store fp32 `x` into `ptr`'s element type, rounding to nearest-even (EVICTION: tl.store's
+    eviction_policy)."""
+    tl.store(ptr + offsets, round_nearest(x, ptr.dtype.element_ty), mask=mask,
+             eviction_policy=EVICTION)
 
 
 @triton.jit

@@ -4,8 +4,8 @@ One int64 buffer per set of tensors (NVIDIA/apex's multi_tensor_apply packs the 
 kernel arguments, which caps a launch at a few dozen tensors; a table in device memory has no
 cap):
     tensors: FIELDS int64 per tensor: the base address (data_ptr) of each of its arrays (0 for
-             an array the kernel does not read), the address of its fp32 step count, its
-             element count;
+             an array the kernel does not read, or that this tensor does not have), the address
+             of its fp32 step count (0 for a kernel without steps), its element count;
     chunks:  2 int64 per chunk: (tensor index, first element). A chunk is `chunk` elements of
              one tensor, its last one shorter; empty tensors have none.
 A persistent grid (`programs`) strides over the chunks; each program reads a chunk's row, casts
@@ -42,20 +42,24 @@ class Table:
         self.n_chunks, self.aligned = n_chunks, aligned
 
 
-def table(arrays, steps, chunk, device):
+def table(arrays, steps, chunk, device, sizes=None):
     """The Table of len(arrays[0]) tensors, or None when none can be used (the caller then
     launches once per tensor).
 
-    arrays: lists of tensors, one list per array the kernel reads (a None list: not read), all
-    on `device`; steps: one fp32 one-element tensor per tensor, on `device`; chunk: elements per
-    chunk. None while a CUDA graph is being captured and the table is not cached yet: an upload
-    then would be captured as a copy from a host buffer that the replay reads again. A table
-    used in a capture is kept for the life of the process (the graph's replays read it)."""
-    sizes = [t.numel() for t in arrays[0]]
+    arrays: lists of tensors, one list per array the kernel reads (a None list: not read; a None
+    entry: that tensor has no such array), all on `device`; steps: one fp32 one-element tensor
+    per tensor, on `device`, or None; chunk: elements per chunk; sizes: the tensors' element
+    counts (default: those of arrays[0]). None while a CUDA graph is being captured and the
+    table is not cached yet: an upload then would be captured as a copy from a host buffer that
+    the replay reads again. A table used in a capture is kept for the life of the process (the
+    graph's replays read it)."""
+    if sizes is None:
+        sizes = [t.numel() for t in arrays[0]]
     addresses = []
     for lst in arrays:
-        addresses.append([0] * len(sizes) if lst is None else [t.data_ptr() for t in lst])
-    step_addresses = [s.data_ptr() for s in steps]
+        addresses.append([0] * len(sizes) if lst is None else
+                         [0 if t is None else t.data_ptr() for t in lst])
+    step_addresses = [0] * len(sizes) if steps is None else [s.data_ptr() for s in steps]
     key = (device, chunk, tuple(sizes), tuple(step_addresses), *map(tuple, addresses))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     found = _CACHE.get(key)

@@ -113,3 +113,83 @@ def test_distributed_world2():
         for key in ("dtensors", "flat", "stages", "empty_stage"):
             assert got[key] == pytest.approx(got[key + "_ref"], rel=1e-6), key
         assert got["q8_on_global_numel"]
+
+
+def _mixed_run(fused, monkeypatch):
+    """Four mixed-precision steps (bf16 masters and an fp32 param, clipping, a LossScaler that
+    grows after two clean steps and backs off at once; the third step's grads overflow) on the
+    Triton backend: through the one-launch prologue (fused) or the torch-op path."""
+    import fastllm
+    import fastllm.optim.adamw as adamw_module
+    from fastllm.amp import LossScaler
+    from fastllm.kernels import l2norm as kernel
+
+    if not fused:
+        monkeypatch.setattr(adamw_module, "grad_norm_step", lambda *args, **kwargs: False)
+    norm_launches = []
+    run = kernel._sum_squares_kernel.run
+    monkeypatch.setattr(kernel._sum_squares_kernel, "run",
+                        lambda *a, **k: norm_launches.append(1) or run(*a, **k))
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n, dtype in
+              ((7, torch.bfloat16), (0, torch.bfloat16), (300, torch.bfloat16),
+               (33, torch.float32))]
+    scaler = LossScaler(init_scale=1024.0, hysteresis=1, growth_interval=2)
+    opt = AdamW8bit(params, lr=1e-2, min_8bit_size=100, master_weights=True, max_grad_norm=0.5,
+                    loss_scaler=scaler)
+    reports = []
+    with fastllm.use_backend("triton"):
+        for step in range(4):
+            scale = scaler.get_scale()
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+            if step == 2:
+                params[2].grad[5] = float("inf")
+            opt.step()
+            reports.append((opt.grad_norm.clone(), bool(opt.step_skipped), int(opt.skipped_steps),
+                            scaler.get_scale()))
+    state = [t for p in params for t in (p.detach(), *opt.state[p].values())
+             if isinstance(t, torch.Tensor)]
+    return state, reports, scaler.state_dict(), len(norm_launches)
+
+
+def test_fused_prologue_matches_the_torch_op_path(monkeypatch):
+    """AdamW's one-launch prologue (grad norm, skip flag, clip/unscale multiplier, step counts,
+    loss scaler: fastllm.optim.grad_norm.grad_norm_step) against the same step with those
+    computed by torch ops: the same bits (the loss scale is a power of two), the same reports
+    and scaler state, one norm launch per step."""
+    from fastllm import _backend
+
+    if _backend.unavailable_reason("triton", "cpu"):
+        pytest.skip("triton is not available")
+    fused = _mixed_run(True, monkeypatch)
+    monkeypatch.undo()
+    eager = _mixed_run(False, monkeypatch)
+    assert fused[3] == 4  # one launch per step
+    assert all(torch.equal(a, b) for a, b in zip(fused[0], eager[0]))
+    for (norm_a, *rest_a), (norm_b, *rest_b) in zip(fused[1], eager[1]):
+        assert rest_a == rest_b
+        assert torch.equal(norm_a, norm_b) or not (torch.isfinite(norm_a) or
+                                                    torch.isfinite(norm_b))
+    assert [r[1] for r in fused[1]] == [False, False, True, False]
+    assert [r[3] for r in fused[1]] == [1024.0, 2048.0, 1024.0, 1024.0]
+    assert fused[2] == eager[2]
+
+
+def test_fused_prologue_raises_when_the_scale_collapses():
+    import fastllm
+    from fastllm import _backend
+    from fastllm.amp import LossScaleCollapsedError, LossScaler
+
+    if _backend.unavailable_reason("triton", "cpu"):
+        pytest.skip("triton is not available")
+    p = torch.nn.Parameter(torch.randn(10).bfloat16())
+    opt = fastllm.optim.AdamW([p], master_weights=True,
+                              loss_scaler=LossScaler(init_scale=4.0, min_scale=1.0, hysteresis=1))
+    with fastllm.use_backend("triton"):
+        p.grad = torch.full((10,), float("inf")).bfloat16()
+        opt.step()
+        opt.step()
+        assert opt.loss_scaler.get_scale() == 1.0 and int(opt.skipped_steps) == 2
+        with pytest.raises(LossScaleCollapsedError, match="min_scale"):
+            opt.step()

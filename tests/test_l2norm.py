@@ -121,3 +121,35 @@ def test_fp64_inputs_accumulate_in_fp64(backend, device, magnitude):
     expected = reference([t.cpu() for t in tensors])
     assert torch.isfinite(norm) and norm.item() > 0
     torch.testing.assert_close(norm.double().cpu(), expected, rtol=2e-7, atol=0)
+
+
+def _triton_only():
+    if fastllm._backend.unavailable_reason("triton", "cpu"):
+        pytest.skip("triton is not available")
+
+
+def test_triton_one_launch_many_tensors_and_deterministic(monkeypatch):
+    """Mixed dtypes, empty tensors, several chunks and blocks per tensor (small sizes patched
+    in): one launch, the fp64 reference's value, the same bits twice (the ticket counter is
+    back at 0 after each launch)."""
+    _triton_only()
+    from fastllm.kernels import l2norm as kernel
+
+    monkeypatch.setattr(kernel, "_sizes", lambda: (64, 2))
+    gen = torch.Generator().manual_seed(3)
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.float64]
+    tensors = [(torch.randn(0 if i % 4 == 0 else (i * 41) % 300 + 1, generator=gen,
+                            dtype=torch.float64) * 3).to(dtypes[i % 4]) for i in range(24)]
+    launches = []
+    run = kernel._sum_squares_kernel.run
+    monkeypatch.setattr(kernel._sum_squares_kernel, "run",
+                        lambda *a, **k: launches.append(1) or run(*a, **k))
+    with fastllm.use_backend("triton"):
+        first = l2norm(tensors)
+        second = l2norm(tensors)
+    assert len(launches) == 2
+    torch.testing.assert_close(first.double(), reference(tensors), rtol=1e-6, atol=0)
+    assert torch.equal(first, second)
+    assert all(int(t) == 0 for t in kernel._TICKETS.values())
+    with fastllm.use_backend("triton"):
+        assert l2norm([torch.zeros(0)]).item() == 0.0

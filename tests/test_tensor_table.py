@@ -169,3 +169,121 @@ def test_misaligned_and_per_tensor_paths_match(kernels, monkeypatch):
     assert len(calls) == 3  # the fallback: one launch per non-empty tensor
     for a, b in zip(lists[0] + lists[2] + lists[3], copies[0] + copies[2] + copies[3]):
         assert torch.equal(a, b)
+
+
+# 8-bit and bf16 moments: 12 tensors, every third empty, up to 200 elements, quantisation blocks
+# of 32 or 48 (BLOCK_P2 64, masked columns), tiles of 2 blocks and chunks of 2 tiles below.
+SIZES8 = [0 if i % 3 == 0 else (i * 53) % 200 + 1 for i in range(12)]
+
+
+@pytest.fixture
+def kernels8(monkeypatch):
+    import triton
+
+    from fastllm.kernels import adamw8bit
+
+    monkeypatch.setattr(adamw8bit, "_tile",
+                        lambda block, q8: (block, triton.next_power_of_2(block), 2, 2, 4))
+    return adamw8bit
+
+
+def _state8(state_dtype, dtype, master, block, gen):
+    """(params, grads, masters, exp_avgs, exp_avg_sqs, absmax_m, absmax_v) over SIZES8."""
+    from fastllm.ops import adamw8bit as q8
+
+    p, g = _lists(2, dtype, gen, sizes=SIZES8)
+    masters = [t.float() for t in p] if master else []
+    if state_dtype == torch.bfloat16:
+        m, v = _lists(2, torch.bfloat16, gen, sizes=SIZES8, positive=True)
+        return p, g, masters, m, v, [], []
+    m, v, am, av = [], [], [], []
+    for n in SIZES8:
+        codes, absmax = q8.quantize_blockwise_ref(torch.randn(n, generator=gen) * 1e-2,
+                                                  q8.dynamic_code(True), block)
+        m.append(codes)
+        am.append(absmax)
+        codes, absmax = q8.quantize_blockwise_ref(torch.rand(n, generator=gen) * 1e-4,
+                                                  q8.dynamic_code(False), block)
+        v.append(codes)
+        av.append(absmax)
+    return p, g, masters, m, v, am, av
+
+
+def _flat_steps(n):
+    """Step counts as views of one buffer, as fastllm.optim.AdamW keeps them."""
+    return list(torch.zeros(n).unbind(0))
+
+
+@pytest.mark.parametrize("state_dtype,block,dtype,master", [
+    (torch.uint8, 32, torch.float32, False), (torch.uint8, 48, torch.bfloat16, True),
+    (torch.bfloat16, 32, torch.bfloat16, True)],
+    ids=["q8-block32-fp32", "q8-block48-bf16-master", "bf16state-bf16-master"])
+def test_adamw8bit_many_tensors_one_launch(kernels8, monkeypatch, state_dtype, block, dtype,
+                                           master):
+    """Steps in one launch each, bitwise equal to the per-tensor kernel (one launch per
+    tensor, the same update) and close to the float64 reference after the first."""
+    from fastllm.ops.adamw8bit import adamw8bit_step_ref, build_qmaps
+
+    adamw8bit = kernels8
+    gen = torch.Generator().manual_seed(6)
+    lists = list(_state8(state_dtype, dtype, master, block, gen))
+    copies = [[t.clone() for t in lst] for lst in lists]
+    ref = [[t.clone() for t in lst] for lst in lists]
+    steps, steps_copy = _flat_steps(len(SIZES8)), _flat_steps(len(SIZES8))
+    qmaps = build_qmaps()
+    hyper = dict(HYPER, block_size=block, maximize=False, stochastic_rounding=False, seed=0,
+                 grad_scale=torch.full((), 4.0), clip_coef=torch.full((), 0.5),
+                 found_inf=torch.zeros(()))
+    table_calls = _count(monkeypatch, adamw8bit._adamw8bit_kernel)
+    tensor_calls = _count(monkeypatch, adamw8bit._adamw8bit_tensor_kernel)
+    table = adamw8bit.table
+    for step in range(2):
+        for s, c in zip(steps, steps_copy):
+            s.add_(1.0)
+            c.add_(1.0)
+        grads = [(torch.randn(n, generator=gen) * 3).to(dtype) for n in SIZES8]
+        lists[1], copies[1] = grads, [t.clone() for t in grads]
+        adamw8bit.adamw8bit_step_triton(*lists, steps, qmaps, **hyper)
+        monkeypatch.setattr(adamw8bit, "table", lambda *args: None)
+        adamw8bit.adamw8bit_step_triton(*copies, steps_copy, qmaps, **hyper)
+        monkeypatch.setattr(adamw8bit, "table", table)
+        if step == 0:
+            ref[1] = [t.clone() for t in grads]
+            adamw8bit_step_ref(*ref, steps, qmaps, **hyper)
+            _close(lists[2] or lists[0], ref[2] or ref[0], torch.float32 if master else dtype)
+    assert len(table_calls) == 2
+    assert len(tensor_calls) == 2 * sum(1 for n in SIZES8 if n)
+    for got, want in zip(lists, copies):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_adamw8bit_found_inf_changes_nothing(kernels8):
+    from fastllm.ops.adamw8bit import build_qmaps
+
+    gen = torch.Generator().manual_seed(7)
+    lists = _state8(torch.uint8, torch.bfloat16, True, 32, gen)
+    before = [t.clone() for lst in lists for t in lst]
+    kernels8.adamw8bit_step_triton(*lists, _flat_steps(len(SIZES8)), build_qmaps(),
+                                   block_size=32, maximize=False, stochastic_rounding=True,
+                                   seed=3, grad_scale=None, clip_coef=None,
+                                   found_inf=torch.ones(()), **HYPER)
+    assert all(torch.equal(a, b) for a, b in zip((t for lst in lists for t in lst), before))
+
+
+def test_adamw8bit_stochastic_rounding_picks_a_neighbour(kernels8):
+    from fastllm.ops.adamw8bit import build_qmaps
+
+    gen = torch.Generator().manual_seed(8)
+    lists = _state8(torch.uint8, torch.bfloat16, True, 32, gen)
+    steps = _flat_steps(len(SIZES8))
+    for s in steps:
+        s.add_(1.0)
+    kernels8.adamw8bit_step_triton(*lists, steps, build_qmaps(), block_size=32, maximize=False,
+                                   stochastic_rounding=True, seed=7, grad_scale=None,
+                                   clip_coef=None, found_inf=None, **HYPER)
+    x = torch.cat(lists[2])
+    got = torch.cat(lists[0]).float()
+    down = x.to(torch.bfloat16).float()
+    ulp = (down.abs() * 2 ** -7).clamp_min(2 ** -133)
+    assert ((got - x).abs() <= ulp).all()
+    assert (got != down).any()

@@ -50,7 +50,10 @@ def _compiled(name):
 def _l2norm_triton(tensors):
     from fastllm.kernels.l2norm import l2norm_triton
 
-    return l2norm_triton(tensors)
+    norm = l2norm_triton(tensors)
+    # None: a CUDA graph capture before the launch's table exists (an upload cannot be
+    # captured); the reference's torch ops capture.
+    return l2norm_ref(tensors) if norm is None else norm
 
 
 _IMPLS = {"ref": l2norm_ref, "cpp": _compiled("l2norm_cpu"), "triton": _l2norm_triton,

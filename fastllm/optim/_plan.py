@@ -4,9 +4,10 @@ A step runs one fused op per (param group, device, param dtype, moment layout, k
 those calls means checking every param, grad and state tensor and collecting lists of tensors;
 none of it changes from step to step in a training loop, so a Plan keeps it:
     - the calls' tensor lists (local shards for DTensors) and their scalar kind;
-    - the step counts of a call as views of one 1-D buffer (`flat_steps`), so the per-step
-      increment and a skipped step's decrement are one tiny op each instead of one per tensor
-      (not with capturable=True, where the step tensors must keep their addresses);
+    - the step counts of every call on one device as views of one 1-D buffer (`flat_steps`),
+      so the per-step increment and a skipped step's decrement are one tiny op each instead of
+      one per tensor, or none when the Triton step prologue advances them (not with
+      capturable=True, where the step tensors must keep their addresses);
     - the checked hyperparameters of every group (re-checked when a value changes).
 `Plan.still_valid` compares the params and grads with the ones the plan was built for, by
 identity (a few tens of nanoseconds per tensor); grads that are new tensors (zero_grad with
@@ -153,14 +154,14 @@ class Call:
     """One fused op: the params of one (device, dtype, moment layout, kind) in one group."""
 
     __slots__ = ("mode", "kind", "device", "seed_index", "params", "grads", "masters",
-                 "exp_avgs", "exp_avg_sqs", "absmax_m", "absmax_v", "extras", "steps",
-                 "flat_steps", "fast", "slots", "versions")
+                 "exp_avgs", "exp_avg_sqs", "absmax_m", "absmax_v", "extras", "steps", "flat",
+                 "fast", "slots", "versions")
 
     def __init__(self, mode, kind, device, seed_index):
         self.mode, self.kind, self.device, self.seed_index = mode, kind, device, seed_index
         self.params, self.grads, self.masters, self.extras, self.steps = [], [], [], [], []
         self.exp_avgs, self.exp_avg_sqs, self.absmax_m, self.absmax_v = [], [], [], []
-        self.flat_steps = None
+        self.flat = False  # steps are views of Plan.flat_steps
         self.fast = True
         self.slots = []  # each param's index in Plan.params
         # master kind: each param's _version right after the optimizer last wrote it (None:
@@ -263,14 +264,22 @@ class Plan:
                     lst.append(t)
         for gi in range(len(opt.param_groups)):
             self.groups.append([c for k, c in calls_of.items() if k[0] == gi])
+        self.flat_steps = {}  # device -> the 1-D buffer the flat calls' steps are views of
+        flat_calls = {}
         for calls in self.groups:
             for call in calls:
                 if call.fast and cached and not opt.defaults.get("capturable") and all(
                         type(s) is torch.Tensor and s.numel() == 1 for s in call.steps):
-                    call.flat_steps = torch.stack([s.reshape(()).float() for s in call.steps])
-                    call.steps = list(call.flat_steps.unbind(0))
-                    for slot, step in zip(call.slots, call.steps):
-                        opt.state[params[slot]]["step"] = step
+                    flat_calls.setdefault(call.steps[0].device, []).append(call)
+        for device, calls in flat_calls.items():
+            buffer = self.flat_steps[device] = torch.stack(
+                [s.reshape(()).float() for call in calls for s in call.steps])
+            views = iter(buffer.unbind(0))
+            for call in calls:
+                call.flat = True
+                call.steps = [next(views) for _ in call.steps]
+                for slot, step in zip(call.slots, call.steps):
+                    opt.state[params[slot]]["step"] = step
         # param slot -> (its call, its index in the call, its index in all_grads)
         self.slot_call = {}
         for calls in self.groups:
@@ -329,24 +338,33 @@ class Plan:
             self.grads[i] = grads[i]
         return True
 
-    def run(self, opt, grad_scale, clip_coef, found):
-        """The fused ops of every call (everything was checked when the plan was built)."""
+    def run(self, opt, grad_scale, clip_coef, found, plain_scale=None, steps_advanced=False):
+        """The fused ops of every call (everything was checked when the plan was built).
+
+        grad_scale, clip_coef, found: the scalars the update ops take (None: absent).
+        plain_scale: what adamw_step (which divides grads by its grad_scale and takes no
+        clip_coef) gets, when the caller has it; else grad_scale / clip_coef, computed here.
+        steps_advanced: the flat step buffers were advanced by 1 - found already (the Triton
+        step prologue); otherwise this adds 1 before the ops and takes `found` back after."""
         hyper = self.check_hyper(opt)
+        if not steps_advanced:
+            for buffer in self.flat_steps.values():
+                buffer.add_(1.0)
+        loose = [s for calls in self.groups for c in calls if not c.flat for s in c.steps]
+        if loose:
+            torch._foreach_add_(loose, 1.0)  # one call, not one tiny op per param
+        if plain_scale is None and clip_coef is not None:
+            # adamw_step divides by grad_scale: fold the clipping factor into it.
+            plain_scale = (1.0 / clip_coef) if grad_scale is None else grad_scale / clip_coef
+        elif plain_scale is None:
+            plain_scale = grad_scale
         for gi, (group, calls) in enumerate(zip(opt.param_groups, self.groups)):
             lr, beta1, beta2, eps, wd = hyper[gi]
-            flat = [c.flat_steps for c in calls if c.flat_steps is not None]
-            for f in flat:
-                f.add_(1.0)
-            loose = [s for c in calls if c.flat_steps is None for s in c.steps]
-            if loose:
-                torch._foreach_add_(loose, 1.0)  # one call, not one tiny op per param
             for call in calls:
-                scale, coef, skip = (None if t is None or t.device == call.device
-                                     else t.to(call.device, non_blocking=True)
-                                     for t in (grad_scale, clip_coef, found))
-                scale = grad_scale if scale is None else scale
-                coef = clip_coef if coef is None else coef
-                skip = found if skip is None else skip
+                scale, coef, skip, plain = (
+                    t if t is None or t.device == call.device
+                    else t.to(call.device, non_blocking=True)
+                    for t in (grad_scale, clip_coef, found, plain_scale))
                 if call.kind == "master":
                     _resync_masters(opt, call)
                 (ps, gs, masters, ms, vs, ams, avs, extras), writebacks = call.tensors(opt)
@@ -364,27 +382,25 @@ class Plan:
                         stochastic_rounding=sr, seed=seed, grad_scale=scale, clip_coef=coef,
                         found_inf=skip, **hp)
                 elif call.kind == "plain":
-                    if coef is not None:
-                        # adamw_step divides by grad_scale: fold the clipping factor into it.
-                        scale = (1.0 / coef) if scale is None else scale / coef
                     adamw_step(ps, gs, ms, vs, extras if group["amsgrad"] else [], call.steps,
-                               amsgrad=group["amsgrad"], grad_scale=scale, found_inf=skip, **hp)
+                               amsgrad=group["amsgrad"], grad_scale=plain, found_inf=skip, **hp)
                 else:
                     adamw_master_step(
                         ps, gs, extras if call.kind == "master" else [], ms, vs,
                         extras if call.kind == "pure" and opt.kahan_summation else [],
                         call.steps, stochastic_rounding=sr, seed=seed, grad_scale=scale,
                         clip_coef=coef, found_inf=skip, **hp)
-                if skip is not None:
+                if skip is not None and not call.flat:
                     # As torch's fused AdamW: a skipped step takes its count back, on the device.
-                    if call.flat_steps is not None:
-                        call.flat_steps.sub_(skip)
-                    else:
-                        torch._foreach_sub_(call.steps, [skip] * len(call.steps))
+                    torch._foreach_sub_(call.steps, [skip] * len(call.steps))
                 for dst, src in writebacks:
                     dst.copy_(src)
                 if call.kind == "master":
                     call.versions = [p._version for p in call.params]
+        if found is not None and not steps_advanced:
+            for device, buffer in self.flat_steps.items():
+                buffer.sub_(found if found.device == device
+                            else found.to(device, non_blocking=True))
         if not self.cached:
             self.save_versions(opt)  # this plan lives for one step
 

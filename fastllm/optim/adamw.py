@@ -33,7 +33,7 @@ import torch
 from fastllm import _backend
 from fastllm.amp import LossScaler
 from fastllm.optim._plan import Plan, check_hyperparameters, describe, kind_of
-from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
+from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm, grad_norm_step
 from fastllm.optim.state_layout import Moments
 
 __all__ = ["AdamW", "AdamW8bit"]
@@ -53,8 +53,14 @@ class AdamW(torch.optim.Optimizer):
     inside the kernels, after which the step counts are decremented on the device. So `step()`
     reads nothing back from the GPU, and with `capturable=True` it can be captured in a CUDA graph
     or traced by `torch.compile(fullgraph=True)`. `capturable=True` refuses, at construction, the
-    two options that need the host: `loss_scaler` (a host-side scale; use torch.amp.GradScaler)
+    two options that need the host: `loss_scaler` (its collapse check; use torch.amp.GradScaler)
     and `stochastic_rounding` (its seed advances on the host each step).
+
+    With a mixed-precision option on plain grads on one GPU (the Triton backend, or forced), the
+    step is two launches: kernels/l2norm.py's prologue (the grad norm, the skip flag, the
+    clip/unscale multiplier, the step counts, the skip count and the LossScaler's update, all on
+    the device) and the update. Elsewhere (DTensors, several devices, a CUDA graph capture,
+    another backend) the same values come from global_grad_norm and a few torch ops.
 
     Works with torch.amp.GradScaler through the fused-optimizer protocol: the scaler hands over
     `grad_scale` and `found_inf`, grads are unscaled inside the kernel, and a step with inf/nan
@@ -121,9 +127,9 @@ class AdamW(torch.optim.Optimizer):
                              "capturable=False and foreach=True")
         if capturable and loss_scaler is not None:
             raise ValueError("fastllm.optim.AdamW: capturable=True cannot be combined with "
-                             "loss_scaler: fastllm.amp.LossScaler keeps its scale on the host and "
-                             "must read the overflow flag back every step. Use "
-                             "torch.amp.GradScaler, whose scale lives on the device")
+                             "loss_scaler: fastllm.amp.LossScaler looks from the host, after each "
+                             "step, for a scale that has collapsed, which a captured graph cannot "
+                             "do. Use torch.amp.GradScaler")
         if capturable and stochastic_rounding:
             raise ValueError("fastllm.optim.AdamW: capturable=True cannot be combined with "
                              "stochastic_rounding: its random stream is re-keyed on the host "
@@ -319,19 +325,27 @@ class AdamW(torch.optim.Optimizer):
 
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        device = plan.all_grads[0].device if plan.all_grads else None
         if self.loss_scaler is not None:
             if grad_scale is not None or found_inf is not None:
                 raise RuntimeError("fastllm.optim.AdamW: this optimizer has a loss_scaler and is "
                                    "also being stepped by torch.amp.GradScaler; use one of them")
-            grad_scale = self.loss_scaler.scale_tensor()
+            grad_scale = self.loss_scaler.scale_tensor(device)
         # `found`: one fp32 flag on the device, nonzero when this step must change nothing. Every
         # kernel of the step reads it, so skipping needs no host read.
         found = None if found_inf is None else found_inf.to(torch.float32)
-        clip_coef = None
+        clip_coef = plain_scale = None
+        fused = False
         with _backend.validated():  # the plan checked what the ops would check
-            if self._mixed:
-                norm = self._global_grad_norm(plan)
-                if norm is not None:
+            if self._mixed and plan.all_grads:
+                scalars = self._fused_prologue(plan, device, grad_scale, found)
+                fused = scalars is not None
+                if fused:
+                    # The multiplier replaces the loss scale and the clipping factor.
+                    found, clip_coef, plain_scale = scalars
+                    grad_scale = None
+                else:
+                    norm = self._global_grad_norm(plan)
                     if grad_scale is not None:
                         norm = norm / grad_scale.to(norm.device)
                     bad = (~torch.isfinite(norm)).to(torch.float32)
@@ -340,22 +354,55 @@ class AdamW(torch.optim.Optimizer):
                         # torch.nn.utils.clip_grad_norm_'s coefficient (nan on a skipped step).
                         clip_coef = clip_coefficient(norm, self.max_grad_norm)
                     self._record("grad_norm", norm)
-            if found is not None:
+            if found is not None and not fused:  # (the prologue wrote them itself)
                 self._record("step_skipped", found != 0)
                 if not isinstance(self.skipped_steps, torch.Tensor):
                     self.skipped_steps = torch.full((), int(self.skipped_steps),
                                                     dtype=torch.int64, device=found.device)
                 self.skipped_steps.add_(found.to(device=self.skipped_steps.device,
                                                  dtype=torch.int64))
-            elif isinstance(self.step_skipped, torch.Tensor):
+            elif found is None and isinstance(self.step_skipped, torch.Tensor):
                 self.step_skipped.zero_()
             if self.stochastic_rounding:
                 self._sr_calls += 1
-            plan.run(self, grad_scale, clip_coef, found)
+            plan.run(self, grad_scale, clip_coef, found, plain_scale=plain_scale,
+                     steps_advanced=fused)
         if self.loss_scaler is not None:
-            # fastllm's LossScaler keeps its scale on the host: its one read of the flag.
-            self.loss_scaler.update(found_inf=found is not None and bool(found))
+            if fused:
+                self.loss_scaler.poll()  # the prologue advanced it on the device
+            else:
+                self.loss_scaler.update(found if found is not None else False)
         return loss
+
+    def _fused_prologue(self, plan, device, grad_scale, found_inf):
+        """Everything a mixed-precision step computes before its update, in one launch
+        (fastllm.optim.grad_norm.grad_norm_step): the grad norm into `grad_norm`, the skip flag
+        into `step_skipped` and `skipped_steps`, the step counts of the flat calls, the loss
+        scaler's update. Returns the update's (found, clip_coef, plain_scale) device scalars, or
+        None where the prologue does not apply (then the step computes them with torch ops)."""
+        if self.defaults.get("capturable"):
+            return None  # its reported tensors must keep their addresses across a capture
+        out = getattr(self, "_prologue_out", None)
+        if out is None or out[0].device != device:
+            scalars = torch.zeros(4, dtype=torch.float32, device=device)
+            # (buffer, skip flag, its views: the norm, found, multiplier, adamw_step's divisor)
+            out = self._prologue_out = (scalars, torch.zeros((), dtype=torch.bool, device=device),
+                                        scalars.unbind(0))
+        if (not isinstance(self.skipped_steps, torch.Tensor)
+                or self.skipped_steps.device != device):
+            self.skipped_steps = torch.full((), int(self.skipped_steps), dtype=torch.int64,
+                                            device=device)
+        scaler = None if self.loss_scaler is None else self.loss_scaler.device_state(device)
+        if not grad_norm_step(plan.all_grads, out[0], skipped=out[1],
+                              skipped_steps=self.skipped_steps, grad_scale=grad_scale,
+                              found_inf=found_inf, max_norm=self.max_grad_norm,
+                              steps=plan.flat_steps.get(device), scaler=scaler):
+            return None
+        self.step_skipped = out[1]
+        self.grad_norm, found, mult, divisor = out[2]
+        if grad_scale is None and self.max_grad_norm is None:
+            return found, None, None
+        return found, mult, divisor
 
     def _record(self, name, value):
         """Set a reported tensor (grad_norm, step_skipped) in place when it exists: what

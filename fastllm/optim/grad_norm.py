@@ -3,6 +3,7 @@
     global_grad_norm(tensors, *, flat_shards=(), flat_group=None, groups=(), device=None)
         -> Tensor   # 0-dim, on the device, fp64 when every input is fp64, else fp32
     clip_coefficient(norm, max_norm) -> Tensor   # torch.nn.utils.clip_grad_norm_'s factor
+    grad_norm_step(grads, out, ...) -> bool      # fastllm.optim.AdamW's one-launch prologue
 
 sqrt(sum of x^2 over every element of every gradient of the model), equal on every rank to the
 single-process torch.nn.utils.clip_grad_norm_(..., norm_type=2) of the whole model, wherever the
@@ -21,15 +22,26 @@ on it needs no synchronisation. Squares of fp64 gradients are summed in fp64; ev
 is carried in fp64 through the all-reduces (a 0-dim tensor), so ranks agree on the dtype of every
 collective whatever their grads' dtypes. Every rank must make the same calls: a rank with no
 gradients passes empty lists and still takes part in the all-reduces.
+
+`grad_norm_step` is the single-process, single-device case of the same norm fused with the rest
+of a mixed-precision optimizer step's scalar work (clip factor, skip flag, step counts, loss
+scaler) in one Triton launch whose last program reduces the per-program fp64 partials in a fixed
+order (kernels/l2norm.py). fastllm.optim.AdamW uses it where it applies and global_grad_norm
+everywhere else.
 """
 
 import torch
 import torch.distributed as dist
 
+from fastllm import _backend
 from fastllm._dtensor import SHARDED, Replicate, is_dtensor
 from fastllm.ops.l2norm import l2norm
 
-__all__ = ["clip_coefficient", "global_grad_norm"]
+__all__ = ["clip_coefficient", "global_grad_norm", "grad_norm_step"]
+
+# The step prologue is a Triton kernel: the default on a GPU, on the CPU only when forced (the
+# test suite, through the interpreter).
+_STEP_PREFERENCE = {"cuda": ("triton", "ref")}
 
 
 def _dense_flat(t):
@@ -126,3 +138,30 @@ def clip_coefficient(norm, max_norm):
     """min(1, max_norm / (norm + 1e-6)): torch.nn.utils.clip_grad_norm_'s factor, on norm's
     device and in its dtype (nan when norm is nan, 0 when inf)."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def grad_norm_step(grads, out, *, skipped, skipped_steps, grad_scale=None, found_inf=None,
+                   max_norm=None, steps=None, scaler=None):
+    """The global norm of `grads` and a mixed-precision step's scalars, in one launch
+    (kernels/l2norm.py's grad_norm_step_triton has the outputs), where that applies: grads are
+    plain dense contiguous tensors on one device, not all fp64, Triton is the backend for that
+    device and nothing is being traced. Returns False, having done nothing, elsewhere (DTensor
+    or sharded grads, several devices, torch.compile, a forced non-Triton backend, a CUDA graph
+    capture before the launch's table exists): the caller then uses global_grad_norm."""
+    if not grads or torch.compiler.is_compiling():
+        return False
+    device = grads[0].device
+    if _backend.select("grad_norm_step", device.type,
+                       _STEP_PREFERENCE.get(device.type, ("ref",))) != "triton":
+        return False
+    if not all(type(t) is torch.Tensor and t.device == device and t.is_contiguous()
+               for t in grads):
+        return False
+    if all(t.dtype == torch.float64 for t in grads):
+        return False  # the norm must stay fp64: global_grad_norm
+    from fastllm.kernels.l2norm import grad_norm_step_triton
+
+    with _backend.device_guard(device):
+        return grad_norm_step_triton(grads, out, skipped=skipped, skipped_steps=skipped_steps,
+                                     grad_scale=grad_scale, found_inf=found_inf,
+                                     max_norm=max_norm, steps=steps, scaler=scaler)
