@@ -30,7 +30,8 @@ from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param,
                                        bias_corrections, device_step, host_constants, load_grad,
                                        stream_load)
 from fastllm.kernels.rounding import store_rounded
-from fastllm.kernels.tensor_table import address, one_device, programs, table
+from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
+                                          programs, table)
 
 # Table fields per tensor: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, numel.
 _FIELDS = 7
@@ -85,14 +86,9 @@ def _adamw_kernel(
     BLOCK_SIZE: tl.constexpr,
     CHUNK_BLOCKS: tl.constexpr,  # blocks per chunk
 ):
-    n_loop = n_chunks
-    if HAS_FOUND_INF:
-        # A skipped step is an empty loop: one uniform scalar test, the accesses stay unmasked.
-        n_loop = tl.where(tl.load(found_inf_ptr) == 0, n_chunks, 0)
+    n_loop = chunks_to_run(n_chunks, found_inf_ptr, HAS_FOUND_INF)
     for c in range(tl.program_id(0), n_loop, tl.num_programs(0)):
-        chunk = chunks_ptr + 2 * c  # c < 2^30: the table would not fit in memory first
-        row = tensors_ptr + tl.load(chunk) * FIELDS
-        start = tl.load(chunk + 1)
+        _, row, start = chunk_at(tensors_ptr, chunks_ptr, c, FIELDS)
         param_ptr = address(row, 0, DTYPE, ALIGNED)
         grad_ptr = address(row, 1, DTYPE, ALIGNED)
         exp_avg_ptr = address(row, 2, DTYPE, ALIGNED)

@@ -37,7 +37,8 @@ from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, bias_correct
                                        stream_store)
 from fastllm.kernels.adamw import _TL_DTYPES
 from fastllm.kernels.rounding import philox_key, round_nearest, round_stochastic
-from fastllm.kernels.tensor_table import address, one_device, programs, table
+from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
+                                          programs, table)
 
 # The qmaps row layout of fastllm/ops/adamw8bit.py (constexpr: read inside the kernels).
 _FIRST, _LAST, _INV, _OFFSET = (tl.constexpr(v) for v in (256, 272, 288, 304))
@@ -201,15 +202,9 @@ def _adamw8bit_kernel(
         map_m = _code_map(qmaps_ptr)
         map_v = _code_map(qmaps_ptr + _WIDTH)
     cols = tl.arange(0, BLOCK_P2)
-    n_loop = n_chunks
-    if HAS_FOUND_INF:
-        # A skipped step is an empty loop: one uniform scalar test, the accesses stay unmasked.
-        n_loop = tl.where(tl.load(found_inf_ptr) == 0, n_chunks, 0)
+    n_loop = chunks_to_run(n_chunks, found_inf_ptr, HAS_FOUND_INF)
     for c in range(tl.program_id(0), n_loop, tl.num_programs(0)):
-        chunk = chunks_ptr + 2 * c  # c < 2^30: the table would not fit in memory first
-        index = tl.load(chunk)
-        row = tensors_ptr + index * FIELDS
-        start = tl.load(chunk + 1)
+        index, row, start = chunk_at(tensors_ptr, chunks_ptr, c, FIELDS)
         param_ptr = address(row, 0, DTYPE, ALIGNED)
         grad_ptr = address(row, 1, DTYPE, ALIGNED)
         master_ptr = address(row, 0, tl.float32, ALIGNED)  # unread unless MASTER

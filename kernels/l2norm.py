@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
-from fastllm.kernels.tensor_table import address, one_device, programs, table
+from fastllm.kernels.tensor_table import address, chunk_at, one_device, programs, table
 
 # One address field per element type, in this order; then the step field (unused) and numel.
 _TYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -177,9 +177,7 @@ def _sum_squares_kernel(
 ):
     total = tl.full([], 0.0, tl.float64)
     for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
-        chunk = chunks_ptr + 2 * c  # c < 2^30: the table would not fit in memory first
-        row = tensors_ptr + tl.load(chunk) * FIELDS
-        start = tl.load(chunk + 1)
+        _, row, start = chunk_at(tensors_ptr, chunks_ptr, c, FIELDS)
         n = tl.load(row + FIELDS - 1)
         if HAS_BF16:
             if tl.load(row) != 0:

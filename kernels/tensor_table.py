@@ -123,3 +123,22 @@ def address(row_ptr, field: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.const
         # On the pointer, not the integer: Triton 3.9 drops a hint on the int64 at the cast.
         ptr = tl.multiple_of(ptr, 16)
     return ptr
+
+
+@triton.jit
+def chunks_to_run(n_chunks, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
+    """The loop bound of a persistent kernel over the chunk list: n_chunks, or 0 when the step is
+    skipped (found_inf nonzero). A skipped step is an empty loop: one uniform scalar test, the
+    accesses stay unmasked."""
+    n = n_chunks
+    if HAS_FOUND_INF:
+        n = tl.where(tl.load(found_inf_ptr) == 0, n_chunks, 0)
+    return n
+
+
+@triton.jit
+def chunk_at(tensors_ptr, chunks_ptr, c, FIELDS: tl.constexpr):
+    """Chunk c of the list: its tensor's index, that tensor's table row, and its first element."""
+    chunk = chunks_ptr + 2 * c  # c < 2^30: the table would not fit in memory first
+    index = tl.load(chunk)
+    return index, tensors_ptr + index * FIELDS, tl.load(chunk + 1)
