@@ -54,11 +54,9 @@ WIDE_LOAD = re.compile(r"ld\.global[\w:.]*\.v4\.[bfus]32|ld\.global[\w:.]*\.v2\.
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 # (check, kernel) -> why it still fails. Everything here is open work of issue 18.
-KNOWN = {
-    # CUDA kernels (matched as a part of the demangled name)
-    ("wide loads", "AdamWMasterFunctor"): "CUDA master step: scalar loads (18.3, 18.2)",
-    ("wide loads", "SumSquaresFunctor"): "CUDA l2norm: scalar 2-byte loads (18.3)",
-}
+# (None since the CUDA master step and l2norm took 16-byte accesses, 2026-12-02.) Entries are
+# ("wide loads" | "spills" | ..., a part of the kernel's demangled name): "the reason".
+KNOWN = {}
 # Kernels whose job is streaming memory: their loads must be 128 bits wide.
 BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw_tensor_kernel",
              "_adamw_master_tensor_kernel", "_adamw8bit_kernel", "_adamw8bit_tensor_kernel",

@@ -27,6 +27,8 @@ OPS = {
     "fused_linear_cross_entropy": "fastllm.bench.bench_fused_linear_cross_entropy",
     # RMSNorm, rotary, SwiGLU, and a SmolLM2-shaped training step under fastllm.patch
     "model": "fastllm.bench.bench_model",
+    # fp32 CPU GEMMs: ATen's against fastllm's oneDNN route (fastllm/_gemm.py)
+    "gemm": "fastllm.bench.bench_gemm",
 }
 
 # what `fastllm bench` (and `make bench`) runs without --ops: about a minute on an

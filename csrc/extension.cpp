@@ -41,6 +41,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("galore_adam_step_cpu", &fastllm::galore_adam_step_cpu, no_gil);
   m.def("adamw8bit_step_cpu", &fastllm::adamw8bit_step_cpu, no_gil);
   m.def("fused_linear_cross_entropy_cpu", &fastllm::fused_linear_cross_entropy_cpu, no_gil);
+  // fp32 GEMMs through oneDNN (fastllm/_gemm.py)
+  m.def("gemm_onednn_cpu", &fastllm::gemm_onednn_cpu, no_gil);
+  m.def("onednn_gemm_available", &fastllm::onednn_gemm_available);
+  m.def("set_onednn_fp32_gemm", &fastllm::set_onednn_fp32_gemm);
+  m.def("onednn_fp32_gemm", &fastllm::onednn_fp32_gemm);
   // model ops: RMSNorm, rotary embedding, SwiGLU
   m.def("rms_norm_cpu", &fastllm::rms_norm_cpu, no_gil);
   m.def("rms_norm_backward_cpu", &fastllm::rms_norm_backward_cpu, no_gil);

@@ -113,6 +113,23 @@ void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
                         const c10::optional<at::Tensor>& clip_coef,
                         const c10::optional<at::Tensor>& found_inf);
 
+// fp32 CPU GEMMs through oneDNN (csrc/cpu/gemm.cpp; the policy is fastllm/_gemm.py's) ---------
+// out = beta * out + alpha * (a @ b): 2-D fp32 CPU tensors, a and b of any strides, out
+// contiguous. Raises when this PyTorch has no oneDNN matmul.
+void gemm_onednn_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
+                     double beta, double alpha);
+bool onednn_gemm_available();
+// The process-wide switch fastllm/_gemm.py sets: whether mm_out/addmm_inplace below take oneDNN
+// for fp32 (else ATen's at::mm_out / addmm_).
+void set_onednn_fp32_gemm(bool on);
+bool onednn_fp32_gemm();
+// out = a @ b, out = bias + a @ b (bias (n,)) and out += alpha * (a @ b) for the C++ kernels,
+// by that switch.
+void mm_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+void bias_mm_out(const at::Tensor& out, const at::Tensor& bias, const at::Tensor& a,
+                 const at::Tensor& b);
+void addmm_inplace(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha);
+
 // fastllm::fused_linear_cross_entropy (csrc/cpu/fused_linear_cross_entropy.cpp)
 // Cross-entropy of logits = hidden weight^T + bias over chunks of tokens, never materialising
 // them. hidden (N, H), weight (V, H), bias (V,) of one dtype (fp32, bf16, fp16), labels (N,)

@@ -13,8 +13,9 @@ What is swapped, per module instance (the class and every other model are untouc
     *MLP (SwiGLU)       -> fastllm.ops.swiglu (silu(gate) * up recomputed in the backward), with
                            gate/up through lora_linear_multi when both are LoRALinear
     nn.Linear           -> fastllm.ops.linear when the input is bf16/fp16 on a CPU without
-                           native low-precision GEMMs (products in fp32, fastllm/_lowp.py); the
-                           attention's sdpa is then computed in fp32 the same way
+                           native low-precision GEMMs (products in fp32, fastllm/_lowp.py; the
+                           attention's sdpa is then computed in fp32 the same way), or fp32 on a
+                           CPU where ATen's fp32 GEMM is slow (oneDNN's, fastllm/_gemm.py)
     *ForCausalLM        -> with `labels`, the loss by fastllm.ops.fused_linear_cross_entropy on
                            the last hidden states and lm_head's weight: the (tokens, vocab) logits
                            never exist, and the output's `logits` is None (as Liger-Kernel does).
@@ -50,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import _lowp
+from fastllm import _gemm, _lowp
 from fastllm._dtensor import is_dtensor
 
 _PATCHED = "_fastllm_patched"
@@ -65,11 +66,12 @@ def _linear_forward(self, input):
     if is_dtensor(self.weight):  # tensor parallel: DTensor's F.linear (the op takes local tensors)
         return F.linear(input, self.weight, self.bias)
     # fastllm.ops.linear where it differs from F.linear: bf16/fp16 matmuls on a CPU without
-    # native low-precision GEMMs (fastllm/_lowp.py), autocast's included; else nn.Linear's forward
+    # native low-precision GEMMs (fastllm/_lowp.py), autocast's included, and fp32 ones on a CPU
+    # where ATen's fp32 GEMM is slow (fastllm/_gemm.py); else nn.Linear's forward
     dtype = input.dtype
     if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dtype = torch.get_autocast_dtype("cpu")
-    if _lowp.widens(input.device, dtype):
+    if _lowp.widens(input.device, dtype) or _gemm.routes(input.device, dtype):
         from fastllm.ops.linear import linear
 
         return linear(input, self.weight, self.bias)

@@ -56,8 +56,12 @@ def test_linear_keeps_its_inputs_low_precision_and_frozen_weights_get_no_grad(mo
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = linear(x, w)
     assert [t.dtype for t in saved] == [torch.bfloat16, torch.bfloat16]
+    # a frozen weight needs no dW, so x itself is not kept (as autograd does for F.linear)
+    assert saved[0].shape == x.shape and saved[0].untyped_storage().nbytes() == 2
     y.sum().backward()
     assert x.grad.dtype == torch.bfloat16 and w.grad is None
+    torch.testing.assert_close(x.grad.float(), w.float().sum(0).expand(4, 9, 16),
+                               rtol=1e-2, atol=1e-2)
 
 
 def test_linear_under_autocast_casts_like_f_linear(mode):

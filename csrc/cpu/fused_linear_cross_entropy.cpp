@@ -3,13 +3,13 @@
 // logits and their grad never exist, only one (chunk rows x vocab) buffer.
 //
 // Per chunk of c valid tokens (ignored tokens are dropped before any matmul: they cost nothing):
-//   Z  = X_c W^T + b                  at::mm / at::addmm (oneDNN / MKL), into the chunk buffer
+//   Z  = X_c W^T + b                  fastllm::mm_out (csrc/cpu/gemm.cpp), into the chunk buffer
 //   row pass (OpenMP over rows, vectorised, fp32 whatever the storage dtype), in place in Z:
 //        z = cap * tanh(z / cap)                          (logit_softcap, Gemma-2)
 //        lse = log sum_j exp(z_j)
 //        loss = lse - (1 - eps) z_y - eps mean_j(z_j) + z_loss lse^2
 //        G_j = w (p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j = y]) (1 - (z_j / cap)^2)
-//   dX_c = G W                        at::mm, straight into grad_hidden's rows
+//   dX_c = G W                        fastllm::mm_out, straight into grad_hidden's rows
 //   dW  += G^T X_c, db += sum_rows G  fp32 accumulation: fp32 in place (addmm_); bf16/fp16 over
 //                                     several chunks through ATen's cpublas::brgemm (oneDNN's
 //                                     bf16 x bf16 -> fp32 GEMM, beta = 1) into an fp32 dW^T, so
@@ -223,9 +223,9 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
       auto z = buffer.narrow(0, 0, c);
       auto x = all_valid ? hidden.narrow(0, c0, c) : hidden.index_select(0, index.narrow(0, c0, c));
       if (bias) {
-        at::addmm_out(z, *bias, x, wt);
+        bias_mm_out(z, *bias, x, wt);
       } else {
-        at::mm_out(z, x, wt);
+        mm_out(z, x, wt);
       }
       raw_t* zp = reinterpret_cast<raw_t*>(z.mutable_data_ptr());
       const int64_t* vp = valid.data() + c0;
@@ -243,18 +243,19 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
       if (!grads) continue;
       if (need_hidden) {
         if (all_valid) {
-          auto out = grad_hidden.narrow(0, c0, c);
-          at::mm_out(out, z, weight);
+          mm_out(grad_hidden.narrow(0, c0, c), z, weight);
         } else {
-          grad_hidden.index_copy_(0, index.narrow(0, c0, c), at::mm(z, weight));
+          auto rows_grad = at::empty({c, h}, z.options());
+          mm_out(rows_grad, z, weight);
+          grad_hidden.index_copy_(0, index.narrow(0, c0, c), rows_grad);
         }
       }
       if (need_weight) {
         if (direct_dw) {
           if (c0 == 0) {
-            at::mm_out(dw32, z.t(), x);
+            mm_out(dw32, z.t(), x);
           } else {
-            dw32.addmm_(z.t(), x);
+            addmm_inplace(dw32, z.t(), x, 1.0);
           }
         } else {
           // dW^T (H, V) (+)= X_c^T (H, c) G (c, V), row-major operands, fp32 accumulator

@@ -40,6 +40,12 @@ using mta::TensorListMetadata;
 // from csrc/low_precision.h, shared with the C++ kernels: the cpp and cuda backends round alike
 // and draw the same random bits.
 
+// 16 bytes of T, for one vector access.
+template <typename T>
+struct alignas(16) Vec16 {
+  T val[16 / sizeof(T)];
+};
+
 struct MasterTensorMeta {
   const float* step;    // the step count on the GPU, or nullptr when the two below are set
   float neg_step_size;  // -lr / (1 - beta1^t)
@@ -93,9 +99,84 @@ struct AdamWMasterFunctor {
     if constexpr (KAHAN) comp_ptr = static_cast<uint16_t*>(tl.addresses[4][tensor]) + start;
     const uint32_t base = meta.seed + uint32_t(start);
 
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      float g = Fmt::load(g_ptr[i]) * mult;
+    // One element: g, x (the weight in fp32), m and v in, x, m and v out.
+    auto update = [&](float g, float& x, float& m, float& v) {
+      g *= mult;
       if (maximize) g = -g;
+      x = x * decay;
+      const float diff = g - m;
+      m = small_weight ? m + lerp_weight * diff : g - diff * one_minus_weight;
+      v = v * beta2;
+      v = v + one_minus_beta2 * g * g;
+      const float denom = __fdiv_rn(__fsqrt_rn(v), meta.bc2_sqrt) + eps;
+      x = x + __fdiv_rn(meta.neg_step_size * m, denom);
+    };
+    auto round = [&](float x, int i) -> uint16_t {
+      if constexpr (SR) {
+        return Fmt::round_stochastic(x, hash32(base + uint32_t(i)));
+      } else {
+        return Fmt::round_nearest(x);
+      }
+    };
+
+    // 16-byte accesses: 8 elements per thread per iteration, one access to each bf16/fp16 array
+    // and two to each fp32 one. Chunks start at multiples of kChunkSize elements, so the
+    // tensors' base addresses decide.
+    bool aligned = true;
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      aligned = aligned && reinterpret_cast<uintptr_t>(tl.addresses[d][tensor]) % 16 == 0;
+    }
+    int body = 0;
+    if (aligned) {
+      using HalfVec = Vec16<uint16_t>;
+      using FloatVec = Vec16<float>;
+      const int nvec = n / 8;
+      for (int i = threadIdx.x; i < nvec; i += kThreads) {
+        const HalfVec gv = reinterpret_cast<const HalfVec*>(g_ptr)[i];
+        HalfVec pv, cv;
+        FloatVec xv[2];
+        if constexpr (MASTER) {
+          xv[0] = reinterpret_cast<const FloatVec*>(master_ptr)[2 * i];
+          xv[1] = reinterpret_cast<const FloatVec*>(master_ptr)[2 * i + 1];
+        } else {
+          pv = reinterpret_cast<const HalfVec*>(p_ptr)[i];
+          if constexpr (KAHAN) cv = reinterpret_cast<const HalfVec*>(comp_ptr)[i];
+        }
+        FloatVec mv[2] = {reinterpret_cast<const FloatVec*>(m_ptr)[2 * i],
+                          reinterpret_cast<const FloatVec*>(m_ptr)[2 * i + 1]};
+        FloatVec vv[2] = {reinterpret_cast<const FloatVec*>(v_ptr)[2 * i],
+                          reinterpret_cast<const FloatVec*>(v_ptr)[2 * i + 1]};
+        HalfVec po, co;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          float x;
+          if constexpr (MASTER) {
+            x = xv[k / 4].val[k % 4];
+          } else if constexpr (KAHAN) {
+            x = Fmt::load(pv.val[k]) + Fmt::load(cv.val[k]);
+          } else {
+            x = Fmt::load(pv.val[k]);
+          }
+          update(Fmt::load(gv.val[k]), x, mv[k / 4].val[k % 4], vv[k / 4].val[k % 4]);
+          po.val[k] = round(x, 8 * i + k);
+          if constexpr (MASTER) xv[k / 4].val[k % 4] = x;
+          if constexpr (KAHAN) co.val[k] = Fmt::round_nearest(x - Fmt::load(po.val[k]));
+        }
+        reinterpret_cast<HalfVec*>(p_ptr)[i] = po;
+        if constexpr (KAHAN) reinterpret_cast<HalfVec*>(comp_ptr)[i] = co;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (MASTER) reinterpret_cast<FloatVec*>(master_ptr)[2 * i + h] = xv[h];
+          reinterpret_cast<FloatVec*>(m_ptr)[2 * i + h] = mv[h];
+          reinterpret_cast<FloatVec*>(v_ptr)[2 * i + h] = vv[h];
+        }
+      }
+      body = nvec * 8;
+    }
+
+    // Unaligned tensors, and the last n % 8 elements of aligned ones.
+    for (int i = body + threadIdx.x; i < n; i += kThreads) {
       float x;
       if constexpr (MASTER) {
         x = master_ptr[i];
@@ -104,20 +185,10 @@ struct AdamWMasterFunctor {
       } else {
         x = Fmt::load(p_ptr[i]);
       }
-      x = x * decay;
       float m = m_ptr[i];
-      const float diff = g - m;
-      m = small_weight ? m + lerp_weight * diff : g - diff * one_minus_weight;
-      float v = v_ptr[i] * beta2;
-      v = v + one_minus_beta2 * g * g;
-      const float denom = __fdiv_rn(__fsqrt_rn(v), meta.bc2_sqrt) + eps;
-      x = x + __fdiv_rn(meta.neg_step_size * m, denom);
-      uint16_t p_new;
-      if constexpr (SR) {
-        p_new = Fmt::round_stochastic(x, hash32(base + uint32_t(i)));
-      } else {
-        p_new = Fmt::round_nearest(x);
-      }
+      float v = v_ptr[i];
+      update(Fmt::load(g_ptr[i]), x, m, v);
+      const uint16_t p_new = round(x, i);
       if constexpr (MASTER) master_ptr[i] = x;
       if constexpr (KAHAN) comp_ptr[i] = Fmt::round_nearest(x - Fmt::load(p_new));
       p_ptr[i] = p_new;
@@ -138,7 +209,23 @@ struct SumSquaresFunctor {
                                              int n) const {
     const T* x = static_cast<const T*>(tl.addresses[0][tensor]) + start;
     acc_t acc = 0;
-    for (int i = threadIdx.x; i < n; i += mta::kBlockSize) {
+    // 16-byte loads where the tensor's base allows (chunks start at multiples of kChunkSize)
+    int body = 0;
+    if (reinterpret_cast<uintptr_t>(tl.addresses[0][tensor]) % 16 == 0) {
+      using V = Vec16<T>;
+      constexpr int kV = 16 / sizeof(T);
+      const int nvec = n / kV;
+      for (int i = threadIdx.x; i < nvec; i += mta::kBlockSize) {
+        const V xv = reinterpret_cast<const V*>(x)[i];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const acc_t v = static_cast<acc_t>(xv.val[k]);
+          acc += v * v;
+        }
+      }
+      body = nvec * kV;
+    }
+    for (int i = body + threadIdx.x; i < n; i += mta::kBlockSize) {
       const acc_t v = static_cast<acc_t>(x[i]);
       acc += v * v;
     }

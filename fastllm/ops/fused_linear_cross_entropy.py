@@ -43,7 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastllm import _backend, _extension, _lowp
+from fastllm import _backend, _extension, _gemm, _lowp
 from fastllm._library import lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -236,6 +236,7 @@ def _cpp(hidden2, weight, flat, bias, token_scale, scale, divide_by_valid, ignor
                                 divide_by_valid, ignore_index, label_smoothing, z_loss, cap,
                                 need_hidden, need_weight, need_bias)
         return loss, gh.to(hidden2.dtype), gw.to(weight.dtype), gb.to(weight.dtype)
+    _gemm.enabled()  # the kernel's fp32 GEMMs follow fastllm/_gemm.py's policy (set in C++)
     try:
         return _extension.extension().fused_linear_cross_entropy_cpu(
             hidden2.contiguous(), weight.contiguous(), flat.contiguous(),

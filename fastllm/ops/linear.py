@@ -1,12 +1,13 @@
 """fastllm::linear: y = x W^T + bias, with bf16/fp16 matmuls computed in fp32 on CPUs that have
 no native low-precision GEMM (fastllm/_lowp.py says which, and why: on an AVX2-only CPU torch's
-bf16 dY @ W ran at 1.4 GFLOP/s against fp32's ~100).
+bf16 dY @ W ran at 1.4 GFLOP/s against fp32's ~100), and fp32 matmuls through oneDNN on CPUs
+where ATen's fp32 GEMM is slow (fastllm/_gemm.py: 2-8x on an AMD Zen 5).
 
 x: (..., in_features); weight: (out_features, in_features); bias: (out_features,) or None; one
 dtype (fp32, bf16, fp16, fp64) and device. Low-precision tensors stay low precision in memory:
 the op saves x and W as they are and widens them only inside each product, rounding each output
-once (dx = dy W, dweight = dy^T x, dbias = sum of dy in fp32). Elsewhere (fp32, CUDA, CPUs with
-oneDNN's bf16 path) it is exactly F.linear and its autograd.
+once (dx = dy W, dweight = dy^T x, dbias = sum of dy in fp32). Elsewhere (CUDA, CPUs where
+neither policy applies) it is exactly F.linear and its autograd.
 
 Ops (schemas in fastllm/_library.py): linear(x, weight, bias) -> y and
 linear_backward(dy, x, weight, output_mask) -> (dx, dweight, dbias). One implementation for every
@@ -17,7 +18,7 @@ fastllm.patch routes a model's nn.Linear layers here when the widening applies.
 import torch
 import torch.nn.functional as F
 
-from fastllm import _lowp
+from fastllm import _gemm, _lowp
 from fastllm._library import lib
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -60,7 +61,7 @@ def _widener(x):
 def _linear_impl(x, weight, bias=None):
     check_linear_args(x, weight, bias)
     wide = _widener(x)
-    return F.linear(wide(x), wide(weight), None if bias is None else wide(bias)).to(x.dtype)
+    return _gemm.linear(wide(x), wide(weight), None if bias is None else wide(bias)).to(x.dtype)
 
 
 def _linear_backward_impl(grad_out, x, weight, output_mask):
@@ -69,8 +70,8 @@ def _linear_backward_impl(grad_out, x, weight, output_mask):
     out_features, in_features = weight.shape
     dy = wide(grad_out.reshape(-1, out_features))
     empty = x.new_empty(0)
-    dx = torch.mm(dy, wide(weight)).to(x.dtype).view(x.shape) if need_x else empty
-    dw = torch.mm(dy.t(), wide(x.reshape(-1, in_features))).to(x.dtype) if need_w \
+    dx = _gemm.mm(dy, wide(weight)).to(x.dtype).view(x.shape) if need_x else empty
+    dw = _gemm.mm(dy.t(), wide(x.reshape(-1, in_features))).to(x.dtype) if need_w \
         else empty.clone()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     db = dy.sum(0, dtype=acc).to(x.dtype) if need_b else empty.clone()
@@ -99,6 +100,11 @@ def _linear_backward_fake(grad_out, x, weight, output_mask):
 
 def _setup_context(ctx, inputs, output):
     x, weight = inputs[:2]
+    if not weight.requires_grad:
+        # x is read by the backward for dW only: with a frozen weight (LoRA's base layers) a
+        # one-element stand-in of its shape and dtype is kept instead, as autograd keeps
+        # nothing of F.linear's input then
+        x = x.new_empty(()).expand(x.shape)
     ctx.save_for_backward(x, weight)
     ctx.has_bias = len(inputs) > 2 and inputs[2] is not None
 

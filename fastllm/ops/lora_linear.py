@@ -34,7 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from fastllm import _backend, _extension, _lowp
+from fastllm import _backend, _extension, _gemm, _lowp
 from fastllm._library import lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -157,14 +157,14 @@ def _forward_torch(dropout, dropout_add, x, weight, lora_a, lora_b, scaling, bia
     x2 = x.reshape(math.prod(x.shape[:-1]), in_features)
     xd = dropout(x2, dropout_p, seed)
     if bias is None:
-        y = torch.mm(x2, weight.t())
+        y = _gemm.mm(x2, weight.t())
     else:
-        y = torch.addmm(bias, x2, weight.t())
+        y = _gemm.addmm(bias, x2, weight.t())
     # The r-wide products are taken r-major (A x^T, B^T dY^T): measured ~1.5x faster than x A^T
     # for bf16 on oneDNN (AVX-512 BF16, one thread) and no slower for fp32.
-    xa_t = torch.mm(lora_a, xd.t())
+    xa_t = _gemm.mm(lora_a, xd.t())
     # beta=1 accumulation into y: the low-rank term costs one rank-r update, no full-size temporary.
-    y.addmm_(xa_t.t(), lora_b.t(), alpha=scaling)
+    _gemm.addmm_(y, xa_t.t(), lora_b.t(), alpha=scaling)
     return y.view(*x.shape[:-1], weight.shape[0]), xa_t
 
 
@@ -175,19 +175,19 @@ def _backward_torch(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, x
     rows = math.prod(x.shape[:-1])
     dy = grad_out.reshape(rows, out_features)
     dx, da, db = x.new_empty(0), x.new_empty(0), x.new_empty(0)  # distinct: outputs never alias
-    dyb_t = torch.mm(lora_b.t(), dy.t()) if (need_x or need_a) else None  # (dY B)^T, (r, rows)
+    dyb_t = _gemm.mm(lora_b.t(), dy.t()) if (need_x or need_a) else None  # (dY B)^T, (r, rows)
     if need_x:
-        dx = torch.mm(dy, weight)
+        dx = _gemm.mm(dy, weight)
         if dropout_p == 0.0:
-            dx.addmm_(dyb_t.t(), lora_a, alpha=scaling)
+            _gemm.addmm_(dx, dyb_t.t(), lora_a, alpha=scaling)
         else:  # the low-rank term passed through dropout: its gradient carries the same mask
-            dropout_add(dx, torch.mm(dyb_t.t(), lora_a), dropout_p, seed, scaling)
+            dropout_add(dx, _gemm.mm(dyb_t.t(), lora_a), dropout_p, seed, scaling)
         dx = dx.view(x.shape)
     if need_a:
         xd = dropout(x.reshape(rows, in_features), dropout_p, seed)
-        da = torch.addmm(lora_a, dyb_t, xd, beta=0, alpha=scaling)  # one rounding, not two
+        da = _gemm.addmm(lora_a, dyb_t, xd, beta=0, alpha=scaling)  # one rounding, not two
     if need_b:
-        db = torch.addmm(lora_b.t(), xa_t, dy, beta=0, alpha=scaling).t().contiguous()
+        db = _gemm.addmm(lora_b.t(), xa_t, dy, beta=0, alpha=scaling).t().contiguous()
     return dx, da, db
 
 
@@ -353,8 +353,8 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
     out_features, in_features = weight.shape
     dy = grad_y.reshape(-1, out_features)
     if need_w:  # not LoRA's contract (W is frozen), but correct if someone trains W too
-        grad_w = _lowp.in_fp32(torch.mm, dy.t(), x.reshape(-1, in_features)) \
-            if _lowp.widen(x) else torch.mm(dy.t(), x.reshape(-1, in_features))
+        grad_w = _lowp.in_fp32(_gemm.mm, dy.t(), x.reshape(-1, in_features)) \
+            if _lowp.widen(x) else _gemm.mm(dy.t(), x.reshape(-1, in_features))
     if need_bias:
         grad_bias = dy.sum(0, dtype=torch.float32).to(grad_y.dtype)
     return grad_x, grad_w, grad_a, grad_b, None, grad_bias, None, None
@@ -408,14 +408,14 @@ def _multi_forward(x2, weights, biases, lora_as, lora_bs, scalings):
     n = len(weights)
     adapted = [i for i in range(n) if lora_as[i] is not None]
     a_cat = torch.cat([lora_as[i] for i in adapted]) if adapted else None
-    xa_t = torch.mm(a_cat, x2.t()) if adapted else None  # (sum r, rows): x read once
+    xa_t = _gemm.mm(a_cat, x2.t()) if adapted else None  # (sum r, rows): x read once
     outs, offset = [], 0
     for i in range(n):
         w, b = weights[i], biases[i]
-        y = torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t())
+        y = _gemm.mm(x2, w.t()) if b is None else _gemm.addmm(b, x2, w.t())
         if lora_as[i] is not None:
             r = lora_as[i].shape[0]
-            y.addmm_(xa_t[offset:offset + r].t(), lora_bs[i].t(), alpha=scalings[i])
+            _gemm.addmm_(y, xa_t[offset:offset + r].t(), lora_bs[i].t(), alpha=scalings[i])
             offset += r
         outs.append(y)
     return outs, a_cat, xa_t
@@ -432,24 +432,24 @@ def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has
             if dys[i] is None:
                 dyb_parts.append(x2.new_zeros(hi - lo, x2.shape[0]))
             else:
-                dyb_parts.append(torch.mm(lora_bs[i].t(), dys[i].t()).mul_(scalings[i]))
+                dyb_parts.append(_gemm.mm(lora_bs[i].t(), dys[i].t()).mul_(scalings[i]))
     dyb_t = torch.cat(dyb_parts) if dyb_parts else None
     dx = None
     if need[0]:
         dx = torch.zeros_like(x2)
         for i in range(n):
             if dys[i] is not None:
-                dx.addmm_(dys[i], weights[i])
+                _gemm.addmm_(dx, dys[i], weights[i])
         if dyb_t is not None:
-            dx.addmm_(dyb_t.t(), a_cat)  # every projection's low-rank dX in one product
+            _gemm.addmm_(dx, dyb_t.t(), a_cat)  # every projection's low-rank dX in one product
     want_a = any(need[3 + 2 * n + i] for i in spans)
-    da_cat = torch.mm(dyb_t, x2) if (want_a and dyb_t is not None) else None  # x read once
+    da_cat = _gemm.mm(dyb_t, x2) if (want_a and dyb_t is not None) else None  # x read once
     for i in range(n):
         g = dys[i]
         if g is None:
             continue
         if need[3 + i]:
-            dw[i] = torch.mm(g.t(), x2)
+            dw[i] = _gemm.mm(g.t(), x2)
         if has_bias[i] and need[3 + n + i]:
             acc = torch.float64 if g.dtype == torch.float64 else torch.float32
             db[i] = g.sum(0, dtype=acc).to(g.dtype)
@@ -458,7 +458,7 @@ def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has
             if need[3 + 2 * n + i]:
                 da[i] = da_cat[lo:hi]
             if need[3 + 3 * n + i]:
-                dbb[i] = torch.mm(g.t(), xa_t[lo:hi].t()).mul_(scalings[i])
+                dbb[i] = _gemm.mm(g.t(), xa_t[lo:hi].t()).mul_(scalings[i])
     return dx, dw, db, da, dbb
 
 

@@ -1,0 +1,67 @@
+"""fp32 CPU GEMMs: ATen's (torch.mm: MKL's sgemm on x86) against fastllm's oneDNN route
+(fastllm/_gemm.py, csrc/cpu/gemm.cpp), on the products of a SmolLM2-135M training step.
+
+    fastllm bench --ops gemm
+
+Shapes (m x n x k, 8 x 512 tokens): the MLP's x W^T (4096 x 1536 x 576) and its dX / dW
+(4096 x 576 x 1536, 576 x 1536 x 4096 with a transposed operand, as the backward passes it), the
+attention projections (4096 x 576 x 576, 4096 x 192 x 576), a LoRA r=16 down product and its
+dA (4096 x 16 x 576, 16 x 576 x 4096), and the LM head over one chunk of the fused loss
+(1024 x 49152 x 576). Both providers are timed in the same interleaved rounds; the route is
+forced (FASTLLM_CPU_FP32_MATMUL=onednn) whatever the CPU's default. CPU only.
+"""
+
+import os
+
+import torch
+
+from fastllm import _gemm
+from fastllm.bench import harness
+
+# (label, m, n, k, transposed a): a is (k, m) read transposed when set (dW = dY^T X)
+SHAPES = [
+    ("MLP x W^T", 4096, 1536, 576, False),
+    ("MLP dX = dY W", 4096, 576, 1536, False),
+    ("MLP dW = dY^T X", 1536, 576, 4096, True),
+    ("o_proj x W^T", 4096, 576, 576, False),
+    ("k/v_proj x W^T", 4096, 192, 576, False),
+    ("LoRA x A^T, r=16", 4096, 16, 576, False),
+    ("LoRA dA, r=16", 16, 576, 4096, True),
+    ("LM head, 1024-row chunk", 1024, 49152, 576, False),
+]
+
+
+def run(device="cpu", full=False, progress=print):
+    if torch.device(device).type != "cpu":
+        progress("gemm: CPU only (fastllm's GPU matmuls are cuBLAS's); skipped")
+        return []
+    if not _gemm._usable():
+        progress("gemm: no oneDNN matmul in this PyTorch (or fastllm._C not built); skipped")
+        return []
+    rows = []
+    saved = os.environ.get(_gemm.ENV)
+    os.environ[_gemm.ENV] = "onednn"
+    try:
+        g = torch.Generator().manual_seed(0)
+        for label, m, n, k, trans in SHAPES:
+            size = f"{label}: {m} x {n} x {k}, fp32"
+            progress(f"gemm {size}: ATen, fastllm (interleaved)")
+            a = torch.randn(k, m, generator=g).t() if trans else torch.randn(m, k, generator=g)
+            b = torch.randn(n, k, generator=g).t()  # (k, n) as a transposed weight, as F.linear
+            out = torch.empty(m, n)
+            err = (_gemm.mm(a, b).double() - a.double() @ b.double()).abs().max().item()
+            timings = harness.measure_many({
+                "torch.mm (ATen)": lambda: torch.mm(a, b, out=out),
+                "fastllm (oneDNN)": lambda: _gemm.addmm_(out, a, b, beta=0),
+            }, min_time_s=0.5 if not full else 2.0)
+            for provider, t in timings.items():
+                rows.append({"op": "gemm", "size": size, "provider": provider,
+                             "time_ms": t.median_ms, "flops": 2 * m * n * k,
+                             "baseline": "torch.mm (ATen)"})
+            rows[-1]["note"] = f"fastllm's max abs error against fp64: {err:.2e}"
+    finally:
+        if saved is None:
+            os.environ.pop(_gemm.ENV, None)
+        else:
+            os.environ[_gemm.ENV] = saved
+    return rows

@@ -1,0 +1,123 @@
+// fp32 GEMMs on the CPU through oneDNN, for CPUs where ATen's fp32 path runs far below the
+// hardware (fastllm/_gemm.py owns the policy and says when).
+//
+// ATen multiplies fp32 matrices on x86 with MKL's sgemm. On AMD CPUs MKL does not take its
+// AVX-512 code: measured on an AMD EPYC Zen 5 (AVX-512, 2 threads, torch 2.13), sgemm ran at
+// 55-67 GFLOP/s on a SmolLM2-sized (4096 x 576) x (576 x 1536) product and 16 GFLOP/s on a
+// LoRA-sized 4096 x 16 x 576 one, where PyTorch's own copy of oneDNN (the library its bf16
+// matmuls go through; it picks its kernels from the CPU's features, not its vendor) ran the same
+// fp32 products at 132-154 and 188 GFLOP/s (BENCHMARKS.md). Both accumulate in fp32; only the
+// order of the sums differs.
+//
+// The entry is ATen's own at::native::mkldnn_matmul (beta/alpha, transposed operands without a
+// copy, the sum fused into the output): exported by libtorch_cpu but not in the installed headers,
+// so it is looked up at run time, and a torch without it (a build without oneDNN) only loses the
+// route (onednn_gemm_available() false), never the extension.
+#include <dlfcn.h>
+
+#include <atomic>
+
+#include "../fastllm.h"
+
+namespace fastllm {
+
+namespace {
+
+using MatmulFn = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, float, float);
+
+MatmulFn onednn_matmul() {
+  static const MatmulFn fn = []() -> MatmulFn {
+#if defined(__linux__)
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) return nullptr;
+    // at::native::mkldnn_matmul(const Tensor&, const Tensor&, const Tensor&, float, float)
+    return reinterpret_cast<MatmulFn>(
+        dlsym(lib, "_ZN2at6native13mkldnn_matmulERKNS_6TensorES3_S3_ff"));
+#else
+    return nullptr;
+#endif
+  }();
+  return fn;
+}
+
+std::atomic<bool> g_onednn_fp32{false};
+
+bool routed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  return g_onednn_fp32.load(std::memory_order_relaxed) && a.scalar_type() == at::kFloat &&
+         b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && a.dim() == 2 &&
+         b.dim() == 2 && out.dim() == 2 && a.device().is_cpu() && out.is_contiguous();
+}
+
+}  // namespace
+
+bool onednn_gemm_available() { return onednn_matmul() != nullptr; }
+
+void set_onednn_fp32_gemm(bool on) {
+  TORCH_CHECK(!on || onednn_gemm_available(),
+              "fastllm: this PyTorch has no oneDNN matmul (at::native::mkldnn_matmul)");
+  g_onednn_fp32.store(on, std::memory_order_relaxed);
+}
+
+bool onednn_fp32_gemm() { return g_onednn_fp32.load(std::memory_order_relaxed); }
+
+void gemm_onednn_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
+                     double beta, double alpha) {
+  TORCH_CHECK(onednn_gemm_available(),
+              "fastllm.gemm: this PyTorch has no oneDNN matmul (at::native::mkldnn_matmul)");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2,
+              "fastllm.gemm: a, b and out must be 2-D, got ", a.sizes(), ", ", b.sizes(), ", ",
+              out.sizes());
+  TORCH_CHECK(a.size(1) == b.size(0) && out.size(0) == a.size(0) && out.size(1) == b.size(1),
+              "fastllm.gemm: shapes do not chain: a ", a.sizes(), " @ b ", b.sizes(), " into out ",
+              out.sizes());
+  for (const at::Tensor* t : {&a, &b, &out}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "fastllm.gemm: fp32 tensors only, got ",
+                t->scalar_type());
+    TORCH_CHECK(t->device().is_cpu() && t->layout() == at::kStrided,
+                "fastllm.gemm: dense CPU tensors only");
+  }
+  TORCH_CHECK(out.is_contiguous(), "fastllm.gemm: out must be contiguous");
+  if (out.numel() == 0) return;
+  // oneDNN is not asked for what it does not do: an empty inner dimension, alpha 0 (it would
+  // leave out untouched even for beta 0)
+  if (a.size(1) == 0 || alpha == 0.0) {
+    if (beta == 0.0) {
+      out.zero_();
+    } else if (beta != 1.0) {
+      out.mul_(beta);
+    }
+    return;
+  }
+  onednn_matmul()(a, b, out, static_cast<float>(beta), static_cast<float>(alpha));
+}
+
+void mm_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  if (routed(a, b, out)) {
+    gemm_onednn_cpu(a, b, out, 0.0, 1.0);
+  } else {
+    auto o = out;
+    at::mm_out(o, a, b);
+  }
+}
+
+void bias_mm_out(const at::Tensor& out, const at::Tensor& bias, const at::Tensor& a,
+                 const at::Tensor& b) {
+  if (routed(a, b, out) && bias.scalar_type() == at::kFloat) {
+    out.copy_(bias.expand(out.sizes()));
+    gemm_onednn_cpu(a, b, out, 1.0, 1.0);
+  } else {
+    auto o = out;
+    at::addmm_out(o, bias, a, b);
+  }
+}
+
+void addmm_inplace(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                   double alpha) {
+  if (routed(a, b, out)) {
+    gemm_onednn_cpu(a, b, out, 1.0, alpha);
+  } else {
+    out.addmm_(a, b, 1.0, alpha);
+  }
+}
+
+}  // namespace fastllm

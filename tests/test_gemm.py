@@ -1,0 +1,147 @@
+"""fastllm/_gemm.py: fp32 CPU matmuls through oneDNN (csrc/cpu/gemm.cpp) against fp64 and
+against ATen, the policy (FASTLLM_CPU_FP32_MATMUL) and that the ops really take the route."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastllm import _extension, _gemm
+
+needs_onednn = pytest.mark.skipif(not _gemm._usable(),
+                                  reason="no oneDNN matmul in this PyTorch / extension not built")
+MODES = ["aten", pytest.param("onednn", marks=needs_onednn)]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many products went through the oneDNN entry."""
+    calls = []
+    real = _gemm._gemm
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(_gemm, "_gemm", spy)
+    return calls
+
+
+def _rel(a, b):
+    return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (5, 7, 3), (33, 17, 65), (0, 4, 3), (4, 0, 3),
+                                   (4, 5, 0)])
+def test_products_match_fp64(monkeypatch, mode, m, n, k):
+    monkeypatch.setenv(_gemm.ENV, mode)
+    g = torch.Generator().manual_seed(m * 100 + n * 10 + k)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    c, bias = torch.randn(m, n, generator=g), torch.randn(n, generator=g)
+    ad, bd = a.double(), b.double()
+    ref = ad @ bd
+    assert _rel(_gemm.mm(a, b), ref) < 1e-5 if ref.numel() else _gemm.mm(a, b).shape == (m, n)
+    torch.testing.assert_close(_gemm.addmm(bias, a, b, beta=0.5, alpha=2.0).double(),
+                               0.5 * bias.double() + 2 * ref, rtol=1e-5, atol=1e-5)
+    out = c.clone()
+    _gemm.addmm_(out, a, b, beta=0.3, alpha=-1.5)
+    torch.testing.assert_close(out.double(), 0.3 * c.double() - 1.5 * ref, rtol=1e-5, atol=1e-5)
+    out = torch.full((m, n), float("nan"))  # beta 0: what out held is not read (torch's rule)
+    _gemm.addmm_(out, a, b, beta=0, alpha=1)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    x, w = torch.randn(2, 3, k, generator=g), torch.randn(n, k, generator=g)
+    torch.testing.assert_close(_gemm.linear(x, w, bias).double(),
+                               F.linear(x.double(), w.double(), bias.double()),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_transposed_and_sliced_operands_agree_with_aten(monkeypatch, counted):
+    monkeypatch.setenv(_gemm.ENV, "onednn")
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(70, 50, generator=g).t()           # (50, 70), column-major
+    b = torch.randn(90, 70, generator=g).t()           # (70, 90), column-major
+    sliced = torch.randn(50, 140, generator=g)[:, ::2]  # neither layout: copied by oneDNN's entry
+    for x in (a, sliced):
+        assert _rel(_gemm.mm(x, b), x.double() @ b.double()) < 1e-5
+    assert len(counted) == 2
+
+
+@needs_onednn
+def test_policy_routes_fp32_cpu_only(monkeypatch, counted):
+    a, b = torch.randn(8, 4), torch.randn(4, 3)
+    monkeypatch.setenv(_gemm.ENV, "onednn")
+    _gemm.mm(a, b)
+    _gemm.mm(a.double(), b.double())            # fp64: ATen
+    _gemm.mm(a.bfloat16(), b.bfloat16())        # bf16: ATen (its own oneDNN path where native)
+    w = b.t().clone().requires_grad_()
+    y = _gemm.linear(a, w)                       # tracked by autograd: ATen, so grads flow
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, a.sum(0).expand(3, 4))
+    assert len(counted) == 1
+    monkeypatch.setenv(_gemm.ENV, "aten")
+    _gemm.mm(a, b)
+    assert len(counted) == 1
+
+
+def test_policy_typo_is_refused(monkeypatch):
+    monkeypatch.setenv(_gemm.ENV, "onenn")
+    with pytest.raises(ValueError, match="FASTLLM_CPU_FP32_MATMUL='onenn'"):
+        _gemm.mm(torch.randn(2, 2), torch.randn(2, 2))
+
+
+@needs_onednn
+def test_entry_refuses_bad_arguments():
+    ext = _extension.extension()
+    with pytest.raises(RuntimeError, match="fp32 tensors only"):
+        ext.gemm_onednn_cpu(torch.randn(2, 3).double(), torch.randn(3, 2).double(),
+                            torch.empty(2, 2).double(), 0.0, 1.0)
+    with pytest.raises(RuntimeError, match="shapes do not chain"):
+        ext.gemm_onednn_cpu(torch.randn(2, 3), torch.randn(4, 2), torch.empty(2, 2), 0.0, 1.0)
+    with pytest.raises(RuntimeError, match="out must be contiguous"):
+        ext.gemm_onednn_cpu(torch.randn(2, 3), torch.randn(3, 2), torch.empty(2, 2).t(), 0.0, 1.0)
+
+
+@needs_onednn
+def test_ops_take_the_route_and_agree(monkeypatch, counted):
+    """fastllm.ops.linear, the LoRA op and the C++ fused loss under both settings: the same
+    results (fp32, 1e-5) and oneDNN only when asked."""
+    from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from fastllm.ops.linear import linear
+    from fastllm.ops.lora_linear import lora_linear
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 11, 24, generator=g)
+    w, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    a, b = torch.randn(4, 24, generator=g) * 0.1, torch.randn(40, 4, generator=g) * 0.1
+    labels = torch.randint(0, 40, (3, 11), generator=g)
+    results = {}
+    for mode in ("aten", "onednn"):
+        monkeypatch.setenv(_gemm.ENV, mode)
+        before = len(counted)
+        leaves = [t.clone().requires_grad_() for t in (x, w, bias, a, b)]
+        xl, wl, bl, al, bbl = leaves
+        y = linear(xl, wl, bl) + lora_linear(xl, wl.detach(), al, bbl, scaling=2.0)
+        loss = fused_linear_cross_entropy(torch.tanh(y[..., :24]), wl, labels % 40)
+        (y.square().mean() + loss).backward()
+        results[mode] = [y.detach(), loss.detach()] + [t.grad for t in leaves]
+        assert (len(counted) > before) == (mode == "onednn")
+        assert _extension.extension().onednn_fp32_gemm() == (mode == "onednn")  # the C++ loss
+    for got, want in zip(results["onednn"], results["aten"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_bench_gemm_smoke(monkeypatch):
+    """`fastllm bench --ops gemm` at tiny sizes: both providers per shape, the route restored."""
+    from fastllm.bench import bench_gemm
+
+    monkeypatch.setattr(bench_gemm, "SHAPES", [("t", 9, 7, 5, False), ("tt", 6, 4, 11, True)])
+    monkeypatch.setenv(_gemm.ENV, "aten")
+    rows = bench_gemm.run(progress=lambda *_: None)
+    assert [(r["size"].split(":")[0], r["provider"]) for r in rows] == [
+        ("t", "torch.mm (ATen)"), ("t", "fastllm (oneDNN)"),
+        ("tt", "torch.mm (ATen)"), ("tt", "fastllm (oneDNN)")]
+    assert all(r["time_ms"] > 0 and r["flops"] > 0 for r in rows)
+    assert float(rows[-1]["note"].rsplit(" ", 1)[1]) < 1e-4
+    assert _gemm._mode() == "aten"
