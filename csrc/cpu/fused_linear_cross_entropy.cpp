@@ -161,11 +161,18 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
 // Rows of the chunk buffer: ~kBudget bytes of (rows x vocab) logits, at least 1 row and no more
 // than the tokens.
 int64_t chunk_rows_for(int64_t tokens, int64_t vocab, int64_t elem_size, int64_t requested) {
-  if (requested > 0) return std::max<int64_t>(1, std::min(requested, tokens));
   // fastllm/ops/fused_linear_cross_entropy.py passes rows from its CHUNK_BYTES; the same default
   constexpr int64_t kBudget = int64_t(128) << 20;
-  const int64_t rows = kBudget / std::max<int64_t>(1, vocab * elem_size);
-  return std::max<int64_t>(1, std::min(rows, tokens));
+  const int64_t most = std::max<int64_t>(
+      1, requested > 0 ? requested : kBudget / std::max<int64_t>(1, vocab * elem_size));
+  if (tokens <= most) return std::max<int64_t>(1, tokens);
+  // Chunks of equal size, and no short last one: each chunk streams the whole weight through
+  // its three GEMMs however few its rows, so 2048 tokens at 682 rows go as 3 x 683, not
+  // 3 x 682 + 2 (a chunk may exceed `most` by up to an eighth for that; fastllm/ops/
+  // fused_linear_cross_entropy.py's chunk_rows is the same rule)
+  int64_t chunks = tokens / most;
+  if ((tokens + chunks - 1) / chunks > most + most / 8) chunks += 1;
+  return (tokens + chunks - 1) / chunks;
 }
 
 template <typename scalar_t>

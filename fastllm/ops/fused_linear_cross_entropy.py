@@ -29,7 +29,8 @@ inputs that require them (a frozen head skips the dW GEMM), and ignored tokens a
 any GEMM.
 
 Chunk size: CHUNK_BYTES (128 MiB) of logits per chunk (`chunk_rows`), 682 fp32 / 1365 bf16 rows at
-V = 49152: the op's extra memory is one chunk plus the grads, independent of the token count.
+V = 49152, the chunks balanced (`balanced_rows`: equal, none short, at most an eighth over): the
+op's extra memory is one chunk plus the grads, independent of the token count.
 
 Backends: cpp (CPU: csrc/cpu/fused_linear_cross_entropy.cpp, ATen GEMMs + an AVX-512 row pass,
 OpenMP over rows), triton (GPU; CPU under TRITON_INTERPRET=1: torch GEMMs and the row pass of
@@ -139,7 +140,20 @@ def chunk_rows(tokens, vocab, elem_size, device_type="cpu", hidden_size=None):
         rows = 1 << max(0, math.ceil(math.log2(max(1, tokens / math.ceil(vocab / hidden_size)))))
     else:
         rows = CHUNK_BYTES // max(1, vocab * elem_size)
-    return max(1, min(rows, tokens))
+    return balanced_rows(tokens, max(1, rows))
+
+
+def balanced_rows(tokens, most):
+    """Rows per chunk for `tokens` rows in chunks of about `most`: equal chunks and no short last
+    one (each chunk streams the whole weight through its GEMMs however few its rows: 2048 tokens
+    at 682 go as 3 x 683, not 3 x 682 + 2); a chunk exceeds `most` by at most an eighth. The C++
+    kernel's chunk_rows_for applies the same rule to the rows it is given."""
+    if tokens <= most:
+        return max(1, tokens)
+    chunks = tokens // most
+    if -(-tokens // chunks) > most + most // 8:
+        chunks += 1
+    return -(-tokens // chunks)
 
 
 def row_pass_ref(z, labels, weights, label_smoothing, z_loss, cap, need_grad):
