@@ -12,6 +12,7 @@ forced (FASTLLM_CPU_FP32_MATMUL=onednn) whatever the CPU's default. CPU only.
 """
 
 import os
+from unittest import mock
 
 import torch
 
@@ -39,10 +40,8 @@ def run(device="cpu", full=False, progress=print):
         progress("gemm: no oneDNN matmul in this PyTorch (or fastllm._C not built); skipped")
         return []
     rows = []
-    saved = os.environ.get(_gemm.ENV)
-    os.environ[_gemm.ENV] = "onednn"
-    try:
-        g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    with mock.patch.dict(os.environ, {_gemm.ENV: "onednn"}):
         for label, m, n, k, trans in SHAPES:
             size = f"{label}: {m} x {n} x {k}, fp32"
             progress(f"gemm {size}: ATen, fastllm (interleaved)")
@@ -59,9 +58,4 @@ def run(device="cpu", full=False, progress=print):
                              "time_ms": t.median_ms, "flops": 2 * m * n * k,
                              "baseline": "torch.mm (ATen)"})
             rows[-1]["note"] = f"fastllm's max abs error against fp64: {err:.2e}"
-    finally:
-        if saved is None:
-            os.environ.pop(_gemm.ENV, None)
-        else:
-            os.environ[_gemm.ENV] = saved
     return rows

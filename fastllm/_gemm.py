@@ -117,22 +117,28 @@ def _gemm(a, b, out, beta, alpha):
     return out
 
 
+def _mm(a, b):
+    return _gemm(a, b, a.new_empty((a.shape[0], b.shape[1])), 0.0, 1.0)
+
+
+def _addmm(c, a, b, beta, alpha):
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    if beta == 0:
+        return _gemm(a, b, out, 0.0, alpha)
+    out.copy_(c.expand(out.shape))
+    return _gemm(a, b, out, beta, alpha)
+
+
 def mm(a, b):
     """torch.mm(a, b)."""
-    if not _take(a, b):
-        return torch.mm(a, b)
-    return _gemm(a, b, a.new_empty((a.shape[0], b.shape[1])), 0.0, 1.0)
+    return _mm(a, b) if _take(a, b) else torch.mm(a, b)
 
 
 def addmm(c, a, b, *, beta=1, alpha=1):
     """torch.addmm(c, a, b, beta=beta, alpha=alpha); c broadcastable to the product's shape."""
     if not _take(a, b, c):
         return torch.addmm(c, a, b, beta=beta, alpha=alpha)
-    out = a.new_empty((a.shape[0], b.shape[1]))
-    if beta == 0:
-        return _gemm(a, b, out, 0.0, alpha)
-    out.copy_(c.expand(out.shape))
-    return _gemm(a, b, out, beta, alpha)
+    return _addmm(c, a, b, beta, alpha)
 
 
 def addmm_(out, a, b, *, beta=1, alpha=1):
@@ -147,5 +153,5 @@ def linear(x, weight, bias=None):
     if not _take(x, weight, bias):
         return torch.nn.functional.linear(x, weight, bias)
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    y = mm(x2, weight.t()) if bias is None else addmm(bias, x2, weight.t())
+    y = _mm(x2, weight.t()) if bias is None else _addmm(bias, x2, weight.t(), 1, 1)
     return y.view(*x.shape[:-1], weight.shape[0])

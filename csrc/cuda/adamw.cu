@@ -80,22 +80,17 @@ struct AdamWTensorMeta {
   opmath_t bc2_sqrt;       // sqrt(1 - beta2^t)
 };
 
-// 16-byte loads and stores: 4 fp32, 8 bf16/fp16 or 2 fp64 elements per thread per access.
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T val[N];
-};
-
 template <typename scalar_t, bool AMSGRAD>
 struct AdamWFunctor {
   using opmath_t = at::opmath_type<scalar_t>;
   using Meta = AdamWTensorMeta<opmath_t>;
   static constexpr int kDepth = AMSGRAD ? 5 : 4;  // param, grad, exp_avg, exp_avg_sq[, max]
-  static constexpr int kVec = 16 / sizeof(scalar_t);
+  // 16-byte loads and stores: 4 fp32, 8 bf16/fp16 or 2 fp64 elements per thread per access.
+  using Vec = mta::Vec16<scalar_t>;
+  static constexpr int kVec = Vec::kSize;
   // A compile-time block size turns the strided offsets below into immediates.
   static constexpr int kThreads = mta::kBlockSize;
   using Metadata = TensorListMetadata<kDepth, Meta>;
-  using Vec = Pack<scalar_t, kVec>;
 
   opmath_t decay;            // 1 - lr * weight_decay
   opmath_t lerp_weight;      // 1 - beta1
@@ -165,12 +160,7 @@ struct AdamWFunctor {
     scalar_t* vmax_ptr = nullptr;
     if constexpr (AMSGRAD) vmax_ptr = static_cast<scalar_t*>(tl.addresses[4][tensor]) + start;
 
-    // Chunks start at multiples of kChunkSize elements, so the tensor's base alignment decides.
-    bool aligned = true;
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      aligned = aligned && reinterpret_cast<uintptr_t>(tl.addresses[d][tensor]) % sizeof(Vec) == 0;
-    }
+    const bool aligned = mta::aligned16(tl, tensor);
 
     opmath_t p[kVec], g[kVec], m[kVec], v[kVec], vmax[kVec];
     int body = 0;

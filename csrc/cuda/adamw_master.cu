@@ -40,12 +40,6 @@ using mta::TensorListMetadata;
 // from csrc/low_precision.h, shared with the C++ kernels: the cpp and cuda backends round alike
 // and draw the same random bits.
 
-// 16 bytes of T, for one vector access.
-template <typename T>
-struct alignas(16) Vec16 {
-  T val[16 / sizeof(T)];
-};
-
 struct MasterTensorMeta {
   const float* step;    // the step count on the GPU, or nullptr when the two below are set
   float neg_step_size;  // -lr / (1 - beta1^t)
@@ -120,17 +114,11 @@ struct AdamWMasterFunctor {
     };
 
     // 16-byte accesses: 8 elements per thread per iteration, one access to each bf16/fp16 array
-    // and two to each fp32 one. Chunks start at multiples of kChunkSize elements, so the
-    // tensors' base addresses decide.
-    bool aligned = true;
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      aligned = aligned && reinterpret_cast<uintptr_t>(tl.addresses[d][tensor]) % 16 == 0;
-    }
+    // and two to each fp32 one.
     int body = 0;
-    if (aligned) {
-      using HalfVec = Vec16<uint16_t>;
-      using FloatVec = Vec16<float>;
+    if (mta::aligned16(tl, tensor)) {
+      using HalfVec = mta::Vec16<uint16_t>;
+      using FloatVec = mta::Vec16<float>;
       const int nvec = n / 8;
       for (int i = threadIdx.x; i < nvec; i += kThreads) {
         const HalfVec gv = reinterpret_cast<const HalfVec*>(g_ptr)[i];
@@ -211,9 +199,9 @@ struct SumSquaresFunctor {
     acc_t acc = 0;
     // 16-byte loads where the tensor's base allows (chunks start at multiples of kChunkSize)
     int body = 0;
-    if (reinterpret_cast<uintptr_t>(tl.addresses[0][tensor]) % 16 == 0) {
-      using V = Vec16<T>;
-      constexpr int kV = 16 / sizeof(T);
+    if (mta::aligned16(tl, tensor)) {
+      using V = mta::Vec16<T>;
+      constexpr int kV = V::kSize;
       const int nvec = n / kV;
       for (int i = threadIdx.x; i < nvec; i += mta::kBlockSize) {
         const V xv = reinterpret_cast<const V*>(x)[i];

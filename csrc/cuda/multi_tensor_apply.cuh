@@ -53,6 +53,25 @@ struct TensorListMetadata {
   uint8_t block_to_tensor[kMaxBlocks];  // which tensor (slot in this launch) block b handles
 };
 
+// 16 bytes of T for one vector access: 4 fp32, 8 bf16/fp16 or 2 fp64 elements.
+template <typename T>
+struct alignas(16) Vec16 {
+  static constexpr int kSize = 16 / sizeof(T);
+  T val[kSize];
+};
+
+// Whether every list's tensor `tensor` starts on a 16-byte boundary. Chunks start at multiples
+// of kChunkSize elements, so the base addresses decide whether a chunk takes 16-byte accesses.
+template <int DEPTH, typename Meta>
+__device__ __forceinline__ bool aligned16(const TensorListMetadata<DEPTH, Meta>& tl, int tensor) {
+  bool aligned = true;
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    aligned = aligned && reinterpret_cast<uintptr_t>(tl.addresses[d][tensor]) % 16 == 0;
+  }
+  return aligned;
+}
+
 // __grid_constant__ (CUDA 11.7+, sm_70+) lets the functor index the arguments in place instead of
 // copying 4 KB to each thread's local memory; older architectures get plain by-value arguments.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700

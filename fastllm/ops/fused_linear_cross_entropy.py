@@ -139,8 +139,13 @@ def chunk_rows(tokens, vocab, elem_size, device_type="cpu", hidden_size=None):
         # Liger-Kernel's choice: about as many logits per chunk as hidden holds elements
         rows = 1 << max(0, math.ceil(math.log2(max(1, tokens / math.ceil(vocab / hidden_size)))))
     else:
-        rows = CHUNK_BYTES // max(1, vocab * elem_size)
+        rows = _budget_rows(vocab, elem_size)
     return balanced_rows(tokens, max(1, rows))
+
+
+def _budget_rows(vocab, elem_size):
+    """Rows of CHUNK_BYTES of logits (CPU): the chunk size before balancing."""
+    return max(1, CHUNK_BYTES // max(1, vocab * elem_size))
 
 
 def balanced_rows(tokens, most):
@@ -258,7 +263,8 @@ def _cpp(hidden2, weight, flat, bias, token_scale, scale, divide_by_valid, ignor
             None if token_scale is None else token_scale.float().contiguous(), scale,
             divide_by_valid, ignore_index, label_smoothing, z_loss, cap, need_hidden,
             need_weight, need_bias,
-            chunk_rows(hidden2.shape[0], weight.shape[0], hidden2.element_size()))
+            # the budget: the kernel balances its chunks over the valid tokens (chunk_rows_for)
+            _budget_rows(weight.shape[0], hidden2.element_size()))
     except RuntimeError as exc:  # the kernel's label check: the same error as the other paths
         if "is outside [0," in str(exc):
             raise ValueError(str(exc).splitlines()[0]) from None
