@@ -11,16 +11,15 @@
 //        G_j = w (p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j = y]) (1 - (z_j / cap)^2)
 //   dX_c = G W                        fastllm::mm_out, straight into grad_hidden's rows
 //   dW  += G^T X_c, db += sum_rows G  fp32 accumulation: fp32 in place (addmm_); bf16/fp16 over
-//                                     several chunks through ATen's cpublas::brgemm (oneDNN's
-//                                     bf16 x bf16 -> fp32 GEMM, beta = 1) into an fp32 dW^T, so
-//                                     no partial sum is ever rounded to bf16 (one chunk: at::mm,
-//                                     one rounding, as torch's own backward)
+//                                     several chunks: each chunk's product by the native
+//                                     low-precision GEMM, a tile of vocabulary rows at a
+//                                     time, added with its rounding residual into an fp32 dW
+//                                     (one chunk: at::mm, one rounding, as torch's own backward)
 // w is the token's weight in the reduction (1 / valid tokens for "mean", 1 for "sum", the
 // incoming grad for "none"'s backward). The maths is fastllm/ops/fused_linear_cross_entropy.py's
 // `fused_linear_cross_entropy_ref`, differentiated by hand.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cmath>
@@ -207,12 +206,25 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
   const int64_t rows = chunk_rows_for(m, vocab, hidden.element_size(), chunk_rows_requested);
   // fp32 accumulators; bf16/fp16 with a single chunk write dW with one product (one rounding)
   const bool direct_dw = fp32 || m <= rows;
-  at::Tensor dw32, dw32t, db32;  // dw32t: (H, V) fp32, the brgemm accumulator
+  // bf16/fp16 over several chunks: dw32 is an fp32 (V, H) accumulator and `partial` one tile of
+  // a chunk's product P in the storage dtype (the tile, not the chunk's whole (V, H) product,
+  // keeps the transient at kPartialBytes). The native low-precision GEMM accumulates in fp32 but
+  // rounds its output, and partial sums rounded chunk by chunk can cancel to worse than torch's
+  // one rounding; so each tile is added as round(P) and then the rounded residual
+  // round(P - round(P)) (a second GEMM with beta = -1, whose sum the GEMM forms in fp32): the
+  // accumulated error is ~u^2 |P|, fp32-like. Two native GEMMs are still faster than ATen's
+  // cpublas::brgemm with an fp32 accumulator, which ran at 146 GFLOP/s on AVX512-BF16 without
+  // AMX (no VNNI packing there) against ~530 for this GEMM (BENCHMARKS.md, 2026-12-02).
+  constexpr int64_t kPartialBytes = int64_t(16) << 20;
+  at::Tensor dw32, partial, db32;
+  int64_t tile = vocab;
   if (grads && need_weight) {
     if (direct_dw) {
       dw32 = m > 0 ? at::empty_like(weight) : at::zeros_like(weight);
     } else {
-      dw32t = at::empty({h, vocab}, f32);
+      dw32 = at::zeros({vocab, h}, f32);
+      tile = std::min<int64_t>(vocab, std::max<int64_t>(256, kPartialBytes / (h * weight.element_size())));
+      partial = at::empty({tile, h}, weight.options());
     }
   }
   if (grads && need_bias && bias) db32 = at::zeros({vocab}, f32);
@@ -265,18 +277,23 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
             addmm_inplace(dw32, z.t(), x, 1.0);
           }
         } else {
-          // dW^T (H, V) (+)= X_c^T (H, c) G (c, V), row-major operands, fp32 accumulator
-          const auto xt = x.t().contiguous();
-          at::native::cpublas::brgemm(h, vocab, c, c, vocab, vocab, c0 > 0, xt.const_data_ptr<scalar_t>(),
-                                      z.const_data_ptr<scalar_t>(), dw32t.mutable_data_ptr<float>(),
-                                      false);
+          const auto gt = z.t();  // (V, c)
+          for (int64_t v0 = 0; v0 < vocab; v0 += tile) {
+            const int64_t nv = std::min(tile, vocab - v0);
+            auto p = partial.narrow(0, 0, nv);
+            const auto g = gt.narrow(0, v0, nv);
+            auto acc = dw32.narrow(0, v0, nv);
+            mm_out(p, g, x);    // P rounded once
+            acc.add_(p);
+            p.addmm_(g, x, -1.0);  // the rounding's residual P - round(P), itself rounded
+            acc.add_(p);
+          }
         }
       }
       if (db32.defined()) db32.add_(at::sum(z, {0}, false, at::kFloat));
     }
   }
-  if (dw32.defined()) grad_weight = dw32;
-  if (dw32t.defined()) grad_weight = at::empty_like(weight).copy_(dw32t.t());
+  if (dw32.defined()) grad_weight = direct_dw ? dw32 : dw32.to(weight.scalar_type());
   if (db32.defined()) grad_bias = db32.to(weight.scalar_type());
   return {loss, grad_hidden, grad_weight, grad_bias};
 }
