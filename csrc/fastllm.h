@@ -163,6 +163,18 @@ at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up);
 // {dgate, dup} of swiglu_cpu, sigmoid(gate) recomputed.
 std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
                                             const at::Tensor& up);
+// Causal attention (csrc/cpu/attention.cpp; fastllm/ops/attention.py): q (B, T, Hq, D), k, v
+// (B, T, Hkv, D), one dtype (fp32, bf16, fp16), Hq a multiple of Hkv; query t attends keys
+// doc_start[b, t] <= j <= t (doc_start an empty tensor: 0). Returns {out (B, T, Hq, D) of q's
+// dtype, lse (B, Hq, T) fp32: logsumexp of scale * q k^T over the keys attended}.
+std::vector<at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& doc_start,
+                                      double scale);
+// {dq, dk, dv} of attention_cpu, the probabilities recomputed from lse.
+std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q,
+                                               const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& out, const at::Tensor& lse,
+                                               const at::Tensor& doc_start, double scale);
 
 #ifdef FASTLLM_WITH_CUDA
 // Same contract on CUDA tensors: one multi-tensor launch per chunk of tensors. grad_scale and

@@ -89,7 +89,7 @@ SCHEMAS = {
         "Tensor labels, Tensor? bias, int ignore_index, str reduction, float label_smoothing, "
         "float z_loss, float logit_softcap, bool[] grad_mask) -> (Tensor, Tensor, Tensor)"
     ),
-    # Model ops (fastllm/ops/rms_norm.py, rotary_embedding.py, swiglu.py) ---
+    # Model ops (fastllm/ops/rms_norm.py, rotary_embedding.py, attention.py, swiglu.py) ---
     # RMSNorm: (y, rstd); rstd (rows of x,) fp32 is what the backward reads besides x.
     "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> (Tensor, Tensor)",
     "rms_norm_backward": (
@@ -108,6 +108,16 @@ SCHEMAS = {
     "rotary_embedding_": (
         "rotary_embedding_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, "
         "Tensor? position_ids=None) -> ()"
+    ),
+    # Causal attention of q (B, T, Hq, D) over k, v (B, T, Hkv, D), query t attending keys
+    # doc_start[b, t] <= j <= t (fastllm/ops/attention.py): (out, lse (B, Hq, T) fp32).
+    "attention": (
+        "attention(Tensor q, Tensor k, Tensor v, Tensor? doc_start, float scale) "
+        "-> (Tensor, Tensor)"
+    ),
+    "attention_backward": (
+        "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, Tensor? doc_start, float scale) -> (Tensor, Tensor, Tensor)"
     ),
     # silu(gate) * up; the backward recomputes sigmoid(gate).
     "swiglu": "swiglu(Tensor gate, Tensor up) -> Tensor",

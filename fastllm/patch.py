@@ -170,11 +170,23 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
                                   cache=cache, **kwargs)
     # (B, S, H, D) as the projections lay them out: the kernel rotates q and k in one pass
     q, k = rotary_embedding(q.view(hidden_shape), k.view(hidden_shape), cos, sin)
+    v = v.view(hidden_shape)
+    dropout = 0.0 if not self.training else self.attention_dropout
+    plan = kwargs.pop(_ATTENTION_PLAN, None)
+    if plan is not None and _fastllm_attention_applies(self, q, dropout, kwargs):
+        # causal attention known from _causal_lm_forward (no 2-D mask: plain causal, or packed
+        # documents from the position ids, as transformers' mask would say): fastllm's CPU
+        # kernel, in the projections' (B, T, H, D) layout
+        from fastllm.ops.attention import attention
+
+        if cache is not None:  # a prefill with use_cache: the cache still gets k and v
+            cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs=kwargs)
+        out = attention(q, k, v, scale=self.scaling, doc_start=plan.doc_start)
+        return self.o_proj(out.reshape(*input_shape, -1)), None
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    v = v.view(hidden_shape).transpose(1, 2)
+    v = v.transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-    dropout = 0.0 if not self.training else self.attention_dropout
     if (_lowp.widen(q) and self.config._attn_implementation == "sdpa" and dropout == 0.0
             and q.shape[2] == k.shape[2] and not kwargs.get("output_attentions", False)):
         # bf16/fp16 on a CPU without native low-precision GEMMs: PyTorch's flash attention in
@@ -194,6 +206,48 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
+
+
+# The keyword _causal_lm_forward hands the attention layers (through the model's **kwargs) when it
+# knows the attention is causal with no padding: the same rule as transformers' masking_utils
+# (packed documents from position ids only with no 2-D mask and no cache).
+_ATTENTION_PLAN = "fastllm_attention_plan"
+
+
+class _AttentionPlan:
+    __slots__ = ("doc_start",)
+
+    def __init__(self, doc_start):
+        self.doc_start = doc_start  # (B, T) int64, or None: plain causal
+
+
+def _attention_plan(model, inputs, attention_mask, position_ids, cache, use_cache):
+    from fastllm.ops.attention import cpu_attention_enabled, doc_start_from_position_ids
+
+    if inputs is None or inputs.device.type != "cpu" or attention_mask is not None:
+        return None
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return None
+    if not cpu_attention_enabled():
+        return None
+    if cache is not None and cache.get_seq_length() > 0:
+        return None
+    caching = cache is not None or (use_cache if use_cache is not None
+                                    else getattr(model.config, "use_cache", False))
+    if position_ids is None or caching:
+        return _AttentionPlan(None)
+    return _AttentionPlan(doc_start_from_position_ids(
+        position_ids.expand(inputs.shape[0], -1).to(inputs.device)))
+
+
+def _fastllm_attention_applies(module, q, dropout, kwargs):
+    config = module.config
+    return (q.device.type == "cpu" and dropout == 0.0 and getattr(module, "is_causal", True)
+            and not kwargs.get("output_attentions", False)
+            # Qwen2 sets sliding_window per layer (None: full attention); Mistral in its config
+            and (module.sliding_window if hasattr(module, "sliding_window")
+                 else getattr(config, "sliding_window", None)) is None
+            and getattr(config, "attn_logit_softcapping", None) is None)
 
 
 def _mlp_forward(self, x):
@@ -229,6 +283,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
+    plan = _attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
+                           attention_mask, position_ids, cache, use_cache)
+    if plan is not None:
+        kwargs[_ATTENTION_PLAN] = plan
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, **kwargs)

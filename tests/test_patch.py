@@ -4,6 +4,7 @@ equal the unpatched model's (fp32: 1e-5 on the loss, 1e-4 on grads), with PEFT, 
 (through lora_linear_multi), gradient checkpointing and torch.compile."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -62,6 +63,20 @@ def _assert_same(ours, theirs, loss_rtol=1e-5, grad_rtol=1e-4):
         assert err <= grad_rtol * scale, f"{name}: {err:.3g} vs {scale:.3g}"
 
 
+def _has_attention_kernel():
+    return fastllm._extension.has_cpp() and hasattr(fastllm._extension.extension(),
+                                                    "attention_cpu")
+
+
+def _count_attention_calls(monkeypatch):
+    """A list that grows by one per call of fastllm's attention op from the patched layers."""
+    attention_module = sys.modules["fastllm.ops.attention"]  # fastllm.ops.attention: the function
+    calls, real = [], attention_module.attention
+    monkeypatch.setattr(attention_module, "attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 def test_patched_llama_equals_unpatched():
     model = _model()
     ids, labels = _batch()
@@ -84,6 +99,34 @@ def test_patched_llama_equals_unpatched():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_fastllm_attention_equals_unpatched(packed, monkeypatch):
+    """fastllm's CPU attention in a patched model: plain causal rows, and packed rows (position
+    ids restarting, no attention_mask: transformers' block-diagonal mask on the unpatched side)
+    give the unpatched model's loss and grads; a 2-D attention_mask keeps PyTorch's attention."""
+    if not _has_attention_kernel():
+        pytest.skip("no cpp attention kernel")
+    monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
+    model = _model()
+    ids, labels = _batch(s=13)
+    kw = dict(use_cache=False)
+    if packed:
+        kw["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4],
+                                           [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]])
+        labels[0, [5, 8]] = -100
+        labels[1, 10] = -100
+    run = lambda **a: model(**a, **kw)  # noqa: E731
+    theirs = _loss_and_grads(model, ids, labels, run)
+    fastllm.patch(model)
+    calls = _count_attention_calls(monkeypatch)
+    _assert_same(_loss_and_grads(model, ids, labels, run), theirs)
+    assert len(calls) == 2
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    model(input_ids=ids, labels=labels, attention_mask=mask, use_cache=False)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_qwen2_and_mistral(family):
     over = {"sliding_window": 4} if family == "mistral" else {}
@@ -95,12 +138,17 @@ def test_qwen2_and_mistral(family):
     _assert_same(_loss_and_grads(model, ids, labels), theirs)
 
 
+@pytest.mark.parametrize("attention", ["torch", "fastllm"])
 @pytest.mark.parametrize("mode", ["fp32", "native"])
-def test_bf16_loss_and_grads_close_to_fp32(mode, monkeypatch):
-    """bf16 end to end, with the CPU's bf16 matmuls widened to fp32 (fastllm/_lowp.py) or not:
-    the patched model's loss and every gradient are no further from the fp32 model's than twice
-    the unpatched bf16 model's are; widened, the attention runs through the fp32 flash kernel."""
+def test_bf16_loss_and_grads_close_to_fp32(mode, attention, monkeypatch):
+    """bf16 end to end, with the CPU's bf16 matmuls widened to fp32 (fastllm/_lowp.py) or not,
+    and the attention PyTorch's or fastllm's: the patched model's loss and every gradient are no
+    further from the fp32 model's than twice the unpatched bf16 model's are; widened, PyTorch's
+    attention runs through the fp32 flash kernel."""
+    if attention == "fastllm" and not _has_attention_kernel():
+        pytest.skip("no cpp attention kernel")
     monkeypatch.setenv("FASTLLM_CPU_LOWP_MATMUL", mode)
+    monkeypatch.setenv("FASTLLM_CPU_ATTENTION", attention)
     model = _model()
     ids, labels = _batch()
     ref = _loss_and_grads(model, ids, labels)
@@ -111,8 +159,10 @@ def test_bf16_loss_and_grads_close_to_fp32(mode, monkeypatch):
     wide = fastllm._lowp.scaled_dot_product_attention
     monkeypatch.setattr(fastllm._lowp, "scaled_dot_product_attention",
                         lambda *a: calls.append(1) or wide(*a))
+    kernel_calls = _count_attention_calls(monkeypatch)
     ours = _loss_and_grads(lp, ids, labels)
-    assert len(calls) == (2 if mode == "fp32" else 0)
+    assert len(calls) == (2 if mode == "fp32" and attention == "torch" else 0)
+    assert len(kernel_calls) == (2 if attention == "fastllm" else 0)
     err = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
     assert err(ours[0].loss, ref[0].loss) <= 2 * err(theirs[0].loss, ref[0].loss) + 1e-3
     for name, g in ref[1].items():

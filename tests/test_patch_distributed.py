@@ -15,6 +15,7 @@ import torch
 import fastllm
 from fastllm import _gemm
 from fastllm.distributed.launch import spawn
+from fastllm.ops.attention import cpu_attention_enabled
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,6 +55,7 @@ KERNELS = {
     "vocab_parallel_fused_linear_cross_entropy": "fastllm.ops.fused_linear_cross_entropy",
     "linear": "fastllm.ops.linear",
     "scaled_dot_product_attention": "fastllm._lowp",
+    "attention": "fastllm.ops.attention",
 }
 
 
@@ -314,10 +316,19 @@ EXPECTED_CALLS = {
 ROUTED_LINEAR_CALLS = {"fsdp2": 12, "fsdp2_recompute": 24}
 
 
+# where fastllm runs the CPU attention (fastllm/ops/attention.py's cpu_attention_enabled: the
+# CPUs of fastllm/_gemm.py's route, or FASTLLM_CPU_ATTENTION=fastllm), every layout's attention
+# (on local heads under tp) is fastllm.ops.attention, in place of the widened flash path
+ATTENTION_CALLS = {"fsdp2_recompute": 4}
+
+
 def _expected_calls(layout):
     want = dict(EXPECTED_CALLS[layout])
     if layout in ROUTED_LINEAR_CALLS and _gemm.routes("cpu", torch.float32):
         want["linear"] = ROUTED_LINEAR_CALLS[layout]
+    if cpu_attention_enabled():
+        want.pop("scaled_dot_product_attention", None)
+        want["attention"] = ATTENTION_CALLS.get(layout, 2)
     return want
 
 

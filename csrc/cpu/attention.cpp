@@ -1,0 +1,257 @@
+// Causal attention for CPU training on fp32 GEMMs, with packed documents (fastllm::attention).
+//
+// q (B, T, Hq, D), k and v (B, T, Hkv, D) (flash-attention's layout, the projections' own; Hq a
+// multiple of Hkv: grouped-query attention), one dtype (fp32, bf16, fp16). Query t of row b
+// attends the keys j with doc_start[b, t] <= j <= t (doc_start empty: 0, plain causal); packed
+// documents are the rows whose doc_start restarts. Everything is computed in fp32.
+//
+// Why: PyTorch's CPU flash attention runs its softmax(QK^T)V a 64 x 64-ish tile at a time through
+// per-tile GEMM calls; on an AMD Zen 5 (2 cores, torch 2.13) SmolLM2's attention (8 x 512
+// tokens, 9 query / 3 kv heads of 64) ran at 0.04-0.07 TFLOP/s there, 27-44% of a training step
+// (BENCHMARKS.md). Here one task is one (row b, kv head g): the G = Hq / Hkv query heads that
+// share g are stacked into one (T * G, D) matrix (row t * G + h), so every product is one GEMM
+// over a block of Tb query positions of all G heads against the keys the block can see, through
+// fastllm::mm_out (oneDNN fp32 where fastllm/_gemm.py routes it, csrc/cpu/gemm.cpp):
+//
+//   forward, per block of query positions [r0, r1) and its key range [lo, r1), lo = doc_start[r0]:
+//     S = Q_blk K^T                      (G * nb, n) fp32, n = r1 - lo
+//     P = softmax(scale * S) masked       row pass: lse = max + log sum exp (kept for backward)
+//     O_blk = P V
+//   backward (the same blocks; P recomputed from lse, nothing of size T^2 is kept):
+//     dV += P^T dO,  dP = dO V^T,  dS = P (dP - rowsum(dO O)) scale,  dQ = dS K,  dK += dS^T Q
+//
+// Tasks run in parallel (at::parallel_for over B * Hkv), each GEMM on one thread: a task's
+// operands (T x D fp32 per head) and its block's scores (G * Tb x T fp32, 768 KB at G = 3,
+// Tb = 128, T = 512) stay in the core's cache. Blocks skip the keys before their document and
+// after their last query, so causal attention costs about half the full product, and packed
+// short documents less.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../fastllm.h"
+#include "cpu/vec_math.h"
+
+namespace fastllm {
+namespace {
+
+using vec_math::exp_fast;
+
+constexpr int64_t kBlock = 128;  // query positions per block
+
+struct Shape {
+  int64_t batch, tokens, heads, kv_heads, group, dim;
+};
+
+Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+            const at::Tensor& doc_start) {
+  const char* op = "fastllm.attention";
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op,
+              ": the cpp kernel takes CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
+              ": q, k, v must be (batch, tokens, heads, head_dim)");
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k ", k.sizes(), " and v ", v.sizes(), " differ");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), op,
+              ": q ", q.sizes(), " and k ", k.sizes(), " disagree");
+  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, op, ": ", q.size(2),
+              " query heads are not a multiple of ", k.size(2), " key/value heads");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k, v must share a dtype");
+  Shape s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(2) / std::max<int64_t>(1, k.size(2)),
+          q.size(3)};
+  if (doc_start.numel() > 0) {
+    TORCH_CHECK(doc_start.scalar_type() == at::kLong && doc_start.dim() == 2 &&
+                    doc_start.size(0) == s.batch && doc_start.size(1) == s.tokens &&
+                    doc_start.is_contiguous(),
+                op, ": doc_start must be a contiguous (batch, tokens) int64 tensor");
+    const int64_t* ds = doc_start.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < s.batch; ++b) {
+      for (int64_t t = 0; t < s.tokens; ++t) {
+        const int64_t d = ds[b * s.tokens + t];
+        TORCH_CHECK(d >= 0 && d <= t && (t == 0 || d >= ds[b * s.tokens + t - 1]), op,
+                    ": doc_start[", b, ", ", t, "] = ", d,
+                    " is not a document start (0 <= doc_start[t] <= t, non-decreasing in t)");
+      }
+    }
+  }
+  return s;
+}
+
+// A task's (T, G, D) slice of x (B, T, H, D) at heads [g * G, (g + 1) * G), as a (T * G, D)
+// fp32 matrix (into `into`).
+void load(const at::Tensor& x, int64_t b, int64_t h0, int64_t heads, const at::Tensor& into) {
+  into.view({x.size(1), heads, x.size(3)}).copy_(x.select(0, b).narrow(1, h0, heads));
+}
+
+void store(const at::Tensor& from, const at::Tensor& x, int64_t b, int64_t h0, int64_t heads) {
+  x.select(0, b).narrow(1, h0, heads).copy_(from.view({x.size(1), heads, x.size(3)}));
+}
+
+// Key range [lo, hi) of query position t (lo relative to the block's first key).
+struct Range {
+  int64_t lo, hi;
+};
+
+inline Range keys_of(const int64_t* ds, int64_t t, int64_t first_key) {
+  return {(ds ? ds[t] : 0) - first_key, t + 1 - first_key};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                                      const at::Tensor& v_in, const at::Tensor& doc_start,
+                                      double scale) {
+  // plain aliases: the workers' copies and GEMMs must not be seen by autograd (grad mode is
+  // per thread, and on in the pool's threads)
+  const auto q = q_in.detach(), k = k_in.detach(), v = v_in.detach();
+  const Shape s = check(q, k, v, doc_start);
+  auto out = at::empty({s.batch, s.tokens, s.heads, s.dim}, q.options());
+  auto lse = at::empty({s.batch, s.heads, s.tokens}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, lse};
+  const auto f32 = q.options().dtype(at::kFloat);
+  const int64_t T = s.tokens, G = s.group, D = s.dim;
+  const float sc = static_cast<float>(scale);
+  const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
+  float* lse_all = lse.mutable_data_ptr<float>();
+  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    c10::NoGradGuard no_grad;
+    auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
+    auto of = at::empty({T * G, D}, f32);
+    auto scores = at::empty({std::min(T, kBlock) * G * T}, f32);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / s.kv_heads, g = task % s.kv_heads;
+      const int64_t* ds = ds_all ? ds_all + b * T : nullptr;
+      load(q, b, g * G, G, qf);
+      load(k, b, g, 1, kf);
+      load(v, b, g, 1, vf);
+      for (int64_t r0 = 0; r0 < T; r0 += kBlock) {
+        const int64_t r1 = std::min(T, r0 + kBlock), rows = (r1 - r0) * G;
+        const int64_t first = ds ? ds[r0] : 0, n = r1 - first;
+        auto sblk = scores.narrow(0, 0, rows * n).view({rows, n});
+        mm_out(sblk, qf.narrow(0, r0 * G, rows), kf.narrow(0, first, n).t());
+        float* sp = sblk.mutable_data_ptr<float>();
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t t = r0 + i / G;
+          const Range r = keys_of(ds, t, first);
+          float* row = sp + i * n;
+          float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+          for (int64_t j = r.lo; j < r.hi; ++j) mx = std::max(mx, row[j] * sc);
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = r.lo; j < r.hi; ++j) {
+            const float p = exp_fast(row[j] * sc - mx);
+            row[j] = p;
+            sum += p;
+          }
+          const float inv = 1.0f / sum;
+#pragma omp simd
+          for (int64_t j = r.lo; j < r.hi; ++j) row[j] *= inv;
+          std::fill(row, row + r.lo, 0.0f);
+          std::fill(row + r.hi, row + n, 0.0f);
+          lse_all[(b * s.heads + g * G + i % G) * T + t] = mx + std::log(sum);
+        }
+        mm_out(of.narrow(0, r0 * G, rows), sblk, vf.narrow(0, first, n));
+      }
+      store(of, out, b, g * G, G);
+    }
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
+                                               const at::Tensor& q_in, const at::Tensor& k_in,
+                                               const at::Tensor& v_in, const at::Tensor& out_in,
+                                               const at::Tensor& lse, const at::Tensor& doc_start,
+                                               double scale) {
+  const auto grad_out = grad_out_in.detach(), q = q_in.detach(), k = k_in.detach(),
+             v = v_in.detach(), out = out_in.detach();
+  const Shape s = check(q, k, v, doc_start);
+  TORCH_CHECK(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes() &&
+                  lse.sizes() == at::IntArrayRef({s.batch, s.heads, s.tokens}) &&
+                  lse.scalar_type() == at::kFloat && lse.is_contiguous(),
+              "fastllm.attention_backward: grad_out/out must be q's shape and lse (B, Hq, T) "
+              "contiguous fp32");
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
+  const auto f32 = q.options().dtype(at::kFloat);
+  const int64_t T = s.tokens, G = s.group, D = s.dim;
+  const float sc = static_cast<float>(scale);
+  const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
+  const float* lse_all = lse.const_data_ptr<float>();
+  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    c10::NoGradGuard no_grad;
+    auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
+    auto dof = at::empty({T * G, D}, f32), of = at::empty({T * G, D}, f32);
+    auto dqf = at::empty({T * G, D}, f32), dkf = at::empty({T, D}, f32), dvf = at::empty({T, D}, f32);
+    const int64_t most = std::min(T, kBlock) * G * T;
+    auto pbuf = at::empty({most}, f32), dpbuf = at::empty({most}, f32);
+    std::vector<float> delta(T * G), row_lse(T * G);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / s.kv_heads, g = task % s.kv_heads;
+      const int64_t* ds = ds_all ? ds_all + b * T : nullptr;
+      load(q, b, g * G, G, qf);
+      load(k, b, g, 1, kf);
+      load(v, b, g, 1, vf);
+      load(grad_out, b, g * G, G, dof);
+      load(out, b, g * G, G, of);
+      // delta = rowsum(dO * O), and each row's lse, in the task's (t, h) row order
+      const float* dop = dof.const_data_ptr<float>();
+      const float* op = of.const_data_ptr<float>();
+      for (int64_t i = 0; i < T * G; ++i) {
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < D; ++d) acc += dop[i * D + d] * op[i * D + d];
+        delta[i] = acc;
+        row_lse[i] = lse_all[(b * s.heads + g * G + i % G) * T + i / G];
+      }
+      dkf.zero_();
+      dvf.zero_();
+      for (int64_t r0 = 0; r0 < T; r0 += kBlock) {
+        const int64_t r1 = std::min(T, r0 + kBlock), rows = (r1 - r0) * G;
+        const int64_t first = ds ? ds[r0] : 0, n = r1 - first;
+        auto p = pbuf.narrow(0, 0, rows * n).view({rows, n});
+        auto dp = dpbuf.narrow(0, 0, rows * n).view({rows, n});
+        const auto qb = qf.narrow(0, r0 * G, rows), dob = dof.narrow(0, r0 * G, rows);
+        const auto kb = kf.narrow(0, first, n), vb = vf.narrow(0, first, n);
+        mm_out(p, qb, kb.t());
+        float* pp = p.mutable_data_ptr<float>();
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t t = r0 + i / G;
+          const Range r = keys_of(ds, t, first);
+          float* row = pp + i * n;
+          const float l = row_lse[r0 * G + i];
+#pragma omp simd
+          for (int64_t j = r.lo; j < r.hi; ++j) row[j] = exp_fast(row[j] * sc - l);
+          std::fill(row, row + r.lo, 0.0f);
+          std::fill(row + r.hi, row + n, 0.0f);
+        }
+        addmm_inplace(dvf.narrow(0, first, n), p.t(), dob, 1.0);
+        mm_out(dp, dob, vb.t());
+        float* dpp = dp.mutable_data_ptr<float>();
+        for (int64_t i = 0; i < rows; ++i) {
+          const float di = delta[r0 * G + i];
+          const float* prow = pp + i * n;
+          float* row = dpp + i * n;
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) row[j] = prow[j] * (row[j] - di) * sc;
+        }
+        mm_out(dqf.narrow(0, r0 * G, rows), dp, kb);
+        addmm_inplace(dkf.narrow(0, first, n), dp.t(), qb, 1.0);
+      }
+      store(dqf, dq, b, g * G, G);
+      store(dkf, dk, b, g, 1);
+      store(dvf, dv, b, g, 1);
+    }
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace fastllm

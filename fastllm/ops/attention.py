@@ -1,0 +1,259 @@
+"""fastllm::attention: causal self-attention for training, with packed documents and grouped-query
+heads, in flash-attention's layout.
+
+q: (B, T, Hq, D); k, v: (B, T, Hkv, D), Hq a multiple of Hkv (grouped-query attention: query
+head h reads key/value head h // (Hq // Hkv), as `enable_gqa=True`); one dtype (fp32, bf16, fp16,
+fp64). Query t of row b attends keys j with doc_start[b, t] <= j <= t; `doc_start` None is plain
+causal attention. Packed rows (several documents per row, position ids restarting) give
+doc_start from their position ids (`doc_start_from_position_ids`, transformers' rule), so each
+document attends only to itself, as `scaled_dot_product_attention` with the block-diagonal
+causal mask transformers builds for them. Returns (B, T, Hq, D), the layout the output projection
+reads (no transposes on either side).
+
+Computed in fp32 (fp64 for fp64), rounded once. The forward keeps each row's logsumexp (B, Hq, T)
+fp32; the backward recomputes the probabilities from it, so nothing of size T x T is kept.
+
+Ops (schemas in fastllm/_library.py): attention(q, k, v, doc_start, scale) -> (out, lse),
+attention_backward(grad_out, q, k, v, out, lse, doc_start, scale) -> (dq, dk, dv). Backends:
+cpp (csrc/cpu/attention.cpp: blocks of query positions through fp32 GEMMs, oneDNN's where
+fastllm/_gemm.py routes them), ref (plain PyTorch, any device). On a GPU fastllm.patch keeps
+PyTorch's flash attention: this op has no Triton kernel.
+"""
+
+import math
+
+import torch
+
+from fastllm import _backend, _extension, _gemm
+from fastllm._library import lib
+
+__all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "cpu_attention_enabled"]
+
+_PREFERENCE = {"cpu": ("cpp", "ref")}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+ENV = "FASTLLM_CPU_ATTENTION"
+_MODES = ("auto", "fastllm", "torch")
+
+
+def _opmath(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def doc_start_from_position_ids(position_ids):
+    """(B, T) int64: for each token, the index of the first token of its document, a document
+    starting wherever the position ids do not go up by one (transformers' rule for packed rows,
+    masking_utils.find_packed_sequence_indices; the first token always starts one)."""
+    if position_ids.dim() != 2:
+        raise ValueError(f"fastllm.attention: position_ids must be (batch, tokens), got "
+                         f"{tuple(position_ids.shape)}")
+    steps = torch.diff(position_ids, dim=1) != 1
+    starts = torch.cat([torch.ones_like(steps[:, :1]), steps], dim=1)
+    idx = torch.arange(position_ids.shape[1], device=position_ids.device)
+    return torch.where(starts, idx, 0).cummax(dim=1).values.contiguous()
+
+
+def _mask(doc_start, b, t, device):
+    """(B or 1, 1, T, T) bool: True where query t may attend key j."""
+    i = torch.arange(t, device=device)
+    causal = i[None, :] <= i[:, None]
+    if doc_start is None:
+        return causal[None, None]
+    return (causal[None] & (i[None, None, :] >= doc_start[:, :, None]))[:, None]
+
+
+def _forward_math(q, k, v, doc_start, scale):
+    """(out (B, T, Hq, D) in opmath, lse (B, Hq, T) fp32) by the definition."""
+    op = _opmath(q.dtype)
+    group = q.shape[2] // k.shape[2]
+    qh = q.to(op).transpose(1, 2)
+    kh = k.to(op).transpose(1, 2).repeat_interleave(group, dim=1)
+    vh = v.to(op).transpose(1, 2).repeat_interleave(group, dim=1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    s = s.masked_fill(~_mask(doc_start, q.shape[0], q.shape[1], q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2)
+    return out, lse
+
+
+def attention_ref(q, k, v, scale=None, doc_start=None):
+    """Plain-PyTorch causal attention (q (B, T, Hq, D), k, v (B, T, Hkv, D)) in fp32 (fp64 for
+    fp64), rounded once; differentiable by autograd."""
+    check_attention_args(q, k, v, doc_start)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _forward_math(q, k, v, doc_start, scale)[0].to(q.dtype)
+
+
+def check_attention_args(q, k, v, doc_start):
+    where = "fastllm.attention"
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"{where}: dtype {q.dtype} is not supported (fp32, bf16, fp16, fp64)")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{where}: {name} has dtype {t.dtype}, q has {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{where}: {name} is on {t.device}, q on {q.device}")
+    if any(t.layout != torch.strided for t in (q, k, v)):
+        raise TypeError(f"{where}: only dense tensors are supported")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{where}: q, k, v must be (batch, tokens, heads, head_dim), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    b, t, hq, d = q.shape
+    if k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
+        raise ValueError(f"{where}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree (same "
+                         f"batch, tokens and head_dim)")
+    if k.shape[2] == 0 or hq % k.shape[2]:
+        raise ValueError(f"{where}: {hq} query heads are not a multiple of {k.shape[2]} "
+                         f"key/value heads")
+    if doc_start is not None:
+        if doc_start.dtype != torch.int64 or doc_start.shape != (b, t):
+            raise ValueError(f"{where}: doc_start must be ({b}, {t}) int64, got "
+                             f"{tuple(doc_start.shape)} {doc_start.dtype}")
+        if doc_start.device != q.device:
+            raise ValueError(f"{where}: doc_start is on {doc_start.device}, q on {q.device}")
+
+
+def _check_doc_start_values(doc_start):
+    if doc_start is None or doc_start.numel() == 0:
+        return
+    t = torch.arange(doc_start.shape[1], device=doc_start.device)
+    ok = (doc_start >= 0) & (doc_start <= t)
+    ok[:, 1:] &= doc_start[:, 1:] >= doc_start[:, :-1]
+    if not bool(ok.all()):
+        b, i = (~ok).nonzero()[0].tolist()
+        raise ValueError(f"fastllm.attention: doc_start[{b}, {i}] = {int(doc_start[b, i])} is not "
+                         f"a document start (0 <= doc_start[t] <= t, non-decreasing in t)")
+
+
+def _forward_ref(q, k, v, doc_start, scale):
+    out, lse = _forward_math(q, k, v, doc_start, scale)
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+
+
+def _backward_ref(grad_out, q, k, v, out, lse, doc_start, scale):
+    op = _opmath(q.dtype)
+    with torch.enable_grad():
+        leaves = [t.detach().to(op).requires_grad_() for t in (q, k, v)]
+        o, _ = _forward_math(*leaves, doc_start, scale)
+        grads = torch.autograd.grad(o, leaves, grad_out.to(op))
+    return tuple(g.to(q.dtype) for g in grads)
+
+
+def _empty(doc_start, device):
+    return doc_start if doc_start is not None else torch.empty(0, dtype=torch.int64,
+                                                               device=device)
+
+
+def _forward_cpp(q, k, v, doc_start, scale):
+    _gemm.enabled()  # the kernel's fp32 GEMMs follow fastllm/_gemm.py's policy (set in C++)
+    out, lse = _extension.extension().attention_cpu(q, k, v, _empty(doc_start, q.device), scale)
+    return out, lse
+
+
+def _backward_cpp(grad_out, q, k, v, out, lse, doc_start, scale):
+    _gemm.enabled()
+    dq, dk, dv = _extension.extension().attention_backward_cpu(
+        grad_out, q, k, v, out, lse, _empty(doc_start, q.device), scale)
+    return dq, dk, dv
+
+
+_FORWARD = {"ref": _forward_ref, "cpp": _forward_cpp}
+_BACKWARD = {"ref": _backward_ref, "cpp": _backward_cpp}
+
+
+def _select(x):
+    device_type = x.device.type
+    backend = _backend.select("attention", device_type, _PREFERENCE.get(device_type, ("ref",)))
+    if backend == "cpp" and not hasattr(_extension.extension(), "attention_cpu"):
+        if _backend.forced_backend() == "cpp":
+            raise RuntimeError("fastllm.attention: backend 'cpp' was forced but fastllm._C "
+                               "predates attention_cpu; rebuild it (make build)")
+        return "ref"
+    if backend == "cpp" and x.dtype == torch.float64:
+        if _backend.forced_backend() == "cpp":
+            raise RuntimeError("fastllm.attention: the cpp kernel takes fp32/bf16/fp16")
+        return "ref"
+    if backend not in _FORWARD:
+        raise RuntimeError(f"fastllm.attention: backend {backend!r} was forced but this op has "
+                           f"no {backend} kernel")
+    return backend
+
+
+def _attention_impl(q, k, v, doc_start, scale):
+    check_attention_args(q, k, v, doc_start)
+    _check_doc_start_values(doc_start)
+    with _backend.device_guard(q.device):
+        return _FORWARD[_select(q)](q, k, v, doc_start, scale)
+
+
+def _attention_backward_impl(grad_out, q, k, v, out, lse, doc_start, scale):
+    with _backend.device_guard(q.device):
+        return _BACKWARD[_select(q)](grad_out, q, k, v, out, lse, doc_start, scale)
+
+
+for _key in ("CPU", "CUDA"):
+    lib.impl("attention", _attention_impl, _key)
+    lib.impl("attention_backward", _attention_backward_impl, _key)
+
+
+@torch.library.register_fake("fastllm::attention")
+def _attention_fake(q, k, v, doc_start, scale):
+    check_attention_args(q, k, v, doc_start)
+    b, t, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, t), dtype=torch.float32)
+
+
+@torch.library.register_fake("fastllm::attention_backward")
+def _attention_backward_fake(grad_out, q, k, v, out, lse, doc_start, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, doc_start, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, doc_start)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, doc_start = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fastllm.attention_backward(grad_out.contiguous(), q, k, v, out, lse,
+                                                      doc_start, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("fastllm::attention", _backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, scale=None, doc_start=None):
+    """Causal attention: q (B, T, Hq, D), k, v (B, T, Hkv, D) -> (B, T, Hq, D).
+
+    scale: multiplies q k^T (default head_dim ** -0.5). doc_start: None, or (B, T) int64, the
+    first key each query may attend (packed documents; `doc_start_from_position_ids`)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"fastllm.attention: scale must be finite, got {scale}")
+    return torch.ops.fastllm.attention(q, k, v, doc_start, scale)[0]
+
+
+def _mode():
+    import os
+
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"fastllm: {ENV}={mode!r} is not one of {_MODES}")
+    return mode
+
+
+@torch.compiler.assume_constant_result  # a setting of the process: torch.compile reads it once
+def cpu_attention_enabled():
+    """Whether fastllm.patch runs a CPU model's causal attention through this op
+    (FASTLLM_CPU_ATTENTION: auto, the default, where fastllm/_gemm.py routes fp32 GEMMs to oneDNN,
+    the CPUs it was measured faster on; fastllm; torch: PyTorch's own attention)."""
+    mode = _mode()
+    if mode == "torch" or not _extension.has_cpp() or not hasattr(_extension.extension(),
+                                                                  "attention_cpu"):
+        return False
+    return mode == "fastllm" or _gemm.enabled()

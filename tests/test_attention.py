@@ -1,0 +1,164 @@
+"""fastllm.ops.attention (causal, grouped-query, packed documents) on the cpp and ref backends
+against attention_ref in fp64 and against what users run otherwise
+(F.scaled_dot_product_attention with enable_gqa and the mask transformers builds for packed
+rows): the output and the grads of q, k and v, fp32 (1e-5 on the output, 1e-4 on grads) and
+bf16/fp16 (at most twice PyTorch's own error against fp64), at odd sizes: one token, more
+query positions than the kernel's 128-position block, GQA groups of 1 to 3."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastllm
+from fastllm.ops.attention import attention, attention_ref, doc_start_from_position_ids
+
+from _model_ops import check_close, grads
+from conftest import backend_device_params
+
+_module = sys.modules["fastllm.ops.attention"]
+BACKENDS = [p for p in backend_device_params() if p.values[0] in ("cpp", "ref")]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (batch, tokens, query heads, kv heads, head_dim, packed)
+CASES = [
+    (2, 11, 6, 2, 8, False),
+    (2, 11, 6, 2, 8, True),
+    (1, 1, 2, 1, 4, False),
+    (2, 133, 3, 1, 16, True),  # two query blocks; documents across the block boundary
+    (1, 130, 2, 2, 8, False),
+]
+
+
+def _case_id(case):
+    b, t, hq, hk, d, packed = case
+    return f"{b}x{t}-h{hq}/{hk}-d{d}" + ("-packed" if packed else "")
+
+
+def _position_ids(b, t, g):
+    """Rows of documents of random lengths, positions restarting at 0 at each."""
+    rows = []
+    for _ in range(b):
+        pos, left = [], t
+        while left:
+            n = int(torch.randint(1, max(2, t // 3) + 1, (1,), generator=g))
+            n = min(n, left)
+            pos += list(range(n))
+            left -= n
+        rows.append(pos)
+    return torch.tensor(rows)
+
+
+def _inputs(case, dtype):
+    b, t, hq, hk, d, packed = case
+    g = torch.Generator().manual_seed(0)
+    q = (2 * torch.randn(b, t, hq, d, generator=g)).to(dtype).requires_grad_()
+    k = (2 * torch.randn(b, t, hk, d, generator=g)).to(dtype).requires_grad_()
+    v = torch.randn(b, t, hk, d, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(b, t, hq, d, generator=g).to(dtype)
+    doc_start = doc_start_from_position_ids(_position_ids(b, t, g)) if packed else None
+    return q, k, v, dy, doc_start
+
+
+def _sdpa(q, k, v, doc_start):
+    """What a user runs otherwise: SDPA in (B, H, T, D) with the block-diagonal causal mask."""
+    t = q.shape[1]
+    i = torch.arange(t)
+    mask = i[None, :] <= i[:, None]
+    if doc_start is not None:
+        mask = (mask[None] & (i[None, None, :] >= doc_start[:, :, None]))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_ref_and_sdpa(backend, device, dtype, case):
+    q, k, v, dy, doc_start = _inputs(case, dtype)
+    with fastllm.use_backend(backend):
+        got = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    oracle = grads([attention_ref(*wide, doc_start=doc_start)], wide, [dy.double()])
+    theirs_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    theirs = grads([_sdpa(*theirs_in, doc_start)], theirs_in, [dy])
+    for name, a, t, o in zip(("out", "dq", "dk", "dv"), got, theirs, oracle):
+        assert a.dtype == dtype and a.shape == o.shape, name
+        if name in ("dq", "dk") and case[1] == 1:
+            # one key: the output is v whatever q and k are; dq, dk are 0 (up to the softmax's
+            # rounding)
+            scale = (dy.double().abs().max() * v.double().abs().max()).item()
+            assert a.double().abs().max().item() <= 4 * torch.finfo(dtype).eps * scale
+            continue
+        check_close(name, a, t, o, dtype, fp32_rtol=1e-5 if name == "out" else 1e-4)
+
+
+def test_scale_and_documents_are_honoured():
+    """A document's output depends on its own tokens only, and scale multiplies q k^T."""
+    q, k, v, _, _ = _inputs((1, 9, 2, 1, 4, False), torch.float64)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    ds = doc_start_from_position_ids(pos)
+    both = attention(q, k, v, doc_start=ds)
+    second = attention(q[:, 4:], k[:, 4:], v[:, 4:])
+    torch.testing.assert_close(both[:, 4:], second)
+    torch.testing.assert_close(both[:, :4], attention(q[:, :4], k[:, :4], v[:, :4]))
+    torch.testing.assert_close(attention(q, k, v, scale=0.3), attention(q * 0.3 * 2, k, v, scale=0.5))
+
+
+def test_doc_start_follows_transformers():
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+                        [5, 6, 7, 0, 1, 2, 3, 9, 10, 11]])
+    ds = doc_start_from_position_ids(pos)
+    assert ds.tolist()[0] == [0, 0, 0, 3, 3, 5, 6, 6, 6, 6]
+    assert ds.tolist()[1] == [0] * 10
+    seq = masking_utils.find_packed_sequence_indices(pos)  # one id per document
+    same_doc = seq[:, :, None] == seq[:, None, :]
+    t = torch.arange(10)
+    ours = (t[None, None, :] >= ds[:, :, None]) & (t[None, :] <= t[:, None])
+    assert torch.equal(ours, same_doc & (t[None, :] <= t[:, None]))
+
+
+def test_backward_keeps_no_scores():
+    q, k, v, _, _ = _inputs((1, 64, 2, 1, 8, False), torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        attention(q, k, v)
+    assert saved and max(t.numel() for t in saved) <= q.numel()  # q, k, v, out, lse: no T x T
+
+
+def test_bad_input_is_refused():
+    q, k, v, _, _ = _inputs((1, 5, 4, 2, 8, False), torch.float32)
+    with pytest.raises(TypeError, match="k has dtype"):
+        attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="not a multiple"):
+        attention(q, k[:, :, :1].expand(1, 5, 3, 8), v[:, :, :1].expand(1, 5, 3, 8))
+    with pytest.raises(ValueError, match="batch, tokens, heads"):
+        attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match=r"doc_start must be \(1, 5\) int64"):
+        attention(q, k, v, doc_start=torch.zeros(1, 4, dtype=torch.int64))
+    for backend in ("ref", "cpp"):
+        if fastllm._backend.unavailable_reason(backend, "cpu"):
+            continue
+        with fastllm.use_backend(backend), pytest.raises(ValueError, match="document start"):
+            attention(q, k, v, doc_start=torch.tensor([[0, 0, 3, 1, 1]]))
+    with pytest.raises(ValueError, match="finite"):
+        attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="FASTLLM_CPU_ATTENTION"), pytest.MonkeyPatch.context() as m:
+        m.setenv("FASTLLM_CPU_ATTENTION", "fastest")
+        _module._mode()
+
+
+def test_opcheck_and_compile():
+    q, k, v, dy, ds = _inputs((1, 7, 4, 2, 8, True), torch.float32)
+    torch.library.opcheck(torch.ops.fastllm.attention.default, (q, k, v, ds, 0.25))
+    torch.library.opcheck(torch.ops.fastllm.attention.default, (q, k, v, None, 0.25))
+    out, lse = torch.ops.fastllm.attention(q, k, v, ds, 0.25)
+    torch.library.opcheck(torch.ops.fastllm.attention_backward.default,
+                          (dy, q.detach(), k.detach(), v.detach(), out.detach(), lse, ds, 0.25))
+    fn = torch.compile(lambda a, b, c: attention(a, b, c, doc_start=ds).sum(), fullgraph=True,
+                       backend="aot_eager")
+    torch.testing.assert_close(fn(q, k, v), attention(q, k, v, doc_start=ds).sum())
+    fn(q, k, v).backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
