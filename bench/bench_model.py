@@ -7,7 +7,8 @@
    attention compute), at SmolLM2-135M's sizes for 8 x 512 tokens: time, GB/s (the bytes the op
    must move at least) or TFLOP/s (linear, attention), and the peak of the tensors it allocates
    (PeakMemory). "fastllm" for linear and attention is what fastllm.patch runs: fastllm.ops.linear,
-   and the fp32 flash attention of fastllm/_lowp.py where it widens bf16 (else torch's own).
+   and fastllm.ops.attention where FASTLLM_CPU_ATTENTION says (else the fp32 flash attention of
+   fastllm/_lowp.py where it widens bf16, else torch's own).
 2. A training step of a SmolLM2-135M-shaped LlamaForCausalLM (hidden 576, 9 / 3 heads, ffn 1536,
    vocab 49152, tied embeddings; random init, or the real weights from FASTLLM_BENCH_MODEL=DIR,
    a folder made by shared/models/prepare_smollm2.py), LoRA (r=16 on q/v) and full
@@ -61,10 +62,13 @@ def _attention_torch(q, k, v):  # what HF's sdpa attention calls for a causal ba
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def _attention_fastllm(q, k, v):  # fastllm.patch's attention: fp32 flash where _lowp widens
+def _attention_fastllm(q, k, v):  # fastllm.patch's attention
     from fastllm import _lowp
+    from fastllm.ops.attention import attention, cpu_attention_enabled
 
-    if _lowp.widen(q):
+    if cpu_attention_enabled():  # fastllm.ops.attention, in its (B, T, H, D) layout
+        return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    if _lowp.widen(q):  # fp32 flash on widened q, k, v
         return _lowp.scaled_dot_product_attention(q, k, v, None, True, None)
     return _attention_torch(q, k, v)
 
