@@ -106,6 +106,17 @@ def test_scale_and_documents_are_honoured():
     torch.testing.assert_close(attention(q, k, v, scale=0.3), attention(q * 0.3 * 2, k, v, scale=0.5))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_path_through_sdpa_matches_ref(packed):
+    """Off the CPU `attention` runs F.scaled_dot_product_attention (no GPU kernel of its own):
+    the same contract, checked here on CPU tensors through the same function."""
+    q, k, v, dy, ds = _inputs((2, 19, 6, 3, 8, packed), torch.float64)
+    got = grads([_module._sdpa_attention(q, k, v, 0.3, ds)], [q, k, v], [dy])
+    want = grads([attention_ref(q, k, v, scale=0.3, doc_start=ds)], [q, k, v], [dy])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 def test_doc_start_follows_transformers():
     masking_utils = pytest.importorskip("transformers.masking_utils")
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9],

@@ -16,8 +16,9 @@ fp32; the backward recomputes the probabilities from it, so nothing of size T x 
 Ops (schemas in fastllm/_library.py): attention(q, k, v, doc_start, scale) -> (out, lse),
 attention_backward(grad_out, q, k, v, out, lse, doc_start, scale) -> (dq, dk, dv). Backends:
 cpp (csrc/cpu/attention.cpp: blocks of query positions through fp32 GEMMs, oneDNN's where
-fastllm/_gemm.py routes them), ref (plain PyTorch, any device). On a GPU fastllm.patch keeps
-PyTorch's flash attention: this op has no Triton kernel.
+fastllm/_gemm.py routes them), ref (plain PyTorch, any device). There is no GPU kernel:
+`attention` on a GPU tensor runs F.scaled_dot_product_attention (flash or memory-efficient, with
+the block-diagonal mask for doc_start), and fastllm.patch keeps PyTorch's attention on GPUs.
 """
 
 import math
@@ -235,7 +236,22 @@ def attention(q, k, v, scale=None, doc_start=None):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"fastllm.attention: scale must be finite, got {scale}")
+    if q.device.type != "cpu":
+        # no GPU kernel of fastllm's own: PyTorch's fused attention (flash, memory-efficient),
+        # not the reference, which would materialise T x T scores per head
+        return _sdpa_attention(q, k, v, scale, doc_start)
     return torch.ops.fastllm.attention(q, k, v, doc_start, scale)[0]
+
+
+def _sdpa_attention(q, k, v, scale, doc_start):
+    """The op's contract through F.scaled_dot_product_attention: is_causal, or the
+    block-diagonal causal mask of doc_start."""
+    check_attention_args(q, k, v, doc_start)
+    mask = None if doc_start is None else _mask(doc_start, q.shape[0], q.shape[1], q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        is_causal=doc_start is None, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def _mode():
