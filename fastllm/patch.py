@@ -179,9 +179,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         # kernel, in the projections' (B, T, H, D) layout
         from fastllm.ops.attention import attention
 
-        if cache is not None:  # a prefill with use_cache: the cache still gets k and v
+        doc_start = plan.doc_start
+        if cache is not None:  # a prefill with use_cache: the cache still gets k and v, and
+            # transformers' mask ignored the position ids (no packed rows with a cache)
             cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs=kwargs)
-        out = attention(q, k, v, scale=self.scaling, doc_start=plan.doc_start)
+            doc_start = None
+        out = attention(q, k, v, scale=self.scaling, doc_start=doc_start)
         return self.o_proj(out.reshape(*input_shape, -1)), None
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.transpose(1, 2)
@@ -218,23 +221,27 @@ class _AttentionPlan:
     __slots__ = ("doc_start",)
 
     def __init__(self, doc_start):
-        self.doc_start = doc_start  # (B, T) int64, or None: plain causal
+        # (B, T) int64 from the position ids, or None (none given: plain causal). A layer that
+        # sees a cache ignores it: transformers looks for packed rows only when the model runs
+        # without one (masking_utils), and whether it does is only known there (the model may
+        # make a cache for use_cache, or not, as under gradient checkpointing in training)
+        self.doc_start = doc_start
 
 
-def _attention_plan(model, inputs, attention_mask, position_ids, cache, use_cache):
-    from fastllm.ops.attention import cpu_attention_enabled, doc_start_from_position_ids
+def _attention_plan(model, inputs, attention_mask, position_ids, cache):
+    from fastllm.ops.attention import doc_start_from_position_ids, worth_it
 
     if inputs is None or inputs.device.type != "cpu" or attention_mask is not None:
         return None
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return None
-    if not cpu_attention_enabled():
+    config = model.config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if not worth_it(inputs.shape[0], kv_heads):
         return None
     if cache is not None and cache.get_seq_length() > 0:
         return None
-    caching = cache is not None or (use_cache if use_cache is not None
-                                    else getattr(model.config, "use_cache", False))
-    if position_ids is None or caching:
+    if position_ids is None:
         return _AttentionPlan(None)
     return _AttentionPlan(doc_start_from_position_ids(
         position_ids.expand(inputs.shape[0], -1).to(inputs.device)))
@@ -243,6 +250,7 @@ def _attention_plan(model, inputs, attention_mask, position_ids, cache, use_cach
 def _fastllm_attention_applies(module, q, dropout, kwargs):
     config = module.config
     return (q.device.type == "cpu" and dropout == 0.0 and getattr(module, "is_causal", True)
+            and kwargs.get("is_causal", True) is not False
             and not kwargs.get("output_attentions", False)
             # Qwen2 sets sliding_window per layer (None: full attention); Mistral in its config
             and (module.sliding_window if hasattr(module, "sliding_window")
@@ -284,7 +292,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     plan = _attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
-                           attention_mask, position_ids, cache, use_cache)
+                           attention_mask, position_ids, cache)
     if plan is not None:
         kwargs[_ATTENTION_PLAN] = plan
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,

@@ -117,6 +117,29 @@ def test_gpu_path_through_sdpa_matches_ref(packed):
         torch.testing.assert_close(a, b)
 
 
+def test_threads_keep_the_callers_mode():
+    """The kernel's worker threads write tensors the caller made: under inference_mode those are
+    inference tensors (several tasks, so every thread of the pool takes some)."""
+    q, k, v, _, ds = _inputs((4, 9, 4, 2, 8, True), torch.float32)
+    want = attention_ref(q, k, v, doc_start=ds)
+    with torch.inference_mode():
+        got = attention(q, k, v, doc_start=ds)
+    torch.testing.assert_close(got, want)
+
+
+def test_empty_and_one_token_shapes():
+    pos = torch.zeros(3, 1, dtype=torch.int64)
+    assert doc_start_from_position_ids(pos).tolist() == [[0]] * 3
+    assert doc_start_from_position_ids(torch.zeros(2, 0, dtype=torch.int64)).shape == (2, 0)
+    for b, t in ((0, 5), (2, 0)):
+        q, k, v = torch.randn(b, t, 4, 8), torch.randn(b, t, 2, 8), torch.randn(b, t, 2, 8)
+        assert attention(q, k, v).shape == (b, t, 4, 8)
+    ds = doc_start_from_position_ids(torch.tensor([[0, 1, 0, 1]])).expand(2, 4)  # not contiguous
+    q, k, v = torch.randn(2, 4, 2, 8), torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8)
+    torch.testing.assert_close(attention(q, k, v, doc_start=ds),
+                               attention_ref(q, k, v, doc_start=ds.contiguous()))
+
+
 def test_doc_start_follows_transformers():
     masking_utils = pytest.importorskip("transformers.masking_utils")
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
@@ -154,6 +177,8 @@ def test_bad_input_is_refused():
             continue
         with fastllm.use_backend(backend), pytest.raises(ValueError, match="document start"):
             attention(q, k, v, doc_start=torch.tensor([[0, 0, 3, 1, 1]]))
+    with pytest.raises(ValueError, match="head_dim must be positive"):
+        attention(q[..., :0], k[..., :0], v[..., :0])
     with pytest.raises(ValueError, match="finite"):
         attention(q, k, v, scale=float("nan"))
     with pytest.raises(ValueError, match="FASTLLM_CPU_ATTENTION"), pytest.MonkeyPatch.context() as m:

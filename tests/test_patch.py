@@ -99,8 +99,8 @@ def test_patched_llama_equals_unpatched():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fastllm_attention_equals_unpatched(packed, monkeypatch):
+@pytest.mark.parametrize("packed,checkpointing", [(False, False), (True, False), (True, True)])
+def test_fastllm_attention_equals_unpatched(packed, checkpointing, monkeypatch):
     """fastllm's CPU attention in a patched model: plain causal rows, and packed rows (position
     ids restarting, no attention_mask: transformers' block-diagonal mask on the unpatched side)
     give the unpatched model's loss and grads; a 2-D attention_mask keeps PyTorch's attention."""
@@ -109,7 +109,12 @@ def test_fastllm_attention_equals_unpatched(packed, monkeypatch):
     monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
     model = _model()
     ids, labels = _batch(s=13)
-    kw = dict(use_cache=False)
+    # with gradient checkpointing, use_cache left to the config: transformers turns the cache off
+    # in training, and so looks for packed rows
+    kw = {} if checkpointing else dict(use_cache=False)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
     if packed:
         kw["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4],
                                            [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]])
@@ -120,11 +125,14 @@ def test_fastllm_attention_equals_unpatched(packed, monkeypatch):
     fastllm.patch(model)
     calls = _count_attention_calls(monkeypatch)
     _assert_same(_loss_and_grads(model, ids, labels, run), theirs)
-    assert len(calls) == 2
+    assert len(calls) == (4 if checkpointing else 2)  # each layer again in its recomputation
+    calls.clear()
     mask = torch.ones_like(ids)
     mask[1, -2:] = 0
     model(input_ids=ids, labels=labels, attention_mask=mask, use_cache=False)
-    assert len(calls) == 2
+    assert not calls
+    model(input_ids=ids, labels=labels, use_cache=False, is_causal=False)  # bidirectional
+    assert not calls
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])

@@ -15,7 +15,6 @@ import torch
 import fastllm
 from fastllm import _gemm
 from fastllm.distributed.launch import spawn
-from fastllm.ops.attention import cpu_attention_enabled
 
 transformers = pytest.importorskip("transformers")
 
@@ -237,6 +236,8 @@ def _train_tp(rank, folder):
 def _worker(rank, world_size, folder):
     # widen bf16 matmuls on every CPU, as tests/test_patch.py does (fp32 runs are unaffected)
     os.environ["FASTLLM_CPU_LOWP_MATMUL"] = "fp32"
+    # fastllm's CPU attention on every CPU (auto takes it on some CPUs and shapes only)
+    os.environ["FASTLLM_CPU_ATTENTION"] = "fastllm"
     out = {name: _run_layout(name, rank) for name in LAYOUTS}
     out["train_tp2_sp"] = _train_tp(rank, folder)
     return out
@@ -316,17 +317,22 @@ EXPECTED_CALLS = {
 ROUTED_LINEAR_CALLS = {"fsdp2": 12, "fsdp2_recompute": 24}
 
 
-# where fastllm runs the CPU attention (fastllm/ops/attention.py's cpu_attention_enabled: the
-# CPUs of fastllm/_gemm.py's route, or FASTLLM_CPU_ATTENTION=fastllm), every layout's attention
-# (on local heads under tp) is fastllm.ops.attention, in place of the widened flash path
+# the workers set FASTLLM_CPU_ATTENTION=fastllm: where the extension has the kernel, every
+# layout's attention (on local heads under tp) is fastllm.ops.attention, in place of the widened
+# flash path
 ATTENTION_CALLS = {"fsdp2_recompute": 4}
+
+
+def _attention_kernel():
+    ext = fastllm._extension
+    return ext.has_cpp() and hasattr(ext.extension(), "attention_cpu")
 
 
 def _expected_calls(layout):
     want = dict(EXPECTED_CALLS[layout])
     if layout in ROUTED_LINEAR_CALLS and _gemm.routes("cpu", torch.float32):
         want["linear"] = ROUTED_LINEAR_CALLS[layout]
-    if cpu_attention_enabled():
+    if _attention_kernel():
         want.pop("scaled_dot_product_attention", None)
         want["attention"] = ATTENTION_CALLS.get(layout, 2)
     return want

@@ -27,6 +27,7 @@
 // short documents less.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -62,6 +63,7 @@ Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               " query heads are not a multiple of ", k.size(2), " key/value heads");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
               ": q, k, v must share a dtype");
+  TORCH_CHECK(q.size(3) > 0, op, ": head_dim must be positive");
   Shape s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(2) / std::max<int64_t>(1, k.size(2)),
           q.size(3)};
   if (doc_start.numel() > 0) {
@@ -106,8 +108,7 @@ inline Range keys_of(const int64_t* ds, int64_t t, int64_t first_key) {
 std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                       const at::Tensor& v_in, const at::Tensor& doc_start,
                                       double scale) {
-  // plain aliases: the workers' copies and GEMMs must not be seen by autograd (grad mode is
-  // per thread, and on in the pool's threads)
+  // plain aliases: nothing the workers copy or multiply is recorded by autograd
   const auto q = q_in.detach(), k = k_in.detach(), v = v_in.detach();
   const Shape s = check(q, k, v, doc_start);
   auto out = at::empty({s.batch, s.tokens, s.heads, s.dim}, q.options());
@@ -118,7 +119,11 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   const float sc = static_cast<float>(scale);
   const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
   float* lse_all = lse.mutable_data_ptr<float>();
+  // the caller's thread-local state (inference mode, grad mode) in the pool's threads too: their
+  // copies write tensors the caller made (an inference tensor under torch.inference_mode)
+  const at::ThreadLocalState caller;
   at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
     auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
     auto of = at::empty({T * G, D}, f32);
@@ -186,7 +191,11 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
   const float sc = static_cast<float>(scale);
   const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
   const float* lse_all = lse.const_data_ptr<float>();
+  // the caller's thread-local state (inference mode, grad mode) in the pool's threads too: their
+  // copies write tensors the caller made (an inference tensor under torch.inference_mode)
+  const at::ThreadLocalState caller;
   at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
     auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
     auto dof = at::empty({T * G, D}, f32), of = at::empty({T * G, D}, f32);

@@ -223,7 +223,7 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
       dw32 = m > 0 ? at::empty_like(weight) : at::zeros_like(weight);
     } else {
       dw32 = at::zeros({vocab, h}, f32);
-      tile = std::min<int64_t>(vocab, std::max<int64_t>(256, kPartialBytes / (h * weight.element_size())));
+      tile = std::min<int64_t>(vocab, std::max<int64_t>(256, kPartialBytes / (std::max<int64_t>(1, h) * weight.element_size())));
       partial = at::empty({tile, h}, weight.options());
     }
   }

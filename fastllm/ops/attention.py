@@ -28,7 +28,8 @@ import torch
 from fastllm import _backend, _extension, _gemm
 from fastllm._library import lib
 
-__all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "cpu_attention_enabled"]
+__all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "cpu_attention_enabled",
+           "worth_it"]
 
 _PREFERENCE = {"cpu": ("cpp", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -48,7 +49,8 @@ def doc_start_from_position_ids(position_ids):
         raise ValueError(f"fastllm.attention: position_ids must be (batch, tokens), got "
                          f"{tuple(position_ids.shape)}")
     steps = torch.diff(position_ids, dim=1) != 1
-    starts = torch.cat([torch.ones_like(steps[:, :1]), steps], dim=1)
+    first = torch.ones_like(position_ids[:, :1], dtype=torch.bool)
+    starts = torch.cat([first, steps], dim=1)
     idx = torch.arange(position_ids.shape[1], device=position_ids.device)
     return torch.where(starts, idx, 0).cummax(dim=1).values.contiguous()
 
@@ -104,6 +106,8 @@ def check_attention_args(q, k, v, doc_start):
     if k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
         raise ValueError(f"{where}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree (same "
                          f"batch, tokens and head_dim)")
+    if d == 0:
+        raise ValueError(f"{where}: head_dim must be positive")
     if k.shape[2] == 0 or hq % k.shape[2]:
         raise ValueError(f"{where}: {hq} query heads are not a multiple of {k.shape[2]} "
                          f"key/value heads")
@@ -142,8 +146,9 @@ def _backward_ref(grad_out, q, k, v, out, lse, doc_start, scale):
 
 
 def _empty(doc_start, device):
-    return doc_start if doc_start is not None else torch.empty(0, dtype=torch.int64,
-                                                               device=device)
+    if doc_start is None:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return doc_start.contiguous()
 
 
 def _forward_cpp(q, k, v, doc_start, scale):
@@ -233,7 +238,9 @@ def attention(q, k, v, scale=None, doc_start=None):
 
     scale: multiplies q k^T (default head_dim ** -0.5). doc_start: None, or (B, T) int64, the
     first key each query may attend (packed documents; `doc_start_from_position_ids`)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # head_dim 0: refused below
+    scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"fastllm.attention: scale must be finite, got {scale}")
     if q.device.type != "cpu":
@@ -261,6 +268,20 @@ def _mode():
     if mode not in _MODES:
         raise ValueError(f"fastllm: {ENV}={mode!r} is not one of {_MODES}")
     return mode
+
+
+@torch.compiler.assume_constant_result
+def _threads():
+    return torch.get_num_threads()
+
+
+def worth_it(batch, kv_heads):
+    """Whether fastllm.patch gives a (batch, ..., kv_heads, ...) attention to this op: where
+    cpu_attention_enabled(), and under `auto` only when the kernel's tasks (one per row and kv
+    head) can keep every thread busy (PyTorch's flash kernel also splits the query positions)."""
+    if not cpu_attention_enabled():
+        return False
+    return _mode() == "fastllm" or batch * kv_heads >= _threads()
 
 
 @torch.compiler.assume_constant_result  # a setting of the process: torch.compile reads it once
