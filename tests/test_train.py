@@ -730,3 +730,22 @@ def test_zero2_two_processes_trains(cache_dir, tmp_path):
     ls = losses(out)
     assert len(ls) == 8 and ls[-1] < ls[0] - 0.5, ls
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [8, 4]
+
+
+@pytest.mark.parametrize("mode", ["lora", "prefix"])
+def test_adapters_initialised_from_the_seed(mode):
+    """The same seed gives the same adapters (a LoRA run's step-1 grads depend on its random A),
+    another seed others, and building them leaves the global RNG where it was."""
+    from fastllm.train.model import apply_finetune, build_model
+
+    def adapters(seed):
+        cfg = TrainConfig.from_args(["model=tiny", f"finetune={mode}", f"seed={seed}"])
+        model = apply_finetune(build_model(cfg, 97, torch.float32), cfg)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    before = torch.random.get_rng_state()
+    a, b, c = adapters(3), adapters(3), adapters(4)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert a and a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert any(not torch.equal(a[n], c[n]) for n in a)

@@ -59,7 +59,20 @@ def _last_layer_indices(model, n):
 def apply_finetune(model, cfg):
     """Set which parameters train. full: all; freeze: the last freeze.layers blocks, the final
     norm and the head; lora: injected LoRA adapters only (fastllm's fused LoRA, or PEFT when
-    backend=torch); galore/badam: all (their optimizers decide what moves)."""
+    backend=torch); galore/badam: all (their optimizers decide what moves). New parameters
+    (adapters, prefixes) are initialised from cfg.seed, as a preset model's weights are: the same
+    seed, the same run (HF's Trainer seeds before the model and PEFT's adapters likewise)."""
+    if cfg.finetune not in ("lora", "prefix"):
+        return _apply_finetune(model, cfg)
+    devices = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = [torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.seed)
+        return _apply_finetune(model, cfg)
+
+
+def _apply_finetune(model, cfg):
     mode = cfg.finetune
     if mode in ("full", "galore", "badam"):
         model.requires_grad_(True)
