@@ -63,7 +63,7 @@ def _inputs(case, dtype):
 def _sdpa(q, k, v, doc_start):
     """What a user runs otherwise: SDPA in (B, H, T, D) with the block-diagonal causal mask."""
     t = q.shape[1]
-    i = torch.arange(t)
+    i = torch.arange(t, device=q.device)
     mask = i[None, :] <= i[:, None]
     if doc_start is not None:
         mask = (mask[None] & (i[None, None, :] >= doc_start[:, :, None]))[:, None]
@@ -77,18 +77,24 @@ def _sdpa(q, k, v, doc_start):
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_matches_ref_and_sdpa(backend, device, dtype, case):
     q, k, v, dy, doc_start = _inputs(case, dtype)
+    # on a GPU `attention` is PyTorch's SDPA (no kernel of fastllm's own), on the CPU the op
+    q, k, v = (t.detach().to(device).requires_grad_() for t in (q, k, v))
+    dy = dy.to(device)
+    doc_start = None if doc_start is None else doc_start.to(device)
     with fastllm.use_backend(backend):
         got = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
-    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    oracle = grads([attention_ref(*wide, doc_start=doc_start)], wide, [dy.double()])
+    wide = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    cpu_start = None if doc_start is None else doc_start.cpu()
+    oracle = grads([attention_ref(*wide, doc_start=cpu_start)], wide, [dy.cpu().double()])
     theirs_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     theirs = grads([_sdpa(*theirs_in, doc_start)], theirs_in, [dy])
     for name, a, t, o in zip(("out", "dq", "dk", "dv"), got, theirs, oracle):
+        a, t = a.detach().cpu(), t.detach().cpu()
         assert a.dtype == dtype and a.shape == o.shape, name
         if name in ("dq", "dk") and case[1] == 1:
             # one key: the output is v whatever q and k are; dq, dk are 0 (up to the softmax's
             # rounding)
-            scale = (dy.double().abs().max() * v.double().abs().max()).item()
+            scale = (dy.double().abs().max() * v.double().abs().max()).cpu().item()
             assert a.double().abs().max().item() <= 4 * torch.finfo(dtype).eps * scale
             continue
         check_close(name, a, t, o, dtype, fp32_rtol=1e-5 if name == "out" else 1e-4)
