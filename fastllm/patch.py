@@ -235,9 +235,8 @@ def _attention_plan(model, inputs, attention_mask, position_ids, cache):
         return None
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return None
-    config = model.config
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if not worth_it(inputs.shape[0], kv_heads):
+    dtype = getattr(model, "dtype", torch.float32)
+    if not worth_it(inputs.shape[1], dtype):
         return None
     if cache is not None and cache.get_seq_length() > 0:
         return None

@@ -123,6 +123,29 @@ def test_gpu_path_through_sdpa_matches_ref(packed):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_fewer_tasks_than_threads_split_the_query_blocks(packed):
+    """One row and one kv head on 4 threads: the cpp kernel splits the task's 3 query blocks
+    into parts (dK, dV summed per part afterwards); same results as the reference, and the same
+    bits on every call."""
+    if fastllm._backend.unavailable_reason("cpp", "cpu"):
+        pytest.skip("no cpp backend")
+    q, k, v, dy, ds = _inputs((1, 300, 2, 1, 8, packed), torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with fastllm.use_backend("cpp"):
+            got = grads([attention(q, k, v, doc_start=ds)], [q, k, v], [dy])
+            again = grads([attention(q, k, v, doc_start=ds)], [q, k, v], [dy])
+    finally:
+        torch.set_num_threads(threads)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    oracle = grads([attention_ref(*wide, doc_start=ds)], wide, [dy.double()])
+    for name, a, b, o in zip(("out", "dq", "dk", "dv"), got, again, oracle):
+        assert torch.equal(a, b), name
+        check_close(name, a.detach(), None, o, torch.float32, 1e-5 if name == "out" else 1e-4)
+
+
 def test_threads_keep_the_callers_mode():
     """The kernel's worker threads write tensors the caller made: under inference_mode those are
     inference tensors (several tasks, so every thread of the pool takes some)."""

@@ -20,9 +20,10 @@
 //   backward (the same blocks; P recomputed from lse, nothing of size T^2 is kept):
 //     dV += P^T dO,  dP = dO V^T,  dS = P (dP - rowsum(dO O)) scale,  dQ = dS K,  dK += dS^T Q
 //
-// Tasks run in parallel (at::parallel_for over B * Hkv), each GEMM on one thread: a task's
-// operands (T x D fp32 per head) and its block's scores (G * Tb x T fp32, 768 KB at G = 3,
-// Tb = 128, T = 512) stay in the core's cache. Blocks skip the keys before their document and
+// Tasks run in parallel (at::parallel_for over B * Hkv; with fewer tasks than threads each is
+// split into runs of query blocks whose dK, dV are summed afterwards), each GEMM on one thread:
+// a task's operands (T x D fp32 per head) and its block's scores (G * Tb x T fp32, 768 KB at
+// G = 3, Tb = 128, T = 512) stay in the core's cache. Blocks skip the keys before their document and
 // after their last query, so causal attention costs about half the full product, and packed
 // short documents less.
 #include <ATen/ATen.h>
@@ -84,14 +85,19 @@ Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return s;
 }
 
-// A task's (T, G, D) slice of x (B, T, H, D) at heads [g * G, (g + 1) * G), as a (T * G, D)
-// fp32 matrix (into `into`).
-void load(const at::Tensor& x, int64_t b, int64_t h0, int64_t heads, const at::Tensor& into) {
-  into.view({x.size(1), heads, x.size(3)}).copy_(x.select(0, b).narrow(1, h0, heads));
+// Rows [t0, t1) of a task's (T, G, D) slice of x (B, T, H, D) at heads [h0, h0 + heads), as a
+// ((t1 - t0) * heads, D) fp32 matrix: the first rows of `into`.
+void load(const at::Tensor& x, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t heads,
+          const at::Tensor& into) {
+  into.narrow(0, 0, (t1 - t0) * heads)
+      .view({t1 - t0, heads, x.size(3)})
+      .copy_(x.select(0, b).narrow(0, t0, t1 - t0).narrow(1, h0, heads));
 }
 
-void store(const at::Tensor& from, const at::Tensor& x, int64_t b, int64_t h0, int64_t heads) {
-  x.select(0, b).narrow(1, h0, heads).copy_(from.view({x.size(1), heads, x.size(3)}));
+void store(const at::Tensor& from, const at::Tensor& x, int64_t b, int64_t t0, int64_t t1,
+           int64_t h0, int64_t heads) {
+  x.select(0, b).narrow(0, t0, t1 - t0).narrow(1, h0, heads)
+      .copy_(from.narrow(0, 0, (t1 - t0) * heads).view({t1 - t0, heads, x.size(3)}));
 }
 
 // Key range [lo, hi) of query position t (lo relative to the block's first key).
@@ -101,6 +107,38 @@ struct Range {
 
 inline Range keys_of(const int64_t* ds, int64_t t, int64_t first_key) {
   return {(ds ? ds[t] : 0) - first_key, t + 1 - first_key};
+}
+
+// The unit of parallel work: task bg = b * Hkv + g, its query positions [t0, t1) (whole blocks).
+// A task is one part when the tasks fill the threads; with fewer tasks than threads (a small
+// batch, few kv heads) each task's blocks are split into parts of about equal causal work (block
+// i sees i + 1 blocks of keys), so that one row and three kv heads still keep 16 threads busy.
+struct Part {
+  int64_t bg, t0, t1;
+};
+
+std::vector<Part> parts_of(const Shape& s) {
+  const int64_t tasks = s.batch * s.kv_heads, T = s.tokens;
+  const int64_t blocks = (T + kBlock - 1) / kBlock;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t split = 1;
+  if (tasks > 0 && tasks < threads) split = std::min(blocks, (threads + tasks - 1) / tasks);
+  std::vector<Part> parts;
+  parts.reserve(tasks * split);
+  const double total = double(blocks) * double(blocks + 1) / 2.0;
+  for (int64_t bg = 0; bg < tasks; ++bg) {
+    int64_t begin = 0;
+    double work = 0.0;
+    for (int64_t i = 0, k = 1; i < blocks; ++i) {
+      work += double(i + 1);
+      if (i + 1 == blocks || (k < split && work >= total * double(k) / double(split))) {
+        parts.push_back({bg, begin * kBlock, std::min(T, (i + 1) * kBlock)});
+        begin = i + 1;
+        ++k;
+      }
+    }
+  }
+  return parts;
 }
 
 }  // namespace
@@ -119,26 +157,29 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   const float sc = static_cast<float>(scale);
   const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
   float* lse_all = lse.mutable_data_ptr<float>();
+  const std::vector<Part> parts = parts_of(s);
   // the caller's thread-local state (inference mode, grad mode) in the pool's threads too: their
   // copies write tensors the caller made (an inference tensor under torch.inference_mode)
   const at::ThreadLocalState caller;
-  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
     auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
     auto of = at::empty({T * G, D}, f32);
     auto scores = at::empty({std::min(T, kBlock) * G * T}, f32);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.kv_heads, g = task % s.kv_heads;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const Part part = parts[idx];
+      const int64_t b = part.bg / s.kv_heads, g = part.bg % s.kv_heads;
       const int64_t* ds = ds_all ? ds_all + b * T : nullptr;
-      load(q, b, g * G, G, qf);
-      load(k, b, g, 1, kf);
-      load(v, b, g, 1, vf);
-      for (int64_t r0 = 0; r0 < T; r0 += kBlock) {
-        const int64_t r1 = std::min(T, r0 + kBlock), rows = (r1 - r0) * G;
+      load(q, b, part.t0, part.t1, g * G, G, qf);  // row (t - t0) * G + h
+      load(k, b, 0, part.t1, g, 1, kf);           // row t: every key the part can see
+      load(v, b, 0, part.t1, g, 1, vf);
+      for (int64_t r0 = part.t0; r0 < part.t1; r0 += kBlock) {
+        const int64_t r1 = std::min(part.t1, r0 + kBlock), rows = (r1 - r0) * G;
+        const int64_t row0 = (r0 - part.t0) * G;
         const int64_t first = ds ? ds[r0] : 0, n = r1 - first;
         auto sblk = scores.narrow(0, 0, rows * n).view({rows, n});
-        mm_out(sblk, qf.narrow(0, r0 * G, rows), kf.narrow(0, first, n).t());
+        mm_out(sblk, qf.narrow(0, row0, rows), kf.narrow(0, first, n).t());
         float* sp = sblk.mutable_data_ptr<float>();
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t t = r0 + i / G;
@@ -161,9 +202,9 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
           std::fill(row + r.hi, row + n, 0.0f);
           lse_all[(b * s.heads + g * G + i % G) * T + t] = mx + std::log(sum);
         }
-        mm_out(of.narrow(0, r0 * G, rows), sblk, vf.narrow(0, first, n));
+        mm_out(of.narrow(0, row0, rows), sblk, vf.narrow(0, first, n));
       }
-      store(of, out, b, g * G, G);
+      store(of, out, b, part.t0, part.t1, g * G, G);
     }
   });
   return {out, lse};
@@ -191,44 +232,60 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
   const float sc = static_cast<float>(scale);
   const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
   const float* lse_all = lse.const_data_ptr<float>();
-  // the caller's thread-local state (inference mode, grad mode) in the pool's threads too: their
-  // copies write tensors the caller made (an inference tensor under torch.inference_mode)
+  const std::vector<Part> parts = parts_of(s);
+  const int64_t tasks = s.batch * s.kv_heads;
+  const bool split = static_cast<int64_t>(parts.size()) > tasks;
+  // split tasks: each part's dK, dV contributions (rows [0, t1) of its keys) in a buffer of its
+  // own, summed per task in part order afterwards (deterministic; only with fewer tasks than
+  // threads, so at most ~2 x threads buffers of T x D fp32)
+  at::Tensor dk_parts, dv_parts;
+  if (split) {
+    dk_parts = at::empty({static_cast<int64_t>(parts.size()), T, D}, f32);
+    dv_parts = at::empty({static_cast<int64_t>(parts.size()), T, D}, f32);
+  }
   const at::ThreadLocalState caller;
-  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
     auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
     auto dof = at::empty({T * G, D}, f32), of = at::empty({T * G, D}, f32);
-    auto dqf = at::empty({T * G, D}, f32), dkf = at::empty({T, D}, f32), dvf = at::empty({T, D}, f32);
+    auto dqf = at::empty({T * G, D}, f32);
+    auto dk_own = split ? at::Tensor() : at::empty({T, D}, f32);
+    auto dv_own = split ? at::Tensor() : at::empty({T, D}, f32);
     const int64_t most = std::min(T, kBlock) * G * T;
     auto pbuf = at::empty({most}, f32), dpbuf = at::empty({most}, f32);
     std::vector<float> delta(T * G), row_lse(T * G);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.kv_heads, g = task % s.kv_heads;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const Part part = parts[idx];
+      const int64_t b = part.bg / s.kv_heads, g = part.bg % s.kv_heads;
       const int64_t* ds = ds_all ? ds_all + b * T : nullptr;
-      load(q, b, g * G, G, qf);
-      load(k, b, g, 1, kf);
-      load(v, b, g, 1, vf);
-      load(grad_out, b, g * G, G, dof);
-      load(out, b, g * G, G, of);
-      // delta = rowsum(dO * O), and each row's lse, in the task's (t, h) row order
+      const int64_t own_rows = (part.t1 - part.t0) * G;
+      load(q, b, part.t0, part.t1, g * G, G, qf);
+      load(k, b, 0, part.t1, g, 1, kf);
+      load(v, b, 0, part.t1, g, 1, vf);
+      load(grad_out, b, part.t0, part.t1, g * G, G, dof);
+      load(out, b, part.t0, part.t1, g * G, G, of);
+      // delta = rowsum(dO * O), and each row's lse, in the part's (t, h) row order
       const float* dop = dof.const_data_ptr<float>();
       const float* op = of.const_data_ptr<float>();
-      for (int64_t i = 0; i < T * G; ++i) {
+      for (int64_t i = 0; i < own_rows; ++i) {
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t d = 0; d < D; ++d) acc += dop[i * D + d] * op[i * D + d];
         delta[i] = acc;
-        row_lse[i] = lse_all[(b * s.heads + g * G + i % G) * T + i / G];
+        row_lse[i] = lse_all[(b * s.heads + g * G + i % G) * T + part.t0 + i / G];
       }
-      dkf.zero_();
+      auto dkf = split ? dk_parts[idx] : dk_own;
+      auto dvf = split ? dv_parts[idx] : dv_own;
+      dkf.zero_();  // all T rows: a split task's sum reads every row of its first part
       dvf.zero_();
-      for (int64_t r0 = 0; r0 < T; r0 += kBlock) {
-        const int64_t r1 = std::min(T, r0 + kBlock), rows = (r1 - r0) * G;
+      for (int64_t r0 = part.t0; r0 < part.t1; r0 += kBlock) {
+        const int64_t r1 = std::min(part.t1, r0 + kBlock), rows = (r1 - r0) * G;
+        const int64_t row0 = (r0 - part.t0) * G;
         const int64_t first = ds ? ds[r0] : 0, n = r1 - first;
         auto p = pbuf.narrow(0, 0, rows * n).view({rows, n});
         auto dp = dpbuf.narrow(0, 0, rows * n).view({rows, n});
-        const auto qb = qf.narrow(0, r0 * G, rows), dob = dof.narrow(0, r0 * G, rows);
+        const auto qb = qf.narrow(0, row0, rows), dob = dof.narrow(0, row0, rows);
         const auto kb = kf.narrow(0, first, n), vb = vf.narrow(0, first, n);
         mm_out(p, qb, kb.t());
         float* pp = p.mutable_data_ptr<float>();
@@ -236,7 +293,7 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
           const int64_t t = r0 + i / G;
           const Range r = keys_of(ds, t, first);
           float* row = pp + i * n;
-          const float l = row_lse[r0 * G + i];
+          const float l = row_lse[row0 + i];
 #pragma omp simd
           for (int64_t j = r.lo; j < r.hi; ++j) row[j] = exp_fast(row[j] * sc - l);
           std::fill(row, row + r.lo, 0.0f);
@@ -246,20 +303,42 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
         mm_out(dp, dob, vb.t());
         float* dpp = dp.mutable_data_ptr<float>();
         for (int64_t i = 0; i < rows; ++i) {
-          const float di = delta[r0 * G + i];
+          const float di = delta[row0 + i];
           const float* prow = pp + i * n;
           float* row = dpp + i * n;
 #pragma omp simd
           for (int64_t j = 0; j < n; ++j) row[j] = prow[j] * (row[j] - di) * sc;
         }
-        mm_out(dqf.narrow(0, r0 * G, rows), dp, kb);
+        mm_out(dqf.narrow(0, row0, rows), dp, kb);
         addmm_inplace(dkf.narrow(0, first, n), dp.t(), qb, 1.0);
       }
-      store(dqf, dq, b, g * G, G);
-      store(dkf, dk, b, g, 1);
-      store(dvf, dv, b, g, 1);
+      store(dqf, dq, b, part.t0, part.t1, g * G, G);
+      if (!split) {
+        store(dkf, dk, b, 0, T, g, 1);
+        store(dvf, dv, b, 0, T, g, 1);
+      }
     }
   });
+  if (split) {
+    // each task's parts in order: part p covered keys [0, its t1)
+    std::vector<int64_t> first_part(tasks + 1, static_cast<int64_t>(parts.size()));
+    for (int64_t i = static_cast<int64_t>(parts.size()) - 1; i >= 0; --i) first_part[parts[i].bg] = i;
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      at::ThreadLocalStateGuard same_state(caller);
+      c10::NoGradGuard no_grad;
+      for (int64_t bg = begin; bg < end; ++bg) {
+        const int64_t b = bg / s.kv_heads, g = bg % s.kv_heads;
+        auto dk_sum = dk_parts[first_part[bg]], dv_sum = dv_parts[first_part[bg]];  // in place
+        for (int64_t i = first_part[bg] + 1; i < first_part[bg + 1]; ++i) {
+          const int64_t seen = parts[i].t1;
+          dk_sum.narrow(0, 0, seen).add_(dk_parts[i].narrow(0, 0, seen));
+          dv_sum.narrow(0, 0, seen).add_(dv_parts[i].narrow(0, 0, seen));
+        }
+        store(dk_sum, dk, b, 0, T, g, 1);
+        store(dv_sum, dv, b, 0, T, g, 1);
+      }
+    });
+  }
   return {dq, dk, dv};
 }
 

@@ -270,18 +270,22 @@ def _mode():
     return mode
 
 
-@torch.compiler.assume_constant_result
-def _threads():
-    return torch.get_num_threads()
+# bf16/fp16 rows longer than this stay on PyTorch's flash kernel under `auto`: it multiplies in
+# bf16 (twice the fp32 GEMM rate) and tiles the keys, and at 4096 tokens this kernel was no
+# faster (1 x 4096 tokens, 9 / 3 heads of 64, fwd + bwd, AMD Zen 5, two runs: 677 and 507 ms
+# against flash's 501 and 509; fp32 547-569 against 616-668; at 2048 and below as fast or faster
+# in both dtypes, BENCHMARKS.md)
+AUTO_MAX_LOWP_TOKENS = 2048
 
 
-def worth_it(batch, kv_heads):
-    """Whether fastllm.patch gives a (batch, ..., kv_heads, ...) attention to this op: where
-    cpu_attention_enabled(), and under `auto` only when the kernel's tasks (one per row and kv
-    head) can keep every thread busy (PyTorch's flash kernel also splits the query positions)."""
+def worth_it(tokens, dtype):
+    """Whether fastllm.patch gives an attention over rows of `tokens` in `dtype` to this op:
+    where cpu_attention_enabled(), and under `auto` for fp32 at any length and bf16/fp16 up to
+    AUTO_MAX_LOWP_TOKENS."""
     if not cpu_attention_enabled():
         return False
-    return _mode() == "fastllm" or batch * kv_heads >= _threads()
+    return (_mode() == "fastllm" or dtype in (torch.float32, torch.float64)
+            or tokens <= AUTO_MAX_LOWP_TOKENS)
 
 
 @torch.compiler.assume_constant_result  # a setting of the process: torch.compile reads it once
