@@ -67,6 +67,16 @@ def direct():
             and not torch._C._is_torch_function_mode_enabled())
 
 
+def env_choice(name, choices):
+    """The value of environment variable `name`, one of `choices` ("auto", the first, when unset):
+    the CPU policy switches (FASTLLM_CPU_LOWP_MATMUL, FASTLLM_CPU_FP32_MATMUL,
+    FASTLLM_CPU_ATTENTION); anything else is refused by name."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"fastllm: {name}={value!r} is not one of {tuple(choices)}")
+    return value
+
+
 def forced_backend():
     name = getattr(_local, "forced", None) or os.environ.get("FASTLLM_BACKEND") or None
     if name is not None and name not in BACKENDS:

@@ -23,11 +23,10 @@ below autograd) and call torch otherwise.
 
 import functools
 import math
-import os
 
 import torch
 
-from fastllm import _extension
+from fastllm import _backend, _extension
 
 ENV = "FASTLLM_CPU_FP32_MATMUL"
 _MODES = ("auto", "aten", "onednn")
@@ -35,10 +34,7 @@ _synced = None  # the switch last handed to the C++ kernels (csrc/cpu/gemm.cpp)
 
 
 def _mode():
-    mode = os.environ.get(ENV, "auto")
-    if mode not in _MODES:
-        raise ValueError(f"fastllm: {ENV}={mode!r} is not one of {_MODES}")
-    return mode
+    return _backend.env_choice(ENV, _MODES)
 
 
 def _cpu_vendor():

@@ -19,19 +19,17 @@ activations, saved tensors and outputs stay low precision. Where PyTorch has the
 """
 
 import functools
-import os
 
 import torch
+
+from fastllm._backend import env_choice
 
 _LOWP = (torch.bfloat16, torch.float16)
 _MODES = ("auto", "fp32", "native")
 
 
 def _mode():
-    mode = os.environ.get("FASTLLM_CPU_LOWP_MATMUL", "auto")
-    if mode not in _MODES:
-        raise ValueError(f"fastllm: FASTLLM_CPU_LOWP_MATMUL={mode!r} is not one of {_MODES}")
-    return mode
+    return env_choice("FASTLLM_CPU_LOWP_MATMUL", _MODES)
 
 
 @functools.lru_cache(maxsize=None)

@@ -173,7 +173,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     v = v.view(hidden_shape)
     dropout = 0.0 if not self.training else self.attention_dropout
     plan = kwargs.pop(_ATTENTION_PLAN, None)
-    if plan is not None and _fastllm_attention_applies(self, q, dropout, kwargs):
+    if plan is not None and _fastllm_attention_applies(self, dropout, kwargs):
         # causal attention known from _causal_lm_forward (no 2-D mask: plain causal, or packed
         # documents from the position ids, as transformers' mask would say): fastllm's CPU
         # kernel, in the projections' (B, T, H, D) layout
@@ -246,9 +246,10 @@ def _attention_plan(model, inputs, attention_mask, position_ids, cache):
         position_ids.expand(inputs.shape[0], -1).to(inputs.device)))
 
 
-def _fastllm_attention_applies(module, q, dropout, kwargs):
+def _fastllm_attention_applies(module, dropout, kwargs):
+    # the device needs no check: _attention_plan makes a plan for CPU inputs only
     config = module.config
-    return (q.device.type == "cpu" and dropout == 0.0 and getattr(module, "is_causal", True)
+    return (dropout == 0.0 and getattr(module, "is_causal", True)
             and kwargs.get("is_causal", True) is not False
             and not kwargs.get("output_attentions", False)
             # Qwen2 sets sliding_window per layer (None: full attention); Mistral in its config

@@ -50,8 +50,10 @@ struct Shape {
   int64_t batch, tokens, heads, kv_heads, group, dim;
 };
 
+// Shapes and dtypes; with check_values also doc_start's values (the forward's job: the backward
+// is handed the doc_start its forward accepted).
 Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-            const at::Tensor& doc_start) {
+            const at::Tensor& doc_start, bool check_values) {
   const char* op = "fastllm.attention";
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op,
               ": the cpp kernel takes CPU tensors");
@@ -72,6 +74,8 @@ Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     doc_start.size(0) == s.batch && doc_start.size(1) == s.tokens &&
                     doc_start.is_contiguous(),
                 op, ": doc_start must be a contiguous (batch, tokens) int64 tensor");
+  }
+  if (check_values && doc_start.numel() > 0) {
     const int64_t* ds = doc_start.const_data_ptr<int64_t>();
     for (int64_t b = 0; b < s.batch; ++b) {
       for (int64_t t = 0; t < s.tokens; ++t) {
@@ -148,7 +152,7 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
                                       double scale) {
   // plain aliases: nothing the workers copy or multiply is recorded by autograd
   const auto q = q_in.detach(), k = k_in.detach(), v = v_in.detach();
-  const Shape s = check(q, k, v, doc_start);
+  const Shape s = check(q, k, v, doc_start, /*check_values=*/true);
   auto out = at::empty({s.batch, s.tokens, s.heads, s.dim}, q.options());
   auto lse = at::empty({s.batch, s.heads, s.tokens}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
@@ -217,7 +221,7 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
                                                double scale) {
   const auto grad_out = grad_out_in.detach(), q = q_in.detach(), k = k_in.detach(),
              v = v_in.detach(), out = out_in.detach();
-  const Shape s = check(q, k, v, doc_start);
+  const Shape s = check(q, k, v, doc_start, /*check_values=*/false);
   TORCH_CHECK(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes() &&
                   lse.sizes() == at::IntArrayRef({s.batch, s.heads, s.tokens}) &&
                   lse.scalar_type() == at::kFloat && lse.is_contiguous(),

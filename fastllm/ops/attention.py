@@ -55,7 +55,7 @@ def doc_start_from_position_ids(position_ids):
     return torch.where(starts, idx, 0).cummax(dim=1).values.contiguous()
 
 
-def _mask(doc_start, b, t, device):
+def _mask(doc_start, t, device):
     """(B or 1, 1, T, T) bool: True where query t may attend key j."""
     i = torch.arange(t, device=device)
     causal = i[None, :] <= i[:, None]
@@ -72,7 +72,7 @@ def _forward_math(q, k, v, doc_start, scale):
     kh = k.to(op).transpose(1, 2).repeat_interleave(group, dim=1)
     vh = v.to(op).transpose(1, 2).repeat_interleave(group, dim=1)
     s = (qh @ kh.transpose(-1, -2)) * scale
-    s = s.masked_fill(~_mask(doc_start, q.shape[0], q.shape[1], q.device), float("-inf"))
+    s = s.masked_fill(~_mask(doc_start, q.shape[1], q.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     out = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2)
     return out, lse
@@ -132,6 +132,7 @@ def _check_doc_start_values(doc_start):
 
 
 def _forward_ref(q, k, v, doc_start, scale):
+    _check_doc_start_values(doc_start)  # the cpp kernel checks them itself
     out, lse = _forward_math(q, k, v, doc_start, scale)
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
@@ -153,7 +154,13 @@ def _empty(doc_start, device):
 
 def _forward_cpp(q, k, v, doc_start, scale):
     _gemm.enabled()  # the kernel's fp32 GEMMs follow fastllm/_gemm.py's policy (set in C++)
-    out, lse = _extension.extension().attention_cpu(q, k, v, _empty(doc_start, q.device), scale)
+    try:
+        out, lse = _extension.extension().attention_cpu(q, k, v, _empty(doc_start, q.device),
+                                                        scale)
+    except RuntimeError as exc:  # the kernel's doc_start check: the same error as the ref's
+        if "is not a document start" in str(exc):
+            raise ValueError(str(exc).splitlines()[0]) from None
+        raise
     return out, lse
 
 
@@ -188,7 +195,6 @@ def _select(x):
 
 def _attention_impl(q, k, v, doc_start, scale):
     check_attention_args(q, k, v, doc_start)
-    _check_doc_start_values(doc_start)
     with _backend.device_guard(q.device):
         return _FORWARD[_select(q)](q, k, v, doc_start, scale)
 
@@ -254,7 +260,7 @@ def _sdpa_attention(q, k, v, scale, doc_start):
     """The op's contract through F.scaled_dot_product_attention: is_causal, or the
     block-diagonal causal mask of doc_start."""
     check_attention_args(q, k, v, doc_start)
-    mask = None if doc_start is None else _mask(doc_start, q.shape[0], q.shape[1], q.device)
+    mask = None if doc_start is None else _mask(doc_start, q.shape[1], q.device)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         is_causal=doc_start is None, scale=scale, enable_gqa=True)
@@ -262,12 +268,7 @@ def _sdpa_attention(q, k, v, scale, doc_start):
 
 
 def _mode():
-    import os
-
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"fastllm: {ENV}={mode!r} is not one of {_MODES}")
-    return mode
+    return _backend.env_choice(ENV, _MODES)
 
 
 # bf16/fp16 rows longer than this stay on PyTorch's flash kernel under `auto`: it multiplies in
