@@ -150,3 +150,38 @@ def select(op_name, device_type, preference):
                 _extension.extension()  # warns once that the fast path is missing
             return backend
     return "ref"
+
+
+# What the compiled kernels of the model ops (rms_norm, swiglu, rotary_embedding, attention, the
+# fused loss, lora_linear) take; fp64 runs on the reference.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def select_kernel(op_name, device_type, dtype, preference, kernels, *, cpp_entry=None,
+                  kernel_dtypes=None):
+    """The backend one call of an op runs: `select`'s choice for the device, then the op's limits.
+
+    preference: {device_type: backends in order} (other devices: ("ref",)). kernels: the backends
+    the op has; a forced backend not among them is refused. cpp_entry: the fastllm._C function
+    the cpp backend calls; an extension built before it existed runs the reference instead.
+    kernel_dtypes: {backend: dtypes its kernels take}; other dtypes run the reference. Where the
+    backend was forced, each of these says why it cannot run instead of falling back."""
+    backend = select(op_name, device_type, preference.get(device_type, ("ref",)))
+    forced = forced_backend() == backend
+    if backend not in kernels:
+        raise RuntimeError(f"fastllm.{op_name}: backend {backend!r} was forced but this op has no "
+                           f"{backend} kernel (it has {', '.join(sorted(kernels))})")
+    if backend == "cpp" and cpp_entry is not None and not hasattr(_extension.extension(),
+                                                                  cpp_entry):
+        if forced:
+            raise RuntimeError(f"fastllm.{op_name}: backend 'cpp' was forced but fastllm._C "
+                               f"predates {cpp_entry}; rebuild it (make build)")
+        return "ref"
+    dtypes = (kernel_dtypes or {}).get(backend)
+    if dtypes is not None and dtype not in dtypes:
+        if forced:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise RuntimeError(f"fastllm.{op_name}: backend {backend!r} was forced but its "
+                               f"kernels take {names}, not {dtype}")
+        return "ref"
+    return backend

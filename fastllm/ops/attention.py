@@ -176,21 +176,9 @@ _BACKWARD = {"ref": _backward_ref, "cpp": _backward_cpp}
 
 
 def _select(x):
-    device_type = x.device.type
-    backend = _backend.select("attention", device_type, _PREFERENCE.get(device_type, ("ref",)))
-    if backend == "cpp" and not hasattr(_extension.extension(), "attention_cpu"):
-        if _backend.forced_backend() == "cpp":
-            raise RuntimeError("fastllm.attention: backend 'cpp' was forced but fastllm._C "
-                               "predates attention_cpu; rebuild it (make build)")
-        return "ref"
-    if backend == "cpp" and x.dtype == torch.float64:
-        if _backend.forced_backend() == "cpp":
-            raise RuntimeError("fastllm.attention: the cpp kernel takes fp32/bf16/fp16")
-        return "ref"
-    if backend not in _FORWARD:
-        raise RuntimeError(f"fastllm.attention: backend {backend!r} was forced but this op has "
-                           f"no {backend} kernel")
-    return backend
+    return _backend.select_kernel("attention", x.device.type, x.dtype, _PREFERENCE, _FORWARD,
+                                  cpp_entry="attention_cpu",
+                                  kernel_dtypes={"cpp": _backend.KERNEL_DTYPES})
 
 
 def _attention_impl(q, k, v, doc_start, scale):

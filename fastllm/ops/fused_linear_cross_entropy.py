@@ -279,23 +279,10 @@ _KERNELS = {
 
 
 def _select(hidden):
-    device_type = hidden.device.type
-    backend = _backend.select("fused_linear_cross_entropy", device_type,
-                              _PREFERENCE.get(device_type, ("ref",)))
-    if backend not in _KERNELS:
-        raise RuntimeError(f"{_WHERE}: backend {backend!r} was forced but this op has no "
-                           f"{backend} kernel; its GPU path is triton")
-    if hidden.dtype == torch.float64 and backend != "ref":
-        if _backend.forced_backend() == backend:
-            raise RuntimeError(f"{_WHERE}: backend {backend!r} was forced but it supports fp32, "
-                               "bf16 and fp16; fp64 runs on the ref backend")
-        return "ref"
-    if backend == "cpp" and not hasattr(_extension.extension(), "fused_linear_cross_entropy_cpu"):
-        if _backend.forced_backend() == "cpp":
-            raise RuntimeError(f"{_WHERE}: backend 'cpp' was forced but fastllm._C predates this "
-                               "op; rebuild it (make build)")
-        return "ref"
-    return backend
+    return _backend.select_kernel(
+        "fused_linear_cross_entropy", hidden.device.type, hidden.dtype, _PREFERENCE, _KERNELS,
+        cpp_entry="fused_linear_cross_entropy_cpu",
+        kernel_dtypes={"cpp": _backend.KERNEL_DTYPES, "triton": _backend.KERNEL_DTYPES})
 
 
 def _run(hidden, weight, labels, bias, token_scale, divide_by_valid, ignore_index,

@@ -244,31 +244,25 @@ def _triton_key(x, lora_a):
 
 
 def _select(x, lora_a):
-    device_type = x.device.type
-    backend = _backend.select("lora_linear", device_type, _PREFERENCE.get(device_type, ("ref",)))
-    if backend == "triton" and device_type == "cuda" and (
-            lora_a.shape[0] > _TRITON_MAX_RANK or x.dtype == torch.float64):
-        if _backend.forced_backend() == "triton":
-            raise RuntimeError(
-                f"fastllm.lora_linear: backend 'triton' was forced but its GPU kernels support "
-                f"rank <= {_TRITON_MAX_RANK} and fp32/bf16/fp16 (got rank {lora_a.shape[0]}, "
-                f"{x.dtype})")
+    # An extension built before lora_dropout_add_cpu runs the reference: same maths, PyTorch
+    # dropout. The GPU kernels take fp32/bf16/fp16 and rank <= _TRITON_MAX_RANK (the interpreter
+    # runs any).
+    on_gpu = x.device.type == "cuda"
+    backend = _backend.select_kernel(
+        "lora_linear", x.device.type, x.dtype, _PREFERENCE, _FORWARD,
+        cpp_entry="lora_dropout_add_cpu",
+        kernel_dtypes={"triton": _backend.KERNEL_DTYPES} if on_gpu else None)
+    if backend != "triton":
+        return backend
+    forced = _backend.forced_backend() == "triton"
+    if on_gpu and lora_a.shape[0] > _TRITON_MAX_RANK:
+        if forced:
+            raise RuntimeError(f"fastllm.lora_linear: backend 'triton' was forced but its GPU "
+                               f"kernels support rank <= {_TRITON_MAX_RANK}, not "
+                               f"{lora_a.shape[0]}")
         return "ref"
-    if (backend == "triton" and _backend.forced_backend() != "triton"
-            and _triton_key(x, lora_a) in _TRITON_OUT_OF_RESOURCES):
+    if not forced and _triton_key(x, lora_a) in _TRITON_OUT_OF_RESOURCES:
         return "ref"
-    if backend not in _FORWARD:
-        raise RuntimeError(
-            f"fastllm.lora_linear: backend {backend!r} was forced but this op has no {backend} "
-            "kernel; its GPU path is triton"
-        )
-    if backend == "cpp" and not hasattr(_extension.extension(), "lora_dropout_add_cpu"):
-        if _backend.forced_backend() == "cpp":
-            raise RuntimeError(
-                "fastllm.lora_linear: backend 'cpp' was forced but fastllm._C predates "
-                "lora_dropout_cpu; rebuild it (make build)"
-            )
-        return "ref"  # an extension built before this op: same maths, PyTorch dropout
     return backend
 
 

@@ -108,21 +108,9 @@ _BACKWARD = {"ref": _backward_ref, "cpp": _backward_cpp, "triton": _backward_tri
 
 
 def _select(x):
-    device_type = x.device.type
-    backend = _backend.select("rms_norm", device_type, _PREFERENCE.get(device_type, ("ref",)))
-    if backend == "cpp" and not hasattr(_extension.extension(), "rms_norm_cpu"):
-        if _backend.forced_backend() == "cpp":
-            raise RuntimeError("fastllm.rms_norm: backend 'cpp' was forced but fastllm._C "
-                               "predates rms_norm_cpu; rebuild it (make build)")
-        return "ref"
-    if backend == "triton" and x.dtype == torch.float64:
-        if _backend.forced_backend() == "triton":
-            raise RuntimeError("fastllm.rms_norm: the Triton kernels take fp32/bf16/fp16")
-        return "ref"
-    if backend not in _FORWARD:
-        raise RuntimeError(f"fastllm.rms_norm: backend {backend!r} was forced but this op has "
-                           f"no {backend} kernel")
-    return backend
+    return _backend.select_kernel("rms_norm", x.device.type, x.dtype, _PREFERENCE, _FORWARD,
+                                  cpp_entry="rms_norm_cpu",
+                                  kernel_dtypes={"triton": _backend.KERNEL_DTYPES})
 
 
 def _rms_norm_impl(x, weight, eps, offset=0.0):

@@ -129,22 +129,9 @@ _INTO = {"ref": _ref_into, "cpp": _cpp_into, "triton": _triton_into}
 
 
 def _select(q):
-    device_type = q.device.type
-    backend = _backend.select("rotary_embedding", device_type,
-                              _PREFERENCE.get(device_type, ("ref",)))
-    if backend == "cpp" and not hasattr(_extension.extension(), "rotary_embedding_cpu"):
-        if _backend.forced_backend() == "cpp":
-            raise RuntimeError("fastllm.rotary_embedding: backend 'cpp' was forced but "
-                               "fastllm._C predates it; rebuild it (make build)")
-        return "ref"
-    if backend == "triton" and q.dtype == torch.float64:
-        if _backend.forced_backend() == "triton":
-            raise RuntimeError("fastllm.rotary_embedding: the Triton kernel takes fp32/bf16/fp16")
-        return "ref"
-    if backend not in _INTO:
-        raise RuntimeError(f"fastllm.rotary_embedding: backend {backend!r} was forced but this "
-                           f"op has no {backend} kernel")
-    return backend
+    return _backend.select_kernel("rotary_embedding", q.device.type, q.dtype, _PREFERENCE, _INTO,
+                                  cpp_entry="rotary_embedding_cpu",
+                                  kernel_dtypes={"triton": _backend.KERNEL_DTYPES})
 
 
 def _run(q, k, cos, sin, position_ids, q_out, k_out, backward):

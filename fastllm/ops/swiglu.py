@@ -82,21 +82,9 @@ _BACKWARD = {"ref": _backward_ref, "cpp": _backward_cpp, "triton": _backward_tri
 
 
 def _select(x):
-    device_type = x.device.type
-    backend = _backend.select("swiglu", device_type, _PREFERENCE.get(device_type, ("ref",)))
-    if backend == "cpp" and not hasattr(_extension.extension(), "swiglu_cpu"):
-        if _backend.forced_backend() == "cpp":
-            raise RuntimeError("fastllm.swiglu: backend 'cpp' was forced but fastllm._C predates "
-                               "swiglu_cpu; rebuild it (make build)")
-        return "ref"
-    if backend == "triton" and x.dtype == torch.float64:
-        if _backend.forced_backend() == "triton":
-            raise RuntimeError("fastllm.swiglu: the Triton kernels take fp32/bf16/fp16")
-        return "ref"
-    if backend not in _FORWARD:
-        raise RuntimeError(f"fastllm.swiglu: backend {backend!r} was forced but this op has no "
-                           f"{backend} kernel")
-    return backend
+    return _backend.select_kernel("swiglu", x.device.type, x.dtype, _PREFERENCE, _FORWARD,
+                                  cpp_entry="swiglu_cpu",
+                                  kernel_dtypes={"triton": _backend.KERNEL_DTYPES})
 
 
 def _swiglu_impl(gate, up):

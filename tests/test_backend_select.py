@@ -1,0 +1,103 @@
+"""fastllm._backend.select_kernel, the backend choice of the model ops (rms_norm, swiglu,
+rotary_embedding, attention, fused_linear_cross_entropy, lora_linear), through the ops
+themselves: a call a compiled kernel cannot take (fp64, an extension built before the op) runs
+the reference unless a backend was forced, and then it says why; a forced backend the op has no
+kernel for is refused by name."""
+
+import pytest
+import torch
+
+import fastllm
+from fastllm import _backend, _extension
+from fastllm.ops.attention import attention
+from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from fastllm.ops.lora_linear import lora_linear
+from fastllm.ops.rms_norm import rms_norm
+from fastllm.ops.rotary_embedding import rotary_embedding
+from fastllm.ops.swiglu import swiglu
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return {
+        "rms_norm": lambda: rms_norm(r(3, 8), r(8)),
+        "swiglu": lambda: swiglu(r(3, 8), r(3, 8)),
+        "rotary_embedding": lambda: rotary_embedding(r(1, 4, 2, 8), r(1, 4, 1, 8), r(1, 4, 8),
+                                                     r(1, 4, 8))[0],
+        "attention": lambda: attention(r(1, 5, 2, 8), r(1, 5, 1, 8), r(1, 5, 1, 8)),
+        "fused_linear_cross_entropy": lambda: fused_linear_cross_entropy(
+            r(5, 8), r(11, 8), torch.tensor([1, 0, 10, -100, 3])),
+        "lora_linear": lambda: lora_linear(r(5, 8), r(6, 8), r(2, 8), r(6, 2), 2.0),
+    }
+
+
+OPS = list(_inputs(torch.float32))
+# the cpp function each op's cpp backend calls first
+CPP_ENTRY = {"rms_norm": "rms_norm_cpu", "swiglu": "swiglu_cpu",
+             "rotary_embedding": "rotary_embedding_cpu", "attention": "attention_cpu",
+             "fused_linear_cross_entropy": "fused_linear_cross_entropy_cpu",
+             "lora_linear": "lora_dropout_add_cpu"}
+# ops whose compiled kernel (cpp, or triton on the CPU under the interpreter) refuses fp64
+FP64_REFUSED = [("attention", "cpp"), ("fused_linear_cross_entropy", "cpp"),
+                ("fused_linear_cross_entropy", "triton"), ("rms_norm", "triton"),
+                ("swiglu", "triton"), ("rotary_embedding", "triton")]
+
+needs_cpp = pytest.mark.skipif(_backend.unavailable_reason("cpp", "cpu") is not None,
+                               reason="fastllm._C is not built")
+
+
+def _run(op, dtype, backend=None):
+    call = _inputs(dtype)[op]
+    with fastllm.use_backend(backend):
+        return call()
+
+
+@pytest.mark.parametrize("op,backend", FP64_REFUSED)
+def test_fp64_forced_kernel_says_why(op, backend):
+    if _backend.unavailable_reason(backend, "cpu") is not None:
+        pytest.skip(_backend.unavailable_reason(backend, "cpu"))
+    with pytest.raises(RuntimeError, match=rf"fastllm\.{op}: backend '{backend}' was forced but "
+                                           r"its kernels take float32, bfloat16, float16, not "
+                                           r"torch\.float64"):
+        _run(op, torch.float64, backend)
+
+
+@needs_cpp
+@pytest.mark.parametrize("op", ["attention", "fused_linear_cross_entropy"])
+def test_fp64_unforced_runs_the_reference(op):
+    got = _run(op, torch.float64)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, _run(op, torch.float64, "ref"))
+
+
+@needs_cpp
+@pytest.mark.parametrize("op", OPS)
+def test_extension_without_the_entry(op, monkeypatch):
+    """An extension built before the op: the reference runs (same result as forcing ref), and a
+    forced cpp says to rebuild."""
+    real = _extension.extension()
+
+    class Stale:
+        def __getattr__(self, name):
+            if name == CPP_ENTRY[op]:
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    expected = _run(op, torch.float32, "ref")
+    monkeypatch.setattr(_extension, "extension", lambda: Stale())
+    assert torch.equal(_run(op, torch.float32), expected)
+    with pytest.raises(RuntimeError, match=rf"fastllm\.{op}: backend 'cpp' was forced but "
+                                           rf"fastllm\._C predates {CPP_ENTRY[op]}; rebuild it"):
+        _run(op, torch.float32, "cpp")
+
+
+def test_forced_backend_the_op_lacks():
+    if _backend.unavailable_reason("triton", "cpu") is not None:
+        pytest.skip(_backend.unavailable_reason("triton", "cpu"))
+    with pytest.raises(RuntimeError, match=r"fastllm\.attention: backend 'triton' was forced but "
+                                           r"this op has no triton kernel \(it has cpp, ref\)"):
+        _run("attention", torch.float32, "triton")
