@@ -17,6 +17,11 @@ one table (bench/device_check.sh runs it; about three minutes on an H200):
                against torch eager and Liger-Kernel; then a whole training step of a 30-layer
                SmolLM2-135M-shaped LlamaForCausalLM, full and LoRA: HF (+ PEFT), HF + Liger-Kernel
                (+ PEFT), fastllm (patch + lora + optim.AdamW): tokens/s, peak memory, kernels
+    packed     causal attention over packed documents (SFT rows), SmolLM2-135M's heads, 8 x 2048
+               tokens of 64-1024-token documents, bf16, forward + backward: SDPA with the
+               (B, 1, T, T) document mask transformers builds, fastllm.ops.attention (PyTorch's
+               varlen flash attention on a GPU), and plain causal SDPA over whole rows (the same
+               tokens without document boundaries: more work, no mask) for scale
 
     python bench/device_bench.py --json out.json        (--smoke: tiny sizes, any device)
 
@@ -688,8 +693,67 @@ def model(device, scale, rows):
             torch.cuda.empty_cache()
 
 
+def _packed_doc_start(batch, seq, shortest, longest, device):
+    """(B, T) doc_start of rows packed with documents of uniform random lengths."""
+    from fastllm.ops.attention import doc_start_from_position_ids
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(batch):
+        pos = []
+        while len(pos) < seq:
+            n = int(torch.randint(shortest, longest + 1, (1,), generator=g))
+            pos += list(range(min(n, seq - len(pos))))
+        rows.append(pos)
+    return doc_start_from_position_ids(torch.tensor(rows, device=device))
+
+
+def packed(device, scale, rows):
+    from fastllm.ops.attention import _mask, attention, document_segments
+
+    shape = _model_shape(scale)
+    b, t, hq, hkv = shape.batch, shape.seq, shape.heads, shape.kv_heads
+    d = shape.hidden // shape.heads
+    dtype = torch.bfloat16
+    doc_start = _packed_doc_start(b, t, max(1, 64 // scale), max(2, 1024 // scale), device)
+    segments = document_segments(doc_start)
+    mask = _mask(doc_start, t, device)
+    lengths = torch.diff(segments.cu_seqlens).double()
+    flops = 3 * 2 * 2 * hq * d * float((lengths * (lengths + 1) / 2).sum())  # causal, 2 GEMMs
+
+    def make_set():
+        q = torch.randn(b, t, hq, d, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(b, t, hkv, d, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(b, t, hkv, d, device=device, dtype=dtype, requires_grad=True)
+        return [q, k, v], [], [torch.randn(b, t, hq, d, device=device, dtype=dtype)]
+
+    def sdpa(q, k, v, attn_mask, is_causal):
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+            is_causal=is_causal, enable_gqa=True).transpose(1, 2)
+
+    providers = {
+        "torch sdpa + document mask": lambda q, k, v: sdpa(q, k, v, mask, False),
+        "fastllm": lambda q, k, v: attention(q, k, v, doc_start=doc_start, segments=segments),
+        "torch sdpa causal, no documents": lambda q, k, v: sdpa(q, k, v, None, True),
+    }
+    sets = _input_sets(make_set, device)
+    fns = {name: _fwd_bwd(fn, sets) for name, fn in providers.items()}
+    size = (f"{b}x{t} tokens in {segments.cu_seqlens.numel() - 1} documents of "
+            f"{max(1, 64 // scale)}-{max(2, 1024 // scale)}, {hq}/{hkv} heads of {d}, bf16, "
+            "fwd+bwd")
+    peak = {name: _peak_mib(fn, device) for name, fn in fns.items()}
+    for name, timing in _time(fns, device).items():
+        row = {"op": "attention (packed)", "size": size, "provider": name,
+               "time_ms": timing.median_ms, "baseline": "torch sdpa + document mask",
+               "peak_mib": peak[name]}
+        if name != "torch sdpa causal, no documents":  # the same useful work
+            row["flops"] = flops
+        rows.append(row)
+
+
 CASES = {"ceilings": ceilings, "adamw": adamw, "master": master, "lowbyte": lowbyte,
-         "lora": lora, "large": large, "model": model}
+         "lora": lora, "large": large, "packed": packed, "model": model}
 
 
 def main():

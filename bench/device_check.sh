@@ -13,10 +13,11 @@
 # failed. Every step's timeout is cut to what is left of the budget less 25 s (timeout's 10 s
 # kill grace and 15 s for the summary), so the whole stays within it whatever the steps take.
 # Expected (not yet timed on a GPU with the model case): build ~120 s, tests <= 120 s, leaving
-# the measurements ~100-130 s of their 210 s: issue 18's cases (~2 min) then the model case
-# (~1 min), so a default run may cut the model case; device_bench.py rewrites its JSON after
-# every case and between the model case's parts, so what it measured stays. BENCH_CASES=model
-# (and a narrower DEVICE_TESTS) measures issue 19 alone.
+# the measurements ~100-130 s of their 210 s: issue 18's cases (~2 min), the packed attention
+# (seconds), then the model case (~1 min), so a default run may cut the model case;
+# device_bench.py rewrites its JSON after every case and between the model case's parts, so what
+# it measured stays. BENCH_CASES=packed,model (and a narrower DEVICE_TESTS) measures issue 19
+# alone.
 #
 # Python packages the machine lacks travel as wheels in .whl/ (git-ignored), downloaded here
 # (any machine with pip and PyPI; Python 3.12 manylinux wheels, as the lent machine runs):
@@ -162,7 +163,8 @@ fi
 
 # 4. The measurements: one process, interleaved, one JSON (device_bench.json) and one table.
 if ((build_ok)); then
-  # 150 s for the cases of issue 18, 60 more for issue 19's model case (cut by the budget)
+  # 150 s for the cases of issue 18, seconds for the packed attention (the varlen route), 60 more
+  # for issue 19's model case (cut by the budget)
   # shellcheck disable=SC2086
   run_step bench 210 "$PY" bench/device_bench.py --json "$OUT/bench_cuda.json" \
     ${BENCH_CASES:+--cases "$BENCH_CASES"} &&

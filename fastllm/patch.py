@@ -176,7 +176,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if plan is not None and _fastllm_attention_applies(self, dropout, kwargs):
         # causal attention known from _causal_lm_forward (no 2-D mask: plain causal, or packed
         # documents from the position ids, as transformers' mask would say): fastllm's CPU
-        # kernel, in the projections' (B, T, H, D) layout
+        # kernel, or on a GPU PyTorch's varlen flash attention, in the projections' (B, T, H, D)
+        # layout
         from fastllm.ops.attention import attention
 
         doc_start = plan.doc_start
@@ -184,7 +185,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
             # transformers' mask ignored the position ids (no packed rows with a cache)
             cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs=kwargs)
             doc_start = None
-        out = attention(q, k, v, scale=self.scaling, doc_start=doc_start)
+        segments = (plan.segments() if doc_start is not None and q.is_cuda
+                    and not torch.compiler.is_compiling() else None)
+        out = attention(q, k, v, scale=self.scaling, doc_start=doc_start, segments=segments)
         return self.o_proj(out.reshape(*input_shape, -1)), None
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.transpose(1, 2)
@@ -218,7 +221,7 @@ _ATTENTION_PLAN = "fastllm_attention_plan"
 
 
 class _AttentionPlan:
-    __slots__ = ("doc_start",)
+    __slots__ = ("doc_start", "_segments")
 
     def __init__(self, doc_start):
         # (B, T) int64 from the position ids, or None (none given: plain causal). A layer that
@@ -226,28 +229,53 @@ class _AttentionPlan:
         # without one (masking_utils), and whether it does is only known there (the model may
         # make a cache for use_cache, or not, as under gradient checkpointing in training)
         self.doc_start = doc_start
+        self._segments = None
+
+    def segments(self):
+        """document_segments(doc_start), computed by the first layer that needs it (the GPU's
+        varlen route; one host sync per forward, not per layer) and kept for the others and for
+        the recomputation under gradient checkpointing."""
+        from fastllm.ops.attention import document_segments
+
+        if self._segments is None:
+            self._segments = document_segments(self.doc_start)
+        return self._segments
 
 
 def _attention_plan(model, inputs, attention_mask, position_ids, cache):
-    from fastllm.ops.attention import doc_start_from_position_ids, worth_it
+    from fastllm.ops.attention import doc_start_from_position_ids, gpu_varlen_applies, worth_it
 
-    if inputs is None or inputs.device.type != "cpu" or attention_mask is not None:
+    if inputs is None or attention_mask is not None:
         return None
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return None
-    dtype = getattr(model, "dtype", torch.float32)
-    if not worth_it(inputs.shape[1], dtype):
-        return None
     if cache is not None and cache.get_seq_length() > 0:
+        return None
+    dtype = getattr(model, "dtype", torch.float32)
+    device = inputs.device
+    if device.type == "cuda":
+        # packed rows only (plain causal rows are transformers' own SDPA call either way), where
+        # PyTorch's varlen flash attention takes this model's heads: transformers would run SDPA
+        # with a (B, 1, T, T) block-diagonal mask over every block of the row instead
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        probe_q = torch.empty((0, 0, heads, head_dim), dtype=dtype, device=device)
+        probe_k = torch.empty((0, 0, kv_heads, head_dim), dtype=dtype, device=device)
+        if position_ids is None or not gpu_varlen_applies(probe_q, probe_k):
+            return None
+    elif device.type != "cpu" or not worth_it(inputs.shape[1], dtype):
         return None
     if position_ids is None:
         return _AttentionPlan(None)
     return _AttentionPlan(doc_start_from_position_ids(
-        position_ids.expand(inputs.shape[0], -1).to(inputs.device)))
+        position_ids.expand(inputs.shape[0], -1).to(device)))
 
 
 def _fastllm_attention_applies(module, dropout, kwargs):
-    # the device needs no check: _attention_plan makes a plan for CPU inputs only
+    # the device needs no check: _attention_plan makes plans only where the op applies
     config = module.config
     return (dropout == 0.0 and getattr(module, "is_causal", True)
             and kwargs.get("is_causal", True) is not False

@@ -227,3 +227,121 @@ def test_opcheck_and_compile():
     torch.testing.assert_close(fn(q, k, v), attention(q, k, v, doc_start=ds).sum())
     fn(q, k, v).backward()
     assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+# --- the GPU's varlen route (PyTorch's variable-length flash attention for packed documents) ---
+
+def test_document_segments():
+    ds = torch.tensor([[0, 0, 0, 3, 3], [0, 1, 1, 1, 1]])
+    seg = _module.document_segments(ds)
+    assert seg.cu_seqlens.dtype == torch.int32
+    assert seg.cu_seqlens.tolist() == [0, 3, 5, 6, 10] and seg.max_len == 4
+    g = torch.Generator().manual_seed(3)
+    ds = doc_start_from_position_ids(_position_ids(3, 40, g))
+    seg = _module.document_segments(ds)
+    # every token's document start, rebuilt from the segments, is doc_start
+    flat = torch.zeros(3 * 40, dtype=torch.int64)
+    for a, b in zip(seg.cu_seqlens[:-1].tolist(), seg.cu_seqlens[1:].tolist()):
+        flat[a:b] = a % 40
+    assert torch.equal(flat.view(3, 40), ds)
+    assert seg.max_len == int(torch.diff(seg.cu_seqlens).max())
+
+
+def _stand_in(calls, new_signature=True):
+    """A CPU stand-in for torch.nn.attention.varlen.varlen_attn (CUDA only): each document of the
+    flat (N, H, D) tokens through attention_ref, after checking what a caller must pass."""
+    def run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, enable_gqa):
+        assert causal and cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32
+        assert max_q == max_k == int(torch.diff(cu_seq_q).max())
+        assert enable_gqa == (query.shape[1] != key.shape[1])
+        calls.append(1)
+        out = torch.empty_like(query)
+        cu = cu_seq_q.tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            out[a:b] = attention_ref(query[None, a:b], key[None, a:b], value[None, a:b],
+                                     scale=scale)[0]
+        return out
+
+    if new_signature:  # torch >= 2.11
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                        scale=None, window_size=(-1, -1), enable_gqa=False):
+            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                       tuple(window_size) == (-1, 0), scale, enable_gqa)
+    else:  # torch 2.10: is_causal, no scale, no enable_gqa
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                        return_aux=None):
+            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None,
+                       False)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("new_signature", [True, False], ids=["torch2.11+", "torch2.10"])
+def test_varlen_route_plumbing(new_signature, monkeypatch):
+    """_varlen_attention's flattening, segments and keyword arguments, on the CPU through a
+    stand-in kernel, against attention_ref with doc_start (grads included)."""
+    calls = []
+    fn = _stand_in(calls, new_signature)
+    monkeypatch.setattr(_module, "_varlen_kernel",
+                        lambda: (fn, frozenset(__import__("inspect").signature(fn).parameters)))
+    hq, hk = (6, 2) if new_signature else (4, 4)
+    scale = 0.3 if new_signature else 8 ** -0.5
+    q, k, v, dy, ds = _inputs((2, 19, hq, hk, 8, True), torch.float64)
+    for segments in (None, _module.document_segments(ds)):
+        got = grads([_module._varlen_attention(q, k, v, scale, ds, segments)], [q, k, v], [dy])
+        want = grads([attention_ref(q, k, v, scale=scale, doc_start=ds)], [q, k, v], [dy])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert len(calls) == 2
+
+
+def test_varlen_refusal_falls_back_once(monkeypatch):
+    """A varlen_attn that raises on its argument checks: one warning, then SDPA for that
+    (device, dtype, head_dim, grouping) without trying again."""
+    def refuses(*args, **kwargs):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
+
+    monkeypatch.setattr(_module, "_varlen_kernel",
+                        lambda: (refuses, frozenset(["scale", "window_size", "enable_gqa"])))
+    monkeypatch.setattr(_module, "_VARLEN_FAILED", set())
+    q, k, v, _, ds = _inputs((1, 9, 2, 1, 8, True), torch.float32)
+    with pytest.warns(RuntimeWarning, match="varlen attention refused"):
+        assert _module._varlen_attention(q, k, v, 0.5, ds, None) is None
+    assert _module._varlen_key(q, k) in _module._VARLEN_FAILED
+
+
+def test_varlen_applies_only_where_it_can(monkeypatch):
+    q = torch.empty(1, 4, 2, 8, dtype=torch.bfloat16)
+    assert not _module.gpu_varlen_applies(q, q)  # a CPU tensor
+    if torch.cuda.is_available():
+        qc = q.cuda()
+        monkeypatch.setenv("FASTLLM_GPU_ATTENTION", "sdpa")
+        assert not _module.gpu_varlen_applies(qc, qc)
+        monkeypatch.setenv("FASTLLM_GPU_ATTENTION", "auto")
+        assert not _module.gpu_varlen_applies(qc.float(), qc.float())  # flash: bf16/fp16 only
+        monkeypatch.setenv("FASTLLM_GPU_ATTENTION", "varlen")
+        with pytest.raises(ValueError, match="FASTLLM_GPU_ATTENTION='varlen' is not one of"):
+            _module.gpu_varlen_applies(qc, qc)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_packed_documents_through_varlen(dtype, monkeypatch):
+    """On a GPU with torch.nn.attention.varlen: packed documents run PyTorch's varlen flash
+    attention (checked by counting its calls), as accurate as SDPA with the document mask
+    (output and grads at most twice SDPA's error against fp64)."""
+    if _module._varlen_kernel() is None:
+        pytest.skip("this PyTorch has no torch.nn.attention.varlen")
+    calls = []
+    fn, params = _module._varlen_kernel()
+    monkeypatch.setattr(_module, "_varlen_kernel",
+                        lambda: ((lambda *a, **k: calls.append(1) or fn(*a, **k)), params))
+    q, k, v, dy, ds = _inputs((3, 200, 9, 3, 64, True), dtype)
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    got = grads([attention(q, k, v, doc_start=ds.cuda())], [q, k, v], [dy.cuda()])
+    assert calls, "the varlen route was not taken"
+    wide = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    oracle = grads([attention_ref(*wide, doc_start=ds)], wide, [dy.double()])
+    theirs_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    theirs = grads([_sdpa(*theirs_in, ds.cuda())], theirs_in, [dy.cuda()])
+    for name, a, t, o in zip(("out", "dq", "dk", "dv"), got, theirs, oracle):
+        check_close(name, a.detach().cpu(), t.detach().cpu(), o, dtype)

@@ -221,6 +221,21 @@ def test_fastllm_bench_runs_without_pytest(tmp_path):
     assert set(DEFAULT_OPS) <= set(OPS)
 
 
+def test_device_bench_packed_attention_smoke():
+    # bench/device_bench.py's packed-attention case at its --smoke sizes on the CPU: its three
+    # providers, the two with the same work rated in TFLOP/s against the masked SDPA
+    from fastllm.bench import device_bench
+
+    rows = []
+    device_bench.packed("cpu", 64, rows)
+    harness.annotate(rows)
+    by = {r["provider"]: r for r in rows}
+    assert set(by) == {"torch sdpa + document mask", "fastllm", "torch sdpa causal, no documents"}
+    assert all(r["time_ms"] > 0 and r["op"] == "attention (packed)" for r in rows)
+    assert by["fastllm"]["tflops"] > 0 and "tflops" not in by["torch sdpa causal, no documents"]
+    assert by["fastllm"]["ratio_to_baseline"] > 0
+
+
 def test_device_bench_model_case_smoke():
     # bench/device_bench.py's model case (issue 19) at its --smoke sizes on the CPU: a row per op
     # and provider, both training steps with the same first loss on every side, and Liger-Kernel

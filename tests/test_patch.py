@@ -135,6 +135,49 @@ def test_fastllm_attention_equals_unpatched(packed, checkpointing, monkeypatch):
     assert not calls
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpu_packed_rows_through_varlen(checkpointing, monkeypatch):
+    """On a GPU, bf16 packed rows (position ids restarting, no attention_mask) run PyTorch's
+    varlen flash attention in every layer (one host sync per forward: the segments are computed
+    once) and land as close to the fp32 unpatched model as the unpatched bf16 model does
+    (transformers' SDPA with its block-diagonal mask)."""
+    attention_module = sys.modules["fastllm.ops.attention"]
+    if attention_module._varlen_kernel() is None:
+        pytest.skip("this PyTorch has no torch.nn.attention.varlen")
+    model = _model().cuda()
+    ids, labels = (t.cuda() for t in _batch(s=13))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4],
+                        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]], device="cuda")
+    labels[0, [5, 8]] = -100
+    labels[1, 10] = -100
+    kw = dict(position_ids=pos)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    else:
+        kw["use_cache"] = False
+    run = lambda m: lambda **a: m(**a, **kw)  # noqa: E731
+    ref = _loss_and_grads(model, ids, labels, run(model))
+    lp = copy.deepcopy(model).to(torch.bfloat16)
+    theirs = _loss_and_grads(lp, ids, labels, run(lp))
+    fastllm.patch(lp)
+    calls, segments = [], []
+    fn, params = attention_module._varlen_kernel()
+    monkeypatch.setattr(attention_module, "_varlen_kernel",
+                        lambda: ((lambda *a, **k: calls.append(1) or fn(*a, **k)), params))
+    real = attention_module.document_segments
+    monkeypatch.setattr(attention_module, "document_segments",
+                        lambda *a: segments.append(1) or real(*a))
+    ours = _loss_and_grads(lp, ids, labels, run(lp))
+    assert len(calls) == (4 if checkpointing else 2) and len(segments) == 1
+    err = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
+    assert err(ours[0].loss, ref[0].loss) <= 2 * err(theirs[0].loss, ref[0].loss) + 1e-3
+    for name, g in ref[1].items():
+        bound = 2 * err(theirs[1][name], g) + 1e-3 * g.abs().max().item()
+        assert err(ours[1][name], g) <= bound, name
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_qwen2_and_mistral(family):
     over = {"sliding_window": 4} if family == "mistral" else {}

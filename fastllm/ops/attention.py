@@ -16,25 +16,37 @@ fp32; the backward recomputes the probabilities from it, so nothing of size T x 
 Ops (schemas in fastllm/_library.py): attention(q, k, v, doc_start, scale) -> (out, lse),
 attention_backward(grad_out, q, k, v, out, lse, doc_start, scale) -> (dq, dk, dv). Backends:
 cpp (csrc/cpu/attention.cpp: blocks of query positions through fp32 GEMMs, oneDNN's where
-fastllm/_gemm.py routes them), ref (plain PyTorch, any device). There is no GPU kernel:
-`attention` on a GPU tensor runs F.scaled_dot_product_attention (flash or memory-efficient, with
-the block-diagonal mask for doc_start), and fastllm.patch keeps PyTorch's attention on GPUs.
+fastllm/_gemm.py routes them), ref (plain PyTorch, any device).
+
+There is no GPU kernel of fastllm's own. `attention` on a GPU tensor runs PyTorch's: packed
+documents in bf16/fp16 through its variable-length flash attention (`torch.nn.attention.varlen`,
+torch >= 2.10, sm80+: each document its own sequence, so no T x T mask is built and no work is
+spent on blocks across documents; what torchtitan runs for document masking), anything else
+through F.scaled_dot_product_attention (`is_causal`, or the block-diagonal mask for doc_start).
+FASTLLM_GPU_ATTENTION=sdpa keeps the latter for packed documents too. The varlen route has not
+yet run on a GPU here (no GPU was lent since it was written); tests/test_attention.py checks it
+there against the fp64 reference, and on the CPU its plumbing against a stand-in kernel.
 """
 
+import functools
+import inspect
 import math
+import warnings
 
 import torch
 
 from fastllm import _backend, _extension, _gemm
 from fastllm._library import lib
 
-__all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "cpu_attention_enabled",
-           "worth_it"]
+__all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "document_segments",
+           "DocumentSegments", "cpu_attention_enabled", "worth_it", "gpu_varlen_applies"]
 
 _PREFERENCE = {"cpu": ("cpp", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 ENV = "FASTLLM_CPU_ATTENTION"
 _MODES = ("auto", "fastllm", "torch")
+GPU_ENV = "FASTLLM_GPU_ATTENTION"
+_GPU_MODES = ("auto", "sdpa")
 
 
 def _opmath(dtype):
@@ -227,21 +239,132 @@ def _backward(ctx, grad_out, _grad_lse):
 torch.library.register_autograd("fastllm::attention", _backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, scale=None, doc_start=None):
+def attention(q, k, v, scale=None, doc_start=None, segments=None):
     """Causal attention: q (B, T, Hq, D), k, v (B, T, Hkv, D) -> (B, T, Hq, D).
 
     scale: multiplies q k^T (default head_dim ** -0.5). doc_start: None, or (B, T) int64, the
-    first key each query may attend (packed documents; `doc_start_from_position_ids`)."""
+    first key each query may attend (packed documents; `doc_start_from_position_ids`).
+    segments: optional `document_segments(doc_start)`, for a caller that runs many layers on one
+    batch (on a GPU the varlen route reads it; computed here when needed, one host sync)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # head_dim 0: refused below
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"fastllm.attention: scale must be finite, got {scale}")
     if q.device.type != "cpu":
-        # no GPU kernel of fastllm's own: PyTorch's fused attention (flash, memory-efficient),
-        # not the reference, which would materialise T x T scores per head
+        # no GPU kernel of fastllm's own: PyTorch's fused attention (varlen flash for packed
+        # documents, else flash or memory-efficient), not the reference, which would
+        # materialise T x T scores per head
+        if doc_start is not None and gpu_varlen_applies(q, k, scale):
+            out = _varlen_attention(q, k, v, scale, doc_start, segments)
+            if out is not None:
+                return out
         return _sdpa_attention(q, k, v, scale, doc_start)
     return torch.ops.fastllm.attention(q, k, v, doc_start, scale)[0]
+
+
+class DocumentSegments:
+    """The documents of packed rows as one flat sequence: cu_seqlens (N + 1,) int32, the offsets
+    of the N documents in the (B * T) tokens, and max_len, the longest (a Python int)."""
+
+    __slots__ = ("cu_seqlens", "max_len")
+
+    def __init__(self, cu_seqlens, max_len):
+        self.cu_seqlens = cu_seqlens
+        self.max_len = max_len
+
+
+def document_segments(doc_start):
+    """DocumentSegments of doc_start (B, T): a document starts where doc_start[b, t] == t (every
+    row's first token starts one, so no document crosses rows). Reads max_len back to the host:
+    compute it once per batch and pass it to each layer's `attention`."""
+    b, t = doc_start.shape
+    idx = torch.arange(t, device=doc_start.device)
+    starts = (doc_start == idx).reshape(-1).nonzero().reshape(-1)
+    end = torch.full((1,), b * t, dtype=starts.dtype, device=starts.device)
+    cu = torch.cat([starts, end]).to(torch.int32)
+    max_len = int(torch.diff(cu).max()) if cu.numel() > 1 else 0
+    return DocumentSegments(cu, max_len)
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_kernel():
+    """(varlen_attn, the names of its parameters), or None where this PyTorch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+# (device, dtype, head_dim, grouped) whose varlen call raised: SDPA from then on, one warning
+_VARLEN_FAILED = set()
+
+
+def _varlen_key(q, k):
+    return (str(q.device), q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
+
+
+def gpu_varlen_applies(q, k, scale=None):
+    """Whether packed documents on this GPU tensor go through PyTorch's varlen flash attention:
+    CUDA (not ROCm), sm80+, bf16/fp16, head_dim a multiple of 8 up to 256, a PyTorch with
+    torch.nn.attention.varlen (>= 2.10) whose varlen_attn takes the scale and grouped heads
+    asked for, not while torch.compile traces (its max_len is a host value), and
+    FASTLLM_GPU_ATTENTION not sdpa."""
+    if (q.device.type != "cuda" or torch.version.hip is not None
+            or q.dtype not in (torch.bfloat16, torch.float16)
+            or q.shape[-1] % 8 or not 0 < q.shape[-1] <= 256
+            or torch.compiler.is_compiling() or _backend.env_choice(GPU_ENV, _GPU_MODES) != "auto"
+            or _varlen_key(q, k) in _VARLEN_FAILED):
+        return False
+    kernel = _varlen_kernel()
+    if kernel is None:
+        return False
+    params = kernel[1]
+    if q.shape[2] != k.shape[2] and "enable_gqa" not in params:
+        return False
+    if scale is not None and "scale" not in params and scale != q.shape[-1] ** -0.5:
+        return False
+    if "window_size" not in params and "is_causal" not in params:
+        return False
+    return _capability(q.device.index if q.device.index is not None
+                       else torch.cuda.current_device())[0] >= 8
+
+
+def _varlen_attention(q, k, v, scale, doc_start, segments):
+    """attention() through varlen_attn, or None (after one warning) where it raised."""
+    check_attention_args(q, k, v, doc_start)
+    if segments is None:
+        segments = document_segments(doc_start)
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    fn, params = _varlen_kernel()
+    kwargs = {}
+    if "window_size" in params:  # torch >= 2.11
+        kwargs["window_size"] = (-1, 0)
+    else:  # torch 2.10
+        kwargs["is_causal"] = True
+    if "scale" in params:
+        kwargs["scale"] = scale
+    if hq != hkv:
+        kwargs["enable_gqa"] = True
+    try:
+        out = fn(q.reshape(b * t, hq, d), k.reshape(b * t, hkv, d), v.reshape(b * t, hkv, d),
+                 segments.cu_seqlens, segments.cu_seqlens, segments.max_len, segments.max_len,
+                 **kwargs)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        # raised by its argument checks, before it wrote anything
+        _VARLEN_FAILED.add(_varlen_key(q, k))
+        warnings.warn(f"fastllm.attention: PyTorch's varlen attention refused {q.dtype}, head_dim "
+                      f"{d}, {hq}/{hkv} heads ({exc}); using scaled_dot_product_attention with "
+                      f"the document mask for these from now on", RuntimeWarning, stacklevel=3)
+        return None
+    return out.view(b, t, hq, d)
 
 
 def _sdpa_attention(q, k, v, scale, doc_start):
