@@ -60,18 +60,18 @@ def dora_linear_ref(x, weight, lora_A, lora_B, magnitude, scaling, bias=None):
 
 
 class DoRALinear(LoRALinear):
-    """A LoRALinear with a learned magnitude: lora_magnitude_vector (out_features,), in the base
-    weight's dtype (PEFT's parameter and state name)."""
+    """A LoRALinear with a learned magnitude: lora_magnitude_vector (out_features,), in the
+    adapters' dtype (PEFT's parameter and state name)."""
 
     is_dora = True
 
-    def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False):
-        super().__init__(base, r, alpha, dropout, use_rslora)
+    def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False, adapter_dtype=None):
+        super().__init__(base, r, alpha, dropout, use_rslora, adapter_dtype)
         self._weight_sq, self._weight_version = None, None
         self._merge_norm = None
         with torch.no_grad():
             norm = dora_weight_norm(base.weight, self.lora_A, self.lora_B, self.scaling)
-        self.lora_magnitude_vector = nn.Parameter(norm.to(base.weight.dtype))
+        self.lora_magnitude_vector = nn.Parameter(norm.to(self.lora_A.dtype))
 
     def weight_norm(self):
         """n = ||W + s B A||_row, fp32, detached."""
@@ -87,6 +87,8 @@ class DoRALinear(LoRALinear):
         if self.merged:
             return self.base_layer(x)
         w, bias = self.base_layer.weight, self.base_layer.bias
+        if self.lora_A.dtype != x.dtype:
+            return self._forward_fp32_adapters(x, w, bias)
         scale = (self.lora_magnitude_vector.float() / self.weight_norm()).to(x.dtype)
         if self.dropout == 0.0 or not self.training:
             out = lora_linear(x, w, self.lora_A, self.lora_B, self.scaling, None, 0.0,
@@ -97,6 +99,24 @@ class DoRALinear(LoRALinear):
         base = linear(dropped, w)
         low = linear(linear(dropped, self.lora_A), self.lora_B) * self.scaling
         return linear(x, w, bias) + (scale - 1) * base + scale * low
+
+    def _forward_fp32_adapters(self, x, w, bias):
+        """fp32 adapters and magnitude on a bf16/fp16 base, as PEFT computes them: the base
+        products in the base dtype, the magnitude scale, the low-rank branch (on x cast to fp32,
+        dropout included) and their sum in fp32, rounded once to x's dtype."""
+        dt = self.lora_A.dtype
+        scale = self.lora_magnitude_vector.to(dt) / self.weight_norm()
+        base = linear(x, w, bias)  # with the bias, as the base layer's output
+        xd = x.to(dt)
+        if self.dropout == 0.0 or not self.training:
+            # (m / n) x W^T + bias: the bias is not scaled
+            plain = base.to(dt) if bias is None else base.to(dt) - bias.to(dt)
+            out = scale * plain + (0.0 if bias is None else bias.to(dt))
+        else:
+            xd = F.dropout(xd, self.dropout, training=True)
+            out = base.to(dt) + (scale - 1) * linear(xd.to(x.dtype), w).to(dt)
+        low = linear(linear(xd, self.lora_A), self.lora_B) * self.scaling
+        return (out + scale * low).to(x.dtype)
 
     def _merged_weight(self, sign):
         """+1: (m / n) (W + s B A), the merged weight (PEFT's merge); -1: its inverse, with the n
@@ -121,7 +141,7 @@ def inject_dora(model, **kwargs):
     return lora.inject_lora(model, layer_cls=DoRALinear, **kwargs)
 
 
-def load_adapter(model, path):
+def load_adapter(model, path, adapter_dtype=None):
     """A PEFT adapter saved with use_dora=true (by PEFT or save_adapter) into `model`, as
     fastllm.lora.load_adapter does for LoRA."""
-    return lora.load_adapter(model, path, layer_cls=DoRALinear)
+    return lora.load_adapter(model, path, layer_cls=DoRALinear, adapter_dtype=adapter_dtype)

@@ -33,14 +33,17 @@ class LoRALinear(nn.Module):
     """An nn.Linear plus a trainable rank-r update: y = base(x) + scaling * dropout(x) A^T B^T.
 
     base: nn.Linear (in_features -> out_features), kept as `base_layer` and frozen.
-    lora_A: (r, in_features), lora_B: (out_features, r), in the base weight's dtype and device.
+    lora_A: (r, in_features), lora_B: (out_features, r), on the base weight's device, in
+    `adapter_dtype`: None (the base weight's dtype) or torch.float32 on a bf16/fp16 base (PEFT's
+    `autocast_adapter_dtype`: the low-rank products and the adapters' grads in fp32).
     """
 
-    def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False):
+    def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False, adapter_dtype=None):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"fastllm.lora.LoRALinear wraps nn.Linear, got {type(base).__name__}")
         check_lora_args("fastllm.lora.LoRALinear", r, alpha, dropout)
+        check_adapter_dtype("fastllm.lora.LoRALinear", base.weight.dtype, adapter_dtype)
         self.base_layer = base
         self.r = int(r)
         self.alpha = alpha
@@ -49,9 +52,10 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.merged = False
         w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(self.r, base.in_features, dtype=w.dtype,
+        dtype = w.dtype if adapter_dtype is None else adapter_dtype
+        self.lora_A = nn.Parameter(torch.empty(self.r, base.in_features, dtype=dtype,
                                                device=w.device))
-        self.lora_B = nn.Parameter(torch.empty(base.out_features, self.r, dtype=w.dtype,
+        self.lora_B = nn.Parameter(torch.empty(base.out_features, self.r, dtype=dtype,
                                                device=w.device))
         base.requires_grad_(False)
         self.reset_lora_parameters()
@@ -97,6 +101,17 @@ class LoRALinear(nn.Module):
                 f"dropout={self.dropout}, merged={self.merged}")
 
 
+def check_adapter_dtype(where, base_dtype, adapter_dtype):
+    """Refuse an adapter dtype lora_linear cannot take on this base, naming both."""
+    from fastllm.ops.lora_linear import adapter_dtype_ok
+
+    if adapter_dtype is not None and not (isinstance(adapter_dtype, torch.dtype)
+                                          and adapter_dtype_ok(base_dtype, adapter_dtype)):
+        raise ValueError(f"{where}: adapter_dtype must be None (the base weight's dtype) or "
+                         f"torch.float32 on a bf16/fp16 base; got {adapter_dtype!r} on "
+                         f"{base_dtype}")
+
+
 def check_lora_args(where, r, alpha, dropout):
     """Refuse a LoRA rank that is not a positive integer, an alpha that is not finite and > 0,
     a dropout outside [0, 1), naming the value (before any layer is built)."""
@@ -124,7 +139,8 @@ def lora_modules(model):
 
 
 def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropout=0.0,
-                use_rslora=False, rank_pattern=None, alpha_pattern=None, layer_cls=None):
+                use_rslora=False, rank_pattern=None, alpha_pattern=None, layer_cls=None,
+                adapter_dtype=None):
     """Replace every nn.Linear whose name matches `target_modules` by a LoRALinear, in place.
 
     target_modules: module-name suffixes (a list), or one regex string matched against the whole
@@ -132,7 +148,8 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     alpha_pattern map a module-name suffix to its own r / alpha (PEFT's fields of the same names).
     A model that already has LoRA layers is refused (unload() or merge_and_unload() first).
     layer_cls: the layer to build (default LoRALinear; fastllm.dora.inject_dora passes
-    DoRALinear). Returns the model.
+    DoRALinear). adapter_dtype: None (each base weight's dtype) or torch.float32 on a bf16/fp16
+    model (PEFT's `autocast_adapter_dtype=True`, its default). Returns the model.
     """
     existing = lora_modules(model)
     if existing:
@@ -154,11 +171,14 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
         layer_r = _pattern_value(name, rank_pattern, r)
         layer_alpha = _pattern_value(name, alpha_pattern, alpha)
         check_lora_args(f"fastllm.inject_lora: {name}", layer_r, layer_alpha, dropout)
+        check_adapter_dtype(f"fastllm.inject_lora: {name}", module.weight.dtype, adapter_dtype)
         values.append((int(layer_r), layer_alpha))
     model.requires_grad_(False)
     layer_cls = layer_cls or LoRALinear
     for (name, module), (layer_r, layer_alpha) in zip(targets, values):
-        _replace(model, name, layer_cls(module, layer_r, layer_alpha, dropout, use_rslora))
+        extra = {} if adapter_dtype is None else {"adapter_dtype": adapter_dtype}
+        _replace(model, name, layer_cls(module, layer_r, layer_alpha, dropout, use_rslora,
+                                        **extra))
     # save_adapter writes a regex back as the regex: its suffixes would adapt other layers too
     model._fastllm_lora_target_modules = (
         target_modules if isinstance(target_modules, str) else None)
@@ -309,14 +329,16 @@ def save_adapter(model, path, task_type=None):
         json.dump(_adapter_config(model, layers, task_type), f, indent=2, sort_keys=True)
 
 
-def load_adapter(model, path, layer_cls=None):
+def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
     """Load a PEFT LoRA adapter (from PEFT or save_adapter) into `model`.
 
     A model without LoRA layers gets them first (inject_lora with the adapter's config); one that
     has them must have the adapter's layers and shapes. Base weights that PEFT saves beside an
     adapted layer (`<layer>.base_layer.weight`, e.g. for lm_head) are loaded into it, as PEFT
     does. A refused adapter leaves the model unchanged. layer_cls: as inject_lora's (a DoRA
-    adapter needs fastllm.dora.load_adapter, which passes DoRALinear). Returns the model.
+    adapter needs fastllm.dora.load_adapter, which passes DoRALinear); adapter_dtype: as
+    inject_lora's, for layers it creates (torch.float32 on a bf16 model: PEFT's default).
+    Returns the model.
     """
     from safetensors.torch import load_file
 
@@ -337,7 +359,7 @@ def load_adapter(model, path, layer_cls=None):
                 use_rslora=config.get("use_rslora", False),
                 rank_pattern=config.get("rank_pattern"),
                 alpha_pattern=config.get("alpha_pattern"),
-                layer_cls=layer_cls)
+                layer_cls=layer_cls, adapter_dtype=adapter_dtype)
     try:
         return _load_state(model, state)
     except ValueError:

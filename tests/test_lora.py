@@ -135,6 +135,81 @@ def test_layer_matches_peft(dtype, bias, r, dropout):
                     f"{name}: {_err(u, o):.3g} vs {who}'s {_err(ref, o):.3g}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_fp32_adapters_match_peft_autocast_adapter_dtype(dtype, dora):
+    """adapter_dtype=torch.float32 on a bf16/fp16 model, as PEFT's get_peft_model does by default
+    (autocast_adapter_dtype=True): fp32 adapters and adapter grads, y and dx in the model's dtype,
+    each no further from fp64 than twice PEFT's error, with dropout."""
+    from fastllm.dora import inject_dora
+
+    torch.manual_seed(0)
+    k, n, r, alpha, dropout = 123, 77, 5, 10, 0.2
+    tiny = Tiny(k, n, True, dtype)
+    inject = inject_dora if dora else inject_lora
+    ours = inject(copy.deepcopy(tiny), target_modules=["q_proj"], r=r, alpha=alpha,
+                  dropout=0.0 if dora else dropout, adapter_dtype=torch.float32).train()
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj"], use_dora=dora,
+                             lora_dropout=0.0 if dora else dropout)
+    theirs = peft.get_peft_model(copy.deepcopy(tiny), config).train()  # fp32 adapters
+    layer, peft_layer = ours.q_proj, _peft_lora_layer(theirs, "q_proj")
+    assert layer.lora_A.dtype == layer.lora_B.dtype == torch.float32
+    assert peft_layer.lora_A["default"].weight.dtype == torch.float32
+    torch.manual_seed(7)
+    seed = int(new_dropout_seed())
+    if not dora:
+        peft_layer.lora_dropout["default"] = _SeededDropout(dropout, seed)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+        peft_layer.lora_A["default"].weight.copy_(layer.lora_A)
+        peft_layer.lora_B["default"].weight.copy_(layer.lora_B)
+        if dora:
+            layer.lora_magnitude_vector.mul_(1.1)
+            peft_layer.lora_magnitude_vector["default"].weight.copy_(layer.lora_magnitude_vector)
+    x = torch.randn(5, 9, k).to(dtype)
+    g = torch.randn(5, 9, n).to(dtype)
+    results = []
+    for model, a, b in ((ours, layer.lora_A, layer.lora_B),
+                        (theirs, peft_layer.lora_A["default"].weight,
+                         peft_layer.lora_B["default"].weight)):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(7)
+        y = model(xi)
+        results.append([y, *torch.autograd.grad(y, (xi, a, b), g)])
+    # the same layer in fp64 (same weights, same dropout mask): the oracle
+    wide = copy.deepcopy(ours).double()
+    wl = wide.q_proj
+    if not dora:
+        wl.dropout = 0.0  # the mask applied by hand below
+    x64 = x.double().requires_grad_()
+    xin = x64 if dora else lora_dropout_ref(x64.reshape(-1, k), dropout, seed).reshape(x.shape)
+    base = torch.nn.functional.linear(x64, wl.base_layer.weight, wl.base_layer.bias)
+    if dora:
+        y64 = wide(x64)
+    else:
+        y64 = base + torch.nn.functional.linear(
+            torch.nn.functional.linear(xin, wl.lora_A), wl.lora_B) * wl.scaling
+    oracle = [y64, *torch.autograd.grad(y64, (x64, wl.lora_A, wl.lora_B), g.double())]
+    dtypes = [dtype, dtype, torch.float32, torch.float32]
+    for name, u, v, o, dt in zip(["y", "dx", "dA", "dB"], *results, oracle, dtypes):
+        assert u.dtype == v.dtype == dt, name
+        floor = 1e-3 * torch.finfo(dtype).eps * o.abs().max().item()
+        assert _err(u, o) <= 2 * _err(v, o) + floor, (
+            f"{name}: {_err(u, o):.3g} vs PEFT's {_err(v, o):.3g}")
+    if dora:  # with dropout (the magnitude scale of a dropped input): runs, grads in fp32
+        layer.dropout = 0.2
+        xi = x.clone().requires_grad_()
+        y = ours(xi)
+        grads = torch.autograd.grad(y, (xi, layer.lora_A, layer.lora_magnitude_vector), g)
+        assert y.dtype == dtype and [t.dtype for t in grads] == [dtype, torch.float32,
+                                                                  torch.float32]
+        assert all(torch.isfinite(t).all() for t in (y, *grads))
+    with pytest.raises(ValueError, match=r"adapter_dtype must be None .* or torch.float32 on a "
+                                         r"bf16/fp16 base; got torch\.(b?float16) on"):
+        inject_lora(copy.deepcopy(tiny), target_modules=["q_proj"], adapter_dtype=torch.float16
+                    if dtype == torch.bfloat16 else torch.bfloat16)
+
+
 def test_inject_freezes_everything_else_and_rejects_no_match():
     model = _tiny_llama()
     inject_lora(model, target_modules=["q_proj", "v_proj"], r=4, alpha=8)

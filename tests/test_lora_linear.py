@@ -411,3 +411,73 @@ def test_triton_rounds_to_nearest(backend, device, unsplit, monkeypatch):
         # fp32 accumulation may differ from fp64 in the last place rarely; truncation in ~half
         mismatch = (got != exact).double().mean().item()
         assert mismatch < 0.02, f"{name}: {mismatch:.1%} of elements not rounded to nearest"
+
+
+# --- fp32 adapters on a bf16/fp16 base (PEFT's autocast_adapter_dtype) -------------------------
+
+def _peft_style(x, w, a, b, scaling, bias, dropout_p, seed):
+    """What PEFT computes for fp32 adapters on a low-precision base: the base layer in its dtype,
+    the LoRA branch (dropout included) on x cast to fp32, their sum cast back."""
+    from fastllm.ops.lora_linear import lora_dropout_ref
+
+    xd = lora_dropout_ref(x.reshape(-1, x.shape[-1]).to(a.dtype), dropout_p, seed)
+    low = torch.nn.functional.linear(torch.nn.functional.linear(xd.reshape(x.shape), a), b)
+    low = low * scaling
+    return (torch.nn.functional.linear(x, w, bias) + low).to(x.dtype)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias,dropout_p", [(False, 0.0), (True, 0.25)],
+                         ids=["nobias-p0", "bias-p.25"])
+def test_fp32_adapters_on_low_precision_base(backend, device, dtype, bias, dropout_p):
+    """y, dx in the base dtype, dA and dB in fp32, each no further from fp64 than twice what
+    PEFT's composition gets; inputs untouched."""
+    inputs = _inputs((3, 11), 123, 77, 5, dtype, device, bias)
+    x, w, a, b, bias_t = inputs
+    a = a.detach().float().requires_grad_()
+    b = b.detach().float().requires_grad_()
+    inputs = (x, w, a, b, bias_t)
+    before = [t.detach().clone() for t in inputs if t is not None]
+    scaling, seed = 0.7, 1234
+    g = torch.randn(3, 11, 77, device=device).to(dtype)
+    with fastllm.use_backend(backend):
+        got = _grads(lora_linear(x, w, a, b, scaling, bias_t, dropout_p, seed=seed), inputs, g)
+    assert [t.dtype for t in got[:4]] == [dtype, dtype, torch.float32, torch.float32]
+    for t, t0 in zip([t for t in inputs if t is not None], before):
+        assert torch.equal(t.detach(), t0), "an input changed"
+    theirs = _grads(_peft_style(x, w, a, b, scaling, bias_t, dropout_p, seed), inputs, g)
+    inputs64 = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+                for t in inputs]
+    oracle = _grads(lora_linear_ref(*inputs64[:4], scaling, inputs64[4], dropout_p, seed),
+                    inputs64, g.double())
+    for name, u, v, o in zip(["y", "dx", "dA", "dB", "dbias"], got, theirs, oracle):
+        _check_close(name, u, v, o, dtype)
+
+
+def test_fp32_adapters_opcheck_multi_and_refusals():
+    x, w, a, b, bias_t = _inputs((2, 5), 24, 16, 4, torch.bfloat16, "cpu", bias=True)
+    a32, b32 = (t.detach().float().requires_grad_() for t in (a, b))
+    seed = torch.tensor(17)
+    for p in (0.0, 0.2):
+        torch.library.opcheck(torch.ops.fastllm.lora_linear, (x, w, a32, b32, 0.5, bias_t, p, seed))
+    y, xa = torch.ops.fastllm.lora_linear(x, w, a32, b32, 0.5, bias_t, 0.2, seed)
+    assert xa.dtype == torch.float32
+    torch.library.opcheck(torch.ops.fastllm.lora_linear_backward,
+                          (torch.randn_like(y).detach(), x.detach(), w, a32.detach(),
+                           b32.detach(), xa, 0.5, 0.2, seed, [True, True, True]))
+    # lora_linear_multi: per projection through lora_linear
+    from fastllm.ops.lora_linear import lora_linear_multi
+
+    w2 = torch.randn(8, 24).bfloat16()
+    outs = lora_linear_multi(x, [w, w2], [a32, None], [b32, None], [0.5, 1.0], [bias_t, None])
+    torch.testing.assert_close(outs[0], lora_linear(x, w, a32, b32, 0.5, bias_t), rtol=0, atol=0)
+    torch.testing.assert_close(outs[1], torch.nn.functional.linear(x, w2), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="lora_a has dtype torch.float16, x has torch.bfloat16 "
+                                        r"\(adapters may be fp32 on a bf16/fp16 base\)"):
+        lora_linear(x, w, a.detach().half(), b.detach().half(), 0.5)
+    with pytest.raises(TypeError, match="lora_a has dtype torch.float32, lora_b torch.bfloat16"):
+        lora_linear(x, w, a32, b, 0.5)
+    x32, w32 = x.detach().float(), w.float()
+    with pytest.raises(TypeError, match="lora_a has dtype torch.bfloat16, x has torch.float32"):
+        lora_linear(x32, w32, a, b, 0.5)

@@ -3,9 +3,17 @@
     y = x W^T + bias + scaling * dropout(x) A^T B^T
 
 x: (..., in_features); weight W: (out_features, in_features), frozen; lora_a A: (r, in_features);
-lora_b B: (out_features, r) (PEFT's orientation); bias: (out_features,) or None. All floating
-tensors share one dtype (fp32, bf16, fp16; fp64 on the ref and cpp backends) and one device.
-Grads flow to x, A, B, bias (and W, if it requires grad) through `torch.library.register_autograd`.
+lora_b B: (out_features, r) (PEFT's orientation); bias: (out_features,) or None. x, W and bias
+share one dtype (fp32, bf16, fp16; fp64 on the ref and cpp backends), A and B either that dtype
+or fp32 under a bf16/fp16 base (fp32 adapters: PEFT's `autocast_adapter_dtype`, what its users
+train). One device. Grads flow to x, A, B, bias (and W, if it requires grad) through
+`torch.library.register_autograd`.
+
+fp32 adapters on a bf16/fp16 base: x W^T (+ bias) in the base dtype, the low-rank products in fp32
+on x cast to fp32, y = x W^T + scaling * (x A^T) B^T summed in fp32 and rounded once to the base
+dtype (PEFT adds its fp32 LoRA output to the rounded base output and rounds the sum: the same);
+dropout applied to x in fp32, as PEFT does; dX likewise, dA and dB in fp32. Every backend runs this case as matmuls (cuBLAS on a GPU, no
+Triton kernel yet) with its own dropout.
 
 Two ops (schemas in fastllm/_library.py):
     lora_linear(...) -> (y, xa_t)            xa_t = A dropout(x)^T, (r, rows): all the backward
@@ -94,6 +102,18 @@ def lora_linear_ref(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0
     return F.linear(x, weight, bias) + scaling * F.linear(F.linear(xd, lora_a), lora_b)
 
 
+def adapter_dtype_ok(base_dtype, adapter_dtype):
+    """Whether adapters of adapter_dtype may sit on a base of base_dtype: the same, or fp32 on
+    bf16/fp16."""
+    return adapter_dtype == base_dtype or (
+        adapter_dtype == torch.float32 and base_dtype in (torch.bfloat16, torch.float16))
+
+
+def mixed(x, lora_a):
+    """Whether this is the fp32-adapter / low-precision-base case."""
+    return lora_a.dtype != x.dtype
+
+
 def check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
     """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
     where = "fastllm.lora_linear"
@@ -103,12 +123,18 @@ def check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
     for name, t in tensors.items():
         if t.layout != torch.strided:
             raise TypeError(f"{where}: {name} is {t.layout}; only dense tensors are supported")
-        if t.dtype != x.dtype:
-            raise TypeError(f"{where}: {name} has dtype {t.dtype}, x has {x.dtype}")
+        if name in ("lora_a", "lora_b") and adapter_dtype_ok(x.dtype, t.dtype):
+            pass
+        elif t.dtype != x.dtype:
+            raise TypeError(f"{where}: {name} has dtype {t.dtype}, x has {x.dtype}"
+                            + (" (adapters may be fp32 on a bf16/fp16 base)"
+                               if name in ("lora_a", "lora_b") else ""))
         if t.device != x.device:
             raise ValueError(f"{where}: {name} is on {t.device}, x on {x.device}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"{where}: dtype {x.dtype} is not supported (fp32, bf16, fp16, fp64)")
+    if lora_a.dtype != lora_b.dtype:
+        raise TypeError(f"{where}: lora_a has dtype {lora_a.dtype}, lora_b {lora_b.dtype}")
     if x.dim() < 1 or weight.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2:
         raise ValueError(
             f"{where}: expected x (..., in), weight (out, in), lora_a (r, in), lora_b (out, r); "
@@ -189,6 +215,61 @@ def _backward_torch(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, x
     if need_b:
         db = _gemm.addmm(lora_b.t(), xa_t, dy, beta=0, alpha=scaling).t().contiguous()
     return dx, da, db
+
+
+def _base_mm(a, b):
+    """a @ b in the base dtype (in fp32 on CPUs without native bf16/fp16 GEMMs, _lowp.py)."""
+    return _lowp.in_fp32(_gemm.mm, a, b) if _lowp.widen(a) else _gemm.mm(a, b)
+
+
+def _forward_mixed(dropout, x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
+    """fp32 adapters on a bf16/fp16 base (see the module docstring)."""
+    in_features = x.shape[-1]
+    x2 = x.reshape(math.prod(x.shape[:-1]), in_features)
+    y = _base_mm(x2, weight.t()).to(lora_a.dtype)
+    if bias is not None:
+        y.add_(bias)
+    # dropout on x in fp32, as PEFT (it casts x to the adapters' dtype first): x / (1 - p) exact
+    xa_t = _gemm.mm(lora_a, dropout(x2.to(lora_a.dtype), dropout_p, seed).t())
+    _gemm.addmm_(y, xa_t.t(), lora_b.t(), alpha=scaling)
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0]), xa_t
+
+
+def _backward_mixed(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, xa_t, scaling,
+                    dropout_p, seed, output_mask):
+    need_x, need_a, need_b = output_mask
+    out_features, in_features = weight.shape
+    rows = math.prod(x.shape[:-1])
+    dy = grad_out.reshape(rows, out_features)
+    dy_a = dy.to(lora_a.dtype)
+    dx, da, db = x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    dyb_t = _gemm.mm(lora_b.t(), dy_a.t()) if (need_x or need_a) else None
+    if need_x:
+        dx = _base_mm(dy, weight).to(lora_a.dtype)
+        if dropout_p == 0.0:
+            _gemm.addmm_(dx, dyb_t.t(), lora_a, alpha=scaling)
+        else:
+            dropout_add(dx, _gemm.mm(dyb_t.t(), lora_a), dropout_p, seed, scaling)
+        dx = dx.to(x.dtype).view(x.shape)
+    if need_a:
+        xd = dropout(x.reshape(rows, in_features).to(lora_a.dtype), dropout_p, seed)
+        da = _gemm.addmm(lora_a, dyb_t, xd, beta=0, alpha=scaling)
+    if need_b:
+        db = _gemm.addmm(lora_b.t(), xa_t, dy_a, beta=0, alpha=scaling).t().contiguous()
+    return dx, da, db
+
+
+_FORWARD_MIXED = {
+    "ref": lambda *a: _forward_mixed(lora_dropout_ref, *a),
+    "cpp": lambda *a: _forward_mixed(_dropout_cpp, *a),
+}
+_BACKWARD_MIXED = {
+    "ref": lambda *a: _backward_mixed(lora_dropout_ref, _dropout_add_ref, *a),
+    "cpp": lambda *a: _backward_mixed(_dropout_cpp, _dropout_add_cpp, *a),
+}
+# the Triton backend's mixed case: cuBLAS products and the reference's dropout
+_FORWARD_MIXED["triton"] = _FORWARD_MIXED["ref"]
+_BACKWARD_MIXED["triton"] = _BACKWARD_MIXED["ref"]
 
 
 def _triton_forward(*args):
@@ -287,15 +368,17 @@ def _run(table, x, lora_a, *args):
 
 def _lora_linear_impl(x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
     check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
+    table = _FORWARD_MIXED if mixed(x, lora_a) else _FORWARD
     with _backend.device_guard(x.device):
-        return _run(_FORWARD, x, lora_a, x, weight, lora_a, lora_b, scaling, bias, dropout_p,
+        return _run(table, x, lora_a, x, weight, lora_a, lora_b, scaling, bias, dropout_p,
                     int(seed))
 
 
 def _lora_linear_backward_impl(grad_out, x, weight, lora_a, lora_b, xa, scaling, dropout_p, seed,
                                output_mask):
+    table = _BACKWARD_MIXED if mixed(x, lora_a) else _BACKWARD
     with _backend.device_guard(x.device):
-        return _run(_BACKWARD, x, lora_a, grad_out, x, weight, lora_a, lora_b, xa, scaling,
+        return _run(table, x, lora_a, grad_out, x, weight, lora_a, lora_b, xa, scaling,
                     dropout_p, int(seed), list(output_mask))
 
 
@@ -309,7 +392,8 @@ lib.impl("lora_linear_backward", _lora_linear_backward_impl, "CUDA")
 def _lora_linear_fake(x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
     check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
     rows = math.prod(x.shape[:-1])
-    return x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((lora_a.shape[0], rows))
+    return (x.new_empty((*x.shape[:-1], weight.shape[0])),
+            lora_a.new_empty((lora_a.shape[0], rows)))
 
 
 @torch.library.register_fake("fastllm::lora_linear_backward")
@@ -498,7 +582,8 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
     x: (..., in_features); weights[i]: (out_i, in_features); lora_as[i]: (r_i, in_features) or
     None (that projection has no LoRA); lora_bs[i]: (out_i, r_i) or None; scalings[i]: float;
     biases[i]: (out_i,) or None. One dtype and device. No dropout (with dropout each projection
-    sees its own dropout(x): use lora_linear per projection). Returns a list of (..., out_i).
+    sees its own dropout(x): use lora_linear per projection). fp32 adapters on a bf16/fp16 base
+    run per projection through lora_linear. Returns a list of (..., out_i).
     Under autocast every floating input is cast to the autocast dtype, as F.linear's are.
     """
     n = len(weights)
@@ -521,5 +606,10 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
         with torch.autocast(device_type, enabled=False):
             return lora_linear_multi(cast[0], cast[1:1 + n], cast[1 + 2 * n:1 + 3 * n],
                                      cast[1 + 3 * n:], scalings, cast[1 + n:1 + 2 * n])
+    if any(a is not None and mixed(x, a) for a in lora_as):
+        # fp32 adapters on a bf16/fp16 base: each projection through lora_linear (x read once
+        # per adapted projection; the shared read is for one dtype)
+        return [F.linear(x, w, b) if a is None else lora_linear(x, w, a, bb, s, b)
+                for w, a, bb, s, b in zip(weights, lora_as, lora_bs, scalings, biases)]
     return list(_LoRALinearMulti.apply(x, n, [float(s) for s in scalings], *weights, *biases,
                                        *lora_as, *lora_bs))
