@@ -19,7 +19,8 @@ one table (bench/device_check.sh runs it; about three minutes on an H200):
                (+ PEFT), fastllm (patch + lora + optim.AdamW): tokens/s, peak memory, kernels
     packed     causal attention over packed documents (SFT rows), SmolLM2-135M's heads, 8 x 2048
                tokens of 64-1024-token documents, bf16, forward + backward: SDPA with the
-               (B, 1, T, T) document mask transformers builds, fastllm.ops.attention (PyTorch's
+               (B, 1, T, T) document mask and the key/value heads repeated, as transformers
+               runs it, fastllm.ops.attention (PyTorch's
                varlen flash attention on a GPU), and plain causal SDPA over whole rows (the same
                tokens without document boundaries: more work, no mask) for scale
 
@@ -709,7 +710,7 @@ def _packed_doc_start(batch, seq, shortest, longest, device):
 
 
 def packed(device, scale, rows):
-    from fastllm.ops.attention import _mask, attention, document_segments
+    from fastllm.ops.attention import _mask, attention, document_segments, gpu_varlen_applies
 
     shape = _model_shape(scale)
     b, t, hq, hkv = shape.batch, shape.seq, shape.heads, shape.kv_heads
@@ -728,9 +729,12 @@ def packed(device, scale, rows):
         return [q, k, v], [], [torch.randn(b, t, hq, d, device=device, dtype=dtype)]
 
     def sdpa(q, k, v, attn_mask, is_causal):
+        if attn_mask is not None:  # what transformers does with a mask (use_gqa_in_sdpa): a
+            # mask with enable_gqa would leave SDPA only its math kernel
+            k, v = k.repeat_interleave(hq // hkv, dim=2), v.repeat_interleave(hq // hkv, dim=2)
         return F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
-            is_causal=is_causal, enable_gqa=True).transpose(1, 2)
+            is_causal=is_causal, enable_gqa=attn_mask is None).transpose(1, 2)
 
     providers = {
         "torch sdpa + document mask": lambda q, k, v: sdpa(q, k, v, mask, False),
@@ -743,12 +747,18 @@ def packed(device, scale, rows):
             f"{max(1, 64 // scale)}-{max(2, 1024 // scale)}, {hq}/{hkv} heads of {d}, bf16, "
             "fwd+bwd")
     peak = {name: _peak_mib(fn, device) for name, fn in fns.items()}
+    q, k = sets[0][0][:2]
+    route = ("PyTorch's varlen flash attention" if gpu_varlen_applies(q, k)
+             else "no varlen here: " + ("fastllm's cpp kernel" if q.device.type == "cpu"
+                                        else "SDPA with the document mask"))
     for name, timing in _time(fns, device).items():
         row = {"op": "attention (packed)", "size": size, "provider": name,
                "time_ms": timing.median_ms, "baseline": "torch sdpa + document mask",
                "peak_mib": peak[name]}
         if name != "torch sdpa causal, no documents":  # the same useful work
             row["flops"] = flops
+        if name == "fastllm":
+            row["note"] = route
         rows.append(row)
 
 

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import _gemm, _lowp
+from fastllm import _backend, _gemm, _lowp
 from fastllm._dtensor import is_dtensor
 
 _PATCHED = "_fastllm_patched"
@@ -175,20 +175,25 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     plan = kwargs.pop(_ATTENTION_PLAN, None)
     if plan is not None and _fastllm_attention_applies(self, dropout, kwargs):
         # causal attention known from _causal_lm_forward (no 2-D mask: plain causal, or packed
-        # documents from the position ids, as transformers' mask would say): fastllm's CPU
-        # kernel, or on a GPU PyTorch's varlen flash attention, in the projections' (B, T, H, D)
-        # layout
-        from fastllm.ops.attention import attention
+        # documents from the position ids, as transformers' mask would say), in the projections'
+        # (B, T, H, D) layout: fastllm's CPU kernel, or on a GPU PyTorch's varlen flash
+        # attention for packed rows
+        from fastllm.ops.attention import attention, gpu_varlen_applies
 
-        doc_start = plan.doc_start
-        if cache is not None:  # a prefill with use_cache: the cache still gets k and v, and
-            # transformers' mask ignored the position ids (no packed rows with a cache)
-            cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs=kwargs)
-            doc_start = None
-        segments = (plan.segments() if doc_start is not None and q.is_cuda
-                    and not torch.compiler.is_compiling() else None)
-        out = attention(q, k, v, scale=self.scaling, doc_start=doc_start, segments=segments)
-        return self.o_proj(out.reshape(*input_shape, -1)), None
+        # a layer with a cache (a prefill with use_cache): transformers' mask ignored the
+        # position ids (no packed rows with a cache)
+        doc_start = None if cache is not None else plan.doc_start_on(q.device)
+        segments = None
+        if q.is_cuda:
+            if doc_start is not None and gpu_varlen_applies(q, k, self.scaling):
+                segments = plan.segments(q.device)
+            else:
+                plan = None  # transformers' own attention
+        if plan is not None:
+            if cache is not None:  # the cache still gets k and v
+                cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs=kwargs)
+            out = attention(q, k, v, scale=self.scaling, doc_start=doc_start, segments=segments)
+            return self.o_proj(out.reshape(*input_shape, -1)), None
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.transpose(1, 2)
     if cache is not None:
@@ -221,7 +226,7 @@ _ATTENTION_PLAN = "fastllm_attention_plan"
 
 
 class _AttentionPlan:
-    __slots__ = ("doc_start", "_segments")
+    __slots__ = ("doc_start", "_on", "_segments")
 
     def __init__(self, doc_start):
         # (B, T) int64 from the position ids, or None (none given: plain causal). A layer that
@@ -229,21 +234,30 @@ class _AttentionPlan:
         # without one (masking_utils), and whether it does is only known there (the model may
         # make a cache for use_cache, or not, as under gradient checkpointing in training)
         self.doc_start = doc_start
-        self._segments = None
+        self._on, self._segments = {}, {}
 
-    def segments(self):
-        """document_segments(doc_start), computed by the first layer that needs it (the GPU's
-        varlen route; one host sync per forward, not per layer) and kept for the others and for
-        the recomputation under gradient checkpointing."""
+    def doc_start_on(self, device):
+        """doc_start on `device` (a model split across GPUs: each layer's own), copied once."""
+        if self.doc_start is None or self.doc_start.device == device:
+            return self.doc_start
+        if device not in self._on:
+            self._on[device] = self.doc_start.to(device)
+        return self._on[device]
+
+    def segments(self, device):
+        """document_segments(doc_start) on `device`, computed by the first layer there that needs
+        it (the GPU's varlen route; two host reads per forward, not per layer) and kept for the
+        others and for the recomputation under gradient checkpointing."""
         from fastllm.ops.attention import document_segments
 
-        if self._segments is None:
-            self._segments = document_segments(self.doc_start)
-        return self._segments
+        if device not in self._segments:
+            self._segments[device] = document_segments(self.doc_start_on(device))
+        return self._segments[device]
 
 
 def _attention_plan(model, inputs, attention_mask, position_ids, cache):
-    from fastllm.ops.attention import doc_start_from_position_ids, gpu_varlen_applies, worth_it
+    from fastllm.ops.attention import (GPU_ENV, _GPU_MODES, _varlen_kernel,
+                                       doc_start_from_position_ids, worth_it)
 
     if inputs is None or attention_mask is not None:
         return None
@@ -251,22 +265,17 @@ def _attention_plan(model, inputs, attention_mask, position_ids, cache):
         return None
     if cache is not None and cache.get_seq_length() > 0:
         return None
-    dtype = getattr(model, "dtype", torch.float32)
     device = inputs.device
     if device.type == "cuda":
-        # packed rows only (plain causal rows are transformers' own SDPA call either way), where
-        # PyTorch's varlen flash attention takes this model's heads: transformers would run SDPA
-        # with a (B, 1, T, T) block-diagonal mask over every block of the row instead
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        probe_q = torch.empty((0, 0, heads, head_dim), dtype=dtype, device=device)
-        probe_k = torch.empty((0, 0, kv_heads, head_dim), dtype=dtype, device=device)
-        if position_ids is None or not gpu_varlen_applies(probe_q, probe_k):
+        # rows with position ids (packed when they restart), where PyTorch has varlen flash
+        # attention; each layer decides from its own q and k whether it applies
+        # (gpu_varlen_applies) and otherwise runs transformers' attention (SDPA with its
+        # (B, 1, T, T) block-diagonal mask for packed rows)
+        if (position_ids is None or _varlen_kernel() is None or torch.compiler.is_compiling()
+                or _backend.env_choice(GPU_ENV, _GPU_MODES) != "auto"):
             return None
-    elif device.type != "cpu" or not worth_it(inputs.shape[1], dtype):
+    elif device.type != "cpu" or not worth_it(inputs.shape[1],
+                                              getattr(model, "dtype", torch.float32)):
         return None
     if position_ids is None:
         return _AttentionPlan(None)

@@ -60,8 +60,31 @@ def _inputs(case, dtype):
     return q, k, v, dy, doc_start
 
 
+def _per_document_sdpa(q, k, v, doc_start):
+    """Each document of each row through SDPA's causal kernel (flash on a GPU), the key/value
+    heads repeated: the flash-accurate peer of packed rows (the mask route of _sdpa leaves a GPU
+    only the memory-efficient or math kernels, which round less than flash does)."""
+    group = q.shape[2] // k.shape[2]
+    rows = []
+    for b in range(q.shape[0]):
+        idx = torch.arange(q.shape[1], device=q.device)
+        starts = (doc_start[b] == idx).nonzero().flatten().tolist() + [q.shape[1]]
+        parts = []
+        for s, e in zip(starts[:-1], starts[1:]):
+            qs, ks, vs = (t[b:b + 1, s:e].transpose(1, 2) for t in (q, k, v))
+            ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+                         .transpose(1, 2))
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows)
+
+
 def _sdpa(q, k, v, doc_start):
-    """What a user runs otherwise: SDPA in (B, H, T, D) with the block-diagonal causal mask."""
+    """What a user runs otherwise: SDPA in (B, H, T, D) with the block-diagonal causal mask; on a
+    GPU in bf16/fp16, packed rows document by document through flash (what the GPU route of
+    `attention`, PyTorch's varlen flash attention, is to be as accurate as)."""
+    if q.is_cuda and doc_start is not None and q.dtype in (torch.bfloat16, torch.float16):
+        return _per_document_sdpa(q, k, v, doc_start)
     t = q.shape[1]
     i = torch.arange(t, device=q.device)
     mask = i[None, :] <= i[:, None]
@@ -309,9 +332,32 @@ def test_varlen_refusal_falls_back_once(monkeypatch):
     assert _module._varlen_key(q, k) in _module._VARLEN_FAILED
 
 
+def test_document_segments_refuses_partial_documents():
+    """A doc_start that is not whole documents (a sliding window's max(0, t - 2)) is refused, as
+    the CPU kernel refuses it, not read as the documents it happens to start."""
+    t = torch.arange(6)
+    with pytest.raises(ValueError, match="not made of whole documents"):
+        _module.document_segments((t - 2).clamp_min(0)[None])
+    with pytest.raises(ValueError, match="not made of whole documents"):
+        _module.document_segments(torch.tensor([[1, 1, 2]]))  # the first token starts none
+    assert _module.document_segments(torch.zeros(2, 0, dtype=torch.int64)).max_len == 0
+
+
 def test_varlen_applies_only_where_it_can(monkeypatch):
     q = torch.empty(1, 4, 2, 8, dtype=torch.bfloat16)
     assert not _module.gpu_varlen_applies(q, q)  # a CPU tensor
+    # the SDPA route with a mask repeats grouped key/value heads (with enable_gqa a GPU would
+    # have only the math kernel), and gives the op's result
+    qq, kk, vv, dy, ds = _inputs((2, 19, 6, 2, 8, True), torch.float64)
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append((a[1].shape[1], kw["enable_gqa"]))
+                        or real(*a, **kw))
+    torch.testing.assert_close(_module._sdpa_attention(qq, kk, vv, 0.3, ds),
+                               attention_ref(qq, kk, vv, scale=0.3, doc_start=ds))
+    assert calls == [(6, False)]
+    monkeypatch.undo()
     if torch.cuda.is_available():
         qc = q.cuda()
         monkeypatch.setenv("FASTLLM_GPU_ATTENTION", "sdpa")

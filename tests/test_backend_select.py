@@ -31,8 +31,17 @@ def _inputs(dtype):
         "attention": lambda: attention(r(1, 5, 2, 8), r(1, 5, 1, 8), r(1, 5, 1, 8)),
         "fused_linear_cross_entropy": lambda: fused_linear_cross_entropy(
             r(5, 8), r(11, 8), torch.tensor([1, 0, 10, -100, 3])),
-        "lora_linear": lambda: lora_linear(r(5, 8), r(6, 8), r(2, 8), r(6, 2), 2.0),
+        # with dropout, forward and backward: the cpp backend's dropout-add (the entry checked)
+        # runs in dX's backward only
+        "lora_linear": lambda: _lora_with_grad(r(5, 8), r(6, 8), r(2, 8), r(6, 2)),
     }
+
+
+def _lora_with_grad(x, w, a, b):
+    x.requires_grad_()  # dX is where the backward adds the dropped low-rank term
+    y = lora_linear(x, w, a, b, 2.0, dropout_p=0.3, seed=11)
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    return torch.cat([y.detach().flatten(), dx.flatten()])
 
 
 OPS = list(_inputs(torch.float32))

@@ -276,13 +276,22 @@ class DocumentSegments:
 
 def document_segments(doc_start):
     """DocumentSegments of doc_start (B, T): a document starts where doc_start[b, t] == t (every
-    row's first token starts one, so no document crosses rows). Reads max_len back to the host:
-    compute it once per batch and pass it to each layer's `attention`."""
+    row's first token starts one, so no document crosses rows). doc_start must be made of whole
+    documents (each token's value that of the token before it, or its own index), what
+    `doc_start_from_position_ids` gives; anything else is refused, as the CPU kernel refuses it.
+    Reads two values back to the host (the number of documents, the longest): compute it once per
+    batch and pass it to each layer's `attention`."""
     b, t = doc_start.shape
     idx = torch.arange(t, device=doc_start.device)
-    starts = (doc_start == idx).reshape(-1).nonzero().reshape(-1)
-    end = torch.full((1,), b * t, dtype=starts.dtype, device=starts.device)
-    cu = torch.cat([starts, end]).to(torch.int32)
+    starts = doc_start == idx
+    whole = starts[:, 1:] | (doc_start[:, 1:] == doc_start[:, :-1])
+    if t and not bool(starts[:, 0].all() & whole.all()):
+        raise ValueError("fastllm.attention: doc_start is not made of whole documents (each "
+                         "token's value must be the previous token's or its own index: a "
+                         "document start)")
+    flat = starts.reshape(-1).nonzero().reshape(-1)
+    end = torch.full((1,), b * t, dtype=flat.dtype, device=flat.device)
+    cu = torch.cat([flat, end]).to(torch.int32)
     max_len = int(torch.diff(cu).max()) if cu.numel() > 1 else 0
     return DocumentSegments(cu, max_len)
 
@@ -312,13 +321,16 @@ def _varlen_key(q, k):
 
 def gpu_varlen_applies(q, k, scale=None):
     """Whether packed documents on this GPU tensor go through PyTorch's varlen flash attention:
-    CUDA (not ROCm), sm80+, bf16/fp16, head_dim a multiple of 8 up to 256, a PyTorch with
-    torch.nn.attention.varlen (>= 2.10) whose varlen_attn takes the scale and grouped heads
-    asked for, not while torch.compile traces (its max_len is a host value), and
-    FASTLLM_GPU_ATTENTION not sdpa."""
+    CUDA (not ROCm), sm80+, bf16/fp16, head_dim a multiple of 8 up to 256 (over 192 on sm80 and
+    sm90 only: flash's backward refuses it elsewhere), tokens to attend, a PyTorch with
+    torch.nn.attention.varlen (>= 2.10; grouped-query heads go to flash as they are, which
+    reads each key/value head for its query heads) whose varlen_attn takes the scale asked
+    for, not while torch.compile traces (its max_len is a host value), a (device, dtype,
+    head_dim, grouping) varlen_attn has not refused before, and FASTLLM_GPU_ATTENTION not sdpa."""
+    d = q.shape[-1]
     if (q.device.type != "cuda" or torch.version.hip is not None
             or q.dtype not in (torch.bfloat16, torch.float16)
-            or q.shape[-1] % 8 or not 0 < q.shape[-1] <= 256
+            or d % 8 or not 0 < d <= 256 or q.shape[0] * q.shape[1] == 0
             or torch.compiler.is_compiling() or _backend.env_choice(GPU_ENV, _GPU_MODES) != "auto"
             or _varlen_key(q, k) in _VARLEN_FAILED):
         return False
@@ -326,14 +338,13 @@ def gpu_varlen_applies(q, k, scale=None):
     if kernel is None:
         return False
     params = kernel[1]
-    if q.shape[2] != k.shape[2] and "enable_gqa" not in params:
-        return False
-    if scale is not None and "scale" not in params and scale != q.shape[-1] ** -0.5:
+    if scale is not None and "scale" not in params and scale != d ** -0.5:
         return False
     if "window_size" not in params and "is_causal" not in params:
         return False
-    return _capability(q.device.index if q.device.index is not None
-                       else torch.cuda.current_device())[0] >= 8
+    major, minor = _capability(q.device.index if q.device.index is not None
+                               else torch.cuda.current_device())
+    return major >= 8 and (d <= 192 or (major in (8, 9) and minor == 0))
 
 
 def _varlen_attention(q, k, v, scale, doc_start, segments):
@@ -351,14 +362,17 @@ def _varlen_attention(q, k, v, scale, doc_start, segments):
         kwargs["is_causal"] = True
     if "scale" in params:
         kwargs["scale"] = scale
-    if hq != hkv:
+    if hq != hkv and "enable_gqa" in params:  # (older ones pass the heads to flash unchecked)
         kwargs["enable_gqa"] = True
     try:
         out = fn(q.reshape(b * t, hq, d), k.reshape(b * t, hkv, d), v.reshape(b * t, hkv, d),
                  segments.cu_seqlens, segments.cu_seqlens, segments.max_len, segments.max_len,
                  **kwargs)
+    except torch.OutOfMemoryError:
+        raise  # not a refusal: the next step may fit, and the fallback needs more memory
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
-        # raised by its argument checks, before it wrote anything
+        # raised by its argument checks (a kernel that does not take these heads, this GPU),
+        # before it wrote anything
         _VARLEN_FAILED.add(_varlen_key(q, k))
         warnings.warn(f"fastllm.attention: PyTorch's varlen attention refused {q.dtype}, head_dim "
                       f"{d}, {hq}/{hkv} heads ({exc}); using scaled_dot_product_attention with "
@@ -372,9 +386,15 @@ def _sdpa_attention(q, k, v, scale, doc_start):
     block-diagonal causal mask of doc_start."""
     check_attention_args(q, k, v, doc_start)
     mask = None if doc_start is None else _mask(doc_start, q.shape[1], q.device)
+    group = q.shape[2] // k.shape[2]
+    if mask is not None and group > 1:
+        # a mask with enable_gqa leaves a GPU only SDPA's math kernel (T x T scores in fp32):
+        # repeat the key/value heads instead, as transformers does (use_gqa_in_sdpa), for the
+        # memory-efficient one
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-        is_causal=doc_start is None, scale=scale, enable_gqa=True)
+        is_causal=doc_start is None, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
     return out.transpose(1, 2)
 
 
