@@ -197,6 +197,13 @@ def world2(rank, world, folder):
     model, opt, _ = run_dist_opt(rank, world, torch.float32, stage=1, overlap_param_gather=True)
     r["zero1"] = params_of(model, opt)
     r["zero1_shard_numel"] = opt.shard_numel()
+    r["zero1_buckets"] = len(opt.buckets)
+    # every param and every rank's shard (param, grad, the optimizer's flat shard) 16-byte aligned
+    r["zero1_aligned"] = all(
+        t.data_ptr() % 16 == 0
+        for b in opt.buckets
+        for t in [b.param_flat[b.lo:], b.grad_flat[b.lo:], b.shard_param, *b.params,
+                  *b.grad_views])
     model, opt, _ = run_dist_opt(rank, world, torch.float32, stage=2, micro=2, max_grad_norm=0.5)
     r["zero2_clip_accum"] = params_of(model, opt)
     r["zero2_norm"] = float(opt.grad_norm)
@@ -456,8 +463,14 @@ def test_balanced_shards(runs):
     numel = sum(p.numel() for p in Net().parameters())
     shard = [r["zero1_shard_numel"] for r in runs[2]]
     assert shard[0] == shard[1]
-    # element-balanced: the pad is under one element per rank per bucket
-    assert numel <= sum(shard) < numel + 2 * 8
+    # element-balanced: the pads are under ALIGN elements per param and ALIGN per rank per
+    # bucket
+    from fastllm.distributed.optimizer import ALIGN
+
+    n_params = len(list(Net().parameters()))
+    buckets = runs[2][0]["zero1_buckets"]
+    assert numel <= sum(shard) < numel + ALIGN * (n_params + buckets * len(shard))
+    assert all(r["zero1_aligned"] for r in runs[2])
 
 
 def test_hooks_match_default_to_wire_precision(runs):

@@ -3,11 +3,15 @@
 Layout (Megatron-LM's distributed optimizer, written here for torch.distributed):
     - The trainable params, in reverse registration order (about the order backward produces
       their grads), are cut into buckets of at most bucket_cap_mb, one dtype per bucket. Each
-      bucket owns a flat param buffer and a flat grad buffer of `padded` elements (numel rounded
-      up to a multiple of the world size W); every param becomes a view into the param buffer.
+      bucket owns a flat param buffer and a flat grad buffer of `padded` elements; every param
+      becomes a view into the param buffer, starting at a multiple of ALIGN elements, and
+      `padded` is a multiple of W * ALIGN (W the world size), so every param and every rank's
+      shard starts 16-byte aligned (vector loads in the optimizer's kernels, cuBLAS's aligned
+      paths for the params' matmuls); the gaps are zeros that stay zeros.
     - Rank r owns elements [r * padded / W, (r + 1) * padded / W) of every bucket: each rank
-      holds exactly the same number of elements (the pad, fewer than W per bucket, included),
-      independent of tensor boundaries (ZeroRedundancyOptimizer assigns whole tensors).
+      holds exactly the same number of elements (the pads, fewer than ALIGN per param and
+      W * ALIGN per bucket, included), independent of tensor boundaries
+      (ZeroRedundancyOptimizer assigns whole tensors).
     - A post-accumulate-grad hook per param counts the bucket's grads; when a bucket is complete
       (and all earlier buckets have been launched, so every rank issues collectives in the same
       order) its all-reduce (stage 1) or reduce-scatter (stage 2) starts asynchronously, while
@@ -54,6 +58,11 @@ __all__ = ["DistributedOptimizer"]
 # torch 2.13 renamed the flat collectives; older versions only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# Every param of a bucket and every rank's shard starts at a multiple of this many elements: 16
+# bytes of bf16/fp16 params, 32 of fp32 ones and of fp32 grads and masters.
+ALIGN = 8
+
+
 class _Bucket:
     """One flat bucket: params (views into `param_flat`), their grads, this rank's shard."""
 
@@ -68,10 +77,11 @@ class _Bucket:
         self.offsets = []
         numel = 0
         for p in params:
+            numel = -(-numel // ALIGN) * ALIGN
             self.offsets.append(numel)
             numel += p.numel()
         self.numel = numel
-        self.padded = -(-numel // world) * world
+        self.padded = -(-numel // (world * ALIGN)) * (world * ALIGN)
         self.shard_size = self.padded // world
         self.lo = rank * self.shard_size
         self.hi = self.lo + self.shard_size
