@@ -74,18 +74,21 @@ def _dropout(v, keep, dropout_scale):
     return round_nearest(tl.where(keep, v.to(tl.float32) * dropout_scale, 0.0), v.dtype)
 
 
-# The dropout key varies from call to call: not specialising on it saves recompilations. Sizes
+# The dropout threshold varies from layer to layer: not specialising on it saves recompilations.
+# The seed is read on the device from seed_ptr (an int64 scalar tensor), so a seed drawn on the GPU
+# for each call (fastllm.ops.lora_linear.new_dropout_seed) gives every CUDA-graph replay a new
+# mask and costs no host sync. Sizes
 # stay specialised (Triton specialises an int only on == 1 and divisibility by 16, so a model
 # compiles each kernel a few times at most): without the divisibility hints the masked tile
 # loads cannot be proven 16-byte aligned and were compiled to 2-byte accesses on sm_90.
-@triton.jit(do_not_specialize=["seed_key", "threshold"])
+@triton.jit(do_not_specialize=["threshold"])
 def _lora_down_kernel(
     p_ptr,  # *T (M, K) at m * stride_pm + k: x (forward) or dY (backward)
     q_ptr,  # *T (R, K) at r * stride_qr + k * stride_qk: A (forward) or B^T (backward)
     out_ptr,  # (SPLITS, M, R) at s * stride_os + m * stride_om + r * stride_or; stored in its dtype
     M, K, R,  # problem sizes
     k_per_split,  # columns of K each split reduces, a multiple of BLOCK_K
-    seed_key,  # int32, dropout seed & 0x7fffffff
+    seed_ptr,  # *int64, the dropout seed (its low 31 bits are the mask's key)
     threshold,  # int32, keep iff (hash >> 8) >= threshold
     dropout_scale,  # fp32, 1 / (1 - p)
     stride_pm, stride_qr, stride_qk, stride_os, stride_om, stride_or,
@@ -109,7 +112,8 @@ def _lora_down_kernel(
         p = tl.load(p_ptr + offs_m[:, None] * stride_pm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if HAS_DROPOUT:
-            p = _dropout(p, _keep_mask(seed_key, offs_m, offs_k, threshold), dropout_scale)
+            p = _dropout(p, _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_k, threshold),
+                         dropout_scale)
         q = tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_r[None, :] * stride_qr,
                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(p, q, acc, INTERPRETED)
@@ -118,14 +122,14 @@ def _lora_down_kernel(
              mask=mask_m[:, None] & mask_r[None, :])
 
 
-@triton.jit(do_not_specialize=["seed_key", "threshold"])
+@triton.jit(do_not_specialize=["threshold"])
 def _lora_up_kernel(
     c_ptr,  # *T (M, N) at m * stride_cm + n, updated in place: y (forward) or dX (backward)
     l_ptr,  # (M, R) at m * stride_lm + r * stride_lr: xa (*T) or dY B (*fp32)
     u_ptr,  # *T (N, R) at n * stride_un + r * stride_ur: B (forward) or A^T (backward)
     M, N, R,  # problem sizes
     scaling,  # fp32, the LoRA scale s
-    seed_key,  # int32, dropout seed & 0x7fffffff
+    seed_ptr,  # *int64, the dropout seed (its low 31 bits are the mask's key)
     threshold,  # int32, keep iff (hash >> 8) >= threshold
     dropout_scale,  # fp32, 1 / (1 - p)
     stride_cm, stride_lm, stride_lr, stride_un, stride_ur,
@@ -151,7 +155,7 @@ def _lora_up_kernel(
     low_rank = _dot(lo, up.to(lo.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
                     INTERPRETED)
     if HAS_DROPOUT:
-        keep = _keep_mask(seed_key, offs_m, offs_n, threshold)
+        keep = _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_n, threshold)
         low_rank = tl.where(keep, low_rank * dropout_scale, 0.0)
     c_offs = offs_m[:, None] * stride_cm + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -160,7 +164,7 @@ def _lora_up_kernel(
              mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed_key", "threshold"])
+@triton.jit(do_not_specialize=["threshold"])
 def _lora_pq_kernel(
     p_ptr,  # *T (M, P) at m * stride_pm + p: dY for dB, x for dA (dropout applied on the fly)
     q_ptr,  # *T (M, R) at m * stride_qm + r * stride_qr: xa for dB, dY B (rounded to T) for dA
@@ -168,7 +172,7 @@ def _lora_pq_kernel(
     M, P, R,  # problem sizes
     rows_per_split,  # rows of M each program reduces, a multiple of BLOCK_M
     scaling,  # fp32, the LoRA scale s
-    seed_key,  # int32, dropout seed & 0x7fffffff
+    seed_ptr,  # *int64, the dropout seed (its low 31 bits are the mask's key)
     threshold,  # int32, keep iff (hash >> 8) >= threshold
     dropout_scale,  # fp32, 1 / (1 - p)
     stride_pm, stride_qm, stride_qr, stride_cs, stride_cp,
@@ -192,7 +196,8 @@ def _lora_pq_kernel(
         p = tl.load(p_ptr + offs_m[:, None] * stride_pm + offs_p[None, :],
                     mask=mask_m[:, None] & mask_p[None, :], other=0.0)
         if HAS_DROPOUT:
-            p = _dropout(p, _keep_mask(seed_key, offs_m, offs_p, threshold), dropout_scale)
+            p = _dropout(p, _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_p, threshold),
+                         dropout_scale)
         q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_r[None, :] * stride_qr,
                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(tl.trans(p), q, acc, INTERPRETED)
@@ -228,9 +233,15 @@ def _launch(kernel, grid, args, meta):
     kernel[grid](*args, **meta)
 
 
-def _dropout_args(dropout_p, seed):
+def _dropout_args(dropout_p, seed, device):
+    """(seed tensor on `device`, threshold, 1 / (1 - p)). seed: an int64 scalar tensor, read by
+    the kernels where it is (one on another device is copied), or an int."""
     threshold = int(round(dropout_p * (1 << 24)))
-    return int(seed) & 0x7FFFFFFF, threshold, 1.0 / (1.0 - dropout_p)
+    if not torch.is_tensor(seed):
+        seed = torch.tensor(int(seed), dtype=torch.int64, device=device)
+    elif seed.device != torch.device(device):
+        seed = seed.to(device)
+    return seed.reshape(()), threshold, 1.0 / (1.0 - dropout_p)
 
 
 def _block_r(r):
@@ -250,9 +261,9 @@ def _down(p2, q, q_strides, m, k, r, dropout, has_dropout, out, cfg):
     else:
         target = torch.empty((splits, m, r), dtype=torch.float32, device=p2.device)
         strides = target.stride()
-    seed_key, threshold, dropout_scale = dropout
+    seed, threshold, dropout_scale = dropout
     _launch(_lora_down_kernel, (m_blocks, splits), (
-        p2, q, target, m, k, r, k_per_split, seed_key, threshold, dropout_scale,
+        p2, q, target, m, k, r, k_per_split, seed, threshold, dropout_scale,
         p2.stride(0), q_strides[0], q_strides[1], *strides,
     ), dict(HAS_DROPOUT=has_dropout, INTERPRETED=triton_interpreting(),
             BLOCK_R=_block_r(r), **meta))
@@ -264,9 +275,9 @@ def _up(c2, lo, lo_strides, u, u_strides, m, n, r, scaling, dropout, has_dropout
     """c2 (m, n) += s d(lo u^T) in place; lo (m, r), u (n, r) at the given strides."""
     meta = dict(cfg["up"])
     grid = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
-    seed_key, threshold, dropout_scale = dropout
+    seed, threshold, dropout_scale = dropout
     _launch(_lora_up_kernel, grid, (
-        c2, lo, u, m, n, r, float(scaling), seed_key, threshold, dropout_scale,
+        c2, lo, u, m, n, r, float(scaling), seed, threshold, dropout_scale,
         c2.stride(0), lo_strides[0], lo_strides[1], u_strides[0], u_strides[1],
     ), dict(HAS_DROPOUT=has_dropout, INTERPRETED=triton_interpreting(), BLOCK_R=_block_r(r),
             **meta))
@@ -282,9 +293,9 @@ def _weight_grad(p2, q, m, p_cols, r, scaling, dropout, has_dropout, out_dtype, 
     rows_per_split = triton.cdiv(m_blocks, splits) * meta["BLOCK_M"]
     splits = triton.cdiv(m, rows_per_split)
     partial = torch.empty((splits, p_cols, r), dtype=torch.float32, device=p2.device)
-    seed_key, threshold, dropout_scale = dropout
+    seed, threshold, dropout_scale = dropout
     _launch(_lora_pq_kernel, (p_blocks, splits), (
-        p2, q, partial, m, p_cols, r, rows_per_split, float(scaling), seed_key, threshold,
+        p2, q, partial, m, p_cols, r, rows_per_split, float(scaling), seed, threshold,
         dropout_scale, p2.stride(0), q.stride(0), q.stride(1), partial.stride(0),
         partial.stride(1),
     ), dict(HAS_DROPOUT=has_dropout, INTERPRETED=triton_interpreting(), BLOCK_R=_block_r(r),
@@ -312,7 +323,7 @@ def lora_linear_fwd_triton(x, weight, lora_a, lora_b, scaling, bias, dropout_p, 
     if m == 0 or n == 0 or k == 0:
         return y.view(*x.shape[:-1], n), xa_t.zero_()
     cfg = _config(x.dtype, _block_r(r))
-    dropout = _dropout_args(dropout_p, seed)
+    dropout = _dropout_args(dropout_p, seed, x.device)
     has_dropout = dropout_p > 0.0
     # xa is stored r-major, (R, M), the op's layout: the kernel writes its (M, R) view
     _down(x2, lora_a, (lora_a.stride(0), 1), m, k, r, dropout, has_dropout, xa_t.t(), cfg)
@@ -338,7 +349,7 @@ def lora_linear_bwd_triton(grad_out, x, weight, lora_a, lora_b, xa_t, scaling, d
     if m == 0 or n == 0 or k == 0:
         return (dx.view(x.shape) if need_x else dx), da, db
     cfg = _config(x.dtype, _block_r(r))
-    dropout = _dropout_args(dropout_p, seed)
+    dropout = _dropout_args(dropout_p, seed, x.device)
     has_dropout = dropout_p > 0.0
     if need_x or need_a:
         # dY B in fp32 (PyTorch rounds it to x's dtype; one rounding fewer costs nothing here)

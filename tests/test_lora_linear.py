@@ -481,3 +481,58 @@ def test_fp32_adapters_opcheck_multi_and_refusals():
     x32, w32 = x.detach().float(), w.float()
     with pytest.raises(TypeError, match="lora_a has dtype torch.bfloat16, x has torch.float32"):
         lora_linear(x32, w32, a, b, 0.5)
+
+
+# --- the dropout seed read on the device (CUDA-graph replays draw new masks) --------------------
+
+@pytest.mark.parametrize("backend,device", TRITON_DEVICES)
+def test_triton_reads_the_seed_tensor_where_it_is(backend, device, monkeypatch):
+    """The Triton kernels get the seed tensor itself (read on the device: no host int baked into
+    the launch), and a seed tensor gives what the same int gives, on every backend."""
+    import fastllm.kernels.lora_linear as K
+
+    seed = torch.tensor(11, device=device)
+    seen = []
+    real = K._launch
+    monkeypatch.setattr(K, "_launch", lambda kernel, grid, args, meta: seen.append(args)
+                        or real(kernel, grid, args, meta))
+    inputs = _inputs((5, 7), 40, 24, 4, torch.float32, device, bias=False)
+    x, w, a, b, _ = inputs
+    g = torch.randn(5, 7, 24, device=device)
+    with fastllm.use_backend("triton"):
+        got = _grads(lora_linear(x, w, a, b, 0.5, None, 0.3, seed=seed), inputs, g)
+    assert seen and all(any(torch.is_tensor(t) and t.numel() == 1 and t.data_ptr() ==
+                            seed.data_ptr() for t in args) for args in seen)
+    assert not any(isinstance(t, int) and t == 11 for args in seen for t in args)
+    for ref_backend in ("ref", "triton"):
+        with fastllm.use_backend(ref_backend):
+            want = _grads(lora_linear(x, w, a, b, 0.5, None, 0.3, seed=11), inputs, g)
+        for u, v in zip(got, want):
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_replays_draw_new_dropout_masks():
+    """A LoRA layer with dropout captured in a CUDA graph: each replay draws its own seed on the
+    GPU, so two replays give two masks (a host seed would repeat the captured one), and each
+    replay's output is that of its mask."""
+    from fastllm.lora import LoRALinear
+
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(64, 48, device="cuda"), r=8, dropout=0.5).train()
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(32, 64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), fastllm.use_backend("triton"):
+        for _ in range(2):
+            layer(x)  # warm-up: compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), fastllm.use_backend("triton"):
+        y = layer(x)
+    graph.replay()
+    first = y.clone()
+    graph.replay()
+    assert not torch.equal(first, y), "the same dropout mask on two replays"

@@ -12,8 +12,8 @@ train). One device. Grads flow to x, A, B, bias (and W, if it requires grad) thr
 fp32 adapters on a bf16/fp16 base: x W^T (+ bias) in the base dtype, the low-rank products in fp32
 on x cast to fp32, y = x W^T + scaling * (x A^T) B^T summed in fp32 and rounded once to the base
 dtype (PEFT adds its fp32 LoRA output to the rounded base output and rounds the sum: the same);
-dropout applied to x in fp32, as PEFT does; dX likewise, dA and dB in fp32. Every backend runs this case as matmuls (cuBLAS on a GPU, no
-Triton kernel yet) with its own dropout.
+dropout applied to x in fp32, as PEFT does; dX likewise, dA and dB in fp32. Every backend runs
+this case as matmuls (cuBLAS on a GPU, no Triton kernel yet) with its own dropout.
 
 Two ops (schemas in fastllm/_library.py):
     lora_linear(...) -> (y, xa_t)            xa_t = A dropout(x)^T, (r, rows): all the backward
@@ -170,11 +170,11 @@ def _dropout_add_ref(out2, t2, p, seed, alpha):
 def _dropout_cpp(x2, p, seed):
     if p == 0.0:
         return x2
-    return _extension.extension().lora_dropout_cpu(x2.contiguous(), p, seed)
+    return _extension.extension().lora_dropout_cpu(x2.contiguous(), p, int(seed))
 
 
 def _dropout_add_cpp(out2, t2, p, seed, alpha):
-    _extension.extension().lora_dropout_add_cpu(out2, t2.contiguous(), p, seed, alpha)
+    _extension.extension().lora_dropout_add_cpu(out2, t2.contiguous(), p, int(seed), alpha)
 
 
 def _forward_torch(dropout, dropout_add, x, weight, lora_a, lora_b, scaling, bias, dropout_p,
@@ -370,8 +370,7 @@ def _lora_linear_impl(x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed)
     check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
     table = _FORWARD_MIXED if mixed(x, lora_a) else _FORWARD
     with _backend.device_guard(x.device):
-        return _run(table, x, lora_a, x, weight, lora_a, lora_b, scaling, bias, dropout_p,
-                    int(seed))
+        return _run(table, x, lora_a, x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed)
 
 
 def _lora_linear_backward_impl(grad_out, x, weight, lora_a, lora_b, xa, scaling, dropout_p, seed,
@@ -379,7 +378,7 @@ def _lora_linear_backward_impl(grad_out, x, weight, lora_a, lora_b, xa, scaling,
     table = _BACKWARD_MIXED if mixed(x, lora_a) else _BACKWARD
     with _backend.device_guard(x.device):
         return _run(table, x, lora_a, grad_out, x, weight, lora_a, lora_b, xa, scaling,
-                    dropout_p, int(seed), list(output_mask))
+                    dropout_p, seed, list(output_mask))
 
 
 lib.impl("lora_linear", _lora_linear_impl, "CPU")
@@ -443,9 +442,11 @@ torch.library.register_autograd(
 )
 
 
-def new_dropout_seed():
-    """A fresh dropout seed (int64 scalar CPU tensor) from torch's default generator."""
-    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+def new_dropout_seed(device=None):
+    """A fresh dropout seed, an int64 scalar tensor drawn by torch's generator of `device` (the
+    CPU's by default): on a GPU the Triton kernels read it there, so under CUDA-graph capture each
+    replay draws a new one (PyTorch's CUDA generator is graph-safe) and no step reads it back."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
 
 
 def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, training=True,
@@ -453,7 +454,8 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
     """y = x W^T + bias + scaling * dropout(x) A^T B^T (see the module docstring for shapes).
 
     dropout_p applies only when `training`. seed: int or int64 scalar tensor fixing the dropout
-    mask; by default a fresh one is drawn from torch's generator (so torch.manual_seed repeats it).
+    mask; by default a fresh one is drawn from torch's generator (so torch.manual_seed repeats it),
+    on x's GPU for GPU tensors (new_dropout_seed).
     Under autocast every floating input is cast to the autocast dtype, as F.linear's are.
     """
     p = float(dropout_p) if training else 0.0
@@ -465,7 +467,10 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
         with torch.autocast(device_type, enabled=False):
             return lora_linear(x, weight, lora_a, lora_b, scaling, bias, p, True, seed)
     if seed is None:
-        seed = new_dropout_seed() if p > 0.0 else torch.zeros((), dtype=torch.int64)
+        # drawn where the kernels read it: a CUDA seed for CUDA tensors (graph-safe, no sync)
+        device = x.device if x.device.type == "cuda" else None
+        seed = (new_dropout_seed(device) if p > 0.0
+                else torch.zeros((), dtype=torch.int64, device=device))
     elif not isinstance(seed, torch.Tensor):
         seed = torch.tensor(int(seed), dtype=torch.int64)
     y, _ = torch.ops.fastllm.lora_linear(x, weight, lora_a, lora_b, float(scaling), bias, p, seed)

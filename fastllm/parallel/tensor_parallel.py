@@ -141,7 +141,8 @@ class _RowwiseLoRALinear(LoRALinear):
         if self.training and self.dropout > 0.0:
             # x holds other columns on each rank: decorrelate the ranks' masks (the
             # constant is Knuth's 2^32 / golden ratio)
-            seed = new_dropout_seed() + mesh.get_local_rank() * 0x9E3779B9
+            seed = (new_dropout_seed(x.device if x.device.type == "cuda" else None)
+                    + mesh.get_local_rank() * 0x9E3779B9)
         y = lora_linear(x, weight.to_local(), self.lora_A.to_local(),
                         self.lora_B.to_local(grad_placements=[Partial()]), self.scaling, None,
                         self.dropout, training=self.training, seed=seed)
