@@ -20,8 +20,9 @@ def adapter_kind(path):
     return "dora" if config.get("use_dora") else "lora"
 
 
-def load_adapter(model, path):
-    """Load the adapter in `path` into a transformers model (fastllm's modules). Returns it."""
+def load_adapter(model, path, adapter_dtype=None):
+    """Load the adapter in `path` into a transformers model (fastllm's modules). Returns it.
+    adapter_dtype: for LoRA/DoRA layers it creates (fastllm.lora.inject_lora's)."""
     kind = adapter_kind(path)
     if kind == "prefix":
         from fastllm.prefix import load_prefix
@@ -30,10 +31,10 @@ def load_adapter(model, path):
     if kind == "dora":
         from fastllm.dora import load_adapter as load_dora
 
-        return load_dora(model, path)
+        return load_dora(model, path, adapter_dtype=adapter_dtype)
     from fastllm.lora import load_adapter as load_lora
 
-    return load_lora(model, path)
+    return load_lora(model, path, adapter_dtype=adapter_dtype)
 
 
 def save_adapter(model, path, task_type="CAUSAL_LM"):

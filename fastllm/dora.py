@@ -87,7 +87,7 @@ class DoRALinear(LoRALinear):
         if self.merged:
             return self.base_layer(x)
         w, bias = self.base_layer.weight, self.base_layer.bias
-        if self.lora_A.dtype != x.dtype:
+        if self.lora_A.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             return self._forward_fp32_adapters(x, w, bias)
         scale = (self.lora_magnitude_vector.float() / self.weight_norm()).to(x.dtype)
         if self.dropout == 0.0 or not self.training:
@@ -101,20 +101,22 @@ class DoRALinear(LoRALinear):
         return linear(x, w, bias) + (scale - 1) * base + scale * low
 
     def _forward_fp32_adapters(self, x, w, bias):
-        """fp32 adapters and magnitude on a bf16/fp16 base, as PEFT computes them: the base
-        products in the base dtype, the magnitude scale, the low-rank branch (on x cast to fp32,
-        dropout included) and their sum in fp32, rounded once to x's dtype."""
+        """fp32 adapters and magnitude on a bf16/fp16 base, in PEFT's order of operations: the
+        base layer's output in the base dtype; the magnitude scale, the low-rank branch (on x
+        cast to fp32, dropout included) and their sum in fp32, rounded once to x's dtype."""
         dt = self.lora_A.dtype
         scale = self.lora_magnitude_vector.to(dt) / self.weight_norm()
-        base = linear(x, w, bias)  # with the bias, as the base layer's output
+        base = linear(x, w, bias)  # the base layer's output, bias included
         xd = x.to(dt)
         if self.dropout == 0.0 or not self.training:
-            # (m / n) x W^T + bias: the bias is not scaled
-            plain = base.to(dt) if bias is None else base.to(dt) - bias.to(dt)
-            out = scale * plain + (0.0 if bias is None else bias.to(dt))
+            # (m / n) (x W^T) + bias: PEFT takes x W^T as the base output less its bias, in the
+            # base dtype
+            plain = base if bias is None else base - bias
+            out = scale * plain.to(dt) + (0.0 if bias is None else bias.to(dt))
         else:
+            # PEFT: x W^T of the dropped fp32 x against W in fp32
             xd = F.dropout(xd, self.dropout, training=True)
-            out = base.to(dt) + (scale - 1) * linear(xd.to(x.dtype), w).to(dt)
+            out = base.to(dt) + (scale - 1) * linear(xd, w.to(dt))
         low = linear(linear(xd, self.lora_A), self.lora_B) * self.scaling
         return (out + scale * low).to(x.dtype)
 

@@ -124,8 +124,10 @@ def _lora_parts(layer):
     """(A, B, scaling) of a fastllm LoRALinear that lora_linear_multi can take, else None."""
     from fastllm.lora import LoRALinear
 
-    if isinstance(layer, LoRALinear) and not layer.merged and (
-            layer.dropout == 0.0 or not layer.training) and not any(
+    # (a DoRALinear is a LoRALinear with a magnitude lora_linear_multi knows nothing of: it runs
+    # its own forward)
+    if isinstance(layer, LoRALinear) and not getattr(layer, "is_dora", False) and (
+            not layer.merged) and (layer.dropout == 0.0 or not layer.training) and not any(
             is_dtensor(t) for t in (layer.base_layer.weight, layer.lora_A, layer.lora_B)):
         # (sharded by fastllm.parallel, the layer runs its own forward on the local shards)
         return layer.lora_A, layer.lora_B, layer.scaling
@@ -178,7 +180,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         # documents from the position ids, as transformers' mask would say), in the projections'
         # (B, T, H, D) layout: fastllm's CPU kernel, or on a GPU PyTorch's varlen flash
         # attention for packed rows
-        from fastllm.ops.attention import attention, gpu_varlen_applies
+        from fastllm.ops.attention import attention, gpu_varlen_applies, worth_it
 
         # a layer with a cache (a prefill with use_cache): transformers' mask ignored the
         # position ids (no packed rows with a cache)
@@ -189,6 +191,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
                 segments = plan.segments(q.device)
             else:
                 plan = None  # transformers' own attention
+        elif not worth_it(q.shape[1], q.dtype):  # this layer's own dtype (autocast) and device
+            plan = None
         if plan is not None:
             if cache is not None:  # the cache still gets k and v
                 cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs=kwargs)
@@ -246,11 +250,11 @@ class _AttentionPlan:
 
     def segments(self, device):
         """document_segments(doc_start) on `device`, computed by the first layer there that needs
-        it (the GPU's varlen route; two host reads per forward, not per layer) and kept for the
+        it (the GPU's varlen route; its host reads once per forward, not per layer) and kept for the
         others and for the recomputation under gradient checkpointing."""
         from fastllm.ops.attention import document_segments
 
-        if device not in self._segments:
+        if device not in self._segments:  # (from the position ids: whole documents, never None)
             self._segments[device] = document_segments(self.doc_start_on(device))
         return self._segments[device]
 
@@ -284,7 +288,7 @@ def _attention_plan(model, inputs, attention_mask, position_ids, cache):
 
 
 def _fastllm_attention_applies(module, dropout, kwargs):
-    # the device needs no check: _attention_plan makes plans only where the op applies
+    # the device, dtype and length are checked by the layer (_attention_forward) on its own q
     config = module.config
     return (dropout == 0.0 and getattr(module, "is_causal", True)
             and kwargs.get("is_causal", True) is not False

@@ -6,6 +6,7 @@ bf16/fp16 (at most twice PyTorch's own error against fp64), at odd sizes: one to
 query positions than the kernel's 128-position block, GQA groups of 1 to 3."""
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -332,15 +333,26 @@ def test_varlen_refusal_falls_back_once(monkeypatch):
     assert _module._varlen_key(q, k) in _module._VARLEN_FAILED
 
 
-def test_document_segments_refuses_partial_documents():
-    """A doc_start that is not whole documents (a sliding window's max(0, t - 2)) is refused, as
-    the CPU kernel refuses it, not read as the documents it happens to start."""
+def test_partial_documents_stay_off_varlen(monkeypatch):
+    """A doc_start that is not whole documents (a sliding window's max(0, t - 2), which the op
+    takes) has no varlen form: document_segments says None and the GPU route falls back to SDPA
+    with its mask, quietly, without marking varlen as refused."""
     t = torch.arange(6)
-    with pytest.raises(ValueError, match="not made of whole documents"):
-        _module.document_segments((t - 2).clamp_min(0)[None])
-    with pytest.raises(ValueError, match="not made of whole documents"):
-        _module.document_segments(torch.tensor([[1, 1, 2]]))  # the first token starts none
+    window = (t - 2).clamp_min(0)[None]
+    assert _module.document_segments(window) is None
+    assert _module.document_segments(torch.tensor([[1, 1, 2]])) is None  # token 0 starts none
     assert _module.document_segments(torch.zeros(2, 0, dtype=torch.int64)).max_len == 0
+    calls = []
+    monkeypatch.setattr(_module, "_varlen_kernel",
+                        lambda: (_stand_in(calls), frozenset(["scale", "window_size"])))
+    monkeypatch.setattr(_module, "_VARLEN_FAILED", set())
+    q, k, v, _, _ = _inputs((1, 6, 2, 2, 8, False), torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _module._varlen_attention(q, k, v, 0.5, window, None) is None
+    assert not calls and not _module._VARLEN_FAILED
+    torch.testing.assert_close(_module._sdpa_attention(q, k, v, 0.5, window),
+                               attention_ref(q, k, v, scale=0.5, doc_start=window))
 
 
 def test_varlen_applies_only_where_it_can(monkeypatch):
@@ -379,8 +391,13 @@ def test_gpu_packed_documents_through_varlen(dtype, monkeypatch):
         pytest.skip("this PyTorch has no torch.nn.attention.varlen")
     calls = []
     fn, params = _module._varlen_kernel()
-    monkeypatch.setattr(_module, "_varlen_kernel",
-                        lambda: ((lambda *a, **k: calls.append(1) or fn(*a, **k)), params))
+
+    def counted(*a, **kw):  # counted once it returned: a refusal (caught, SDPA instead) is not
+        out = fn(*a, **kw)
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(_module, "_varlen_kernel", lambda: (counted, params))
     q, k, v, dy, ds = _inputs((3, 200, 9, 3, 64, True), dtype)
     q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     got = grads([attention(q, k, v, doc_start=ds.cuda())], [q, k, v], [dy.cuda()])

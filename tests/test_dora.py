@@ -103,3 +103,14 @@ def test_matches_peft_both_ways(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged, pm.merge_and_unload()(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_refuses_dora():
+    """fastllm.parallel's LoRA style would shard a DoRA layer as plain LoRA (dropping its
+    magnitude): it refuses it by name instead."""
+    from fastllm.dora import DoRALinear
+    from fastllm.parallel.tensor_parallel import _LoRAParallel
+
+    layer = DoRALinear(torch.nn.Linear(8, 6), r=2)
+    with pytest.raises(NotImplementedError, match="tensor parallel of a DoRA layer"):
+        _LoRAParallel(colwise=True)._apply(layer, None)

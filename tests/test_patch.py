@@ -164,8 +164,13 @@ def test_gpu_packed_rows_through_varlen(checkpointing, monkeypatch):
     fastllm.patch(lp)
     calls, segments = [], []
     fn, params = attention_module._varlen_kernel()
-    monkeypatch.setattr(attention_module, "_varlen_kernel",
-                        lambda: ((lambda *a, **k: calls.append(1) or fn(*a, **k)), params))
+
+    def counted(*a, **kw):  # counted once it returned: a refusal (caught, SDPA instead) is not
+        out = fn(*a, **kw)
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(attention_module, "_varlen_kernel", lambda: (counted, params))
     real = attention_module.document_segments
     monkeypatch.setattr(attention_module, "document_segments",
                         lambda *a: segments.append(1) or real(*a))
@@ -237,6 +242,26 @@ def test_with_fastllm_lora_and_gradient_checkpointing():
     theirs = _loss_and_grads(model, ids, labels)
     fastllm.patch(model)
     _assert_same(_loss_and_grads(model, ids, labels), theirs)
+
+
+def test_dora_layers_run_their_own_forward():
+    """DoRA on q/k/v (a LoRALinear subclass with a magnitude): the patch leaves them to their own
+    forward instead of the fused multi-projection LoRA, so the loss and every grad (the
+    magnitude's included) equal the unpatched model's."""
+    from fastllm.dora import inject_dora
+
+    model = _model()
+    inject_dora(model, target_modules=["q_proj", "k_proj", "v_proj"], r=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "magnitude" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    fastllm.patch(model)
+    ours = _loss_and_grads(model, ids, labels)
+    assert any("magnitude" in n for n in ours[1])
+    _assert_same(ours, theirs)
 
 
 def test_with_peft():

@@ -275,25 +275,27 @@ class DocumentSegments:
 
 
 def document_segments(doc_start):
-    """DocumentSegments of doc_start (B, T): a document starts where doc_start[b, t] == t (every
-    row's first token starts one, so no document crosses rows). doc_start must be made of whole
-    documents (each token's value that of the token before it, or its own index), what
-    `doc_start_from_position_ids` gives; anything else is refused, as the CPU kernel refuses it.
-    Reads two values back to the host (the number of documents, the longest): compute it once per
-    batch and pass it to each layer's `attention`."""
+    """DocumentSegments of doc_start (B, T), or None where doc_start is not made of whole
+    documents (each token's value that of the token before it, or its own index: what
+    `doc_start_from_position_ids` gives; the op also takes other non-decreasing starts, which
+    varlen attention cannot express). A document starts where doc_start[b, t] == t (every row's
+    first token starts one, so no document crosses rows). Reads back to the host twice (the
+    documents' count, then their longest and the check): compute it once per batch and pass it
+    to each layer's `attention`."""
     b, t = doc_start.shape
     idx = torch.arange(t, device=doc_start.device)
     starts = doc_start == idx
-    whole = starts[:, 1:] | (doc_start[:, 1:] == doc_start[:, :-1])
-    if t and not bool(starts[:, 0].all() & whole.all()):
-        raise ValueError("fastllm.attention: doc_start is not made of whole documents (each "
-                         "token's value must be the previous token's or its own index: a "
-                         "document start)")
+    whole = (starts[:, :1].all() & (starts[:, 1:] | (doc_start[:, 1:] == doc_start[:, :-1])).all()
+             if t else torch.ones((), dtype=torch.bool, device=doc_start.device))
     flat = starts.reshape(-1).nonzero().reshape(-1)
     end = torch.full((1,), b * t, dtype=flat.dtype, device=flat.device)
-    cu = torch.cat([flat, end]).to(torch.int32)
-    max_len = int(torch.diff(cu).max()) if cu.numel() > 1 else 0
-    return DocumentSegments(cu, max_len)
+    cu = torch.cat([flat, end])
+    longest = torch.diff(cu).max() if cu.numel() > 1 else torch.zeros((), dtype=cu.dtype,
+                                                                       device=cu.device)
+    ok, max_len = torch.stack([whole.to(longest.dtype), longest]).tolist()
+    if not ok:
+        return None
+    return DocumentSegments(cu.to(torch.int32), max_len)
 
 
 @functools.lru_cache(maxsize=None)
@@ -348,10 +350,13 @@ def gpu_varlen_applies(q, k, scale=None):
 
 
 def _varlen_attention(q, k, v, scale, doc_start, segments):
-    """attention() through varlen_attn, or None (after one warning) where it raised."""
+    """attention() through varlen_attn, or None where doc_start is not whole documents or (after
+    one warning) where varlen_attn refused the call."""
     check_attention_args(q, k, v, doc_start)
     if segments is None:
         segments = document_segments(doc_start)
+        if segments is None:  # not whole documents: SDPA with its mask
+            return None
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     fn, params = _varlen_kernel()

@@ -13,7 +13,8 @@ fp32 adapters on a bf16/fp16 base: x W^T (+ bias) in the base dtype, the low-ran
 on x cast to fp32, y = x W^T + scaling * (x A^T) B^T summed in fp32 and rounded once to the base
 dtype (PEFT adds its fp32 LoRA output to the rounded base output and rounds the sum: the same);
 dropout applied to x in fp32, as PEFT does; dX likewise, dA and dB in fp32. Every backend runs
-this case as matmuls (cuBLAS on a GPU, no Triton kernel yet) with its own dropout.
+this case as matmuls (cuBLAS on a GPU, no Triton kernel yet); the dropout mask is the cpp
+kernel's on the CPU, the reference's (the same hash, in PyTorch ops) on a GPU.
 
 Two ops (schemas in fastllm/_library.py):
     lora_linear(...) -> (y, xa_t)            xa_t = A dropout(x)^T, (r, rows): all the backward
@@ -222,13 +223,19 @@ def _base_mm(a, b):
     return _lowp.in_fp32(_gemm.mm, a, b) if _lowp.widen(a) else _gemm.mm(a, b)
 
 
+def _base_linear(x2, weight, bias):
+    """x2 W^T + bias in the base dtype, rounded once: the base nn.Linear's output."""
+    if bias is None:
+        return _base_mm(x2, weight.t())
+    run = lambda b, a, w: _gemm.addmm(b, a, w.t())  # noqa: E731
+    return _lowp.in_fp32(run, bias, x2, weight) if _lowp.widen(x2) else run(bias, x2, weight)
+
+
 def _forward_mixed(dropout, x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
     """fp32 adapters on a bf16/fp16 base (see the module docstring)."""
     in_features = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), in_features)
-    y = _base_mm(x2, weight.t()).to(lora_a.dtype)
-    if bias is not None:
-        y.add_(bias)
+    y = _base_linear(x2, weight, bias).to(lora_a.dtype)  # as PEFT: the base output, rounded
     # dropout on x in fp32, as PEFT (it casts x to the adapters' dtype first): x / (1 - p) exact
     xa_t = _gemm.mm(lora_a, dropout(x2.to(lora_a.dtype), dropout_p, seed).t())
     _gemm.addmm_(y, xa_t.t(), lora_b.t(), alpha=scaling)
@@ -614,7 +621,9 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
     if any(a is not None and mixed(x, a) for a in lora_as):
         # fp32 adapters on a bf16/fp16 base: each projection through lora_linear (x read once
         # per adapted projection; the shared read is for one dtype)
-        return [F.linear(x, w, b) if a is None else lora_linear(x, w, a, bb, s, b)
+        from fastllm.ops.linear import linear
+
+        return [linear(x, w, b) if a is None else lora_linear(x, w, a, bb, s, b)
                 for w, a, bb, s, b in zip(weights, lora_as, lora_bs, scalings, biases)]
     return list(_LoRALinearMulti.apply(x, n, [float(s) for s in scalings], *weights, *biases,
                                        *lora_as, *lora_bs))

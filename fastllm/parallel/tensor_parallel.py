@@ -170,6 +170,10 @@ class _LoRAParallel(ParallelStyle):
             raise TypeError(f"expected a fastllm.lora.LoRALinear, got {type(module).__name__}")
         if module.merged:
             raise ValueError("tensor parallel of a merged LoRA layer: unmerge_lora first")
+        if getattr(module, "is_dora", False):
+            raise NotImplementedError(
+                "tensor parallel of a DoRA layer (its magnitude needs the whole weight's row "
+                "norms): not supported; train DoRA with tp=1 (FSDP2 or ZeRO shard it)")
         col = self.colwise
 
         def shard(owner, name, placement):
