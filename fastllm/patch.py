@@ -137,7 +137,7 @@ def _lora_parts(layer):
 def _project(x, layers):
     """[layer(x) for layer in layers], with x read once for every LoRA down product when two or
     more of them are fastllm LoRALinear layers and the rest plain nn.Linear."""
-    from fastllm.ops.lora_linear import lora_linear_multi
+    from fastllm.ops.lora_linear_multi import lora_linear_multi
 
     parts = [_lora_parts(layer) for layer in layers]
     plain = [type(layer) is nn.Linear for layer in layers]

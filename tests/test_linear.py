@@ -13,7 +13,8 @@ from fastllm import _lowp
 from fastllm.ops.fused_linear_cross_entropy import (fused_linear_cross_entropy,
                                                     fused_linear_cross_entropy_ref)
 from fastllm.ops.linear import linear, linear_ref
-from fastllm.ops.lora_linear import lora_linear, lora_linear_multi, lora_linear_ref
+from fastllm.ops.lora_linear import lora_linear, lora_linear_ref
+from fastllm.ops.lora_linear_multi import lora_linear_multi
 
 from _model_ops import check_close, grads
 

@@ -467,7 +467,7 @@ def test_fp32_adapters_opcheck_multi_and_refusals():
                           (torch.randn_like(y).detach(), x.detach(), w, a32.detach(),
                            b32.detach(), xa, 0.5, 0.2, seed, [True, True, True]))
     # lora_linear_multi: per projection through lora_linear
-    from fastllm.ops.lora_linear import lora_linear_multi
+    from fastllm.ops.lora_linear_multi import lora_linear_multi
 
     w2 = torch.randn(8, 24).bfloat16()
     outs = lora_linear_multi(x, [w, w2], [a32, None], [b32, None], [0.5, 1.0], [bias_t, None])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastllm
-from fastllm.ops.lora_linear import lora_linear_multi
+from fastllm.ops.lora_linear_multi import lora_linear_multi
 
 transformers = pytest.importorskip("transformers")
 
