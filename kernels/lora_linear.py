@@ -111,6 +111,7 @@ def _lora_down_kernel(
         mask_k = offs_k < K
         p = tl.load(p_ptr + offs_m[:, None] * stride_pm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        p = p.to(q_ptr.dtype.element_ty)  # fp32 adapters on a bf16/fp16 P: widened (exact)
         if HAS_DROPOUT:
             p = _dropout(p, _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_k, threshold),
                          dropout_scale)
@@ -195,6 +196,7 @@ def _lora_pq_kernel(
         mask_m = offs_m < M
         p = tl.load(p_ptr + offs_m[:, None] * stride_pm + offs_p[None, :],
                     mask=mask_m[:, None] & mask_p[None, :], other=0.0)
+        p = p.to(q_ptr.dtype.element_ty)  # fp32 Q (fp32 adapters) on a bf16/fp16 P: widened
         if HAS_DROPOUT:
             p = _dropout(p, _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_p, threshold),
                          dropout_scale)
@@ -311,7 +313,8 @@ def _check_dtype(x):
 
 
 def lora_linear_fwd_triton(x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
-    """(y (..., N), xa_t (R, M)): the contract of fastllm::lora_linear."""
+    """(y (..., N), xa_t (R, M)): the contract of fastllm::lora_linear. fp32 adapters on a bf16/fp16
+    x: the low-rank kernels widen x (dropout then in fp32) and xa_t, dA, dB are fp32."""
     _check_dtype(x)
     n, k = weight.shape
     r = lora_a.shape[0]
@@ -319,10 +322,11 @@ def lora_linear_fwd_triton(x, weight, lora_a, lora_b, scaling, bias, dropout_p, 
     x2 = x.reshape(m, k).contiguous()
     lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
     y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-    xa_t = torch.empty((r, m), dtype=x.dtype, device=x.device)
+    xa_t = torch.empty((r, m), dtype=lora_a.dtype, device=x.device)  # fp32 for fp32 adapters
     if m == 0 or n == 0 or k == 0:
         return y.view(*x.shape[:-1], n), xa_t.zero_()
-    cfg = _config(x.dtype, _block_r(r))
+    # (fp32 adapters: fp32-sized tiles)
+    cfg = _config(torch.promote_types(x.dtype, lora_a.dtype), _block_r(r))
     dropout = _dropout_args(dropout_p, seed, x.device)
     has_dropout = dropout_p > 0.0
     # xa is stored r-major, (R, M), the op's layout: the kernel writes its (M, R) view
@@ -348,7 +352,8 @@ def lora_linear_bwd_triton(grad_out, x, weight, lora_a, lora_b, xa_t, scaling, d
     db = torch.zeros_like(lora_b) if need_b else x.new_empty(0)
     if m == 0 or n == 0 or k == 0:
         return (dx.view(x.shape) if need_x else dx), da, db
-    cfg = _config(x.dtype, _block_r(r))
+    # (fp32 adapters: fp32-sized tiles)
+    cfg = _config(torch.promote_types(x.dtype, lora_a.dtype), _block_r(r))
     dropout = _dropout_args(dropout_p, seed, x.device)
     has_dropout = dropout_p > 0.0
     if need_x or need_a:
@@ -359,12 +364,12 @@ def lora_linear_bwd_triton(grad_out, x, weight, lora_a, lora_b, xa_t, scaling, d
         _up(dx, dyb, dyb.stride(), lora_a, (1, lora_a.stride(0)), m, k, r, scaling, dropout,
             has_dropout, cfg)
     if need_a:
-        # dA^T = s d(x)^T (dY B): fp32 products when x is fp32, else in x's dtype (as cuBLAS would
-        # run PyTorch's own backward)
+        # dA^T = s d(x)^T (dY B): fp32 products when the adapters are fp32, else in x's dtype (as
+        # cuBLAS would run PyTorch's own backward)
         x2 = x.reshape(m, k).contiguous()
-        q = dyb if x.dtype == torch.float32 else dyb.to(x.dtype)
-        da = _weight_grad(x2, q, m, k, r, scaling, dropout, has_dropout, x.dtype, cfg)
+        q = dyb if lora_a.dtype == torch.float32 else dyb.to(x.dtype)
+        da = _weight_grad(x2, q, m, k, r, scaling, dropout, has_dropout, lora_a.dtype, cfg)
         da = da.t().contiguous()
     if need_b:
-        db = _weight_grad(dy, xa_t.t(), m, n, r, scaling, dropout, False, x.dtype, cfg)
+        db = _weight_grad(dy, xa_t.t(), m, n, r, scaling, dropout, False, lora_b.dtype, cfg)
     return (dx.view(x.shape) if need_x else dx), da, db

@@ -12,7 +12,8 @@ the signature, constants and alignment attributes it would compile on a GPU.
     python tests/lora_compile_check.py          # every config for every arch: ~400 compiles,
                                                 # ~1 min on 16 cores (bench/device_check.sh)
     python tests/lora_compile_check.py --quick  # the largest rank block (128, the most shared
-        # memory) in fp32 and bf16 (fp16 tiles are bf16's size) with dropout on, for sm_86 (the
+        # memory) in fp32, bf16 and bf16 with fp32 adapters (fp16 tiles are bf16's size) with
+        # dropout on, for sm_86 (the
         # smallest limit) and sm_90 (its own codegen); the test suite runs it with --archs 86
         # (~30 s on 2 cores), sm_90 being compiled by .ci/kernel_check.py
 Exits non-zero if a config fails to compile or takes more shared memory than its GPU has.
@@ -40,15 +41,20 @@ op = sys.modules["fastllm.ops.lora_linear"]
 # Shared memory per block, opt-in maximum (CUDA C++ Programming Guide, "Technical Specifications
 # per Compute Capability"): A100 163 KB, consumer Ampere / Ada 99 KB, H100/H200 227 KB.
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# name -> (dtype of x and W, dtype of the adapters): "+fp32a" is fp32 adapters on that base
+DTYPES = {"fp32": (torch.float32,) * 2, "bf16": (torch.bfloat16,) * 2,
+          "fp16": (torch.float16,) * 2, "bf16+fp32a": (torch.bfloat16, torch.float32),
+          "fp16+fp32a": (torch.float16, torch.float32)}
 # One rank per BLOCK_R the dispatcher can pick (ranks 1..128; above 128 it runs the reference),
 # with rank 1 for an unaligned lora_B row stride.
 RANKS = (1, 16, 32, 64, op._TRITON_MAX_RANK)
 M, K_IN, N_OUT = 256, 256, 384
 
 
-def record_launches(dtype, r, dropout_p, target_programs):
-    """The (kernel, args, meta) of every launch one forward and backward make."""
+def record_launches(dtypes, r, dropout_p, target_programs):
+    """The (kernel, args, meta) of every launch one forward and backward make; dtypes: (x and W,
+    adapters)."""
+    dtype, adapter_dtype = dtypes
     launches = []
     saved = K._launch, K._TARGET_PROGRAMS
     K._launch = lambda kernel, grid, args, meta: launches.append((kernel, args, meta))
@@ -56,8 +62,8 @@ def record_launches(dtype, r, dropout_p, target_programs):
     try:
         x = torch.randn(M, K_IN).to(dtype)
         w = torch.randn(N_OUT, K_IN).to(dtype)
-        a = torch.randn(r, K_IN).to(dtype)
-        b = torch.randn(N_OUT, r).to(dtype)
+        a = torch.randn(r, K_IN).to(adapter_dtype)
+        b = torch.randn(N_OUT, r).to(adapter_dtype)
         _, xa_t = K.lora_linear_fwd_triton(x, w, a, b, 0.5, None, dropout_p, 1)
         K.lora_linear_bwd_triton(torch.randn(M, N_OUT).to(dtype), x, w, a, b, xa_t, 0.5,
                                  dropout_p, 1, [True, True, True])
@@ -94,7 +100,7 @@ def main():
     opts = parser.parse_args()
     default_archs = "86,90" if opts.quick else ",".join(map(str, SHARED_LIMIT))
     archs = [int(a) for a in (opts.archs or default_archs).split(",")]
-    dtypes = {k: DTYPES[k] for k in ("fp32", "bf16")} if opts.quick else DTYPES
+    dtypes = {k: DTYPES[k] for k in ("fp32", "bf16", "bf16+fp32a")} if opts.quick else DTYPES
     ranks = RANKS[-1:] if opts.quick else RANKS
     dropouts = (0.1,) if opts.quick else (0.0, 0.1)
 
@@ -111,7 +117,7 @@ def main():
                             block_r = meta["BLOCK_R"]
                             pointers = ",".join(v[1:] for v in spec[1].values()
                                                 if v.startswith("*"))
-                            label = (f"{kernel.fn.__name__:18s} {dname} BLOCK_R={block_r:<3d} "
+                            label = (f"{kernel.fn.__name__:18s} {dname:10s} BLOCK_R={block_r:<3d} "
                                      f"dropout={meta['HAS_DROPOUT']!s:5s} "
                                      f"ptrs={pointers:19s} sm_{cap}")
                             jobs.setdefault(key, (label, (kernel.fn.__name__, cap, spec)))

@@ -430,9 +430,16 @@ def _peft_style(x, w, a, b, scaling, bias, dropout_p, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bias,dropout_p", [(False, 0.0), (True, 0.25)],
                          ids=["nobias-p0", "bias-p.25"])
-def test_fp32_adapters_on_low_precision_base(backend, device, dtype, bias, dropout_p):
+def test_fp32_adapters_on_low_precision_base(backend, device, dtype, bias, dropout_p,
+                                             monkeypatch):
     """y, dx in the base dtype, dA and dB in fp32, each no further from fp64 than twice what
-    PEFT's composition gets; inputs untouched."""
+    PEFT's composition gets; inputs untouched; the triton backend through its own kernels."""
+    import fastllm.kernels.lora_linear as K
+
+    launched = []
+    real_launch = K._launch
+    monkeypatch.setattr(K, "_launch", lambda kernel, grid, args, meta: launched.append(kernel)
+                        or real_launch(kernel, grid, args, meta))
     inputs = _inputs((3, 11), 123, 77, 5, dtype, device, bias)
     x, w, a, b, bias_t = inputs
     a = a.detach().float().requires_grad_()
@@ -444,6 +451,7 @@ def test_fp32_adapters_on_low_precision_base(backend, device, dtype, bias, dropo
     with fastllm.use_backend(backend):
         got = _grads(lora_linear(x, w, a, b, scaling, bias_t, dropout_p, seed=seed), inputs, g)
     assert [t.dtype for t in got[:4]] == [dtype, dtype, torch.float32, torch.float32]
+    assert bool(launched) == (backend == "triton")
     for t, t0 in zip([t for t in inputs if t is not None], before):
         assert torch.equal(t.detach(), t0), "an input changed"
     theirs = _grads(_peft_style(x, w, a, b, scaling, bias_t, dropout_p, seed), inputs, g)

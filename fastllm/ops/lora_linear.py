@@ -12,9 +12,9 @@ train). One device. Grads flow to x, A, B, bias (and W, if it requires grad) thr
 fp32 adapters on a bf16/fp16 base: x W^T (+ bias) in the base dtype, the low-rank products in fp32
 on x cast to fp32, y = x W^T + scaling * (x A^T) B^T summed in fp32 and rounded once to the base
 dtype (PEFT adds its fp32 LoRA output to the rounded base output and rounds the sum: the same);
-dropout applied to x in fp32, as PEFT does; dX likewise, dA and dB in fp32. Every backend runs
-this case as matmuls (cuBLAS on a GPU, no Triton kernel yet); the dropout mask is the cpp
-kernel's on the CPU, the reference's (the same hash, in PyTorch ops) on a GPU.
+dropout applied to x in fp32, as PEFT does; dX likewise, dA and dB in fp32. cpp and ref run this
+case as matmuls; the Triton backend through its kernels, which widen x for the low-rank products
+(cuBLAS's base product in the base dtype).
 
 Two ops (schemas in fastllm/_library.py):
     lora_linear(...) -> (y, xa_t)            xa_t = A dropout(x)^T, (r, rows): all the backward
@@ -269,14 +269,14 @@ def _backward_mixed(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, x
 _FORWARD_MIXED = {
     "ref": lambda *a: _forward_mixed(lora_dropout_ref, *a),
     "cpp": lambda *a: _forward_mixed(_dropout_cpp, *a),
+    "triton": lambda *a: _triton_forward(*a),
 }
 _BACKWARD_MIXED = {
     "ref": lambda *a: _backward_mixed(lora_dropout_ref, _dropout_add_ref, *a),
     "cpp": lambda *a: _backward_mixed(_dropout_cpp, _dropout_add_cpp, *a),
+    "triton": lambda *a: _triton_backward(*a),
 }
-# the Triton backend's mixed case: cuBLAS products and the reference's dropout
-_FORWARD_MIXED["triton"] = _FORWARD_MIXED["ref"]
-_BACKWARD_MIXED["triton"] = _BACKWARD_MIXED["ref"]
+# the Triton backend takes the mixed case itself (its low-rank kernels widen x)
 
 
 def _triton_forward(*args):
