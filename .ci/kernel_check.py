@@ -240,9 +240,10 @@ def lora_launches():
     import lora_compile_check as lc
 
     out = []
-    for dtype in (torch.bfloat16, torch.float32):
-        for kernel, args, meta in lc.record_launches(dtype, 16, 0.1, lc.K._TARGET_PROGRAMS):
-            out.append((f"lora_linear {dtype}".replace("torch.", ""), kernel, args, meta))
+    for name in ("bf16", "fp32", "bf16+fp32a"):  # (x and W, adapters) dtypes
+        for kernel, args, meta in lc.record_launches(lc.DTYPES[name], 16, 0.1,
+                                                     lc.K._TARGET_PROGRAMS):
+            out.append((f"lora_linear {name}", kernel, args, meta))
     return out
 
 

@@ -32,7 +32,8 @@ SCHEMAS = {
     # non-finite when any element is inf or nan. See fastllm/ops/l2norm.py.
     "l2norm": "l2norm(Tensor[] tensors) -> Tensor",
     # y = x W^T + bias + scaling * dropout(x) A^T B^T, and xa_t = A dropout(x)^T, (r, rows of x),
-    # which the backward reads. seed: int64 scalar CPU tensor, the dropout mask's key.
+    # which the backward reads. seed: int64 scalar tensor, the dropout mask's key (on x's GPU for
+    # GPU tensors: the Triton kernels read it there).
     "lora_linear": (
         "lora_linear(Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, float scaling, "
         "Tensor? bias, float dropout_p, Tensor seed) -> (Tensor, Tensor)"

@@ -8,7 +8,7 @@
 What is swapped, per module instance (the class and every other model are untouched):
     *RMSNorm            -> fastllm.ops.rms_norm            (one pass each way, fp32 inside)
     *Attention          -> the same attention with fastllm.ops.rotary_embedding on q and k
-                           together, and fastllm.lora_linear_multi for q/k/v when they are
+                           together, and fastllm.ops.lora_linear_multi for q/k/v when they
                            fastllm.lora LoRALinear layers (x read once for every A)
     *MLP (SwiGLU)       -> fastllm.ops.swiglu (silu(gate) * up recomputed in the backward), with
                            gate/up through lora_linear_multi when both are LoRALinear

@@ -84,7 +84,8 @@ def _dropout(v, keep, dropout_scale):
 @triton.jit(do_not_specialize=["threshold"])
 def _lora_down_kernel(
     p_ptr,  # *T (M, K) at m * stride_pm + k: x (forward) or dY (backward)
-    q_ptr,  # *T (R, K) at r * stride_qr + k * stride_qk: A (forward) or B^T (backward)
+    q_ptr,  # (R, K) at r * stride_qr + k * stride_qk: A (forward) or B^T (backward), in the
+    # adapters' dtype (T, or fp32 adapters: P is widened to it)
     out_ptr,  # (SPLITS, M, R) at s * stride_os + m * stride_om + r * stride_or; stored in its dtype
     M, K, R,  # problem sizes
     k_per_split,  # columns of K each split reduces, a multiple of BLOCK_K
@@ -105,6 +106,8 @@ def _lora_down_kernel(
     mask_m = offs_m < M
     mask_r = offs_r < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if HAS_DROPOUT:
+        seed_key = tl.load(seed_ptr) & 0x7FFFFFFF  # once, not per iteration
     k_begin = pid_s * k_per_split
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_begin + k0 + tl.arange(0, BLOCK_K).to(tl.int64)
@@ -113,8 +116,7 @@ def _lora_down_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         p = p.to(q_ptr.dtype.element_ty)  # fp32 adapters on a bf16/fp16 P: widened (exact)
         if HAS_DROPOUT:
-            p = _dropout(p, _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_k, threshold),
-                         dropout_scale)
+            p = _dropout(p, _keep_mask(seed_key, offs_m, offs_k, threshold), dropout_scale)
         q = tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_r[None, :] * stride_qr,
                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(p, q, acc, INTERPRETED)
@@ -126,8 +128,8 @@ def _lora_down_kernel(
 @triton.jit(do_not_specialize=["threshold"])
 def _lora_up_kernel(
     c_ptr,  # *T (M, N) at m * stride_cm + n, updated in place: y (forward) or dX (backward)
-    l_ptr,  # (M, R) at m * stride_lm + r * stride_lr: xa (*T) or dY B (*fp32)
-    u_ptr,  # *T (N, R) at n * stride_un + r * stride_ur: B (forward) or A^T (backward)
+    l_ptr,  # (M, R) at m * stride_lm + r * stride_lr: xa (the adapters' dtype) or dY B (*fp32)
+    u_ptr,  # (N, R) at n * stride_un + r * stride_ur: B (forward) or A^T (backward), adapter dtype
     M, N, R,  # problem sizes
     scaling,  # fp32, the LoRA scale s
     seed_ptr,  # *int64, the dropout seed (its low 31 bits are the mask's key)
@@ -168,7 +170,8 @@ def _lora_up_kernel(
 @triton.jit(do_not_specialize=["threshold"])
 def _lora_pq_kernel(
     p_ptr,  # *T (M, P) at m * stride_pm + p: dY for dB, x for dA (dropout applied on the fly)
-    q_ptr,  # *T (M, R) at m * stride_qm + r * stride_qr: xa for dB, dY B (rounded to T) for dA
+    q_ptr,  # (M, R) at m * stride_qm + r * stride_qr: xa for dB, dY B (rounded to T; fp32 for
+    # fp32 adapters) for dA
     c_ptr,  # *fp32 (SPLITS, P, R) at s * stride_cs + p * stride_cp + r: partial sums of s P^T Q
     M, P, R,  # problem sizes
     rows_per_split,  # rows of M each program reduces, a multiple of BLOCK_M
@@ -190,6 +193,8 @@ def _lora_pq_kernel(
     mask_p = offs_p < P
     mask_r = offs_r < R
     acc = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
+    if HAS_DROPOUT:
+        seed_key = tl.load(seed_ptr) & 0x7FFFFFFF  # once, not per iteration
     m_begin = pid_s * rows_per_split
     for m0 in range(0, rows_per_split, BLOCK_M):
         offs_m = m_begin + m0 + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -198,8 +203,7 @@ def _lora_pq_kernel(
                     mask=mask_m[:, None] & mask_p[None, :], other=0.0)
         p = p.to(q_ptr.dtype.element_ty)  # fp32 Q (fp32 adapters) on a bf16/fp16 P: widened
         if HAS_DROPOUT:
-            p = _dropout(p, _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_p, threshold),
-                         dropout_scale)
+            p = _dropout(p, _keep_mask(seed_key, offs_m, offs_p, threshold), dropout_scale)
         q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_r[None, :] * stride_qr,
                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(tl.trans(p), q, acc, INTERPRETED)

@@ -544,3 +544,15 @@ def test_cuda_graph_replays_draw_new_dropout_masks():
     first = y.clone()
     graph.replay()
     assert not torch.equal(first, y), "the same dropout mask on two replays"
+
+
+def test_bad_seed_is_refused():
+    x, w, a, b, _ = _inputs((3,), 8, 6, 2, torch.float32, "cpu", bias=False)
+    for seed in (torch.tensor(1.5), torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match="seed must be an int or a one-element integer"):
+            lora_linear(x, w, a, b, 0.5, None, 0.3, seed=seed)
+    # an int32 or one-element seed gives the int's mask
+    ys = [lora_linear(x, w, a, b, 0.5, None, 0.3, seed=s)
+          for s in (7, torch.tensor(7, dtype=torch.int32), torch.tensor([7]))]
+    for y in ys[1:]:
+        torch.testing.assert_close(y, ys[0], rtol=0, atol=0)

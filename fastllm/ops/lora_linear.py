@@ -80,7 +80,10 @@ def lora_dropout_mask_ref(seed, rows, cols, p, device=None):
     h = fmix32(fmix32(uint32(row) ^ (seed & 0x7fffffff)) ^ uint32(col))
     keep = (h >> 8) >= round(p * 2^24)
     """
-    key = int(seed) & 0x7FFFFFFF
+    # a seed tensor stays a tensor (a GPU seed is not read back to the host: no sync, and the
+    # reference fallback stays capturable in a CUDA graph)
+    key = (seed.to(device=device, dtype=torch.int64).reshape(()) & 0x7FFFFFFF
+           if torch.is_tensor(seed) else int(seed) & 0x7FFFFFFF)
     r = torch.arange(rows, dtype=torch.int64, device=device) & _MASK32
     c = torch.arange(cols, dtype=torch.int64, device=device) & _MASK32
     h = _fmix32(_fmix32(r ^ key)[:, None] ^ c[None, :])
@@ -328,7 +331,7 @@ _TRITON_OUT_OF_RESOURCES = set()
 def _triton_key(x, lora_a):
     from fastllm.kernels.lora_linear import _block_r  # the launch configs depend on these only
 
-    return (str(x.device), x.dtype, _block_r(lora_a.shape[0]))
+    return (str(x.device), x.dtype, lora_a.dtype, _block_r(lora_a.shape[0]))
 
 
 def _select(x, lora_a):
@@ -479,6 +482,16 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
         seed = (new_dropout_seed(device) if p > 0.0
                 else torch.zeros((), dtype=torch.int64, device=device))
     elif not isinstance(seed, torch.Tensor):
-        seed = torch.tensor(int(seed), dtype=torch.int64)
+        # an int: made on x's GPU by a fill (capturable), not copied there at every launch
+        device = x.device if x.device.type == "cuda" else None
+        seed = torch.full((), int(seed), dtype=torch.int64, device=device)
+    else:
+        if seed.numel() != 1 or seed.dtype.is_floating_point or seed.is_complex():
+            raise ValueError(f"fastllm.lora_linear: seed must be an int or a one-element integer "
+                             f"tensor, got {seed.dtype} of shape {tuple(seed.shape)}")
+        if x.device.type == "cuda" and seed.device != x.device:
+            seed = torch.full((), int(seed), dtype=torch.int64, device=x.device)  # a CPU seed
+        else:
+            seed = seed.to(torch.int64).reshape(())
     y, _ = torch.ops.fastllm.lora_linear(x, weight, lora_a, lora_b, float(scaling), bias, p, seed)
     return y
