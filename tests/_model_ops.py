@@ -25,3 +25,18 @@ def grads(outputs, inputs, grad_outputs):
     """[outputs..., d inputs...] of sum(outputs . grad_outputs)."""
     outputs = list(outputs)
     return outputs + list(torch.autograd.grad(outputs, inputs, grad_outputs))
+
+
+def count_varlen_calls(monkeypatch, attention_module):
+    """A list that grows by one per call of PyTorch's varlen attention through
+    fastllm.ops.attention that returned: a refusal (caught there, SDPA instead) is not counted."""
+    calls = []
+    fn, params = attention_module._varlen_kernel()
+
+    def counted(*a, **kw):
+        out = fn(*a, **kw)
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(attention_module, "_varlen_kernel", lambda: (counted, params))
+    return calls

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import fastllm
 from fastllm.ops.attention import attention, attention_ref, doc_start_from_position_ids
 
-from _model_ops import check_close, grads
+from _model_ops import check_close, count_varlen_calls, grads
 from conftest import backend_device_params
 
 _module = sys.modules["fastllm.ops.attention"]
@@ -389,15 +389,7 @@ def test_gpu_packed_documents_through_varlen(dtype, monkeypatch):
     (output and grads at most twice SDPA's error against fp64)."""
     if _module._varlen_kernel() is None:
         pytest.skip("this PyTorch has no torch.nn.attention.varlen")
-    calls = []
-    fn, params = _module._varlen_kernel()
-
-    def counted(*a, **kw):  # counted once it returned: a refusal (caught, SDPA instead) is not
-        out = fn(*a, **kw)
-        calls.append(1)
-        return out
-
-    monkeypatch.setattr(_module, "_varlen_kernel", lambda: (counted, params))
+    calls = count_varlen_calls(monkeypatch, _module)
     q, k, v, dy, ds = _inputs((3, 200, 9, 3, 64, True), dtype)
     q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     got = grads([attention(q, k, v, doc_start=ds.cuda())], [q, k, v], [dy.cuda()])

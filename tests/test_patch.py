@@ -12,6 +12,8 @@ import torch
 import fastllm
 from fastllm.ops.lora_linear_multi import lora_linear_multi
 
+from _model_ops import count_varlen_calls
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -162,15 +164,7 @@ def test_gpu_packed_rows_through_varlen(checkpointing, monkeypatch):
     lp = copy.deepcopy(model).to(torch.bfloat16)
     theirs = _loss_and_grads(lp, ids, labels, run(lp))
     fastllm.patch(lp)
-    calls, segments = [], []
-    fn, params = attention_module._varlen_kernel()
-
-    def counted(*a, **kw):  # counted once it returned: a refusal (caught, SDPA instead) is not
-        out = fn(*a, **kw)
-        calls.append(1)
-        return out
-
-    monkeypatch.setattr(attention_module, "_varlen_kernel", lambda: (counted, params))
+    calls, segments = count_varlen_calls(monkeypatch, attention_module), []
     real = attention_module.document_segments
     monkeypatch.setattr(attention_module, "document_segments",
                         lambda *a: segments.append(1) or real(*a))

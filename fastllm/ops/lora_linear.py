@@ -181,102 +181,73 @@ def _dropout_add_cpp(out2, t2, p, seed, alpha):
     _extension.extension().lora_dropout_add_cpu(out2, t2.contiguous(), p, int(seed), alpha)
 
 
+def _base_linear(x2, weight, bias, widen):
+    """x2 W^T + bias in the base dtype, rounded once (the base nn.Linear's output); widen: in fp32
+    on CPUs without native bf16/fp16 GEMMs (_lowp.py)."""
+    if bias is None:
+        run = lambda a, w: _gemm.mm(a, w.t())  # noqa: E731
+        args = (x2, weight)
+    else:
+        run = lambda a, w, b: _gemm.addmm(b, a, w.t())  # noqa: E731
+        args = (x2, weight, bias)
+    return _lowp.in_fp32(run, *args) if widen and _lowp.widen(x2) else run(*args)
+
+
+def _base_mm(a, b, widen):
+    """a @ b in the base dtype, as _base_linear."""
+    return _lowp.in_fp32(_gemm.mm, a, b) if widen and _lowp.widen(a) else _gemm.mm(a, b)
+
+
+# One forward and one backward for both cases: adapters in x's dtype (every cast below returns
+# its input), and fp32 adapters on a bf16/fp16 base (see the module docstring: x, dY widened for
+# the low-rank products, dropout on the widened x as PEFT, sums in fp32 rounded once). widen: the
+# base products widened here (the fp32-adapter case, which _lowp.in_fp32 cannot wrap whole, as it
+# would round dA and dB back); the cpp backend wraps the same-dtype case whole instead.
 def _forward_torch(dropout, dropout_add, x, weight, lora_a, lora_b, scaling, bias, dropout_p,
-                   seed):
+                   seed, widen=False):
     in_features = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), in_features)
-    xd = dropout(x2, dropout_p, seed)
-    if bias is None:
-        y = _gemm.mm(x2, weight.t())
-    else:
-        y = _gemm.addmm(bias, x2, weight.t())
+    y = _base_linear(x2, weight, bias, widen).to(lora_a.dtype)
     # The r-wide products are taken r-major (A x^T, B^T dY^T): measured ~1.5x faster than x A^T
     # for bf16 on oneDNN (AVX-512 BF16, one thread) and no slower for fp32.
-    xa_t = _gemm.mm(lora_a, xd.t())
-    # beta=1 accumulation into y: the low-rank term costs one rank-r update, no full-size temporary.
-    _gemm.addmm_(y, xa_t.t(), lora_b.t(), alpha=scaling)
-    return y.view(*x.shape[:-1], weight.shape[0]), xa_t
-
-
-def _backward_torch(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, xa_t, scaling,
-                    dropout_p, seed, output_mask):
-    need_x, need_a, need_b = output_mask
-    out_features, in_features = weight.shape
-    rows = math.prod(x.shape[:-1])
-    dy = grad_out.reshape(rows, out_features)
-    dx, da, db = x.new_empty(0), x.new_empty(0), x.new_empty(0)  # distinct: outputs never alias
-    dyb_t = _gemm.mm(lora_b.t(), dy.t()) if (need_x or need_a) else None  # (dY B)^T, (r, rows)
-    if need_x:
-        dx = _gemm.mm(dy, weight)
-        if dropout_p == 0.0:
-            _gemm.addmm_(dx, dyb_t.t(), lora_a, alpha=scaling)
-        else:  # the low-rank term passed through dropout: its gradient carries the same mask
-            dropout_add(dx, _gemm.mm(dyb_t.t(), lora_a), dropout_p, seed, scaling)
-        dx = dx.view(x.shape)
-    if need_a:
-        xd = dropout(x.reshape(rows, in_features), dropout_p, seed)
-        da = _gemm.addmm(lora_a, dyb_t, xd, beta=0, alpha=scaling)  # one rounding, not two
-    if need_b:
-        db = _gemm.addmm(lora_b.t(), xa_t, dy, beta=0, alpha=scaling).t().contiguous()
-    return dx, da, db
-
-
-def _base_mm(a, b):
-    """a @ b in the base dtype (in fp32 on CPUs without native bf16/fp16 GEMMs, _lowp.py)."""
-    return _lowp.in_fp32(_gemm.mm, a, b) if _lowp.widen(a) else _gemm.mm(a, b)
-
-
-def _base_linear(x2, weight, bias):
-    """x2 W^T + bias in the base dtype, rounded once: the base nn.Linear's output."""
-    if bias is None:
-        return _base_mm(x2, weight.t())
-    run = lambda b, a, w: _gemm.addmm(b, a, w.t())  # noqa: E731
-    return _lowp.in_fp32(run, bias, x2, weight) if _lowp.widen(x2) else run(bias, x2, weight)
-
-
-def _forward_mixed(dropout, x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
-    """fp32 adapters on a bf16/fp16 base (see the module docstring)."""
-    in_features = x.shape[-1]
-    x2 = x.reshape(math.prod(x.shape[:-1]), in_features)
-    y = _base_linear(x2, weight, bias).to(lora_a.dtype)  # as PEFT: the base output, rounded
-    # dropout on x in fp32, as PEFT (it casts x to the adapters' dtype first): x / (1 - p) exact
     xa_t = _gemm.mm(lora_a, dropout(x2.to(lora_a.dtype), dropout_p, seed).t())
+    # beta=1 accumulation into y: the low-rank term costs one rank-r update, no full-size temporary.
     _gemm.addmm_(y, xa_t.t(), lora_b.t(), alpha=scaling)
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0]), xa_t
 
 
-def _backward_mixed(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, xa_t, scaling,
-                    dropout_p, seed, output_mask):
+def _backward_torch(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, xa_t, scaling,
+                    dropout_p, seed, output_mask, widen=False):
     need_x, need_a, need_b = output_mask
     out_features, in_features = weight.shape
     rows = math.prod(x.shape[:-1])
     dy = grad_out.reshape(rows, out_features)
     dy_a = dy.to(lora_a.dtype)
-    dx, da, db = x.new_empty(0), x.new_empty(0), x.new_empty(0)
-    dyb_t = _gemm.mm(lora_b.t(), dy_a.t()) if (need_x or need_a) else None
+    dx, da, db = x.new_empty(0), x.new_empty(0), x.new_empty(0)  # distinct: outputs never alias
+    dyb_t = _gemm.mm(lora_b.t(), dy_a.t()) if (need_x or need_a) else None  # (dY B)^T, (r, rows)
     if need_x:
-        dx = _base_mm(dy, weight).to(lora_a.dtype)
+        dx = _base_mm(dy, weight, widen).to(lora_a.dtype)
         if dropout_p == 0.0:
             _gemm.addmm_(dx, dyb_t.t(), lora_a, alpha=scaling)
-        else:
+        else:  # the low-rank term passed through dropout: its gradient carries the same mask
             dropout_add(dx, _gemm.mm(dyb_t.t(), lora_a), dropout_p, seed, scaling)
         dx = dx.to(x.dtype).view(x.shape)
     if need_a:
         xd = dropout(x.reshape(rows, in_features).to(lora_a.dtype), dropout_p, seed)
-        da = _gemm.addmm(lora_a, dyb_t, xd, beta=0, alpha=scaling)
+        da = _gemm.addmm(lora_a, dyb_t, xd, beta=0, alpha=scaling)  # one rounding, not two
     if need_b:
         db = _gemm.addmm(lora_b.t(), xa_t, dy_a, beta=0, alpha=scaling).t().contiguous()
     return dx, da, db
 
 
 _FORWARD_MIXED = {
-    "ref": lambda *a: _forward_mixed(lora_dropout_ref, *a),
-    "cpp": lambda *a: _forward_mixed(_dropout_cpp, *a),
+    "ref": lambda *a: _forward_torch(lora_dropout_ref, _dropout_add_ref, *a, widen=True),
+    "cpp": lambda *a: _forward_torch(_dropout_cpp, _dropout_add_cpp, *a, widen=True),
     "triton": lambda *a: _triton_forward(*a),
 }
 _BACKWARD_MIXED = {
-    "ref": lambda *a: _backward_mixed(lora_dropout_ref, _dropout_add_ref, *a),
-    "cpp": lambda *a: _backward_mixed(_dropout_cpp, _dropout_add_cpp, *a),
+    "ref": lambda *a: _backward_torch(lora_dropout_ref, _dropout_add_ref, *a, widen=True),
+    "cpp": lambda *a: _backward_torch(_dropout_cpp, _dropout_add_cpp, *a, widen=True),
     "triton": lambda *a: _triton_backward(*a),
 }
 # the Triton backend takes the mixed case itself (its low-rank kernels widen x)
