@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import _backend, _gemm, _lowp
+from fastllm import _gemm, _lowp
 from fastllm._dtensor import is_dtensor
 
 _PATCHED = "_fastllm_patched"
@@ -260,8 +260,8 @@ class _AttentionPlan:
 
 
 def _attention_plan(model, inputs, attention_mask, position_ids, cache):
-    from fastllm.ops.attention import (GPU_ENV, _GPU_MODES, _varlen_kernel,
-                                       doc_start_from_position_ids, worth_it)
+    from fastllm.ops.attention import (doc_start_from_position_ids, gpu_varlen_available,
+                                       worth_it)
 
     if inputs is None or attention_mask is not None:
         return None
@@ -275,8 +275,7 @@ def _attention_plan(model, inputs, attention_mask, position_ids, cache):
         # attention; each layer decides from its own q and k whether it applies
         # (gpu_varlen_applies) and otherwise runs transformers' attention (SDPA with its
         # (B, 1, T, T) block-diagonal mask for packed rows)
-        if (position_ids is None or _varlen_kernel() is None or torch.compiler.is_compiling()
-                or _backend.env_choice(GPU_ENV, _GPU_MODES) != "auto"):
+        if position_ids is None or not gpu_varlen_available():
             return None
     elif device.type != "cpu" or not worth_it(inputs.shape[1],
                                               getattr(model, "dtype", torch.float32)):

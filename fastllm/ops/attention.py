@@ -39,7 +39,8 @@ from fastllm import _backend, _extension, _gemm
 from fastllm._library import lib
 
 __all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "document_segments",
-           "DocumentSegments", "cpu_attention_enabled", "worth_it", "gpu_varlen_applies"]
+           "DocumentSegments", "cpu_attention_enabled", "worth_it", "gpu_varlen_applies",
+           "gpu_varlen_available"]
 
 _PREFERENCE = {"cpu": ("cpp", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -321,6 +322,14 @@ def _varlen_key(q, k):
     return (str(q.device), q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
 
 
+def gpu_varlen_available():
+    """Whether the GPU's varlen route may run at all: a PyTorch with torch.nn.attention.varlen,
+    not while torch.compile traces (its max_len is a host value), FASTLLM_GPU_ATTENTION not
+    sdpa. gpu_varlen_applies adds what depends on the tensors."""
+    return (_varlen_kernel() is not None and not torch.compiler.is_compiling()
+            and _backend.env_choice(GPU_ENV, _GPU_MODES) == "auto")
+
+
 def gpu_varlen_applies(q, k, scale=None):
     """Whether packed documents on this GPU tensor go through PyTorch's varlen flash attention:
     CUDA (not ROCm), sm80+, bf16/fp16, head_dim a multiple of 8 up to 256 (over 192 on sm80 and
@@ -333,13 +342,9 @@ def gpu_varlen_applies(q, k, scale=None):
     if (q.device.type != "cuda" or torch.version.hip is not None
             or q.dtype not in (torch.bfloat16, torch.float16)
             or d % 8 or not 0 < d <= 256 or q.shape[0] * q.shape[1] == 0
-            or torch.compiler.is_compiling() or _backend.env_choice(GPU_ENV, _GPU_MODES) != "auto"
-            or _varlen_key(q, k) in _VARLEN_FAILED):
+            or not gpu_varlen_available() or _varlen_key(q, k) in _VARLEN_FAILED):
         return False
-    kernel = _varlen_kernel()
-    if kernel is None:
-        return False
-    params = kernel[1]
+    params = _varlen_kernel()[1]
     if scale is not None and "scale" not in params and scale != d ** -0.5:
         return False
     if "window_size" not in params and "is_causal" not in params:
