@@ -51,6 +51,7 @@ CAPABILITY = 90
 # 128-bit global accesses in PTX: 4 x 32-bit or 2 x 64-bit vectors, or a 16-byte async copy.
 WIDE_LOAD = re.compile(r"ld\.global[\w:.]*\.v4\.[bfus]32|ld\.global[\w:.]*\.v2\.[bfus]64"
                        r"|cp\.async\.c[ag]\.shared\.global[^;]*\],\s*(?:16|0x10)\s*[,;]")
+WIDE_STORE = re.compile(r"st\.global[\w:.]*\.v4\.[bfus]32|st\.global[\w:.]*\.v2\.[bfus]64")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 # (check, kernel) -> why it still fails. Everything here is open work of issue 18.
@@ -63,6 +64,9 @@ BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw_tensor_kernel",
              "_sum_squares_kernel",
              "_scaled_copy_kernel", "_adam_lowrank_kernel", "_lora_down_kernel",
              "_lora_up_kernel", "_lora_pq_kernel"}
+# Kernels whose main traffic is writing a full-size tensor (the LoRA seed of y and dX that the
+# base GEMM adds to): their stores must be 128 bits wide.
+WRITE_BANDWIDTH = {"_lora_up_kernel"}
 # Kernels meant to run once per optimizer step, however many tensors it has.
 ONE_PER_STEP = {"_adamw_kernel", "_adamw_master_kernel", "_adamw8bit_kernel",
                 "_sum_squares_kernel"}
@@ -351,6 +355,11 @@ def triton_checks(jobs):
                 scalar = len(re.findall(r"ld\.global(?![\w:.]*\.v[24])[\w:.]*\s", ptx))
                 results.append((wide > 0, "wide loads", name,
                                 f"{case}: {wide} 128-bit global loads, {scalar} narrower"))
+            if name in WRITE_BANDWIDTH:
+                wide = len(WIDE_STORE.findall(ptx))
+                scalar = len(re.findall(r"st\.global(?![\w:.]*\.v[24])[\w:.]*\s", ptx))
+                results.append((wide > 0, "wide stores", name,
+                                f"{case}: {wide} 128-bit global stores, {scalar} narrower"))
     return results
 
 

@@ -37,6 +37,10 @@ GPU = [
 ]
 
 
+FP32_ADAPTER = "fastllm, fp32 adapter"  # the layer's name; its provider: "fastllm (backend), ..."
+PEFT_FP32_ADAPTER = "peft (fp32 adapter, its default)"
+
+
 class _Holder(nn.Module):
     def __init__(self, linear):
         super().__init__()
@@ -45,8 +49,8 @@ class _Holder(nn.Module):
 
 def _layers(k, n, r, dtype, dropout, device):
     """{provider: layer}: the frozen nn.Linear, fastllm's LoRALinear and PEFT's lora.Linear, all
-    with the same W, A and B. PEFT twice for bf16/fp16: with the adapter in the base dtype (as
-    fastllm), and with its default (autocast_adapter_dtype=True: an fp32 adapter)."""
+    with the same W, A and B. fastllm and PEFT twice for bf16/fp16: with the adapter in the base
+    dtype, and with an fp32 adapter (PEFT's default, autocast_adapter_dtype=True)."""
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=dtype).requires_grad_(False)
     ours = inject_lora(_Holder(copy.deepcopy(base)), ["q_proj"], r=r, alpha=2 * r,
@@ -54,6 +58,13 @@ def _layers(k, n, r, dtype, dropout, device):
     with torch.no_grad():
         ours.lora_B.normal_(0, 0.02)
     layers = {"torch frozen linear": base, "fastllm": ours}
+    if dtype != torch.float32:
+        wide = inject_lora(_Holder(copy.deepcopy(base)), ["q_proj"], r=r, alpha=2 * r,
+                           dropout=dropout, adapter_dtype=torch.float32).q_proj
+        with torch.no_grad():
+            wide.lora_A.copy_(ours.lora_A)
+            wide.lora_B.copy_(ours.lora_B)
+        layers[FP32_ADAPTER] = wide
     try:
         import peft
     except ImportError:
@@ -62,7 +73,7 @@ def _layers(k, n, r, dtype, dropout, device):
                              lora_dropout=dropout)
     variants = {"peft": False}
     if dtype != torch.float32:
-        variants["peft (fp32 adapter, its default)"] = True
+        variants[PEFT_FP32_ADAPTER] = True
     for name, autocast_adapter in variants.items():
         wrapped = peft.get_peft_model(_Holder(copy.deepcopy(base)), copy.deepcopy(config),
                                       autocast_adapter_dtype=autocast_adapter)
@@ -115,10 +126,10 @@ def run(device="cpu", full=False, progress=print):
         flops = 4 * m * n * k
         saved, fns = {}, {}
         for name, layer in layers.items():
-            provider = fastllm_name if name == "fastllm" else name
+            provider = name.replace("fastllm", fastllm_name, 1)
             layer.train()
             step = _step(layer, x, g)
-            chosen = backend if name == "fastllm" else None
+            chosen = backend if name.startswith("fastllm") else None
 
             def run_step(step=step, chosen=chosen):
                 with fastllm.use_backend(chosen):
@@ -135,8 +146,10 @@ def run(device="cpu", full=False, progress=print):
                              flops=flops, baseline="torch frozen linear"))
         for row in rows[-len(layers):]:
             notes = [f"saved activations {saved[row['provider']] / 2**20:.2f} MiB"]
-            if "peft" in times and row["provider"] != "peft":
-                notes.append(f"x{times[row['provider']] / times['peft']:.2f} vs peft")
+            # each fastllm row against the PEFT layer with its adapter dtype
+            peer = PEFT_FP32_ADAPTER if row["provider"].endswith("fp32 adapter") else "peft"
+            if peer in times and row["provider"] not in ("peft", PEFT_FP32_ADAPTER):
+                notes.append(f"x{times[row['provider']] / times[peer]:.2f} vs {peer}")
             row["note"] = ", ".join(notes)
         del layers, x, g
         gc.collect()

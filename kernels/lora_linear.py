@@ -1,23 +1,29 @@
 """LoRA linear in Triton: PyTorch (cuBLAS) does the frozen base matmul, Triton the low-rank part.
 
 Maths (x: (M, K) rows of the input, W: (N, K), A: (R, K), B: (N, R), s = scaling, d = dropout):
-    forward   y = x W^T + bias            torch.addmm
-              xa = d(x) A^T               _lora_down_kernel, (M, R), mask regenerated on the fly
-              y += s xa B^T               _lora_up_kernel, in place: one read and one write of y
-    backward  dX = dY W                   torch.mm
-              dyb = dY B                  _lora_down_kernel, kept in fp32
-              dX += s d(dyb A)            _lora_up_kernel, with the forward's mask
+    forward   xa = d(x) A^T               _lora_down_kernel, (M, R), mask regenerated on the fly
+              y = bias + s xa B^T         _lora_up_kernel: writes y (reads nothing of its size)
+              y += x W^T                  y.addmm_: cuBLAS adds y in its epilogue (beta = 1)
+    backward  dyb = dY B                  _lora_down_kernel, kept in fp32
+              dX = s d(dyb A)             _lora_up_kernel, with the forward's mask
+              dX += dY W                  dX.addmm_ (beta = 1)
               dA = s dyb^T d(x)           _lora_pq_kernel       dB = s dY^T xa     _lora_pq_kernel
+The low-rank term seeds the output the base GEMM accumulates into: the GEMM's epilogue reads it
+while the GEMM is busy computing, where adding it after the GEMM (the first version of this file)
+took a separate pass that read and rewrote the whole output: the memory-bound passes over full-size
+(M x N or M x K) tensors outside the GEMMs go from 8 to 6 per forward and backward.
 Why the split: the first GPU run (H200, bf16, x 8192x4096, W 4096x4096, r=16) measured a Triton
 kernel that did x W^T itself at 5.6 ms against cuBLAS's 0.8 ms. The base GEMM is >98% of the
 FLOPs and cuBLAS is the best there is at it; the low-rank work is memory-bound, and fusing it
-(no dropout(x) in memory, no full-size temporaries, one read-modify-write of y) is what a kernel
+(no dropout(x) in memory, no full-size temporaries, one write of y) is what a kernel
 can win. The down and pq kernels reduce over a long axis split across programs into fp32 partial
 sums added in a fixed order (deterministic, and a short M still fills the GPU). Dropout is a hash
 of (seed, row, column) (fastllm/ops/lora_linear.py `lora_dropout_mask_ref` is the same function).
 
 Precision: every tl.dot accumulates in fp32; fp32 operands use IEEE products (not TF32). Values
-are rounded to the I/O dtype where PyTorch rounds them (d(x), xa, the outputs), to nearest even
+are rounded to the I/O dtype where PyTorch rounds them (d(x), xa, the outputs; the seed the GEMM
+adds to is the low-rank term rounded, where PEFT rounds the base product: the smaller of the two
+terms carries the extra rounding), to nearest even
 with kernels/rounding.py, which is exact on the GPU and in the interpreter alike. The one
 operation the interpreter gets wrong is a bf16 tl.dot (triton-lang/triton issue 11584): `_dot`
 upcasts its operands there, and only there; the GPU runs this same code with INTERPRETED=False.
@@ -127,16 +133,18 @@ def _lora_down_kernel(
 
 @triton.jit(do_not_specialize=["threshold"])
 def _lora_up_kernel(
-    c_ptr,  # *T (M, N) at m * stride_cm + n, updated in place: y (forward) or dX (backward)
+    c_ptr,  # *T (M, N) at m * stride_cm + n, written: y (forward) or dX (backward)
     l_ptr,  # (M, R) at m * stride_lm + r * stride_lr: xa (the adapters' dtype) or dY B (*fp32)
     u_ptr,  # (N, R) at n * stride_un + r * stride_ur: B (forward) or A^T (backward), adapter dtype
+    bias_ptr,  # *T (N,): added when HAS_BIAS
     M, N, R,  # problem sizes
     scaling,  # fp32, the LoRA scale s
     seed_ptr,  # *int64, the dropout seed (its low 31 bits are the mask's key)
     threshold,  # int32, keep iff (hash >> 8) >= threshold
     dropout_scale,  # fp32, 1 / (1 - p)
     stride_cm, stride_lm, stride_lr, stride_un, stride_ur,
-    HAS_DROPOUT: tl.constexpr,  # C += s d(L U^T), else C += s L U^T
+    HAS_DROPOUT: tl.constexpr,  # C = s d(L U^T) (+ bias), else C = s L U^T (+ bias)
+    HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -160,11 +168,11 @@ def _lora_up_kernel(
     if HAS_DROPOUT:
         keep = _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_n, threshold)
         low_rank = tl.where(keep, low_rank * dropout_scale, 0.0)
-    c_offs = offs_m[:, None] * stride_cm + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    c = tl.load(c_ptr + c_offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + c_offs, round_nearest(c + scaling * low_rank, c_ptr.dtype.element_ty),
-             mask=mask)
+    c = scaling * low_rank
+    if HAS_BIAS:
+        c += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
+             round_nearest(c, c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit(do_not_specialize=["threshold"])
@@ -277,16 +285,16 @@ def _down(p2, q, q_strides, m, k, r, dropout, has_dropout, out, cfg):
         out.copy_(target.sum(0))
 
 
-def _up(c2, lo, lo_strides, u, u_strides, m, n, r, scaling, dropout, has_dropout, cfg):
-    """c2 (m, n) += s d(lo u^T) in place; lo (m, r), u (n, r) at the given strides."""
+def _up(c2, lo, lo_strides, u, u_strides, bias, m, n, r, scaling, dropout, has_dropout, cfg):
+    """c2 (m, n) = s d(lo u^T) (+ bias); lo (m, r), u (n, r) at the given strides."""
     meta = dict(cfg["up"])
     grid = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
     seed, threshold, dropout_scale = dropout
     _launch(_lora_up_kernel, grid, (
-        c2, lo, u, m, n, r, float(scaling), seed, threshold, dropout_scale,
-        c2.stride(0), lo_strides[0], lo_strides[1], u_strides[0], u_strides[1],
-    ), dict(HAS_DROPOUT=has_dropout, INTERPRETED=triton_interpreting(), BLOCK_R=_block_r(r),
-            **meta))
+        c2, lo, u, c2 if bias is None else bias, m, n, r, float(scaling), seed, threshold,
+        dropout_scale, c2.stride(0), lo_strides[0], lo_strides[1], u_strides[0], u_strides[1],
+    ), dict(HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None,
+            INTERPRETED=triton_interpreting(), BLOCK_R=_block_r(r), **meta))
 
 
 def _weight_grad(p2, q, m, p_cols, r, scaling, dropout, has_dropout, out_dtype, cfg):
@@ -325,9 +333,9 @@ def lora_linear_fwd_triton(x, weight, lora_a, lora_b, scaling, bias, dropout_p, 
     m = math.prod(x.shape[:-1])
     x2 = x.reshape(m, k).contiguous()
     lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
-    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
     xa_t = torch.empty((r, m), dtype=lora_a.dtype, device=x.device)  # fp32 for fp32 adapters
     if m == 0 or n == 0 or k == 0:
+        y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
         return y.view(*x.shape[:-1], n), xa_t.zero_()
     # (fp32 adapters: fp32-sized tiles)
     cfg = _config(torch.promote_types(x.dtype, lora_a.dtype), _block_r(r))
@@ -335,8 +343,10 @@ def lora_linear_fwd_triton(x, weight, lora_a, lora_b, scaling, bias, dropout_p, 
     has_dropout = dropout_p > 0.0
     # xa is stored r-major, (R, M), the op's layout: the kernel writes its (M, R) view
     _down(x2, lora_a, (lora_a.stride(0), 1), m, k, r, dropout, has_dropout, xa_t.t(), cfg)
-    _up(y, xa_t, (1, xa_t.stride(0)), lora_b, (lora_b.stride(0), 1), m, n, r, scaling, dropout,
-        False, cfg)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _up(y, xa_t, (1, xa_t.stride(0)), lora_b, (lora_b.stride(0), 1), bias, m, n, r, scaling,
+        dropout, False, cfg)
+    y.addmm_(x2, weight.t())  # the base GEMM adds to the low-rank seed in its epilogue
     return y.view(*x.shape[:-1], n), xa_t
 
 
@@ -351,10 +361,11 @@ def lora_linear_bwd_triton(grad_out, x, weight, lora_a, lora_b, xa_t, scaling, d
     dy = grad_out.reshape(m, n).contiguous()
     lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
     # not-needed outputs are empty, and distinct: outputs never alias
-    dx = torch.mm(dy, weight) if need_x else x.new_empty(0)
+    dx = x.new_empty(0)
     da = torch.zeros_like(lora_a) if need_a else x.new_empty(0)
     db = torch.zeros_like(lora_b) if need_b else x.new_empty(0)
     if m == 0 or n == 0 or k == 0:
+        dx = torch.mm(dy, weight) if need_x else dx
         return (dx.view(x.shape) if need_x else dx), da, db
     # (fp32 adapters: fp32-sized tiles)
     cfg = _config(torch.promote_types(x.dtype, lora_a.dtype), _block_r(r))
@@ -365,8 +376,10 @@ def lora_linear_bwd_triton(grad_out, x, weight, lora_a, lora_b, xa_t, scaling, d
         dyb = torch.empty((m, r), dtype=torch.float32, device=x.device)
         _down(dy, lora_b, (1, lora_b.stride(0)), m, n, r, dropout, False, dyb, cfg)
     if need_x:
-        _up(dx, dyb, dyb.stride(), lora_a, (1, lora_a.stride(0)), m, k, r, scaling, dropout,
-            has_dropout, cfg)
+        dx = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        _up(dx, dyb, dyb.stride(), lora_a, (1, lora_a.stride(0)), None, m, k, r, scaling,
+            dropout, has_dropout, cfg)
+        dx.addmm_(dy, weight)  # the base GEMM adds to the low-rank seed in its epilogue
     if need_a:
         # dA^T = s d(x)^T (dY B): fp32 products when the adapters are fp32, else in x's dtype (as
         # cuBLAS would run PyTorch's own backward)

@@ -29,10 +29,10 @@ exactly and the mask costs no memory. The multi-projection LoRA (q/k/v or gate/u
 xa for all projections is one [A_q; A_k; A_v] x^T, and dX sums each projection's dX term) is
 fastllm/ops/lora_linear_multi.py.
 
-Backends: cpp (CPU: ATen matmuls with the low-rank terms accumulated in place into the base
-outputs, addmm with beta=1, plus the C++ dropout kernel of csrc/cpu/lora_linear.cpp), triton (GPU;
-CPU under TRITON_INTERPRET=1; kernels/lora_linear.py: cuBLAS does the base matmuls, Triton the
-fused low-rank part), ref (the same maths as cpp in plain PyTorch). A Triton launch that raises
+Backends: cpp (CPU: ATen matmuls, the low-rank term (+ bias) written first and the base GEMM
+adding to it, addmm with beta=1, plus the C++ dropout kernel of csrc/cpu/lora_linear.cpp), triton
+(GPU; CPU under TRITON_INTERPRET=1; kernels/lora_linear.py: Triton writes the fused low-rank part,
+cuBLAS's base GEMMs add to it), ref (the same maths as cpp in plain PyTorch). A Triton launch that raises
 OutOfResources falls back to ref for that dtype and rank, with one warning.
 `lora_linear_ref` is the autograd-through-PyTorch oracle the tests compare against.
 """
@@ -207,13 +207,24 @@ def _forward_torch(dropout, dropout_add, x, weight, lora_a, lora_b, scaling, bia
                    seed, widen=False):
     in_features = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), in_features)
-    y = _base_linear(x2, weight, bias, widen).to(lora_a.dtype)
     # The r-wide products are taken r-major (A x^T, B^T dY^T): measured ~1.5x faster than x A^T
     # for bf16 on oneDNN (AVX-512 BF16, one thread) and no slower for fp32.
     xa_t = _gemm.mm(lora_a, dropout(x2.to(lora_a.dtype), dropout_p, seed).t())
-    # beta=1 accumulation into y: the low-rank term costs one rank-r update, no full-size temporary.
-    _gemm.addmm_(y, xa_t.t(), lora_b.t(), alpha=scaling)
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0]), xa_t
+    if widen:  # fp32 adapters: the base output in its dtype, the low-rank term added in fp32
+        y = _base_linear(x2, weight, bias, widen).to(lora_a.dtype)
+        _gemm.addmm_(y, xa_t.t(), lora_b.t(), alpha=scaling)
+        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0]), xa_t
+    # The low-rank term (+ bias) seeds y and the base GEMM adds to it (beta=1, the sum inside the
+    # GEMM's store): one pass over y fewer than adding it afterwards (BENCHMARKS.md, issue 18).
+    y = _gemm.addmm(_zero(x2) if bias is None else bias, xa_t.t(), lora_b.t(),
+                    beta=0 if bias is None else 1, alpha=scaling)
+    _gemm.addmm_(y, x2, weight.t())
+    return y.view(*x.shape[:-1], weight.shape[0]), xa_t
+
+
+def _zero(t):
+    """A zero scalar of t's dtype and device: the ignored input of an addmm with beta=0."""
+    return t.new_zeros(())
 
 
 def _backward_torch(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, xa_t, scaling,
@@ -225,13 +236,19 @@ def _backward_torch(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, x
     dy_a = dy.to(lora_a.dtype)
     dx, da, db = x.new_empty(0), x.new_empty(0), x.new_empty(0)  # distinct: outputs never alias
     dyb_t = _gemm.mm(lora_b.t(), dy_a.t()) if (need_x or need_a) else None  # (dY B)^T, (r, rows)
-    if need_x:
+    if need_x and widen:  # fp32 adapters: dY W in the base dtype, the low-rank term in fp32
         dx = _base_mm(dy, weight, widen).to(lora_a.dtype)
         if dropout_p == 0.0:
             _gemm.addmm_(dx, dyb_t.t(), lora_a, alpha=scaling)
         else:  # the low-rank term passed through dropout: its gradient carries the same mask
             dropout_add(dx, _gemm.mm(dyb_t.t(), lora_a), dropout_p, seed, scaling)
         dx = dx.to(x.dtype).view(x.shape)
+    elif need_x:  # the low-rank term seeds dX and dY W is added to it by the GEMM, as y above
+        dx = _gemm.addmm(_zero(dy), dyb_t.t(), lora_a, beta=0, alpha=scaling)
+        if dropout_p > 0.0:  # it passed through dropout: its gradient carries the same mask
+            dx = dropout(dx, dropout_p, seed)
+        _gemm.addmm_(dx, dy, weight)
+        dx = dx.view(x.shape)
     if need_a:
         xd = dropout(x.reshape(rows, in_features).to(lora_a.dtype), dropout_p, seed)
         da = _gemm.addmm(lora_a, dyb_t, xd, beta=0, alpha=scaling)  # one rounding, not two

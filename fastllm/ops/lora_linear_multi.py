@@ -26,10 +26,13 @@ def _multi_forward(x2, weights, biases, lora_as, lora_bs, scalings):
     outs, offset = [], 0
     for i in range(n):
         w, b = weights[i], biases[i]
-        y = _gemm.mm(x2, w.t()) if b is None else _gemm.addmm(b, x2, w.t())
-        if lora_as[i] is not None:
+        if lora_as[i] is None:
+            y = _gemm.mm(x2, w.t()) if b is None else _gemm.addmm(b, x2, w.t())
+        else:  # the low-rank term (+ bias) seeds y, the base GEMM adds to it (as lora_linear)
             r = lora_as[i].shape[0]
-            _gemm.addmm_(y, xa_t[offset:offset + r].t(), lora_bs[i].t(), alpha=scalings[i])
+            y = _gemm.addmm(x2.new_zeros(()) if b is None else b, xa_t[offset:offset + r].t(),
+                            lora_bs[i].t(), beta=0 if b is None else 1, alpha=scalings[i])
+            _gemm.addmm_(y, x2, w.t())
             offset += r
         outs.append(y)
     return outs, a_cat, xa_t
@@ -50,12 +53,11 @@ def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has
     dyb_t = torch.cat(dyb_parts) if dyb_parts else None
     dx = None
     if need[0]:
-        dx = torch.zeros_like(x2)
+        # every projection's low-rank dX in one product, which the base GEMMs then add to
+        dx = torch.zeros_like(x2) if dyb_t is None else _gemm.mm(dyb_t.t(), a_cat)
         for i in range(n):
             if dys[i] is not None:
                 _gemm.addmm_(dx, dys[i], weights[i])
-        if dyb_t is not None:
-            _gemm.addmm_(dx, dyb_t.t(), a_cat)  # every projection's low-rank dX in one product
     want_a = any(need[3 + 2 * n + i] for i in spans)
     da_cat = _gemm.mm(dyb_t, x2) if (want_a and dyb_t is not None) else None  # x read once
     for i in range(n):
