@@ -6,7 +6,8 @@ real ones are) with Triton's launch replaced by a recorder (JITFunction.run), so
 sizes grids or picks constexprs is checked as it is, and the number of launches of one step is
 counted. Each distinct recorded launch is compiled ahead of time (no device needed) and
     - a bandwidth kernel whose PTX has no 128-bit global load (ld.global.v4.b32 / .v2.b64, or a
-      16-byte cp.async) fails: its loads are scalar;
+      16-byte cp.async) fails: its loads are scalar; so does one whose main traffic is a write
+      (WRITE_BANDWIDTH) without a 128-bit global store;
     - a kernel that spills registers (ptxas -v: spill stores or loads > 0) fails, and so does
       one with a register budget (MAX_REGISTERS) that uses more;
     - a kernel meant to run once per optimizer step, launched more than once in a step of four
@@ -63,10 +64,15 @@ BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw_tensor_kernel",
              "_adamw_master_tensor_kernel", "_adamw8bit_kernel", "_adamw8bit_tensor_kernel",
              "_sum_squares_kernel",
              "_scaled_copy_kernel", "_adam_lowrank_kernel", "_lora_down_kernel",
-             "_lora_up_kernel", "_lora_pq_kernel"}
+             "_lora_up_kernel", "_lora_pq_kernel",
+             # the model ops of fastllm.patch (issue 19: each at 85% of the bandwidth limit)
+             "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_swiglu_fwd_kernel",
+             "_swiglu_bwd_kernel", "_rotary_kernel", "_flce_row_kernel", "_decompress_kernel"}
 # Kernels whose main traffic is writing a full-size tensor (the LoRA seed of y and dX that the
 # base GEMM adds to): their stores must be 128 bits wide.
-WRITE_BANDWIDTH = {"_lora_up_kernel"}
+WRITE_BANDWIDTH = {"_lora_up_kernel", "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
+                   "_swiglu_fwd_kernel", "_swiglu_bwd_kernel", "_rotary_kernel",
+                   "_flce_row_kernel", "_decompress_kernel"}
 # Kernels meant to run once per optimizer step, however many tensors it has.
 ONE_PER_STEP = {"_adamw_kernel", "_adamw_master_kernel", "_adamw8bit_kernel",
                 "_sum_squares_kernel"}
@@ -180,6 +186,13 @@ def recipes():
     def orthogonalize():
         orthogonalize_triton([torch.randn(512, 16)])
 
+    def powersgd_decompress():
+        from fastllm.kernels.powersgd_decompress import powersgd_decompress_triton
+
+        mats, errs = [torch.randn(512, 640)], [torch.zeros(512, 640)]
+        p, q, local_q = [torch.randn(512, 4)], [torch.randn(640, 4)], [torch.randn(640, 4)]
+        powersgd_decompress_triton(mats, p, q, local_q, errs, 0.5)
+
     out = {"adamw fp32": lambda: adamw(torch.float32), "adamw bf16": lambda: adamw(torch.bfloat16),
            "adamw_master bf16": master,
            # the per-tensor fallback (no table: a graph capture before the table exists)
@@ -197,8 +210,55 @@ def recipes():
            "AdamW8bit step bf16 master+clip+LossScaler":
                lambda: optimizer_step(AdamW8bit, min_8bit_size=0),
            "scaled_copy": scaled_copy, "galore_adam_step": galore,
-           "orthogonalize": orthogonalize}
+           "orthogonalize": orthogonalize, "powersgd_decompress": powersgd_decompress}
     return out
+
+
+def model_recipes():
+    """name -> the launches of fastllm.patch's model ops (forward and backward), at the sizes of
+    SmolLM2-135M (hidden 576, ffn 1536, 9/3 heads of 64, vocab 49152) and Llama-3-8B (hidden
+    4096, 32/8 heads of 128), in bf16."""
+    from fastllm.kernels.fused_linear_cross_entropy import row_pass_triton
+    from fastllm.kernels.rms_norm import rms_norm_bwd_triton, rms_norm_fwd_triton
+    from fastllm.kernels.rotary_embedding import rotary_embedding_triton
+    from fastllm.kernels.swiglu import swiglu_bwd_triton, swiglu_fwd_triton
+
+    dt = torch.bfloat16
+    rows = 64
+
+    def rms_norm(h):
+        x, w = torch.randn(rows, h).to(dt), torch.ones(h, dtype=dt)
+        _, rstd = rms_norm_fwd_triton(x, w, 1e-6, 0.0)
+        rms_norm_bwd_triton(torch.randn(rows, h).to(dt), x, w, rstd, 0.0, True, True)
+
+    def swiglu(ffn):
+        gate, up = torch.randn(rows, ffn).to(dt), torch.randn(rows, ffn).to(dt)
+        swiglu_fwd_triton(gate, up)
+        swiglu_bwd_triton(torch.randn(rows, ffn).to(dt), gate, up)
+
+    def rotary(hq, hk, d, gather):
+        b, s = 2, 32
+        q, k = torch.randn(b, s, hq, d).to(dt), torch.randn(b, s, hk, d).to(dt)
+        table = 128 if gather else s
+        cos, sin = torch.randn(table, d).to(dt), torch.randn(table, d).to(dt)
+        pos = torch.arange(s).expand(b, s).contiguous() if gather else None
+        if not gather:
+            cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
+        for backward in (False, True):
+            rotary_embedding_triton(q, k, cos, sin, pos, torch.empty_like(q),
+                                    torch.empty_like(k), backward)
+
+    def flce_rows(vocab):
+        z = torch.randn(16, vocab).to(dt)
+        row_pass_triton(z, torch.zeros(16, dtype=torch.int64), torch.ones(16), 0.0, 0.0, None,
+                        True)
+
+    return {"rms_norm h=576": lambda: rms_norm(576), "rms_norm h=4096": lambda: rms_norm(4096),
+            "swiglu ffn=1536": lambda: swiglu(1536),
+            "rotary 9/3 heads d=64 position_ids": lambda: rotary(9, 3, 64, True),
+            "rotary 32/8 heads d=128": lambda: rotary(32, 8, 128, False),
+            "fused_linear_cross_entropy rows vocab=49152": lambda: flce_rows(49152),
+            "fused_linear_cross_entropy rows vocab=128256": lambda: flce_rows(128256)}
 
 
 @contextlib.contextmanager
@@ -308,7 +368,7 @@ def triton_checks(jobs):
                 job = (kernel.fn.__module__, kernel.fn.__name__, args, kwargs)
                 futures[key] = (pool.submit(compile_ptx, job), case, kernel.fn.__name__)
 
-        steps = recipes()
+        steps = {**recipes(), **model_recipes()}
         for case, fn in steps.items():
             if case in STEP_LAUNCHES:
                 continue  # last: counted only (below)

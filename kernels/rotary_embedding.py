@@ -97,6 +97,11 @@ def rotary_embedding_triton(q, k, cos, sin, position_ids, q_out, k_out, backward
         pos = cos  # unused
     if sin.stride() != cos.stride():
         sin = sin.contiguous() if cos.is_contiguous() else sin.as_strided(cos.shape, cos.stride())
+    block_half = triton.next_power_of_2(max(half, 1))
+    # Enough threads for 16 bytes per thread per load (128-bit accesses: .ci/kernel_check.py);
+    # with more, a head of 64 in bf16 (8 heads x 32 columns a tile) was split into 8-byte loads.
+    tile_bytes = block_heads * block_half * q.element_size()
+    num_warps = max(1, min(4, tile_bytes // (16 * 32)))
     _rotary_kernel[(B * S, q_blocks + k_blocks)](
         q, k, q_out, k_out, cos, sin, pos, S, Hq, Hk, half,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -104,4 +109,4 @@ def rotary_embedding_triton(q, k, cos, sin, position_ids, q_out, k_out, backward
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         stride_cb, stride_cs, stride_pb, stride_ps, q_blocks,
         GATHER=gather, BACKWARD=backward, BLOCK_HEADS=block_heads,
-        BLOCK_HALF=triton.next_power_of_2(max(half, 1)), num_warps=2)
+        BLOCK_HALF=block_half, num_warps=num_warps)
