@@ -8,6 +8,8 @@ counted. Each distinct recorded launch is compiled ahead of time (no device need
     - a bandwidth kernel whose PTX has no 128-bit global load (ld.global.v4.b32 / .v2.b64, or a
       16-byte cp.async) fails: its loads are scalar; so does one whose main traffic is a write
       (WRITE_BANDWIDTH) without a 128-bit global store;
+    - a LoRA kernel (TENSOR_CORES) whose products do not all run on tensor cores (no wgmma /
+      mma, or an fp32 FMA dot) fails, in every dtype, fp32 and fp32 adapters included;
     - a kernel that spills registers (ptxas -v: spill stores or loads > 0) fails, and so does
       one with a register budget (MAX_REGISTERS) that uses more;
     - a kernel meant to run once per optimizer step, launched more than once in a step of four
@@ -73,6 +75,11 @@ BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw_tensor_kernel",
 WRITE_BANDWIDTH = {"_lora_up_kernel", "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
                    "_swiglu_fwd_kernel", "_swiglu_bwd_kernel", "_rotary_kernel",
                    "_flce_row_kernel", "_decompress_kernel"}
+# Kernels whose products must all run on tensor cores (wgmma / mma), in every dtype (issue 18
+# item 5: no fp32 FMA dot; fp32 operands as bf16 terms, kernels/lora_linear.py `_dot`).
+TENSOR_CORES = {"_lora_down_kernel", "_lora_up_kernel", "_lora_pq_kernel"}
+MMA = re.compile(r"\bwgmma\.mma_async|\bmma\.sync")
+FMA_DOT = 64  # more fp32 FMAs than this in such a kernel: a dot on the CUDA cores
 # Kernels meant to run once per optimizer step, however many tensors it has.
 ONE_PER_STEP = {"_adamw_kernel", "_adamw_master_kernel", "_adamw8bit_kernel",
                 "_sum_squares_kernel"}
@@ -300,14 +307,16 @@ def record(fn):
 
 
 def lora_launches():
-    """LoRA forward and backward launches, as tests/lora_compile_check.py records them."""
+    """LoRA forward and backward launches (dropout on and off), as tests/lora_compile_check.py
+    records them."""
     import lora_compile_check as lc
 
     out = []
-    for name in ("bf16", "fp32", "bf16+fp32a"):  # (x and W, adapters) dtypes
-        for kernel, args, meta in lc.record_launches(lc.DTYPES[name], 16, 0.1,
-                                                     lc.K._TARGET_PROGRAMS):
-            out.append((f"lora_linear {name}", kernel, args, meta))
+    for name in ("bf16", "fp32", "bf16+fp32a", "fp16+fp32a"):  # (x and W, adapters) dtypes
+        for p in (0.0, 0.1):
+            for kernel, args, meta in lc.record_launches(lc.DTYPES[name], 16, p,
+                                                         lc.K._TARGET_PROGRAMS):
+                out.append((f"lora_linear {name}", kernel, args, meta))
     return out
 
 
@@ -348,9 +357,11 @@ def compile_ptx(job):
 
 
 def _job_key(kernel, args, kwargs):
-    """Launches with equal keys compile to the same kernel (see _spec)."""
+    """Launches with equal keys compile to the same kernel: the runtime arguments by what Triton
+    specialises on (_spec), the keyword ones (constexprs, num_warps, ...) by value."""
     return (kernel.fn.__name__, repr([_spec(a) for a in args]),
-            repr(sorted((k, _spec(v)) for k, v in kwargs.items())))
+            repr(sorted((k, _spec(v) if isinstance(v, torch.Tensor) else repr(v))
+                        for k, v in kwargs.items())))
 
 
 def triton_checks(jobs):
@@ -415,6 +426,11 @@ def triton_checks(jobs):
                 scalar = len(re.findall(r"ld\.global(?![\w:.]*\.v[24])[\w:.]*\s", ptx))
                 results.append((wide > 0, "wide loads", name,
                                 f"{case}: {wide} 128-bit global loads, {scalar} narrower"))
+            if name in TENSOR_CORES:
+                mma = len(MMA.findall(ptx))
+                fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
+                results.append((mma > 0 and fma <= FMA_DOT, "tensor cores", name,
+                                f"{case}: {mma} wgmma/mma instructions, {fma} fp32 FMAs"))
             if name in WRITE_BANDWIDTH:
                 wide = len(WIDE_STORE.findall(ptx))
                 scalar = len(re.findall(r"st\.global(?![\w:.]*\.v[24])[\w:.]*\s", ptx))

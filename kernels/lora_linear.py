@@ -4,7 +4,7 @@ Maths (x: (M, K) rows of the input, W: (N, K), A: (R, K), B: (N, R), s = scaling
     forward   xa = d(x) A^T               _lora_down_kernel, (M, R), mask regenerated on the fly
               y = bias + s xa B^T         _lora_up_kernel: writes y (reads nothing of its size)
               y += x W^T                  y.addmm_: cuBLAS adds y in its epilogue (beta = 1)
-    backward  dyb = dY B                  _lora_down_kernel, kept in fp32
+    backward  dyb = dY B                  _lora_down_kernel, in the adapters' dtype
               dX = s d(dyb A)             _lora_up_kernel, with the forward's mask
               dX += dY W                  dX.addmm_ (beta = 1)
               dA = s dyb^T d(x)           _lora_pq_kernel       dB = s dY^T xa     _lora_pq_kernel
@@ -20,7 +20,9 @@ can win. The down and pq kernels reduce over a long axis split across programs i
 sums added in a fixed order (deterministic, and a short M still fills the GPU). Dropout is a hash
 of (seed, row, column) (fastllm/ops/lora_linear.py `lora_dropout_mask_ref` is the same function).
 
-Precision: every tl.dot accumulates in fp32; fp32 operands use IEEE products (not TF32). Values
+Precision: every tl.dot accumulates in fp32 and runs on tensor cores (`make kernel-check`
+requires it of every kernel and dtype): bf16/fp16 operands directly, fp32 ones (fp32 models,
+fp32 adapters) as three bf16 terms each, which keeps fp32's accuracy (`_dot`). Values
 are rounded to the I/O dtype where PyTorch rounds them (d(x), xa, the outputs; the seed the GEMM
 adds to is the low-rank term rounded, where PEFT rounds the base product: the smaller of the two
 terms carries the extra rounding), to nearest even
@@ -40,19 +42,73 @@ from fastllm.kernels.rounding import round_nearest
 
 
 @triton.jit
-def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    """acc + a @ b in fp32 for a, b of one dtype (fp32, bf16, fp16)."""
-    if INTERPRETED:
+def _split(a):
+    """fp32 a as three bf16 terms, a = hi + mid + lo: each term holds the next 8 bits of a's
+    24-bit significand, the differences are exact in fp32 (the sum is a to within one fp32
+    rounding, whatever rounding the conversions use: the interpreter's truncates)."""
+    hi = a.to(tl.bfloat16)
+    rest = a - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _mma(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc + a @ b on tensor cores, a and b of one dtype, bf16 or fp16; fp32 accumulation."""
+    if INTERPRETED and a.dtype == tl.bfloat16:
         # The interpreter's bf16 tl.dot multiplies bit patterns; exact fp32 products agree with
         # a GPU's bf16 tensor-core products (bf16 x bf16 is exact in fp32).
-        if a.dtype == tl.bfloat16:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-    if a.dtype == tl.float32:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc + a @ b in fp32, every product on tensor cores (no fp32 FMA dot). a and b: one
+    low-precision dtype (one product), or b fp32 and a bf16 or fp32: each fp32 operand is split
+    into three bf16 terms (_split) multiplied term by term. Against bf16 that is 3 products, each
+    exact in fp32 (as an fp32 FMA's); fp32 by fp32 takes the 6 of the 9 term products above
+    2^-24 of the result (the 3 dropped are at most ~2^-23 relative together: fp32 rounding), the
+    smallest first. The products are small (one side is the LoRA rank), so the extra tensor-core
+    work hides under the memory traffic these kernels are bound by."""
+    if b.dtype == tl.float32:
+        bh, bm, bl = _split(b)
+        if a.dtype == tl.float32:
+            ah, am, al = _split(a)
+            acc = _mma(al, bh, acc, INTERPRETED)
+            acc = _mma(ah, bl, acc, INTERPRETED)
+            acc = _mma(am, bm, acc, INTERPRETED)
+            acc = _mma(am, bh, acc, INTERPRETED)
+            acc = _mma(ah, bm, acc, INTERPRETED)
+            acc = _mma(ah, bh, acc, INTERPRETED)
+        else:  # a bf16 (the kernels widen fp16 against fp32: _fp32_operand)
+            acc = _mma(a, bl, acc, INTERPRETED)
+            acc = _mma(a, bm, acc, INTERPRETED)
+            acc = _mma(a, bh, acc, INTERPRETED)
+    else:  # one low-precision dtype (an fp32 a with a bf16 b does not occur: it fails to compile)
+        acc = _mma(a, b, acc, INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _fp32_operand(p, q_ptr):
+    """P as _dot takes it against fp32 adapters' Q: bf16 as is, fp16 widened (exact; no mixed
+    fp16 x bf16 product), fp32 as is; against adapters of P's dtype, as is."""
+    if q_ptr.dtype.element_ty == tl.float32:
+        if p.dtype == tl.float16:
+            p = p.to(tl.float32)
+    return p
+
+
+@triton.jit
+def _post_scaled(p_ptr, q_ptr):
+    """Whether dropout(P) is applied as a mask on P and its 1 / (1 - p) on the fp32 sum: a bf16
+    P against fp32 adapters, where PyTorch's dropout runs on P widened to fp32 (no rounding to
+    bf16), and the masked bf16 P stays a bf16 operand."""
+    return p_ptr.dtype.element_ty == tl.bfloat16 and q_ptr.dtype.element_ty == tl.float32
 
 
 @triton.jit
@@ -91,7 +147,7 @@ def _dropout(v, keep, dropout_scale):
 def _lora_down_kernel(
     p_ptr,  # *T (M, K) at m * stride_pm + k: x (forward) or dY (backward)
     q_ptr,  # (R, K) at r * stride_qr + k * stride_qk: A (forward) or B^T (backward), in the
-    # adapters' dtype (T, or fp32 adapters: P is widened to it)
+    # adapters' dtype (T, or fp32 for fp32 adapters: see _fp32_operand)
     out_ptr,  # (SPLITS, M, R) at s * stride_os + m * stride_om + r * stride_or; stored in its dtype
     M, K, R,  # problem sizes
     k_per_split,  # columns of K each split reduces, a multiple of BLOCK_K
@@ -120,12 +176,19 @@ def _lora_down_kernel(
         mask_k = offs_k < K
         p = tl.load(p_ptr + offs_m[:, None] * stride_pm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        p = p.to(q_ptr.dtype.element_ty)  # fp32 adapters on a bf16/fp16 P: widened (exact)
+        p = _fp32_operand(p, q_ptr)
         if HAS_DROPOUT:
-            p = _dropout(p, _keep_mask(seed_key, offs_m, offs_k, threshold), dropout_scale)
+            keep = _keep_mask(seed_key, offs_m, offs_k, threshold)
+            if _post_scaled(p_ptr, q_ptr):
+                p = tl.where(keep, p, tl.zeros_like(p))
+            else:
+                p = _dropout(p, keep, dropout_scale)
         q = tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_r[None, :] * stride_qr,
                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(p, q, acc, INTERPRETED)
+    if HAS_DROPOUT:
+        if _post_scaled(p_ptr, q_ptr):
+            acc = acc * dropout_scale
     out_offs = pid_s * stride_os + offs_m[:, None] * stride_om + offs_r[None, :] * stride_or
     tl.store(out_ptr + out_offs, round_nearest(acc, out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_r[None, :])
@@ -134,7 +197,7 @@ def _lora_down_kernel(
 @triton.jit(do_not_specialize=["threshold"])
 def _lora_up_kernel(
     c_ptr,  # *T (M, N) at m * stride_cm + n, written: y (forward) or dX (backward)
-    l_ptr,  # (M, R) at m * stride_lm + r * stride_lr: xa (the adapters' dtype) or dY B (*fp32)
+    l_ptr,  # (M, R) at m * stride_lm + r * stride_lr: xa or dY B, in the adapters' dtype
     u_ptr,  # (N, R) at n * stride_un + r * stride_ur: B (forward) or A^T (backward), adapter dtype
     bias_ptr,  # *T (N,): added when HAS_BIAS
     M, N, R,  # problem sizes
@@ -162,9 +225,8 @@ def _lora_up_kernel(
                  mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     up = tl.load(u_ptr + offs_r[:, None] * stride_ur + offs_n[None, :] * stride_un,
                  mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-    # dY B is fp32: its product with A runs in fp32, against A widened (exactly)
-    low_rank = _dot(lo, up.to(lo.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-                    INTERPRETED)
+    # lo and up are both in the adapters' dtype (dY B is stored in it)
+    low_rank = _dot(lo, up, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRETED)
     if HAS_DROPOUT:
         keep = _keep_mask(tl.load(seed_ptr) & 0x7FFFFFFF, offs_m, offs_n, threshold)
         low_rank = tl.where(keep, low_rank * dropout_scale, 0.0)
@@ -209,12 +271,19 @@ def _lora_pq_kernel(
         mask_m = offs_m < M
         p = tl.load(p_ptr + offs_m[:, None] * stride_pm + offs_p[None, :],
                     mask=mask_m[:, None] & mask_p[None, :], other=0.0)
-        p = p.to(q_ptr.dtype.element_ty)  # fp32 Q (fp32 adapters) on a bf16/fp16 P: widened
+        p = _fp32_operand(p, q_ptr)
         if HAS_DROPOUT:
-            p = _dropout(p, _keep_mask(seed_key, offs_m, offs_p, threshold), dropout_scale)
+            keep = _keep_mask(seed_key, offs_m, offs_p, threshold)
+            if _post_scaled(p_ptr, q_ptr):
+                p = tl.where(keep, p, tl.zeros_like(p))
+            else:
+                p = _dropout(p, keep, dropout_scale)
         q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_r[None, :] * stride_qr,
                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(tl.trans(p), q, acc, INTERPRETED)
+    if HAS_DROPOUT:
+        if _post_scaled(p_ptr, q_ptr):
+            acc = acc * dropout_scale
     tl.store(c_ptr + pid_s * stride_cs + offs_p[:, None] * stride_cp + offs_r[None, :],
              scaling * acc, mask=mask_p[:, None] & mask_r[None, :])
 
@@ -231,7 +300,10 @@ def _config(dtype, block_r):
         "down": dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, num_warps=4,
                      num_stages=2 if wide else 3),
         # one (BLOCK_M x BLOCK_N) tile of C, one rank-wide tile each of L and U, no loop
-        "up": dict(BLOCK_M=64, BLOCK_N=64 if wide else 128, num_warps=4, num_stages=1),
+        # (fp32 operands at rank 128: three bf16 terms of each rank-wide tile would spill in 4
+        # warps' registers)
+        "up": dict(BLOCK_M=64, BLOCK_N=64 if wide else 128,
+                   num_warps=8 if dtype == torch.float32 and block_r >= 128 else 4, num_stages=1),
         "pq": dict(BLOCK_M=32 if wide else 64, BLOCK_P=64 if wide else 128, num_warps=4,
                    num_stages=2 if wide else 3),
     }
@@ -312,8 +384,8 @@ def _weight_grad(p2, q, m, p_cols, r, scaling, dropout, has_dropout, out_dtype, 
         p2, q, partial, m, p_cols, r, rows_per_split, float(scaling), seed, threshold,
         dropout_scale, p2.stride(0), q.stride(0), q.stride(1), partial.stride(0),
         partial.stride(1),
-    ), dict(HAS_DROPOUT=has_dropout, INTERPRETED=triton_interpreting(), BLOCK_R=_block_r(r),
-            **meta))
+    ), dict(HAS_DROPOUT=has_dropout, INTERPRETED=triton_interpreting(),
+            BLOCK_R=_block_r(r), **meta))
     return partial.sum(0).to(out_dtype)
 
 
@@ -326,7 +398,8 @@ def _check_dtype(x):
 
 def lora_linear_fwd_triton(x, weight, lora_a, lora_b, scaling, bias, dropout_p, seed):
     """(y (..., N), xa_t (R, M)): the contract of fastllm::lora_linear. fp32 adapters on a bf16/fp16
-    x: the low-rank kernels widen x (dropout then in fp32) and xa_t, dA, dB are fp32."""
+    x: the low-rank products are fp32-accurate (a bf16 x times the adapters' bf16 terms, an fp16
+    one widened; dropout's 1 / (1 - p) in fp32) and xa_t, dA, dB are fp32."""
     _check_dtype(x)
     n, k = weight.shape
     r = lora_a.shape[0]
@@ -372,8 +445,9 @@ def lora_linear_bwd_triton(grad_out, x, weight, lora_a, lora_b, xa_t, scaling, d
     dropout = _dropout_args(dropout_p, seed, x.device)
     has_dropout = dropout_p > 0.0
     if need_x or need_a:
-        # dY B in fp32 (PyTorch rounds it to x's dtype; one rounding fewer costs nothing here)
-        dyb = torch.empty((m, r), dtype=torch.float32, device=x.device)
+        # dY B in the adapters' dtype: rounded to bf16/fp16 as PyTorch's backward rounds it, so
+        # that the dX and dA products run on tensor cores; fp32 for fp32 adapters
+        dyb = torch.empty((m, r), dtype=lora_a.dtype, device=x.device)
         _down(dy, lora_b, (1, lora_b.stride(0)), m, n, r, dropout, False, dyb, cfg)
     if need_x:
         dx = torch.empty((m, k), dtype=x.dtype, device=x.device)
@@ -384,8 +458,7 @@ def lora_linear_bwd_triton(grad_out, x, weight, lora_a, lora_b, xa_t, scaling, d
         # dA^T = s d(x)^T (dY B): fp32 products when the adapters are fp32, else in x's dtype (as
         # cuBLAS would run PyTorch's own backward)
         x2 = x.reshape(m, k).contiguous()
-        q = dyb if lora_a.dtype == torch.float32 else dyb.to(x.dtype)
-        da = _weight_grad(x2, q, m, k, r, scaling, dropout, has_dropout, lora_a.dtype, cfg)
+        da = _weight_grad(x2, dyb, m, k, r, scaling, dropout, has_dropout, lora_a.dtype, cfg)
         da = da.t().contiguous()
     if need_b:
         db = _weight_grad(dy, xa_t.t(), m, n, r, scaling, dropout, False, lora_b.dtype, cfg)

@@ -13,8 +13,9 @@ fp32 adapters on a bf16/fp16 base: x W^T (+ bias) in the base dtype, the low-ran
 on x cast to fp32, y = x W^T + scaling * (x A^T) B^T summed in fp32 and rounded once to the base
 dtype (PEFT adds its fp32 LoRA output to the rounded base output and rounds the sum: the same);
 dropout applied to x in fp32, as PEFT does; dX likewise, dA and dB in fp32. cpp and ref run this
-case as matmuls; the Triton backend through its kernels, which widen x for the low-rank products
-(cuBLAS's base product in the base dtype).
+case as matmuls; the Triton backend through its kernels, fp32-accurate products on tensor cores,
+where the low-rank term is rounded to the base dtype and cuBLAS's GEMM adds x W^T to it (one
+rounding more, of the smaller term; kernels/lora_linear.py).
 
 Two ops (schemas in fastllm/_library.py):
     lora_linear(...) -> (y, xa_t)            xa_t = A dropout(x)^T, (r, rows): all the backward
