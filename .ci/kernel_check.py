@@ -72,14 +72,21 @@ BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw_tensor_kernel",
              "_swiglu_bwd_kernel", "_rotary_kernel", "_flce_row_kernel", "_decompress_kernel"}
 # Kernels whose main traffic is writing a full-size tensor (the LoRA seed of y and dX that the
 # base GEMM adds to): their stores must be 128 bits wide.
-WRITE_BANDWIDTH = {"_lora_up_kernel", "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
-                   "_swiglu_fwd_kernel", "_swiglu_bwd_kernel", "_rotary_kernel",
-                   "_flce_row_kernel", "_decompress_kernel"}
+# Their stores must be 128 bits wide but for the number of narrower ones given (a per-row scalar:
+# RMSNorm's rstd, the loss's per-token loss).
+WRITE_BANDWIDTH = {"_lora_up_kernel": 0, "_rms_norm_fwd_kernel": 1, "_rms_norm_bwd_kernel": 0,
+                   "_swiglu_fwd_kernel": 0, "_swiglu_bwd_kernel": 0, "_rotary_kernel": 0,
+                   "_flce_row_kernel": 1, "_decompress_kernel": 0}
 # Kernels whose products must all run on tensor cores (wgmma / mma), in every dtype (issue 18
 # item 5: no fp32 FMA dot; fp32 operands as bf16 terms, kernels/lora_linear.py `_dot`).
-TENSOR_CORES = {"_lora_down_kernel", "_lora_up_kernel", "_lora_pq_kernel"}
+# Each with the block sizes of its output tile: a dot on the CUDA cores takes (reduction block)
+# fp32 FMAs per output element a thread holds, an epilogue (scale, bias) one; more than two per
+# element fails.
+TENSOR_CORES = {"_lora_down_kernel": ("BLOCK_M", "BLOCK_R"),
+                "_lora_up_kernel": ("BLOCK_M", "BLOCK_N"),
+                "_lora_pq_kernel": ("BLOCK_P", "BLOCK_R")}
 MMA = re.compile(r"\bwgmma\.mma_async|\bmma\.sync")
-FMA_DOT = 64  # more fp32 FMAs than this in such a kernel: a dot on the CUDA cores
+FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32")
 # Kernels meant to run once per optimizer step, however many tensors it has.
 ONE_PER_STEP = {"_adamw_kernel", "_adamw_master_kernel", "_adamw8bit_kernel",
                 "_sum_squares_kernel"}
@@ -307,16 +314,18 @@ def record(fn):
 
 
 def lora_launches():
-    """LoRA forward and backward launches (dropout on and off), as tests/lora_compile_check.py
-    records them."""
+    """LoRA forward and backward launches, as tests/lora_compile_check.py records them: rank 16
+    in every dtype with dropout on and off and a bias, and rank 128 (the largest the Triton path
+    takes, the most registers) with fp32 operands."""
     import lora_compile_check as lc
 
     out = []
     for name in ("bf16", "fp32", "bf16+fp32a", "fp16+fp32a"):  # (x and W, adapters) dtypes
-        for p in (0.0, 0.1):
-            for kernel, args, meta in lc.record_launches(lc.DTYPES[name], 16, p,
-                                                         lc.K._TARGET_PROGRAMS):
-                out.append((f"lora_linear {name}", kernel, args, meta))
+        for r in (16, 128) if name in ("fp32", "bf16+fp32a") else (16,):
+            for p in (0.0, 0.1):
+                for kernel, args, meta in lc.record_launches(lc.DTYPES[name], r, p,
+                                                             lc.K._TARGET_PROGRAMS, bias=True):
+                    out.append((f"lora_linear {name} r={r}", kernel, args, meta))
     return out
 
 
@@ -358,8 +367,11 @@ def compile_ptx(job):
 
 def _job_key(kernel, args, kwargs):
     """Launches with equal keys compile to the same kernel: the runtime arguments by what Triton
-    specialises on (_spec), the keyword ones (constexprs, num_warps, ...) by value."""
-    return (kernel.fn.__name__, repr([_spec(a) for a in args]),
+    specialises on (_spec), constexprs and keyword ones (num_warps, ...) by value."""
+    constexpr = [p.is_constexpr for p in kernel.params]
+    return (kernel.fn.__name__,
+            repr([repr(a) if i < len(constexpr) and constexpr[i] else _spec(a)
+                  for i, a in enumerate(args)]),
             repr(sorted((k, _spec(v) if isinstance(v, torch.Tensor) else repr(v))
                         for k, v in kwargs.items())))
 
@@ -377,7 +389,8 @@ def triton_checks(jobs):
             key = _job_key(kernel, args, kwargs)
             if key not in futures:
                 job = (kernel.fn.__module__, kernel.fn.__name__, args, kwargs)
-                futures[key] = (pool.submit(compile_ptx, job), case, kernel.fn.__name__)
+                futures[key] = (pool.submit(compile_ptx, job), case, kernel.fn.__name__,
+                                kwargs)
 
         steps = {**recipes(), **model_recipes()}
         for case, fn in steps.items():
@@ -403,7 +416,7 @@ def triton_checks(jobs):
             results.append((total <= limit, "launches", "optimizer step",
                             f"{case}: {total} Triton launches in one step of 4 tensors (at most "
                             f"{limit})"))
-        for future, case, name in futures.values():
+        for future, case, name, kwargs in futures.values():
             try:
                 ptx, info = future.result()
             except Exception as exc:  # every failure reported, not only the first
@@ -427,15 +440,19 @@ def triton_checks(jobs):
                 results.append((wide > 0, "wide loads", name,
                                 f"{case}: {wide} 128-bit global loads, {scalar} narrower"))
             if name in TENSOR_CORES:
-                mma = len(MMA.findall(ptx))
-                fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
-                results.append((mma > 0 and fma <= FMA_DOT, "tensor cores", name,
-                                f"{case}: {mma} wgmma/mma instructions, {fma} fp32 FMAs"))
+                rows, cols = (kwargs[b] for b in TENSOR_CORES[name])
+                per_thread = rows * cols // (32 * kwargs.get("num_warps", 4))
+                mma, fma = len(MMA.findall(ptx)), len(FMA.findall(ptx))
+                results.append((mma > 0 and fma <= 2 * per_thread, "tensor cores", name,
+                                f"{case}: {mma} wgmma/mma instructions, {fma} fp32 FMAs (at "
+                                f"most {2 * per_thread})"))
             if name in WRITE_BANDWIDTH:
                 wide = len(WIDE_STORE.findall(ptx))
                 scalar = len(re.findall(r"st\.global(?![\w:.]*\.v[24])[\w:.]*\s", ptx))
-                results.append((wide > 0, "wide stores", name,
-                                f"{case}: {wide} 128-bit global stores, {scalar} narrower"))
+                allowed = WRITE_BANDWIDTH[name]
+                results.append((wide > 0 and scalar <= allowed, "wide stores", name,
+                                f"{case}: {wide} 128-bit global stores, {scalar} narrower (at "
+                                f"most {allowed})"))
     return results
 
 

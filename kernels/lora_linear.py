@@ -43,13 +43,15 @@ from fastllm.kernels.rounding import round_nearest
 
 @triton.jit
 def _split(a):
-    """fp32 a as three bf16 terms, a = hi + mid + lo: each term holds the next 8 bits of a's
-    24-bit significand, the differences are exact in fp32 (the sum is a to within one fp32
-    rounding, whatever rounding the conversions use: the interpreter's truncates)."""
-    hi = a.to(tl.bfloat16)
+    """fp32 a as three bf16 terms, a = hi + mid + lo exactly: each conversion truncates (rtz)
+    to the next 8 bits of a's 24-bit significand and the differences are exact in fp32. Truncated,
+    never rounded: a finite a near fp32's maximum cannot become an infinite hi, and the GPU splits
+    as the interpreter does (its casts truncate). A non-finite a gives NaN terms (inf - inf): the
+    products are NaN where fp32 ones would be inf or NaN, which a skipped step treats alike."""
+    hi = a.to(tl.bfloat16, fp_downcast_rounding="rtz")
     rest = a - hi.to(tl.float32)
-    mid = rest.to(tl.bfloat16)
-    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    mid = rest.to(tl.bfloat16, fp_downcast_rounding="rtz")
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtz")
     return hi, mid, lo
 
 
@@ -70,24 +72,29 @@ def _dot(a, b, acc, INTERPRETED: tl.constexpr):
     """acc + a @ b in fp32, every product on tensor cores (no fp32 FMA dot). a and b: one
     low-precision dtype (one product), or b fp32 and a bf16 or fp32: each fp32 operand is split
     into three bf16 terms (_split) multiplied term by term. Against bf16 that is 3 products, each
-    exact in fp32 (as an fp32 FMA's); fp32 by fp32 takes the 6 of the 9 term products above
-    2^-24 of the result (the 3 dropped are at most ~2^-23 relative together: fp32 rounding), the
-    smallest first. The products are small (one side is the LoRA rank), so the extra tensor-core
-    work hides under the memory traffic these kernels are bound by."""
+    exact in fp32 (as an fp32 FMA's); fp32 by fp32 takes 8 of the 9 term products (the one left
+    out, lo x lo, is below 2^-28 of |a| |b|: under fp32's rounding). The smaller products are summed
+    in a tile of their own and added to acc once (one fp32 rounding of the running sum per call,
+    as a single product's, not one per term product). The products are small (one side is the
+    LoRA rank), so the extra tensor-core work hides under the memory traffic these kernels are
+    bound by."""
     if b.dtype == tl.float32:
         bh, bm, bl = _split(b)
+        small = tl.zeros(acc.shape, dtype=tl.float32)
         if a.dtype == tl.float32:
             ah, am, al = _split(a)
-            acc = _mma(al, bh, acc, INTERPRETED)
-            acc = _mma(ah, bl, acc, INTERPRETED)
-            acc = _mma(am, bm, acc, INTERPRETED)
-            acc = _mma(am, bh, acc, INTERPRETED)
-            acc = _mma(ah, bm, acc, INTERPRETED)
-            acc = _mma(ah, bh, acc, INTERPRETED)
+            small = _mma(am, bl, small, INTERPRETED)
+            small = _mma(al, bm, small, INTERPRETED)
+            small = _mma(al, bh, small, INTERPRETED)
+            small = _mma(ah, bl, small, INTERPRETED)
+            small = _mma(am, bm, small, INTERPRETED)
+            small = _mma(am, bh, small, INTERPRETED)
+            small = _mma(ah, bm, small, INTERPRETED)
+            acc = _mma(ah, bh, acc, INTERPRETED) + small
         else:  # a bf16 (the kernels widen fp16 against fp32: _fp32_operand)
-            acc = _mma(a, bl, acc, INTERPRETED)
-            acc = _mma(a, bm, acc, INTERPRETED)
-            acc = _mma(a, bh, acc, INTERPRETED)
+            small = _mma(a, bl, small, INTERPRETED)
+            small = _mma(a, bm, small, INTERPRETED)
+            acc = _mma(a, bh, acc, INTERPRETED) + small
     else:  # one low-precision dtype (an fp32 a with a bf16 b does not occur: it fails to compile)
         acc = _mma(a, b, acc, INTERPRETED)
     return acc
@@ -300,10 +307,11 @@ def _config(dtype, block_r):
         "down": dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, num_warps=4,
                      num_stages=2 if wide else 3),
         # one (BLOCK_M x BLOCK_N) tile of C, one rank-wide tile each of L and U, no loop
-        # (fp32 operands at rank 128: three bf16 terms of each rank-wide tile would spill in 4
-        # warps' registers)
-        "up": dict(BLOCK_M=64, BLOCK_N=64 if wide else 128,
-                   num_warps=8 if dtype == torch.float32 and block_r >= 128 else 4, num_stages=1),
+        # (fp32 operands at rank 128: the three bf16 terms of each rank-wide tile spilled
+        # registers in 64 x 64 tiles of 4 or 8 warps; 128 x 64 in 8 warps takes 171-193, no spill)
+        "up": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)
+        if dtype == torch.float32 and block_r >= 128 else
+        dict(BLOCK_M=64, BLOCK_N=64 if wide else 128, num_warps=4, num_stages=1),
         "pq": dict(BLOCK_M=32 if wide else 64, BLOCK_P=64 if wide else 128, num_warps=4,
                    num_stages=2 if wide else 3),
     }
@@ -406,6 +414,7 @@ def lora_linear_fwd_triton(x, weight, lora_a, lora_b, scaling, bias, dropout_p, 
     m = math.prod(x.shape[:-1])
     x2 = x.reshape(m, k).contiguous()
     lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
+    bias = None if bias is None else bias.contiguous()  # the seed kernel reads it at stride 1
     xa_t = torch.empty((r, m), dtype=lora_a.dtype, device=x.device)  # fp32 for fp32 adapters
     if m == 0 or n == 0 or k == 0:
         y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())

@@ -51,7 +51,7 @@ RANKS = (1, 16, 32, 64, op._TRITON_MAX_RANK)
 M, K_IN, N_OUT = 256, 256, 384
 
 
-def record_launches(dtypes, r, dropout_p, target_programs):
+def record_launches(dtypes, r, dropout_p, target_programs, bias=False):
     """The (kernel, args, meta) of every launch one forward and backward make; dtypes: (x and W,
     adapters)."""
     dtype, adapter_dtype = dtypes
@@ -64,7 +64,8 @@ def record_launches(dtypes, r, dropout_p, target_programs):
         w = torch.randn(N_OUT, K_IN).to(dtype)
         a = torch.randn(r, K_IN).to(adapter_dtype)
         b = torch.randn(N_OUT, r).to(adapter_dtype)
-        _, xa_t = K.lora_linear_fwd_triton(x, w, a, b, 0.5, None, dropout_p, 1)
+        bias_t = torch.randn(N_OUT).to(dtype) if bias else None
+        _, xa_t = K.lora_linear_fwd_triton(x, w, a, b, 0.5, bias_t, dropout_p, 1)
         K.lora_linear_bwd_triton(torch.randn(M, N_OUT).to(dtype), x, w, a, b, xa_t, 0.5,
                                  dropout_p, 1, [True, True, True])
     finally:

@@ -63,7 +63,7 @@ struct Io<at::BFloat16> {
 // out[row, col] (+)= keep(row, col) * x[row, col] * scale for rows [row_begin, row_end).
 template <typename scalar_t, bool ACCUMULATE>
 void dropout_rows(const void* x_raw, void* out_raw, int64_t row_begin, int64_t row_end,
-                  int64_t cols, uint32_t key, uint32_t threshold, float scale) {
+                  int64_t cols, uint32_t key, uint32_t threshold, double scale) {
   using io = Io<scalar_t>;
   using opmath_t = typename io::opmath_t;
   using raw_t = typename io::raw_t;
@@ -101,7 +101,7 @@ void dropout_into(const at::Tensor& x, const at::Tensor& out, double p, int64_t 
   if (x.numel() == 0) return;
   const uint32_t key = static_cast<uint32_t>(seed & 0x7fffffff);
   const uint32_t threshold = static_cast<uint32_t>(std::llround(p * double(1 << 24)));
-  const float scale = static_cast<float>(alpha / (1.0 - p));
+  const double scale = alpha / (1.0 - p);  // rounded to the tensor's opmath type where used
   // Rows per task: at least ~64K elements so a fork/join is amortised.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(cols, 1));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),

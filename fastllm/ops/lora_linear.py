@@ -268,7 +268,8 @@ _BACKWARD_MIXED = {
     "cpp": lambda *a: _backward_torch(_dropout_cpp, _dropout_add_cpp, *a, widen=True),
     "triton": lambda *a: _triton_backward(*a),
 }
-# the Triton backend takes the mixed case itself (its low-rank kernels widen x)
+# the Triton backend takes the mixed case itself (its kernels multiply bf16 x by the fp32
+# adapters' bf16 terms, an fp16 x widened)
 
 
 def _triton_forward(*args):

@@ -1,0 +1,51 @@
+"""fastllm::lora_linear's numerics past the basic comparisons of test_lora_linear.py: the fp32
+results of the Triton kernels' tensor-core products (fp32 operands as bf16 terms) and inputs with
+unusual layouts, on every backend."""
+
+import pytest
+import torch
+
+import fastllm
+from fastllm.ops.lora_linear import lora_linear_ref
+from test_lora_linear import BACKENDS, _inputs
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16+fp32a"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25], ids=["p0", "p.25"])
+def test_fp32_low_rank_products_keep_fp32_accuracy(backend, device, x_dtype, dropout_p):
+    """The fp32 results of the low-rank products (xa, dA, dB; dX of an fp32 model) no further
+    from fp64 than twice the reference's fp32 matmuls: the Triton kernels run fp32 operands on
+    tensor cores as three bf16 terms each (kernels/lora_linear.py `_dot`), which must keep what
+    an fp32 product keeps (dropping the smallest term costs ~1.5e-5 relative)."""
+    x, w, a, b, _ = _inputs((97,), 150, 140, 16, x_dtype, device, bias=False)
+    x, a, b = x.detach(), a.detach().float(), b.detach().float()
+    g = torch.randn(97, 140, device=device).to(x_dtype)
+
+    def run(chosen, cast):
+        args = [cast(t) for t in (x, w, a, b)]
+        with fastllm.use_backend(chosen), torch.no_grad():
+            y, xa_t = torch.ops.fastllm.lora_linear(*args, 0.5, None, dropout_p, torch.tensor(5))
+            dx, da, db = torch.ops.fastllm.lora_linear_backward(
+                cast(g), *args, xa_t, 0.5, dropout_p, torch.tensor(5), [True, True, True])
+        return [xa_t, da, db] + ([dx] if x_dtype == torch.float32 else [])
+
+    oracle = run("ref", lambda t: t.double())
+    got, ref = run(backend, lambda t: t), run("ref", lambda t: t)
+    for name, o, ours, theirs in zip(("xa", "dA", "dB", "dX"), oracle, got, ref):
+        scale = o.abs().max().item()
+        err, ref_err = ((t.double() - o).abs().max().item() / scale for t in (ours, theirs))
+        assert ours.dtype == torch.float32, name
+        assert err <= 2 * ref_err + 1e-7, f"{name}: {err:.2e} vs the reference's {ref_err:.2e}"
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_strided_bias(backend, device):
+    """A bias that is a strided view (every other element of a buffer) is read as its values:
+    the Triton seed kernel reads the bias at stride 1 and must get a contiguous one."""
+    x, w, a, b, _ = _inputs((3, 5), 24, 18, 4, torch.float32, device, bias=False)
+    bias = torch.randn(36, device=device)[::2]
+    with fastllm.use_backend(backend), torch.no_grad():
+        got = fastllm.ops.lora_linear(x, w, a, b, 0.5, bias)
+    want = lora_linear_ref(x, w, a, b, 0.5, bias.contiguous())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
