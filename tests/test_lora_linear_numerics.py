@@ -49,3 +49,18 @@ def test_strided_bias(backend, device):
         got = fastllm.ops.lora_linear(x, w, a, b, 0.5, bias)
     want = lora_linear_ref(x, w, a, b, 0.5, bias.contiguous())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,device", [p for p in BACKENDS if p.values[0] != "triton"])
+def test_fp64_with_dropout_is_fp64_accurate(backend, device):
+    """fp64 (the cpp and ref backends take it) with dropout: y and every grad equal the autograd
+    reference to fp64 rounding (the C++ dropout once scaled in fp32: ~3e-7 off)."""
+    x, w, a, b, bias_t = _inputs((33,), 40, 30, 8, torch.float64, device, bias=True)
+    g = torch.randn(33, 30, device=device, dtype=torch.float64)
+    inputs = [x, a, b, bias_t]
+    with fastllm.use_backend(backend):
+        y = fastllm.ops.lora_linear(x, w, a, b, 0.5, bias_t, 0.3, seed=3)
+        got = [y] + list(torch.autograd.grad(y, inputs, g))
+    y = lora_linear_ref(x, w, a, b, 0.5, bias_t, 0.3, 3)
+    for ours, want in zip(got, [y] + list(torch.autograd.grad(y, inputs, g))):
+        torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-12)

@@ -433,7 +433,8 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
         grad_w = _lowp.in_fp32(_gemm.mm, dy.t(), x.reshape(-1, in_features)) \
             if _lowp.widen(x) else _gemm.mm(dy.t(), x.reshape(-1, in_features))
     if need_bias:
-        grad_bias = dy.sum(0, dtype=torch.float32).to(grad_y.dtype)
+        # summed in fp32 for bf16/fp16 (as PyTorch's linear backward), in fp64 for fp64
+        grad_bias = dy.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(dy.dtype)
     return grad_x, grad_w, grad_a, grad_b, None, grad_bias, None, None
 
 
