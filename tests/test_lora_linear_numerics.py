@@ -18,9 +18,11 @@ def test_fp32_low_rank_products_keep_fp32_accuracy(backend, device, x_dtype, dro
     from fp64 than twice the reference's fp32 matmuls: the Triton kernels run fp32 operands on
     tensor cores as three bf16 terms each (kernels/lora_linear.py `_dot`), which must keep what
     an fp32 product keeps (dropping the smallest term costs ~1.5e-5 relative)."""
-    x, w, a, b, _ = _inputs((97,), 150, 140, 16, x_dtype, device, bias=False)
+    # on a GPU a layer's size: K-long sums whose fp32 accumulation is the tensor cores' own
+    rows, k, n = (2048, 4096, 1024) if device == "cuda" else (97, 150, 140)
+    x, w, a, b, _ = _inputs((rows,), k, n, 16, x_dtype, device, bias=False)
     x, a, b = x.detach(), a.detach().float(), b.detach().float()
-    g = torch.randn(97, 140, device=device).to(x_dtype)
+    g = torch.randn(rows, n, device=device).to(x_dtype)
 
     def run(chosen, cast):
         args = [cast(t) for t in (x, w, a, b)]
