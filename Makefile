@@ -69,6 +69,22 @@ bench-suite: build
 cuda-check:
 	bash .ci/cuda_build_check.sh
 
-# Triton kernels compiled for sm_90 without a GPU: 128-bit loads, no spills, launches per step
-kernel-check: build
+# Triton kernels compiled for sm_90 without a GPU: 128-bit loads, no spills, launches per step.
+# Twice: with this venv's Triton, then with the GPU machine's (bench/device_check.sh builds and
+# runs there), whose compiler refuses code a newer one takes (3.6 rejected an fp32 constant below
+# fp32's normal range and a jit function's default string that 3.9 accepted). That Triton goes
+# into a venv of its own, which sees torch and fastllm through this venv's site-packages.
+DEVICE_TRITON ?= 3.6.0
+TRITON_VENV := .venv-triton-$(DEVICE_TRITON)
+
+$(TRITON_VENV)/.deps: $(VENV)/.deps
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q "triton==$(DEVICE_TRITON)"
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(TRITON_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_fastllm_venv.pth"
+	touch $@
+
+kernel-check: build $(TRITON_VENV)/.deps
 	$(PY) .ci/kernel_check.py
+	@echo "== with triton $(DEVICE_TRITON), the GPU machine's =="
+	$(TRITON_VENV)/bin/python .ci/kernel_check.py

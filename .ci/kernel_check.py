@@ -531,8 +531,8 @@ def main():
         else:
             status, failed = "FAIL", failed + 1
         print(f"{status:5s} {check:10s} {name:24s} {detail}")
-    print(f"kernel check (sm_{CAPABILITY}): {len(results)} checks, {failed} failed, {known} known "
-          f"failures (issue 18)")
+    print(f"kernel check (sm_{CAPABILITY}, triton {triton.__version__}): {len(results)} checks, "
+          f"{failed} failed, {known} known failures (issue 18)")
     return 1 if failed else 0
 
 

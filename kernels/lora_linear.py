@@ -58,10 +58,14 @@ def _split(a):
 @triton.jit
 def _mma(a, b, acc, INTERPRETED: tl.constexpr):
     """acc + a @ b on tensor cores, a and b of one dtype, bf16 or fp16; fp32 accumulation."""
-    if INTERPRETED and a.dtype == tl.bfloat16:
-        # The interpreter's bf16 tl.dot multiplies bit patterns; exact fp32 products agree with
-        # a GPU's bf16 tensor-core products (bf16 x bf16 is exact in fp32).
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if INTERPRETED:
+        if a.dtype == tl.bfloat16:
+            # The interpreter's bf16 tl.dot multiplies bit patterns; exact fp32 products agree
+            # with a GPU's bf16 tensor-core products (bf16 x bf16 is exact in fp32).
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+    if a.dtype == tl.float32:  # (only in the interpreter)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
     return acc
@@ -111,14 +115,6 @@ def _fp32_operand(p, q_ptr):
 
 
 @triton.jit
-def _post_scaled(p_ptr, q_ptr):
-    """Whether dropout(P) is applied as a mask on P and its 1 / (1 - p) on the fp32 sum: a bf16
-    P against fp32 adapters, where PyTorch's dropout runs on P widened to fp32 (no rounding to
-    bf16), and the masked bf16 P stays a bf16 operand."""
-    return p_ptr.dtype.element_ty == tl.bfloat16 and q_ptr.dtype.element_ty == tl.float32
-
-
-@triton.jit
 def _fmix32(h):
     # MurmurHash3's 32-bit finaliser (github.com/aappleby/smhasher), on uint32 with wraparound.
     h ^= h >> 16
@@ -163,6 +159,7 @@ def _lora_down_kernel(
     dropout_scale,  # fp32, 1 / (1 - p)
     stride_pm, stride_qr, stride_qk, stride_os, stride_om, stride_or,
     HAS_DROPOUT: tl.constexpr,  # out = d(P) Q^T, else P Q^T
+    POST_SCALE: tl.constexpr,  # dropout as a mask on P and 1 / (1 - p) on the sum (_post_scale)
     INTERPRETED: tl.constexpr,  # running under TRITON_INTERPRET=1 (see _dot)
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,  # reduction block
@@ -186,7 +183,7 @@ def _lora_down_kernel(
         p = _fp32_operand(p, q_ptr)
         if HAS_DROPOUT:
             keep = _keep_mask(seed_key, offs_m, offs_k, threshold)
-            if _post_scaled(p_ptr, q_ptr):
+            if POST_SCALE:
                 p = tl.where(keep, p, tl.zeros_like(p))
             else:
                 p = _dropout(p, keep, dropout_scale)
@@ -194,7 +191,7 @@ def _lora_down_kernel(
                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(p, q, acc, INTERPRETED)
     if HAS_DROPOUT:
-        if _post_scaled(p_ptr, q_ptr):
+        if POST_SCALE:
             acc = acc * dropout_scale
     out_offs = pid_s * stride_os + offs_m[:, None] * stride_om + offs_r[None, :] * stride_or
     tl.store(out_ptr + out_offs, round_nearest(acc, out_ptr.dtype.element_ty),
@@ -258,6 +255,7 @@ def _lora_pq_kernel(
     dropout_scale,  # fp32, 1 / (1 - p)
     stride_pm, stride_qm, stride_qr, stride_cs, stride_cp,
     HAS_DROPOUT: tl.constexpr,
+    POST_SCALE: tl.constexpr,  # as in _lora_down_kernel
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,  # reduction block over rows
     BLOCK_P: tl.constexpr,
@@ -281,7 +279,7 @@ def _lora_pq_kernel(
         p = _fp32_operand(p, q_ptr)
         if HAS_DROPOUT:
             keep = _keep_mask(seed_key, offs_m, offs_p, threshold)
-            if _post_scaled(p_ptr, q_ptr):
+            if POST_SCALE:
                 p = tl.where(keep, p, tl.zeros_like(p))
             else:
                 p = _dropout(p, keep, dropout_scale)
@@ -289,7 +287,7 @@ def _lora_pq_kernel(
                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(tl.trans(p), q, acc, INTERPRETED)
     if HAS_DROPOUT:
-        if _post_scaled(p_ptr, q_ptr):
+        if POST_SCALE:
             acc = acc * dropout_scale
     tl.store(c_ptr + pid_s * stride_cs + offs_p[:, None] * stride_cp + offs_r[None, :],
              scaling * acc, mask=mask_p[:, None] & mask_r[None, :])
@@ -338,6 +336,13 @@ def _dropout_args(dropout_p, seed, device):
     return seed.reshape(()), threshold, 1.0 / (1.0 - dropout_p)
 
 
+def _post_scale(p2, q):
+    """Whether dropout(P) is a mask on P with its 1 / (1 - p) applied to the fp32 sum: a bf16 P
+    against fp32 adapters, where PyTorch's dropout runs on P widened to fp32 (no rounding to bf16)
+    and the masked bf16 P stays a bf16 operand of _dot."""
+    return p2.dtype == torch.bfloat16 and q.dtype == torch.float32
+
+
 def _block_r(r):
     return max(16, triton.next_power_of_2(r))
 
@@ -359,8 +364,8 @@ def _down(p2, q, q_strides, m, k, r, dropout, has_dropout, out, cfg):
     _launch(_lora_down_kernel, (m_blocks, splits), (
         p2, q, target, m, k, r, k_per_split, seed, threshold, dropout_scale,
         p2.stride(0), q_strides[0], q_strides[1], *strides,
-    ), dict(HAS_DROPOUT=has_dropout, INTERPRETED=triton_interpreting(),
-            BLOCK_R=_block_r(r), **meta))
+    ), dict(HAS_DROPOUT=has_dropout, POST_SCALE=_post_scale(p2, q),
+            INTERPRETED=triton_interpreting(), BLOCK_R=_block_r(r), **meta))
     if splits > 1:
         out.copy_(target.sum(0))
 
@@ -392,8 +397,8 @@ def _weight_grad(p2, q, m, p_cols, r, scaling, dropout, has_dropout, out_dtype, 
         p2, q, partial, m, p_cols, r, rows_per_split, float(scaling), seed, threshold,
         dropout_scale, p2.stride(0), q.stride(0), q.stride(1), partial.stride(0),
         partial.stride(1),
-    ), dict(HAS_DROPOUT=has_dropout, INTERPRETED=triton_interpreting(),
-            BLOCK_R=_block_r(r), **meta))
+    ), dict(HAS_DROPOUT=has_dropout, POST_SCALE=_post_scale(p2, q),
+            INTERPRETED=triton_interpreting(), BLOCK_R=_block_r(r), **meta))
     return partial.sum(0).to(out_dtype)
 
 

@@ -36,7 +36,9 @@ def _orthogonalize_kernel(
         # on GPUs and exact in the interpreter, so the tests would not see the difference).
         norm = tl.sqrt_rn(tl.sum(tl.where(cols == i, dots, 0.0), axis=0))
         denom = norm + eps
-        safe = tl.maximum(denom, 1e-38)
+        # (not tl.maximum(denom, 1e-38): below fp32's normal range Triton 3.6 types the constant
+        # fp64, and tl.div_rn takes fp32 only)
+        safe = tl.where(denom > 0.0, denom, 1.0)
         inv = tl.where(denom > 0.0, tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe), 0.0)
         coef = tl.where(cols > i, dots * inv * inv, 0.0)
         for start in range(0, n_rows, BLOCK_N):

@@ -38,9 +38,10 @@ def round_nearest(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def store_rounded(ptr, offsets, x, mask, EVICTION: tl.constexpr = ""):
+def store_rounded(ptr, offsets, x, mask, EVICTION: tl.constexpr):
     """Store fp32 `x` into `ptr`'s element type, rounding to nearest-even (EVICTION: tl.store's
-    eviction_policy)."""
+    eviction_policy, "" for none; no default: Triton 3.6 hands a jit function's default string
+    through as a plain str, which fails to compile)."""
     tl.store(ptr + offsets, round_nearest(x, ptr.dtype.element_ty), mask=mask,
              eviction_policy=EVICTION)
 

@@ -23,7 +23,7 @@ def _scaled_copy_kernel(
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     x = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    store_rounded(dst_ptr, offsets, x * factor, mask)  # nearest-even, in the interpreter too
+    store_rounded(dst_ptr, offsets, x * factor, mask, "")  # nearest-even, in the interpreter too
 
 
 def scaled_copy_triton(dst, src, factor):
