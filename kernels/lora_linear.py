@@ -27,7 +27,7 @@ are rounded to the I/O dtype where PyTorch rounds them (d(x), xa, the outputs; t
 adds to is the low-rank term rounded, where PEFT rounds the base product: the smaller of the two
 terms carries the extra rounding), to nearest even
 with kernels/rounding.py, which is exact on the GPU and in the interpreter alike. The one
-operation the interpreter gets wrong is a bf16 tl.dot (triton-lang/triton issue 11584): `_dot`
+operation the interpreter gets wrong is a bf16 tl.dot (triton-lang/triton issue 11584): `_mma`
 upcasts its operands there, and only there; the GPU runs this same code with INTERPRETED=False.
 """
 
