@@ -126,6 +126,17 @@ def _fmix32(h):
 
 
 @triton.jit
+def _dropout_operand(p, keep, dropout_scale, POST_SCALE: tl.constexpr):
+    """d(P) as the down and pq kernels multiply it: masked and scaled, rounded to P's dtype as
+    PyTorch's dropout; or (POST_SCALE) masked only, 1 / (1 - p) applied to the kernel's sum."""
+    if POST_SCALE:
+        p = tl.where(keep, p, tl.zeros_like(p))
+    else:
+        p = _dropout(p, keep, dropout_scale)
+    return p
+
+
+@triton.jit
 def _keep_mask(seed_key, rows, cols, threshold):
     """Dropout keep mask for the (rows[:, None], cols[None, :]) elements; rows, cols int64."""
     row_key = _fmix32(rows.to(tl.uint32) ^ seed_key.to(tl.uint32))
@@ -182,11 +193,8 @@ def _lora_down_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         p = _fp32_operand(p, q_ptr)
         if HAS_DROPOUT:
-            keep = _keep_mask(seed_key, offs_m, offs_k, threshold)
-            if POST_SCALE:
-                p = tl.where(keep, p, tl.zeros_like(p))
-            else:
-                p = _dropout(p, keep, dropout_scale)
+            p = _dropout_operand(p, _keep_mask(seed_key, offs_m, offs_k, threshold),
+                                 dropout_scale, POST_SCALE)
         q = tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_r[None, :] * stride_qr,
                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(p, q, acc, INTERPRETED)
@@ -278,11 +286,8 @@ def _lora_pq_kernel(
                     mask=mask_m[:, None] & mask_p[None, :], other=0.0)
         p = _fp32_operand(p, q_ptr)
         if HAS_DROPOUT:
-            keep = _keep_mask(seed_key, offs_m, offs_p, threshold)
-            if POST_SCALE:
-                p = tl.where(keep, p, tl.zeros_like(p))
-            else:
-                p = _dropout(p, keep, dropout_scale)
+            p = _dropout_operand(p, _keep_mask(seed_key, offs_m, offs_p, threshold),
+                                 dropout_scale, POST_SCALE)
         q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_r[None, :] * stride_qr,
                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         acc = _dot(tl.trans(p), q, acc, INTERPRETED)

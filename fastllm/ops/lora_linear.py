@@ -217,15 +217,16 @@ def _forward_torch(dropout, dropout_add, x, weight, lora_a, lora_b, scaling, bia
         return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0]), xa_t
     # The low-rank term (+ bias) seeds y and the base GEMM adds to it (beta=1, the sum inside the
     # GEMM's store): one pass over y fewer than adding it afterwards (BENCHMARKS.md, issue 18).
-    y = _gemm.addmm(_zero(x2) if bias is None else bias, xa_t.t(), lora_b.t(),
-                    beta=0 if bias is None else 1, alpha=scaling)
+    y = low_rank_seed(xa_t.t(), lora_b.t(), scaling, bias)
     _gemm.addmm_(y, x2, weight.t())
     return y.view(*x.shape[:-1], weight.shape[0]), xa_t
 
 
-def _zero(t):
-    """A zero scalar of t's dtype and device: the ignored input of an addmm with beta=0."""
-    return t.new_zeros(())
+def low_rank_seed(lo, up, scaling, bias=None):
+    """scaling * lo @ up (+ bias), one addmm: the output a base GEMM then adds to (beta=1)."""
+    if bias is None:  # beta=0: the input is ignored, a zero scalar stands for it
+        return _gemm.addmm(lo.new_zeros(()), lo, up, beta=0, alpha=scaling)
+    return _gemm.addmm(bias, lo, up, alpha=scaling)
 
 
 def _backward_torch(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, xa_t, scaling,
@@ -245,7 +246,7 @@ def _backward_torch(dropout, dropout_add, grad_out, x, weight, lora_a, lora_b, x
             dropout_add(dx, _gemm.mm(dyb_t.t(), lora_a), dropout_p, seed, scaling)
         dx = dx.to(x.dtype).view(x.shape)
     elif need_x:  # the low-rank term seeds dX and dY W is added to it by the GEMM, as y above
-        dx = _gemm.addmm(_zero(dy), dyb_t.t(), lora_a, beta=0, alpha=scaling)
+        dx = low_rank_seed(dyb_t.t(), lora_a, scaling)
         if dropout_p > 0.0:  # it passed through dropout: its gradient carries the same mask
             dx = dropout(dx, dropout_p, seed)
         _gemm.addmm_(dx, dy, weight)

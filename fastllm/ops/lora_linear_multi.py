@@ -5,7 +5,7 @@ fastllm.lora layers through it. See the comment below for the maths."""
 import torch
 
 from fastllm import _gemm, _lowp
-from fastllm.ops.lora_linear import check_lora_linear_args, lora_linear, mixed
+from fastllm.ops.lora_linear import check_lora_linear_args, lora_linear, low_rank_seed, mixed
 
 
 # --- LoRA over several projections that share one input (q/k/v, gate/up) -----------------------
@@ -30,8 +30,7 @@ def _multi_forward(x2, weights, biases, lora_as, lora_bs, scalings):
             y = _gemm.mm(x2, w.t()) if b is None else _gemm.addmm(b, x2, w.t())
         else:  # the low-rank term (+ bias) seeds y, the base GEMM adds to it (as lora_linear)
             r = lora_as[i].shape[0]
-            y = _gemm.addmm(x2.new_zeros(()) if b is None else b, xa_t[offset:offset + r].t(),
-                            lora_bs[i].t(), beta=0 if b is None else 1, alpha=scalings[i])
+            y = low_rank_seed(xa_t[offset:offset + r].t(), lora_bs[i].t(), scalings[i], b)
             _gemm.addmm_(y, x2, w.t())
             offset += r
         outs.append(y)
