@@ -33,8 +33,8 @@ fastllm/ops/lora_linear_multi.py.
 Backends: cpp (CPU: ATen matmuls, the low-rank term (+ bias) written first and the base GEMM
 adding to it, addmm with beta=1, plus the C++ dropout kernel of csrc/cpu/lora_linear.cpp), triton
 (GPU; CPU under TRITON_INTERPRET=1; kernels/lora_linear.py: Triton writes the fused low-rank part,
-cuBLAS's base GEMMs add to it), ref (the same maths as cpp in plain PyTorch). A Triton launch that raises
-OutOfResources falls back to ref for that dtype and rank, with one warning.
+cuBLAS's base GEMMs add to it), ref (the same maths as cpp in plain PyTorch). A Triton launch
+that raises OutOfResources falls back to ref for that dtype and rank, with one warning.
 `lora_linear_ref` is the autograd-through-PyTorch oracle the tests compare against.
 """
 
