@@ -3,7 +3,8 @@
 #   make test    set up .venv, build fastllm, run the test suite (Triton kernels via the interpreter)
 # Other targets: bench (`fastllm bench`: kernels against PyTorch and the peers installed), build
 # (incremental rebuild of fastllm._C), cuda-check (nvcc builds csrc/cuda against a CUDA build of
-# torch; no GPU needed), bench-suite (pytest-benchmark over bench/).
+# torch; no GPU needed), bench-suite (pytest-benchmark over bench/), kernel-check (Triton kernels
+# compiled for sm_90), device-rehearsal (the GPU machine's software, on the CPU).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +22,7 @@ EXT_CFLAGS ?= -g0
 # Written by setup.py after each build of fastllm._C: the build's stamp.
 BUILT := fastllm/_build_info.py
 
-.PHONY: setup build test bench bench-suite cuda-check kernel-check
+.PHONY: setup build test bench bench-suite cuda-check kernel-check device-rehearsal
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +69,11 @@ bench-suite: build
 
 cuda-check:
 	bash .ci/cuda_build_check.sh
+
+# The GPU machine's Python, torch, Triton and transformers in .venv-device: build, CUDA compile,
+# tests and the device bench's smoke run against them, on the CPU (bench/device_rehearsal.sh).
+device-rehearsal:
+	bash bench/device_rehearsal.sh
 
 # Triton kernels compiled for sm_90 without a GPU: 128-bit loads, no spills, launches per step.
 # Twice: with this venv's Triton, then with the GPU machine's (bench/device_check.sh builds and

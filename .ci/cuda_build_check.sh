@@ -9,7 +9,8 @@
 # - The working tree's files (tracked and untracked, not ignored: no build outputs) are mirrored
 #   to .cuda-build-check/src and built there, so the CPU build of the repository is never touched.
 #   Object files stay in .cuda-build-check/build, so a rerun only recompiles what changed;
-#   FASTLLM_CUDA_CHECK_CLEAN=1 starts from nothing.
+#   FASTLLM_CUDA_CHECK_CLEAN=1 starts from nothing. FASTLLM_CUDA_VENV and FASTLLM_CUDA_CHECK_DIR
+#   put the venv and that folder elsewhere (bench/device_rehearsal.sh: the GPU machine's torch).
 # - Only sm_90 is built (FASTLLM_CUDA_ARCHS to change it), with MAX_JOBS=2, and only csrc/cuda and
 #   the module (setup.py's FASTLLM_CUDA_ONLY=1): the C++ CPU kernels are the CPU build's, compiled
 #   by `make build`; against this torch they took half of this check's time. FASTLLM_CUDA_CHECK_FULL=1
@@ -30,7 +31,7 @@ die() { log "FAILED: $*"; exit 1; }
 
 TORCH_SPEC=${FASTLLM_CUDA_TORCH:-torch==2.14.1}
 VENV=${FASTLLM_CUDA_VENV:-$ROOT/.venv-cuda}
-CHECK_DIR=$ROOT/.cuda-build-check
+CHECK_DIR=${FASTLLM_CUDA_CHECK_DIR:-$ROOT/.cuda-build-check}
 PY=$VENV/bin/python
 
 # Concurrent checks (helpers, CI) would delete each other's half-built venv and build folder.

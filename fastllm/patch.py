@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import _gemm, _lowp
+from fastllm import _gemm, _hf, _lowp
 from fastllm._dtensor import is_dtensor
 
 _PATCHED = "_fastllm_patched"
@@ -169,7 +169,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         # torch's default styles hand back local head shards): the original forward, which
         # projects again
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
-                                  cache=cache, **kwargs)
+                                  **_hf.cache_kwargs(self, cache), **kwargs)
     # (B, S, H, D) as the projections lay them out: the kernel rotates q and k in one pass
     q, k = rotary_embedding(q.view(hidden_shape), k.view(hidden_shape), cos, sin)
     v = v.view(hidden_shape)
@@ -324,7 +324,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if labels is None or type(head) is not nn.Linear or (
             is_dtensor(head.weight) and head.bias is not None):
         return original(self, input_ids=input_ids, attention_mask=attention_mask,
-                        position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
+                        position_ids=position_ids, **_hf.cache_kwargs(self, cache),
+                        inputs_embeds=inputs_embeds,
                         labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
                         **kwargs)
     return_dict = kwargs.pop("return_dict", None)
@@ -336,7 +337,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if plan is not None:
         kwargs[_ATTENTION_PLAN] = plan
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
+                         position_ids=position_ids, **_hf.cache_kwargs(self.model, cache),
+                         inputs_embeds=inputs_embeds,
                          use_cache=use_cache, **kwargs)
     hidden = outputs.last_hidden_state
     if shift_labels is None:  # HF's ForCausalLMLoss: token t predicts label t + 1

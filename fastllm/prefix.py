@@ -26,6 +26,8 @@ import os
 import torch
 from torch import nn
 
+from fastllm import _hf
+
 __all__ = ["PrefixEncoder", "attach_prefix", "remove_prefix", "save_prefix", "load_prefix",
            "prefix_mask_ref"]
 
@@ -106,8 +108,9 @@ def _pre_hook(module, args, kwargs):
     kwargs = dict(kwargs)
     kwargs["attention_mask"] = prefix_mask_ref(pos, t, mask, dtype)
     kwargs["position_ids"] = pos + t
-    kwargs["cache"] = cache
+    kwargs.pop("cache", None)
     kwargs.pop("past_key_values", None)
+    kwargs[_hf.cache_keyword(module)] = cache
     kwargs["use_cache"] = True  # the model reads the prefix from its cache
     if args:
         kwargs["input_ids"] = ids

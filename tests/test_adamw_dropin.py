@@ -162,6 +162,20 @@ def test_capturable_refuses_host_side_options():
         fastllm.optim.AdamW(p, capturable=True, stochastic_rounding=True)
 
 
+def _dynamo_can_set_optimizer_attributes():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def hand_over(scale):
+        opt.grad_scale = scale
+
+    try:
+        hand_over(torch.tensor(1.0))
+    except Exception:  # torch._dynamo's Unsupported, or an AssertionError in torch 2.11
+        return False
+    return True
+
+
 def test_compiled_gradscaler_protocol_step_has_no_graph_break():
     """torch.compile(fullgraph=True) traces the whole capturable step as GradScaler drives it
     (grad_scale and found_inf handed over): a host read or a graph break fails the trace."""
@@ -170,9 +184,14 @@ def test_compiled_gradscaler_protocol_step_has_no_graph_break():
     opt = fastllm.optim.AdamW(model.parameters(), lr=1e-2, capturable=True, max_grad_norm=1.0)
     ref = fastllm.optim.AdamW(ref_model.parameters(), lr=1e-2, max_grad_norm=1.0)
 
+    # Some torch releases' dynamo (2.11) cannot trace a setattr on any optimizer, torch.optim's
+    # own included: there the handover happens just outside the traced step.
+    inside = _dynamo_can_set_optimizer_attributes()
+
     @torch.compile(fullgraph=True, backend="eager")
     def compiled_step(scale, found):
-        opt.grad_scale, opt.found_inf = scale, found
+        if inside:
+            opt.grad_scale, opt.found_inf = scale, found
         opt.step()
 
     gen = torch.Generator().manual_seed(5)
@@ -182,6 +201,8 @@ def test_compiled_gradscaler_protocol_step_has_no_graph_break():
             m.zero_grad()
             (m(x).square().mean() * 8.0).backward()
         found = torch.tensor(1.0 if i == 1 else 0.0)
+        if not inside:
+            opt.grad_scale, opt.found_inf = torch.tensor(8.0), found
         compiled_step(torch.tensor(8.0), found)
         ref.grad_scale, ref.found_inf = torch.tensor(8.0), found
         ref.step()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fastllm
+from fastllm import _hf
 from fastllm.ops.lora_linear_multi import lora_linear_multi
 
 from _model_ops import count_varlen_calls
@@ -309,3 +310,30 @@ def test_train_config_kernels():
     assert TrainConfig.from_args(["kernels=none"]).kernels == "none"
     with pytest.raises(ConfigError, match="kernels must be fastllm or none"):
         TrainConfig.from_args(["kernels=liger"])
+
+
+def test_kv_cache_and_generate_equal_unpatched():
+    """Decoding through the KV cache (prefill, then one token at a time; generate) gives the
+    unpatched model's logits and tokens: the patched forwards hand the cache on under the
+    keyword the installed transformers names it by (`past_key_values`, or `cache` in newer
+    releases)."""
+    model = _model().eval()
+    ids, _ = _batch(b=1, s=7)
+
+    def decode(m):
+        with torch.no_grad():
+            out = m(input_ids=ids[:, :5], use_cache=True)
+            cache = getattr(out, "cache", None) or out.past_key_values
+            assert cache is not None and cache.get_seq_length() == 5
+            nxt = m(input_ids=ids[:, 5:], use_cache=True, **_hf.cache_kwargs(m, cache))
+            tokens = m.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        return nxt.logits, tokens
+
+    theirs = decode(model)
+    fastllm.patch(model)
+    ours = decode(model)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[1], theirs[1])
+    with torch.no_grad():  # and the cached step equals the full sequence's last logits
+        full = model(input_ids=ids, use_cache=False).logits[:, 5:]
+    torch.testing.assert_close(ours[0], full, rtol=1e-5, atol=1e-5)

@@ -205,7 +205,11 @@ def test_loss_falls_in_every_mode(cache_dir, tmp_path, finetune, precision, extr
             f"finetune={finetune}", f"precision={precision}", *extra)
     ls = s["losses"]
     assert all(math.isfinite(x) for x in ls), ls
-    assert sum(ls[-4:]) / 4 < ls[0] - 0.3, ls
+    # LoRA on this tiny model levels off 0.29-0.33 below the first loss (with torch 2.11 and 2.13:
+    # the init differs), full training goes on falling; nothing trained stays within batch noise
+    # (~0.05) of it.
+    min_drop = 0.15 if finetune == "lora" else 0.3
+    assert sum(ls[-4:]) / 4 < ls[0] - min_drop, ls
     recs = read_metrics(str(tmp_path / "metrics.jsonl"))
     # every optimizer reports the norm it clips by (fp16: inf on a loss-scale overflow, skipped)
     assert all(r["grad_norm"] is not None and (math.isfinite(r["grad_norm"]) or r["skipped"])

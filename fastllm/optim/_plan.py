@@ -212,7 +212,10 @@ class Plan:
 
     def __init__(self, opt, params, grads, cached):
         self.params, self.grads, self.cached = params, grads, cached
-        self.state_id, self.options = id(opt.state), _options(opt)
+        # what still_valid compares (a traced plan is never reused: torch 2.11's dynamo cannot
+        # trace id() of the state's defaultdict)
+        self.state_id = id(opt.state) if cached else None
+        self.options = _options(opt)
         self.hyper = [None] * len(opt.param_groups)  # per group: (values, their floats)
         self.groups = []
         self.all_grads = []
@@ -257,11 +260,9 @@ class Plan:
                        *opt.moments.tensors(state, mode), local_or_none(_extra(state, kind)))
             call.fast = call.fast and not is_dtensor(p) and all(
                 t is None or t.is_contiguous() for t in tensors)
-            for lst, t in zip((call.params, call.grads, call.masters, call.exp_avgs,
-                               call.exp_avg_sqs, call.absmax_m, call.absmax_v, call.extras),
-                              tensors):
-                if lst is not call.params:
-                    lst.append(t)
+            for lst, t in zip((call.grads, call.masters, call.exp_avgs, call.exp_avg_sqs,
+                               call.absmax_m, call.absmax_v, call.extras), tensors[1:]):
+                lst.append(t)  # (p itself went into call.params above)
         for gi in range(len(opt.param_groups)):
             self.groups.append([c for k, c in calls_of.items() if k[0] == gi])
         self.flat_steps = {}  # device -> the 1-D buffer the flat calls' steps are views of
