@@ -153,8 +153,6 @@ def _project(x, layers):
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                        cache=None, **kwargs):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     from fastllm.ops.rotary_embedding import rotary_embedding
 
     if cache is None:
@@ -195,13 +193,14 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
             plan = None
         if plan is not None:
             if cache is not None:  # the cache still gets k and v
-                cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs=kwargs)
+                _hf.cache_update(cache, k.transpose(1, 2), v.transpose(1, 2), self.layer_idx,
+                                 kwargs, cos, sin)
             out = attention(q, k, v, scale=self.scaling, doc_start=doc_start, segments=segments)
             return self.o_proj(out.reshape(*input_shape, -1)), None
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.transpose(1, 2)
     if cache is not None:
-        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        k, v = _hf.cache_update(cache, k, v, self.layer_idx, kwargs, cos, sin)
     if (_lowp.widen(q) and self.config._attn_implementation == "sdpa" and dropout == 0.0
             and q.shape[2] == k.shape[2] and not kwargs.get("output_attentions", False)):
         # bf16/fp16 on a CPU without native low-precision GEMMs: PyTorch's flash attention in
@@ -210,8 +209,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         out = _lowp.scaled_dot_product_attention(q, k, v, attention_mask, is_causal, self.scaling)
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
-    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, self._fastllm_eager_attention)
+    attention_interface = _hf.attention_interface(self.config._attn_implementation,
+                                                  self._fastllm_eager_attention)
     extra = {}
     if hasattr(self, "sliding_window"):  # Qwen2: per layer type
         extra["sliding_window"] = self.sliding_window
