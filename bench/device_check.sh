@@ -138,9 +138,16 @@ run_step gpu 15 nvidia-smi --query-gpu=name,memory.total,driver_version --format
   sed 's/^/    /' "$OUT/gpu.log"
 # Fails when fastllm._C lacks the CUDA kernels (e.g. setup.py found no nvcc): the tests and
 # benchmarks below would then silently leave the cuda backend out.
-run_step versions 40 "$PY" -c 'import sys, torch, triton, fastllm
-print("torch", torch.__version__, "CUDA", torch.version.cuda, "| triton", triton.__version__,
-      "| fastllm has_cpp", fastllm.has_cpp(), "has_cuda_kernels", fastllm.has_cuda_kernels())
+run_step versions 40 "$PY" -c 'import importlib.metadata as md, sys, torch, triton, fastllm
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "none"
+print("python", sys.version.split()[0], "| torch", torch.__version__, "CUDA", torch.version.cuda,
+      "| triton", triton.__version__, "| transformers", version("transformers"), "| peft",
+      version("peft"), "| liger-kernel", version("liger-kernel"))
+print("fastllm has_cpp", fastllm.has_cpp(), "has_cuda_kernels", fastllm.has_cuda_kernels())
 sys.exit(0 if fastllm.has_cuda_kernels() else "fastllm._C was built without CUDA kernels")' &&
   sed 's/^/    /' "$OUT/versions.log"
 
