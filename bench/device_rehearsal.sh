@@ -3,8 +3,8 @@
 # own, and everything bench/device_check.sh will do there that a CPU can do, so that the
 # machine's few minutes are not spent on an import error or a version difference.
 #
-#   bash bench/device_rehearsal.sh        (or: make device-rehearsal; ~20 min, 13 of them the
-#                                          tests; 5 GB of wheels the first time)
+#   bash bench/device_rehearsal.sh        (or: make device-rehearsal; 12-20 min, 10-13 of them
+#                                          the tests; 5 GB of wheels the first time)
 #
 # The machine (the device tool's KINDS.md, 2026-11): Python 3.12, torch 2.11.0+cu130, triton
 # 3.6.0, transformers 5.17.0, peft, numpy 2.5. Here: .venv-device with those releases
