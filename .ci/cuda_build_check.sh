@@ -110,24 +110,8 @@ fi
 SRC=$CHECK_DIR/src
 [[ ${FASTLLM_CUDA_CHECK_CLEAN:-0} == 1 ]] && rm -rf "$CHECK_DIR/build" "$SRC"
 mkdir -p "$SRC"
-# Only files whose content differs are copied, and they get a fresh modification time: ninja then
-# recompiles exactly what changed since the last check (mtimes copied from the tree could be
-# older than objects built from an earlier copy). Files gone from the tree leave the copy.
-declare -A IN_TREE=()
-n_copied=0
-while IFS= read -r -d '' f; do
-  [[ -e $f ]] || continue
-  IN_TREE[$f]=1
-  if ! cmp -s "$f" "$SRC/$f"; then
-    mkdir -p "$SRC/$(dirname "$f")"
-    cp "$f" "$SRC/$f"
-    n_copied=$((n_copied + 1))
-  fi
-done < <(git ls-files -z -co --exclude-standard)
-while IFS= read -r -d '' f; do
-  [[ -n ${IN_TREE[${f#"$SRC"/}]:-} ]] || rm -f "$f"
-done < <(find "$SRC" -type f -print0)
-log "working tree mirrored to $SRC (${#IN_TREE[@]} files, $n_copied new or changed)"
+counts=$(bash .ci/mirror_tree.sh "$SRC") || die "mirroring the working tree to $SRC"
+log "working tree mirrored to $SRC ($counts)"
 ls "$SRC"/csrc/cuda/*.cu >/dev/null 2>&1 || die "no csrc/cuda/*.cu to build"
 
 # --- build ---------------------------------------------------------------------------------------
@@ -139,6 +123,7 @@ else
   ONLY=1 WHAT="CUDA only"
 fi
 log "building fastllm._C ($WHAT, for arch $ARCHS, MAX_JOBS=$JOBS) ..."
+rm -f "$SRC"/fastllm/_C*.so  # the one found below must be this build's
 BUILD_LOG=$CHECK_DIR/build.log
 # -g0 (as the Makefile's EXT_CFLAGS): no debug info, half of the C++ compile time; same code.
 if ! (cd "$SRC" && FASTLLM_FORCE_CUDA=1 FASTLLM_CUDA_ONLY=$ONLY FASTLLM_CUDA_ARCHS=$ARCHS \

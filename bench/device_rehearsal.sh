@@ -71,10 +71,8 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| triton"
 
 # --- 1. fastllm against that torch, in a mirror of the working tree -----------------------------
 SRC=$DIR/src
-mkdir -p "$SRC"
-git ls-files -z -co --exclude-standard | while IFS= read -r -d '' f; do
-  [[ -e $f ]] && ! cmp -s "$f" "$SRC/$f" && mkdir -p "$SRC/$(dirname "$f")" && cp "$f" "$SRC/$f"
-done
+counts=$(bash .ci/mirror_tree.sh "$SRC") || { log "FAILED: mirroring the tree to $SRC"; exit 1; }
+log "working tree mirrored to $SRC ($counts)"
 log "building fastllm against torch $DEVICE_TORCH (C++ CPU kernels) in $SRC ..."
 # -g0: no debug info, half the compile time (as make build)
 if (cd "$SRC" && CFLAGS="${CFLAGS:-} -g0" FASTLLM_SKIP_CUDA_BUILD=1 MAX_JOBS=${MAX_JOBS:-2} \

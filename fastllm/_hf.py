@@ -19,6 +19,13 @@ def _cache_keyword(cls):
     return "cache" if "cache" in params else "past_key_values"
 
 
+def take_cache(cache, kwargs):
+    """The KV cache a patched forward was given under either name (its `cache` parameter, or
+    `past_key_values` in kwargs, which this removes so that it is not handed on twice)."""
+    old = kwargs.pop("past_key_values", None)
+    return old if cache is None else cache
+
+
 def cache_keyword(module):
     """"cache" or "past_key_values": the keyword module's class forward takes the KV cache by."""
     return _cache_keyword(type(module))

@@ -155,9 +155,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
                        cache=None, **kwargs):
     from fastllm.ops.rotary_embedding import rotary_embedding
 
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
-    kwargs.pop("past_key_values", None)
+    cache = _hf.take_cache(cache, kwargs)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     q, k, v = _project(hidden_states, [self.q_proj, self.k_proj, self.v_proj])
@@ -316,8 +314,7 @@ def _mlp_forward(self, x):
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                        inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
                        **kwargs):
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
+    cache = _hf.take_cache(cache, kwargs)
     original = type(self).forward
     head = self.lm_head
     if labels is None or type(head) is not nn.Linear or (
