@@ -95,6 +95,29 @@ def _float_mask(mask, dtype):
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
+# PyTorch's CPU flash attention reads key/value head h // (Hq // Hkv) for query head h from 2.9
+# (pytorch/pytorch#157893). Before, its forward did too but its backward wrote Hq heads of dK and
+# dV into Hkv-head buffers: torch 2.6 and 2.7 abort (heap corruption) on GQA. There the key and
+# value heads are repeated to Hq and their gradients summed back over each group.
+_CPU_FLASH_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
+
+
+def _heads_for_flash(t, hq):
+    """k or v widened to fp32, its heads repeated to `hq` where the CPU kernel cannot share them."""
+    t = t.float()
+    if t.shape[1] == hq or _CPU_FLASH_GQA:
+        return t
+    return t.repeat_interleave(hq // t.shape[1], dim=1)
+
+
+def _grad_to_heads(g, like):
+    """dK or dV (B, Hq, S, D) from the kernel summed back to `like`'s Hkv heads, in its dtype."""
+    b, hq, s, d = g.shape
+    if hq != like.shape[1]:
+        g = g.view(b, like.shape[1], hq // like.shape[1], s, d).sum(2)
+    return g.to(like.dtype)
+
+
 class _WideAttention(torch.autograd.Function):
     """PyTorch's CPU flash attention (forward and backward) on bf16/fp16 q, k, v, computed in
     fp32: saves q, k, v and the output in their own dtype and the fp32 row logsumexp, and widens
@@ -104,8 +127,8 @@ class _WideAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.float(), k.float(), v.float(), 0.0, is_causal,
-            attn_mask=_float_mask(attn_mask, torch.float32), scale=scale)
+            q.float(), _heads_for_flash(k, q.shape[1]), _heads_for_flash(v, q.shape[1]), 0.0,
+            is_causal, attn_mask=_float_mask(attn_mask, torch.float32), scale=scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask)
         ctx.is_causal, ctx.scale = is_causal, scale
@@ -115,9 +138,10 @@ class _WideAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0,
-            ctx.is_causal, attn_mask=_float_mask(attn_mask, torch.float32), scale=ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            grad_out.float(), q.float(), _heads_for_flash(k, q.shape[1]),
+            _heads_for_flash(v, q.shape[1]), out.float(), lse, 0.0, ctx.is_causal,
+            attn_mask=_float_mask(attn_mask, torch.float32), scale=ctx.scale)
+        return dq.to(q.dtype), _grad_to_heads(dk, k), _grad_to_heads(dv, v), None, None, None
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):

@@ -52,6 +52,9 @@ def round_stochastic(x, random, dtype: tl.constexpr):
     bf16: add 16 random bits below bf16's last bit and truncate. fp16: choose between the two
     neighbours lo <= |x| < hi with probability (|x| - lo) / (hi - lo), compared exactly in fp32
     against 24 random bits; nan and values that round to inf keep round-to-nearest's result."""
+    # tl.randint of 64-bit offsets gives uint64 words in Triton 3.2 and 3.3 (their low 32 bits
+    # are as random); uint64 arithmetic below would not bitcast back to fp32.
+    random = random.to(tl.uint32)
     if dtype == tl.bfloat16:
         bits = (x.to(tl.uint32, bitcast=True) + (random & 0xFFFF)) & 0xFFFF0000
         out = tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(dtype)

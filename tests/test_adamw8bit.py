@@ -275,6 +275,19 @@ def test_optimizer_equals_op(state_dtype):
     assert float(opt.state[p]["step"]) == 3.0
 
 
+def test_triton_without_gather_is_refused_before_anything_changes(monkeypatch):
+    """Triton 3.2 (torch 2.6's) has no tl.gather, which the 8-bit kernel's code maps need."""
+    import triton.language as tl
+
+    model, opt = _train(lambda ps: AdamW8bit(ps, lr=1e-2, min_8bit_size=0), steps=1)
+    model(torch.randn(4, 96)).square().mean().backward()
+    before = _snapshot(model, opt)
+    monkeypatch.delattr(tl, "gather")
+    with fastllm.use_backend("triton"), pytest.raises(RuntimeError, match=r"Triton >= 3\.3"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
+
+
 @pytest.mark.parametrize("opt_fn", [
     lambda ps: AdamW8bit(ps, lr=1e-2, min_8bit_size=0, max_grad_norm=1.0),
     lambda ps: AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16, max_grad_norm=1.0),

@@ -5,6 +5,7 @@ Shard/Replicate/Partial, flat shards over a group, pipeline stages summed over a
 import pytest
 import torch
 
+from _launches import count_launches
 from fastllm.distributed.launch import spawn
 from fastllm.optim import AdamW8bit, clip_coefficient, global_grad_norm
 
@@ -126,10 +127,7 @@ def _mixed_run(fused, monkeypatch):
 
     if not fused:
         monkeypatch.setattr(adamw_module, "grad_norm_step", lambda *args, **kwargs: False)
-    norm_launches = []
-    run = kernel._sum_squares_kernel.run
-    monkeypatch.setattr(kernel._sum_squares_kernel, "run",
-                        lambda *a, **k: norm_launches.append(1) or run(*a, **k))
+    norm_launches = count_launches(monkeypatch, kernel, "_sum_squares_kernel")
     gen = torch.Generator().manual_seed(4)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n, dtype in
               ((7, torch.bfloat16), (0, torch.bfloat16), (300, torch.bfloat16),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fastllm
+from _launches import count_launches
 from conftest import backend_device_params as _all_backend_device_params
 from fastllm.ops import l2norm, l2norm_ref
 
@@ -140,10 +141,7 @@ def test_triton_one_launch_many_tensors_and_deterministic(monkeypatch):
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.float64]
     tensors = [(torch.randn(0 if i % 4 == 0 else (i * 41) % 300 + 1, generator=gen,
                             dtype=torch.float64) * 3).to(dtypes[i % 4]) for i in range(24)]
-    launches = []
-    run = kernel._sum_squares_kernel.run
-    monkeypatch.setattr(kernel._sum_squares_kernel, "run",
-                        lambda *a, **k: launches.append(1) or run(*a, **k))
+    launches = count_launches(monkeypatch, kernel, "_sum_squares_kernel")
     with fastllm.use_backend("triton"):
         first = l2norm(tensors)
         second = l2norm(tensors)

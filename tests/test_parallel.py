@@ -293,6 +293,23 @@ def test_schedule_errors():
         build_schedule(FakeStage(), 2, None, "zigzag")
 
 
+def test_fsdp_on_cpu_without_stream_events_is_refused(monkeypatch):
+    """torch 2.6's CPU streams lack record_event, which FSDP2 calls in the first forward: a
+    clear error before any module is wrapped."""
+    from fastllm.parallel import tensor_parallel
+
+    class CpuMesh:
+        device_type = "cpu"
+
+    def never(*args, **kwargs):
+        raise AssertionError("fully_shard called")
+
+    monkeypatch.setattr(tensor_parallel, "_cpu_streams_record_events", lambda: False)
+    monkeypatch.setattr(tensor_parallel, "fully_shard", never)
+    with pytest.raises(RuntimeError, match=r"FSDP2 on CPU needs torch >= 2\.7"):
+        tensor_parallel.apply_fsdp(torch.nn.Linear(2, 2), CpuMesh())
+
+
 def test_layout_sizes_ranks_and_rules():
     from fastllm.parallel import ParallelLayout
 

@@ -6,6 +6,7 @@ norms within fp32 rounding."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -42,15 +43,32 @@ def _in_process(args):
         torch.set_num_threads(old)
 
 
+TORCHRUN_TIMEOUT_S = 300
+
+
 def _torchrun(nproc, args, port_offset):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(29500 + (os.getpid() + port_offset) % 1000), "-m", "fastllm",
            "train", *args]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=300)
-    assert done.returncode == 0, done.stdout.decode()[-3000:] + done.stderr.decode()[-3000:]
-    return done.stderr.decode()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # A hung run: SIGTERM lets torchrun stop its workers, which run in sessions of their
+        # own (a SIGKILL of torchrun, subprocess.run's timeout, left them spinning).
+        proc.send_signal(signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n"
+                    + stderr.decode()[-3000:])
+    assert proc.returncode == 0, stdout.decode()[-3000:] + stderr.decode()[-3000:]
+    return stderr.decode()
 
 
 # Weights after the same steps summed in another order: Adam divides each grad by its own running

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastllm import _backend
+from _launches import count_launches
 from fastllm.ops.adamw import adamw_step_ref
 from fastllm.ops.adamw_master import adamw_master_step_ref
 
@@ -26,18 +27,6 @@ def kernels(monkeypatch):
     monkeypatch.setattr(adamw, "_sizes", lambda: (64, 2))
     monkeypatch.setattr(adamw_master, "_sizes", lambda: (64, 2))
     return adamw, adamw_master
-
-
-def _count(monkeypatch, kernel):
-    calls = []
-    run = kernel.run
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(kernel, "run", counted)
-    return calls
 
 
 def _lists(count, dtype, gen, sizes=SIZES, positive=False):
@@ -70,7 +59,7 @@ def test_adamw_many_tensors_one_launch(kernels, monkeypatch, dtype, amsgrad):
     ref = [[t.clone() for t in lst] for lst in (p, g, m, v, vmax)]
     steps = _steps(len(SIZES))
     scale, skip = torch.full((), 4.0), torch.zeros(())
-    calls = _count(monkeypatch, adamw._adamw_kernel)
+    calls = count_launches(monkeypatch, adamw, "_adamw_kernel")
     adamw.adamw_step_triton(p, g, m, v, vmax, steps, amsgrad=amsgrad, maximize=False,
                             grad_scale=scale, found_inf=skip, **HYPER)
     adamw_step_ref(*ref, steps, amsgrad=amsgrad, maximize=False, grad_scale=scale,
@@ -104,7 +93,7 @@ def test_master_many_tensors_one_launch(kernels, monkeypatch, mode):
     steps = _steps(len(SIZES))
     scalars = dict(grad_scale=torch.full((), 2.0), clip_coef=torch.full((), 0.5),
                    found_inf=torch.zeros(()))
-    calls = _count(monkeypatch, master._adamw_master_kernel)
+    calls = count_launches(monkeypatch, master, "_adamw_master_kernel")
     master.adamw_master_step_triton(p, g, masters, m, v, comps, steps, maximize=False,
                                     stochastic_rounding=False, seed=0, **scalars, **HYPER)
     adamw_master_step_ref(*ref, steps, **scalars, **HYPER)
@@ -163,7 +152,7 @@ def test_misaligned_and_per_tensor_paths_match(kernels, monkeypatch):
     found = adamw.table(lists + [None], steps, 128, flat[0].device)
     assert not found.aligned
     adamw.adamw_step_triton(*lists, [], steps, amsgrad=False, maximize=False, **HYPER)
-    calls = _count(monkeypatch, adamw._adamw_tensor_kernel)
+    calls = count_launches(monkeypatch, adamw, "_adamw_tensor_kernel")
     monkeypatch.setattr(adamw, "table", lambda *args: None)
     adamw.adamw_step_triton(*copies, [], steps, amsgrad=False, maximize=False, **HYPER)
     assert len(calls) == 3  # the fallback: one launch per non-empty tensor
@@ -234,8 +223,8 @@ def test_adamw8bit_many_tensors_one_launch(kernels8, monkeypatch, state_dtype, b
     hyper = dict(HYPER, block_size=block, maximize=False, stochastic_rounding=False, seed=0,
                  grad_scale=torch.full((), 4.0), clip_coef=torch.full((), 0.5),
                  found_inf=torch.zeros(()))
-    table_calls = _count(monkeypatch, adamw8bit._adamw8bit_kernel)
-    tensor_calls = _count(monkeypatch, adamw8bit._adamw8bit_tensor_kernel)
+    table_calls = count_launches(monkeypatch, adamw8bit, "_adamw8bit_kernel")
+    tensor_calls = count_launches(monkeypatch, adamw8bit, "_adamw8bit_tensor_kernel")
     table = adamw8bit.table
     for step in range(2):
         for s, c in zip(steps, steps_copy):

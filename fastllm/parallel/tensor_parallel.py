@@ -11,6 +11,7 @@ projections may be wrapped by fastllm.lora (LoRALinear), whose adapters are shar
 
 import functools
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -332,8 +333,17 @@ def wrap_activation_checkpointing(model):
     return model
 
 
+def _cpu_streams_record_events():
+    """FSDP2 records events on its streams; CPU streams have the methods from torch 2.7
+    (pytorch/pytorch#145935). Without them FSDP2's first forward fails inside torch."""
+    return hasattr(torch.Stream, "record_event")
+
+
 def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_after_forward=True):
     """FSDP2 per decoder layer, then the root (which takes embedding, norm and head)."""
+    if dp_mesh.device_type == "cpu" and not _cpu_streams_record_events():
+        raise RuntimeError(f"FSDP2 on CPU needs torch >= 2.7 (this is {torch.__version__}): "
+                           "use a GPU, a newer torch, or a layout without data parallel sharding")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
