@@ -282,7 +282,7 @@ def test_triton_without_gather_is_refused_before_anything_changes(monkeypatch):
     model, opt = _train(lambda ps: AdamW8bit(ps, lr=1e-2, min_8bit_size=0), steps=1)
     model(torch.randn(4, 96)).square().mean().backward()
     before = _snapshot(model, opt)
-    monkeypatch.delattr(tl, "gather")
+    monkeypatch.delattr(tl, "gather", raising=False)  # (Triton 3.2 has none)
     with fastllm.use_backend("triton"), pytest.raises(RuntimeError, match=r"Triton >= 3\.3"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
