@@ -334,9 +334,10 @@ def wrap_activation_checkpointing(model):
 
 
 def _cpu_streams_record_events():
-    """FSDP2 records events on its streams; CPU streams have the methods from torch 2.7
-    (pytorch/pytorch#145935). Without them FSDP2's first forward fails inside torch."""
-    return hasattr(torch.Stream, "record_event")
+    """FSDP2 records events on its streams (torch.cpu.Stream on CPU), which have the methods
+    from torch 2.7 (pytorch/pytorch#145935). Without them FSDP2's first forward fails inside
+    torch."""
+    return hasattr(torch.cpu.Stream, "record_event")
 
 
 def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_after_forward=True):
