@@ -33,7 +33,7 @@ def cache_keyword(module):
 
 def cache_kwargs(module, cache):
     """{keyword: cache} to splat into a call of module's class forward."""
-    return {_cache_keyword(type(module)): cache}
+    return {cache_keyword(module): cache}
 
 
 @functools.lru_cache(maxsize=None)

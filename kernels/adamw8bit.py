@@ -322,16 +322,16 @@ def adamw8bit_step_triton(
     """One launch for every tensor (a table); the contract of fastllm.ops.adamw8bit_step."""
     if not params:
         return
+    q8 = exp_avgs[0].dtype.itemsize == 1
+    if q8 and not hasattr(tl, "gather"):  # the code maps are register tables (_code_map)
+        raise RuntimeError(f"8-bit AdamW's Triton kernel needs Triton >= 3.3 (tl.gather); this "
+                           f"is Triton {triton.__version__}: upgrade Triton (torch >= 2.7)")
     # The kernel reads the scalars through pointers: they must live where the params do.
     device = params[0].device
     grad_scale, clip_coef, found_inf = (
         t.to(device) if t is not None and t.device != device else t
         for t in (grad_scale, clip_coef, found_inf))
     steps = [device_step(s, device) for s in steps]
-    q8 = exp_avgs[0].dtype.itemsize == 1
-    if q8 and not hasattr(tl, "gather"):  # the code maps are register tables (_code_map)
-        raise RuntimeError(f"8-bit AdamW's Triton kernel needs Triton >= 3.3 (tl.gather); this "
-                           f"is Triton {triton.__version__}: upgrade Triton (torch >= 2.7)")
     qblock, block_p2, rows, chunk_tiles, num_warps = _tile(block_size, q8)
     arrays = [params, grads, masters or None, exp_avgs, exp_avg_sqs,
               exp_avg_absmaxes if q8 else None, exp_avg_sq_absmaxes if q8 else None]

@@ -359,47 +359,15 @@ class Plan:
             plain_scale = (1.0 / clip_coef) if grad_scale is None else grad_scale / clip_coef
         elif plain_scale is None:
             plain_scale = grad_scale
+        scalars = (grad_scale, clip_coef, found, plain_scale)
         done = []
         try:
             for gi, (group, calls) in enumerate(zip(opt.param_groups, self.groups)):
                 lr, beta1, beta2, eps, wd = hyper[gi]
+                hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                          maximize=group["maximize"])
                 for call in calls:
-                    scale, coef, skip, plain = (
-                        t if t is None or t.device == call.device
-                        else t.to(call.device, non_blocking=True)
-                        for t in (grad_scale, clip_coef, found, plain_scale))
-                    if call.kind == "master":
-                        _resync_masters(opt, call)
-                    (ps, gs, masters, ms, vs, ams, avs, extras), writebacks = call.tensors(opt)
-                    seed = 0
-                    sr = opt.stochastic_rounding and call.kind != "plain"
-                    if sr:
-                        seed = mix_seed(opt._sr_seed, gi, call.seed_index, opt._sr_calls)
-                    hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
-                              maximize=group["maximize"])
-                    if call.mode is not None:
-                        adamw8bit_step(
-                            ps, gs, masters if call.kind == "master" else [], ms, vs,
-                            ams if call.mode == "q8" else [], avs if call.mode == "q8" else [],
-                            call.steps, qmaps(call.device), block_size=opt.moments.block_size,
-                            stochastic_rounding=sr, seed=seed, grad_scale=scale, clip_coef=coef,
-                            found_inf=skip, **hp)
-                    elif call.kind == "plain":
-                        adamw_step(ps, gs, ms, vs, extras if group["amsgrad"] else [], call.steps,
-                                   amsgrad=group["amsgrad"], grad_scale=plain, found_inf=skip, **hp)
-                    else:
-                        adamw_master_step(
-                            ps, gs, extras if call.kind == "master" else [], ms, vs,
-                            extras if call.kind == "pure" and opt.kahan_summation else [],
-                            call.steps, stochastic_rounding=sr, seed=seed, grad_scale=scale,
-                            clip_coef=coef, found_inf=skip, **hp)
-                    if skip is not None and not call.flat:
-                        # As torch's fused AdamW: a skipped step takes its count back on the device.
-                        torch._foreach_sub_(call.steps, [skip] * len(call.steps))
-                    for dst, src in writebacks:
-                        dst.copy_(src)
-                    if call.kind == "master":
-                        call.versions = [p._version for p in call.params]
+                    _run_call(opt, gi, group, call, hp, scalars)
                     done.append(call)
         except BaseException:
             # An op that raised (a kernel this Triton cannot compile, a bad argument) wrote
@@ -430,6 +398,44 @@ class Plan:
                 for p, version in zip(call.params, call.versions):
                     if version is not None:
                         opt._written_versions[p] = version
+
+
+def _run_call(opt, gi, group, call, hp, scalars):
+    """The fused op of one call of group gi (hp: the group's hyperparameters as the ops take
+    them; scalars: grad_scale, clip_coef, found, plain_scale of Plan.run), then its step-count
+    correction and write-backs."""
+    scale, coef, skip, plain = (t if t is None or t.device == call.device
+                                else t.to(call.device, non_blocking=True) for t in scalars)
+    if call.kind == "master":
+        _resync_masters(opt, call)
+    (ps, gs, masters, ms, vs, ams, avs, extras), writebacks = call.tensors(opt)
+    seed = 0
+    sr = opt.stochastic_rounding and call.kind != "plain"
+    if sr:
+        seed = mix_seed(opt._sr_seed, gi, call.seed_index, opt._sr_calls)
+    if call.mode is not None:
+        adamw8bit_step(
+            ps, gs, masters if call.kind == "master" else [], ms, vs,
+            ams if call.mode == "q8" else [], avs if call.mode == "q8" else [],
+            call.steps, qmaps(call.device), block_size=opt.moments.block_size,
+            stochastic_rounding=sr, seed=seed, grad_scale=scale, clip_coef=coef,
+            found_inf=skip, **hp)
+    elif call.kind == "plain":
+        adamw_step(ps, gs, ms, vs, extras if group["amsgrad"] else [], call.steps,
+                   amsgrad=group["amsgrad"], grad_scale=plain, found_inf=skip, **hp)
+    else:
+        adamw_master_step(
+            ps, gs, extras if call.kind == "master" else [], ms, vs,
+            extras if call.kind == "pure" and opt.kahan_summation else [],
+            call.steps, stochastic_rounding=sr, seed=seed, grad_scale=scale,
+            clip_coef=coef, found_inf=skip, **hp)
+    if skip is not None and not call.flat:
+        # As torch's fused AdamW: a skipped step takes its count back, on the device.
+        torch._foreach_sub_(call.steps, [skip] * len(call.steps))
+    for dst, src in writebacks:
+        dst.copy_(src)
+    if call.kind == "master":
+        call.versions = [p._version for p in call.params]
 
 
 def _resync_masters(opt, call):
