@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fastllm
+from fastllm import _lowp
 from fastllm.ops.attention import attention, attention_ref, doc_start_from_position_ids
 
 from _model_ops import check_close, count_varlen_calls, grads
@@ -86,6 +87,12 @@ def _sdpa(q, k, v, doc_start):
     `attention`, PyTorch's varlen flash attention, is to be as accurate as)."""
     if q.is_cuda and doc_start is not None and q.dtype in (torch.bfloat16, torch.float16):
         return _per_document_sdpa(q, k, v, doc_start)
+    if not q.is_cuda and not _lowp._CPU_FLASH_GQA and k.shape[2] != q.shape[2]:
+        # torch < 2.9 runs enable_gqa through its math kernel on the CPU (its flash kernel
+        # cannot share key/value heads there), which rounds less than the flash kernel torch
+        # >= 2.9 runs and fastllm matches: the heads repeated, the flash kernel is the peer
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     t = q.shape[1]
     i = torch.arange(t, device=q.device)
     mask = i[None, :] <= i[:, None]

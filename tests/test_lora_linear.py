@@ -292,7 +292,11 @@ def test_triton_kernels_compile_for_sm86():
     import subprocess
     import sys
 
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    if not hasattr(JITFunction, "_pack_args"):  # the script binds arguments as Triton 3.5+ does
+        pytest.skip(f"the compile check needs Triton >= 3.5 (this is {triton.__version__})")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "lora_compile_check.py")
     proc = subprocess.run([sys.executable, script, "--quick", "--archs", "86"], env=env,

@@ -293,21 +293,51 @@ def test_schedule_errors():
         build_schedule(FakeStage(), 2, None, "zigzag")
 
 
-def test_fsdp_on_cpu_without_stream_events_is_refused(monkeypatch):
-    """torch 2.6's CPU streams lack record_event, which FSDP2 calls in the first forward: a
-    clear error before any module is wrapped."""
-    from fastllm.parallel import tensor_parallel
+@pytest.mark.parametrize("engine,release", [("FSDP2", "2.8.0"), ("tensor parallel", "2.10.0"),
+                                            ("pipeline parallel", "2.9.1")])
+def test_engines_refuse_cpu_meshes_of_torch_releases_that_failed(monkeypatch, engine, release):
+    """Below the oldest torch each engine passed with on Gloo, FSDP2, tensor parallel and the
+    pipeline refuse a CPU mesh with the release and what it did, before wrapping anything; the
+    same calls on a GPU mesh and on the oldest passing release get past the check."""
+    from torch.torch_version import TorchVersion
 
-    class CpuMesh:
-        device_type = "cpu"
+    from fastllm.parallel import _torch_support, pipeline, tensor_parallel
+    from parallel_train import tiny_llama
 
-    def never(*args, **kwargs):
-        raise AssertionError("fully_shard called")
+    class Mesh:
+        def __init__(self, device_type):
+            self.device_type = device_type
 
-    monkeypatch.setattr(tensor_parallel, "_cpu_streams_record_events", lambda: False)
-    monkeypatch.setattr(tensor_parallel, "fully_shard", never)
-    with pytest.raises(RuntimeError, match=r"FSDP2 on CPU needs torch >= 2\.7"):
-        tensor_parallel.apply_fsdp(torch.nn.Linear(2, 2), CpuMesh())
+        def size(self):
+            return 2
+
+    class Wrapped(Exception):
+        pass
+
+    def wrapping(*args, **kwargs):
+        raise Wrapped
+
+    monkeypatch.setattr(tensor_parallel, "fully_shard", wrapping)
+    monkeypatch.setattr(tensor_parallel, "parallelize_module", wrapping)
+    monkeypatch.setattr(pipeline, "LlamaStage", wrapping)
+    config = dict(layers=2)
+    calls = {
+        "FSDP2": lambda device: tensor_parallel.apply_fsdp(tiny_llama(**config), Mesh(device)),
+        "tensor parallel": lambda device: tensor_parallel.apply_tensor_parallel(
+            tiny_llama(**config), Mesh(device)),
+        "pipeline parallel": lambda device: pipeline.build_pipeline_stage(
+            tiny_llama(**config), 0, 2, device=device),
+    }
+    monkeypatch.setattr(_torch_support, "TORCH", TorchVersion(release))
+    minimum = ".".join(map(str, _torch_support.MINIMUM_ON_CPU[engine][0]))
+    with pytest.raises(RuntimeError, match=rf"{engine} on CPU \(Gloo\) needs torch >= "
+                                           rf"{minimum}, this is {release}"):
+        calls[engine]("cpu")
+    with pytest.raises(Wrapped):
+        calls[engine]("cuda")
+    monkeypatch.setattr(_torch_support, "TORCH", TorchVersion(minimum + ".0"))
+    with pytest.raises(Wrapped):
+        calls[engine]("cpu")
 
 
 def test_layout_sizes_ranks_and_rules():

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from fastllm.parallel import _torch_support
 from fastllm.parallel.layout import bubble_fraction, check_micro_batches
 from fastllm.parallel.loss import vocab_parallel_cross_entropy
 
@@ -144,6 +145,7 @@ def build_pipeline_stage(model, stage_index, num_stages, group=None, device="cpu
     by estimated FLOPs, the head's cost counted on the last stage (`split_layers`).
     group: the pipeline process group (mesh["pp"].get_group()).
     """
+    _torch_support.require("pipeline parallel", torch.device(device).type)
     if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1:
         raise ValueError("pipeline parallel needs untied embeddings (tie_word_embeddings=False): "
                          "the embedding and the head live on different stages")

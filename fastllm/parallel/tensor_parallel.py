@@ -11,7 +11,6 @@ projections may be wrapped by fastllm.lora (LoRALinear), whose adapters are shar
 
 import functools
 
-import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -27,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 from fastllm.lora import LoRALinear
 from fastllm.ops.lora_linear import lora_linear, new_dropout_seed
+from fastllm.parallel import _torch_support
 from fastllm.parallel.layout import ParallelLayout, mesh_size
 
 
@@ -236,12 +236,12 @@ def _grad_to_param_layout(param):
         param.grad = grad.redistribute(placements=param.placements)
 
 
-def _sequence_parallel_norm(norm, tp_mesh):
-    # SequenceParallel re-creates the weight as a new Parameter that requires grad: keep a
-    # frozen norm (LoRA) frozen
-    frozen = {n for n, p in norm.named_parameters() if not p.requires_grad}
-    parallelize_module(norm, tp_mesh, SequenceParallel())
-    for n, p in norm.named_parameters():
+def _keep_frozen(model, frozen):
+    """Freeze again the parameters named in `frozen`. torch's parallel styles (Colwise/
+    RowwiseParallel, SequenceParallel) re-create each weight they shard or replicate as a new
+    Parameter, which up to torch 2.10 (not 2.13) requires grad whatever the old one did: under
+    LoRA the frozen embedding, head, norms and unadapted projections trained (torch 2.8, 2.10)."""
+    for n, p in model.named_parameters(remove_duplicate=False):
         if n in frozen:
             p.requires_grad_(False)
 
@@ -272,8 +272,10 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
     (`_LoRAParallel`): adapters are sharded with their base weight and stay the only trainable
     parameters.
     """
+    _torch_support.require("tensor parallel", tp_mesh.device_type)
     tp = tp_mesh.size()
     ParallelLayout(tp=tp).check_model(model.config, vocab_parallel=vocab_parallel)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     inner = model.model
     embed = getattr(inner, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
@@ -300,7 +302,7 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
             layer, {k: v for k, v in plan.items() if k not in norms}))
         if sequence_parallel:
             for name in norms:
-                _sequence_parallel_norm(layer.get_submodule(name), tp_mesh)
+                parallelize_module(layer.get_submodule(name), tp_mesh, SequenceParallel())
     if sequence_parallel and layers:
         layers[0].register_forward_pre_hook(_check_seq_len(tp), prepend=True)
         parallelize_module(layers[0], tp_mesh,
@@ -308,12 +310,13 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
                                               desired_input_layouts=(Shard(1),),
                                               use_local_output=True))
         if head_takes_shards:
-            _sequence_parallel_norm(norm, tp_mesh)
+            parallelize_module(norm, tp_mesh, SequenceParallel())
         else:
             parallelize_module(layers[-1], tp_mesh,
                                PrepareModuleOutput(output_layouts=(Shard(1),),
                                                    desired_output_layouts=(Replicate(),),
                                                    use_local_output=True))
+    _keep_frozen(model, frozen)
     _hook_grad_layouts(model)
     return model
 
@@ -333,18 +336,9 @@ def wrap_activation_checkpointing(model):
     return model
 
 
-def _cpu_streams_record_events():
-    """FSDP2 records events on its streams (torch.cpu.Stream on CPU), which have the methods
-    from torch 2.7 (pytorch/pytorch#145935). Without them FSDP2's first forward fails inside
-    torch."""
-    return hasattr(torch.cpu.Stream, "record_event")
-
-
 def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_after_forward=True):
     """FSDP2 per decoder layer, then the root (which takes embedding, norm and head)."""
-    if dp_mesh.device_type == "cpu" and not _cpu_streams_record_events():
-        raise RuntimeError(f"FSDP2 on CPU needs torch >= 2.7 (this is {torch.__version__}): "
-                           "use a GPU, a newer torch, or a layout without data parallel sharding")
+    _torch_support.require("FSDP2", dp_mesh.device_type)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
