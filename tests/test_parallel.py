@@ -293,7 +293,7 @@ def test_schedule_errors():
         build_schedule(FakeStage(), 2, None, "zigzag")
 
 
-@pytest.mark.parametrize("engine,release", [("FSDP2", "2.8.0"), ("tensor parallel", "2.10.0"),
+@pytest.mark.parametrize("engine,release", [("FSDP2", "2.8.0"), ("tensor parallel", "2.9.1"),
                                             ("pipeline parallel", "2.9.1")])
 def test_engines_refuse_cpu_meshes_of_torch_releases_that_failed(monkeypatch, engine, release):
     """Below the oldest torch each engine passed with on Gloo, FSDP2, tensor parallel and the

@@ -246,6 +246,20 @@ def _keep_frozen(model, frozen):
             p.requires_grad_(False)
 
 
+def _fresh_redistribute_plans(module, args):
+    """Up to torch 2.10 DTensor partitions the ids for a vocabulary-parallel embedding with the
+    mask placement of its cached redistribute plan, while the embedding's output carries the
+    one its sharding strategy made: the same object only while both caches hit or miss
+    together. A second embedding with the same ids' layout (another dtype, another model in
+    the process) missed one and hit the other, and the output's reduction failed `assert
+    self.mask_buffer.data is not None` (torch 2.10: a bf16 model after an fp32 one). Emptying
+    the plan cache before each embedding keeps them together (torch 2.11 and 2.13 pass the same
+    tests without it)."""
+    from torch.distributed.tensor import _redistribute
+
+    _redistribute._gen_transform_infos.cache_clear()
+
+
 def _hook_grad_layouts(model):
     for p in model.parameters():
         if isinstance(p, DTensor) and p.requires_grad:
@@ -286,6 +300,8 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
     if vocab_parallel and embed is not None:
         parallelize_module(embed, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        if _torch_support.TORCH < (2, 11):
+            embed.register_forward_pre_hook(_fresh_redistribute_plans)
     head_takes_shards = sequence_parallel and vocab_parallel and norm is not None
     if vocab_parallel and head is not None:
         parallelize_module(head, tp_mesh,
