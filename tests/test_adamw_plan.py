@@ -120,3 +120,97 @@ def test_another_optimizers_state_is_refused_before_anything_changes(cls):
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == [
         {k: v for k, v in g.items() if k != "params"} for g in groups]
     opt.step()  # still steps
+
+
+@pytest.mark.parametrize("reset", ["clear", "del", "replace"])
+def test_state_reset_by_hand_is_initialised_again_as_torch(reset):
+    """ReLoRA-style resets (`optimizer.state.clear()`, `del optimizer.state[p]`, a new empty
+    dict) between cached steps: torch starts the state again, so must the plan."""
+    model, ref_model = _model(), _model()
+    opt = fastllm.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(6):
+        x = torch.randn(9, 7, generator=gen)
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            if step == 3:
+                first = next(m.parameters())
+                if reset == "clear":
+                    o.state.clear()
+                elif reset == "del":
+                    del o.state[first]
+                else:
+                    o.state[first] = {}
+            o.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert float(opt.state[p]["step"]) == float(ref.state[q]["step"])
+    assert len(opt.state_dict()["state"]) == len(ref.state_dict()["state"]) == 4
+
+
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout")
+def test_betas_list_edited_in_place_and_layout_changes_are_seen():
+    """What keeps the identity of everything the plan compares: a group's betas list edited in
+    place, a param given non-contiguous memory (`p.data = w`), a grad given non-contiguous
+    memory (`p.grad.data = g`). Each is stepped as torch steps it."""
+    model, ref_model = _model(), _model()
+    opt = fastllm.optim.AdamW([{"params": list(model.parameters()), "betas": [0.9, 0.999]}],
+                              lr=1e-2)
+    ref = torch.optim.AdamW([{"params": list(ref_model.parameters()), "betas": [0.9, 0.999]}],
+                            lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(6):
+        x = torch.randn(9, 7, generator=gen)
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad(set_to_none=False)  # the same grad tensors every step
+            m(x).square().mean().backward()
+            if step == 2:
+                o.param_groups[0]["betas"][1] = 0.5
+            if step == 3:
+                m[0].weight.data = m[0].weight.data.t().contiguous().t()
+            if step == 4:
+                m[2].weight.grad.data = m[2].weight.grad.data.t().contiguous().t()
+            o.step()
+    assert not model[0].weight.is_contiguous()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"],
+                                   rtol=1e-5, atol=1e-9)
+
+
+def test_a_param_listed_twice_is_refused():
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="lists a parameter twice.*index 1"):
+        fastllm.optim.AdamW([p, p])
+    opt = fastllm.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="param group 1 lists a parameter twice"):
+        opt.add_param_group({"params": iter([("a", p), ("b", p)])})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": (q for q in [p])})  # a generator is read once, as torch does
+    assert opt.param_groups[1]["params"] == [p]
+
+
+@pytest.mark.parametrize("write", ["data_assign", "vector_to_parameters"])
+def test_master_weights_see_a_param_given_new_memory(write):
+    """`p.data = w` and torch.nn.utils.vector_to_parameters replace a bf16 param's memory without
+    touching its version counter: the fp32 master is re-synced from the new values instead of
+    being written back over them."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4).to(torch.bfloat16)
+    opt = fastllm.optim.AdamW(lin.parameters(), lr=1e-8, master_weights=True)
+    for _ in range(2):
+        opt.zero_grad()
+        lin(torch.randn(3, 6, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+    zeros = torch.zeros(sum(p.numel() for p in lin.parameters()), dtype=torch.bfloat16)
+    if write == "data_assign":
+        for p in lin.parameters():
+            p.data = torch.zeros_like(p)
+    else:
+        torch.nn.utils.vector_to_parameters(zeros, lin.parameters())
+    opt.step()  # same grads, lr 1e-8: the params stay ~0
+    for p in lin.parameters():
+        assert p.abs().max().item() < 1e-6
+        assert opt.state[p]["master_param"].abs().max().item() < 1e-6

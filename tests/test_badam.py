@@ -141,6 +141,22 @@ def test_works_with_torch_optimizers_and_lr_schedulers():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
 
 
+def test_momentum_cycling_schedulers_find_the_inner_optimizers_betas():
+    """OneCycleLR cycles betas[0] (cycle_momentum, its default): the outer optimizer carries
+    the inner one's defaults for what was not passed, and the cycled betas reach it."""
+    model = _model()
+    opt = BAdam(model.named_parameters(), switch_block_every=2, lr=1e-2)
+    assert opt.param_groups[0]["betas"] == opt.inner.defaults["betas"]
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()  # steps with the betas the scheduler set last
+        assert opt.inner.param_groups[0]["betas"] == opt.param_groups[0]["betas"]
+        sched.step()
+    assert opt.inner.param_groups[0]["betas"][0] not in (0.9, 0.95)  # cycled
+
+
 def _ddp_check(rank, world):
     single = _model()
     opt_single = BAdam(single.named_parameters(), switch_block_every=2, lr=1e-2)

@@ -335,6 +335,65 @@ def test_state_of_another_model_and_bad_groups_are_refused_first():
     assert opt_a.param_groups[-1]["update_proj_gap"] == 200
 
 
+def test_bad_hyperparameters_set_between_steps_change_nothing_and_layouts_are_stepped():
+    """A non-finite lr set between steps (a scheduler, a user) is refused before any param,
+    moment or step count moves; non-contiguous params (a transposed weight, plain or projected)
+    are stepped as their contiguous copies would be."""
+    x, y = torch.randn(16, 32), torch.randn(16, 16)
+    model = _model()
+    opt = _galore(model, gap=2)
+    for step in range(2):
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        opt.step()
+    before = _snapshot(model, opt)
+    for gi, key, value in ((1, "lr", float("nan")), (0, "betas", (0.9, 1.0)),
+                           (1, "weight_decay", -1.0)):
+        good = opt.param_groups[gi][key]
+        opt.param_groups[gi][key] = value
+        with pytest.raises(ValueError, match=f"param group {gi}"):
+            opt.step()
+        opt.param_groups[gi][key] = good
+        assert _same(before[0], _snapshot(model, opt)[0])
+        assert _same(before[1], _snapshot(model, opt)[1])
+
+    def train(transposed):
+        torch.manual_seed(3)
+        w = torch.randn(12, 20)
+        v = torch.randn(6)
+        w = nn.Parameter(w.t().contiguous().t() if transposed else w)
+        v = nn.Parameter(torch.stack([v, v], 1)[:, 0] if transposed else v)
+        assert w.is_contiguous() != transposed and v.is_contiguous() != transposed
+        opt = GaLoreAdamW([{"params": [w], "rank": 3, "update_proj_gap": 2}, {"params": [v]}],
+                          lr=1e-2)
+        for step in range(3):
+            w.grad = torch.randn(12, 20, generator=torch.Generator().manual_seed(step))
+            v.grad = torch.randn(6, generator=torch.Generator().manual_seed(10 + step))
+            opt.step()
+        return w.detach().clone(), v.detach().clone()
+
+    for a, b in zip(train(True), train(False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_master_weights_are_resynced_after_a_write_to_the_param():
+    """model.load_state_dict into bf16 params with fp32 masters: the next step starts from the
+    loaded values (as fastllm.optim.AdamW), not from the stale masters."""
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    model = _model().to(torch.bfloat16)
+    opt = GaLoreAdamW([{"params": [model[0].weight, model[2].weight], "rank": 4},
+                       {"params": [model[0].bias]}], lr=1e-8, master_weights=True)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    opt.step()
+    for p in (model[0].weight, model[2].weight, model[0].bias):
+        assert p.abs().max().item() < 1e-6
+        assert opt.state[p]["master_param"].abs().max().item() < 1e-6
+
+
 def test_gradient_accumulation_equals_the_full_batch():
     x, y = torch.randn(16, 32), torch.randn(16, 16)
     a, b = _model(), _model()

@@ -9,20 +9,21 @@ none of it changes from step to step in a training loop, so a Plan keeps it:
       one per tensor, or none when the Triton step prologue advances them (not with
       capturable=True, where the step tensors must keep their addresses);
     - the checked hyperparameters of every group (re-checked when a value changes).
-`Plan.still_valid` compares the params and grads with the ones the plan was built for, by
-identity (a few tens of nanoseconds per tensor); grads that are new tensors (zero_grad with
-set_to_none, the default) are checked alone and swapped into the lists. Anything else that
-changed (a param added, a grad appearing or vanishing, a new state) rebuilds the plan.
+`Plan.still_valid` compares the params, their state dicts and grads with the ones the plan was
+built for, by identity (a few tens of nanoseconds per tensor), and the params' layout; grads
+that are new tensors (zero_grad with set_to_none, the default) are checked alone and swapped
+into the lists. Anything else that changed (a param added or given other memory, a grad
+appearing or vanishing, a state created, reset or removed) rebuilds the plan.
 Params or grads that are not contiguous, and DTensors, are prepared again every step
 (`Call.fast` False), as they were before plans existed.
 """
 
+import itertools
 import math
 import operator
 
 import torch
 
-from fastllm import _backend
 from fastllm._dtensor import is_dtensor, local
 from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw8bit import adamw8bit_step
@@ -75,6 +76,28 @@ def check_hyperparameters(where, lr, betas, eps, weight_decay):
     if not math.isfinite(weight_decay) or weight_decay < 0.0:
         raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid weight_decay value: "
                          f"{weight_decay}")
+
+
+def refuse_duplicates(where, param_group, group_index):
+    """Raise ValueError when a param group lists a parameter twice (torch warns that this will
+    become an error; stepping a tensor twice per step is never what was meant)."""
+    if not isinstance(param_group, dict) or isinstance(param_group.get("params"),
+                                                       (torch.Tensor, set, type(None))):
+        return  # torch.optim.Optimizer.add_param_group's own checks answer these
+    params = param_group["params"]
+    if not isinstance(params, list):  # a generator (model.parameters()) is read once, here
+        params = param_group["params"] = list(params)
+    params = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, param) pairs
+    if len(set(map(id, params))) != len(params):
+        seen, first = set(), None
+        for i, p in enumerate(params):
+            if id(p) in seen:
+                first = i
+                break
+            seen.add(id(p))
+        raise ValueError(f"{where}: param group {group_index} lists a parameter twice (the one "
+                         f"at index {first}, shape {tuple(params[first].shape)}); each parameter "
+                         f"may appear once")
 
 
 def describe(group, group_index, param_index, param):
@@ -281,6 +304,12 @@ class Plan:
                 call.steps = [next(views) for _ in call.steps]
                 for slot, step in zip(call.slots, call.steps):
                     opt.state[params[slot]]["step"] = step
+        # What still_valid compares besides the params and grads: each param's state dict (a
+        # state cleared, removed or replaced by hand must be initialised again, as torch
+        # does) and the layout of the params the cached lists hold (`p.data = w` may change it).
+        self.states = [opt.state.get(p) for p in params]
+        fast = [c for calls in self.groups for c in calls if c.fast]
+        self.fast_lists = [c.params for c in fast] + [c.grads for c in fast]  # (kept current)
         # param slot -> (its call, its index in the call, its index in all_grads)
         self.slot_call = {}
         for calls in self.groups:
@@ -296,7 +325,7 @@ class Plan:
         out = []
         for gi, group in enumerate(opt.param_groups):
             lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            key = (lr, betas, eps, wd)
+            key = (lr, tuple(betas), eps, wd)  # (a list edited in place is a new key)
             cached = self.hyper[gi]
             if (cached is None or any(isinstance(v, torch.Tensor) for v in (lr, *betas))
                     or cached[0] != key):
@@ -312,10 +341,11 @@ class Plan:
         the same params are checked and swapped in."""
         if (len(params) != len(self.params) or id(opt.state) != self.state_id
                 or _options(opt) != self.options
-                or not all(map(operator.is_, params, self.params))):
+                or not all(map(operator.is_, params, self.params))
+                or not all(map(operator.is_, map(opt.state.get, params), self.states))):
             return False
         if all(map(operator.is_, grads, self.grads)):
-            return True
+            return self._fast_layout_holds()
         changed = [i for i, (a, b) in enumerate(zip(grads, self.grads)) if a is not b]
         for i in changed:
             grad, p = grads[i], params[i]
@@ -337,7 +367,13 @@ class Plan:
                 call.grads[k] = grads[i]
             self.all_grads[gk] = grads[i]
             self.grads[i] = grads[i]
-        return True
+        return self._fast_layout_holds()
+
+    def _fast_layout_holds(self):
+        """Whether the params and grads of the fast calls are still contiguous (`p.data = w` or
+        `p.grad.data = g` can change that without changing the tensors' identity)."""
+        return all(map(torch.Tensor.is_contiguous, itertools.chain.from_iterable(
+            self.fast_lists)))
 
     def run(self, opt, grad_scale, clip_coef, found, plain_scale=None, steps_advanced=False):
         """The fused ops of every call (everything was checked when the plan was built).
@@ -435,15 +471,39 @@ def _run_call(opt, gi, group, call, hp, scalars):
     for dst, src in writebacks:
         dst.copy_(src)
     if call.kind == "master":
-        call.versions = [p._version for p in call.params]
+        call.versions = _written_versions(call)
+
+
+def written_version(p):
+    """What tells a write to p from outside the optimizer: its version counter (in-place writes,
+    model.load_state_dict) and its memory (`p.data = w`, vector_to_parameters). In-place writes
+    through `p.data` bypass the version counter, as they bypass autograd, and are not seen.
+    (The memory is not recorded in a step traced by torch.compile, which has no addresses.)"""
+    if torch.compiler.is_compiling():
+        return p._version, None
+    return p._version, local(p).data_ptr()
+
+
+def _written_versions(call):
+    """written_version of each param of the call (without a call per param: the host cost of a
+    step is a few microseconds per tensor)."""
+    if torch.compiler.is_compiling() or not call.fast:  # (fast calls hold no DTensor)
+        return list(map(written_version, call.params))
+    return [(p._version, p.data_ptr()) for p in call.params]
 
 
 def _resync_masters(opt, call):
     """Re-sync the fp32 master from its param if something outside the optimizer wrote the
-    param since the optimizer's own last write (model.load_state_dict, an in-place clip, ...):
-    otherwise this step would write the stale master back over that change."""
+    param since the optimizer's own last write (model.load_state_dict, an in-place clip,
+    `p.data = w`, ...): otherwise this step would write the stale master back over that change."""
+    if None not in call.versions and _written_versions(call) == call.versions:
+        return  # the common case: nothing wrote a param since the last step
+    compiling = torch.compiler.is_compiling()
     for p, version in zip(call.params, call.versions):
-        if version is not None and p._version != version:
+        if version is None:
+            continue
+        if p._version != version[0] or (not compiling and version[1] is not None
+                                        and local(p).data_ptr() != version[1]):
             opt.state[p]["master_param"].copy_(local(p).detach())
 
 

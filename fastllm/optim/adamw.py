@@ -32,7 +32,8 @@ import torch
 
 from fastllm import _backend
 from fastllm.amp import LossScaler
-from fastllm.optim._plan import Plan, check_hyperparameters, describe, kind_of
+from fastllm.optim._plan import (Plan, check_hyperparameters, describe, kind_of,
+                                 refuse_duplicates)
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm, grad_norm_step
 from fastllm.optim.state_layout import Moments
 
@@ -88,9 +89,11 @@ class AdamW(torch.optim.Optimizer):
     options. `grad_norm`, `step_skipped` and `skipped_steps` are
     device tensors, read only when you look at them.
 
-    A parameter changed outside the optimizer (`model.load_state_dict`, an in-place clip) while it
-    has a master copy is noticed through its version counter and the master is re-synced from it,
-    so the next step does not write the stale master back.
+    A parameter changed outside the optimizer (`model.load_state_dict`, an in-place clip under
+    no_grad, `p.data = w`) while it has a master copy is noticed through its version counter and
+    its memory, and the master is re-synced from it, so the next step does not write the stale
+    master back. In-place writes through `p.data` (`p.data.clamp_()`) bypass the version counter,
+    as they bypass autograd: write under torch.no_grad() instead.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -99,6 +102,7 @@ class AdamW(torch.optim.Optimizer):
                  stochastic_rounding=False, kahan_summation=False, max_grad_norm=None,
                  loss_scaler=None, state_dtype=None):
         check_hyperparameters("defaults", lr, betas, eps, weight_decay)
+        betas = tuple(betas)  # as torch.optim.AdamW
         if max_grad_norm is not None:
             max_grad_norm = float(max_grad_norm)
             if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
@@ -160,7 +164,8 @@ class AdamW(torch.optim.Optimizer):
         self.grad_norm = None
         self.step_skipped = False
         self.skipped_steps = 0
-        # param -> its _version right after the optimizer last wrote it (master mode only).
+        # param -> its _plan.written_version right after the optimizer last wrote it (master
+        # mode only).
         self._written_versions = {}
         if capturable:
             # Reported tensors exist from the start and are only written in place, so a compiled
@@ -225,6 +230,7 @@ class AdamW(torch.optim.Optimizer):
         self._plan = None
 
     def add_param_group(self, param_group):
+        refuse_duplicates("fastllm.optim.AdamW", param_group, len(self.param_groups))
         super().add_param_group(param_group)
         self._plan = None
 

@@ -121,6 +121,12 @@ class BAdam(torch.optim.Optimizer):
             self._position = self._order.index(start_block)
         self.inner = None
         self._activate()
+        # The inner optimizer's defaults for what was not passed (betas, eps, ...), so that what
+        # a scheduler reads here exists (OneCycleLR and CyclicLR cycle betas[0]).
+        for key, value in self.inner.defaults.items():
+            if key not in _OPTIONS:
+                self.defaults.setdefault(key, value)
+                self.param_groups[0].setdefault(key, value)
 
     @property
     def active_block(self):

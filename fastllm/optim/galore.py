@@ -60,6 +60,7 @@ from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.ops.galore_adam_step import galore_adam_step, low_rank_adam_update_
 from fastllm.ops.orthogonalize import orthogonalize
+from fastllm.optim._plan import refuse_duplicates, written_version
 from fastllm.optim.grad_norm import global_grad_norm
 
 __all__ = ["GaLoreAdamW", "range_finder"]
@@ -109,12 +110,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
                  max_grad_norm=None, loss_scaler=None, master_weights=False):
         if not correct_bias:
             raise ValueError("fastllm.optim.GaLoreAdamW: correct_bias=False is not supported")
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"fastllm.optim.GaLoreAdamW: invalid learning rate {lr}")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"fastllm.optim.GaLoreAdamW: invalid betas {betas}")
-        if not eps >= 0 or not weight_decay >= 0:
-            raise ValueError("fastllm.optim.GaLoreAdamW: eps and weight_decay must be >= 0")
+        _check_hyperparameters("defaults", lr, betas, eps, weight_decay)
         if not (isinstance(power_iters, int) and power_iters >= 1):
             raise ValueError(f"fastllm.optim.GaLoreAdamW: power_iters must be an int >= 1, got "
                              f"{power_iters!r}")
@@ -134,7 +130,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         self.grad_norm = None
         self.step_skipped = False
         self.skipped_steps = 0
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # param -> _plan.written_version right after this optimizer last wrote it from its master
+        self._written_versions = {}
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -164,6 +162,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             if stray:
                 raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi} sets {stray} "
                                  f"without 'rank' (only rank groups are projected)")
+        refuse_duplicates("fastllm.optim.GaLoreAdamW", param_group, gi)
         super().add_param_group(param_group)
 
     @staticmethod
@@ -180,7 +179,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
         return "rank" in group and p.dim() == 2
 
     def _validate(self):
+        """Everything a step needs, checked before anything changes."""
         for gi, group in enumerate(self.param_groups):
+            _check_hyperparameters(f"param group {gi}", group["lr"], group["betas"],
+                                   group["eps"], group["weight_decay"])
             for pi, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
@@ -226,23 +228,40 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 # the kernels divide by grad_scale: 1 / factor folds unscaling and clipping
                 scale = (None if factor == 1.0 else
                          torch.tensor(1.0 / factor, dtype=torch.float32, device=device))
-                # DTensors (FSDP2): the elementwise update runs on the local shards.
+                # DTensors (FSDP2): the elementwise update runs on the local shards; a
+                # non-contiguous param is stepped as a contiguous copy, copied back after.
+                targets = [_contiguous(local(p)) for p in params]
+                grads = [local(p.grad).contiguous() for p in params]
                 if master:
-                    adamw_master_step([local(p) for p in params], [local(p.grad) for p in params],
-                                      [s["master_param"] for s in states],
+                    for p, s in zip(params, states):
+                        self._resync_master(p, s)
+                    adamw_master_step(targets, grads, [s["master_param"] for s in states],
                                       [s["exp_avg"] for s in states],
                                       [s["exp_avg_sq"] for s in states], [],
                                       [s["step"] for s in states], grad_scale=scale, **hyper)
-                    continue
-                adamw_step([local(p) for p in params], [local(p.grad) for p in params],
-                           [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                           [], [s["step"] for s in states], grad_scale=scale, **hyper)
+                else:
+                    adamw_step(targets, grads, [s["exp_avg"] for s in states],
+                               [s["exp_avg_sq"] for s in states], [],
+                               [s["step"] for s in states], grad_scale=scale, **hyper)
+                for p, target in zip(params, targets):
+                    if target is not local(p):
+                        local(p).copy_(target)
+                    if master:
+                        self._written_versions[p] = written_version(p)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
         return loss
 
     def _has_master(self, p):
         return self.master_weights and p.dtype in _LOW_PRECISION
+
+    def _resync_master(self, p, state):
+        """Copy p into its fp32 master when something outside the optimizer wrote p since this
+        optimizer last did (model.load_state_dict, `p.data = w`): as fastllm.optim.AdamW, so
+        that the step does not write the stale master back over the change."""
+        version = self._written_versions.get(p)
+        if version is not None and written_version(p) != version:
+            state["master_param"].copy_(local(p).detach())
 
     def _grad_factor(self):
         """The global grad norm (unscaled, before clipping) into self.grad_norm; returns the
@@ -312,18 +331,22 @@ class GaLoreAdamW(torch.optim.Optimizer):
                                               generator).to(opmath).contiguous()
         state["step"] += 1
         master = state.get("master_param")
+        if master is not None:
+            self._resync_master(p, state)
         if sharded:
             self._row_sharded_step(group, p, state, step + 1, left, beta1, beta2, offset,
                                    local_rows, process_group, factor, master)
-            return
-        target = p if master is None else master
-        grad = grad.to(target.dtype) if factor == 1.0 else (grad.to(target.dtype) * factor)
-        galore_adam_step(target, grad.contiguous(), state["projector"], state["exp_avg"],
-                         state["exp_avg_sq"], step=step + 1, left=left, lr=group["lr"],
-                         beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], scale=group["scale"])
+        else:
+            target = _contiguous(p) if master is None else master
+            grad = grad.to(target.dtype) if factor == 1.0 else (grad.to(target.dtype) * factor)
+            galore_adam_step(target, grad.contiguous(), state["projector"], state["exp_avg"],
+                             state["exp_avg_sq"], step=step + 1, left=left, lr=group["lr"],
+                             beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], scale=group["scale"])
+            if target is not p:
+                p.copy_(target)
         if master is not None:
-            p.copy_(master)
+            self._written_versions[p] = written_version(p)
 
     @staticmethod
     def _row_sharded_step(group, p, state, step, left, beta1, beta2, offset, local_rows,
@@ -358,6 +381,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         self._check_state(state_dict)
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(state_dict)
+        self._written_versions.clear()  # a loaded master is the truth, not the param
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             saved = state_dict["state"].get(pid)
@@ -415,6 +439,32 @@ class GaLoreAdamW(torch.optim.Optimizer):
                         raise ValueError(f"{where}: state '{key}' of {name} has shape "
                                          f"{tuple(entry[key].shape)}, expected {shape} (the "
                                          f"state of another model?)")
+
+
+def _check_hyperparameters(where, lr, betas, eps, weight_decay):
+    """Raise ValueError on a bad hyperparameter (at construction and before each step: a
+    scheduler or a user may have set it)."""
+    def number(value):  # a Python number or a one-element tensor, else None
+        if isinstance(value, torch.Tensor):
+            return float(value) if value.numel() == 1 else None
+        return float(value) if isinstance(value, (int, float)) else None
+
+    lr_value = number(lr)
+    if not (lr_value is not None and math.isfinite(lr_value) and lr_value >= 0):
+        raise ValueError(f"fastllm.optim.GaLoreAdamW: {where}: invalid learning rate {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(number(b) is not None and 0 <= number(b) < 1 for b in betas)):
+        raise ValueError(f"fastllm.optim.GaLoreAdamW: {where}: invalid betas {betas!r}")
+    for name, value in (("eps", eps), ("weight_decay", weight_decay)):
+        value = number(value)
+        if not (value is not None and math.isfinite(value) and value >= 0):
+            raise ValueError(f"fastllm.optim.GaLoreAdamW: {where}: {name} must be finite and "
+                             f">= 0, got {value!r}")
+
+
+def _contiguous(t):
+    """t, or a contiguous copy of it (stepped, then copied back into t)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _row_shard(p):
