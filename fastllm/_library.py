@@ -91,7 +91,7 @@ SCHEMAS = {
         "float z_loss, float logit_softcap, bool[] grad_mask) -> (Tensor, Tensor, Tensor)"
     ),
     # Model ops (fastllm/ops/rms_norm.py, rotary_embedding.py, attention.py, swiglu.py) ---
-    # RMSNorm: (y, rstd); rstd (rows of x,) fp32 is what the backward reads besides x.
+    # RMSNorm: (y, rstd); rstd (rows of x,) fp32 (fp64 for fp64 x) is what the backward reads.
     "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> (Tensor, Tensor)",
     "rms_norm_backward": (
         "rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd, float offset, "

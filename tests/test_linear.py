@@ -13,7 +13,7 @@ from fastllm import _lowp
 from fastllm.ops.fused_linear_cross_entropy import (fused_linear_cross_entropy,
                                                     fused_linear_cross_entropy_ref)
 from fastllm.ops.linear import linear, linear_ref
-from fastllm.ops.lora_linear import lora_linear, lora_linear_ref
+from fastllm.ops.lora_linear import lora_linear_ref
 from fastllm.ops.lora_linear_multi import lora_linear_multi
 
 from _model_ops import check_close, grads
@@ -72,6 +72,19 @@ def test_linear_under_autocast_casts_like_f_linear(mode):
     assert got.dtype == theirs.dtype == torch.bfloat16
     oracle = linear_ref(x.bfloat16().double(), w.bfloat16().double())
     check_close("y", got, theirs, oracle, torch.bfloat16)
+
+
+@pytest.mark.parametrize("out_f,in_f", [(0, 6), (4, 0)])
+def test_linear_with_no_outputs_or_no_inputs_matches_f_linear(out_f, in_f):
+    x = torch.randn(2, 3, in_f, requires_grad=True)
+    w = torch.randn(out_f, in_f, requires_grad=True)
+    b = torch.randn(out_f, requires_grad=True)
+    y = linear(x, w, b)
+    y.sum().backward()
+    want = F.linear(x, w, b)
+    torch.testing.assert_close(y, want)
+    assert [t.grad.shape for t in (x, w, b)] == [x.shape, w.shape, b.shape]
+    assert torch.equal(b.grad, torch.full((out_f,), 6.0))
 
 
 def test_linear_bad_input_is_refused():

@@ -136,6 +136,12 @@ def test_noncontiguous_and_empty(backend, device):
         (y.sum() + y0.sum()).backward()
     torch.testing.assert_close(y, lora_linear_ref(x, w, a, b, 1.5), rtol=1e-5, atol=1e-6)
     assert y0.shape == (0, 8) and empty.grad.shape == (0, 10)
+    for out_f, in_f in ((0, 10), (8, 0)):  # a layer with no outputs or no inputs, as F.linear
+        x0, w0, a0, b0, _ = _inputs((2, 3), in_f, out_f, 3, torch.float32, device, bias=False)
+        with fastllm.use_backend(backend):
+            lora_linear(x0, w0, a0, b0, 1.5).sum().backward()
+        assert x0.grad.shape == (2, 3, in_f) and a0.grad.shape == (3, in_f)
+        assert b0.grad.shape == (out_f, 3)
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -421,17 +427,6 @@ def test_triton_rounds_to_nearest(backend, device, unsplit, monkeypatch):
 
 # --- fp32 adapters on a bf16/fp16 base (PEFT's autocast_adapter_dtype) -------------------------
 
-def _peft_style(x, w, a, b, scaling, bias, dropout_p, seed):
-    """What PEFT computes for fp32 adapters on a low-precision base: the base layer in its dtype,
-    the LoRA branch (dropout included) on x cast to fp32, their sum cast back."""
-    from fastllm.ops.lora_linear import lora_dropout_ref
-
-    xd = lora_dropout_ref(x.reshape(-1, x.shape[-1]).to(a.dtype), dropout_p, seed)
-    low = torch.nn.functional.linear(torch.nn.functional.linear(xd.reshape(x.shape), a), b)
-    low = low * scaling
-    return (torch.nn.functional.linear(x, w, bias) + low).to(x.dtype)
-
-
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bias,dropout_p", [(False, 0.0), (True, 0.25)],
@@ -460,7 +455,9 @@ def test_fp32_adapters_on_low_precision_base(backend, device, dtype, bias, dropo
     assert bool(launched) == (backend == "triton")
     for t, t0 in zip([t for t in inputs if t is not None], before):
         assert torch.equal(t.detach(), t0), "an input changed"
-    theirs = _grads(_peft_style(x, w, a, b, scaling, bias_t, dropout_p, seed), inputs, g)
+    # PEFT's composition (the base layer in its dtype, the LoRA branch on x cast to fp32, the
+    # sum cast back) is lora_linear_ref's for mixed dtypes
+    theirs = _grads(lora_linear_ref(x, w, a, b, scaling, bias_t, dropout_p, seed), inputs, g)
     inputs64 = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
                 for t in inputs]
     oracle = _grads(lora_linear_ref(*inputs64[:4], scaling, inputs64[4], dropout_p, seed),

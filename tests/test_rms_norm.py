@@ -67,6 +67,21 @@ def test_zero_rows_and_one_grad(backend):
     assert w.grad is not None and x.grad is None
 
 
+@pytest.mark.parametrize("backend", ["cpp", "ref"])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_fp64_gradients_are_fp64_accurate(backend, offset):
+    """fp64 is computed in fp64, its backward too (rstd kept in fp64): gradcheck at tolerances
+    an fp32 rstd (relative error ~1e-8) cannot meet."""
+    if fastllm._backend.unavailable_reason(backend, "cpu"):
+        pytest.skip(fastllm._backend.unavailable_reason(backend, "cpu"))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 11, dtype=torch.float64, generator=gen).requires_grad_()
+    w = torch.randn(11, dtype=torch.float64, generator=gen).requires_grad_()
+    with fastllm.use_backend(backend):
+        assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-6, offset), (x, w),
+                                        atol=1e-9, rtol=1e-7)
+
+
 def test_module_is_a_drop_in_for_llama_rms_norm():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

@@ -99,6 +99,38 @@ def test_in_place_refuses_autograd():
         rotary_embedding(q, k, cos, sin, inplace=True)
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_in_place_refuses_aliased_memory(backend, device):
+    """An expanded head dim or q and k in the same memory would be rotated once per alias:
+    refused, as torch's in-place ops refuse them; disjoint views of one qkv buffer are fine."""
+    with fastllm.use_backend(backend):
+        _aliased_memory_checks(device)
+
+
+def _aliased_memory_checks(device):
+    cos, sin = _tables(5, 8, device)
+    cos, sin = cos.float()[None], sin.float()[None]  # (1, S, D)
+    row = torch.randn(2, 5, 1, 8, device=device)
+    with pytest.raises(RuntimeError, match="more than one element of q"):
+        rotary_embedding(row.expand(2, 5, 3, 8), torch.randn(2, 5, 1, 8, device=device), cos,
+                         sin, inplace=True)
+    q = torch.randn(2, 5, 3, 8, device=device)
+    before = q.clone()
+    with pytest.raises(RuntimeError, match="same memory"):
+        rotary_embedding(q, q, cos, sin, inplace=True)
+    flat = torch.randn(2 * 5 * 3 * 8 + 40, device=device)
+    with pytest.raises(RuntimeError, match="overlap"):
+        rotary_embedding(flat[:240].view(2, 5, 3, 8), flat[40:].view(2, 5, 3, 8), cos, sin,
+                         inplace=True)
+    assert torch.equal(q, before)
+    qkv = torch.randn(2, 5, 3, 3, 8, device=device)  # (B, S, q/k/v, H, D)
+    want = rotary_embedding_ref(qkv[:, :, 0], qkv[:, :, 1], cos, sin)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    rotary_embedding(q, k, cos, sin, inplace=True)
+    torch.testing.assert_close(q, want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, want[1], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("case,error,match", [
     (dict(k=torch.randn(1, 3, 2, 6)), ValueError, "agree"),
     (dict(q=torch.randn(1, 4, 2, 5), k=torch.randn(1, 4, 1, 5)), ValueError, "even"),

@@ -20,7 +20,8 @@ namespace {
 using model_io::Io;
 
 template <typename scalar_t>
-void forward_rows(const scalar_t* x_raw, const scalar_t* w_raw, scalar_t* y_raw, float* rstd,
+void forward_rows(const scalar_t* x_raw, const scalar_t* w_raw, scalar_t* y_raw,
+                  typename Io<scalar_t>::opmath_t* rstd,
                   int64_t begin, int64_t end, int64_t h, double eps, double offset) {
   using io = Io<scalar_t>;
   using op_t = typename io::opmath_t;
@@ -39,7 +40,7 @@ void forward_rows(const scalar_t* x_raw, const scalar_t* w_raw, scalar_t* y_raw,
       ss += v * v;
     }
     const op_t r = op_t(1) / std::sqrt(ss / static_cast<op_t>(h) + static_cast<op_t>(eps));
-    rstd[row] = static_cast<float>(r);
+    rstd[row] = r;
 #pragma omp simd
     for (int64_t i = 0; i < h; ++i) yr[i] = io::store(io::load(xr[i]) * r * (off + io::load(w[i])));
   }
@@ -47,7 +48,7 @@ void forward_rows(const scalar_t* x_raw, const scalar_t* w_raw, scalar_t* y_raw,
 
 template <typename scalar_t>
 void backward_rows(const scalar_t* dy_raw, const scalar_t* x_raw, const scalar_t* w_raw,
-                   const float* rstd, scalar_t* dx_raw,
+                   const typename Io<scalar_t>::opmath_t* rstd, scalar_t* dx_raw,
                    typename Io<scalar_t>::opmath_t* __restrict dw_acc, int64_t begin,
                    int64_t end, int64_t h, double offset, bool need_dx) {
   using io = Io<scalar_t>;
@@ -62,7 +63,7 @@ void backward_rows(const scalar_t* dy_raw, const scalar_t* x_raw, const scalar_t
   for (int64_t row = begin; row < end; ++row) {
     const raw_t* __restrict xr = x + row * h;
     const raw_t* __restrict dyr = dy + row * h;
-    const op_t r = static_cast<op_t>(rstd[row]);
+    const op_t r = rstd[row];
     op_t dot = 0;
 #pragma omp simd reduction(+ : dot)
     for (int64_t i = 0; i < h; ++i) {
@@ -102,14 +103,16 @@ std::vector<at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weig
   check_args(x, weight);
   const int64_t rows = x.size(0), h = x.size(1);
   auto y = at::empty_like(x);
-  auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  // rstd in the compute precision: fp64 for fp64 (so its gradients are fp64-accurate), else fp32
+  const auto op_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto rstd = at::empty({rows}, x.options().dtype(op_dtype));
   if (rows == 0 || h == 0) return {y, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fastllm_rms_norm_cpu",
                                   [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    float* rp = rstd.mutable_data_ptr<float>();
+    auto* rp = rstd.mutable_data_ptr<typename Io<scalar_t>::opmath_t>();
     at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
       forward_rows<scalar_t>(xp, wp, yp, rp, begin, end, h, eps, offset);
     });
@@ -124,12 +127,12 @@ std::vector<at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_out, const 
   TORCH_CHECK(grad_out.sizes() == x.sizes() && grad_out.is_contiguous() &&
                   grad_out.scalar_type() == x.scalar_type(),
               "fastllm.rms_norm: grad_out must be contiguous, of x's shape and dtype");
-  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == x.size(0) && rstd.is_contiguous(),
-              "fastllm.rms_norm: rstd must be contiguous fp32 (rows,)");
+  const auto op_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(rstd.scalar_type() == op_dtype && rstd.numel() == x.size(0) && rstd.is_contiguous(),
+              "fastllm.rms_norm: rstd must be contiguous (rows,), fp64 for fp64 x, else fp32");
   const int64_t rows = x.size(0), h = x.size(1);
   auto dx = need_dx ? at::empty_like(x) : at::empty({0}, x.options());
   auto dw = need_dweight ? at::empty_like(weight) : at::empty({0}, x.options());
-  const auto op_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   // A fixed number of row blocks (a function of the thread count only), each with its own dw
   // partial sum: the sum order does not depend on how the scheduler hands them out.
   const int64_t blocks = need_dweight ? std::max<int64_t>(1, std::min<int64_t>(
@@ -144,7 +147,7 @@ std::vector<at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_out, const 
       const scalar_t* dyp = grad_out.const_data_ptr<scalar_t>();
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
       const scalar_t* wp = weight.const_data_ptr<scalar_t>();
-      const float* rp = rstd.const_data_ptr<float>();
+      const op_t* rp = rstd.const_data_ptr<op_t>();
       scalar_t* dxp = need_dx ? dx.mutable_data_ptr<scalar_t>() : nullptr;
       op_t* pp = need_dweight ? partial.mutable_data_ptr<op_t>() : nullptr;
       const int64_t per_block = (rows + blocks - 1) / blocks;

@@ -15,6 +15,8 @@ device (ATen's GEMMs; the policy is the kernel); `linear_ref` is the fp32-accumu
 fastllm.patch routes a model's nn.Linear layers here when the widening applies.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -68,10 +70,11 @@ def _linear_backward_impl(grad_out, x, weight, output_mask):
     need_x, need_w, need_b = output_mask
     wide = _widener(x)
     out_features, in_features = weight.shape
-    dy = wide(grad_out.reshape(-1, out_features))
+    rows = math.prod(x.shape[:-1])  # (reshape(-1, 0) cannot infer it: a 0-feature layer)
+    dy = wide(grad_out.reshape(rows, out_features))
     empty = x.new_empty(0)
     dx = _gemm.mm(dy, wide(weight)).to(x.dtype).view(x.shape) if need_x else empty
-    dw = _gemm.mm(dy.t(), wide(x.reshape(-1, in_features))).to(x.dtype) if need_w \
+    dw = _gemm.mm(dy.t(), wide(x.reshape(rows, in_features))).to(x.dtype) if need_w \
         else empty.clone()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     db = dy.sum(0, dtype=acc).to(x.dtype) if need_b else empty.clone()

@@ -101,10 +101,14 @@ def lora_dropout_ref(x2, p, seed):
 
 
 def lora_linear_ref(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, seed=0):
-    """Plain-PyTorch LoRA linear, differentiated by autograd: the oracle for every backend."""
+    """Plain-PyTorch LoRA linear, differentiated by autograd: the oracle for every backend.
+
+    fp32 adapters on a bf16/fp16 base (PEFT's autocast_adapter_dtype): the low-rank term in
+    fp32, added to the base output in fp32 and rounded once to x's dtype, as PEFT does."""
     rows = math.prod(x.shape[:-1])
     xd = lora_dropout_ref(x.reshape(rows, x.shape[-1]), dropout_p, seed).reshape(x.shape)
-    return F.linear(x, weight, bias) + scaling * F.linear(F.linear(xd, lora_a), lora_b)
+    low = F.linear(F.linear(xd.to(lora_a.dtype), lora_a), lora_b)
+    return (F.linear(x, weight, bias) + scaling * low).to(x.dtype)
 
 
 def adapter_dtype_ok(base_dtype, adapter_dtype):
@@ -429,10 +433,11 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
         grad_a = da if need_a else None
         grad_b = db if need_b else None
     out_features, in_features = weight.shape
-    dy = grad_y.reshape(-1, out_features)
+    rows = math.prod(x.shape[:-1])  # (reshape(-1, 0) cannot infer it: a 0-feature layer)
+    dy = grad_y.reshape(rows, out_features)
     if need_w:  # not LoRA's contract (W is frozen), but correct if someone trains W too
-        grad_w = _lowp.in_fp32(_gemm.mm, dy.t(), x.reshape(-1, in_features)) \
-            if _lowp.widen(x) else _gemm.mm(dy.t(), x.reshape(-1, in_features))
+        grad_w = _lowp.in_fp32(_gemm.mm, dy.t(), x.reshape(rows, in_features)) \
+            if _lowp.widen(x) else _gemm.mm(dy.t(), x.reshape(rows, in_features))
     if need_bias:
         # summed in fp32 for bf16/fp16 (as PyTorch's linear backward), in fp64 for fp64
         grad_bias = dy.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(dy.dtype)

@@ -2,6 +2,8 @@
 gate/up), the input read once for all the down products; fastllm.patch runs the projections of
 fastllm.lora layers through it. See the comment below for the maths."""
 
+import math
+
 import torch
 
 from fastllm import _gemm, _lowp
@@ -82,7 +84,7 @@ class _LoRALinearMulti(torch.autograd.Function):
     def forward(ctx, x, n, scalings, *tensors):
         weights, biases = tensors[:n], tensors[n:2 * n]
         lora_as, lora_bs = tensors[2 * n:3 * n], tensors[3 * n:]
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (not -1: 0-feature layers)
         args = (x2, list(weights), list(biases), list(lora_as), list(lora_bs), scalings)
         # bf16/fp16 on a CPU without native low-precision GEMMs: the products in fp32 (_lowp.py)
         outs, a_cat, xa_t = _lowp.in_fp32(_multi_forward, *args) if _lowp.widen(x) \
@@ -103,8 +105,8 @@ class _LoRALinearMulti(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
         x, a_cat, xa_t = saved[:3]
         weights, lora_bs = list(saved[3:3 + n]), list(saved[3 + n:])
-        x2 = x.reshape(-1, x.shape[-1])
-        dys = [None if g is None else g.reshape(-1, weights[i].shape[0])
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+        dys = [None if g is None else g.reshape(x2.shape[0], weights[i].shape[0])
                for i, g in enumerate(grads)]
         args = (dys, x2, a_cat, xa_t, weights, lora_bs, ctx.spans, ctx.scalings, ctx.has_bias,
                 ctx.needs_input_grad)

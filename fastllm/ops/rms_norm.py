@@ -6,7 +6,7 @@ x: (..., h), fp32, bf16, fp16 or fp64; weight: (h,) of x's dtype; offset 0.0 (Ll
 Mistral: Hugging Face's LlamaRMSNorm) or 1.0 (Gemma's `1 + weight`). The statistics and the
 product are computed in fp32 (fp64 for fp64) and rounded once into x's dtype: no fp32 copy of x
 exists in memory (HF's LlamaRMSNorm makes one and rounds twice). The backward gives dx and
-dweight in one pass over x and dy, from x and the per-row rstd (fp32, one number per row):
+dweight in one pass over x and dy, from x and the per-row rstd (fp32, fp64 for fp64 x):
 
     xhat = x * rstd,  g = dy * (offset + w)
     dx = rstd * (g - xhat * mean(g * xhat, -1)),   dweight = sum over rows of dy * xhat
@@ -64,7 +64,7 @@ def _forward_ref(x2, weight, eps, offset):
     xf = x2.to(_opmath(x2.dtype))
     rstd = torch.rsqrt(xf.square().mean(-1) + eps)
     y = (xf * rstd[:, None] * (offset + weight.to(xf.dtype))).to(x2.dtype)
-    return y, rstd.float()
+    return y, rstd  # fp64 for fp64 x, else fp32
 
 
 def _backward_ref(dy2, x2, weight, rstd, offset, need_dx, need_w):
@@ -144,7 +144,7 @@ lib.impl("rms_norm_backward", _rms_norm_backward_impl, "CUDA")
 @torch.library.register_fake("fastllm::rms_norm")
 def _rms_norm_fake(x, weight, eps, offset=0.0):
     check_rms_norm_args(x, weight, eps, offset)
-    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=_opmath(x.dtype))
 
 
 @torch.library.register_fake("fastllm::rms_norm_backward")

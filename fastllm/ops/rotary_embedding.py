@@ -156,7 +156,31 @@ def _rotary_backward_impl(grad_q, grad_k, cos, sin, position_ids=None):
 
 def _rotary_inplace_impl(q, k, cos, sin, position_ids=None):
     check_rotary_embedding_args(q, k, cos, sin, position_ids)
+    _check_no_overlap(q, k)
     _run(q, k, cos, sin, position_ids, q, k, False)
+
+
+def _check_no_overlap(q, k):
+    """Refuse in-place outputs whose elements share memory (an expanded head dim, q and k the
+    same tensor): each element would be rotated once per alias. The rules of ATen's own in-place
+    ops (assert_no_internal_overlap, assert_no_overlap): overlap that is certain is refused."""
+    for name, t in (("q", q), ("k", k)):
+        if torch._debug_has_internal_overlap(t) == 1:  # 1: MemOverlap::Yes
+            raise RuntimeError(f"fastllm.rotary_embedding_: more than one element of {name} "
+                               f"refers to a single memory location (an expanded tensor?); "
+                               f"clone() it first")
+    if q.numel() == 0 or k.numel() == 0 or q.untyped_storage().data_ptr() != \
+            k.untyped_storage().data_ptr():
+        return
+    if q.data_ptr() == k.data_ptr() and q.stride() == k.stride():
+        raise RuntimeError("fastllm.rotary_embedding_: q and k are the same memory; rotate "
+                           "one of them, or clone() the other first")
+    if q.is_contiguous() and k.is_contiguous():
+        qs, ks = q.data_ptr(), k.data_ptr()
+        qe, ke = qs + q.numel() * q.element_size(), ks + k.numel() * k.element_size()
+        if qs < ke and ks < qe:
+            raise RuntimeError("fastllm.rotary_embedding_: q and k overlap in memory; clone() "
+                               "one of them first")
 
 
 lib.impl("rotary_embedding", _rotary_impl, "CPU")
