@@ -145,7 +145,9 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
 
     target_modules: module-name suffixes (a list), or one regex string matched against the whole
     name (PEFT's rule for both). Every other parameter of the model is frozen. rank_pattern /
-    alpha_pattern map a module-name suffix to its own r / alpha (PEFT's fields of the same names).
+    alpha_pattern map a key to its own r / alpha (PEFT's fields of the same names, matched by
+    PEFT's rule: the key is a regex for the name's last dotted components, e.g. "q_proj",
+    "(q|v)_proj" or "layers.1.self_attn.q_proj"; the first matching key wins).
     A model that already has LoRA layers is refused (unload() or merge_and_unload() first).
     layer_cls: the layer to build (default LoRALinear; fastllm.dora.inject_dora passes
     DoRALinear). adapter_dtype: None (each base weight's dtype) or torch.float32 on a bf16/fp16
@@ -192,8 +194,10 @@ def _replace(model, name, module):
 
 
 def _pattern_value(name, pattern, default):
+    # PEFT's rule (peft.utils.other.get_pattern_key): a key is a regex that must match a whole
+    # trailing run of the name's dotted components; the first matching key in dict order wins
     for key, value in pattern.items():
-        if name == key or name.endswith("." + key) or re.fullmatch(key, name):
+        if re.match(rf"(.*\.)?({key})$", name):
             return value
     return default
 
@@ -209,9 +213,12 @@ def _check_merge_state(model, merged):
 def merge_lora(model):
     """Fold scaling * B A into each base weight (W += scaling B A); forward then runs base only.
 
-    Refuses, with every weight untouched, if any merged weight would be non-finite in its dtype.
+    Refuses, with every weight untouched, if any merged weight would be non-finite in its dtype,
+    or if a base weight is shared with another module (a tied lm_head: merging into it would
+    change the input embeddings too, as PEFT's merge_and_unload silently does).
     """
     layers = _check_merge_state(model, merged=False)
+    _check_untied(model, layers)
     for name, layer in layers:  # check every layer before changing any
         if not torch.isfinite(layer._merged_weight(+1)).all():
             raise ValueError(f"fastllm.merge_lora: merging {name} gives non-finite weights; "
@@ -220,6 +227,23 @@ def merge_lora(model):
         layer.base_layer.weight.copy_(layer._merged_weight(+1))
         layer.merged = True
     return model
+
+
+def _check_untied(model, layers):
+    owners = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(n)
+    for name, layer in layers:
+        others = [n for n in owners.get(id(layer.base_layer.weight), [])
+                  if n != f"{name}.base_layer.weight"]
+        if others:
+            # untying here would not last: config.tie_word_embeddings makes from_pretrained
+            # and save_pretrained tie (or drop) the merged weight again
+            raise ValueError(
+                f"fastllm.merge_lora: the weight of {name} is shared with {others[0]} (tied "
+                "weights, e.g. tie_word_embeddings); merging would change that module too. "
+                "Nothing was merged: keep the adapter unmerged (save_adapter), or untie the "
+                "weights and set config.tie_word_embeddings=False before injecting")
 
 
 @torch.no_grad()
@@ -298,10 +322,19 @@ def _is_dora(layers):
 
 
 def _saved_target_modules(model, layers):
+    """The injection's regex, else the layers' last name components, if it selects exactly the
+    adapted layers among all the modules PEFT will match it against (its named_modules(), of any
+    type: it refuses a matched module it cannot adapt); else the full names, which PEFT's list
+    rule (name == t or a "." + t suffix) and fastllm's select exactly."""
+    adapted = {n for n, _ in layers}
+    inside = tuple(n + "." for n in adapted)  # base_layer: not in the model PEFT loads into
+    names = [n for n, _ in model.named_modules() if not n.startswith(inside)]
     regex = getattr(model, "_fastllm_lora_target_modules", None)
-    if isinstance(regex, str) and all(_matches(n, regex) for n, _ in layers):
-        return regex
-    return sorted({n.rsplit(".", 1)[-1] for n, _ in layers})
+    short = sorted({n.rsplit(".", 1)[-1] for n in adapted})
+    for targets in ([regex] if isinstance(regex, str) else []) + [short]:
+        if {n for n in names if _matches(n, targets)} == adapted:
+            return targets
+    return sorted(adapted)
 
 
 def save_adapter(model, path, task_type=None):
@@ -333,7 +366,10 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
     """Load a PEFT LoRA adapter (from PEFT or save_adapter) into `model`.
 
     A model without LoRA layers gets them first (inject_lora with the adapter's config); one that
-    has them must have the adapter's layers and shapes. Base weights that PEFT saves beside an
+    has them must have the adapter's layers and shapes, and each layer the r, alpha, use_rslora
+    and dropout the config gives it (else refused, as the adapter would compute something else
+    than in PEFT: unload(model) first to take the adapter's own). Fields of the config fastllm
+    does not implement are refused (_check_supported). Base weights that PEFT saves beside an
     adapted layer (`<layer>.base_layer.weight`, e.g. for lm_head) are loaded into it, as PEFT
     does. A refused adapter leaves the model unchanged. layer_cls: as inject_lora's (a DoRA
     adapter needs fastllm.dora.load_adapter, which passes DoRALinear); adapter_dtype: as
@@ -344,22 +380,23 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
 
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         config = json.load(f)
-    _check_supported(config)
-    dora = bool(config.get("use_dora"))
+    settings = _check_supported(config)
+    dora = bool(settings["use_dora"])
     if dora != bool(getattr(layer_cls, "is_dora", False)):
         raise ValueError(f"fastllm.load_adapter: {path} is a {'DoRA' if dora else 'LoRA'} "
                          f"adapter; load it with fastllm.adapters.load_adapter (or "
                          f"fastllm.{'dora' if dora else 'lora'}.load_adapter)")
     state = load_file(os.path.join(path, ADAPTER_WEIGHTS))
-    if lora_modules(model):
+    existing = lora_modules(model)
+    if existing:
+        _check_layers_agree(existing, settings)
         return _load_state(model, state)
     trainable = {p: p.requires_grad for p in model.parameters()}
-    inject_lora(model, target_modules=config["target_modules"], r=config["r"],
-                alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
-                use_rslora=config.get("use_rslora", False),
-                rank_pattern=config.get("rank_pattern"),
-                alpha_pattern=config.get("alpha_pattern"),
-                layer_cls=layer_cls, adapter_dtype=adapter_dtype)
+    inject_lora(model, target_modules=settings["target_modules"], r=settings["r"],
+                alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
+                use_rslora=settings["use_rslora"], rank_pattern=settings["rank_pattern"],
+                alpha_pattern=settings["alpha_pattern"], layer_cls=layer_cls,
+                adapter_dtype=adapter_dtype)
     try:
         return _load_state(model, state)
     except ValueError:
@@ -367,6 +404,22 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
         for p, requires_grad in trainable.items():
             p.requires_grad_(requires_grad)
         raise
+
+
+def _check_layers_agree(layers, settings):
+    for name, layer in layers:
+        want = {"r": _pattern_value(name, settings["rank_pattern"], settings["r"]),
+                "alpha": _pattern_value(name, settings["alpha_pattern"], settings["lora_alpha"]),
+                "use_rslora": bool(settings["use_rslora"]),
+                "dropout": float(settings["lora_dropout"])}
+        have = {key: getattr(layer, key) for key in want}
+        wrong = [key for key in want if want[key] != have[key]]
+        if wrong:
+            raise ValueError(
+                f"fastllm.load_adapter: the model's LoRA layer {name} has "
+                f"{', '.join(f'{k}={have[k]!r}' for k in wrong)}, the adapter "
+                f"{', '.join(f'{k}={want[k]!r}' for k in wrong)}; unload(model) first to load "
+                "the adapter as it was saved")
 
 
 def _load_state(model, state):
@@ -408,13 +461,97 @@ def _load_state(model, state):
     return model
 
 
+# adapter_config.json, field by field, against PEFT 0.21.2's LoraConfig and PeftConfig.
+# Read by fastllm, with PEFT's default for a field the file leaves out:
+_READ = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False,
+         "target_modules": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False,
+         "init_lora_weights": True}
+# No effect on what a loaded adapter computes: metadata; the settings of an init method (the
+# method itself is checked); options read only beside an option refused below; and
+# ensure_weight_tying, whose only effect (adapters on tied embeddings) is in the weights, which
+# _load_state refuses.
+_IGNORED = {"task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+            "inference_mode", "runtime_config", "loftq_config", "eva_config", "corda_config",
+            "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying"}
+# Not implemented by fastllm: refused unless at PEFT's default, with what each one does.
+_REFUSED = {
+    "exclude_modules": (None, "leaves matching modules out"),
+    "fan_in_fan_out": (False, "stores the weights transposed (Conv1D)"),
+    "bias": ("none", "trains the biases"),
+    "modules_to_save": (None, "saves whole modules beside the adapter"),
+    "layers_to_transform": (None, "adapts only some layers"),
+    "layers_pattern": (None, "adapts only some layers"),
+    "megatron_config": (None, "adapts Megatron's parallel layers"),
+    "trainable_token_indices": (None, "trains some embedding rows"),
+    "velora_config": (None, "changes the adapter's backward (VeLoRA)"),
+    "alora_invocation_tokens": (None, "applies the adapter only after the invocation tokens "
+                                      "(activated LoRA)"),
+    "use_qalora": (False, "pools the adapter's input (QALoRA)"),
+    "monteclora_config": (None, "samples the adapter (MonteCLoRA)"),
+    "layer_replication": (None, "repeats base layers"),
+    "lora_bias": (False, "adds a bias to lora_B"),
+    "target_parameters": (None, "adapts parameters, not modules"),
+    "use_bdlora": (None, "makes A or B block-diagonal (BD-LoRA)"),
+    "arrow_config": (None, "routes between adapters (Arrow)"),
+    "kasa_config": (None, "truncates the base weight's SVD (KaSA)"),
+}
+# init_lora_weights: the values that only draw A and B, which the saved tensors then replace;
+# and those that also rewrite the base weight (W - scaling B0 A0, or a quantised W), which PEFT
+# redoes whenever it loads the adapter.
+_PLAIN_INITS = ("gaussian", "orthogonal", "mica", "eva")
+_BASE_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
+def _empty(value):
+    return value is None or value is False or (isinstance(value, (str, list, dict))
+                                               and not value)
+
+
 def _check_supported(config):
+    """Refuse, naming the field and its value, an adapter_config.json fastllm would load into
+    something else than PEFT computes; return the LoRA settings it reads.
+
+    Every field of PEFT's LoraConfig is read (_READ), or has no effect on the loaded adapter's
+    computation (_IGNORED), or is refused unless at PEFT's default (_REFUSED). init_lora_weights
+    may be True, False or one of _PLAIN_INITS (mica trains only A in PEFT: here B trains too).
+    A field fastllm does not know (a newer PEFT's) is refused unless its value is None, False or
+    empty: new PEFT options are off that way, and on may change what the adapter computes.
+    r and lora_alpha default to PEFT's 8; target_modules must name the modules (PEFT's default
+    for a missing one, per architecture, is not fastllm's to guess).
+    """
+    where = "fastllm.load_adapter: adapter_config.json has"
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"fastllm.load_adapter: not a LoRA adapter ({config.get('peft_type')})")
-    unsupported = {
-        "fan_in_fan_out": False, "modules_to_save": None,
-        "layers_to_transform": None, "bias": "none",
-    }
-    for key, default in unsupported.items():
-        if config.get(key, default) not in (default, [], {}):
-            raise ValueError(f"fastllm.load_adapter: {key}={config[key]!r} is not supported")
+    for key, value in config.items():
+        if key in _READ or key in _IGNORED:
+            continue
+        if key in _REFUSED:
+            default, does = _REFUSED[key]
+            if value != default and not _empty(value):
+                raise ValueError(f"{where} {key}={value!r}, which {does}; fastllm does not "
+                                 "support it")
+        elif not _empty(value):
+            raise ValueError(f"{where} {key}={value!r}, a field fastllm does not know (a newer "
+                             "PEFT's?); it may change what the adapter computes, so it is refused")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_INITS):
+        raise ValueError(
+            f"{where} init_lora_weights={init!r}, which moves part of the base weights into the "
+            "adapter; PEFT redoes that on loading, fastllm does not. Save it from PEFT with "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=...) for a plain LoRA "
+            "adapter")
+    if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() in _PLAIN_INITS)):
+        raise ValueError(f"{where} init_lora_weights={init!r}, an initialisation fastllm does "
+                         "not know; it may change the base weights, so it is refused")
+    targets = config.get("target_modules")
+    if targets is None:
+        raise ValueError(f"{where} no target_modules; name the adapted modules (PEFT would take "
+                         "its default for the architecture, which fastllm does not know)")
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        raise ValueError(f"{where} target_modules='all-linear', PEFT's shorthand, which it expands "
+                         "when it creates an adapter; list the module names instead")
+    if not (isinstance(targets, str) or (isinstance(targets, list)
+                                         and all(isinstance(t, str) for t in targets))):
+        raise ValueError(f"{where} target_modules={targets!r}; need a regex or a list of names")
+    get = {key: config.get(key) for key in _READ}
+    return {key: _READ[key] if value is None else value for key, value in get.items()}

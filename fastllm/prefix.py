@@ -16,8 +16,9 @@ keys carry no rotary embedding and the tokens' positions start at T. The prefix 
 model's cache (transformers' DynamicCache, as PEFT passes it), with a 4-D additive mask that
 lets every token see the prefix, its own example causally (packed rows: position ids restarting
 at 0 mark the examples) and no padding; so a packed batch equals its examples one by one here
-too. A forward pre-hook on the model adds them; generation with a prefix runs
-fastllm.train.evaluate's cache-free greedy loop.
+too. A forward pre-hook on the model adds them. model.generate() works, with its KV cache: a
+non-empty cache the model is given already holds the prefix and is kept (its rows are then one
+example each: no packing while decoding).
 """
 
 import json
@@ -86,6 +87,25 @@ def prefix_mask_ref(position_ids, num_virtual_tokens, attention_mask=None, dtype
     return mask[:, None]
 
 
+def _decode_mask(past, n, num_virtual_tokens, attention_mask, b, dtype, device):
+    """The additive mask (b, 1, n, T + past + n) of n new tokens after `past` cached ones, each
+    row one example: the prefix, every earlier token but padding, and the token itself.
+    attention_mask (b, past + n), 0 = padding, as generate() passes it; None: no padding."""
+    i = torch.arange(n, device=device)
+    j = torch.arange(past + n, device=device)
+    allowed = (j[None, :] <= past + i[:, None]).expand(b, n, past + n)
+    if attention_mask is not None:
+        if attention_mask.shape[-1] != past + n:
+            raise ValueError(f"fastllm.prefix: attention_mask covers {attention_mask.shape[-1]} "
+                             f"tokens; with {past} cached and {n} new it must cover {past + n}")
+        allowed = allowed & attention_mask[:, None, :].bool()
+    allowed = torch.cat([torch.ones(b, n, num_virtual_tokens, dtype=torch.bool, device=device),
+                         allowed], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
 def _pre_hook(module, args, kwargs):
     from transformers import DynamicCache
 
@@ -97,19 +117,32 @@ def _pre_hook(module, args, kwargs):
     layers, kv, head_dim = _dims(module.config)
     t = enc.num_virtual_tokens
     dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
-    prefix = enc().to(dtype).view(t, layers * 2, kv, head_dim).permute(1, 2, 0, 3)
-    cache = DynamicCache()
-    for layer in range(layers):
-        cache.update(prefix[2 * layer].expand(b, kv, t, head_dim),
-                     prefix[2 * layer + 1].expand(b, kv, t, head_dim), layer)
-    pos = kwargs.get("position_ids")
-    pos = torch.arange(n, device=device).expand(b, n) if pos is None else pos.expand(b, n)
-    mask = kwargs.get("attention_mask")
     kwargs = dict(kwargs)
-    kwargs["attention_mask"] = prefix_mask_ref(pos, t, mask, dtype)
+    cache = _hf.take_cache(kwargs.pop("cache", None), kwargs)
+    pos = kwargs.get("position_ids")
+    mask = kwargs.get("attention_mask")
+    # use_cache=False: the caller decodes without a cache, but the model hands back the one this
+    # hook gave it (and generate() passes that back in): start afresh from the prefix
+    past = 0 if cache is None or kwargs.get("use_cache") is False else cache.get_seq_length()
+    if past:
+        # A cache this model filled (generate()'s, from the step before) holds the prefix and
+        # the tokens so far: keep it, and let the new tokens see all of it.
+        if past < t:
+            raise ValueError(f"fastllm.prefix: the cache holds {past} positions, fewer than the "
+                             f"{t} of the prefix; pass a cache this prefixed model filled")
+        past -= t
+        pos = (torch.arange(past, past + n, device=device).expand(b, n) if pos is None
+               else pos.expand(b, n))
+        kwargs["attention_mask"] = _decode_mask(past, n, t, mask, b, dtype, device)
+    else:
+        prefix = enc().to(dtype).view(t, layers * 2, kv, head_dim).permute(1, 2, 0, 3)
+        cache = DynamicCache()
+        for layer in range(layers):
+            cache.update(prefix[2 * layer].expand(b, kv, t, head_dim),
+                         prefix[2 * layer + 1].expand(b, kv, t, head_dim), layer)
+        pos = torch.arange(n, device=device).expand(b, n) if pos is None else pos.expand(b, n)
+        kwargs["attention_mask"] = prefix_mask_ref(pos, t, mask, dtype)
     kwargs["position_ids"] = pos + t
-    kwargs.pop("cache", None)
-    kwargs.pop("past_key_values", None)
     kwargs[_hf.cache_keyword(module)] = cache
     kwargs["use_cache"] = True  # the model reads the prefix from its cache
     if args:

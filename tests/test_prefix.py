@@ -1,5 +1,6 @@
 """Prefix-tuning (fastllm.prefix) against PEFT's PREFIX_TUNING: logits and grads, adapter files
-both ways (with and without the reparameterisation), packing, and a training run."""
+both ways (with and without the reparameterisation), packing, generate() with the KV cache, and a
+training run."""
 
 import os
 
@@ -124,3 +125,28 @@ def test_prefix_sft_run_resumes_bitwise_and_exports_for_peft(tmp_path):
                                    rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="cannot be merged"):
         export(str(tmp_path / "run"), str(tmp_path / "merged"), merged=True)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "left_padded"])
+def test_generate_with_the_kv_cache_equals_full_forwards(attn, padded):
+    model = attach_prefix(_model(attn), num_virtual_tokens=3).eval()
+    with torch.no_grad():
+        model.prefix_encoder.embedding.weight.normal_(0, 0.5)
+    model.generation_config.eos_token_id = None  # decode all n tokens: no early stop
+    ids, n = _ids(2, 5), 6
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :2] = 0
+    seq, full = ids, mask
+    with torch.no_grad():
+        for _ in range(n):  # greedy by full forward passes, positions as generate() gives them
+            pos = (full.cumsum(-1) - 1).masked_fill(full == 0, 1)
+            logits = model(input_ids=seq, attention_mask=full, position_ids=pos,
+                           use_cache=False).logits
+            seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
+            full = torch.cat([full, torch.ones_like(full[:, :1])], 1)
+        for use_cache in (True, False):
+            got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                 do_sample=False, use_cache=use_cache, pad_token_id=0)
+            assert got.tolist() == seq.tolist(), use_cache
