@@ -2,7 +2,7 @@
 
     model = LlamaForCausalLM.from_pretrained(...)      # or Qwen2ForCausalLM, MistralForCausalLM
     fastllm.patch(model)                                # returns the model
-    out = model(input_ids, labels=labels)               # out.loss; out.logits is None
+    out = model(input_ids, labels=labels)               # out.loss; in training, out.logits is None
     fastllm.unpatch(model)                              # the original forwards again
 
 What is swapped, per module instance (the class and every other model are untouched):
@@ -16,16 +16,25 @@ What is swapped, per module instance (the class and every other model are untouc
                            native low-precision GEMMs (products in fp32, fastllm/_lowp.py; the
                            attention's sdpa is then computed in fp32 the same way), or fp32 on a
                            CPU where ATen's fp32 GEMM is slow (oneDNN's, fastllm/_gemm.py)
-    *ForCausalLM        -> with `labels`, the loss by fastllm.ops.fused_linear_cross_entropy on
-                           the last hidden states and lm_head's weight: the (tokens, vocab) logits
-                           never exist, and the output's `logits` is None (as Liger-Kernel does).
-                           Without labels the original forward runs (generation is unchanged).
-Each swap is an instance attribute `forward` bound to the module, so parameters, names,
-state_dicts, hooks, PEFT's wrappers (patch before or after get_peft_model), gradient
-checkpointing and torch.compile see the model they expect; unpatch deletes the attributes.
+    *ForCausalLM        -> Llama, Qwen2 and Mistral only (the others change their logits or add
+                           to their loss: softcapping, logit scales, router losses): with `labels`
+                           in training (module.training and grad enabled), the loss by
+                           fastllm.ops.fused_linear_cross_entropy on the last hidden states and
+                           lm_head's weight: the (tokens, vocab) logits never exist, and the
+                           output's `logits` is None (Liger-Kernel's rule; a tuple keeps None in
+                           its place). In eval, under no_grad or without labels the original
+                           forward runs (logits for evaluation metrics; generation unchanged);
+                           the keyword `skip_logits=True` / False forces either, as Liger's does.
+Each swap is an instance attribute `forward` (functools.partial of the replacement and the
+module, so a patched model pickles), so parameters, names, state_dicts, hooks, PEFT's wrappers
+(patch before or after get_peft_model), gradient checkpointing and torch.compile see the model
+they expect. Under an accelerate hook (device_map dispatch, cpu_offload) the swap is the
+hook's `_old_forward`, which the hook calls; another instance `forward` already there is refused.
+unpatch puts back whatever was there before.
 
 Shapes handled: the modules of transformers' Llama, Qwen2 and Mistral (checked against
-transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`).
+transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`),
+and the `1 + weight` RMSNorm of Gemma 1-3 (Gemma3n's and Gemma4's multiply by `weight` alone).
 A module that does not look like one of those is left alone, and patch() says which it skipped
 with `verbose=True`.
 
@@ -45,6 +54,7 @@ on local tensors where that is the same maths, else the module's own computation
                            original forward
 """
 
+import functools
 import types
 
 import torch
@@ -58,6 +68,13 @@ _PATCHED = "_fastllm_patched"
 
 # the kinds of swap, as patch()'s keyword arguments name them
 KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
+
+# config.model_type of the models whose attention and causal-LM loss the patch reproduces
+_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+# the RMSNorms that scale by (1 + weight) (transformers' modeling_gemma, _gemma2, _gemma3);
+# Gemma3n's and Gemma4's scale by weight (initialised to ones) and are left alone
+_GEMMA_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 
 
 # --- the replacement forwards (bound to each patched module) ---------------------------------
@@ -203,7 +220,11 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
             and q.shape[2] == k.shape[2] and not kwargs.get("output_attentions", False)):
         # bf16/fp16 on a CPU without native low-precision GEMMs: PyTorch's flash attention in
         # fp32 on widened q, k, v (its bf16 backward is ~5x slower there; fastllm/_lowp.py)
-        is_causal = q.shape[2] > 1 and attention_mask is None and getattr(self, "is_causal", True)
+        # a caller's is_causal=False (bidirectional) wins, as in sdpa_attention_forward
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(self, "is_causal", True)
+        is_causal = q.shape[2] > 1 and attention_mask is None and is_causal
         out = _lowp.scaled_dot_product_attention(q, k, v, attention_mask, is_causal, self.scaling)
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
@@ -302,8 +323,9 @@ def _mlp_forward(self, x):
     down = self.down_proj
     if is_dtensor(gate) or is_dtensor(up):  # a plan whose projections hand back DTensors
         return down(self.act_fn(gate) * up)
-    # a row-parallel down_proj (DTensor weight) runs as itself: its hooks reduce the output
-    if (type(down) is nn.Linear and not is_dtensor(down.weight)
+    # a row-parallel down_proj (DTensor weight) runs as itself: its hooks reduce the output; so
+    # does one under an accelerate hook, which may first bring its weight (offload, device_map)
+    if (type(down) is nn.Linear and not is_dtensor(down.weight) and not _hooked(down)
             and not torch.is_autocast_enabled(x.device.type)):
         # silu(gate) * up, as large as gate, is recomputed for down_proj's weight grad instead
         # of kept: one elementwise pass for (tokens x ffn) of activation memory per layer
@@ -317,7 +339,12 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     cache = _hf.take_cache(cache, kwargs)
     original = type(self).forward
     head = self.lm_head
-    if labels is None or type(head) is not nn.Linear or (
+    skip_logits = kwargs.pop("skip_logits", None)
+    if skip_logits is None:
+        # Liger-Kernel's rule, and only with grad: evaluation (Trainer.evaluate's
+        # compute_metrics, return_dict=False's (loss, logits, ...)) needs the logits
+        skip_logits = self.training and torch.is_grad_enabled()
+    if labels is None or not skip_logits or type(head) is not nn.Linear or _hooked(head) or (
             is_dtensor(head.weight) and head.bias is not None):
         return original(self, input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=position_ids, **_hf.cache_kwargs(self, cache),
@@ -352,14 +379,17 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
+    # the field by its own name: transformers 5's deprecated alias `past_key_values` warns
+    cache_field = "cache" if "cache" in outputs.__dataclass_fields__ else "past_key_values"
     out = self._fastllm_output_cls(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                   attentions=outputs.attentions)
-    for name in ("cache", "past_key_values"):
-        if hasattr(outputs, name) and name in out.__dataclass_fields__:
-            setattr(out, name, getattr(outputs, name))
+                                   attentions=outputs.attentions,
+                                   **{cache_field: getattr(outputs, cache_field)})
     use_return_dict = return_dict if return_dict is not None else getattr(
         self.config, "return_dict", True)
-    return out if use_return_dict else out.to_tuple()
+    if use_return_dict:
+        return out
+    # HF's (loss, logits, cache, ...) with None in the logits' place (to_tuple would drop it)
+    return (loss, None, *(v for k, v in out.items() if k != "loss"))
 
 
 # --- recognising the modules ------------------------------------------------------------------
@@ -371,7 +401,7 @@ def _is_llama_rms_norm(m):
 
 
 def _is_gemma_rms_norm(m):
-    return (type(m).__name__.startswith("Gemma") and type(m).__name__.endswith("RMSNorm")
+    return (type(m).__name__ in _GEMMA_RMS_NORMS
             and isinstance(getattr(m, "weight", None), nn.Parameter) and hasattr(m, "eps"))
 
 
@@ -379,7 +409,7 @@ def _is_attention(m):
     return (type(m).__name__.endswith("Attention") and all(
         hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling",
                                 "config", "layer_idx"))
-            and getattr(m.config, "model_type", None) in ("llama", "qwen2", "mistral"))
+            and getattr(m.config, "model_type", None) in _MODEL_TYPES)
 
 
 def _is_swiglu_mlp(m):
@@ -398,7 +428,8 @@ def _is_silu(act):
 def _is_causal_lm(m):
     # the HF model itself, not a wrapper that forwards attributes to it (PEFT's PeftModel)
     return (type(m).__name__.endswith("ForCausalLM") and "lm_head" in m._modules
-            and "model" in m._modules and hasattr(m, "config"))
+            and "model" in m._modules
+            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES)
 
 
 def _eager_attention_of(module):
@@ -407,58 +438,120 @@ def _eager_attention_of(module):
     return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
 
 
-def _bind(module, kind, fn):
-    module.forward = types.MethodType(fn, module)
+# every replacement forward, as the partials patch() binds carry them
+_REPLACEMENTS = (_linear_forward, _rms_norm_forward, _gemma_rms_norm_forward, _attention_forward,
+                 _mlp_forward, _causal_lm_forward)
+
+
+def _hooked(module):
+    # an accelerate hook (device_map dispatch, cpu_offload) may move or load a module's weights
+    # before its forward: such a module is called, its weights never read around the call
+    return "_hf_hook" in module.__dict__
+
+
+def _is_ours(f, module):
+    return (isinstance(f, functools.partial) and f.func in _REPLACEMENTS
+            and len(f.args) == 1 and f.args[0] is module)
+
+
+def _slot(module):
+    """The attribute patch() swaps on `module`: "forward", or under an accelerate hook the
+    "_old_forward" that the hook's own forward calls; None where some other wrapper holds the
+    instance forward (swapping it would drop the wrapper)."""
+    d = module.__dict__
+    slot = "_old_forward" if _hooked(module) and "_old_forward" in d else "forward"
+    f = d.get(slot)
+    # the class's forward bound to the module: what accelerate's remove_hook_from_module leaves
+    if f is None or (getattr(f, "__self__", None) is module
+                     and getattr(f, "__func__", None) is type(module).forward):
+        return slot
+    return None
+
+
+def _bind(module, kind, fn, slot):
+    if slot in module.__dict__:
+        module._fastllm_previous_forward = module.__dict__[slot]
+    # a partial of a module-level function pickles by name (a bound method would not unpickle)
+    setattr(module, slot, functools.partial(fn, module))
     setattr(module, _PATCHED, kind)
+
+
+def _chosen(m, chosen):
+    """(kind, replacement) patch() would bind to m, or None."""
+    if chosen["rms_norm"] and _is_llama_rms_norm(m):
+        return "rms_norm", _rms_norm_forward
+    if chosen["rms_norm"] and _is_gemma_rms_norm(m):
+        return "rms_norm", _gemma_rms_norm_forward
+    if chosen["rotary"] and _is_attention(m):
+        return "rotary", _attention_forward
+    if chosen["swiglu"] and _is_swiglu_mlp(m):
+        return "swiglu", _mlp_forward
+    if chosen["linear"] and type(m) is nn.Linear:
+        return "linear", _linear_forward
+    if chosen["cross_entropy"] and _is_causal_lm(m):
+        return "cross_entropy", _causal_lm_forward
+    return None
 
 
 def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, linear=True,
           verbose=False):
     """Swap the modules of a Hugging Face Llama / Qwen2 / Mistral model (or a PEFT model around
     one) for fastllm's kernels, in place; returns the model. Each keyword turns one kind of
-    swap off. Patching a patched model is a no-op for the modules already patched."""
+    swap off. Patching a patched model is a no-op for the modules already patched. A module
+    whose instance `forward` is already some wrapper other than accelerate's hook is refused
+    (ValueError, nothing patched): patch before wrapping."""
     chosen = {"rms_norm": rms_norm, "rotary": rotary, "swiglu": swiglu,
               "cross_entropy": cross_entropy, "linear": linear}
+    todo = []
+    for name, m in model.named_modules():
+        if m.__dict__.get(_PATCHED) is None and (swap := _chosen(m, chosen)) is not None:
+            todo.append((name, m, *swap, _slot(m)))
+    wrapped = [f"{name or 'the model'} ({type(m).__name__})"
+               for name, m, _, _, slot in todo if slot is None]
+    if wrapped:
+        raise ValueError(
+            "fastllm.patch: these modules already carry an instance `forward` that is not the "
+            "class's nor under an accelerate hook, which patching would drop: "
+            f"{', '.join(wrapped)}. Patch before wrapping them. Nothing was patched.")
     counts = dict.fromkeys(KINDS, 0)
-    for _, m in model.named_modules():
-        if m.__dict__.get(_PATCHED) is not None:
-            continue
-        if chosen["rms_norm"] and _is_llama_rms_norm(m):
-            _bind(m, "rms_norm", _rms_norm_forward)
-        elif chosen["rms_norm"] and _is_gemma_rms_norm(m):
-            _bind(m, "rms_norm", _gemma_rms_norm_forward)
-        elif chosen["rotary"] and _is_attention(m):
+    for _, m, kind, fn, slot in todo:
+        if kind == "rotary":
             m._fastllm_eager_attention = _eager_attention_of(m)
-            _bind(m, "rotary", _attention_forward)
-        elif chosen["swiglu"] and _is_swiglu_mlp(m):
-            _bind(m, "swiglu", _mlp_forward)
-        elif chosen["linear"] and type(m) is nn.Linear:
-            _bind(m, "linear", _linear_forward)
-        elif chosen["cross_entropy"] and _is_causal_lm(m):
+        elif kind == "cross_entropy":
             import transformers.modeling_outputs as outputs
 
             m._fastllm_output_cls = outputs.CausalLMOutputWithPast
-            _bind(m, "cross_entropy", _causal_lm_forward)
-        else:
-            continue
-        counts[m.__dict__[_PATCHED]] += 1
+        _bind(m, kind, fn, slot)
+        counts[kind] += 1
     if verbose:
         print("fastllm.patch: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    model._fastllm_patch_counts = counts
     return model
 
 
 def unpatch(model):
-    """Undo patch(model): every module runs its class's forward again. Returns the model."""
-    for _, m in model.named_modules():
-        if m.__dict__.get(_PATCHED) is not None:
+    """Undo patch(model): every module runs its class's forward again, or the instance forward
+    it had before (an accelerate hook's wrapped forward included). Returns the model."""
+    done = [(name, m) for name, m in model.named_modules()
+            if m.__dict__.get(_PATCHED) is not None]
+    slots = [next((s for s in ("forward", "_old_forward") if _is_ours(m.__dict__.get(s), m)),
+                  None) for _, m in done]
+    lost = [f"{name or 'the model'} ({type(m).__name__})"
+            for (name, m), slot in zip(done, slots) if slot is None]
+    if lost:
+        raise RuntimeError(
+            "fastllm.unpatch: the patched forward of these modules is wrapped by something "
+            f"other than an accelerate hook: {', '.join(lost)}. Remove that wrapper first. "
+            "Nothing was unpatched.")
+    for (_, m), slot in zip(done, slots):
+        d = m.__dict__
+        if "_fastllm_previous_forward" in d:
+            setattr(m, slot, d.pop("_fastllm_previous_forward"))
+        elif slot == "_old_forward":  # a hook added after patch(): it now calls the class's
+            m._old_forward = types.MethodType(type(m).forward, m)
+        else:
             del m.forward
-            delattr(m, _PATCHED)
-            for attr in ("_fastllm_eager_attention", "_fastllm_output_cls"):
-                if attr in m.__dict__:
-                    delattr(m, attr)
-    if "_fastllm_patch_counts" in model.__dict__:
-        del model._fastllm_patch_counts
+        for attr in (_PATCHED, "_fastllm_eager_attention", "_fastllm_output_cls"):
+            d.pop(attr, None)
     return model
 
 

@@ -337,3 +337,198 @@ def test_kv_cache_and_generate_equal_unpatched():
     with torch.no_grad():  # and the cached step equals the full sequence's last logits
         full = model(input_ids=ids, use_cache=False).logits[:, 5:]
     torch.testing.assert_close(ours[0], full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,cls,patched", [
+    ("gemma", "GemmaRMSNorm", True), ("gemma2", "Gemma2RMSNorm", True),
+    ("gemma3", "Gemma3RMSNorm", True), ("gemma3n", "Gemma3nRMSNorm", False),
+    ("gemma4", "Gemma4RMSNorm", False)])
+def test_gemma_norms_patched_by_what_they_compute(family, cls, patched):
+    """Gemma 1-3's RMSNorms scale by (1 + weight) and get that kernel; Gemma3n's and Gemma4's
+    scale by weight alone and are left alone: every output equals the unpatched norm's."""
+    import importlib
+
+    try:
+        norm_cls = getattr(importlib.import_module(
+            f"transformers.models.{family}.modeling_{family}"), cls)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers has no {cls}")
+    torch.manual_seed(0)
+    norm = norm_cls(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(16))
+    x = torch.randn(3, 5, 16)
+    want = norm(x)
+    fastllm.patch(norm)
+    assert fastllm.patched(norm)["rms_norm"] == int(patched)
+    torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "mixtral"])
+def test_other_causal_lms_keep_their_own_loss(family):
+    """Models whose loss is not the plain cross-entropy of lm_head's logits (Gemma2's logit
+    softcap, Granite's logits_scaling, Mixtral's router aux loss) keep their own forward: in
+    training, loss and every grad equal the unpatched model's."""
+    over = {"gemma2": dict(head_dim=16), "granite": dict(logits_scaling=8.0),
+            "mixtral": dict(num_local_experts=4, num_experts_per_tok=2,
+                            output_router_logits=True, router_aux_loss_coef=0.5)}[family]
+    name = {"gemma2": "Gemma2", "granite": "Granite", "mixtral": "Mixtral"}[family]
+    config = getattr(transformers, name + "Config")(
+        vocab_size=123, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **over)
+    torch.manual_seed(0)
+    model = getattr(transformers, name + "ForCausalLM")(config).train()
+    with torch.no_grad():  # logits as large as a trained model's, where the softcap matters
+        model.lm_head.weight.mul_(40.0)
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    fastllm.patch(model)
+    assert fastllm.patched(model)["cross_entropy"] == 0
+    _assert_same(_loss_and_grads(model, ids, labels), theirs)
+
+
+def test_logits_in_eval_and_under_no_grad(monkeypatch):
+    """Logits are skipped only in training with grad (Liger-Kernel's rule): in eval and under
+    no_grad the labelled forward gives HF's loss and logits (Trainer.evaluate's
+    compute_metrics), and return_dict=False keeps HF's (loss, logits, cache) positions. The
+    fused path hands the cache on without transformers' deprecation warning."""
+    from transformers.utils import generic
+
+    model = _model()
+    ref = copy.deepcopy(model)
+    fastllm.patch(model)
+    ids, labels = _batch()
+    for train, grad in ((False, True), (False, False), (True, False)):
+        for m in (model, ref):
+            m.train(train)
+        with torch.set_grad_enabled(grad):
+            ours, theirs = (m(input_ids=ids, labels=labels, return_dict=False)
+                            for m in (model, ref))
+            forced = model(input_ids=ids, labels=labels, skip_logits=True)
+        assert len(ours) == len(theirs) == 3 and forced.logits is None
+        torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=0)
+        torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(forced.loss, theirs[0], rtol=1e-5, atol=0)
+    for m in (model, ref):
+        m.train()
+    ours, theirs = (m(input_ids=ids, labels=labels, return_dict=False) for m in (model, ref))
+    assert len(ours) == len(theirs) and ours[1] is None  # the fused loss: no logits
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=0)
+    assert model(input_ids=ids, labels=labels, skip_logits=False).logits is not None
+    said = []  # transformers 5 warns (once a process) on reading output.past_key_values
+    monkeypatch.setattr(generic.logger, "warning_once", lambda *a, **k: said.append(a))
+    assert model(input_ids=ids, labels=labels).cache is not None and not said
+
+
+def test_instance_forward_refused_or_restored():
+    """An instance `forward` that some wrapper put on a module is refused (nothing patched, the
+    wrapper kept); the class's forward as an instance attribute (what accelerate's
+    remove_hook_from_module leaves) is patched and put back by unpatch; a patched forward
+    wrapped afterwards makes unpatch refuse rather than drop the wrapper."""
+    import types
+
+    model = _model()
+    norm = model.model.norm
+    norm.forward = wrapper = lambda x: type(norm).forward(norm, x)  # noqa: E731
+    with pytest.raises(ValueError, match=r"model\.norm \(LlamaRMSNorm\)"):
+        fastllm.patch(model)
+    assert fastllm.patched(model) == dict.fromkeys(fastllm.patch_kinds, 0)
+    assert norm.forward is wrapper
+    norm.forward = bound = types.MethodType(type(norm).forward, norm)
+    fastllm.patch(model)
+    assert fastllm.patched(model)["rms_norm"] == 5
+    fastllm.unpatch(model)
+    assert norm.__dict__["forward"] is bound and fastllm.patched(model)["rms_norm"] == 0
+    fastllm.patch(model)
+    patched = norm.forward
+    norm.forward = lambda x: patched(x)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"model\.norm"):
+        fastllm.unpatch(model)
+    assert fastllm.patched(model)["rms_norm"] == 5
+
+
+def test_accelerate_hooks_kept():
+    """Under accelerate's hooks (cpu_offload: weights on meta until each module's hook loads
+    them) the patch swaps the `_old_forward` each hook calls: the same logits and loss as
+    unpatched; unpatch puts the hooks' forwards back, and a hook added after patch() still
+    fires after unpatch()."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = _model().eval()
+    ref = copy.deepcopy(model)
+    ids, labels = _batch()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=labels)
+        for _ in range(2):
+            fastllm.patch(model)
+            assert fastllm.patched(model)["rms_norm"] == 5
+            out = model(input_ids=ids, labels=labels)
+            torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=0)
+            # the fused loss would read lm_head's weight around its hook (on meta here)
+            out = model(input_ids=ids, labels=labels, skip_logits=True)
+            torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=0)
+            fastllm.unpatch(model)
+            assert not any("forward" in m.__dict__ and "_hf_hook" not in m.__dict__
+                           for m in model.modules())
+            out = model(input_ids=ids, labels=labels)
+            torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+    calls = []
+
+    class Count(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(1)
+            return args, kwargs
+
+    model = fastllm.patch(_model().eval())
+    add_hook_to_module(model.model.norm, Count())
+    fastllm.unpatch(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert len(calls) == 1
+
+
+def test_bf16_widened_attention_honours_is_causal(monkeypatch):
+    """bf16 with the CPU's matmuls widened to fp32 (PyTorch's attention in fp32): a forward
+    with is_causal=False (bidirectional) is no further from the fp32 model's than twice the
+    unpatched bf16 model's is."""
+    monkeypatch.setenv("FASTLLM_CPU_LOWP_MATMUL", "fp32")
+    monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "torch")
+    model = _model().eval()
+    lp = copy.deepcopy(model).to(torch.bfloat16)
+    ids, _ = _batch()
+    with torch.no_grad():
+        ref, theirs = (m(input_ids=ids, is_causal=False).logits.double() for m in (model, lp))
+        fastllm.patch(lp)
+        calls = []
+        wide = fastllm._lowp.scaled_dot_product_attention
+        monkeypatch.setattr(fastllm._lowp, "scaled_dot_product_attention",
+                            lambda *a: calls.append(1) or wide(*a))
+        ours = lp(input_ids=ids, is_causal=False).logits.double()
+    assert len(calls) == 2
+    err = lambda a: (a - ref).abs().max().item()  # noqa: E731
+    assert err(ours) <= 2 * err(theirs) + 1e-3 * ref.abs().max().item()
+
+
+def test_patched_model_pickles_and_deep_copies():
+    """torch.save / torch.load(weights_only=False) and copy.deepcopy of a patched model give a
+    patched model whose forwards are its own modules': the same loss and grads, and unpatch
+    works on it."""
+    import io
+
+    model = fastllm.patch(_model())
+    ids, labels = _batch()
+    want = _loss_and_grads(model, ids, labels)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        assert fastllm.patched(other) == fastllm.patched(model)
+        assert other.lm_head.forward.args[0] is other.lm_head
+        _assert_same(_loss_and_grads(other, ids, labels), want)
+        fastllm.unpatch(other)
+        _assert_same(_loss_and_grads(other, ids, labels), want)
+    assert fastllm.patched(model)["cross_entropy"] == 1
