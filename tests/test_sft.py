@@ -82,6 +82,15 @@ def test_formats_read_and_malformed_lines_refused(tmp_path):
             read_records(_write(tmp_path / "b.jsonl", [{"text": "fine"}, line]))
 
 
+def test_non_utf8_line_is_refused_with_file_and_line_and_a_bom_is_read(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl line 2: not UTF-8"):
+        read_records(str(path))
+    path.write_bytes(b'\xef\xbb\xbf{"text": "ok"}\n')
+    assert read_records(str(path)) == [("text", "ok")]
+
+
 def test_mask_is_exactly_the_completion_and_assistant_tokens(tok):
     enc = tok.encode
     # chat: token by token, the template's pieces and which of them count
@@ -186,6 +195,65 @@ def test_packed_batch_equals_examples_one_by_one(tmp_path, attn):
     torch.testing.assert_close(loss, total, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_step_loss_is_the_global_target_mean_under_data_parallel(tmp_path):
+    """Two data-parallel ranks of unequal target counts: each rank's loss, / accumulation, and
+    the gradients averaged over the ranks (DDP) equal one process's step over all four rows."""
+    from fastllm.train.sft_data import prepare_step
+
+    recs = [("completion", ("q", "x" * n)) for n in (2, 9, 5, 16)]
+    path = tokenize_records(recs, ByteTokenizer(), str(tmp_path))
+    ds = SFTDataset(path, range(4), seq_len=32, seed=0, packing=False)
+    model = _tiny_llama(257, "sdpa")
+    params = list(model.parameters())
+
+    def grads(micro, reduce=None, dp=1):
+        counts = prepare_step(micro, reduce, dp)
+        loss = sum(model(**b, use_cache=False).loss for _, b in micro) / len(micro)
+        return counts, torch.autograd.grad(loss, params)
+
+    def micro(rows):
+        return [(None, ds.batch(None, rows=[[r] for r in part])) for part in rows]
+
+    one, ref = grads(micro([[0, 1], [2, 3]]))
+    total = one[0], one[1]
+    assert one == (4 + 3 + 10 + 6 + 17, 3 + 10 + 6 + 17)  # tokens with EOS; targets
+    per_rank = []
+    for rows in ([[0], [1]], [[2], [3]]):  # rank 0: short examples, rank 1: long ones
+        counts, g = grads(micro(rows), lambda t: torch.tensor(total), dp=2)
+        assert counts == total  # logged tokens: every rank's
+        per_rank.append(g)
+    for r, g0, g1 in zip(ref, *per_rank):
+        torch.testing.assert_close((g0 + g1) / 2, r, rtol=1e-5, atol=1e-7)
+
+
+def test_no_target_tokens_skip_the_step_report_nan_and_refuse_the_data(tmp_path):
+    from fastllm.train.evaluate import evaluate_loss
+    from fastllm.train.trainer import Trainer
+
+    long_prompt = {"prompt": "p" * 80, "completion": "c"}  # truncated away at seq_len 64
+    data = _write(tmp_path / "some.jsonl", [long_prompt, {"prompt": "q", "completion": "abc"}])
+    cfg = TrainConfig.from_dict(dict(
+        model="tiny", output_dir=str(tmp_path / "run"), max_steps=2, micro_batch_size=1,
+        warmup_steps=0, track_memory=False, threads=1, checkpoint=dict(interval=0),
+        data=dict(path=data, seq_len=64, packing=False, cache_dir=str(tmp_path / "cache"))))
+    Trainer(cfg, log=lambda text: None).train()
+    recs = [json.loads(line) for line in open(os.path.join(cfg.output_dir, "metrics.jsonl"))]
+    empty = [r for r in recs if r["tokens"] == 64]  # the truncated row
+    full = [r for r in recs if r["tokens"] != 64]
+    assert len(empty) == len(full) == 1
+    assert empty[0]["skipped"] and math.isnan(empty[0]["loss"]) and empty[0]["grad_norm"] is None
+    assert not full[0]["skipped"] and math.isfinite(full[0]["loss"]) and full[0]["loss"] > 0
+    path = tokenize_records(read_records(data), ByteTokenizer(), str(tmp_path / "cache"))
+    nothing = SFTDataset(path, [0], seq_len=64, seed=0)
+    out = evaluate_loss(_tiny_llama(257, "sdpa"), nothing, 2, "cpu")
+    assert out["eval_tokens"] == 0 and math.isnan(out["eval_loss"])
+    only_long = _write(tmp_path / "none.jsonl", [long_prompt])
+    cfg.data.path, cfg.output_dir = only_long, str(tmp_path / "run2")
+    with pytest.raises(ValueError, match="no training example has a target token within "
+                                         "data.seq_len=64"):
+        Trainer(cfg, log=lambda text: None).train()
 
 
 def test_hf_argument_names():

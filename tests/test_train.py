@@ -152,7 +152,8 @@ def test_config_defaults_that_follow_the_user(tmp_path):
     # min_lr follows lr (0.1 x lr) unless set: lr alone below the old fixed min_lr is fine
     cfg = TrainConfig.from_args(["lr=1e-4"])
     assert cfg.min_lr is None and cfg.resolved_min_lr == pytest.approx(1e-5)
-    assert lr_at(cfg, cfg.max_steps) == pytest.approx(1e-5)
+    assert cfg.max_steps == -1  # unset: num_train_epochs, else DEFAULT_MAX_STEPS (300)
+    assert lr_at(cfg, 300) == pytest.approx(1e-5)
     path = tmp_path / "run.yaml"
     path.write_text("galore:\n  update_proj_gapp: 5\n")
     with pytest.raises(ConfigError, match="galore.update_proj_gapp"):

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["rng_states", "restore_rng", "param_order", "by_name", "by_index", "full_state",
-           "load_full", "gather_stages", "convert_moments", "save_adapter", "load_adapter"]
+           "load_full", "gather_stages", "convert_moments", "save_adapter", "load_adapter",
+           "check_resume_config", "non_finite"]
 
 # optim= -> the optimizer state's dtype (fastllm.optim.convert_state's state_dtype)
 STATE_DTYPES = {"adamw": torch.float32, "adamw_bf16": torch.bfloat16, "adamw8bit": torch.uint8}
@@ -199,3 +200,75 @@ def load_adapter(module, path, backend):
     from fastllm.adapters import load_adapter as load
 
     load(module, path)
+
+
+# Keys whose change makes a checkpoint's tensors not fit this run's (per finetune mode: the
+# sections that shape its trainable parameters), and keys whose change only moves the data
+# stream (the saved position would index another order or window size).
+_LAYOUT_KEYS = ("model", "model_config", "finetune", "optimizer_in_backward", "data.tokenizer")
+_MODE_KEYS = {"lora": ("lora.target_modules", "lora.r", "lora.layers", "lora.use_dora"),
+              "prefix": ("prefix.num_virtual_tokens", "prefix.prefix_projection",
+                         "prefix.encoder_hidden_size"),
+              "freeze": ("freeze.layers",), "badam": ("badam.blocks",)}
+_DATA_KEYS = ("seed", "data.path", "data.format", "data.seq_len", "data.packing",
+              "data.train_on_prompt", "data.eval_fraction", "data.eval_path")
+
+
+def _get(config, dotted):
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return None
+        config = config[part]
+    return config
+
+
+def check_resume_config(path, cfg, log):
+    """Compare checkpoint `path`'s config.yaml with this run's cfg before loading it: a change
+    that moves the state's layout raises ConfigError naming the key, a change of the data stream
+    is logged. A checkpoint without config.yaml passes."""
+    import yaml
+
+    from fastllm.train.config import ConfigError
+
+    saved_path = os.path.join(path, "config.yaml")
+    if not os.path.isfile(saved_path):
+        return
+    with open(saved_path) as f:
+        saved = yaml.safe_load(f)
+    if not isinstance(saved, dict):
+        return
+    now = cfg.to_dict()
+    if cfg.data.tokenizer != "bpe" or _get(saved, "data.tokenizer") != "bpe":
+        vocab = ()
+    else:
+        vocab = ("data.vocab_size",)  # the trained BPE's size is the embedding's
+    for key in _LAYOUT_KEYS + vocab + _MODE_KEYS.get(cfg.finetune, ()):
+        old, new = _get(saved, key), _get(now, key)
+        if old != new:
+            raise ConfigError(f"fastllm train: {path} was trained with {key}={old}, this run has "
+                              f"{key}={new}: its model and optimizer state do not fit; keep "
+                              f"{key}={old} to resume, or start fresh (another output_dir, or "
+                              f"overwrite_output_dir=true)")
+    for key in _DATA_KEYS:
+        old, new = _get(saved, key), _get(now, key)
+        if old != new:
+            log(f"fastllm train: warning: {path} was trained with {key}={old}, this run has "
+                f"{key}={new}: the resumed data position indexes another stream, so batches "
+                f"may repeat or be skipped")
+
+
+def non_finite(model_state, module, step, log):
+    """Whether the weights about to be saved hold inf or nan (then logged, naming them):
+    model_state's tensors, or without one (an adapter) module's trainable parameters (a
+    DTensor: its local shard)."""
+    named = (model_state.items() if model_state is not None else
+             [(n, p) for n, p in module.named_parameters() if p.requires_grad])
+    bad = []
+    for name, t in named:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            bad.append(name)
+    if bad:
+        log(f"fastllm train: step {step}: {len(bad)} tensors hold inf/nan ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}); checkpoint not saved")
+    return bool(bad)

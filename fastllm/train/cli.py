@@ -55,6 +55,8 @@ def _split_options(args):
 
 
 def _train(args):
+    import yaml
+
     from fastllm.train.checkpoint import CheckpointError
     from fastllm.train.config import ConfigError, TrainConfig
     from fastllm.train.run_dir import RunDirError
@@ -66,11 +68,15 @@ def _train(args):
         cfg = TrainConfig.from_args(args.overrides, args.config)
     except (ConfigError, OSError) as e:
         sys.exit(str(e))
+    except yaml.YAMLError as e:
+        sys.exit(f"fastllm train: {args.config} is not valid YAML: {e}")
+    # One-line errors and a nonzero exit (torchrun restarts on it). ValueError: what the
+    # trainer refuses once it sees the data, model or checkpoint (ConfigError is one).
+    clear = (RunDirError, CheckpointError, CollectiveTimeout, ValueError, FileNotFoundError)
     if args.compare is None:
         try:
             summary = Trainer(cfg).train()
-        except (RunDirError, CheckpointError, CollectiveTimeout) as e:
-            # A clear one-line error and a nonzero exit (torchrun restarts on it)
+        except clear as e:
             sys.exit(str(e))
         if summary.get("status") == "stopped":
             sys.exit(0)
@@ -82,18 +88,29 @@ def _train(args):
             return compare_hf(cfg)
         except (RunDirError, CheckpointError, ValueError) as e:
             sys.exit(str(e))
-    runs = []
+    # both configs checked before either trains: an option only fastllm has must not fail
+    # after the whole fastllm run
+    configs = []
     for backend in ("fastllm", "torch"):
         c = copy.deepcopy(cfg)
         c.backend = backend
         c.checkpoint.auto_resume = False
         c.checkpoint.interval = 0
         c.output_dir = cfg.output_dir if backend == "fastllm" else cfg.output_dir + "-torch"
-        runs.append((backend, Trainer(c.validate()).train()))
+        try:
+            configs.append((backend, c.validate()))
+        except ConfigError as e:
+            sys.exit(f"{e} (--compare torch runs the same config with backend=torch)")
+    runs = []
+    for backend, c in configs:
+        try:
+            runs.append((backend, Trainer(c).train()))
+        except clear as e:
+            sys.exit(str(e))
     if not runs[0][1]:
         return  # not rank 0
     print(f"\nfastllm train --compare torch ({cfg.model}, finetune={cfg.finetune}, "
-          f"precision={cfg.precision}, {cfg.max_steps} steps, same data and seed):")
+          f"precision={cfg.precision}, {runs[0][1]['steps']} steps, same data and seed):")
     print(f"  {'':8} {'tokens/s':>10} {'ms/step':>9} {'first loss':>11} {'final loss':>11}")
     for backend, s in runs:
         print(f"  {backend:8} {s['tokens_per_s']:10,.0f} {s['step_time_s'] * 1e3:9.1f} "

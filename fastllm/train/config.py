@@ -109,6 +109,8 @@ class ParallelConfig:
     init_timeout_s: float = 600.0         # the same for set-up and the first step; 0: torch's
 
 
+DEFAULT_MAX_STEPS = 300                   # neither max_steps nor num_train_epochs given
+
 _MODES = ("full", "freeze", "lora", "galore", "badam", "prefix")
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _STRATEGIES = ("auto", "none", "ddp", "fsdp", "zero1", "zero2")
@@ -123,8 +125,8 @@ class TrainConfig:
     output_dir: str = "runs/default"
     overwrite_output_dir: bool = False    # a fresh run may delete another run's files there
     seed: int = 0
-    max_steps: int = 300
-    num_train_epochs: float = 0.0         # > 0: max_steps from the data (HF's name)
+    max_steps: int = -1                   # > 0: the steps (overrides num_train_epochs, as HF's)
+    num_train_epochs: float = 0.0         # > 0 with max_steps unset: steps from the data (HF's)
     gradient_accumulation_steps: int = 0  # > 0: global batch = micro x this x dp (HF's name)
     eval_interval: int = 0                # steps between evaluations (and at the end); 0: the end
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -175,7 +177,11 @@ class TrainConfig:
              f"{self.kernels!r}")
         need(self.report_to in ("none", "tensorboard"),
              f"report_to must be none or tensorboard, got {self.report_to!r}")
-        need(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
+        need(self.max_steps >= 1 or self.max_steps == -1, f"max_steps must be >= 1 (or -1: "
+             f"num_train_epochs, else {DEFAULT_MAX_STEPS}), got {self.max_steps}")
+        need(self.output_dir.strip() != "", "output_dir is empty: give a folder")
+        # the data order and RNG streams seed with seed x 1_000_003 + epoch (64-bit)
+        need(0 <= self.seed < 2 ** 32, f"seed must be in [0, 2**32), got {self.seed}")
         need(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
         need(self.global_batch_size >= 0, "global_batch_size must be >= 0")
         need(0.0 <= self.checkpoint_ratio <= 1.0,
@@ -236,7 +242,24 @@ class TrainConfig:
             need(self.max_grad_norm == 0, "optimizer_in_backward steps each param before the "
                  "global grad norm exists: set max_grad_norm=0")
             need(self.precision != "fp16", "optimizer_in_backward does not do fp16 loss scaling")
+            # Each micro-batch's backward would step every parameter on its share of the grad:
+            # nothing accumulates (HF's and torchtitan's optimizer-in-backward refuse it too).
+            need(self.gradient_accumulation_steps <= 1 and self.global_batch_size in (
+                0, self.micro_batch_size), f"optimizer_in_backward steps inside every backward "
+                 f"and cannot accumulate gradients: set gradient_accumulation_steps=1 and "
+                 f"global_batch_size=0 (got gradient_accumulation_steps="
+                 f"{self.gradient_accumulation_steps}, global_batch_size={self.global_batch_size},"
+                 f" micro_batch_size={self.micro_batch_size})")
         return self
+
+    def resolved_max_steps(self, num_sequences, global_batch):
+        """max_steps when set (> 0: it overrides num_train_epochs, as HF's does), else the steps
+        num_train_epochs take over num_sequences, else DEFAULT_MAX_STEPS."""
+        if self.max_steps > 0:
+            return self.max_steps
+        if not self.num_train_epochs:
+            return DEFAULT_MAX_STEPS
+        return max(1, math.ceil(self.num_train_epochs * num_sequences / global_batch))
 
     @property
     def resolved_min_lr(self):
@@ -250,9 +273,18 @@ class TrainConfig:
              f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         need(not (self.data.eval_path and self.data.eval_fraction),
              "give data.eval_path or data.eval_fraction, not both")
+        if self.data.eval_path or self.data.eval_fraction:
+            from fastllm.train.sft_data import data_format
+
+            # a held-out set is made of JSONL examples; text windows have no split
+            fmt = data_format(self.data.path, self.data.format)
+            need(fmt == "jsonl", f"data.eval_path and data.eval_fraction hold out JSONL (SFT) "
+                 f"examples; data.path={self.data.path} is {fmt} data (use a .jsonl file or "
+                 f"data.format=jsonl, or drop them)")
         need(self.eval_interval >= 0 and self.eval.max_new_tokens >= 1 and self.eval.batches >= 0,
              "need eval_interval >= 0, eval.max_new_tokens >= 1 and eval.batches >= 0")
-        need(self.num_train_epochs >= 0, "num_train_epochs must be >= 0")
+        need(math.isfinite(self.num_train_epochs) and self.num_train_epochs >= 0,
+             f"num_train_epochs must be finite and >= 0, got {self.num_train_epochs}")
         need(self.gradient_accumulation_steps >= 0, "gradient_accumulation_steps must be >= 0")
         need(not (self.gradient_accumulation_steps and self.global_batch_size),
              "give global_batch_size or gradient_accumulation_steps, not both")
@@ -492,8 +524,12 @@ def _convert(key, value, current, hint):
     except (ValueError, TypeError):
         pass
     else:
-        if dataclasses.is_dataclass(current) and isinstance(value, dict):
-            _update(current, value, key + ".")
+        if dataclasses.is_dataclass(current):
+            data = _parse_free(value) if isinstance(value, str) else value
+            if not isinstance(data, dict):
+                raise ConfigError(f"fastllm train: {key} is a section: set its keys ({key}."
+                                  f"<name>=...) or give a mapping, got {value!r}")
+            _update(current, data, key + ".")
             return current
         return value
     raise ConfigError(f"fastllm train: {key}={value!r} is not a valid {_type_name(hint)}")

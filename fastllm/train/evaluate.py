@@ -23,8 +23,13 @@ __all__ = ["evaluate_loss", "generate_samples", "chat_prompt_ids", "read_eval", 
 def evaluate_loss(model, dataset, batch_size, device, autocast=None, max_batches=0):
     """Mean cross-entropy over every target token of `dataset` (an SFTDataset: each row once),
     summed per token over the whole set (so packing and batch size do not change it)."""
+    from fastllm.patch import patched
+
     was_training = model.training
     model.eval()
+    # a patched model returns logits in eval (for metrics); the loss alone needs none of the
+    # (tokens, vocab) of them, so it keeps the fused loss
+    fused = {"skip_logits": True} if patched(model)["cross_entropy"] else {}
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     try:
@@ -39,14 +44,16 @@ def evaluate_loss(model, dataset, batch_size, device, autocast=None, max_batches
             # num_items_in_batch=1: transformers' loss is then the sum over tokens
             if autocast is not None:
                 with autocast:
-                    out = model(**batch, use_cache=False, num_items_in_batch=1)
+                    out = model(**batch, use_cache=False, num_items_in_batch=1, **fused)
             else:
-                out = model(**batch, use_cache=False, num_items_in_batch=1)
+                out = model(**batch, use_cache=False, num_items_in_batch=1, **fused)
             total += out.loss.detach().double().cpu()
             count += n
     finally:
         model.train(was_training)
-    loss = float(total) / max(count, 1)
+    if count == 0:  # no target token left (all truncated): no loss, not a perfect one
+        return {"eval_loss": math.nan, "eval_ppl": math.nan, "eval_tokens": 0}
+    loss = float(total) / count
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
 
 
@@ -175,12 +182,19 @@ class Evaluator:
         eval.on_start)."""
         cfg = trainer.cfg
         if trainer.eval_dataset is None and not (cfg.eval.prompts or cfg.eval.prompts_file):
+            if cfg.eval_interval:
+                trainer.log(f"fastllm train: warning: eval_interval={cfg.eval_interval} has "
+                            f"nothing to evaluate: no held-out set (data.eval_fraction or "
+                            f"data.eval_path, JSONL data) and no eval.prompts")
             return None
         self = cls(cfg, trainer.eval_dataset, trainer.tokenizer, trainer.rank)
+        redo_start = trainer.step == 0 and cfg.eval.on_start
         if self.rank == 0:
-            _truncate(self.metrics_path, "eval_step", trainer.step)
-            _truncate(self.samples_path, "step", trainer.step)
-        if trainer.step == 0 and cfg.eval.on_start:
+            # a restart before the first checkpoint redoes the step-0 evaluation: drop its lines
+            keep = trainer.step - 1 if redo_start else trainer.step
+            _truncate(self.metrics_path, "eval_step", keep)
+            _truncate(self.samples_path, "step", keep)
+        if redo_start:
             self.run(trainer, 0)
         return self
 

@@ -8,7 +8,7 @@ import torch
 
 from fastllm.parallel import decoder_layers
 
-__all__ = ["PRESETS", "build_model", "apply_finetune", "is_model_dir"]
+__all__ = ["PRESETS", "build_model", "apply_finetune", "is_model_dir", "check_model"]
 
 # Llama-architecture sizes, random init (transformers' LlamaConfig). vocab_size comes from the
 # tokenizer. tiny is for tests, mini for the default run.
@@ -26,6 +26,16 @@ PRESETS = {
 
 def is_model_dir(name):
     return os.path.isdir(name)
+
+
+def check_model(cfg):
+    """Refuse a model= that is neither a preset nor a folder (before the run folder is
+    written to: a run that cannot start writes nothing)."""
+    from fastllm.train.config import ConfigError
+
+    if cfg.model not in PRESETS and not is_model_dir(cfg.model):
+        raise ConfigError(f"fastllm train: model={cfg.model!r} is neither a built-in "
+                          f"({', '.join(PRESETS)}) nor a folder")
 
 
 def build_model(cfg, vocab_size, dtype):

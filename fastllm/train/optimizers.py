@@ -17,7 +17,9 @@ import torch
 
 from fastllm.train.checkpoint_layout import param_order
 
-__all__ = ["Scalers", "build", "step"]
+__all__ = ["Scalers", "build", "step", "NO_CLIP"]
+
+NO_CLIP = float(torch.finfo(torch.float32).max)
 
 
 @dataclasses.dataclass
@@ -67,8 +69,10 @@ def build(cfg, module, device_type="cpu", zero_stage=0, clip_inside=True):
     from fastllm.optim import AdamW, AdamW8bit
 
     scalers = Scalers(loss_scaler=LossScaler() if cfg.precision == "fp16" else None)
+    # max_grad_norm=0 still measures the norm (HF logs it unclipped) and skips a non-finite
+    # step: a bound no finite fp32 norm reaches clips by exactly 1
     opt_kw = dict(kw, master_weights=cfg.precision != "fp32",
-                  max_grad_norm=(cfg.max_grad_norm or None) if clip_inside else None,
+                  max_grad_norm=(cfg.max_grad_norm or NO_CLIP) if clip_inside else None,
                   loss_scaler=scalers.loss_scaler)
     if cfg.optim == "adamw_bf16":
         opt_kw["state_dtype"] = torch.bfloat16
@@ -103,9 +107,9 @@ def step(optimizer, cfg, scalers, clip_group=None):
         gs = scalers.grad_scaler
         if gs is not None:
             gs.unscale_(optimizer)
-        if cfg.max_grad_norm or clip_group is not None:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            grad_norm = float(clip_grad_norm_(params, cfg.max_grad_norm or None, clip_group))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        # max_grad_norm=0: the norm is still logged, as HF's Trainer does
+        grad_norm = float(clip_grad_norm_(params, cfg.max_grad_norm or None, clip_group))
         if gs is not None:
             scale = gs.get_scale()
             gs.step(optimizer)
@@ -128,7 +132,10 @@ class InBackwardOptimizer:
     """fastllm AdamW stepped inside backward: one optimizer per parameter, run by a
     post-accumulate-grad hook that then frees the grad, so full training never holds all
     gradients at once. step() and zero_grad() are no-ops; param_groups proxy every optimizer's
-    (so the schedule can set lr); state_dict is index-keyed like one optimizer's."""
+    (so the schedule can set lr); state_dict is index-keyed like one optimizer's. Each
+    optimizer measures its grad's norm (kw's max_grad_norm: NO_CLIP) and skips on device when
+    it is inf/nan; grad_norm is the norm over all of them. The hook steps on every backward:
+    the config refuses gradient accumulation with it."""
 
     def __init__(self, groups, kw):
         from fastllm.optim import AdamW
@@ -152,6 +159,21 @@ class InBackwardOptimizer:
     @property
     def param_groups(self):
         return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def grad_norm(self):
+        # reduced on the device: one read of the result, not one per parameter
+        norms = [opt.grad_norm for opt in self.optimizers if opt.grad_norm is not None]
+        if not norms:
+            return None
+        return torch.stack([n.double() for n in norms]).square().sum().sqrt()
+
+    @property
+    def step_skipped(self):
+        flags = [opt.step_skipped for opt in self.optimizers
+                 if isinstance(opt.step_skipped, torch.Tensor)]
+        return bool(torch.stack(flags).any()) if flags else any(
+            opt.step_skipped for opt in self.optimizers)
 
     @property
     def state(self):

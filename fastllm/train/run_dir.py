@@ -75,11 +75,13 @@ def previous_run(output_dir):
 
 def prepare(cfg, log=print):
     """Rank 0 at the start of a run: lock output_dir, refuse (or with overwrite_output_dir
-    clear) another run's checkpoints and metrics when this run starts fresh, remove leftovers
+    clear) another run's checkpoints and metrics when this run starts fresh (auto_resume=false
+    or overwrite_output_dir=true), remove leftovers
     of interrupted checkpoint writes. Returns the lock handle for release()."""
     handle = lock(cfg.output_dir)
     try:
-        if not cfg.checkpoint.auto_resume:
+        # overwrite_output_dir wins over auto_resume (HF's meaning): the trainer starts fresh
+        if not cfg.checkpoint.auto_resume or cfg.overwrite_output_dir:
             old = previous_run(cfg.output_dir)
             if old and not cfg.overwrite_output_dir:
                 raise RunDirError(

@@ -29,15 +29,16 @@ LengthGroupedSampler: sorted within mega-batches) and are padded to the longest.
 import glob
 import hashlib
 import json
-import math
 import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", "SFTDataset",
            "split_examples", "build_sft_data", "build_datasets", "Batch", "prepare_step",
-           "model_inputs", "max_steps", "text_pieces", "IGNORE_INDEX"]
+           "model_inputs", "max_steps", "text_pieces", "dp_sum", "gather_samples",
+           "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 _VERSION = "sft-1"
@@ -120,11 +121,17 @@ def read_records(path):
     before any is tokenised. Blank lines are skipped."""
     records = []
     for name in _files(path):
-        with open(name, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(name, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                where = f"{name} line {n}"
+                try:
+                    # utf-8-sig: a byte-order mark (Windows editors write one) is not JSON
+                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"fastllm train: {where}: not UTF-8 (byte {e.start}: "
+                                     f"{raw[e.start:e.start + 1]!r})") from None
                 if not line.strip():
                     continue
-                where = f"{name} line {n}"
                 try:
                     record = json.loads(line)
                 except ValueError as e:
@@ -379,6 +386,12 @@ def build_sft_data(cfg, tokenizer, records=None, log=print):
     if train.truncated:
         log(f"fastllm train: {train.truncated} of {len(train.spans)} examples are longer than "
             f"data.seq_len={data.seq_len} tokens and were truncated")
+    # (each example's first token is predicted by nothing of its own: never a target)
+    if not any(train.mask[s + 1:e].any() for s, e in train.spans):
+        raise ValueError(f"fastllm train: no training example has a target token within "
+                         f"data.seq_len={data.seq_len} ({train.truncated} of {len(train.spans)} "
+                         f"truncated; a completion's tokens count, an example's first token "
+                         f"never): raise data.seq_len or give longer completions")
     return train, held
 
 
@@ -391,19 +404,54 @@ class Batch(dict):
                       for k, v in self.items()})
 
 
-def prepare_step(micro):
-    """Ready a step's micro-batches [(samples, batch)] for the model; returns the step's real
-    (unpadded) tokens, None for plain token windows. SFT batches: the step's loss is the mean
-    over all its target tokens, whichever micro-batch holds them (transformers'
-    num_items_in_batch, times the accumulation, which the trainer's loss / accumulation undoes).
-    """
+def prepare_step(micro, reduce=None, dp=1):
+    """Ready a step's micro-batches [(samples, batch)] for the model; returns (real (unpadded)
+    tokens, target tokens) of the whole step over every data-parallel rank, or None for plain
+    token windows. SFT batches: the step's loss is the mean over all its target tokens,
+    whichever micro-batch and data-parallel rank holds them (transformers' num_items_in_batch,
+    times the accumulation and dp, which the trainer's loss / accumulation and the gradient
+    average over dp undo; HF's average_tokens_across_devices).
+
+    reduce(t): t (a (2,) int64 CPU tensor) summed over the dp ranks, each batch counted once
+    (None: one process)."""
     batches = [b for _, b in micro if isinstance(b, dict)]
     if not batches:
         return None
-    targets = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
+    counts = torch.tensor([sum(int(b.pop("num_tokens")) for b in batches),
+                           sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)],
+                          dtype=torch.int64)
+    if reduce is not None:  # one collective per step, not per micro-batch
+        counts = reduce(counts)
+    tokens, targets = int(counts[0]), int(counts[1])
     for b in batches:
-        b["num_items_in_batch"] = max(targets, 1) / len(micro)
-    return sum(int(b.pop("num_tokens")) for b in batches)
+        # a step without targets is skipped by the trainer (its loss would read 0)
+        b["num_items_in_batch"] = max(targets, 1) / (len(micro) * dp)
+    return tokens, targets
+
+
+def dp_sum(layout, device, world):
+    """prepare_step's `reduce` for a run on `world` ranks of `layout`: a count summed over the
+    world, less the tp and pp ranks that read copies of each dp rank's batch (None: one
+    process)."""
+    if world == 1:
+        return None
+
+    def reduce(counts):
+        counts = counts.to(device)  # (NCCL reduces device tensors only)
+        dist.all_reduce(counts)
+        return counts.cpu() // (layout.tp * layout.pp)
+    return reduce
+
+
+def gather_samples(micro, world):
+    """The sample indices of a step's micro-batches [(samples, batch)] over every rank."""
+    mine = [s for samples, _ in micro for s in samples]
+    if world == 1:
+        return mine
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    # the tp ranks and pipeline stages of one data-parallel rank read the same samples
+    return list({s for part in everyone for s in part})
 
 
 def model_inputs(batch):
@@ -443,10 +491,9 @@ def build_datasets(cfg, model_dir, rank, world, barrier, log=print):
 
 
 def max_steps(cfg, dataset, global_batch):
-    """cfg.max_steps, or with num_train_epochs (HF's) the steps that many epochs take."""
-    if not cfg.num_train_epochs:
-        return cfg.max_steps
-    return max(1, math.ceil(cfg.num_train_epochs * dataset.num_sequences / global_batch))
+    """cfg.max_steps when set (> 0: it overrides num_train_epochs, as in HF), else the steps
+    num_train_epochs take over `dataset`, else config.DEFAULT_MAX_STEPS."""
+    return cfg.resolved_max_steps(dataset.num_sequences, global_batch)
 
 
 def text_pieces(records):

@@ -25,13 +25,13 @@ from fastllm.parallel import ParallelLayout, apply_activation_checkpointing, dec
 from fastllm.parallel.pipeline import pipeline_loss
 from fastllm.train import checkpoint as ckpt
 from fastllm.train import checkpoint_layout, faults, run_dir, sft_data, strategies, watchdog
-from fastllm.train.config import TrainConfig
+from fastllm.train.config import DEFAULT_MAX_STEPS, TrainConfig
 from fastllm.train.data import Loader
 from fastllm.train.evaluate import Evaluator
 from fastllm.train.memory import PeakMemory
 from fastllm.train.metrics import MetricsWriter, write_summary
 from fastllm.train.signals import StopSignals
-from fastllm.train.model import apply_finetune, build_model, is_model_dir
+from fastllm.train.model import apply_finetune, build_model, check_model, is_model_dir
 
 __all__ = ["Trainer", "lr_at"]
 
@@ -43,7 +43,7 @@ def lr_at(cfg, step):
     cosine decay from lr to min_lr at max_steps."""
     if cfg.warmup_steps and step <= cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
-    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    span = max(1, (cfg.max_steps if cfg.max_steps > 0 else DEFAULT_MAX_STEPS) - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     min_lr = cfg.resolved_min_lr
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
@@ -79,6 +79,7 @@ class Trainer:
                       else int(os.environ.get("WORLD_SIZE", "1")))
         # the layout's rules first: a run that cannot start writes nothing
         self.layout = ParallelLayout.from_config(cfg.parallel, self.world)
+        check_model(cfg)
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if want_cuda else "gloo",
                                     timeout=watchdog.pg_timeout(cfg))
@@ -112,6 +113,7 @@ class Trainer:
         self.global_batch = cfg.global_batch_size or self.layout.default_global_batch(
             cfg.micro_batch_size * max(1, cfg.gradient_accumulation_steps))
         cfg.max_steps = sft_data.max_steps(cfg, self.dataset, self.global_batch)
+        self._dp_sum = sft_data.dp_sum(self.layout, self.device, self.world)
 
     def _build_model(self):
         cfg = self.cfg
@@ -159,7 +161,9 @@ class Trainer:
                          "rollbacks": self.rollbacks},
         }
         model_state, optim_state = self.strategy.state()
-        if self.rank == 0:
+        # a poisoned checkpoint would be what max_bad_steps rolls back to
+        if self.rank == 0 and not checkpoint_layout.non_finite(model_state, self.module,
+                                                               self.step, self.log):
             writers = {
                 "trainer_state.pt": lambda p: ckpt.save_file(state, p),
                 "optimizer.pt": lambda p: ckpt.save_file(optim_state, p),
@@ -237,10 +241,11 @@ class Trainer:
         nan_batches = set(cfg.nan_batches)
         tracked_peak = None
         resumed = None
-        if cfg.checkpoint.auto_resume:
+        if cfg.checkpoint.auto_resume and not cfg.overwrite_output_dir:  # (run_dir.prepare)
             found = self._from_rank0(ckpt.latest_valid(cfg.output_dir, log=self.log)
                                      if self.rank == 0 else None)
             if found is not None:
+                checkpoint_layout.check_resume_config(found[1], cfg, self.log)
                 self.load_checkpoint(found[1])
                 resumed = found[1]
                 self.log(f"fastllm train: resumed from {resumed} (step {self.step}, sample "
@@ -279,8 +284,12 @@ class Trainer:
                         for g in self.optimizer.param_groups:
                             g["lr"] = lr_at(cfg, self.step + 1)
                         t_fb = time.perf_counter()
-                        sft_tokens = sft_data.prepare_step(micro)  # None for text windows
-                        loss_sum, exposed = strategy.forward_backward(micro, self._step_loss)
+                        sft = sft_data.prepare_step(micro, self._dp_sum, lay.dp)  # or None
+                        # no target on any rank: all skip (a 0 loss would still decay weights)
+                        no_targets = sft is not None and sft[1] == 0
+                        loss_sum, exposed = ((torch.zeros((), dtype=torch.float64), 0.0)
+                                             if no_targets else
+                                             strategy.forward_backward(micro, self._step_loss))
                         t_comm = time.perf_counter()
                         flags = torch.tensor([float(loss_sum), float(signals.signum is not None)],
                                              dtype=torch.float64)
@@ -290,13 +299,13 @@ class Trainer:
                         # every rank of the last pipeline stage holds the loss (tp ranks: copies)
                         loss = float(flags[0]) / (len(micro) * lay.dp * lay.tp)
                         finite = math.isfinite(loss)
-                        if finite:
+                        if finite and not no_targets:
                             grad_norm, skipped = strategy.step()
                             self.bad_in_a_row = 0
                         else:
                             self.optimizer.zero_grad(set_to_none=True)
                             grad_norm, skipped = None, True
-                            self.bad_in_a_row += 1
+                            self.bad_in_a_row += int(not finite)
                         t_end = time.perf_counter()
                     finally:
                         if tracker is not None:
@@ -311,8 +320,8 @@ class Trainer:
                     rec = {
                         "step": self.step, "loss": loss if finite else None,
                         "lr": lr_at(cfg, self.step), "grad_norm": grad_norm, "skipped": skipped,
-                        "tokens": sft_tokens or tokens_per_step,
-                        "tokens_per_s": (sft_tokens or tokens_per_step) / step_time,
+                        "tokens": sft[0] if sft else tokens_per_step,
+                        "tokens_per_s": (sft[0] if sft else tokens_per_step) / step_time,
                         "step_time_s": step_time, "data_wait_s": data_wait,
                         "fwd_bwd_s": (t_comm - t_fb) - exposed + (0.0 if self.world > 1
                                                                    else t_opt - t_comm),
@@ -326,10 +335,12 @@ class Trainer:
                     if strategy.scalers.loss_scaler is not None:
                         rec["loss_scale"] = strategy.scalers.loss_scaler.get_scale()
                     if cfg.data.log_indices:
-                        rec["samples"] = sorted(self._gather_samples(micro))
-                    if not finite:
-                        writer.message(f"fastllm train: step {self.step}: non-finite loss, step "
-                                       f"skipped ({self.bad_in_a_row} in a row)")
+                        rec["samples"] = sorted(sft_data.gather_samples(micro, self.world))
+                    if not finite or no_targets:
+                        writer.message(f"fastllm train: step {self.step}: " + (
+                            "no target token (all truncated by data.seq_len?), step skipped"
+                            if no_targets else f"non-finite loss, step skipped "
+                            f"({self.bad_in_a_row} in a row)"))
                         rec["loss"] = float("nan")
                     if evaluator is not None and evaluator.due(self.step):
                         rec.update(evaluator.run(self, self.step))
@@ -383,12 +394,3 @@ class Trainer:
         if tracked_peak is not None:
             return tracked_peak
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-    def _gather_samples(self, micro):
-        mine = [s for samples, _ in micro for s in samples]
-        if self.world == 1:
-            return mine
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine)
-        # the tp ranks and pipeline stages of one data-parallel rank read the same samples
-        return list({s for part in everyone for s in part})

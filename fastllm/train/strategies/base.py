@@ -56,7 +56,12 @@ class Strategy:
             last = m == accum - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = step_loss(self.model, ids)
-                loss_sum += loss.detach().double().cpu()
+                value = loss.detach().double().cpu()
+                loss_sum += value
+                if self.cfg.optimizer_in_backward and not torch.isfinite(value):
+                    # its backward would step every parameter on non-finite grads; the trainer
+                    # then skips the step (one process, one micro-batch: nothing to sync)
+                    continue
                 if self.comm_timer is not None:
                     self.comm_timer.last_launch = None
                 self.scalers.scale(loss / accum).backward()

@@ -1,0 +1,156 @@
+"""fastllm train refuses or handles what would otherwise train wrongly: optimizer_in_backward with
+accumulation or a non-finite loss, options that do not apply, HF's max_steps over
+num_train_epochs, overwrite_output_dir, a resume with another layout, --compare torch with a
+fastllm-only option, the step-0 evaluation redone after a restart (tiny model, one thread,
+a few steps each)."""
+
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fastllm.train import TrainConfig, Trainer
+from fastllm.train import checkpoint as ckpt
+from fastllm.train.config import ConfigError
+from fastllm.train.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("token-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def tiny(cache_dir, output_dir, *extra):
+    return ["model=tiny", "data.seq_len=32", "micro_batch_size=4", "lr=1e-2", "warmup_steps=1",
+            "threads=1", "log_interval=1000", "track_memory=false",
+            f"data.cache_dir={cache_dir}", f"output_dir={output_dir}", *extra]
+
+
+def run(cache_dir, output_dir, *extra, log=None):
+    return Trainer(TrainConfig.from_args(tiny(cache_dir, output_dir, *extra)),
+                   log=log or (lambda text: None)).train()
+
+
+def metrics(output_dir):
+    return read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("overrides,says", [
+    # each backward steps every parameter: accumulation would step once per micro-batch
+    (["optimizer_in_backward=true", "max_grad_norm=0", "gradient_accumulation_steps=2"],
+     "optimizer_in_backward .* cannot accumulate gradients: set gradient_accumulation_steps=1"),
+    (["optimizer_in_backward=true", "max_grad_norm=0", "micro_batch_size=2",
+      "global_batch_size=4"], "optimizer_in_backward .* global_batch_size=4"),
+    # text data has no held-out split: these were silently ignored
+    (["data.eval_fraction=0.1"], "data.eval_fraction hold out JSONL .* is text data"),
+    (["data.eval_path=held.jsonl"], "data.eval_path and data.eval_fraction hold out JSONL"),
+    (["data=3"], "data is a section: set its keys"),
+    (["num_train_epochs=inf"], "num_train_epochs must be finite"),
+    (["output_dir="], "output_dir is empty"),
+    (["seed=99999999999999"], r"seed must be in \[0, 2\*\*32\)"),
+    (["max_steps=0"], "max_steps must be >= 1"),
+])
+def test_config_refuses_before_anything_runs(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        TrainConfig.from_args(overrides)
+
+
+def test_an_unknown_model_is_refused_before_the_run_folder_is_written(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="model='no-such-model' is neither a built-in"):
+        Trainer(TrainConfig.from_args(["model=no-such-model", f"output_dir={out}"])).train()
+    assert not out.exists()
+
+
+def test_max_steps_overrides_num_train_epochs_as_in_hf():
+    from fastllm.train.config import DEFAULT_MAX_STEPS
+    from fastllm.train.sft_data import max_steps
+
+    data = SimpleNamespace(num_sequences=10)
+
+    def steps(*overrides):
+        return max_steps(TrainConfig.from_args(list(overrides)), data, 2)
+
+    assert steps("num_train_epochs=1", "max_steps=2") == 2
+    assert steps("num_train_epochs=1") == 5
+    assert steps("max_steps=7") == 7
+    assert steps() == DEFAULT_MAX_STEPS == 300  # README: `make train` runs 300 steps
+
+
+def test_optimizer_in_backward_nan_loss_leaves_the_weights_and_checkpoints_finite(cache_dir,
+                                                                                 tmp_path):
+    out = str(tmp_path)
+    s = run(cache_dir, out, "max_steps=3", "max_grad_norm=0", "optimizer_in_backward=true",
+            "nan_batches=[1]", "checkpoint.interval=1", "checkpoint.keep_last=3")
+    recs = metrics(out)
+    assert [r["skipped"] for r in recs] == [False, True, False] and s["skipped_steps"] == 1
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in (recs[0], recs[2]))
+    # max_grad_norm=0 still logs the (unclipped) norm
+    assert recs[0]["grad_norm"] is not None and recs[0]["grad_norm"] > 0
+    weights = {step: ckpt.load_file(os.path.join(path, "model.pt"))
+               for step, path in ckpt.list_checkpoints(out)}
+    assert sorted(weights) == [1, 2, 3]
+    for name, w in weights[1].items():
+        assert torch.equal(weights[2][name], w), name  # the skipped step changed nothing
+        assert torch.isfinite(weights[3][name]).all(), name
+
+
+def test_overwrite_output_dir_starts_fresh_under_auto_resume(cache_dir, tmp_path):
+    out = str(tmp_path)
+    run(cache_dir, out, "max_steps=2", "checkpoint.interval=0")
+    s = run(cache_dir, out, "max_steps=2", "checkpoint.interval=0", "overwrite_output_dir=true",
+            "lr=1e-3")
+    assert s["resumed_from"] is None
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == [1, 2] and recs[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_resume_with_another_layout_names_the_key(cache_dir, tmp_path):
+    out = str(tmp_path)
+    run(cache_dir, out, "max_steps=1", "checkpoint.interval=0")
+    for extra, says in ((["finetune=lora"], "trained with finetune=full, this run has "
+                                            "finetune=lora"),
+                        (["model=mini"], "trained with model=tiny, this run has model=mini"),
+                        (["optimizer_in_backward=true", "max_grad_norm=0"],
+                         "optimizer_in_backward=False, this run has optimizer_in_backward=True")):
+        with pytest.raises(ConfigError, match=says):
+            run(cache_dir, out, "max_steps=1", *extra)
+    said = []
+    s = run(cache_dir, out, "max_steps=1", "seed=5", log=said.append)
+    assert s["resumed_from"].endswith("checkpoint-1")
+    assert any("trained with seed=0, this run has seed=5" in line for line in said)
+
+
+def test_compare_torch_refuses_a_fastllm_only_option_before_training(cache_dir, tmp_path):
+    from fastllm.cli import main
+
+    out = tmp_path / "c"
+    with pytest.raises(SystemExit, match="finetune=galore is fastllm's optimizer"):
+        main(["train", "--compare", "torch", *tiny(cache_dir, str(out), "max_steps=1",
+                                                    "finetune=galore")])
+    assert not out.exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: [1\n")
+    with pytest.raises(SystemExit, match="bad.yaml is not valid YAML"):
+        main(["train", "--config", str(bad)])
+
+
+def test_a_restart_before_the_first_checkpoint_writes_step_0_samples_once(cache_dir, tmp_path):
+    out = str(tmp_path)
+    args = ("max_steps=1", "eval.prompts=[hi]", "eval.max_new_tokens=2")
+    run(cache_dir, out, *args)
+    shutil.rmtree(os.path.join(out, "checkpoint-1"))  # as a kill before it was written
+    run(cache_dir, out, *args)
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1]
