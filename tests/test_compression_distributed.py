@@ -1,8 +1,10 @@
 """Compression and GaLore under fastllm's sharded data parallelism, in one world-2 Gloo launch:
 DistributedOptimizer(grad_compression=PowerSGD) at full rank against the exact
 DistributedOptimizer, at rank 4 step by step against DDP + powersgd_hook + the same optimizer, its
-state round trip, the refused combinations; GaLoreAdamW under DistributedOptimizer (stage 1 and
-2) and under FSDP2 (`fully_shard`) against one process.
+state round trip, the refused combinations, one inf/nan on one rank skipping only its step;
+GaLoreAdamW under DistributedOptimizer (stage 1 and 2) and under FSDP2 (`fully_shard`) against
+one process. Also here, as it shares this launch (tests/test_distributed.py is full):
+overlap_param_gather with a param read outside its own module's forward.
 
 Tolerances: fp32, 1e-5 relative. Against DDP the same kernels run on the same bucket contents, so
 the only differences are the order of a few sums. At full rank P P^T M equals M up to the
@@ -18,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fastllm.distributed import DistributedOptimizer, PowerSGD, powersgd_hook
 from fastllm.distributed.launch import spawn
@@ -161,6 +164,85 @@ def _refusals(rank, world):
     return messages, unchanged
 
 
+def _non_finite_once(rank, world):
+    """An inf on rank 1 at step 2 only, PowerSGD with error feedback and warm start (defaults):
+    under DistributedOptimizer and DDP + powersgd_hook + AdamW, which both skip non-finite
+    steps. Returns per path the skipped steps and whether the params end finite and equal."""
+    out = {}
+    for path in ("distopt", "ddp"):
+        model = _model()
+        state = PowerSGD(rank=2, start_iter=0)
+        if path == "distopt":
+            net = model
+            opt = DistributedOptimizer(model, lr=1e-2, max_grad_norm=1.0, grad_compression=state)
+        else:
+            net = nn.parallel.DistributedDataParallel(model)
+            net.register_comm_hook(state, powersgd_hook)
+            opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+        skipped = []
+        for step in range(5):
+            x, y = _batch(step)
+            x, y = x[16 * rank:16 * rank + 16].clone(), y[16 * rank:16 * rank + 16]
+            if step == 2 and rank == 1:
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            (net(x) - y).square().mean().backward()
+            opt.step()
+            skipped.append(bool(opt.step_skipped))
+        if path == "distopt":
+            opt.finish_param_sync()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        out[path] = (skipped, bool(torch.isfinite(flat).all()) and all(
+            torch.equal(gathered[0], g) for g in gathered))
+    return out
+
+
+class _FunctionalInput(nn.Module):
+    """Reads inp's params in its own forward without calling inp (a functional or tied layer),
+    before any module that owns params runs. `pending` (set by the test) says whether inp's
+    all-gather is still in flight at that read: what a stale value would come from."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.inp = nn.Linear(32, 64)
+        self.out = nn.Linear(64, 16)
+        self.pending = lambda: False
+        self.stale_reads = 0
+
+    def forward(self, x):
+        self.stale_reads += self.pending()
+        return self.out(torch.tanh(F.linear(x, self.inp.weight, self.inp.bias)))
+
+
+def _overlap_functional_read(rank, world):
+    """overlap_param_gather against off: the same losses and params, and no forward reads inp
+    while its bucket's all-gather has not been waited for (checked at the read itself, so the
+    check does not depend on how fast the other rank is)."""
+    runs = []
+    for overlap in (False, True):
+        model = _FunctionalInput()
+        opt = DistributedOptimizer(model, stage=2, lr=1e-2, overlap_param_gather=overlap)
+        buckets = {opt._where[id(p)][0].index for p in model.inp.parameters()}
+        model.pending = lambda: any(opt.buckets[i].gather_work is not None for i in buckets)
+        losses = []
+        for step in range(3):
+            x, y = _batch(step)
+            opt.zero_grad()
+            loss = (model(x[16 * rank:16 * rank + 16]) - y[16 * rank:16 * rank + 16]).square()
+            loss.mean().backward()
+            opt.step()
+            losses.append(loss.mean().item())
+        opt.finish_param_sync()
+        runs.append((losses, [p.detach().clone() for p in model.parameters()],
+                     model.stale_reads))
+    (losses_off, params_off, _), (losses_on, params_on, stale) = runs
+    return (stale == 0 and losses_on == losses_off
+            and all(map(torch.equal, params_on, params_off)))
+
+
 # --- GaLore under DistributedOptimizer and FSDP2 ----------------------------------------------
 GALORE = dict(rank=8, update_proj_gap=2, scale=0.5, proj_type="std")
 
@@ -263,7 +345,9 @@ def _all_checks(rank, world):
     return {"full_rank": _full_rank(rank, world), "ddp": _against_ddp(rank, world),
             "round_trip": _round_trip(rank, world), "refusals": _refusals(rank, world),
             "galore_distopt": _galore_distopt(rank, world),
-            "galore_fsdp2": _galore_fsdp2(rank, world)}
+            "galore_fsdp2": _galore_fsdp2(rank, world),
+            "non_finite_once": _non_finite_once(rank, world),
+            "overlap_functional_read": _overlap_functional_read(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +403,15 @@ def test_galore_under_fsdp2_matches_one_process(world2):
         assert lefts == 1  # the (15, 64) weight: the all-reduced left projection
         assert worst < 1e-5, worst
         assert refused_cleanly and "sharded on dim 0 over a 1-D mesh" in message, message
+
+
+def test_powersgd_non_finite_step_on_one_rank_skips_only_that_step(world2):
+    for result in world2:
+        for path, (skipped, finite_and_equal) in result["non_finite_once"].items():
+            assert skipped == [False, False, True, False, False], (path, skipped)
+            assert finite_and_equal, path
+
+
+def test_overlap_param_gather_covers_a_param_read_outside_its_module(world2):
+    for result in world2:
+        assert result["overlap_functional_read"]

@@ -313,12 +313,16 @@ def resume(rank, world, folder):
     opt = DistributedOptimizer(model, stage=stage, bucket_cap_mb=400 * 4 / 2**20, lr=LR,
                                weight_decay=0.1, timeout=60)
     opt.load_state_dict(ckpt["optim"])
-    # The same state from the world-2 ranks' sharded_state_dict()s, resharded here.
+    # The same state from the world-2 ranks' sharded_state_dict()s, resharded here into 100-
+    # element buckets: at world 3 some ranks' shards of [unused] and [gain, fc2.bias] are padding.
     other = Net()
     other.load_state_dict(ckpt["model"])
-    other_opt = DistributedOptimizer(other, stage=stage, lr=LR, weight_decay=0.1, timeout=60)
+    other_opt = DistributedOptimizer(other, stage=stage, lr=LR, weight_decay=0.1, timeout=60,
+                                     bucket_cap_mb=100 * 4 / 2**20)
     other_opt.load_sharded_state_dict(
         [load(os.path.join(folder, f"zero_shard{k}.pt")) for k in range(2)])
+    r["sharded_steps"] = [float(other_opt.state.get(b.shard_param, {}).get("step", -1))
+                          for b in other_opt.buckets]
     a, b = opt.state_dict()["state"], other_opt.state_dict()["state"]
     r["sharded_equals_consolidated"] = a.keys() == b.keys() and all(
         torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
@@ -532,6 +536,7 @@ def test_checkpoint_resumes_at_other_world_size(runs, world):
 def test_sharded_state_dict_reshards(runs, world):
     for rank_result in runs[world]:
         assert rank_result["sharded_equals_consolidated"]
+        assert rank_result["sharded_steps"] == [HALF] * 5  # padding-only shards have state too
 
 
 def test_first_half_losses_match(runs):

@@ -20,7 +20,8 @@ Layout (Megatron-LM's distributed optimizer, written here for torch.distributed)
       bucket: one fused pass each. For bf16/fp16 params the shard it updates is an fp32 master
       copy and grads are reduced in fp32; the params are rewritten from the masters by
       fastllm::scaled_copy. Updated shards are all-gathered bucket by bucket, either at once or
-      (overlap_param_gather) waited for by a forward pre-hook of the module that uses them.
+      (overlap_param_gather) waited for by the forward pre-hook of the module that owns them
+      (fastllm/distributed/param_gather.py says exactly which forward reads are current).
 
 Where a grad cannot be a view of its bucket (fp32 reduction of bf16 grads, or a grad that a user
 replaced), it is packed into the bucket by fastllm::scaled_copy when its hook fires.
@@ -47,8 +48,8 @@ import torch
 import torch.distributed as dist
 
 from fastllm.distributed import failure
-from fastllm.distributed.optimizer_state import (_LOW_PRECISION, DistributedOptimizerState,
-                                                  _all_gather)
+from fastllm.distributed.optimizer_state import _LOW_PRECISION, DistributedOptimizerState
+from fastllm.distributed.param_gather import DistributedParamGather
 from fastllm.distributed.powersgd import PowerSGD
 from fastllm.ops.scaled_copy import scaled_copy
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
@@ -189,7 +190,7 @@ def _galore_param_ids(galore, named):
     return {id(p) for p in chosen}
 
 
-class DistributedOptimizer(DistributedOptimizerState):
+class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
     """ZeRO-1/2 data parallel training with one fused optimizer pass per rank's flat shard.
 
     Args:
@@ -204,10 +205,13 @@ class DistributedOptimizer(DistributedOptimizerState):
         overlap_grad_reduce: start each bucket's reduction from the grad hooks during backward
             (False: all at step()).
         overlap_param_gather: opt-in (default False, as Megatron's): after step(), all-gather
-            asynchronously and let the next forward wait per module. Until that forward (or
-            finish_param_sync(), or model.state_dict()) the params read any other way, e.g.
-            model.parameters() for an EMA or a metric, are the previous step's. False: step()
-            returns with every param updated.
+            asynchronously and let the next forward wait per module. Inside model's forward a
+            param is current when read in its own module's forward, or when its module's
+            forward never ran (waited for at model's forward start); read before its own
+            module runs in the same forward, or in any way outside model's forward (e.g.
+            model.parameters() for an EMA or a metric), it may be the previous step's, or half
+            updated, until finish_param_sync() or model.state_dict(). False: step() returns
+            with every param updated.
         timeout: seconds or timedelta; a collective that does not finish in time raises
             fastllm.distributed.DistributedFailure naming the rank that failed.
         grad_compression: a fastllm.distributed.PowerSGD (None: exact reduction). Its
@@ -309,14 +313,7 @@ class DistributedOptimizer(DistributedOptimizerState):
         # Reading the params (state_dict) must not race with an all-gather still in flight.
         self._state_dict_hook = model.register_state_dict_pre_hook(
             lambda *args, **kwargs: self.finish_param_sync())
-        self._forward_hooks = []
-        if self.overlap_param_gather:
-            for module in model.modules():
-                own = [p for p in module.parameters(recurse=False) if id(p) in self._where]
-                if own:
-                    buckets = sorted({self._where[id(p)][0].index for p in own})
-                    self._forward_hooks.append(module.register_forward_pre_hook(
-                        self._make_gather_waiter([self.buckets[i] for i in buckets])))
+        self._register_gather_waits(model)
 
     @property
     def _required_state(self):
@@ -549,39 +546,6 @@ class DistributedOptimizer(DistributedOptimizerState):
             b.grad_flat.zero_()
         self._reset_buckets()
         self._attach_grads()
-
-    # param all-gather --------------------------------------------------------------------------
-    def _start_param_gather(self):
-        for b in self.buckets:
-            if b.replicated:  # updated whole on every rank
-                continue
-            shard = b.param_flat[b.lo:b.hi].clone()
-            b.gather_work = _all_gather(b.param_flat, shard, group=self.group,
-                                                        async_op=True)
-        self._gathers_pending = True
-
-    def _wait_gather(self, b):
-        if b.gather_work is not None:
-            failure.wait(b.gather_work, f"parameter all-gather of bucket {b.index}", self.timeout)
-            b.gather_work = None
-
-    def finish_param_sync(self):
-        """Wait for the params' all-gather after step() (forward and model.state_dict() do this
-        themselves; call it before reading params any other way)."""
-        self._finish_param_gather()
-
-    def _finish_param_gather(self):
-        if self._gathers_pending:
-            for b in self.buckets:
-                self._wait_gather(b)
-            self._gathers_pending = False
-
-    def _make_gather_waiter(self, buckets):
-        def wait_for_params(module, args):
-            if self._gathers_pending:
-                for b in buckets:
-                    self._wait_gather(b)
-        return wait_for_params
 
     def shard_numel(self):
         """Elements of this rank's shards (the pad included): the size of its optimizer state

@@ -23,6 +23,40 @@ class DistributedOptimizerState:
         failure.wait(work, "state_dict all-gather", self.timeout)
         return full
 
+    def _agreed_layout(self):
+        """Per bucket ({flat state key: dtype name} to all-gather, {other key: (value, dtype name
+        or None)}), the same on every rank. Whether state_dict() gathers a bucket must not
+        depend on this rank's own state: a rank holding none (a shard that is only padding,
+        state created on some ranks only) would skip collectives the others run. One
+        all_gather_object instead makes every rank gather what any rank holds (zeros where it
+        holds nothing) and take `step` as the largest any rank saw."""
+        mine = []
+        for b in self.buckets:
+            flat, small = {}, {}
+            if not b.replicated:
+                inner = export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
+                for key, value in inner.items():
+                    if isinstance(value, torch.Tensor) and key != "step" and value.dim() > 0:
+                        flat[key] = str(value.dtype).split(".")[-1]
+                    elif isinstance(value, torch.Tensor):
+                        small[key] = (value.item(), str(value.dtype).split(".")[-1])
+                    else:
+                        small[key] = (value, None)
+            mine.append((flat, small))
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        agreed = []
+        for per_rank in zip(*everyone):
+            flat, small = {}, {}
+            for theirs_flat, theirs_small in per_rank:
+                for key, dtype in theirs_flat.items():
+                    flat.setdefault(key, dtype)
+                for key, value in theirs_small.items():
+                    if key not in small or (key == "step" and value[0] > small[key][0]):
+                        small[key] = value
+            agreed.append((dict(sorted(flat.items())), small))
+        return agreed
+
     def state_dict(self):
         """The consolidated state in single-process fastllm.optim.AdamW layout (collective: every
         rank calls it and gets the same dict). Param index i is the i-th trainable param of
@@ -33,31 +67,36 @@ class DistributedOptimizerState:
         self._finish_param_gather()
         index = {id(p): i for i, p in enumerate(self.params)}
         state = {}
-        for b in self.buckets:
+        for b, (flat, small) in zip(self.buckets, self._agreed_layout()):
             if b.replicated:
                 for p in b.params:
                     if self.optimizer.state.get(p):
                         state[index[id(p)]] = {k: v.detach().clone() if isinstance(
                             v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
                 continue
+            if not flat and not small:
+                continue
             inner = export_state(self.optimizer, self.optimizer.state.get(b.shard_param, {}))
-            if b.dtype in _LOW_PRECISION and inner:
-                inner["master_param"] = b.shard_param.detach()
             fulls = {}
-            for key, value in inner.items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.dim() > 0:
-                    fulls[key] = self._gather_flat(b, value.detach().reshape(-1))
+            for key, dtype in flat.items():
+                shard = inner.get(key)
+                if shard is None:  # no state here (see _agreed_layout): join with zeros
+                    shard = torch.zeros(b.shard_size, dtype=getattr(torch, dtype),
+                                        device=b.shard_param.device)
+                fulls[key] = self._gather_flat(b, shard.detach().reshape(-1))
+            if b.dtype in _LOW_PRECISION:
+                fulls["master_param"] = self._gather_flat(b, b.shard_param.detach())
+            scalars = {}
+            for key, (value, dtype) in small.items():
+                mine = inner.get(key)
+                scalars[key] = value if dtype is None else torch.tensor(
+                    value, dtype=getattr(torch, dtype),
+                    device=mine.device if isinstance(mine, torch.Tensor) else "cpu")
             for p, off in zip(b.params, b.offsets):
-                if not inner:
-                    continue
-                entry = {}
-                for key, value in inner.items():
-                    if key in fulls:
-                        entry[key] = fulls[key][off:off + p.numel()].view_as(p).clone()
-                    elif isinstance(value, torch.Tensor):
-                        entry[key] = value.detach().clone()
-                    else:
-                        entry[key] = value
+                entry = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in scalars.items()}
+                for key, full in fulls.items():
+                    entry[key] = full[off:off + p.numel()].view_as(p).clone()
                 state[index[id(p)]] = entry
         groups = []
         for g, params in zip(self.optimizer.param_groups, self._group_params):
@@ -196,8 +235,23 @@ class DistributedOptimizerState:
                                  f"covers {covered} of the {n} elements of {name}")
         self._finish_param_gather()
         for b in self.buckets:
-            new, steps = {}, []
+            # Every rank installs state for every bucket, a shard that is only padding included
+            # (zero moments), from what every rank reads alike: the keys and the `step`s of all
+            # the bucket's saved ranges, not only those overlapping this shard. One flat shard
+            # has one step; where the saved ones differ (another bucket layout, a param whose
+            # state started later) the largest is taken, as load_state_dict does, so the ranks
+            # agree and the consolidated state_dict() does not depend on who saves it.
+            saved = [st for name in b.names for _, _, st in ranges.get(name, [])]
+            steps = [float(st["step"]) for st in saved if "step" in st]
+            keys = {k for st in saved for k, v in st.items()
+                    if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0}
             dtype = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
+            new = {}
+            for key in sorted(keys):
+                if key == "master_param":
+                    new[key] = b.param_flat[b.lo:b.hi].float()
+                else:
+                    new[key] = torch.zeros(b.shard_size, dtype=dtype, device=b.param_flat.device)
             for i, name in enumerate(b.names):
                 span = b.overlaps(i)
                 if span is None:
@@ -208,13 +262,9 @@ class DistributedOptimizerState:
                     if lo >= hi:
                         continue
                     for key, value in st.items():
-                        if key == "step":
-                            steps.append(float(value))
-                        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                            dst = new.setdefault(key, torch.zeros(
-                                b.shard_size, dtype=dtype, device=b.param_flat.device))
-                            dst[at + lo - a:at + hi - a].copy_(value[lo - sa:hi - sa])
-            if new or steps:
+                        if key in new:
+                            new[key][at + lo - a:at + hi - a].copy_(value[lo - sa:hi - sa])
+            if keys or steps:  # (a bucket never stepped has no state to install, on any rank)
                 self._install(b, new, steps)
         group = shards[0].get("param_groups", [{}])[0] if shards else {}
         for key, value in group.items():

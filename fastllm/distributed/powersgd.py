@@ -27,6 +27,15 @@ The orthogonalisation (fastllm::orthogonalize) and the decompression with the er
 per bucket; the projections are BLAS matmuls. bf16/fp16 buckets are compressed in fp32 (P, Q and
 the error are fp32) and the result rounded back once.
 
+Non-finite gradients: an inf/nan in a compressed matrix on any one rank makes that bucket's P or Q
+non-finite, identically on every rank since both are all-reduced, and the averaged bucket carries
+it, so an optimizer that skips such steps (fastllm.optim.AdamW with max_grad_norm or a loss
+scaler, DistributedOptimizer) skips it. That bucket's error and warm-started P/Q are then dropped
+on every rank alike, with no extra collective (the next step starts them afresh, Q drawn from the
+seeded generator as on a first step, so the ranks stay identical and runs reproducible): only
+that step is lost. torch's hook keeps them, and every later step is non-finite too. An inf/nan in
+an uncompressed tensor leaves no state behind. Other buckets keep the error of the skipped step.
+
 Other differences from torch: with orthogonalization_epsilon 0 a zero column stays zero instead of
 becoming nan; start_iter may be 0 or 1 (torch refuses that with error feedback or warm start
 because DDP rebuilds its buckets after the first iteration): a bucket whose layout changed gets
@@ -279,6 +288,12 @@ class PowerSGD:
             dist.all_reduce(q_mem, group=group)
             q_mem.div_(world)
             powersgd_decompress(mats, ps, qs, local_qs, errors, 1.0)
+            # P and Q are all-reduced, so every rank reaches the same verdict without another
+            # collective; kept, a non-finite error or warm start would spoil every later step.
+            if not bool(torch.isfinite(p_mem).all() & torch.isfinite(q_mem).all()):
+                self.errors.pop(key, None)
+                self.p_memory.pop(key, None)
+                self.q_memory.pop(key, None)
         self.last_numel_sent = flat.numel() + p_size + q_size
         if work is not buffer:
             buffer.copy_(work)
