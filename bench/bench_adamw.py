@@ -23,6 +23,8 @@ FULL = QUICK + [(64 << 20, 16, True), (256 << 20, 64, False), (64 << 20, 1024, F
 GPU = [(64 << 20, 16, False), (256 << 20, 64, False), (64 << 20, 1024, False)]
 
 _DEEPSPEED_ANNOUNCED = False
+# The decay every provider applies: torch.optim.AdamW's and fastllm.optim.AdamW's default.
+WEIGHT_DECAY = 1e-2
 
 
 def _params(total, n_tensors, device):
@@ -68,23 +70,25 @@ def _make_deepspeed(cls, progress):
                 progress("loading DeepSpeed CPUAdam (built earlier)")
             else:
                 progress("building DeepSpeed CPUAdam (first use, ~60 s)")
-        return cls(params, adamw_mode=True, fp32_optimizer_states=True)
+        # DeepSpeedCPUAdam's own default is weight_decay=0: without this it would skip the decay
+        # the other rows of the table do.
+        return cls(params, weight_decay=WEIGHT_DECAY, adamw_mode=True,
+                   fp32_optimizer_states=True)
 
     return make
 
 
 def _providers(device, amsgrad, progress):
     dev = torch.device(device).type
+    hyper = dict(amsgrad=amsgrad, weight_decay=WEIGHT_DECAY)
     out = []
     if dev == "cpu":
-        out.append(("fastllm (cpp)", lambda ps: fastllm.optim.AdamW(ps, amsgrad=amsgrad), "cpp"))
+        out.append(("fastllm (cpp)", lambda ps: fastllm.optim.AdamW(ps, **hyper), "cpp"))
     else:
-        out.append(("fastllm (cuda)", lambda ps: fastllm.optim.AdamW(ps, amsgrad=amsgrad), "cuda"))
-        out.append(("fastllm (triton)", lambda ps: fastllm.optim.AdamW(ps, amsgrad=amsgrad),
-                    "triton"))
-    out.append(("torch fused", lambda ps: torch.optim.AdamW(ps, amsgrad=amsgrad, fused=True), None))
-    out.append(("torch foreach", lambda ps: torch.optim.AdamW(ps, amsgrad=amsgrad, foreach=True),
-                None))
+        out.append(("fastllm (cuda)", lambda ps: fastllm.optim.AdamW(ps, **hyper), "cuda"))
+        out.append(("fastllm (triton)", lambda ps: fastllm.optim.AdamW(ps, **hyper), "triton"))
+    out.append(("torch fused", lambda ps: torch.optim.AdamW(ps, fused=True, **hyper), None))
+    out.append(("torch foreach", lambda ps: torch.optim.AdamW(ps, foreach=True, **hyper), None))
     ds = _deepspeed_adam() if dev == "cpu" and not amsgrad else None
     if ds is not None:
         out.append(("deepspeed cpu_adam", _make_deepspeed(ds, progress), None))
@@ -95,7 +99,8 @@ def run(device="cpu", full=False, progress=print):
     cases = GPU if torch.device(device).type == "cuda" else (FULL if full else QUICK)
     rows = []
     for total, n_tensors, amsgrad in cases:
-        size = f"{total / 2**20:g}M fp32 params / {n_tensors} tensors" + (" amsgrad" if amsgrad else "")
+        size = f"{total / 2**20:g}M fp32 params / {n_tensors} tensors" + (
+            " amsgrad" if amsgrad else "")
         params = _params(total, n_tensors, device)
         nbytes = total * 4 * (9 if amsgrad else 7)
         fns = {}

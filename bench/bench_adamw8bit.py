@@ -1,10 +1,13 @@
 """Low-byte optimizer state: fastllm.optim.AdamW8bit and AdamW(state_dtype=bf16) against
 torch.optim.AdamW(fused=True) and, where installed, bitsandbytes' and torchao's AdamW8bit.
 
-Bytes per parameter the step must move at least:
+Bytes per parameter the step must move at least (`_floor`; the grad is read once: no clipping):
     fp32 params, 8-bit moments: param r+w 8, grad 4, codes r+w 2 + 2, absmax 16/block = ~16.06
     fp32 params, bf16 moments:  8 + 4 + 4 + 4 = 20;   fp32 moments (torch): 28
-    bf16 params + fp32 master, 8-bit moments: param w 2, grad 2, master r+w 8, codes 4 = ~16.06
+    bf16 params + fp32 master: param w 2, grad 2, master r+w 8, then the moments as above: the
+    same ~16.06 (8-bit), 20 (bf16), 28 (fp32)
+    bf16 params without masters (the peers in that case, "(no masters)"): param r+w 4, grad 2,
+    8-bit moments ~4.06 = ~10.06
 The memory probe streams that byte count in the same interleaved rounds (2 fp32 arrays read and
 written back, 1 read: the param, the grad, and the codes lumped into one array; 20 B/element, its
 length set so the total is the 8-bit step's bytes). "state" in the notes: the optimizer's state
@@ -51,25 +54,46 @@ def _state_bytes(opt):
                if isinstance(t, torch.Tensor))
 
 
+# Bytes per param of each kind of moments, read and written: 8-bit is two uint8 codes (4) and, per
+# quantisation block of 256 (fastllm's and torchao's default), two fp32 absmax (16 / 256).
+MOMENT_BYTES = {"8bit": 4 + 16 / 256, "bf16": 2 * 2 * 2, "fp32": 2 * 4 * 2}
+
+
+def _floor(param_bytes, master, moments):
+    """Bytes per param a step must move at least (the update of fastllm/ops/adamw.py and
+    fastllm/ops/adamw8bit.py, where x is the master when there is one, else the param): with a
+    master, the param is only written and the fp32 master read and written; without one, the
+    param read and written. Plus the grad (of the param's dtype) read once and the moments."""
+    weights = param_bytes + 2 * 4 if master else 2 * param_bytes
+    return weights + param_bytes + MOMENT_BYTES[moments]
+
+
 def _providers(device, dtype, master):
+    """(name, make, backend, bytes per param) of each provider of the case."""
     dev = torch.device(device).type
     backend = "cpp" if dev == "cpu" else "triton"
+    size = dtype.itemsize
     label = f"fastllm AdamW8bit ({backend})"
-    out = [(label, lambda ps: fastllm.optim.AdamW8bit(ps, master_weights=master), backend),
+    out = [(label, lambda ps: fastllm.optim.AdamW8bit(ps, master_weights=master), backend,
+            _floor(size, master, "8bit")),
            (f"fastllm AdamW bf16 state ({backend})",
             lambda ps: fastllm.optim.AdamW(ps, state_dtype=torch.bfloat16, master_weights=master),
-            backend)]
+            backend, _floor(size, master, "bf16"))]
     if master:
         out.append(("fastllm AdamW fp32 state, master", lambda ps: fastllm.optim.AdamW(
-            ps, master_weights=True), None))
+            ps, master_weights=True), None, _floor(size, True, "fp32")))
     else:
-        out.append(("torch fused", lambda ps: torch.optim.AdamW(ps, fused=True), None))
-    bnb = _peer("bitsandbytes.optim", "AdamW8bit")
-    if bnb is not None:
-        out.append(("bitsandbytes AdamW8bit", lambda ps: bnb(ps), None))
-    tao = _peer("torchao.optim", "AdamW8bit")
-    if tao is not None:
-        out.append(("torchao AdamW8bit", lambda ps: tao(ps), None))
+        out.append(("torch fused", lambda ps: torch.optim.AdamW(ps, fused=True), None,
+                    _floor(size, False, "fp32")))
+    # The peers step the params they are given and keep no fp32 master: in the master case they
+    # do less work than the rows above, so their name says so and they are credited their own
+    # bytes, not the master step's.
+    suffix = " (no masters)" if master else ""
+    for module, name in (("bitsandbytes.optim", "bitsandbytes"), ("torchao.optim", "torchao")):
+        cls = _peer(module, "AdamW8bit")
+        if cls is not None:
+            out.append((f"{name} AdamW8bit{suffix}", lambda ps, cls=cls: cls(ps), None,
+                        _floor(size, False, "8bit")))
     return out
 
 
@@ -92,12 +116,10 @@ def run(device="cpu", full=False, progress=print):
         size = f"{total / 2**20:g}M {kind} params / {n_tensors} tensors" + (
             ", fp32 master weights" if master else "")
         baseline = "fastllm AdamW fp32 state, master" if master else "torch fused"
-        q8_bytes = total * 16 + 2 * 4 * (total // 256)
-        per_param = {"8bit": 16 + 8 / 256, "bf16": 24 if master else 20,
-                     "fp32": 30 if master else 28}
+        q8_bytes = int(total * _floor(dtype.itemsize, master, "8bit"))
         fp32_state = total * (12 if master else 8)
-        fns, opts, kinds = {}, {}, {}
-        for name, make, backend in _providers(device, dtype, master):
+        fns, opts, per_param = {}, {}, {}
+        for name, make, backend, floor in _providers(device, dtype, master):
             params = _params(total, n_tensors, dtype, device)
             try:
                 opt = make(params)
@@ -111,9 +133,7 @@ def run(device="cpu", full=False, progress=print):
                 with fastllm.use_backend(backend):
                     opt.step()
 
-            fns[name], opts[name] = step, opt
-            kinds[name] = ("8bit" if "8bit" in name else "bf16" if "bf16 state" in name
-                           else "fp32")
+            fns[name], opts[name], per_param[name] = step, opt, floor
         fns[harness.PROBE], probe_bytes = _probe(q8_bytes, device)
         progress(f"adamw8bit {size}: {', '.join(fns)} (interleaved)")
         timings = harness.measure_many(fns, device=device, min_reps=5, max_reps=30,
@@ -121,13 +141,13 @@ def run(device="cpu", full=False, progress=print):
         for name, timing in timings.items():
             is_probe = name == harness.PROBE
             row = dict(op="adamw8bit", size=size, provider=name, time_ms=timing.median_ms,
-                       bytes=probe_bytes if is_probe else int(total * per_param[kinds[name]]),
+                       bytes=probe_bytes if is_probe else int(total * per_param[name]),
                        baseline=baseline, probe=is_probe)
             if not is_probe:
                 state = _state_bytes(opts[name])
                 row["state_bytes"] = state
                 row["note"] = (f"state {state / 2**20:.0f} MiB = {100 * state / fp32_state:.1f}% "
-                               f"of fp32 AdamW state; floor {per_param[kinds[name]]:.2f} B/param")
+                               f"of fp32 AdamW state; floor {per_param[name]:.2f} B/param")
                 if name.startswith("fastllm AdamW8bit"):
                     # The issue's bandwidth target: the probe streams exactly this step's bytes,
                     # so its time over the step's is the step's share of the probe's bandwidth.

@@ -25,12 +25,14 @@ flag without waiting (at once for CPU state, within a step or two on a GPU).
 Policy (Megatron-LM's DynamicGradScaler, megatron/core/optimizer/grad_scaler.py): an overflow
 resets the growth count and uses up one unit of hysteresis; once the hysteresis is used up, every
 overflow multiplies the scale by backoff_factor (not below min_scale). After growth_interval
-steps in a row without overflow the scale is multiplied by growth_factor and the hysteresis is
-restored. An overflow that would need a scale below min_scale raises LossScaleCollapsedError.
+steps in a row without overflow the scale is multiplied by growth_factor (kept as it is when that
+would be inf in fp32, as torch's GradScaler does) and the hysteresis is restored. An overflow that
+would need a scale below min_scale raises LossScaleCollapsedError.
 """
 
 import collections
 import math
+import numbers
 
 import torch
 
@@ -51,8 +53,55 @@ _COLLAPSED = ("fastllm.amp.LossScaler: the gradients are inf or nan even with th
               "scaling). If the gradients are merely tiny, pass a lower min_scale.")
 
 
+_INT32_MAX = 2**31 - 1  # the counters are int32 on the device
+
+
 class LossScaleCollapsedError(RuntimeError):
     """Gradients overflow even at the minimum loss scale: scaling is not what is wrong."""
+
+
+def _fp32(value):
+    """`value` as the fp32 the device state holds (1e39 is finite in Python, inf there)."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _check(where, values, scale_key):
+    """Refuse, with a ValueError naming the key, a policy or state the scaler cannot run with.
+    One set of rules for the constructor (scale_key "init_scale") and load_state_dict ("scale",
+    with the trackers), so that a checkpoint cannot hold what a constructor would refuse."""
+    def number(key):
+        value = values[key]
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+        return float(value)
+
+    def require(key, ok, want):
+        if not ok(number(key)):
+            raise ValueError(f"{where}: {key} must be {want}, got {values[key]!r}")
+
+    def integer(low, high):
+        return lambda v: v.is_integer() and low <= v <= high
+
+    require(scale_key, lambda v: math.isfinite(_fp32(v)) and _fp32(v) > 0,
+            "finite and > 0 in fp32 (the scale is kept in fp32)")
+    require("growth_factor", lambda v: math.isfinite(v) and v > 1.0, "finite and > 1")
+    require("backoff_factor", lambda v: 0.0 < v < 1.0, "in (0, 1)")
+    require("growth_interval", integer(1, _INT32_MAX), f"an integer in [1, {_INT32_MAX}]")
+    require("hysteresis", integer(1, _INT32_MAX), f"an integer in [1, {_INT32_MAX}]")
+    # Compared in fp32, as the device compares them: a scale that rounds to min_scale is at it.
+    scale = _fp32(number(scale_key))
+    require("min_scale", lambda v: 0 < _fp32(v) <= scale and math.isfinite(v),
+            f"finite, > 0 and at most {scale_key} ({scale:g} in fp32)")
+    if scale_key == "init_scale":
+        return
+    # A tracker the policy can never reach would stall it: growth_tracker >= growth_interval
+    # never grows again, hysteresis_tracker > hysteresis tolerates more overflows than asked.
+    interval, hysteresis = int(values["growth_interval"]), int(values["hysteresis"])
+    require("growth_tracker", integer(0, interval - 1),
+            f"an integer in [0, growth_interval - 1 = {interval - 1}]")
+    require("hysteresis_tracker", integer(-_INT32_MAX - 1, hysteresis),
+            f"an integer, at most hysteresis ({hysteresis})")
+    require("overflows", integer(0, _INT32_MAX), f"an integer in [0, {_INT32_MAX}]")
 
 
 class LossScaler:
@@ -71,24 +120,10 @@ class LossScaler:
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, hysteresis=2, min_scale=1.0, enabled=True):
-        if not (math.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"fastllm.amp.LossScaler: init_scale must be finite and > 0, got "
-                             f"{init_scale}")
-        if not growth_factor > 1.0:
-            raise ValueError(f"fastllm.amp.LossScaler: growth_factor must be > 1, got "
-                             f"{growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"fastllm.amp.LossScaler: backoff_factor must be in (0, 1), got "
-                             f"{backoff_factor}")
-        if int(growth_interval) != growth_interval or growth_interval < 1:
-            raise ValueError(f"fastllm.amp.LossScaler: growth_interval must be a positive "
-                             f"integer, got {growth_interval}")
-        if int(hysteresis) != hysteresis or hysteresis < 1:
-            raise ValueError(f"fastllm.amp.LossScaler: hysteresis must be a positive integer, "
-                             f"got {hysteresis}")
-        if not (math.isfinite(min_scale) and 0 < min_scale <= init_scale):
-            raise ValueError(f"fastllm.amp.LossScaler: min_scale must be in (0, init_scale], "
-                             f"got {min_scale}")
+        _check("fastllm.amp.LossScaler", dict(
+            init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale),
+            "init_scale")
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
@@ -142,14 +177,24 @@ class LossScaler:
 
     def update(self, found_inf):
         """Advance the policy after a step; found_inf: whether that step's grads overflowed, a
-        bool or a tensor (read on the device: no synchronisation)."""
+        bool (or number: nonzero is an overflow) or a tensor of any shape with at least one
+        element, read on the device (no synchronisation). torch's own flag has shape (1,); a
+        tensor of several flags (one per device, say) counts as one overflow if any is nonzero,
+        as GradScaler.update counts the sum of its per-device flags."""
         if not self.enabled:
             return
         device = self._scale.device
         if isinstance(found_inf, torch.Tensor):
-            found = found_inf.to(device=device, dtype=torch.bool)
-        else:
+            if found_inf.numel() == 0:
+                raise ValueError("fastllm.amp.LossScaler.update: found_inf is an empty tensor; "
+                                 "pass a flag (a bool or a tensor with at least one element)")
+            flag = found_inf.reshape(()) if found_inf.numel() == 1 else found_inf.any()
+            found = flag.to(device=device, dtype=torch.bool)
+        elif isinstance(found_inf, numbers.Real):
             found = torch.full((), bool(found_inf), dtype=torch.bool, device=device)
+        else:
+            raise TypeError(f"fastllm.amp.LossScaler.update: found_inf must be a bool or a "
+                            f"tensor, got {type(found_inf).__name__}")
         self._advance(found)
         self.poll()
 
@@ -165,7 +210,10 @@ class LossScaler:
         back_off = found & (left <= 0)
         collapse = back_off & (scale <= self.min_scale)
         backed_off = torch.clamp(scale * self.backoff_factor, min=self.min_scale)
-        scale = torch.where(grow, scale * self.growth_factor,
+        # torch's _amp_update_scale_ never grows the scale to inf: an inf scale would make every
+        # grad inf, skip every step, and never collapse (inf * backoff_factor is inf).
+        grown = scale * self.growth_factor
+        scale = torch.where(grow & torch.isfinite(grown), grown,
                             torch.where(back_off & ~collapse, backed_off, scale))
         self._trackers.copy_(torch.stack([growth, left, overflows + found.int(),
                                           collapsed | collapse.int()]))
@@ -221,39 +269,17 @@ class LossScaler:
         if missing:
             raise KeyError(f"{where}: missing {sorted(missing)}")
         merged = dict(self.state_dict(), **state_dict)
-
-        def number(key):
-            value = merged[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{where}: {key} must be a number, got {value!r}")
-            return float(value)
-
-        checks = (
-            ("scale", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
-            ("growth_factor", lambda v: v > 1.0, "> 1"),
-            ("backoff_factor", lambda v: 0.0 < v < 1.0, "in (0, 1)"),
-            ("min_scale", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
-            ("growth_interval", lambda v: v.is_integer() and v >= 1, "an integer >= 1"),
-            ("hysteresis", lambda v: v.is_integer() and v >= 1, "an integer >= 1"),
-            ("growth_tracker", lambda v: v.is_integer() and v >= 0, "an integer >= 0"),
-            ("hysteresis_tracker", lambda v: v.is_integer(), "an integer"),
-            ("overflows", lambda v: v.is_integer() and v >= 0, "an integer >= 0"),
-        )
-        for key, ok, want in checks:
-            if not ok(number(key)):
-                raise ValueError(f"{where}: {key} must be {want}, got {merged[key]!r}")
+        _check(where, merged, "scale")
+        # Everything that can fail is done before the first attribute is set.
+        trackers = torch.tensor([int(merged["growth_tracker"]), int(merged["hysteresis_tracker"]),
+                                 int(merged["overflows"]), 0], dtype=torch.int32)
         for key in ("growth_factor", "backoff_factor", "min_scale"):
-            if key in state_dict:
-                setattr(self, key, float(state_dict[key]))
+            setattr(self, key, float(merged[key]))
         for key in ("growth_interval", "hysteresis"):
-            if key in state_dict:
-                setattr(self, key, int(state_dict[key]))
-        if "enabled" in state_dict:
-            self.enabled = bool(state_dict["enabled"])
-        self._scale.fill_(float(state_dict["scale"]))
-        self._trackers.copy_(torch.tensor(
-            [int(state_dict["growth_tracker"]), int(state_dict["hysteresis_tracker"]),
-             int(merged["overflows"]), 0], dtype=torch.int32))
+            setattr(self, key, int(merged[key]))
+        self.enabled = bool(merged["enabled"])
+        self._scale.fill_(float(merged["scale"]))
+        self._trackers.copy_(trackers)
         self._pending = None
 
     def __repr__(self):

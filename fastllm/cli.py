@@ -55,6 +55,12 @@ def bench(args):
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         sys.exit(f"fastllm bench: unknown op(s) {unknown}; available: {list(OPS)}")
+    # A second run of an op would land in the first one's cases: its rows compared with the
+    # other run's baseline and ceiling, which were timed in other rounds.
+    repeated = sorted({op for op in ops if ops.count(op) > 1})
+    if repeated:
+        sys.exit(f"fastllm bench: --ops names {repeated} more than once; each op runs once per "
+                 f"table")
     progress, done = _progress_printer(sys.stderr)
     rows = []
     for op in ops:

@@ -89,7 +89,10 @@ def _advance_scaler(scale_ptr, trackers_ptr, found, growth_factor, backoff_facto
         if growth == growth_interval:
             growth = 0
             left = hysteresis
-            scale = scale * growth_factor
+            # As torch's _amp_update_scale_: never grow to inf (amp.py's _advance says why).
+            grown = scale * growth_factor
+            if grown < float("inf"):
+                scale = grown
     tl.store(scale_ptr, scale)
     tl.store(trackers_ptr, growth)
     tl.store(trackers_ptr + 1, left)

@@ -1,8 +1,9 @@
 """The benchmark harness's logic (not its timings: tests never assert on wall-clock times).
 
 % ceiling is at most 100 by construction, the table fits in 120 columns, the memory probe moves
-the bytes it says it moves, `fastllm bench` runs without pytest installed, and a DeepSpeed build
-is announced before it starts.
+the bytes it says it moves, `fastllm bench` runs without pytest installed, a DeepSpeed build
+is announced before it starts, every provider of a table does the same update and is credited the
+bytes of the state it keeps, and an op named twice is refused.
 """
 
 import json
@@ -56,7 +57,8 @@ def test_pct_ceiling_uses_gbps_when_bytes_differ():
 
 
 def test_no_ceiling_without_probe_and_ratios_per_case():
-    rows = _case("adamw", "small", {"torch fused": 2.0, "fastllm (cpp)": 1.0}, baseline="torch fused")
+    rows = _case("adamw", "small", {"torch fused": 2.0, "fastllm (cpp)": 1.0},
+                 baseline="torch fused")
     rows += _case("adamw", "big", {"torch fused": 10.0, "fastllm (cpp)": 20.0}, probe_ms=8.0,
                   baseline="torch fused")
     harness.annotate(rows)
@@ -71,8 +73,9 @@ def test_no_ceiling_without_probe_and_ratios_per_case():
 
 def _wide_rows():
     rows = []
+    lora = "x 8192x4096, W 4096x4096, r=128, bfloat16, dropout 0.1 " * 3
     for op, size in [("adamw_master", "256M bf16 params / 64 tensors, scale+clip"),
-                     ("lora_linear", "x 8192x4096, W 4096x4096, r=128, bfloat16, dropout 0.1 " * 3)]:
+                     ("lora_linear", lora)]:
         times = {name: 1000.0 + i for i, name in enumerate(LONG_PROVIDERS)}
         case = _case(op, size, times, nbytes=10**12, probe_ms=1.0)
         for i, r in enumerate(case):
@@ -160,10 +163,11 @@ def test_deepspeed_build_is_announced_before_it_starts(monkeypatch):
     messages = []
 
     class FakeCPUAdam(torch.optim.AdamW):
-        def __init__(self, params, adamw_mode, fp32_optimizer_states):
+        # weight_decay without a default: DeepSpeedCPUAdam's own is 0, the other rows' 0.01
+        def __init__(self, params, *, weight_decay, adamw_mode, fp32_optimizer_states):
             # what DeepSpeedCPUAdam does first: build its op (here: check it was announced)
             assert any("building DeepSpeed CPUAdam (first use, ~60 s)" in m for m in messages)
-            super().__init__(params)
+            super().__init__(params, weight_decay=weight_decay)
 
     monkeypatch.setattr(bench_adamw, "_deepspeed_adam", lambda: FakeCPUAdam)
     monkeypatch.setattr(bench_adamw, "_deepspeed_cpu_adam_built", lambda: False)
@@ -176,6 +180,82 @@ def test_deepspeed_build_is_announced_before_it_starts(monkeypatch):
     assert sum("DeepSpeed CPUAdam" in m for m in messages) == 1  # once per process
     assert {r["provider"] for r in rows} >= {"deepspeed cpu_adam", harness.PROBE, "torch fused"}
     assert sum(r.get("probe", False) for r in rows) == 2
+
+
+def test_every_adamw_provider_decays_the_same(monkeypatch):
+    """The table compares one update: DeepSpeedCPUAdam (default weight_decay 0) is handed the
+    weight decay the fastllm and torch rows use."""
+    made = {}
+
+    class FakeCPUAdam(torch.optim.AdamW):
+        def __init__(self, params, weight_decay=0.0, **kwargs):
+            super().__init__(params, weight_decay=weight_decay)
+
+    monkeypatch.setattr(bench_adamw, "_DEEPSPEED_ANNOUNCED", True)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for name, make, _ in bench_adamw._providers("cpu", False, progress=lambda m: None) + [
+            ("deepspeed cpu_adam", bench_adamw._make_deepspeed(FakeCPUAdam, None), None)]:
+        made[name] = make(params).defaults["weight_decay"]
+    assert set(made) >= {"fastllm (cpp)", "torch fused", "torch foreach", "deepspeed cpu_adam"}
+    assert set(made.values()) == {torch.optim.AdamW(params).defaults["weight_decay"]}
+
+
+def test_adamw8bit_floors_match_the_state_each_row_keeps(monkeypatch):
+    """Bytes per param credited to each row of `fastllm bench --ops adamw8bit` (GB/s = bytes /
+    time), against the state its optimizer really keeps: the grad read once; the param read and
+    written, or with a master only written and the fp32 master read and written; the moments
+    read and written (8-bit: uint8 codes and an fp32 absmax per 256). The 8-bit peers keep no
+    master, so in the master case they are labelled so and credited their own bytes."""
+    from fastllm.bench import bench_adamw8bit
+
+    class FakePeer(torch.optim.AdamW):  # bitsandbytes/torchao AdamW8bit: bf16 params, no master
+        pass
+
+    monkeypatch.setattr(bench_adamw8bit, "_peer", lambda module, attr: FakePeer)
+    total = 1 << 13  # one tensor of 8192: 8-bit state (min_8bit_size 4096), whole blocks
+    monkeypatch.setattr(bench_adamw8bit, "QUICK", [(total, 1, torch.float32, False),
+                                                   (total, 1, torch.bfloat16, True)])
+    measure_many = harness.measure_many
+    monkeypatch.setattr(harness, "measure_many", lambda fns, device, **kw: measure_many(
+        fns, device=device, warmup=0, min_reps=1, max_reps=1, min_time_s=0.0))
+    rows = bench_adamw8bit.run("cpu", progress=lambda m: None)
+    q8 = 16 + 16 / 256
+    expected = {
+        False: {"fastllm AdamW8bit (cpp)": q8, "fastllm AdamW bf16 state (cpp)": 20,
+                "torch fused": 28, "bitsandbytes AdamW8bit": q8, "torchao AdamW8bit": q8},
+        True: {"fastllm AdamW8bit (cpp)": q8, "fastllm AdamW bf16 state (cpp)": 20,
+               "fastllm AdamW fp32 state, master": 28,
+               "bitsandbytes AdamW8bit (no masters)": 10 + 16 / 256,
+               "torchao AdamW8bit (no masters)": 10 + 16 / 256}}
+    for master, want in expected.items():
+        case = {r["provider"]: r for r in rows if ("master" in r["size"]) == master}
+        probe = case.pop(harness.PROBE)
+        assert {name: r["bytes"] / total for name, r in case.items()} == want
+        # the probe streams the 8-bit step's bytes (to its 20-byte element)
+        assert 0 <= case["fastllm AdamW8bit (cpp)"]["bytes"] - probe["bytes"] < 20
+    # what the byte counts assume, read off the optimizers' state
+    p = torch.nn.Parameter(torch.zeros(total, dtype=torch.bfloat16))
+    p.grad = torch.ones_like(p)
+    for make, per_param in ((lambda: fastllm.optim.AdamW8bit([p], master_weights=True),
+                             4 + 2 + 8 / 256),
+                            (lambda: fastllm.optim.AdamW([p], state_dtype=torch.bfloat16,
+                                                         master_weights=True), 4 + 4),
+                            (lambda: fastllm.optim.AdamW([p], master_weights=True), 4 + 8)):
+        opt = make()
+        opt.step()
+        state = sum(t.numel() * t.element_size() for t in opt.state[p].values()
+                    if isinstance(t, torch.Tensor) and t.dim())
+        assert state / total == per_param
+
+
+def test_bench_refuses_an_op_named_twice(monkeypatch):
+    # two runs of one op in one table: their rows would share a case, its baseline and ceiling
+    from fastllm import cli
+
+    monkeypatch.setattr(bench_adamw, "run", lambda **kw: pytest.fail("an op ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--ops", "adamw,adamw_master,adamw"])
+    assert "['adamw'] more than once" in str(exit_info.value.code)
 
 
 # Run in a fresh interpreter in which pytest cannot be imported, as after
