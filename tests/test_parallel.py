@@ -361,3 +361,65 @@ def test_tp_head_count_error():
 
     with pytest.raises(ValueError, match="parallel.tp=4 does not divide num_key_value_heads=2"):
         ParallelLayout(tp=4).check_model(tiny_llama().config, vocab_parallel=True)
+
+
+class _FakeMesh:
+    """Named dims of given sizes, enough for parallelize's checks (no process group)."""
+
+    def __init__(self, **dims):
+        self.dims, self.mesh_dim_names = dims, tuple(dims)
+
+    def __getitem__(self, name):
+        mesh = _FakeMesh()
+        mesh.size, mesh.device_type = (lambda: self.dims[name]), "cpu"
+        return mesh
+
+
+def test_custom_plan_leaves_the_vocabulary_alone(monkeypatch):
+    """A custom plan shards decoder-layer submodules only: tied embeddings and a vocabulary
+    tp does not divide are accepted; the per-layer rules (heads, kv heads, ffn) still hold."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from fastllm.parallel import parallelize, tensor_parallel
+    from parallel_train import tiny_llama
+
+    sharded = []
+    monkeypatch.setattr(tensor_parallel, "parallelize_module",
+                        lambda module, mesh, plan: sharded.append((type(module).__name__,
+                                                                   sorted(plan))))
+    plan = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+    tied = tiny_llama(layers=2)
+    tied.config.tie_word_embeddings = True
+    for model in (tied, tiny_llama(layers=2, vocab=129)):
+        sharded.clear()
+        parallelize(model, _FakeMesh(tp=2), plan=plan)
+        assert sharded == [("LlamaDecoderLayer", sorted(plan))] * 2
+    with pytest.raises(ValueError, match="parallel.tp=4 does not divide num_key_value_heads=2"):
+        parallelize(tiny_llama(layers=2), _FakeMesh(tp=4), plan=plan)
+
+
+@pytest.mark.parametrize("mesh", [None, _FakeMesh(dp=1), _FakeMesh(dp=2, tp=1)])
+def test_sequence_parallel_without_tp_is_refused(monkeypatch, mesh):
+    from fastllm.parallel import parallelize, tensor_parallel
+    from parallel_train import tiny_llama
+
+    monkeypatch.setattr(tensor_parallel, "fully_shard", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs a mesh with a \"tp\" "
+                                         "dimension of size > 1"):
+        parallelize(tiny_llama(layers=1), mesh, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("sizes,says", [
+    (dict(tp=0), "parallel.tp must be a positive integer, got 0"),
+    (dict(pp=0), "parallel.pp must be a positive integer, got 0"),
+    (dict(tp=-2), "parallel.tp must be a positive integer, got -2"),
+    (dict(tp=2.0), "parallel.tp must be a positive integer, got 2.0"),
+    (dict(pp=None), "parallel.pp must be a positive integer, got None"),
+    (dict(dp=2.0, tp=2), "parallel.dp must be an integer"),
+])
+def test_layout_resolve_names_the_bad_size(sizes, says):
+    from fastllm.parallel import ParallelLayout
+
+    with pytest.raises(ValueError, match=says):
+        ParallelLayout.resolve(4, **sizes)

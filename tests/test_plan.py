@@ -94,6 +94,43 @@ def test_pipeline_memory_by_hand():
     assert one["backward_workspace"] == 0  # one micro-batch: nothing accumulates
 
 
+def test_pipeline_memory_prices_the_middle_stage():
+    """The reported memory is the largest stage's. pp4 1F1B: rank i holds pp - i micro-batches
+    in flight (Schedule1F1B's warm-up), a middle rank a receive buffer for the activation and
+    one for the gradient of every micro-batch; with many micro-batches and a small vocabulary
+    rank 1 is the largest."""
+    from fastllm.parallel.planner import FASTLLM
+
+    m = ModelSpec("t", 4, 64, 4, 2, 128, 16)
+    seq, mbs = 32, 256
+    act = activation_bytes_per_layer(m, 1, seq, 4)
+    layer_input = seq * 64 * 4
+    r = estimate(m, Layout(pp=4, schedule="1f1b"), seq, mbs, CPU, runtime=FASTLLM)
+    layer = m.layer_params()  # one layer a stage, no embedding or head in the middle
+    assert r["memory"] == pytest.approx({
+        "weights": 4 * layer, "grads": 4 * layer, "optimizer": 8 * layer,
+        "activations": 3 * act, "pipeline_buffers": 2 * mbs * layer_input,
+        "backward_workspace": 64 * 128 * 4})
+    assert r["memory_total"] == pytest.approx(sum(r["memory"].values()))
+
+
+def test_interleaved_last_stage_memory():
+    """Interleaved, pp2 x 2 chunks, a large vocabulary (the last rank is the largest): that
+    rank runs (v - 1) pp = 2 chunk forwards of warm-up and one more before its first backward
+    (ScheduleInterleaved1F1B), 1.5 stages' worth, and its two chunks receive 3 boundary
+    tensors per micro-batch (no gradient into the model's last chunk)."""
+    from fastllm.parallel.planner import FASTLLM
+
+    m, seq = ModelSpec("t", 4, 64, 4, 2, 128, 4096), 32
+    act = activation_bytes_per_layer(m, 1, seq, 4)  # one layer: one chunk here
+    layer_input = seq * 64 * 4
+    r = estimate(m, Layout(pp=2, schedule="interleaved", chunks=2), seq, 8, CPU,
+                 runtime=FASTLLM)["memory"]
+    logits = seq * 4096 * (4 + 4)  # fp32: the logits and the loss's log-softmax
+    assert r["activations"] == pytest.approx(3 * act + logits + 7 * seq * 4096 * 4)
+    assert r["pipeline_buffers"] == 8 * 3 * layer_input
+
+
 def test_layout_errors_name_the_setting():
     m = MODELS["llama2-70b"]
     with pytest.raises(ValueError, match="parallel.tp=16 does not divide num_key_value_heads=8"):
@@ -216,6 +253,40 @@ def test_plan_prefers_fitting_and_warns():
         if r["bubble_share"] > 0.15:
             assert any("bubble" in w for w in r["warnings"])
     assert math.isclose(sum(r["n_gpus"] for r in best) / len(best), 64)
+
+
+def test_plan_tells_no_valid_layout_from_none_fitting(capsys):
+    from fastllm.cli import main
+
+    # 32 heads and layers, batch 1 on 3 GPUs: no dp/tp/pp can split them, whatever the memory
+    with pytest.raises(ValueError, match=r"no valid layout of 3 GPUs.*dp3 tp1 pp1: "
+                                         r"global_batch_size=1 .*dp1 tp1 pp3: parallel.pp=3 .*"
+                                         r"num_hidden_layers=32.*dp1 tp3 pp1: parallel.tp=3 "
+                                         r"does not divide num_attention_heads=32"):
+        plan("llama2-7b", 4096, 1, "H100", 3)
+    with pytest.raises(SystemExit, match="fastllm plan: no valid layout"):
+        main(["plan", "--model", "llama2-7b", "--seq-len", "4096", "--global-batch", "1",
+              "--gpus", "3"])
+    # 70B on one GPU is a valid layout that does not fit
+    main(["plan", "--model", "llama2-70b", "--seq-len", "4096", "--global-batch", "1",
+          "--gpus", "1"])
+    assert "no layout fits in memory" in capsys.readouterr().out
+
+
+def test_plan_cli_refuses_efficiency_as_percent(tmp_path):
+    from fastllm.cli import main
+
+    gpu = tmp_path / "gpu.json"
+    spec = {"memory_gb": 80, "peak_tflops": 989, "hbm_gbps": 3350, "intra_node_gbps": 450,
+            "inter_node_gbps": 50}
+    for field in ("matmul_efficiency", "comm_efficiency"):
+        gpu.write_text(json.dumps({**spec, field: 75}))
+        with pytest.raises(SystemExit, match=rf"{field} is a fraction .* in \(0, 1\].* got 75"):
+            main(["plan", "--model", "llama2-7b", "--seq-len", "4096", "--global-batch", "64",
+                  "--gpus", "8", "--gpu", str(gpu)])
+    gpu.write_text(json.dumps({**spec, "matmul_efficiency": 1, "comm_efficiency": 0.5}))
+    main(["plan", "--model", "llama2-7b", "--seq-len", "4096", "--global-batch", "64",
+          "--gpus", "8", "--gpu", str(gpu)])
 
 
 def test_plan_cli(capsys, tmp_path):

@@ -74,6 +74,13 @@ class ParallelLayout:
     @classmethod
     def resolve(cls, world_size, dp=0, tp=1, pp=1, **kw):
         """The layout of world_size ranks: dp <= 0 means world_size / (tp * pp)."""
+        # checked before dp is derived from them, so the message names the setting at fault
+        for name, value in (("tp", tp), ("pp", pp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if not isinstance(dp, int):
+            raise ValueError(f"parallel.dp must be an integer (<= 0: world size / (tp * pp)), "
+                             f"got {dp!r}")
         inner = tp * pp
         if world_size % inner:
             raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} = {inner} does not divide the "

@@ -370,28 +370,36 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
     mesh: a DeviceMesh from `build_mesh` (or any mesh with dims named "tp" and/or "dp"; a
     missing or size-1 dimension is skipped). plan: None for the Llama plan
     (`llama_tp_plan()`, with vocabulary-parallel embedding and head), or a dict
-    {submodule name within a decoder layer: ParallelStyle} applied to every decoder layer.
+    {submodule name within a decoder layer: ParallelStyle} applied to every decoder layer
+    (the embedding and head stay whole on every rank).
     param_dtype/reduce_dtype: FSDP2's mixed precision (e.g. torch.bfloat16 / torch.float32).
     vocab_parallel_logits: see `apply_tensor_parallel` (False inside a pipeline).
     sequence_parallel: shard the residual stream and the norms on the sequence between the
     tensor-parallel regions (`llama_tp_plan`; the sequence length must divide by tp; only with
-    plan=None). Projections wrapped by fastllm.lora are sharded with their adapters.
+    plan=None and a tp dimension of size > 1). Projections wrapped by fastllm.lora are sharded
+    with their adapters.
     Pipeline parallel is not applied here: build the stage first (`build_pipeline_stage`),
     then parallelize the stage module over the tp/dp submesh.
     """
     tp = mesh_size(mesh, "tp")
     dp = mesh_size(mesh, "dp")
+    if plan is not None and not isinstance(plan, dict):
+        raise ValueError(f"plan must be None or a dict, got {plan!r}")
+    if sequence_parallel and tp == 1:
+        # nothing would be sharded: a run that asked for it should not train without it
+        raise ValueError("sequence_parallel=True needs a mesh with a \"tp\" dimension of "
+                         "size > 1 (parallel.sequence_parallel needs parallel.tp > 1)")
+    if sequence_parallel and plan is not None:
+        raise ValueError("sequence_parallel=True needs plan=None (the Llama plan); a custom "
+                         "plan sets its own layouts (llama_tp_plan(sequence_parallel=True))")
     if tp > 1:
         if plan is None:
             apply_tensor_parallel(model, mesh["tp"], vocab_parallel_logits,
                                   sequence_parallel=sequence_parallel)
-        elif not isinstance(plan, dict):
-            raise ValueError(f"plan must be None or a dict, got {plan!r}")
-        elif sequence_parallel:
-            raise ValueError("sequence_parallel=True needs plan=None (the Llama plan); a custom "
-                             "plan sets its own layouts (llama_tp_plan(sequence_parallel=True))")
         else:
-            ParallelLayout(tp=tp).check_model(model.config, vocab_parallel=True)
+            # a custom plan shards decoder-layer submodules only: the embedding and head stay
+            # whole, so tied weights and a vocabulary tp does not divide are fine
+            ParallelLayout(tp=tp).check_model(model.config, vocab_parallel=False)
             for layer in decoder_layers(model):
                 parallelize_module(layer, mesh["tp"], _lora_aware(layer, plan))
             _hook_grad_layouts(model)

@@ -69,6 +69,11 @@ def load_json_spec(path, option, build):
         if not ok:
             raise SystemExit(f"fastllm plan: {option} {path}: {field.name} must be a finite "
                              f"number > 0, got {value}")
+        if field.name in ("matmul_efficiency", "comm_efficiency") and value > 1:
+            # a share of the peak: 70 or 7 is a percent typed for 0.7, and would price a step
+            # faster than the hardware
+            raise SystemExit(f"fastllm plan: {option} {path}: {field.name} is a fraction of the "
+                             f"peak and must be in (0, 1] (e.g. 0.7 for 70%), got {value}")
     if hasattr(spec, "heads") and (spec.hidden % spec.heads or spec.heads % spec.kv_heads):
         raise SystemExit(f"fastllm plan: {option} {path}: hidden size {spec.hidden}, "
                          f"{spec.heads} heads and {spec.kv_heads} key/value heads do not divide")

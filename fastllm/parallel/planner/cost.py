@@ -199,7 +199,8 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     v = lo.chunks if lo.schedule == "interleaved" else 1
     layers_stage = model.layers // lo.pp
 
-    # memory on the first and last stages (embedding vs head + logits); report the larger
+    # memory per stage kind: the first (embedding), a middle one, the last (head + logits);
+    # report the largest
     def stage_params(first, last):
         p = layers_stage * model.layer_params() / t
         if first:
@@ -211,20 +212,32 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         return p
 
     act_layer = activation_bytes_per_layer(model, b, s, e, t, lo.sequence_parallel, flash)
-    if lo.pp == 1:
-        in_flight = 1
-    elif lo.schedule == "gpipe":
-        in_flight = m
-    elif lo.schedule == "interleaved":
-        in_flight = lo.pp * (1 + (lo.pp - 1) / (lo.pp * v))
-    else:
-        in_flight = lo.pp
+
+    def in_flight(i):
+        """Micro-batches whose activations pipeline rank i holds at its peak, in units of one
+        micro-batch through all of its layers. 1F1B: rank i runs pp - i forwards before its
+        first backward (Schedule1F1B's warm-up; Megatron-LM's pp - i - 1 warm-up forwards and
+        the steady state's forward before its backward). Interleaved: (v - 1) pp + 2 (pp - 1
+        - i) chunk forwards of warm-up plus one (ScheduleInterleaved1F1B; Megatron-LM's
+        get_num_warmup_microbatches), at most all m v; rank 0's is p (1 + (p - 1) / (p v)),
+        Narayanan et al. section 2.2.2. GPipe: all m."""
+        if lo.pp == 1:
+            return 1
+        if lo.schedule == "gpipe":
+            return m
+        if lo.schedule == "interleaved":
+            return min((v - 1) * lo.pp + 2 * (lo.pp - 1 - i) + 1, m * v) / v
+        return min(lo.pp - i, m)
+
     layer_input = b * s * model.hidden * e / (t if lo.sequence_parallel else 1)
     fsdp = lo.dp > 1 and lo.zero == 3  # ZeRO-3 is FSDP2's layout
-    if lo.recompute:
-        acts = layers_stage * layer_input * in_flight + act_layer
-    else:
-        acts = layers_stage * act_layer * in_flight
+
+    def stage_acts(i):
+        if lo.recompute:
+            # layer inputs of every micro-batch in flight, and one layer recomputed whole
+            return layers_stage * layer_input * in_flight(i) + act_layer
+        return layers_stage * act_layer * in_flight(i)
+
     # logits, their fp32 copy (none when already fp32), the log-softmax the loss keeps
     logits = b * s * model.vocab / t * (e + (4 if e < 4 else 0) + 4)
     # torch.distributed.pipelining keeps, until the step ends, a receive buffer per micro-batch
@@ -239,8 +252,14 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     largest_layer_param = max(model.hidden * model.ffn, model.hidden * model.hidden) / t
 
     rt = runtime or MEGATRON
+    # (rank, holds the embedding, holds the head): rank 1 has the most micro-batches in flight
+    # of the middle ranks, which otherwise hold the same
+    stages = {(0, True, lo.pp == 1), (lo.pp - 1, lo.pp == 1, True)}
+    if lo.pp > 2:
+        stages.add((1, False, False))
     best = None
-    for first, last in {(True, lo.pp == 1), (lo.pp == 1, True)}:
+    most_trainable = 0
+    for i, first, last in sorted(stages):
         p = stage_params(first, last)
         if lo.lora_rank:
             trainable = layers_stage * _lora_params_per_layer(model, lo.lora_rank) / t
@@ -252,19 +271,20 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             weights = p * e / (lo.dp if lo.zero >= 3 else 1)
             grads = p * g / (lo.dp if lo.zero >= 2 else 1)
             optim = p * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
-        # 1F1B: stage i runs pp - i forwards before its first backward (Schedule1F1B's
-        # warm-up), so the first stage holds pp micro-batches in flight, the last one, and each
-        # backward after the first runs with every gradient of the stage already allocated;
-        # GPipe: all m, the loss's logits included
+        most_trainable = max(most_trainable, trainable)
+        # under 1F1B each backward after the first runs with every gradient of the stage
+        # already allocated; GPipe holds all m micro-batches, the loss's logits included
         gpipe = lo.pp > 1 and lo.schedule == "gpipe"
-        a = acts if first or gpipe else acts / in_flight
+        a = stage_acts(i)
         if last:
             a += logits * (m if gpipe else 1)
             if lo.pp > 1 and not gpipe and rt.pipeline_buffers:
                 a += (m - 1) * b * s * model.vocab / t * e  # the other micro-batches' outputs
         mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": a}
         if lo.pp > 1 and rt.pipeline_buffers:
-            mem["pipeline_buffers"] = m * v * ((not first) + (not last)) * layer_input
+            # each of the rank's v chunks receives an activation and a gradient, but the
+            # model's first chunk no activation and its last no gradient
+            mem["pipeline_buffers"] = m * (2 * v - first - last) * layer_input
         work = 0.0
         accumulating = m > 1 and not fsdp  # FSDP2: in "gathered"
         if accumulating and not lo.lora_rank:
@@ -285,8 +305,10 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             mem["gathered"] = (2 * layer + root / t) * e + (layer + root / t) * g
         total = sum(mem.values())
         if best is None or total > best[0]:
-            best = (total, mem, p, trainable)
-    total, mem, p_stage, trainable = best
+            best = (total, mem)
+    total, mem = best
+    # the slowest stage's gradients and optimizer set the data-parallel and optimizer times
+    trainable = most_trainable
 
     # compute per micro-batch on one stage
     # ranks sharing cores (a CPU): a blocking collective also waits for descheduled peers
@@ -445,7 +467,9 @@ def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_ran
     sequence_parallel: price tensor-parallel layouts with sequence parallelism (Megatron,
     torchtitan, and fastllm's runtime with parallel.sequence_parallel); off by default.
 
-    Returns (best, all_estimates): best is a list of estimate dicts sorted by step time.
+    Returns (best, all_estimates): best is a list of estimate dicts sorted by step time (empty
+    when none fits in memory). Raises ValueError naming the rules each dp x tp x pp broke when
+    no layout can run the model and batch at all.
     """
     if isinstance(model, str):
         model = MODELS[model]
@@ -454,6 +478,7 @@ def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_ran
     if n_gpus % node_size and n_gpus > node_size:
         raise ValueError(f"gpus={n_gpus} is not a multiple of node_size={node_size}")
     results = []
+    refused = {}  # "dp tp pp" -> the first rule its layouts broke
     for tp, pp in itertools.product(_divisors(min(n_gpus, node_size)), _divisors(n_gpus)):
         if n_gpus % (tp * pp):
             continue
@@ -470,10 +495,19 @@ def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_ran
                         lora_rank=lora_rank)
             try:
                 check_layout(model, lo, seq_len, global_batch)
-            except ValueError:
+            except ValueError as e:
+                refused.setdefault(f"dp{dp} tp{tp} pp{pp}", str(e))
                 continue
             results.append(estimate(model, lo, seq_len, global_batch, gpu, node_size, flash,
                                     dp_overlap, check=False))
+    if not results:
+        # no memory remedy helps here: say which split rule each dp x tp x pp broke
+        raise ValueError(
+            f"no valid layout of {n_gpus} GPUs ({node_size} per node; tp within a node) for "
+            f"{model.name} at global batch {global_batch}: tp must divide the heads "
+            f"({model.heads}), kv heads ({model.kv_heads}) and ffn ({model.ffn}), pp the layers "
+            f"({model.layers}), and dp x micro-batch the global batch; "
+            + "; ".join(f"{k}: {why}" for k, why in refused.items()))
     fitting = sorted((r for r in results if r["fits"]), key=lambda r: r["step_time"])
     return fitting[:top], results
 
