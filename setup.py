@@ -120,7 +120,7 @@ setup(
               "fastllm.distributed",
               "fastllm.train",
               "fastllm.parallel"],
-    package_dir={"fastllm.kernels": "kernels", "fastllm.bench": "bench"},
+    package_dir={"fastllm.bench": "bench"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=["torch>=2.6", "triton>=3.2; platform_system == 'Linux'", "ninja", "pybind11"],

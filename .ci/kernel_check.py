@@ -78,7 +78,7 @@ WRITE_BANDWIDTH = {"_lora_up_kernel": 0, "_rms_norm_fwd_kernel": 1, "_rms_norm_b
                    "_swiglu_fwd_kernel": 0, "_swiglu_bwd_kernel": 0, "_rotary_kernel": 0,
                    "_flce_row_kernel": 1, "_decompress_kernel": 0}
 # Kernels whose products must all run on tensor cores (wgmma / mma), in every dtype (issue 18
-# item 5: no fp32 FMA dot; fp32 operands as bf16 terms, kernels/lora_linear.py `_dot`).
+# item 5: no fp32 FMA dot; fp32 operands as bf16 terms, fastllm/kernels/lora_linear.py `_dot`).
 # Each with the block sizes of its output tile: a dot on the CUDA cores takes (reduction block)
 # fp32 FMAs per output element a thread holds, an epilogue (scale, bias) one; more than two per
 # element fails.

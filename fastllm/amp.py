@@ -17,10 +17,10 @@ scale collapses.
 The scale and the counters live on the device (a 0-dim fp32 tensor and four int32 counters, on
 the CPU until `scale()` or `scale_tensor(device)` first sees another device), and `update()`
 takes the overflow flag as a device tensor: a training step never waits for the GPU to report
-whether it overflowed. fastllm.optim.AdamW's Triton step prologue (kernels/l2norm.py) advances
-the same state inside its launch. `get_scale()` and `state_dict()` read the device. A collapse
-is flagged on the device and raised by `update()` / `poll()` as soon as the host can read the
-flag without waiting (at once for CPU state, within a step or two on a GPU).
+whether it overflowed. fastllm.optim.AdamW's Triton step prologue (fastllm/kernels/l2norm.py)
+advances the same state inside its launch. `get_scale()` and `state_dict()` read the device. A
+collapse is flagged on the device and raised by `update()` / `poll()` as soon as the host can read
+the flag without waiting (at once for CPU state, within a step or two on a GPU).
 
 Policy (Megatron-LM's DynamicGradScaler, megatron/core/optimizer/grad_scaler.py): an overflow
 resets the growth count and uses up one unit of hysteresis; once the hysteresis is used up, every
@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["LossScaleCollapsedError", "LossScaler", "ScalerState"]
 
-# What a kernel needs to advance a LossScaler on the device (kernels/l2norm.py): the scale
+# What a kernel needs to advance a LossScaler on the device (fastllm/kernels/l2norm.py): the scale
 # (fp32 0-dim), the counters (int32: growth count, hysteresis left, overflows, collapsed) and
 # the policy's constants.
 ScalerState = collections.namedtuple(
@@ -199,7 +199,7 @@ class LossScaler:
         self.poll()
 
     def _advance(self, found):
-        """The policy, on the device (kernels/l2norm.py's _advance_scaler is the same in
+        """The policy, on the device (fastllm/kernels/l2norm.py's _advance_scaler is the same in
         Triton): see the module docstring."""
         growth, left, overflows, collapsed = self._trackers.unbind(0)
         scale = self._scale

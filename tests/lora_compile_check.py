@@ -1,6 +1,7 @@
-"""Compile kernels/lora_linear.py's Triton kernels for sm_80, sm_86, sm_89 and sm_90 without a GPU
-(ahead of time, through ptxas), for every dtype and rank block the dispatcher sends to Triton, and
-report the shared memory each compiled config takes against that GPU's per-block limit.
+"""Compile fastllm/kernels/lora_linear.py's Triton kernels for sm_80, sm_86, sm_89 and sm_90
+without a GPU (ahead of time, through ptxas), for every dtype and rank block the dispatcher sends
+to Triton, and report the shared memory each compiled config takes against that GPU's per-block
+limit.
 
 The interpreter (how the test suite runs these kernels on a CPU) executes kernels but never
 compiles them: this is what catches GPU-only compile errors and shared-memory overflow. Each

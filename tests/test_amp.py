@@ -82,8 +82,8 @@ def test_update_refuses_what_is_not_a_flag(flag, error):
 
 
 def _triton_update(scaler, found):
-    """One step of fastllm.optim.AdamW's fused prologue (kernels/l2norm.py) advancing `scaler`:
-    its grads are inf when `found`."""
+    """One step of fastllm.optim.AdamW's fused prologue (fastllm/kernels/l2norm.py)
+    advancing `scaler`: its grads are inf when `found`."""
     from fastllm.kernels.l2norm import grad_norm_step_triton
 
     grads = [torch.full((8,), math.inf if found else 1.0)]

@@ -16,8 +16,8 @@ from test_lora_linear import BACKENDS, _inputs
 def test_fp32_low_rank_products_keep_fp32_accuracy(backend, device, x_dtype, dropout_p):
     """The fp32 results of the low-rank products (xa, dA, dB; dX of an fp32 model) no further
     from fp64 than twice the reference's fp32 matmuls: the Triton kernels run fp32 operands on
-    tensor cores as three bf16 terms each (kernels/lora_linear.py `_dot`), which must keep what
-    an fp32 product keeps (dropping the smallest term costs ~1.5e-5 relative)."""
+    tensor cores as three bf16 terms each (fastllm/kernels/lora_linear.py `_dot`), which must keep
+    what an fp32 product keeps (dropping the smallest term costs ~1.5e-5 relative)."""
     # on a GPU a layer's size: K-long sums whose fp32 accumulation is the tensor cores' own
     rows, k, n = (2048, 4096, 1024) if device == "cuda" else (97, 150, 140)
     x, w, a, b, _ = _inputs((rows,), k, n, 16, x_dtype, device, bias=False)

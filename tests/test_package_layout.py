@@ -4,6 +4,7 @@ optim/ below distributed/ and train/, parallel/ below train/."""
 
 import ast
 import os
+import sys
 
 import pytest
 
@@ -105,3 +106,18 @@ def test_optim_imports_neither_distributed_nor_train():
 
 def test_parallel_does_not_import_train():
     assert not _reaches("fastllm.parallel", ("fastllm.train",))
+
+
+def test_no_top_level_package_shadows_an_installed_one():
+    """The repository root is on sys.path whenever code runs from a checkout (pytest, `python -c`,
+    setup.py), so a package there hides an installed one of the same name. Triton kernels kept
+    as a top-level `kernels` package hid Hugging Face's `kernels`, which transformers >= 5.25
+    requires and imports: transformers could not be imported and the build failed."""
+    from importlib.machinery import PathFinder
+
+    others = [p for p in sys.path if p and os.path.realpath(p) != os.path.realpath(ROOT)]
+    ours = [d for d in sorted(os.listdir(ROOT))
+            if os.path.isfile(os.path.join(ROOT, d, "__init__.py")) and d != "fastllm"]
+    shadowed = {d: PathFinder.find_spec(d, others).origin for d in ours
+                if PathFinder.find_spec(d, others) is not None}
+    assert not shadowed, f"top-level packages of the checkout hide installed ones: {shadowed}"

@@ -1,5 +1,5 @@
-"""The table-driven Triton optimizer steps (kernels/tensor_table.py): many tensors, empty ones
-between, chunks split across a tensor and a masked last block, all in one launch, against the
+"""The table-driven Triton optimizer steps (fastllm/kernels/tensor_table.py): many tensors, empty
+ones between, chunks split across a tensor and a masked last block, all in one launch, against the
 plain-PyTorch references; the table cache; misaligned addresses; the per-tensor fallback.
 Triton runs here through the interpreter (tests/conftest.py), with small blocks and chunks so a
 few hundred elements span several of each."""

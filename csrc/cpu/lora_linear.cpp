@@ -3,7 +3,7 @@
 // it. lora_dropout_add_cpu applies the same mask to the backward's low-rank dX term, added to dX.
 //
 // The mask is the same in every fastllm backend (`lora_dropout_mask_ref` in
-// fastllm/ops/lora_linear.py, `_keep_mask` in kernels/lora_linear.py):
+// fastllm/ops/lora_linear.py, `_keep_mask` in fastllm/kernels/lora_linear.py):
 //   key  = seed & 0x7fffffff
 //   h    = fmix32(fmix32(uint32(row) ^ key) ^ uint32(col))     (MurmurHash3's 32-bit finaliser)
 //   keep = (h >> 8) >= threshold,   threshold = round(p * 2^24)

@@ -34,7 +34,7 @@ op's extra memory is one chunk plus the grads, independent of the token count.
 
 Backends: cpp (CPU: csrc/cpu/fused_linear_cross_entropy.cpp, ATen GEMMs + an AVX-512 row pass,
 OpenMP over rows), triton (GPU; CPU under TRITON_INTERPRET=1: torch GEMMs and the row pass of
-kernels/fused_linear_cross_entropy.py), ref (the same chunked algorithm with the row pass in
+fastllm/kernels/fused_linear_cross_entropy.py), ref (the same chunked algorithm with the row pass in
 PyTorch). `fused_linear_cross_entropy_ref` materialises the logits and lets autograd
 differentiate: the oracle the tests compare against.
 """

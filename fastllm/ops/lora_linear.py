@@ -15,7 +15,7 @@ dtype (PEFT adds its fp32 LoRA output to the rounded base output and rounds the 
 dropout applied to x in fp32, as PEFT does; dX likewise, dA and dB in fp32. cpp and ref run this
 case as matmuls; the Triton backend through its kernels, fp32-accurate products on tensor cores,
 where the low-rank term is rounded to the base dtype and cuBLAS's GEMM adds x W^T to it (one
-rounding more, of the smaller term; kernels/lora_linear.py).
+rounding more, of the smaller term; fastllm/kernels/lora_linear.py).
 
 Two ops (schemas in fastllm/_library.py):
     lora_linear(...) -> (y, xa_t)            xa_t = A dropout(x)^T, (r, rows): all the backward
@@ -32,9 +32,10 @@ fastllm/ops/lora_linear_multi.py.
 
 Backends: cpp (CPU: ATen matmuls, the low-rank term (+ bias) written first and the base GEMM
 adding to it, addmm with beta=1, plus the C++ dropout kernel of csrc/cpu/lora_linear.cpp), triton
-(GPU; CPU under TRITON_INTERPRET=1; kernels/lora_linear.py: Triton writes the fused low-rank part,
-cuBLAS's base GEMMs add to it), ref (the same maths as cpp in plain PyTorch). A Triton launch
-that raises OutOfResources falls back to ref for that dtype and rank, with one warning.
+(GPU; CPU under TRITON_INTERPRET=1; fastllm/kernels/lora_linear.py: Triton writes the fused
+low-rank part, cuBLAS's base GEMMs add to it), ref (the same maths as cpp in plain PyTorch). A
+Triton launch that raises OutOfResources falls back to ref for that dtype and rank, with one
+warning.
 `lora_linear_ref` is the autograd-through-PyTorch oracle the tests compare against.
 """
 

@@ -13,7 +13,7 @@ dweight in one pass over x and dy, from x and the per-row rstd (fp32, fp64 for f
 
 Two ops (schemas in fastllm/_library.py): rms_norm(x, weight, eps, offset) -> (y, rstd) and
 rms_norm_backward(dy, x, weight, rstd, offset, output_mask) -> (dx, dweight).
-Backends: cpp (csrc/cpu/rms_norm.cpp), triton (kernels/rms_norm.py; GPU, CPU under
+Backends: cpp (csrc/cpu/rms_norm.cpp), triton (fastllm/kernels/rms_norm.py; GPU, CPU under
 TRITON_INTERPRET=1), ref (plain PyTorch). `rms_norm_ref` is the autograd oracle.
 """
 

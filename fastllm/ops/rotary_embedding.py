@@ -17,7 +17,7 @@ Ops (schemas in fastllm/_library.py):
     rotary_embedding_(q, k, cos, sin, position_ids) -> ()                in place, no autograd
 Out of place costs no memory that lasts: autograd keeps neither q nor its rotation for this op's
 backward, so the pre-rotation q (a projection's output nobody else keeps) is freed right away.
-Backends: cpp (csrc/cpu/rotary_embedding.cpp), triton (kernels/rotary_embedding.py), ref.
+Backends: cpp (csrc/cpu/rotary_embedding.cpp), triton (fastllm/kernels/rotary_embedding.py), ref.
 """
 
 import torch

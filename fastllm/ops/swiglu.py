@@ -8,7 +8,7 @@ up for its backward; this keeps gate and up):
     dgate = dy * up * sig * (1 + gate * (1 - sig)),   dup = dy * silu(gate)
 
 Ops (schemas in fastllm/_library.py): swiglu(gate, up) -> y, swiglu_backward(dy, gate, up) ->
-(dgate, dup). Backends: cpp (csrc/cpu/swiglu.cpp), triton (kernels/swiglu.py), ref.
+(dgate, dup). Backends: cpp (csrc/cpu/swiglu.cpp), triton (fastllm/kernels/swiglu.py), ref.
 """
 
 import torch

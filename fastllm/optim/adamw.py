@@ -58,7 +58,7 @@ class AdamW(torch.optim.Optimizer):
     and `stochastic_rounding` (its seed advances on the host each step).
 
     With a mixed-precision option on plain grads on one GPU (the Triton backend, or forced), the
-    step is two launches: kernels/l2norm.py's prologue (the grad norm, the skip flag, the
+    step is two launches: fastllm/kernels/l2norm.py's prologue (the grad norm, the skip flag, the
     clip/unscale multiplier, the step counts, the skip count and the LossScaler's update, all on
     the device) and the update. Elsewhere (DTensors, several devices, a CUDA graph capture,
     another backend) the same values come from global_grad_norm and a few torch ops.

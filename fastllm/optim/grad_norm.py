@@ -26,7 +26,7 @@ gradients passes empty lists and still takes part in the all-reduces.
 `grad_norm_step` is the single-process, single-device case of the same norm fused with the rest
 of a mixed-precision optimizer step's scalar work (clip factor, skip flag, step counts, loss
 scaler) in one Triton launch whose last program reduces the per-program fp64 partials in a fixed
-order (kernels/l2norm.py). fastllm.optim.AdamW uses it where it applies and global_grad_norm
+order (fastllm/kernels/l2norm.py). fastllm.optim.AdamW uses it where it applies and global_grad_norm
 everywhere else.
 """
 
@@ -143,7 +143,7 @@ def clip_coefficient(norm, max_norm):
 def grad_norm_step(grads, out, *, skipped, skipped_steps, grad_scale=None, found_inf=None,
                    max_norm=None, steps=None, scaler=None):
     """The global norm of `grads` and a mixed-precision step's scalars, in one launch
-    (kernels/l2norm.py's grad_norm_step_triton has the outputs), where that applies: grads are
+    (fastllm.kernels.l2norm.grad_norm_step_triton has the outputs), where that applies: grads are
     plain dense contiguous tensors on one device, not all fp64, Triton is the backend for that
     device and nothing is being traced. Returns False, having done nothing, elsewhere (DTensor
     or sharded grads, several devices, torch.compile, a forced non-Triton backend, a CUDA graph

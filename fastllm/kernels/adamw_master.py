@@ -7,15 +7,15 @@ Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     m  = lerp(m, g, 1 - beta1);   v = v * beta2 + (1 - beta2) * g * g
     x  = x - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     master = x;   param = round(x);   kahan_comp = round(x - param)
-Loads are upcast to fp32 and the update is kernels/adam_math.py's, shared with the plain AdamW
+Loads are upcast to fp32 and the update is adam_math.py's, shared with the plain AdamW
 kernel. Stochastic rounding takes its random bits from tl.randint (Philox keyed by the call's
 seed, counter (tensor index, element)): the same distribution as the C++/CUDA kernels' hash, not
 the same bits. grad_scale, clip_coef, found_inf and the step count are read on the device.
 
-`_adamw_master_kernel` reads a table of the tensors' addresses (kernels/tensor_table.py) and
+`_adamw_master_kernel` reads a table of the tensors' addresses (tensor_table.py) and
 strides over their chunks: one launch per step; a nonzero found_inf makes its loop empty.
 `_adamw_master_tensor_kernel` launches once per tensor, the fallback where no table can be used
-(see kernels/adamw.py).
+(see adamw.py).
 """
 
 import triton
@@ -73,7 +73,7 @@ def _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_p
 
 @triton.jit(do_not_specialize=CONSTANT_BITS)
 def _adamw_master_kernel(
-    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and kernels/tensor_table.py)
+    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and tensor_table.py)
     chunks_ptr,  # *int64, (tensor index, first element) per chunk
     n_chunks,  # number of chunks
     grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)
@@ -220,7 +220,7 @@ def adamw_master_step_triton(
 
 def _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, consts, flags,
                 *, eps, seed, grad_scale, clip_coef, found_inf):
-    """One launch per non-empty tensor (the fallback: see kernels/adamw.py)."""
+    """One launch per non-empty tensor (the fallback: see adamw.py)."""
     block = _sizes()[0]
     for i, p in enumerate(params):
         n = p.numel()

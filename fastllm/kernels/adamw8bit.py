@@ -20,11 +20,11 @@ not from global memory. The step count, the bias corrections, grad_scale, clip_c
 found_inf are read on the device: a step reads nothing back to the host. Both kernels are
 capped at MAX_REGISTERS (128) registers.
 
-`_adamw8bit_kernel` reads a table of the tensors' addresses (kernels/tensor_table.py) and strides
+`_adamw8bit_kernel` reads a table of the tensors' addresses (tensor_table.py) and strides
 over their chunks (a whole number of quantisation blocks each): one launch per step; a nonzero
 found_inf makes its loop empty. Tiles of whole blocks take unmasked accesses, a tensor's last
 tile is masked. `_adamw8bit_tensor_kernel` is the same update for one tensor per launch, the
-fallback where no table can be used (see kernels/adamw.py). Both run in the test suite under the
+fallback where no table can be used (see adamw.py). Both run in the test suite under the
 Triton interpreter and compile for sm_90 in `make kernel-check`; neither has run on a GPU yet.
 """
 
@@ -164,7 +164,7 @@ def _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, absmax
 
 @triton.jit(do_not_specialize=CONSTANT_BITS)
 def _adamw8bit_kernel(
-    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and kernels/tensor_table.py)
+    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and tensor_table.py)
     chunks_ptr,  # *int64, (tensor index, first element) per chunk
     n_chunks,  # number of chunks
     qmaps_ptr,  # *fp32 (2, 384): signed and unsigned code maps (read only when Q8)
@@ -281,7 +281,7 @@ def _adamw8bit_tensor_kernel(
     row_mask = rows * QBLOCK < n_elements
     mask = (cols[None, :] < QBLOCK) & (offsets < n_elements)
     if HAS_FOUND_INF:
-        # tl.where, not `&`: a uniform condition (see kernels/adamw.py).
+        # tl.where, not `&`: a uniform condition (see adamw.py).
         go = tl.load(found_inf_ptr) == 0
         mask = tl.where(go, mask, False)
         row_mask = tl.where(go, row_mask, False)
@@ -367,7 +367,7 @@ def adamw8bit_step_triton(
 def _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                 exp_avg_sq_absmaxes, steps, qmaps, consts, flags, *, eps, seed, grad_scale,
                 clip_coef, found_inf, num_warps):
-    """One launch per non-empty tensor (the fallback: see kernels/adamw.py)."""
+    """One launch per non-empty tensor (the fallback: see adamw.py)."""
     tile = flags["ROWS"] * flags["QBLOCK"]
     for i, p in enumerate(params):
         n = p.numel()

@@ -26,7 +26,7 @@ fp32 adapters) as three bf16 terms each, which keeps fp32's accuracy (`_dot`). V
 are rounded to the I/O dtype where PyTorch rounds them (d(x), xa, the outputs; the seed the GEMM
 adds to is the low-rank term rounded, where PEFT rounds the base product: the smaller of the two
 terms carries the extra rounding), to nearest even
-with kernels/rounding.py, which is exact on the GPU and in the interpreter alike. The one
+with rounding.py, which is exact on the GPU and in the interpreter alike. The one
 operation the interpreter gets wrong is a bf16 tl.dot (triton-lang/triton issue 11584): `_mma`
 upcasts its operands there, and only there; the GPU runs this same code with INTERPRETED=False.
 """

@@ -1,5 +1,5 @@
-"""The AdamW update shared by the Triton kernels (kernels/adamw.py, kernels/adamw_master.py,
-kernels/adamw8bit.py).
+"""The AdamW update shared by the Triton kernels (adamw.py, adamw_master.py,
+adamw8bit.py).
 
 One `@triton.jit` helper per stage, so every kernel computes the same thing in the same order as
 csrc/cpu/adamw.cpp and csrc/cuda/adamw.cu (torch's single-tensor AdamW):

@@ -1,4 +1,4 @@
-"""AdamW step in Triton: one persistent launch per step over every tensor (kernels/tensor_table.py).
+"""AdamW step in Triton: one persistent launch per step over every tensor (tensor_table.py).
 
 Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     g  = grad / grad_scale               (negated when maximize)
@@ -7,7 +7,7 @@ Maths (torch.optim.AdamW, decoupled weight decay), with step t:
     v  = v * beta2 + (1 - beta2) * g * g
     vm = max(vm, v)                      (amsgrad: the denominator uses vm)
     p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-Loads are upcast to fp32 and the update is kernels/adam_math.py's, shared with the mixed-precision
+Loads are upcast to fp32 and the update is adam_math.py's, shared with the mixed-precision
 kernel: the same order of operations, host-computed constants and IEEE-rounded sqrt and division
 as the C++ and CUDA kernels, so the backends agree with torch's single-tensor AdamW to a few ulps.
 grad_scale, found_inf and the step count are read on the device: a step costs no host
@@ -63,7 +63,7 @@ def _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr
 
 @triton.jit(do_not_specialize=CONSTANT_BITS)
 def _adamw_kernel(
-    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and kernels/tensor_table.py)
+    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and tensor_table.py)
     chunks_ptr,  # *int64, (tensor index, first element) per chunk
     n_chunks,  # number of chunks
     grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)

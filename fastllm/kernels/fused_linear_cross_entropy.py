@@ -9,7 +9,7 @@ The grad overwrites z in place, so the chunk buffer holds logits, then their gra
 (tokens x vocab) matrix never exists; fastllm/ops/fused_linear_cross_entropy.py's `_chunked`
 drives the chunks (logits GEMM, this kernel, dX and dW GEMMs), the same algorithm as the C++
 kernel. Why only the loss is Triton: the GEMMs are >85% of the op's FLOP time and cuBLAS is the
-best there is at them (the lesson of kernels/lora_linear.py); the loss is memory-bound, and doing
+best there is at them (the lesson of lora_linear.py); the loss is memory-bound, and doing
 it in one read and one write of the chunk is what a kernel can win.
 
 Interpreter-tested (TRITON_INTERPRET=1) at small sizes; not yet run on a GPU.

@@ -2,7 +2,7 @@
 
 Maths:   norm = sqrt(sum over every element x of every tensor of x^2)
 
-`_sum_squares_kernel` strides over the chunks of a table of the tensors (kernels/tensor_table.py):
+`_sum_squares_kernel` strides over the chunks of a table of the tensors (tensor_table.py):
 each block of BLOCK_SIZE elements is squared and summed in fp32 (fp64 for fp64 tensors, whose
 squares can overflow or underflow fp32) and the block sums are added into one fp64 partial per
 program, written to that program's slot. Each program then takes a ticket from an atomic counter
@@ -145,7 +145,7 @@ def _finish_step(norm, out_ptr, skipped_ptr, skipped_steps_ptr, grad_scale_ptr, 
 
 @triton.jit
 def _sum_squares_kernel(
-    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and kernels/tensor_table.py)
+    tensors_ptr,  # *int64, FIELDS per tensor (see _FIELDS and tensor_table.py)
     chunks_ptr,  # *int64, (tensor index, first element) per chunk
     n_chunks,  # number of chunks
     partial_ptr,  # *fp64, one slot per program
