@@ -5,6 +5,8 @@ with `lib.impl` (each routes to the cpp/cuda/triton/ref backend, see fastllm/_ba
 fake (shape-only) implementation for torch.compile and torch.library.opcheck.
 """
 
+import functools
+
 import torch
 
 lib = torch.library.Library("fastllm", "DEF")
@@ -135,3 +137,28 @@ SCHEMAS = {
 
 for _schema in SCHEMAS.values():
     lib.define(_schema)
+
+
+
+def first_order_only(where):
+    """Decorator for the backward of a fastllm op whose gradients come from kernels (C++,
+    Triton, a backward op with no derivative of its own, or grads computed in the forward):
+    under create_graph=True, with an input that needs a gradient, it raises, naming the op. Such
+    gradients have no graph back to the inputs, so a second derivative through them would be
+    silently zero or wrong (a backward op without autograd only warned)."""
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            # grad mode is on inside a backward only under create_graph=True
+            if torch.is_grad_enabled() and any(ctx.needs_input_grad):
+                raise RuntimeError(
+                    f"{where}: double backward (create_graph=True) is not supported: its "
+                    "backward runs fastllm's kernels, which have no derivative of their own; "
+                    "use the plain-PyTorch module or <op>_ref where second derivatives are "
+                    "needed")
+            return backward(ctx, *grads)
+
+        return wrapper
+
+    return wrap

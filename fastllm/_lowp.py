@@ -23,6 +23,7 @@ import functools
 import torch
 
 from fastllm._backend import env_choice
+from fastllm._library import first_order_only
 
 _LOWP = (torch.bfloat16, torch.float16)
 _MODES = ("auto", "fp32", "native")
@@ -135,6 +136,7 @@ class _WideAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("fastllm.patch's widened attention")
     def backward(ctx, grad_out):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

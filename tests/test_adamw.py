@@ -5,7 +5,6 @@ GPU) is compared with torch's single-tensor AdamW over 100 steps at rtol 1e-5, a
 """
 
 import copy
-import math
 import os
 import subprocess
 import sys

@@ -36,7 +36,7 @@ import warnings
 import torch
 
 from fastllm import _backend, _extension, _gemm
-from fastllm._library import lib
+from fastllm._library import first_order_only, lib
 
 __all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "document_segments",
            "DocumentSegments", "cpu_attention_enabled", "worth_it", "gpu_varlen_applies",
@@ -230,6 +230,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+@first_order_only("fastllm.attention")
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, doc_start = ctx.saved_tensors
     dq, dk, dv = torch.ops.fastllm.attention_backward(grad_out.contiguous(), q, k, v, out, lse,

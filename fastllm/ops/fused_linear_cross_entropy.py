@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension, _gemm, _lowp
-from fastllm._library import lib
+from fastllm._library import first_order_only, lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 REDUCTIONS = ("mean", "sum", "none")
@@ -378,6 +378,7 @@ def _scaled(grad, grad_loss):
     return grad * grad_loss.to(torch.float32)
 
 
+@first_order_only("fastllm.fused_linear_cross_entropy")
 def _fused_backward(ctx, grad_loss, *_):
     hidden, weight, labels, bias, gh, gw, gb = ctx.saved_tensors
     wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
@@ -501,6 +502,7 @@ class _VocabParallel(torch.autograd.Function):
         return _reduce(loss, labels, ignore_index, reduction)
 
     @staticmethod
+    @first_order_only("fastllm.vocab_parallel_fused_linear_cross_entropy")
     def backward(ctx, grad_loss):
         saved = iter(ctx.saved_tensors)
         gh, gw, gb = (_scaled(next(saved), grad_loss) if p else None for p in ctx.present)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _gemm, _lowp
-from fastllm._library import lib
+from fastllm._library import first_order_only, lib
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _WHERE = "fastllm.linear"
@@ -112,6 +112,7 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = len(inputs) > 2 and inputs[2] is not None
 
 
+@first_order_only("fastllm.linear")
 def _autograd_backward(ctx, grad_y):
     x, weight = ctx.saved_tensors
     needs = ctx.needs_input_grad  # (x, weight) or (x, weight, bias): a defaulted bias is dropped

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension, _gemm, _lowp
-from fastllm._library import lib
+from fastllm._library import first_order_only, lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 
@@ -421,6 +421,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(xa)
 
 
+@first_order_only("fastllm.lora_linear")
 def _lora_linear_backward(ctx, grad_y, grad_xa):
     x, weight, lora_a, lora_b, xa, seed = ctx.saved_tensors
     need_x, need_w, need_a, need_b, _, need_bias, _, _ = ctx.needs_input_grad

@@ -7,6 +7,7 @@ import math
 import torch
 
 from fastllm import _gemm, _lowp
+from fastllm._library import first_order_only
 from fastllm.ops.lora_linear import check_lora_linear_args, lora_linear, low_rank_seed, mixed
 
 
@@ -100,6 +101,7 @@ class _LoRALinearMulti(torch.autograd.Function):
         return tuple(y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(outs, weights))
 
     @staticmethod
+    @first_order_only("fastllm.lora_linear_multi")
     def backward(ctx, *grads):
         n = ctx.n
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once

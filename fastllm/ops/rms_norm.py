@@ -22,7 +22,7 @@ import math
 import torch
 
 from fastllm import _backend, _extension
-from fastllm._library import lib
+from fastllm._library import first_order_only, lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -161,6 +161,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
+@first_order_only("fastllm.rms_norm")
 def _backward(ctx, grad_y, grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     need_dx, need_w = ctx.needs_input_grad[:2]

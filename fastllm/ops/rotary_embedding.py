@@ -23,7 +23,7 @@ Backends: cpp (csrc/cpu/rotary_embedding.cpp), triton (fastllm/kernels/rotary_em
 import torch
 
 from fastllm import _backend, _extension
-from fastllm._library import lib
+from fastllm._library import first_order_only, lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -214,6 +214,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(cos, sin, position_ids)
 
 
+@first_order_only("fastllm.rotary_embedding")
 def _backward(ctx, grad_q, grad_k):
     cos, sin, position_ids = ctx.saved_tensors
     dq, dk = torch.ops.fastllm.rotary_embedding_backward(grad_q, grad_k, cos, sin, position_ids)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension
-from fastllm._library import lib
+from fastllm._library import first_order_only, lib
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -120,6 +120,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+@first_order_only("fastllm.swiglu")
 def _backward(ctx, grad_y):
     gate, up = ctx.saved_tensors
     dg, du = torch.ops.fastllm.swiglu_backward(grad_y, gate, up)
@@ -147,6 +148,7 @@ class _SwiGLULinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("fastllm.swiglu_linear")
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
         need_g, need_u, need_w, need_b = ctx.needs_input_grad
