@@ -5,16 +5,14 @@ use_dora) and prefix-tuning (PREFIX_TUNING).
     save_adapter(model, "adapter/")      # whichever the model carries
 """
 
-import json
-import os
-
 __all__ = ["load_adapter", "save_adapter", "adapter_kind"]
 
 
 def adapter_kind(path):
     """'lora', 'dora' or 'prefix' from a folder's adapter_config.json."""
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        config = json.load(f)
+    from fastllm.lora import read_config
+
+    config = read_config(path)
     if config.get("peft_type", "LORA") == "PREFIX_TUNING":
         return "prefix"
     return "dora" if config.get("use_dora") else "lora"

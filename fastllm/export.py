@@ -32,7 +32,10 @@ def _checkpoint(run_dir):
     from fastllm.train import checkpoint as ckpt
 
     if os.path.exists(os.path.join(run_dir, "trainer_state.pt")):
-        return run_dir  # a checkpoint-<step> folder itself
+        # a checkpoint-<step> folder itself: checked as a run's newest one would be, so a
+        # corrupt or half-copied one is refused, not exported
+        ckpt.verify(run_dir)
+        return run_dir
     found = ckpt.latest_valid(run_dir, log=lambda *_: None)
     if found is None:
         raise FileNotFoundError(f"{run_dir} holds no valid checkpoint-<step> (is it a fastllm "
@@ -107,6 +110,7 @@ def export(run_dir, out_dir, merged=False):
     if merged and prefix:
         raise ValueError("fastllm export: a prefix-tuning adapter cannot be merged into the "
                          "weights; export it without --merged (a PEFT adapter)")
+    _check_out_dir(out_dir, adapter=(_has_lora(model) and not merged) or prefix)
     os.makedirs(out_dir, exist_ok=True)
     _finish_config(model, tokenizer)
     tok = getattr(tokenizer, "tok", None)
@@ -131,6 +135,27 @@ def export(run_dir, out_dir, merged=False):
     else:
         model.save_pretrained(out_dir)
     return out_dir
+
+
+# The files of one layout that make a folder read as the other: transformers' from_pretrained
+# applies an adapter_config.json it finds beside config.json on top of the weights, and
+# load_model takes a folder with one for an adapter.
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _check_out_dir(out_dir, adapter):
+    """Refuse, before writing anything, an out_dir holding another export's files of the other
+    layout (a model over an adapter, or the reverse): the two mixed load as neither."""
+    stale = [n for n in (_MODEL_FILES if adapter else _ADAPTER_FILES)
+             if os.path.exists(os.path.join(out_dir, n))]
+    if stale:
+        kind = "an adapter" if adapter else "a whole model"
+        raise ValueError(f"fastllm export: {out_dir} holds {', '.join(stale)} of another export; "
+                         f"writing {kind} beside them would load as neither (transformers "
+                         f"applies an adapter_config.json on top of the weights): remove them or "
+                         f"pick an empty out_dir")
 
 
 def _base_copy(model, prefix):
@@ -197,9 +222,11 @@ def add_export_commands(sub):
 def _export(args):
     import sys
 
+    from fastllm.train.checkpoint import CheckpointError
+
     try:
         out = export(args.run_dir, args.out_dir, merged=args.merged)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
         sys.exit(str(e))
     kind = "merged model" if args.merged else "model"
     names = sorted(n for n in os.listdir(out) if not n.startswith("."))
@@ -209,11 +236,12 @@ def _export(args):
 def _generate(args):
     import sys
 
+    from fastllm.train.checkpoint import CheckpointError
     from fastllm.train.evaluate import generate_samples
 
     try:
         model, tokenizer = load_model(args.model)
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except (FileNotFoundError, ValueError, OSError, CheckpointError) as e:
         sys.exit(f"fastllm generate: {e}")
     torch.manual_seed(args.seed)
     text = generate_samples(model, tokenizer, [args.prompt], args.max_new_tokens,

@@ -26,6 +26,38 @@ from fastllm.ops.lora_linear import lora_linear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def read_config(path):
+    """A folder's adapter_config.json as a dict. A truncated or corrupt file, or JSON that is
+    not an object, raises ValueError naming the file (json's own error names neither)."""
+    file = os.path.join(path, ADAPTER_CONFIG)
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"fastllm.load_adapter: {file} is not valid JSON (truncated or "
+                         f"corrupt?): {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"fastllm.load_adapter: {file} holds a JSON {type(config).__name__}, "
+                         f"not an object of PEFT's settings")
+    return config
+
+
+def read_weights(path):
+    """A folder's adapter_model.safetensors as {key: tensor}; a truncated or corrupt file raises
+    ValueError naming it (safetensors' own error does not)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = os.path.join(path, ADAPTER_WEIGHTS)
+    try:
+        return load_file(file)
+    except SafetensorError as e:
+        raise ValueError(f"fastllm.load_adapter: {file} is not a valid safetensors file "
+                         f"(truncated or corrupt?): {e}") from None
+
+
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -376,17 +408,13 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
     inject_lora's, for layers it creates (torch.float32 on a bf16 model: PEFT's default).
     Returns the model.
     """
-    from safetensors.torch import load_file
-
-    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
-        config = json.load(f)
-    settings = _check_supported(config)
+    settings = _check_supported(read_config(path))
     dora = bool(settings["use_dora"])
     if dora != bool(getattr(layer_cls, "is_dora", False)):
         raise ValueError(f"fastllm.load_adapter: {path} is a {'DoRA' if dora else 'LoRA'} "
                          f"adapter; load it with fastllm.adapters.load_adapter (or "
                          f"fastllm.{'dora' if dora else 'lora'}.load_adapter)")
-    state = load_file(os.path.join(path, ADAPTER_WEIGHTS))
+    state = read_weights(path)
     existing = lora_modules(model)
     if existing:
         _check_layers_agree(existing, settings)

@@ -220,8 +220,9 @@ def load_prefix(model, path):
     before anything changes. Returns the model."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
-        config = json.load(f)
+    from fastllm.lora import read_config, read_weights
+
+    config = read_config(path)
     if config.get("peft_type") != "PREFIX_TUNING":
         raise ValueError(f"fastllm.load_prefix: not a prefix-tuning adapter "
                          f"({config.get('peft_type')})")
@@ -231,7 +232,11 @@ def load_prefix(model, path):
         raise ValueError(f"fastllm.load_prefix: the adapter is for {config['num_layers']} layers "
                          f"of token_dim {config['token_dim']}; the model has {layers} of "
                          f"{kv * head_dim}")
-    rows = load_file(os.path.join(path, ADAPTER_WEIGHTS))["prompt_embeddings"]
+    weights = read_weights(path)
+    if "prompt_embeddings" not in weights:
+        raise ValueError(f"fastllm.load_prefix: {os.path.join(path, ADAPTER_WEIGHTS)} holds no "
+                         f"prompt_embeddings (keys: {sorted(weights)[:5]})")
+    rows = weights["prompt_embeddings"]
     t = config["num_virtual_tokens"]
     if tuple(rows.shape) != (t, layers * 2 * kv * head_dim):
         raise ValueError(f"fastllm.load_prefix: prompt_embeddings is {tuple(rows.shape)}, "

@@ -2,8 +2,9 @@
 sha256 checksums, written to a temporary folder, fsynced, then renamed into place.
 
 A crash while writing leaves a `.tmp-checkpoint-*` folder that is never read (and is removed by
-the next run); a checkpoint whose files do not match its manifest is refused with the reason, and
-the next older one is used. The manifest must list every file the loader reads (trainer_state.pt,
+the next run, which puts back a checkpoint of the same step it was replacing); a checkpoint
+whose files do not match its manifest is refused with the reason, and the next older one is
+used. The manifest must list every file the loader reads (trainer_state.pt,
 optimizer.pt, and model.pt or the adapter's two files) with its size and sha256; a manifest of
 any other shape is an invalid checkpoint, never a crash. Every .pt file is read with
 torch.load(weights_only=True): a checkpoint holds tensors and plain containers, no code.
@@ -89,9 +90,16 @@ def save(output_dir, step, writers):
     for folder, _, _ in os.walk(tmp):
         _fsync_dir(folder)
     if os.path.exists(final):
+        # A folder cannot be renamed over a non-empty one: the old one steps aside first. Until
+        # the new one is in place the old one is the checkpoint: put back if the rename fails,
+        # and by remove_partial after a crash between the two renames.
         old = final + f".old-{uuid.uuid4().hex[:8]}"
         os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
@@ -143,11 +151,17 @@ def verify(path):
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
             raise CheckpointError(f"{path}: {rel} is missing")
-        size = os.path.getsize(full)
+        try:
+            size = os.path.getsize(full)
+            digest = _sha256(full) if size == meta["bytes"] else None
+        except OSError as e:
+            # an unreadable file (EIO of a bad disk, EACCES) is a bad checkpoint: the caller
+            # falls back to the previous one
+            raise CheckpointError(f"{path}: {rel} cannot be read: {e}") from None
         if size != meta["bytes"]:
             raise CheckpointError(f"{path}: {rel} has {size} bytes, the manifest says "
                                   f"{meta['bytes']} (truncated?)")
-        if _sha256(full) != meta["sha256"]:
+        if digest != meta["sha256"]:
             raise CheckpointError(f"{path}: {rel} does not match its sha256 checksum (corrupt)")
 
 
@@ -186,11 +200,17 @@ def prune(output_dir, keep_last, keep=None):
 
 
 def remove_partial(output_dir):
+    """Delete leftovers of interrupted writes; a replaced checkpoint whose replacement never
+    arrived (a crash between save's two renames) is put back instead."""
     if not os.path.isdir(output_dir):
         return
-    for name in os.listdir(output_dir):
-        if name.startswith(".tmp-checkpoint-") or re.match(r"^checkpoint-\d+\.old-", name):
-            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    for name in sorted(os.listdir(output_dir)):
+        full = os.path.join(output_dir, name)
+        old = re.match(r"^(checkpoint-\d+)\.old-", name)
+        if old and not os.path.lexists(os.path.join(output_dir, old.group(1))):
+            os.rename(full, os.path.join(output_dir, old.group(1)))
+        elif name.startswith(".tmp-checkpoint-") or old:
+            shutil.rmtree(full, ignore_errors=True)
 
 
 def save_file(obj, path):

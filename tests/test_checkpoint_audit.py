@@ -1,0 +1,170 @@
+"""Files a run or a user depends on: checkpoints that survive faults, adapters and exports that
+refuse bad input with an error naming the file. Faults are injected by monkeypatching, so every
+test is deterministic and single-process."""
+
+import errno
+import os
+import types
+
+import pytest
+import torch
+
+from fastllm import adapters, export
+from fastllm.lora import inject_lora, load_adapter, save_adapter
+from fastllm.train import checkpoint as ckpt
+
+
+def _save(output_dir, step, value=0.0):
+    """A minimal checkpoint-<step> holding every file the loader reads."""
+    def tensor_file(obj):
+        return lambda path: ckpt.save_file(obj, path)
+
+    return ckpt.save(output_dir, step, {
+        "trainer_state.pt": tensor_file({"step": step}),
+        "optimizer.pt": tensor_file({"state": {}, "param_groups": []}),
+        "model.pt": tensor_file({"w": torch.full((4, 3), value)}),
+    })
+
+
+# ----- checkpoint.py -----
+
+def test_unreadable_checkpoint_file_falls_back_to_the_previous(tmp_path, monkeypatch):
+    out = str(tmp_path)
+    _save(out, 3)
+    newest = _save(out, 6)
+    real = ckpt._sha256
+
+    def bad_disk(path):
+        if path.startswith(newest):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path)
+
+    monkeypatch.setattr(ckpt, "_sha256", bad_disk)
+    with pytest.raises(ckpt.CheckpointError, match="cannot be read"):
+        ckpt.verify(newest)
+    messages = []
+    assert ckpt.latest_valid(out, log=messages.append)[0] == 3
+    assert "checkpoint-6" in messages[0]
+
+
+def test_failed_rename_over_a_checkpoint_keeps_the_old_one(tmp_path, monkeypatch):
+    out = str(tmp_path)
+    path = _save(out, 3, value=1.0)
+    real = os.rename
+
+    def fails_into_place(src, dst):
+        if ".tmp-checkpoint-" in os.fspath(src):
+            raise OSError(errno.EIO, "simulated failure renaming the new checkpoint")
+        real(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", fails_into_place)
+    with pytest.raises(OSError, match="simulated failure"):
+        _save(out, 3, value=2.0)
+    monkeypatch.setattr(ckpt.os, "rename", real)
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [3]
+    ckpt.verify(path)
+    assert ckpt.load_file(os.path.join(path, "model.pt"))["w"][0, 0] == 1.0
+
+
+def test_crash_between_the_renames_of_a_replace_restores_the_old_one(tmp_path):
+    out = str(tmp_path)
+    path = _save(out, 3, value=1.0)
+    _save(out, 4)
+    # what a SIGKILL between save's two renames leaves when it replaces checkpoint-3: the old
+    # one stepped aside, the new one still under its temporary name
+    os.rename(path, path + ".old-deadbeef")
+    os.rename(os.path.join(out, "checkpoint-4"), os.path.join(out, ".tmp-checkpoint-3-cafe"))
+    assert ckpt.list_checkpoints(out) == []
+    ckpt.remove_partial(out)  # what the next run does first (run_dir.prepare)
+    assert ckpt.latest_valid(out, log=lambda *_: None) == (3, path)
+    assert ckpt.load_file(os.path.join(path, "model.pt"))["w"][0, 0] == 1.0
+    assert sorted(os.listdir(out)) == ["checkpoint-3"]
+
+
+# ----- export.py -----
+
+def test_export_verifies_a_checkpoint_folder_given_directly(tmp_path):
+    path = _save(str(tmp_path), 3)
+    model = os.path.join(path, "model.pt")
+    data = bytearray(open(model, "rb").read())
+    data[-40] ^= 0xFF  # inside the tensor's bytes: torch.load would load the wrong weights
+    open(model, "wb").write(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="model.pt does not match its sha256"):
+        export._checkpoint(path)
+
+
+class _Tiny(torch.nn.Module):
+    """Enough of a transformers model for export(): q_proj/v_proj, a config, save_pretrained."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(8, 8)
+        self.v_proj = torch.nn.Linear(8, 8)
+        self.config = types.SimpleNamespace(_name_or_path=None)
+        self.generation_config = types.SimpleNamespace(save_pretrained=lambda d: None)
+
+    def save_pretrained(self, out_dir):
+        from safetensors.torch import save_file
+
+        save_file(dict(self.state_dict()), os.path.join(out_dir, "model.safetensors"))
+        open(os.path.join(out_dir, "config.json"), "w").write("{}")
+
+
+@pytest.mark.parametrize("first_merged", [False, True])
+def test_export_refuses_an_out_dir_holding_the_other_layout(tmp_path, monkeypatch, first_merged):
+    base = tmp_path / "base"
+    base.mkdir()
+
+    def load_run(run_dir):
+        model = _Tiny()
+        inject_lora(model, r=2)
+        return model, types.SimpleNamespace(eos_token_id=2), types.SimpleNamespace(
+            model=str(base))
+
+    monkeypatch.setattr(export, "load_run", load_run)
+    out = str(tmp_path / "out")
+    export.export("run", out, merged=first_merged)
+    before = sorted(os.listdir(out))
+    stale = "config.json" if first_merged else "adapter_config.json"
+    with pytest.raises(ValueError, match=stale):
+        export.export("run", out, merged=not first_merged)
+    assert sorted(os.listdir(out)) == before
+
+
+# ----- adapters.py, lora.py -----
+
+def _truncate(file):
+    data = open(file, "rb").read()
+    open(file, "wb").write(data[:len(data) // 2])
+
+
+def _json_list(file):
+    open(file, "w").write("[1, 2]")
+
+
+@pytest.mark.parametrize("name,damage,says", [
+    ("adapter_model.safetensors", _truncate, "not a valid safetensors file"),
+    ("adapter_config.json", _truncate, "not valid JSON"),
+    ("adapter_config.json", _json_list, "holds a JSON list"),
+])
+@pytest.mark.parametrize("loader", [load_adapter, adapters.load_adapter], ids=["lora", "adapters"])
+def test_corrupt_adapter_files_are_named(tmp_path, name, damage, says, loader):
+    model = _Tiny()
+    inject_lora(model, r=2)
+    save_adapter(model, str(tmp_path))
+    damage(os.path.join(tmp_path, name))
+    fresh = _Tiny()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=f"{name} .*{says}|{name} {says}"):
+        loader(fresh, str(tmp_path))
+    after = fresh.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_corrupt_prefix_adapter_files_are_named(tmp_path):
+    """load_prefix reads the same two files: a truncated one is named, as for LoRA."""
+    from fastllm.prefix import load_prefix
+
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "PREFIX_TU')
+    with pytest.raises(ValueError, match="adapter_config.json is not valid JSON"):
+        load_prefix(None, str(tmp_path))
