@@ -96,6 +96,14 @@ ONE_PER_STEP = {"_adamw_kernel", "_adamw_master_kernel", "_adamw8bit_kernel",
 # well as the step's clip/unscale multiplier), which keeps the check's time down.
 STEP_LAUNCHES = {"AdamW step bf16 master+clip+LossScaler": 2,
                  "AdamW8bit step bf16 master+clip+LossScaler": 2}
+# Kernels that promise the C++ kernels' IEEE-rounded fp32 sqrt and division (issue 18 item 6:
+# tl.sqrt and `/` are approximate on a GPU and exact in the interpreter, so no CPU test sees it):
+# an approximate sqrt, division or reciprocal in their PTX fails.
+EXACT = {"_adamw_kernel", "_adamw_tensor_kernel", "_adamw_master_kernel",
+         "_adamw_master_tensor_kernel", "_adamw8bit_kernel", "_adamw8bit_tensor_kernel",
+         "_adam_lowrank_kernel", "_orthogonalize_kernel", "_sum_squares_kernel"}
+APPROX = re.compile(r"\b(?:sqrt|div|rcp|rsqrt)\.approx(?:\.ftz)?\.f32\b"
+                    r"|\bdiv\.full(?:\.ftz)?\.f32\b")
 # Kernels with a register budget (issue 18 item 4): a compile that uses more fails.
 MAX_REGISTERS = {"_adamw8bit_kernel": 128, "_adamw8bit_tensor_kernel": 128}
 CUDA_BANDWIDTH = ("AdamWFunctor", "AdamWMasterFunctor", "SumSquaresFunctor")
@@ -439,6 +447,10 @@ def triton_checks(jobs):
                 scalar = len(re.findall(r"ld\.global(?![\w:.]*\.v[24])[\w:.]*\s", ptx))
                 results.append((wide > 0, "wide loads", name,
                                 f"{case}: {wide} 128-bit global loads, {scalar} narrower"))
+            if name in EXACT:
+                approx = sorted(set(APPROX.findall(ptx)))
+                results.append((not approx, "exact math", name,
+                                f"{case}: approximate {', '.join(approx) or 'nothing'}"))
             if name in TENSOR_CORES:
                 rows, cols = (kwargs[b] for b in TENSOR_CORES[name])
                 per_thread = rows * cols // (32 * kwargs.get("num_warps", 4))

@@ -163,9 +163,17 @@ def adamw_step_triton(
     """One launch for every tensor (a table); the same contract as fastllm.ops.adamw_step."""
     if not params:
         return
-    if params[0].dtype == torch.float64:
+    dtype = params[0].dtype
+    if dtype == torch.float64:
         raise TypeError("fastllm.adamw_step (triton): the Triton kernel computes in fp32; fp64 "
                         "params run on the cuda, cpp or ref backend")
+    # The table kernel types every address with params[0]'s dtype: a tensor of another dtype
+    # would be read and written as that one (out of bounds when it is narrower). The C++ kernels
+    # refuse the same.
+    for i, p in enumerate(params):
+        if p.dtype != dtype:
+            raise TypeError(f"fastllm.adamw_step: all params of one call must share a dtype; "
+                            f"params[{i}] is {p.dtype}, params[0] is {dtype}")
     device = params[0].device
     # The kernel reads the scalars through pointers: they must live where the params do.
     if grad_scale is not None and grad_scale.device != device:

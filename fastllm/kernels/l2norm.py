@@ -250,6 +250,12 @@ def _launch(tensors, out, step=None):
     way)."""
     device = tensors[0].device
     types = [t.dtype for t in tensors]
+    for i, d in enumerate(types):
+        # The table has no field for any other float type (fp8, ...): such a tensor would add
+        # nothing to the norm. The C++ kernels refuse it too.
+        if d not in _TYPES:
+            raise TypeError(f"fastllm.l2norm: tensors[{i}] has dtype {d}; the Triton kernel "
+                            f"takes bfloat16, float16, float32 and float64")
     arrays = [[t if d == dtype else None for t, d in zip(tensors, types)] if dtype in types
               else None for dtype in _TYPES]
     block, chunk_blocks = _sizes()

@@ -2,8 +2,9 @@
 
 One program per (batch, position) row and block of heads: cos and sin of that row are loaded
 once and applied to BLOCK_HEADS heads of q (or of k: the grid's second axis covers q's head
-blocks, then k's). Inputs and outputs have any (B, S, H) strides with a unit last stride; the
-outputs may be the inputs (in place: each element is loaded before any is stored).
+blocks, then k's). Inputs and outputs have any (B, S, H) strides with a unit last stride, and
+so do cos and sin (each with its own row strides); the outputs may be the inputs (in place: each
+element is loaded before any is stored).
 Interpreter-tested only (TRITON_INTERPRET=1); not yet verified on a GPU.
 """
 
@@ -42,7 +43,8 @@ def _rotary_kernel(
     S, Hq, Hk, half,  # sizes; half = D / 2
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_qob, stride_qos, stride_qoh, stride_kob, stride_kos, stride_koh,
-    stride_cb, stride_cs,  # cos/sin row strides: (batch, position) or (0, table row) when GATHER
+    stride_cb, stride_cs,  # cos row strides: (batch, position) or (0, table row) when GATHER
+    stride_sb, stride_ss,  # sin row strides, likewise (a slice of another tensor than cos's)
     stride_pb, stride_ps,  # position_ids strides
     q_blocks,  # head blocks of q; program ids past it work on k
     GATHER: tl.constexpr,  # cos/sin rows picked by position_ids
@@ -57,14 +59,16 @@ def _rotary_kernel(
     if GATHER:
         p = tl.load(pos_ptr + b * stride_pb + s * stride_ps)
         c_off = p * stride_cs
+        s_off = p * stride_ss
     else:
         c_off = b * stride_cb + s * stride_cs
+        s_off = b * stride_sb + s * stride_ss
     cols = tl.arange(0, BLOCK_HALF)
     cmask = cols < half
     c1 = tl.load(cos_ptr + c_off + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + c_off + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + c_off + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + c_off + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + s_off + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + s_off + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if blk < q_blocks:
         _rotate(q_ptr + b * stride_qb + s * stride_qs, qo_ptr + b * stride_qob + s * stride_qos,
                 stride_qh, stride_qoh, Hq, blk * BLOCK_HEADS, c1, c2, s1, s2, half,
@@ -85,18 +89,20 @@ def rotary_embedding_triton(q, k, cos, sin, position_ids, q_out, k_out, backward
     q_blocks = triton.cdiv(Hq, block_heads)
     k_blocks = triton.cdiv(Hk, block_heads)
     gather = position_ids is not None
+    # cos and sin keep their own strides: the op accepts any row strides for each (a view of
+    # one tensor's storage with the other's strides would read the wrong rows, or out of bounds).
     if gather:
         stride_cb, stride_cs = 0, cos.stride(0)
+        stride_sb, stride_ss = 0, sin.stride(0)
         stride_pb = 0 if position_ids.shape[0] == 1 else position_ids.stride(0)
         stride_ps = position_ids.stride(1)
         pos = position_ids
     else:
         stride_cb = 0 if cos.shape[0] == 1 else cos.stride(0)
-        stride_cs = cos.stride(1)
+        stride_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
+        stride_cs, stride_ss = cos.stride(1), sin.stride(1)
         stride_pb = stride_ps = 0
         pos = cos  # unused
-    if sin.stride() != cos.stride():
-        sin = sin.contiguous() if cos.is_contiguous() else sin.as_strided(cos.shape, cos.stride())
     block_half = triton.next_power_of_2(max(half, 1))
     # Enough threads for 16 bytes per thread per load (128-bit accesses: .ci/kernel_check.py);
     # with more, a head of 64 in bf16 (8 heads x 32 columns a tile) was split into 8-byte loads.
@@ -107,6 +113,6 @@ def rotary_embedding_triton(q, k, cos, sin, position_ids, q_out, k_out, backward
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        stride_cb, stride_cs, stride_pb, stride_ps, q_blocks,
+        stride_cb, stride_cs, stride_sb, stride_ss, stride_pb, stride_ps, q_blocks,
         GATHER=gather, BACKWARD=backward, BLOCK_HEADS=block_heads,
         BLOCK_HALF=block_half, num_warps=num_warps)
