@@ -101,8 +101,10 @@ float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
   const float lse = mx + std::log(sum_exp);
   const float z_y = scratch[label];
   const float eps = p.smoothing;
-  const float loss = lse - (1.0f - eps) * z_y - eps * (sum_z / static_cast<float>(vocab)) +
-                     p.z_loss * lse * lse;
+  // The smoothing term only when eps > 0: a -inf logit (a bias masking vocabulary entries) makes
+  // sum_z -inf, and 0 * -inf would turn a finite loss into nan (F.cross_entropy gives it finite).
+  const float smooth = eps > 0.0f ? eps * (sum_z / static_cast<float>(vocab)) : 0.0f;
+  const float loss = lse - (1.0f - eps) * z_y - smooth + p.z_loss * lse * lse;
   if (!p.need_grad) return loss;
   const float coef = w * (1.0f + 2.0f * p.z_loss * lse);
   const float offset = w * eps / static_cast<float>(vocab);

@@ -106,7 +106,9 @@ std::vector<at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weig
   // rstd in the compute precision: fp64 for fp64 (so its gradients are fp64-accurate), else fp32
   const auto op_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto rstd = at::empty({rows}, x.options().dtype(op_dtype));
-  if (rows == 0 || h == 0) return {y, rstd};
+  // h == 0 still runs the rows: their rstd is 1 / sqrt(0 / 0 + eps) = nan, as the mean of no
+  // elements is (rms_norm_ref), not whatever at::empty left there
+  if (rows == 0) return {y, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fastllm_rms_norm_cpu",
                                   [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();

@@ -70,7 +70,10 @@ def _flce_row_kernel(
     z_y = tl.load(z_row + y).to(tl.float32)
     if HAS_CAP:
         z_y = _softcap(z_y, cap)
-    loss = lse - (1.0 - eps) * z_y - eps * (sum_z / V) + z_loss * lse * lse
+    # the smoothing term only when eps > 0: a -inf logit (a bias masking vocabulary entries)
+    # makes sum_z -inf, and 0 * -inf would turn a finite loss into nan
+    smooth = tl.where(eps > 0.0, eps * (sum_z / V), 0.0)
+    loss = lse - (1.0 - eps) * z_y - smooth + z_loss * lse * lse
     tl.store(loss_ptr + row, loss)
     if NEED_GRAD:
         coef = w * (1.0 + 2.0 * z_loss * lse)

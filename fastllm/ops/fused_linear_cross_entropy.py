@@ -172,7 +172,9 @@ def row_pass_ref(z, labels, weights, label_smoothing, z_loss, cap, need_grad):
     lse = torch.logsumexp(zf, 1)
     z_y = zf.gather(1, labels[:, None])[:, 0]
     eps = label_smoothing
-    loss = lse - (1.0 - eps) * z_y - eps * zf.mean(1) + z_loss * lse * lse
+    loss = lse - (1.0 - eps) * z_y + z_loss * lse * lse
+    if eps:  # only then: a -inf logit makes the mean -inf, and 0 * -inf is nan
+        loss = loss - eps * zf.mean(1)
     if need_grad:
         w = weights.to(acc)
         g = torch.exp(zf - lse[:, None]) * (w * (1.0 + 2.0 * z_loss * lse))[:, None]

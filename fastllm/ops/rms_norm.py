@@ -116,7 +116,7 @@ def _select(x):
 def _rms_norm_impl(x, weight, eps, offset=0.0):
     check_rms_norm_args(x, weight, eps, offset)
     h = x.shape[-1]
-    x2 = x.reshape(-1, h).contiguous()
+    x2 = x.reshape(math.prod(x.shape[:-1]), h).contiguous()  # not -1: h may be 0
     with _backend.device_guard(x.device):
         y, rstd = _FORWARD[_select(x)](x2, weight.contiguous(), eps, offset)
     return y.view(x.shape), rstd.view(x.shape[:-1])
@@ -125,8 +125,9 @@ def _rms_norm_impl(x, weight, eps, offset=0.0):
 def _rms_norm_backward_impl(grad_out, x, weight, rstd, offset, output_mask):
     need_dx, need_w = output_mask
     h = x.shape[-1]
-    x2 = x.reshape(-1, h).contiguous()
-    dy2 = grad_out.reshape(-1, h).contiguous()
+    rows = math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, h).contiguous()
+    dy2 = grad_out.reshape(rows, h).contiguous()
     with _backend.device_guard(x.device):
         dx, dw = _BACKWARD[_select(x)](dy2, x2, weight.contiguous(), rstd.reshape(-1).contiguous(),
                                        offset, need_dx, need_w)
