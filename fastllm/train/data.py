@@ -64,6 +64,7 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_token_id = 256
+    bos_ids = []
     name = "byte"
 
     def encode(self, text):
@@ -82,6 +83,10 @@ class HFTokenizer:
         self.vocab_size = len(tok)
         eos = tok.eos_token_id
         self.eos_token_id = eos if eos is not None else self.vocab_size - 1
+        # the ids tok(text) puts before the text's own (Llama's BOS; none for GPT-2's BPE)
+        special, plain = (tok("a", add_special_tokens=s)["input_ids"] for s in (True, False))
+        self.bos_ids = next((special[:k] for k in range(len(special) - len(plain) + 1)
+                             if special[k:k + len(plain)] == plain), [])
 
     def encode(self, text):
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -121,7 +126,8 @@ def build_tokenizer(spec, docs, vocab_size, cache_dir, model_dir=None):
         tok.save(tmp)
         os.replace(tmp, path)
     fast = PreTrainedTokenizerFast(tokenizer_file=path, eos_token="<|endoftext|>")
-    return HFTokenizer(fast, f"bpe-{vocab_size}")
+    # the digest: caches keyed by the name (an SFT eval_path's) follow the corpus the BPE learned
+    return HFTokenizer(fast, f"bpe-{vocab_size}-{digest}")
 
 
 def _digest(docs, salt):

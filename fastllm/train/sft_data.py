@@ -14,7 +14,8 @@ Alpaca records when the tokenizer has one (as a user turn and an assistant turn)
 template an Alpaca record takes Stanford Alpaca's prompt. data.train_on_prompt=true counts every
 token. A rendered chat is tokenised piece by piece (the text before each assistant reply, the
 reply), so each reply starts on a token boundary as it does when the model generates it after
-add_generation_prompt.
+add_generation_prompt. Text, prompts and Alpaca prompts without a template start with what the
+tokenizer puts before a text (Llama's BOS, GPT-2's nothing) and end with one EOS, as in TRL.
 
 Batches are dicts of (batch, length) int64 tensors: input_ids, labels (-100 where the loss does
 not count: prompts, padding and each example's first token) and position_ids. With packing
@@ -41,7 +42,7 @@ __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", 
            "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
-_VERSION = "sft-1"
+_VERSION = "sft-2"
 _ROLES = ("system", "user", "assistant", "tool")
 # Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT)
 _ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately "
@@ -136,7 +137,13 @@ def read_records(path):
                     record = json.loads(line)
                 except ValueError as e:
                     raise ValueError(f"fastllm train: {where}: not valid JSON ({e})") from None
-                records.append(_check(record, where))
+                record = _check(record, where)
+                try:  # "\ud800" is valid JSON but no text: refused here, not by the tokenizer
+                    json.dumps(record, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"fastllm train: {where}: a lone UTF-16 surrogate "
+                                     f"({e.object[e.start]!r}) is not text") from None
+                records.append(record)
     if not records:
         raise ValueError(f"fastllm train: {path} holds no examples")
     return records
@@ -161,7 +168,15 @@ def _chat_pieces(tokenizer, messages):
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        if i:
+            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        else:
+            # transformers renders no empty chat, and a template may open with text of its own
+            # (SmolLM2's default system turn) and the reply's header: what two renderings share
+            # when their replies differ only in the first character is the text before the reply
+            a, b = (_render(tokenizer, [dict(m, content=c + m["content"])])
+                    for c in "\ue000\ue001")
+            before = os.path.commonprefix([a, b])
         upto = _render(tokenizer, messages[:i + 1])
         if not (full.startswith(upto) and upto.startswith(before) and len(before) >= done):
             raise ValueError("fastllm train: the tokenizer's chat template does not render a "
@@ -198,12 +213,18 @@ def encode_example(record, tokenizer, train_on_prompt=False):
                              f"template; {tokenizer.name} has none (data.tokenizer=<a model "
                              f"folder>, or model=<an HF folder>)")
         pieces = _chat_pieces(tokenizer, fields)
-    ids, mask = [], []
+    ids, mask, piece = [], [], []
+    if kind != "chat":
+        # what the tokenizer puts before a text (Llama's BOS), as TRL's SFTTrainer and generation
+        # without a template tokenize; a chat template writes its own
+        ids = list(getattr(tokenizer, "bos_ids", ()))
+        mask = [int(kind == "text" or train_on_prompt)] * len(ids)
     for text, counts in pieces:
         piece = tokenizer.encode(text)
         ids += piece
         mask += [int(counts or train_on_prompt)] * len(piece)
-    if kind != "chat":  # a chat template ends its turns itself
+    # a chat template ends its turns itself; a text that ends with the EOS keeps one (TRL's add_eos)
+    if kind != "chat" and not (piece and piece[-1] == eos):
         ids.append(eos)
         mask.append(1)
     return ids, mask

@@ -1,0 +1,161 @@
+"""SFT data against what Hugging Face users expect (TRL's SFTTrainer, apply_chat_template): a chat
+that opens with the assistant, BOS and EOS of plain examples, a lone surrogate escape, the cache
+of an eval_path under a trained BPE, packed boundaries and a resumed order (tiny offline
+tokenizers, CPU)."""
+
+import json
+import os
+
+import pytest
+
+from fastllm.train.config import TrainConfig
+from fastllm.train.data import HFTokenizer
+from fastllm.train.sft_data import (SFTDataset, build_datasets, encode_example, read_records,
+                                    tokenize_records)
+
+# SmolLM2's ChatML template, its default system turn included (tests/test_sft.py drops it)
+SMOL = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# a Llama-style template: the BOS as text, then the turns
+LLAMA = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+         "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def _tokenizer(specials, bos=None, eos=None, template=None):
+    """A byte-level BPE over a few words; with `bos`, tok(text) puts it first (as Llama's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["user assistant system What is the capital of France? Paris."] * 4,
+                            trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
+    fast.chat_template = template
+    return HFTokenizer(fast, f"audit-{bos}-{eos}-{bool(template)}")
+
+
+def _targets(tok, ids, mask):
+    return tok.decode([t for t, m in zip(ids, mask) if m])
+
+
+def test_chat_opening_with_the_assistant_trains_on_the_reply_only():
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], eos="<|im_end|>", template=SMOL)
+    chat = [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Paris."}]
+    ids, mask = encode_example(("chat", chat), tok)
+    assert ids == tok.tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    # neither the template's default system turn nor the reply's header is a target
+    assert _targets(tok, ids, mask) == "Hello!<|im_end|>\nParis.<|im_end|>\n"
+    ids, mask = encode_example(("chat", chat[:1]), tok)
+    assert _targets(tok, ids, mask) == "Hello!<|im_end|>\n"
+
+
+def test_plain_examples_start_with_the_tokenizers_bos_and_chats_have_one():
+    tok = _tokenizer(["<s>", "</s>"], bos="<s>", eos="</s>", template=LLAMA)
+    bos, eos = tok.tok.bos_token_id, tok.eos_token_id
+    # TRL: tok(text) (its BOS) + EOS; generation without a template also starts with the BOS
+    ids, mask = encode_example(("text", "Paris."), tok)
+    assert ids == tok.tok("Paris.")["input_ids"] + [eos] and ids[0] == bos
+    ids, mask = encode_example(("completion", ("What is", " Paris.")), tok)
+    assert ids == tok.tok("What is Paris.")["input_ids"] + [eos]
+    assert _targets(tok, ids, mask) == " Paris.</s>"
+    # the template writes its BOS: one, as apply_chat_template's
+    chat = [{"role": "user", "content": "What is"}, {"role": "assistant", "content": "Paris."}]
+    ids, mask = encode_example(("chat", chat), tok)
+    assert ids == tok.tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    assert ids.count(bos) == 1 and _targets(tok, ids, mask) == "Paris.</s>"
+
+
+def test_an_example_ending_with_the_eos_gets_no_second_one():
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], eos="<|im_end|>")
+    eos = tok.eos_token_id
+    ids, mask = encode_example(("text", "Paris.<|im_end|>"), tok)
+    assert ids == tok.encode("Paris.") + [eos] and all(mask)
+    ids, mask = encode_example(("completion", ("What is", " Paris.<|im_end|>")), tok)
+    assert ids == tok.encode("What is Paris.") + [eos]
+    # an empty completion still learns to stop, whatever the prompt ends with
+    ids, mask = encode_example(("completion", ("What is<|im_end|>", "")), tok)
+    assert ids == tok.encode("What is") + [eos, eos] and mask[-2:] == [0, 1]
+
+
+def _write(path, records):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return str(path)
+
+
+def test_a_lone_surrogate_escape_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "s.jsonl"
+    # a surrogate pair is one character (kept); a lone half is valid JSON but no text
+    path.write_text('{"text": "sushi \\ud83c\\udf63"}\n{"prompt": "x", "completion": "\\ud800"}\n')
+    with pytest.raises(ValueError, match=r"s.jsonl line 2: a lone UTF-16 surrogate"):
+        read_records(str(path))
+    path.write_text('{"text": "sushi \\ud83c\\udf63"}\n')
+    assert read_records(str(path)) == [("text", "sushi \U0001f363")]
+
+
+def test_eval_path_tokenised_by_the_bpe_of_this_training_data(tmp_path):
+    """data.tokenizer=bpe learns from data.path; a changed data.path's BPE must not reuse the
+    eval_path tokens of the old one (same vocab size, other merges)."""
+    held = _write(tmp_path / "eval.jsonl", [{"prompt": "apple banana",
+                                             "completion": " cherry zebra"}])
+    for k, words in enumerate(["apple banana cherry", "zebra yak xylophone walrus"]):
+        data = _write(tmp_path / f"train{k}.jsonl",
+                      [{"prompt": words * 3, "completion": " " + words}] * 4)
+        cfg = TrainConfig.from_dict(dict(
+            model="tiny", output_dir=str(tmp_path / "run"),
+            data=dict(path=data, eval_path=held, tokenizer="bpe", vocab_size=270, seq_len=64,
+                      cache_dir=str(tmp_path / "cache"))))
+        tok, _, eval_set = build_datasets(cfg, None, 0, 1, lambda: None)
+        assert len(tok.tok) == 270
+        s, e = eval_set.spans[0]
+        want, _ = encode_example(read_records(held)[0], tok)
+        assert [int(t) for t in eval_set.tokens[s:e]] == want, k
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_targets_stay_inside_their_example_and_a_resume_keeps_the_order(tmp_path, packing):
+    """HF shifts labels once, in the model: label t is predicted from token t - 1 of the same
+    example, and an example's first token is never a target (not even from the previous one)."""
+    from fastllm.train.data import ByteTokenizer, Loader
+
+    recs = [("completion", ("q" * (1 + i % 4), "a" * (1 + i % 5))) for i in range(13)]
+    recs += [("text", "é" * 9), ("completion", ("p", ""))]  # multi-byte; an empty completion
+    path = tokenize_records(recs, ByteTokenizer(), str(tmp_path))
+    ds = SFTDataset(path, range(len(recs)), seq_len=12, seed=1, packing=packing, micro_batch=2)
+    seen = []
+    for samples in ([0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]):
+        b = ds.batch(samples)
+        for row, ids, labels, pos in zip((ds.rows[ds.row(s)] for s in samples), b["input_ids"],
+                                         b["labels"], b["position_ids"]):
+            at = 0
+            for i in row:
+                s, e = ds.spans[i]
+                n = e - s
+                assert pos[at:at + n].tolist() == list(range(n))
+                assert ids[at:at + n].tolist() == ds.tokens[s:e].tolist()
+                want = [t if m else -100 for t, m in zip(ds.tokens[s:e], ds.mask[s:e])]
+                assert labels[at:at + n].tolist() == [-100] + want[1:]
+                at += n
+            assert (labels[at:] == -100).all()
+        seen += [ds.row(s) for s in samples]
+    n = ds.num_sequences
+    assert sorted(seen[:n]) == list(range(n))  # an epoch: every row once
+    loader = Loader(ds, 0, 1, 2, 4, 0, position=0)
+    whole = [loader.next_step()[0] for _ in range(4)]
+    loader.reset(8)  # resume after two steps
+    again = [loader.next_step()[0] for _ in range(2)]
+    loader.close()
+    for (sa, ba), (sb, bb) in zip([m for step in whole[2:] for m in step],
+                                  [m for step in again for m in step]):
+        assert sa == sb and all((ba[k] == bb[k]).all() for k in ("input_ids", "labels"))
