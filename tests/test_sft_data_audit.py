@@ -4,7 +4,6 @@ of an eval_path under a trained BPE, packed boundaries and a resumed order (tiny
 tokenizers, CPU)."""
 
 import json
-import os
 
 import pytest
 
