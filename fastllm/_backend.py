@@ -93,8 +93,13 @@ def device_guard(device):
     return contextlib.nullcontext()
 
 
+# what Triton reads as TRITON_INTERPRET set (triton.knobs' env_bool, any case): "1" alone would
+# refuse the triton backend on CPU tensors that Triton is interpreting
+_TRUE = ("1", "true", "on", "yes", "y")
+
+
 def triton_interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
 
 
 @functools.lru_cache(maxsize=None)

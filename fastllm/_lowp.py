@@ -59,6 +59,16 @@ def widen(t):
     return widens(t.device, t.dtype)
 
 
+def autocast_args(*tensors):
+    """`tensors` as CPU autocast hands them to its lower-precision ops (F.linear,
+    F.scaled_dot_product_attention): floating-point ones other than fp64 cast to its dtype, the
+    rest (None, fp64) as they are (ATen's autocast never casts fp64: is_eligible in
+    aten/src/ATen/autocast_mode.h)."""
+    dtype = torch.get_autocast_dtype("cpu")
+    return [t if t is None or not t.is_floating_point() or t.dtype == torch.float64
+            else t.to(dtype) for t in tensors]
+
+
 def in_fp32(fn, *args):
     """fn(*args) with every bf16/fp16 tensor argument widened to fp32 (lists too) and every fp32
     tensor result rounded back to the arguments' low-precision dtype; None and other values pass

@@ -28,6 +28,7 @@ yet run on a GPU here (no GPU was lent since it was written); tests/test_attenti
 there against the fp64 reference, and on the CPU its plumbing against a stand-in kernel.
 """
 
+import contextlib
 import functools
 import inspect
 import math
@@ -35,7 +36,7 @@ import warnings
 
 import torch
 
-from fastllm import _backend, _extension, _gemm
+from fastllm import _backend, _extension, _gemm, _lowp
 from fastllm._library import first_order_only, lib
 
 __all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "document_segments",
@@ -77,17 +78,25 @@ def _mask(doc_start, t, device):
     return (causal[None] & (i[None, None, :] >= doc_start[:, :, None]))[:, None]
 
 
+def _without_autocast(device):
+    # an enclosing autocast would run the opmath products below in bf16/fp16
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _forward_math(q, k, v, doc_start, scale):
     """(out (B, T, Hq, D) in opmath, lse (B, Hq, T) fp32) by the definition."""
     op = _opmath(q.dtype)
     group = q.shape[2] // k.shape[2]
-    qh = q.to(op).transpose(1, 2)
-    kh = k.to(op).transpose(1, 2).repeat_interleave(group, dim=1)
-    vh = v.to(op).transpose(1, 2).repeat_interleave(group, dim=1)
-    s = (qh @ kh.transpose(-1, -2)) * scale
-    s = s.masked_fill(~_mask(doc_start, q.shape[1], q.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    out = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2)
+    with _without_autocast(q.device):
+        qh = q.to(op).transpose(1, 2)
+        kh = k.to(op).transpose(1, 2).repeat_interleave(group, dim=1)
+        vh = v.to(op).transpose(1, 2).repeat_interleave(group, dim=1)
+        s = (qh @ kh.transpose(-1, -2)) * scale
+        s = s.masked_fill(~_mask(doc_start, q.shape[1], q.device), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        out = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2)
     return out, lse
 
 
@@ -247,7 +256,11 @@ def attention(q, k, v, scale=None, doc_start=None, segments=None):
     scale: multiplies q k^T (default head_dim ** -0.5). doc_start: None, or (B, T) int64, the
     first key each query may attend (packed documents; `doc_start_from_position_ids`).
     segments: optional `document_segments(doc_start)`, for a caller that runs many layers on one
-    batch (on a GPU the varlen route reads it; computed here when needed, one host sync)."""
+    batch (on a GPU the varlen route reads it; computed here when needed, one host sync).
+    Under CPU autocast q, k, v are cast to its dtype first (fp64 ones are not), as
+    F.scaled_dot_product_attention's are."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        q, k, v = _lowp.autocast_args(q, k, v)
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # head_dim 0: refused below
     scale = float(scale)

@@ -135,10 +135,9 @@ torch.library.register_autograd("fastllm::linear", _autograd_backward,
 def linear(x, weight, bias=None):
     """x weight^T + bias (F.linear's contract), matmuls in fp32 for bf16/fp16 on CPUs without a
     native low-precision GEMM. Under CPU autocast the inputs are cast to its dtype first, as
-    F.linear's are."""
+    F.linear's are (fp64 ones are not)."""
     if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
         with torch.autocast("cpu", enabled=False):
-            return linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+            return linear(*_lowp.autocast_args(x, weight, bias))
     return torch.ops.fastllm.linear(x, weight, bias)
 

@@ -1,0 +1,80 @@
+"""The policy layer against PyTorch's own behaviour: autocast's casts (fastllm.linear as F.linear,
+fastllm.attention as F.scaled_dot_product_attention) and Triton's reading of TRITON_INTERPRET."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastllm
+from fastllm import _backend
+from fastllm.ops.attention import attention
+from fastllm.ops.linear import linear
+
+
+def _sdpa(q, k, v):
+    """F.scaled_dot_product_attention in attention's (B, T, H, D) layout."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _rel_err(got, oracle):
+    return ((got.double() - oracle).abs().max() / oracle.abs().max()).item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_under_autocast_leaves_fp64_alone(bias):
+    """CPU autocast casts fp32/fp16 arguments of F.linear to its dtype but never fp64 ones."""
+    x, w = torch.randn(3, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
+    b = torch.randn(5, dtype=torch.float64) if bias else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, theirs = linear(x, w, b), F.linear(x, w, b)
+    assert got.dtype == theirs.dtype == torch.float64
+    torch.testing.assert_close(got, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.bfloat16, torch.float32,
+                                                          torch.float32), (torch.float64,) * 3])
+def test_attention_under_autocast_casts_like_sdpa(dtypes):
+    """fp32 (or mixed fp32/bf16) q, k, v under CPU autocast: bf16 out, as sdpa gives; fp64 is
+    left alone by both."""
+    q = torch.randn(2, 5, 4, 8, dtype=dtypes[0])
+    k, v = (torch.randn(2, 5, 2, 8, dtype=dt) for dt in dtypes[1:])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, theirs = attention(q, k, v), _sdpa(q, k, v)
+    assert got.dtype == theirs.dtype
+    oracle = _sdpa(*(t.to(theirs.dtype).double() for t in (q, k, v)))
+    assert _rel_err(got, oracle) <= 2 * max(_rel_err(theirs, oracle), 1e-7)
+
+
+@pytest.mark.parametrize("backend", ["ref", "cpp"])
+def test_attention_op_under_autocast_still_computes_in_fp32(backend):
+    """The op computes in fp32 whatever autocast says around it: the reference's products must
+    not be run in bf16 by an enclosing autocast (its error would be bf16's, ~1e-3)."""
+    if _backend.unavailable_reason(backend, "cpu"):
+        pytest.skip(_backend.unavailable_reason(backend, "cpu"))
+    q, k, v = torch.randn(1, 33, 4, 16), torch.randn(1, 33, 2, 16), torch.randn(1, 33, 2, 16)
+    oracle = _sdpa(q.double(), k.double(), v.double())
+    with fastllm.use_backend(backend), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = torch.ops.fastllm.attention(q, k, v, None, 16 ** -0.5)
+    assert out.dtype == torch.float32
+    assert _rel_err(out, oracle) < 1e-5
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    with fastllm.use_backend(backend):
+        plain = attention(qb, kb, vb)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = attention(qb, kb, vb)
+    torch.testing.assert_close(cast, plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", ["true", "ON", "yes"])
+def test_triton_interpret_spelled_as_triton_reads_it(monkeypatch, value):
+    """Triton takes TRITON_INTERPRET=true/on/yes (any case) as set; so must the backend choice,
+    or a forced triton backend on CPU is refused for a reason that is not so."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert _backend.triton_interpreting()
+    assert _backend.unavailable_reason("triton", "cpu") is None
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not _backend.triton_interpreting()
+    assert "TRITON_INTERPRET" in _backend.unavailable_reason("triton", "cpu")
