@@ -26,7 +26,10 @@ load_state_dict, add_param_group or a new `optimizer.state` is noticed; a state 
 by hand inside `optimizer.state[p]` is not: call `optimizer.invalidate_plan()` after doing so.
 """
 
+import contextlib
+import copy
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -38,6 +41,22 @@ from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm, grad_nor
 from fastllm.optim.state_layout import Moments
 
 __all__ = ["AdamW", "AdamW8bit"]
+
+
+@contextlib.contextmanager
+def held_back(opt, *names):
+    """Empty torch.optim.Optimizer's hook dicts `names` while torch's own state_dict /
+    load_state_dict runs, and yield them: fastllm's versions call those hooks themselves, where
+    torch calls them (the pre-hooks before the checks, the post-hooks once the state is as the
+    optimizer keeps it)."""
+    saved = [getattr(opt, name) for name in names]
+    for name in names:
+        setattr(opt, name, OrderedDict())
+    try:
+        yield saved
+    finally:
+        for name, hooks in zip(names, saved):
+            setattr(opt, name, hooks)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -240,8 +259,14 @@ class AdamW(torch.optim.Optimizer):
         Accepts state_dicts of torch.optim.AdamW (and Adam) as well. Another optimizer's state
         (SGD's: no betas, a momentum_buffer), a state without exp_avg_sq, or a state whose shape
         does not match its parameter raises, naming the parameter, and leaves the optimizer
-        unchanged.
+        unchanged. Hooks run as torch runs them: what the load-state-dict pre-hooks return is
+        what is checked and loaded, and the post-hooks see the state as this optimizer keeps it.
         """
+        state_dict = state_dict.copy()  # (shallow, as torch's: the pre-hooks may edit it)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         saved_groups = state_dict.get("param_groups", [])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"fastllm.optim.AdamW: the state_dict has {len(saved_groups)} param "
@@ -256,35 +281,61 @@ class AdamW(torch.optim.Optimizer):
                                  f"{len(saved['params'])} params, this optimizer's has "
                                  f"{len(group['params'])}")
         self.moments.check_loaded(state_dict, self.param_groups, describe)
-        extra = state_dict.get("fastllm")
-        if extra is not None and extra.get("loss_scaler") is not None and self.loss_scaler is None:
-            raise ValueError("fastllm.optim.AdamW: the state_dict holds a loss scaler's state but "
-                             "this optimizer has no loss_scaler")
+        extra = self._check_loaded_extra(state_dict.get("fastllm"))
         self._plan = None
-        super().load_state_dict(state_dict)
+        with held_back(self, "_optimizer_load_state_dict_pre_hooks",
+                       "_optimizer_load_state_dict_post_hooks") as (_, post_hooks):
+            super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         self.moments.restore_loaded(self.state, state_dict, params)
         for p in params:
             state = self.state.get(p)
-            # A load-state-dict post-hook may store anything in optimizer.state; leave it alone.
             if isinstance(state, dict) and state:
                 self.moments.convert_loaded(p, state, self._kind(p), self.kahan_summation)
         self._written_versions.clear()  # a loaded master is the truth, not the param
         self._plan = None
         if extra is not None:
-            if extra.get("sr_seed") is not None:
-                self._sr_seed = int(extra["sr_seed"])
-            self._sr_calls = int(extra.get("sr_calls", 0))
-            self.skipped_steps = int(extra.get("skipped_steps", 0))
-            if extra.get("loss_scaler") is not None:
+            if extra["sr_seed"] is not None:
+                self._sr_seed = extra["sr_seed"]
+            self._sr_calls, self.skipped_steps = extra["sr_calls"], extra["skipped_steps"]
+            if extra["loss_scaler"] is not None:
                 self.loss_scaler.load_state_dict(extra["loss_scaler"])
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _check_loaded_extra(self, extra):
+        """The state_dict's 'fastllm' entry, checked (so that a bad one is refused before
+        anything changes) and its numbers parsed; None when there is none."""
+        if extra is None:
+            return None
+        where = "fastllm.optim.AdamW: the state_dict's 'fastllm' entry"
+        if not isinstance(extra, dict):
+            raise ValueError(f"{where} is a {type(extra).__name__}, not a dict")
+        try:
+            seed = extra.get("sr_seed")
+            out = {"sr_seed": None if seed is None else int(seed),
+                   "sr_calls": int(extra.get("sr_calls", 0)),
+                   "skipped_steps": int(extra.get("skipped_steps", 0)),
+                   "loss_scaler": extra.get("loss_scaler")}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where} is invalid: {e}") from None
+        if out["loss_scaler"] is not None:
+            if self.loss_scaler is None:
+                raise ValueError("fastllm.optim.AdamW: the state_dict holds a loss scaler's state "
+                                 "but this optimizer has no loss_scaler")
+            # LossScaler.load_state_dict checks everything before it sets anything: try it on a
+            # copy, so that the real one is loaded only after the optimizer state.
+            copy.deepcopy(self.loss_scaler).load_state_dict(out["loss_scaler"])
+        return out
 
     def state_dict(self):
         """torch.optim.Optimizer.state_dict; with a mixed-precision option set it also holds a
         'fastllm' entry: the loss scaler's state, the stochastic-rounding seed and the skip count.
         Master weights ('master_param') and Kahan buffers ('kahan_comp') are per-param state;
-        8-bit state adds the 'fastllm_lowbyte' entry (fastllm/optim/state_layout.py)."""
-        state_dict = super().state_dict()
+        8-bit state adds the 'fastllm_lowbyte' entry (fastllm/optim/state_layout.py). The
+        state-dict post-hooks see (and may replace) the whole of it, as torch's do."""
+        with held_back(self, "_optimizer_state_dict_post_hooks") as (post_hooks,):
+            state_dict = super().state_dict()
         if self._mixed:
             state_dict["fastllm"] = {
                 "sr_seed": self._sr_seed,
@@ -295,6 +346,10 @@ class AdamW(torch.optim.Optimizer):
         extra = self.moments.extra()
         if extra is not None:
             state_dict["fastllm_lowbyte"] = extra
+        for hook in post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         return state_dict
 
     def _step_plan(self):

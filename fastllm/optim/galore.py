@@ -61,6 +61,7 @@ from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.ops.galore_adam_step import galore_adam_step, low_rank_adam_update_
 from fastllm.ops.orthogonalize import orthogonalize
 from fastllm.optim._plan import refuse_duplicates, written_version
+from fastllm.optim.adamw import held_back
 from fastllm.optim.grad_norm import global_grad_norm
 
 __all__ = ["GaLoreAdamW", "range_finder"]
@@ -377,10 +378,18 @@ class GaLoreAdamW(torch.optim.Optimizer):
         """torch.optim.Optimizer.load_state_dict, keeping the low-rank state and fp32 masters as
         saved (torch casts every floating state tensor to its param's dtype). Every entry is
         checked against this optimizer's params first (keys, low-rank and full shapes): a state
-        of another model or optimizer is refused before anything changes."""
+        of another model or optimizer is refused before anything changes. The load-state-dict
+        hooks run where torch runs them (fastllm.optim.AdamW.load_state_dict)."""
+        state_dict = state_dict.copy()  # (shallow, as torch's: the pre-hooks may edit it)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._check_state(state_dict)
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        super().load_state_dict(state_dict)
+        with held_back(self, "_optimizer_load_state_dict_pre_hooks",
+                       "_optimizer_load_state_dict_post_hooks") as (_, post_hooks):
+            super().load_state_dict(state_dict)
         self._written_versions.clear()  # a loaded master is the truth, not the param
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
@@ -390,6 +399,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
             for key in _LOW_RANK_KEYS:
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, copy=True)
+        for hook in post_hooks.values():  # (they see the state as restored here, as in torch)
+            hook(self)
 
     def _check_state(self, state_dict):
         where = "fastllm.optim.GaLoreAdamW.load_state_dict"

@@ -169,6 +169,10 @@ class Moments:
 
     def check(self, where, p, state, kind, amsgrad):
         """Raise if an existing state is not the layout `p` needs (before a step)."""
+        step = state.get("step")
+        if not isinstance(step, torch.Tensor) or step.numel() != 1:
+            raise RuntimeError(f"fastllm.optim.AdamW: state 'step' of {where} must be a "
+                               f"one-element tensor")
         m = self.mode(p)
         if m is not None:
             self._check_entries(where, p, state, m, "the")
@@ -199,10 +203,6 @@ class Moments:
                     or t.device != p.device):
                 raise RuntimeError(f"fastllm.optim.AdamW: state '{key}' of {where} must be a "
                                    f"{dtype} tensor of shape {tuple(p.shape)} on {p.device}")
-        step = state.get("step")
-        if not isinstance(step, torch.Tensor) or step.numel() != 1:
-            raise RuntimeError(f"fastllm.optim.AdamW: state 'step' of {where} must be a "
-                               f"one-element tensor")
 
     def _check_entries(self, where, p, state, m, verb):
         for key, (dtype, numel) in self._expected(p, m).items():
@@ -259,6 +259,10 @@ class Moments:
         if not isinstance(step, (torch.Tensor, int, float)):
             raise RuntimeError(f"fastllm.optim.AdamW: cannot load state 'step' of {where}: "
                                f"{type(step).__name__}")
+        if isinstance(step, torch.Tensor) and step.numel() != 1:
+            # (the kernels read one count per param; torch's AdamW would fail at its step)
+            raise RuntimeError(f"fastllm.optim.AdamW: cannot load state 'step' of {where}: "
+                               f"a tensor of shape {tuple(step.shape)}, not one element")
         m = self.mode(p)
         if m is not None:
             self._check_entries(where, p, state, m, "cannot load:")
