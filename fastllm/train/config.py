@@ -261,6 +261,17 @@ class TrainConfig:
             return DEFAULT_MAX_STEPS
         return max(1, math.ceil(self.num_train_epochs * num_sequences / global_batch))
 
+    def resolved_global_batch(self, layout):
+        """global_batch_size when set; else micro_batch_size x gradient_accumulation_steps x dp
+        (HF's per_device x accumulation x world: under pipeline parallel these are the
+        pipeline's micro-batches, not pp times as many); else layout's default (one micro-batch
+        per data-parallel rank, times pp under pipelining)."""
+        if self.global_batch_size:
+            return self.global_batch_size
+        if self.gradient_accumulation_steps:
+            return self.micro_batch_size * self.gradient_accumulation_steps * layout.dp
+        return layout.default_global_batch(self.micro_batch_size)
+
     @property
     def resolved_min_lr(self):
         """min_lr, or 0.1 x lr where it is left null."""

@@ -110,8 +110,7 @@ class Trainer:
         # text or JSONL (SFT) examples; rank 0 tokenizes (and trains a BPE) first
         self.tokenizer, self.dataset, self.eval_dataset = sft_data.build_datasets(
             cfg, model_dir, self.rank, self.world, self._barrier, self.log)
-        self.global_batch = cfg.global_batch_size or self.layout.default_global_batch(
-            cfg.micro_batch_size * max(1, cfg.gradient_accumulation_steps))
+        self.global_batch = cfg.resolved_global_batch(self.layout)
         cfg.max_steps = sft_data.max_steps(cfg, self.dataset, self.global_batch)
         self._dp_sum = sft_data.dp_sum(self.layout, self.device, self.world)
 

@@ -21,8 +21,8 @@ class Pipeline(Strategy):
         self.model_names, self.model_n_decay = [n for n, _ in decay + no_decay], len(decay)
         self.n_layers = len(decoder_layers(model))
         lay.check_model(model.config)
-        n_mb = lay.micro_batches(cfg.global_batch_size or lay.default_global_batch(
-            cfg.micro_batch_size), cfg.micro_batch_size)
+        # the trainer's global batch: the schedule must split it into the loader's micro-batches
+        n_mb = lay.micro_batches(cfg.resolved_global_batch(lay), cfg.micro_batch_size)
         mesh = lay.build_mesh(self.device.type)
         vocab_parallel = lay.vocab_parallel(model.config)
 
