@@ -252,9 +252,13 @@ class PowerSGD:
             qs.append(q_mem[q_idx:q_idx + m * r].view(m, r))
             p_idx += n * r
             q_idx += m * r
+        if need_random_q:
+            # Drawn even when the bucket compresses nothing (torch's hook does): a bucket of
+            # vectors only would otherwise shift every later bucket's first Q off torch's.
+            seed = self.rng.randint(1_000_000_000)
         if need_random_q and qs:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.rng.randint(1_000_000_000))
+                torch.manual_seed(seed)
                 for q in qs:
                     q.copy_(torch.randn(1, *q.shape, device="cpu", dtype=work.dtype)[0])
         orthogonalize(qs, self.orthogonalization_epsilon)

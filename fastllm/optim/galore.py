@@ -77,7 +77,8 @@ def range_finder(a, rank, previous=None, power_iters=2, generator=None):
 
     Subspace iteration (Halko, Martinsson and Tropp 2011, Algorithm 4.4): start from `previous`
     (rows, rank) or from A times a Gaussian (cols, rank) matrix, then `power_iters` times
-    Z = orth(A^T Y), Y = orth(A Z). Computed in fp32 (fp64 for fp64 input).
+    Z = orth(A^T Y), Y = orth(A Z). Computed in fp32 (fp64 for fp64 input). The columns are
+    orthonormal even when A has rank < `rank` (completed by a QR, as an SVD's would be).
     """
     dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
     a = a.to(dtype)
@@ -93,6 +94,15 @@ def range_finder(a, rank, previous=None, power_iters=2, generator=None):
         orthogonalize([z])
         y = a @ z
         orthogonalize([y])
+    # Gram-Schmidt keeps a zero column zero and turns a column inside the span of earlier ones
+    # (a gradient of rank < `rank`, or zero) into normalised rounding noise in that span: P
+    # is then not orthonormal (P P^T doubles what it projects), and a zero column, warm-started,
+    # stays zero at every later refresh (a zero first gradient froze the matrix for good).
+    # Householder QR returns orthonormal columns whatever the rank, as galore-torch's SVD does.
+    gram = y.t() @ y
+    gram.diagonal().sub_(1.0)
+    if not bool(gram.abs().max() <= (1e-4 if dtype == torch.float32 else 1e-10)):
+        y = torch.linalg.qr(y).Q
     return y
 
 
