@@ -55,3 +55,28 @@ def test_gradient_accumulation_steps_is_the_accumulation_under_pipeline_parallel
     with pytest.raises(StopIteration):
         strategy.wrap(build_model(cfg, 257, torch.float32), None)
     assert built["n"] == 4
+
+
+def test_badam_leaves_biases_and_norm_weights_undecayed(cache_dir, tmp_path):
+    """finetune=badam decays what the other optimizers decay (HF's decay/no-decay split): its
+    inner optimizers put the norm weights in a weight_decay 0 group, kept at 0 when the outer
+    group's hyperparameters (what a scheduler sets) are synced into them."""
+    from fastllm.optim import BAdam
+    from fastllm.train import optimizers
+    from fastllm.train.model import build_model
+
+    cfg = TrainConfig.from_args(tiny(cache_dir, tmp_path, "finetune=badam", "weight_decay=0.5",
+                                     "badam.switch_block_every=1"))
+    model = build_model(cfg, 64, torch.float32)
+    opt, _ = optimizers.build(cfg, model)
+    assert isinstance(opt, BAdam)
+    norms = {id(p) for n, p in model.named_parameters() if p.dim() < 2}
+    seen = set()
+    for _ in range(len(opt.blocks)):
+        opt._sync_hyperparameters()
+        for group in opt.inner.param_groups:
+            for p in group["params"]:
+                seen.add(id(p))
+                assert group["weight_decay"] == (0.0 if id(p) in norms else 0.5)
+        opt._switch()
+    assert norms and norms <= seen

@@ -66,12 +66,15 @@ class BAdam(torch.optim.Optimizer):
         blocks: list of lists of name prefixes, or None for the default (see default_blocks).
         start_block: index of the first block (default: the first of the order).
         seed: seeds the "random" order.
+        no_decay: names of parameters trained without weight decay (biases and norm weights, as
+            Hugging Face's Trainer excludes them): each block's inner optimizer puts them in a
+            group of their own with weight_decay 0.
         **optimizer_kwargs: passed to optimizer_class (lr, betas, weight_decay, ...).
     """
 
     def __init__(self, named_parameters, optimizer_class=None, switch_block_every=100,
                  switch_mode="ascending", blocks=None, *, start_block=None, seed=0,
-                 **optimizer_kwargs):
+                 no_decay=(), **optimizer_kwargs):
         if optimizer_class is None:
             from fastllm.optim.adamw import AdamW as optimizer_class
         named = list(named_parameters)
@@ -100,6 +103,11 @@ class BAdam(torch.optim.Optimizer):
         if start_block is not None and not 0 <= start_block < len(blocks):
             raise ValueError(f"fastllm.optim.BAdam: start_block {start_block} is not a block "
                              f"index (0..{len(blocks) - 1})")
+        unknown = sorted(set(no_decay) - set(names))
+        if unknown:
+            raise ValueError(f"fastllm.optim.BAdam: no_decay names parameters that are not "
+                             f"given: {unknown[:5]}")
+        self._no_decay = {i for i, n in enumerate(names) if n in set(no_decay)}
         self.names = names
         self.blocks = blocks
         self.members = members
@@ -145,8 +153,14 @@ class BAdam(torch.optim.Optimizer):
 
     def _new_inner(self, block):
         params = self._params()
-        return self.optimizer_class([params[i] for i in sorted(self.members[block])],
-                                    **self.optimizer_kwargs)
+        idx = sorted(self.members[block])
+        decay = [params[i] for i in idx if i not in self._no_decay]
+        plain = [params[i] for i in idx if i in self._no_decay]
+        groups = ([{"params": decay}] if decay else []) + \
+            ([{"params": plain, "weight_decay": 0.0}] if plain else [])
+        # which inner groups keep weight_decay 0 when the outer group's is synced into them
+        self._inner_no_decay = {len(groups) - 1} if plain else set()
+        return self.optimizer_class(groups, **self.optimizer_kwargs)
 
     def _activate(self, inner=None, record=True):
         """Make the active block trainable (the others frozen, their grads freed) with a new
@@ -172,9 +186,10 @@ class BAdam(torch.optim.Optimizer):
 
     def _sync_hyperparameters(self):
         """Copy lr etc. (which an LR scheduler sets on this optimizer) into the inner one."""
-        for group in self.inner.param_groups:
+        for gi, group in enumerate(self.inner.param_groups):
             for key, value in self.param_groups[0].items():
-                if key != "params" and key in group:
+                if key != "params" and key in group and not (
+                        key == "weight_decay" and gi in self._inner_no_decay):
                     group[key] = value
 
     @torch.no_grad()

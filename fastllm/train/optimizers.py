@@ -208,8 +208,10 @@ def _low_memory_optimizer(cfg, model, groups, kw):
 
     options = dataclasses.asdict(getattr(cfg, cfg.finetune))
     if cfg.finetune == "badam":
-        return BAdam(model.named_parameters(), weight_decay=cfg.weight_decay,
-                                   **kw, **options)
+        # biases and norm weights without weight decay, as the other optimizers' groups
+        plain = {id(p) for p in groups[1]["params"]}  # param_groups' no-decay group
+        return BAdam(model.named_parameters(), weight_decay=cfg.weight_decay, **kw, **options,
+                     no_decay=[n for n, p in model.named_parameters() if id(p) in plain])
     projected = {id(p) for name, p in model.named_parameters()
                  if p.requires_grad and p.dim() == 2 and ".layers." in f".{name}"}
     matrices = [p for g in groups for p in g["params"] if id(p) in projected]
