@@ -261,18 +261,27 @@ class LossScaler:
             "enabled": self.enabled,
         }
 
-    def load_state_dict(self, state_dict):
-        """Restore a state_dict(); every value is checked (as the constructor checks them)
-        before any is set."""
+    def check_state_dict(self, state_dict):
+        """Raise as load_state_dict(state_dict) would; sets nothing."""
+        self._checked(state_dict)
+
+    def _checked(self, state_dict):
+        """(merged state, trackers) of a state_dict, every value checked (as the constructor
+        checks them): everything that can fail in a load."""
         where = "fastllm.amp.LossScaler.load_state_dict"
         missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state_dict)
         if missing:
             raise KeyError(f"{where}: missing {sorted(missing)}")
         merged = dict(self.state_dict(), **state_dict)
         _check(where, merged, "scale")
-        # Everything that can fail is done before the first attribute is set.
         trackers = torch.tensor([int(merged["growth_tracker"]), int(merged["hysteresis_tracker"]),
                                  int(merged["overflows"]), 0], dtype=torch.int32)
+        return merged, trackers
+
+    def load_state_dict(self, state_dict):
+        """Restore a state_dict(); every value is checked (as the constructor checks them)
+        before any is set."""
+        merged, trackers = self._checked(state_dict)
         for key in ("growth_factor", "backoff_factor", "min_scale"):
             setattr(self, key, float(merged[key]))
         for key in ("growth_interval", "hysteresis"):

@@ -514,3 +514,41 @@ def test_ddp_matches_one_process_and_combines_with_powersgd(ddp_results):
     for worst, replicas_equal in ddp_results:
         assert replicas_equal
         assert worst < 1e-5
+
+
+# --- the projector is orthonormal whatever the gradient's rank, as galore-torch's SVD ---------
+@pytest.mark.parametrize("proj_type", ["std", "reverse_std"])
+def test_galore_zero_first_gradient_does_not_freeze_the_matrix(proj_type):
+    # A zero gradient at the first refresh (a zero-initialised layer downstream, a fully masked
+    # first batch): galore-torch's SVD still gives an orthonormal projector and the matrix
+    # trains from the next step on; a zero projector would stay zero at every warm start.
+    torch.manual_seed(0)
+    w = torch.randn(16, 32, requires_grad=True)
+    w0 = w.detach().clone()
+    opt = GaLoreAdamW([{"params": [w], "rank": 4, "update_proj_gap": 2,
+                        "proj_type": proj_type}], lr=0.1)
+    for step in range(5):
+        w.grad = torch.zeros(16, 32) if step == 0 else torch.randn(16, 32)
+        opt.step()
+        p = opt.state[w]["projector"]
+        torch.testing.assert_close(p.t() @ p, torch.eye(4), rtol=0, atol=1e-5)
+    assert (w.detach() - w0).abs().max() > 1e-2
+
+
+def test_galore_projector_is_orthonormal_for_a_rank_deficient_gradient():
+    # Rank 2 with rank 4 requested: the two extra columns must complete the basis (as the SVD's
+    # U[:, :4] does), not repeat the first two, which would double the update along them.
+    g = torch.zeros(16, 32)
+    g[:2] = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
+    p = range_finder(g, 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(p.t() @ p, torch.eye(4), rtol=0, atol=1e-5)
+    u = torch.linalg.svd(g.double()).U[:, :2]
+    assert (u - p.double() @ (p.double().t() @ u)).norm() < 1e-5  # the range is still kept
+
+    # The optimizer's projector is the same.
+    w = torch.zeros(16, 32, requires_grad=True)
+    opt = GaLoreAdamW([{"params": [w], "rank": 4, "scale": 1.0}], lr=0.1)
+    w.grad = g.clone()
+    opt.step()
+    p = opt.state[w]["projector"]
+    torch.testing.assert_close(p.t() @ p, torch.eye(4), rtol=0, atol=1e-5)

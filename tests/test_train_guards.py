@@ -1,8 +1,9 @@
 """fastllm train refuses or handles what would otherwise train wrongly: optimizer_in_backward with
 accumulation or a non-finite loss, options that do not apply, HF's max_steps over
 num_train_epochs, overwrite_output_dir, a resume with another layout, --compare torch with a
-fastllm-only option, the step-0 evaluation redone after a restart (tiny model, one thread,
-a few steps each)."""
+fastllm-only option, the step-0 evaluation redone after a restart; and options that mean what
+Hugging Face's TrainingArguments of the same name mean (gradient_accumulation_steps under
+pipeline parallel, BAdam's weight decay split) (tiny model, one thread, a few steps each)."""
 
 import json
 import os
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fastllm.parallel import ParallelLayout
 from fastllm.train import TrainConfig, Trainer
 from fastllm.train import checkpoint as ckpt
 from fastllm.train.config import ConfigError
@@ -154,3 +156,59 @@ def test_a_restart_before_the_first_checkpoint_writes_step_0_samples_once(cache_
     run(cache_dir, out, *args)
     with open(os.path.join(out, "samples.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [0, 1]
+
+
+# --- options mean what Hugging Face's TrainingArguments of the same name mean -------------
+def test_gradient_accumulation_steps_is_the_accumulation_under_pipeline_parallel(
+        cache_dir, tmp_path, monkeypatch):
+    """HF's effective batch is per_device x gradient_accumulation_steps x world; under pp the
+    accumulation micro-batches are the pipeline's (config.py), not pp times as many."""
+    from fastllm.train.model import build_model
+    from fastllm.train.strategies import pipeline
+
+    cfg = TrainConfig.from_args(tiny(cache_dir, tmp_path, "parallel.pp=2", "micro_batch_size=2",
+                                     "gradient_accumulation_steps=4"))
+    trainer = Trainer(cfg, log=lambda text: None)
+    trainer.layout = ParallelLayout.from_config(cfg.parallel, 2)  # dp 1 x pp 2
+    trainer.rank, trainer.world, trainer.device = 0, 1, torch.device("cpu")
+    trainer._build_data()
+    assert trainer.global_batch == 2 * 4  # was 16: 8 micro-batches a step
+    # and the schedule splits the step into those micro-batches (the logged loss divides the
+    # summed micro-batch losses by them)
+    built = {}
+
+    def build_pipeline(model, mesh, n_microbatches, *args):
+        built["n"] = n_microbatches
+        raise StopIteration
+
+    monkeypatch.setattr(pipeline, "build_pipeline", build_pipeline)
+    monkeypatch.setattr(ParallelLayout, "build_mesh", lambda self, device_type: None)
+    strategy = pipeline.Pipeline(cfg, trainer.layout, torch.device("cpu"), 0)
+    with pytest.raises(StopIteration):
+        strategy.wrap(build_model(cfg, 257, torch.float32), None)
+    assert built["n"] == 4
+
+
+def test_badam_leaves_biases_and_norm_weights_undecayed(cache_dir, tmp_path):
+    """finetune=badam decays what the other optimizers decay (HF's decay/no-decay split): its
+    inner optimizers put the norm weights in a weight_decay 0 group, kept at 0 when the outer
+    group's hyperparameters (what a scheduler sets) are synced into them."""
+    from fastllm.optim import BAdam
+    from fastllm.train import optimizers
+    from fastllm.train.model import build_model
+
+    cfg = TrainConfig.from_args(tiny(cache_dir, tmp_path, "finetune=badam", "weight_decay=0.5",
+                                     "badam.switch_block_every=1"))
+    model = build_model(cfg, 64, torch.float32)
+    opt, _ = optimizers.build(cfg, model)
+    assert isinstance(opt, BAdam)
+    norms = {id(p) for n, p in model.named_parameters() if p.dim() < 2}
+    seen = set()
+    for _ in range(len(opt.blocks)):
+        opt._sync_hyperparameters()
+        for group in opt.inner.param_groups:
+            for p in group["params"]:
+                seen.add(id(p))
+                assert group["weight_decay"] == (0.0 if id(p) in norms else 0.5)
+        opt._switch()
+    assert norms and norms <= seen

@@ -27,7 +27,6 @@ by hand inside `optimizer.state[p]` is not: call `optimizer.invalidate_plan()` a
 """
 
 import contextlib
-import copy
 import math
 from collections import OrderedDict
 
@@ -323,9 +322,8 @@ class AdamW(torch.optim.Optimizer):
             if self.loss_scaler is None:
                 raise ValueError("fastllm.optim.AdamW: the state_dict holds a loss scaler's state "
                                  "but this optimizer has no loss_scaler")
-            # LossScaler.load_state_dict checks everything before it sets anything: try it on a
-            # copy, so that the real one is loaded only after the optimizer state.
-            copy.deepcopy(self.loss_scaler).load_state_dict(out["loss_scaler"])
+            # checked now, loaded only after the optimizer state
+            self.loss_scaler.check_state_dict(out["loss_scaler"])
         return out
 
     def state_dict(self):
