@@ -164,7 +164,7 @@ assert hasattr(ext, "adamw_step_cuda"), "adamw_step_cuda is missing"
 p = torch.zeros(3)
 try:
     ext.adamw_step_cuda([p], [p], [p], [p], [], [torch.ones(())], 1e-3, 0.9, 0.999, 1e-8, 0.0,
-                        False, False, None, None)
+                        False, False, None, None, None)
 except RuntimeError as e:
     assert "CUDA tensor" in str(e), e
 else:

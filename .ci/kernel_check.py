@@ -135,21 +135,24 @@ def recipes():
     flag, scale, coef = torch.zeros(()), torch.full((), 1024.0), torch.full((), 0.5)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
-    def adamw(dtype, per_tensor=False):
+    # a learning rate read on the device (a capturable step with a tensor lr)
+    lr_tensor = {"lr_tensor": torch.full((), 1e-3)}
+
+    def adamw(dtype, per_tensor=False, **lr):
         p, g, m, v = (_tensors(n, k, dtype) for _ in range(4))
         with _no_table(per_tensor):
             adamw_step_triton(p, g, m, v, [], _steps(k), amsgrad=False, maximize=False,
-                              grad_scale=scale, found_inf=flag, **hyper)
+                              grad_scale=scale, found_inf=flag, **hyper, **lr)
 
-    def master(per_tensor=False):
+    def master(per_tensor=False, **lr):
         p, g = _tensors(n, k, torch.bfloat16), _tensors(n, k, torch.bfloat16)
         w, m, v = (_tensors(n, k, torch.float32) for _ in range(3))
         with _no_table(per_tensor):
             adamw_master_step_triton(p, g, w, m, v, [], _steps(k), maximize=False,
                                      stochastic_rounding=False, seed=0, grad_scale=scale,
-                                     clip_coef=coef, found_inf=flag, **hyper)
+                                     clip_coef=coef, found_inf=flag, **hyper, **lr)
 
-    def q8(dtype, per_tensor=False, state=torch.uint8, master=False):
+    def q8(dtype, per_tensor=False, state=torch.uint8, master=False, **lr):
         p, g = _tensors(n, k, dtype), _tensors(n, k, dtype)
         w = _tensors(n, k, torch.float32) if master else []
         q = state == torch.uint8
@@ -160,7 +163,7 @@ def recipes():
                                   absmax[k:] if q else [], _steps(k), build_qmaps(),
                                   block_size=256, maximize=False, stochastic_rounding=False,
                                   seed=0, grad_scale=scale, clip_coef=coef, found_inf=flag,
-                                  **hyper)
+                                  **hyper, **lr)
 
     def l2norm(dtype):
         l2norm_triton(_tensors(n, k, dtype) if dtype is not None else
@@ -224,6 +227,10 @@ def recipes():
            "adamw8bit bf16 master": lambda: q8(torch.bfloat16, master=True),
            "adamw8bit bf16 bf16-state": lambda: q8(torch.bfloat16, state=torch.bfloat16),
            "adamw8bit fp32 per-tensor": lambda: q8(torch.float32, True),
+           "adamw fp32 tensor lr": lambda: adamw(torch.float32, **lr_tensor),
+           "adamw fp32 per-tensor tensor lr": lambda: adamw(torch.float32, True, **lr_tensor),
+           "adamw_master bf16 tensor lr": lambda: master(**lr_tensor),
+           "adamw8bit fp32 tensor lr": lambda: q8(torch.float32, **lr_tensor),
            "l2norm bf16": lambda: l2norm(torch.bfloat16),
            "l2norm fp32": lambda: l2norm(torch.float32),
            "l2norm mixed dtypes": lambda: l2norm(None),

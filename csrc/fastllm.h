@@ -179,6 +179,7 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out, const
 #ifdef FASTLLM_WITH_CUDA
 // Same contract on CUDA tensors: one multi-tensor launch per chunk of tensors. grad_scale and
 // found_inf are read on the device (no host sync); steps may live on the CPU or on the device.
+// lr_tensor (one element; None: `lr`) on the device is read there (then steps must be there).
 void adamw_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                      const std::vector<at::Tensor>& exp_avgs,
                      const std::vector<at::Tensor>& exp_avg_sqs,
@@ -186,11 +187,12 @@ void adamw_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
                      const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
                      double eps, double weight_decay, bool amsgrad, bool maximize,
                      const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf);
+                     const c10::optional<at::Tensor>& found_inf,
+                     const c10::optional<at::Tensor>& lr_tensor);
 
 // adamw_master_step_cpu's contract on CUDA tensors (csrc/cuda/adamw_master.cu); grad_scale,
 // clip_coef and found_inf may be fp32 tensors on the device (read by the kernel) or on the CPU;
-// steps are on the CPU.
+// steps on the CPU or the device; lr_tensor as adamw_step_cuda's.
 void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
                             const std::vector<at::Tensor>& grads,
                             const std::vector<at::Tensor>& masters,
@@ -202,7 +204,8 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
                             bool stochastic_rounding, int64_t seed,
                             const c10::optional<at::Tensor>& grad_scale,
                             const c10::optional<at::Tensor>& clip_coef,
-                            const c10::optional<at::Tensor>& found_inf);
+                            const c10::optional<at::Tensor>& found_inf,
+                            const c10::optional<at::Tensor>& lr_tensor);
 
 // l2norm_cpu's contract on CUDA tensors of one device: a 0-dim tensor on that device.
 at::Tensor l2norm_cuda(const std::vector<at::Tensor>& tensors);

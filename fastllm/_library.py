@@ -13,12 +13,15 @@ lib = torch.library.Library("fastllm", "DEF")
 
 SCHEMAS = {
     # torch.optim.AdamW's update over many tensors, in place; the same contract as
-    # aten::_fused_adamw_, except that grads are only read (never unscaled in place).
+    # aten::_fused_adamw_, except that grads are only read (never unscaled in place). These three
+    # AdamW ops take the learning rate as `lr`, or from `lr_tensor` when given (its overload
+    # with a Tensor lr): read by the kernel on the device, so a CUDA graph replays the current
+    # value (fastllm/ops/_lr.py).
     "adamw_step": (
         "adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, *, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, "
-        "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
+        "Tensor? grad_scale=None, Tensor? found_inf=None, Tensor? lr_tensor=None) -> ()"
     ),
     # Mixed-precision AdamW over many bf16/fp16 params with fp32 states: on fp32 masters (masters
     # non-empty) or on the params themselves (pure bf16, optional Kahan compensation buffers).
@@ -28,7 +31,8 @@ SCHEMAS = {
         "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] kahan_comps, "
         "Tensor[] steps, *, float lr, float beta1, float beta2, float eps, float weight_decay, "
         "bool maximize=False, bool stochastic_rounding=False, int seed=0, "
-        "Tensor? grad_scale=None, Tensor? clip_coef=None, Tensor? found_inf=None) -> ()"
+        "Tensor? grad_scale=None, Tensor? clip_coef=None, Tensor? found_inf=None, "
+        "Tensor? lr_tensor=None) -> ()"
     ),
     # sqrt of the sum of squares over every element of many tensors, as a 0-dim fp32 tensor;
     # non-finite when any element is inf or nan. See fastllm/ops/l2norm.py.
@@ -74,7 +78,8 @@ SCHEMAS = {
         "Tensor(f!)[] exp_avg_sq_absmaxes, Tensor[] steps, Tensor qmaps, *, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, int block_size=256, "
         "bool maximize=False, bool stochastic_rounding=False, int seed=0, "
-        "Tensor? grad_scale=None, Tensor? clip_coef=None, Tensor? found_inf=None) -> ()"
+        "Tensor? grad_scale=None, Tensor? clip_coef=None, Tensor? found_inf=None, "
+        "Tensor? lr_tensor=None) -> ()"
     ),
     # Cross-entropy of hidden weight^T + bias over chunks of tokens (fastllm/ops/
     # fused_linear_cross_entropy.py): (loss, grad_hidden, grad_weight, grad_bias), the grads of

@@ -99,14 +99,16 @@ struct AdamWFunctor {
   opmath_t eps;
   opmath_t host_inv_scale;   // 1 / grad_scale for a CPU grad_scale, else 1
   double lr, beta1_d, beta2_d;  // for the bias corrections of step counts on the GPU
+  double weight_decay_d;        // for the decay of a learning rate read on the GPU
+  const void* lr_ptr;           // the learning rate, one element on the GPU, or nullptr (lr)
   const void* grad_scale;       // one element on the GPU, or nullptr
   const void* found_inf;        // one element on the GPU, or nullptr
-  ScalarKind grad_scale_kind, found_inf_kind, step_kind;
+  ScalarKind grad_scale_kind, found_inf_kind, step_kind, lr_kind;
   bool maximize;
 
   // Scalars shared by every element of one block's chunk.
   struct ChunkScalars {
-    opmath_t inv_scale, neg_step_size, bc2_sqrt, one_minus_weight;
+    opmath_t inv_scale, neg_step_size, bc2_sqrt, one_minus_weight, decay;
     bool small_weight;
   };
 
@@ -118,7 +120,7 @@ struct AdamWFunctor {
     for (int k = 0; k < N; ++k) {
       opmath_t g = grad[k] * s.inv_scale;
       if (maximize) g = -g;
-      p[k] = p[k] * decay;
+      p[k] = p[k] * s.decay;
       const opmath_t diff = g - m[k];
       m[k] = s.small_weight ? m[k] + lerp_weight * diff : g - diff * s.one_minus_weight;
       v[k] = v[k] * beta2;
@@ -144,9 +146,17 @@ struct AdamWFunctor {
     const Meta& meta = tl.meta[tensor];
     s.neg_step_size = meta.neg_step_size;
     s.bc2_sqrt = meta.bc2_sqrt;
+    double lr_d = lr;
+    s.decay = decay;
+    if (lr_ptr != nullptr) {
+      // A tensor lr (capturable): the host's formulas, in fp64, from its value (steps are then
+      // on the GPU too, so both corrections are computed below).
+      lr_d = load_as_double(lr_ptr, lr_kind);
+      s.decay = static_cast<opmath_t>(1.0 - lr_d * weight_decay_d);
+    }
     if (meta.step != nullptr) {
       const double step = load_as_double(meta.step, step_kind);
-      s.neg_step_size = static_cast<opmath_t>(-lr / (1.0 - ::pow(beta1_d, step)));
+      s.neg_step_size = static_cast<opmath_t>(-lr_d / (1.0 - ::pow(beta1_d, step)));
       s.bc2_sqrt = static_cast<opmath_t>(::sqrt(1.0 - ::pow(beta2_d, step)));
     }
     // torch's lerp switches formula at weight 0.5 for accuracy (ATen/native/Lerp.h).
@@ -249,7 +259,8 @@ void adamw_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
                      const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
                      double eps, double weight_decay, bool amsgrad, bool maximize,
                      const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf) {
+                     const c10::optional<at::Tensor>& found_inf,
+                     const c10::optional<at::Tensor>& lr_tensor) {
   if (params.empty()) return;
   TORCH_CHECK(params[0].is_cuda(), "fastllm.adamw_step (cuda): params[0] must be a CUDA tensor, "
               "got one on ", params[0].device());
@@ -299,7 +310,11 @@ void adamw_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
       grad_scale_ptr ? scalar_kind(grad_scale->scalar_type(), "grad_scale") : ScalarKind::kFloat;
   const auto found_inf_kind =
       found_inf_ptr ? scalar_kind(found_inf->scalar_type(), "found_inf") : ScalarKind::kFloat;
-  // CPU grad_scale / found_inf cost no GPU synchronisation to read here.
+  const void* lr_ptr = device_scalar(lr_tensor, "lr_tensor", device);
+  const auto lr_kind = lr_ptr ? scalar_kind(lr_tensor->scalar_type(), "lr_tensor")
+                              : ScalarKind::kFloat;
+  if (lr_tensor.has_value() && lr_tensor->is_cpu()) lr = lr_tensor->item<double>();
+  // CPU grad_scale / found_inf / lr cost no GPU synchronisation to read here.
   if (found_inf.has_value() && found_inf->is_cpu() && found_inf->item<double>() != 0.0) return;
   double host_inv_scale = 1.0;
   if (grad_scale.has_value() && grad_scale->is_cpu()) {
@@ -311,6 +326,9 @@ void adamw_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
     using opmath_t = at::opmath_type<scalar_t>;
     std::vector<AdamWTensorMeta<opmath_t>> meta(params.size());
     for (const auto i : c10::irange(params.size())) {
+      TORCH_CHECK(lr_ptr == nullptr || !steps[i].is_cpu(), "fastllm.adamw_step (cuda): a "
+                  "learning rate on the GPU needs every step count on the GPU; steps[", i,
+                  "] is on the CPU");
       if (steps[i].is_cpu()) {
         const double step = steps[i].item<double>();
         const double bc1 = 1.0 - std::pow(beta1, step);
@@ -330,6 +348,9 @@ void adamw_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
       op.eps = opmath_t(eps);
       op.host_inv_scale = opmath_t(host_inv_scale);
       op.lr = lr;
+      op.weight_decay_d = weight_decay;
+      op.lr_ptr = lr_ptr;
+      op.lr_kind = lr_kind;
       op.beta1_d = beta1;
       op.beta2_d = beta2;
       op.grad_scale = grad_scale_ptr;

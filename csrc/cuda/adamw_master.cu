@@ -61,6 +61,9 @@ struct AdamWMasterFunctor {
   float eps;
   float host_grad_mult;   // clip_coef / grad_scale from CPU scalars (1 when absent)
   double lr, beta1_d, beta2_d;  // for the bias corrections of step counts on the GPU
+  double weight_decay_d;        // for the decay of a learning rate read on the GPU
+  const void* lr_ptr;           // the learning rate, fp32 or fp64 on the GPU, or nullptr (lr)
+  bool lr_is_double;
   const float* grad_scale;  // on the GPU, or nullptr
   const float* clip_coef;   // on the GPU, or nullptr
   const float* found_inf;   // on the GPU, or nullptr
@@ -73,10 +76,19 @@ struct AdamWMasterFunctor {
     if (grad_scale != nullptr) mult = mult / *grad_scale;
     if (clip_coef != nullptr) mult = mult * *clip_coef;
     MasterTensorMeta meta = tl.meta[tensor];
+    double lr_d = lr;
+    float decay_c = decay;
+    if (lr_ptr != nullptr) {
+      // A tensor lr (capturable): the host's formulas, in fp64, from its value (steps are then
+      // on the GPU too, so both corrections are computed below).
+      lr_d = lr_is_double ? *static_cast<const double*>(lr_ptr)
+                          : double(*static_cast<const float*>(lr_ptr));
+      decay_c = float(1.0 - lr_d * weight_decay_d);
+    }
     if (meta.step != nullptr) {
       // Device step counts (capturable): the host corrections' formula, in fp64, here.
       const double step = *meta.step;
-      meta.neg_step_size = float(-lr / (1.0 - ::pow(beta1_d, step)));
+      meta.neg_step_size = float(-lr_d / (1.0 - ::pow(beta1_d, step)));
       meta.bc2_sqrt = float(::sqrt(1.0 - ::pow(beta2_d, step)));
     }
     // torch's lerp switches formula at weight 0.5 for accuracy (ATen/native/Lerp.h).
@@ -97,7 +109,7 @@ struct AdamWMasterFunctor {
     auto update = [&](float g, float& x, float& m, float& v) {
       g *= mult;
       if (maximize) g = -g;
-      x = x * decay;
+      x = x * decay_c;
       const float diff = g - m;
       m = small_weight ? m + lerp_weight * diff : g - diff * one_minus_weight;
       v = v * beta2;
@@ -251,7 +263,8 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
                             bool stochastic_rounding, int64_t seed,
                             const c10::optional<at::Tensor>& grad_scale,
                             const c10::optional<at::Tensor>& clip_coef,
-                            const c10::optional<at::Tensor>& found_inf) {
+                            const c10::optional<at::Tensor>& found_inf,
+                            const c10::optional<at::Tensor>& lr_tensor) {
   if (params.empty()) return;
   const auto dtype = params[0].scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
@@ -279,6 +292,22 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
   const float* grad_scale_ptr = device_scalar(grad_scale, "grad_scale", device);
   const float* clip_coef_ptr = device_scalar(clip_coef, "clip_coef", device);
   const float* found_inf_ptr = device_scalar(found_inf, "found_inf", device);
+  const void* lr_ptr = nullptr;
+  if (lr_tensor.has_value()) {
+    TORCH_CHECK(lr_tensor->numel() == 1, "fastllm.adamw_master_step (cuda): lr_tensor must have "
+                "one element, has ", lr_tensor->numel());
+    if (lr_tensor->is_cpu()) {
+      lr = lr_tensor->item<double>();  // no GPU synchronisation
+    } else {
+      TORCH_CHECK(lr_tensor->device() == device, "fastllm.adamw_master_step (cuda): lr_tensor "
+                  "is on ", lr_tensor->device(), " but params[0] is on ", device);
+      TORCH_CHECK(lr_tensor->scalar_type() == at::kFloat ||
+                  lr_tensor->scalar_type() == at::kDouble, "fastllm.adamw_master_step (cuda): "
+                  "lr_tensor on the GPU must be float32 or float64, got ",
+                  lr_tensor->scalar_type());
+      lr_ptr = lr_tensor->data_ptr();
+    }
+  }
   if (found_inf.has_value() && found_inf->is_cpu() && found_inf->item<double>() != 0.0) return;
   double host_mult = 1.0;
   if (grad_scale.has_value() && grad_scale->is_cpu()) host_mult /= grad_scale->item<double>();
@@ -291,6 +320,9 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
     TORCH_CHECK(steps[i].numel() == 1, "fastllm.adamw_master_step (cuda): steps[", i,
                 "] must have one element");
     const uint32_t tensor_seed = hash32(seed32 + 0x9e3779b9U * uint32_t(i + 1));
+    TORCH_CHECK(lr_ptr == nullptr || steps[i].device() == device, "fastllm.adamw_master_step "
+                "(cuda): a learning rate on the GPU needs every step count on the GPU; steps[",
+                i, "] is on ", steps[i].device());
     if (steps[i].device() == device) {
       // Read by the kernel: no host synchronisation, and the step can be graph-captured.
       TORCH_CHECK(steps[i].scalar_type() == at::kFloat, "fastllm.adamw_master_step (cuda): "
@@ -317,6 +349,9 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
     op.eps = float(eps);
     op.host_grad_mult = float(host_mult);
     op.lr = lr;
+    op.weight_decay_d = weight_decay;
+    op.lr_ptr = lr_ptr;
+    op.lr_is_double = lr_ptr != nullptr && lr_tensor->scalar_type() == at::kDouble;
     op.beta1_d = beta1;
     op.beta2_d = beta2;
     op.grad_scale = grad_scale_ptr;

@@ -10,8 +10,9 @@ csrc/cpu/adamw.cpp and csrc/cuda/adamw.cu (torch's single-tensor AdamW):
 
 Constants are computed on the host in double and passed rounded to fp32 (`host_constants`), as
 the C++ and CUDA kernels get them, never recomputed from fp32 operands in the kernel. The bias
-corrections come from the step count on the device (`bias_corrections`), computed in fp64 there,
-so a step needs no host read of the step and can be captured in a CUDA graph. Triton passes
+corrections come from the step count on the device (`step_scalars`), computed in fp64 there,
+so a step needs no host read of the step and can be captured in a CUDA graph; so is the learning
+rate when it is a tensor (`step_scalars`). Triton passes
 Python floats as fp32, so the fp64 inputs of that computation (lr, log(beta1), log(beta2)) travel
 as the int64 bit patterns of the host's doubles (`f64_bits`), bitcast back in the kernel: exact,
 and used straight from the kernel's parameters (an fp64 sum of an fp32 pair, live across a
@@ -33,18 +34,25 @@ def f64_bits(value):
     return struct.unpack("q", struct.pack("d", value))[0]
 
 
-def host_constants(lr, beta1, beta2, weight_decay):
-    """The kernel's scalar arguments, in double on the host: a dict of keyword arguments."""
+def host_constants(lr, beta1, beta2, weight_decay, lr_tensor=None):
+    """The kernel's scalar arguments, in double on the host: a dict of keyword arguments.
+
+    With `lr_tensor` (one element on the kernel's device) the kernel reads the learning rate
+    there (LR_PTR) and computes 1 - lr * weight_decay itself, in fp64 from the same doubles as
+    the host would (so both give the same bits); `lr` is then unused."""
     ln_beta1 = math.log(beta1) if beta1 > 0 else -math.inf
     ln_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
     return dict(decay=1.0 - lr * weight_decay, lerp_weight=1.0 - beta1, beta2=beta2,
                 one_minus_beta2=1.0 - beta2, lr_bits=f64_bits(lr),
-                ln_beta1_bits=f64_bits(ln_beta1), ln_beta2_bits=f64_bits(ln_beta2))
+                weight_decay_bits=f64_bits(weight_decay), ln_beta1_bits=f64_bits(ln_beta1),
+                ln_beta2_bits=f64_bits(ln_beta2),
+                # (0: an unused argument where the flag is off; never dereferenced)
+                lr_ptr=0 if lr_tensor is None else lr_tensor, LR_PTR=lr_tensor is not None)
 
 
 # The bit-pattern arguments of every kernel that takes host_constants(): not specialised, so a
 # learning-rate schedule never recompiles a kernel (Triton specialises ints divisible by 16).
-CONSTANT_BITS = ("lr_bits", "ln_beta1_bits", "ln_beta2_bits")
+CONSTANT_BITS = ("lr_bits", "weight_decay_bits", "ln_beta1_bits", "ln_beta2_bits")
 
 
 def device_step(step, device):
@@ -64,17 +72,27 @@ def as_f64(bits):
 
 
 @triton.jit
-def bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits):
-    """(-lr / (1 - beta1^t), sqrt(1 - beta2^t)) in fp32, from the fp32 step count at step_ptr.
+def step_scalars(step_ptr, lr_ptr, decay, lr_bits, weight_decay_bits, ln_beta1_bits,
+                 ln_beta2_bits, LR_PTR: tl.constexpr):
+    """(-lr / (1 - beta1^t), sqrt(1 - beta2^t), 1 - lr * wd) in fp32, from the fp32 step count at
+    step_ptr and the learning rate: the host's double (lr_bits; `decay` computed on the host) or,
+    with LR_PTR, the one element at lr_ptr, widened to fp64 (as torch's fused AdamW reads a
+    tensor lr).
 
     beta^t = exp(t ln beta) in fp64 agrees with the host's pow to ~1e-15 relative, far below the
     fp32 rounding that follows."""
+    if LR_PTR:
+        lr = tl.load(lr_ptr).to(tl.float64)
+        decay_out = (1.0 - lr * as_f64(weight_decay_bits)).to(tl.float32)
+    else:
+        lr = as_f64(lr_bits)
+        decay_out = decay
     step = tl.load(step_ptr).to(tl.float64)
     bc1 = 1.0 - tl.exp(step * as_f64(ln_beta1_bits))
     bc2 = 1.0 - tl.exp(step * as_f64(ln_beta2_bits))
-    neg_step_size = (-as_f64(lr_bits) / bc1).to(tl.float32)
+    neg_step_size = (-lr / bc1).to(tl.float32)
     bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
-    return neg_step_size, bc2_sqrt
+    return neg_step_size, bc2_sqrt, decay_out
 
 
 @triton.jit

@@ -26,9 +26,8 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
-from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param,
-                                       bias_corrections, device_step, host_constants, load_grad,
-                                       stream_load)
+from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param, device_step,
+                                       host_constants, load_grad, step_scalars, stream_load)
 from fastllm.kernels.rounding import store_rounded
 from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
                                           programs, table)
@@ -73,6 +72,8 @@ def _adamw_kernel(
     beta2,  # second-moment decay
     one_minus_beta2,  # 1 - beta2, from the host's double
     lr_bits,  # lr, the bits of the host's double (see adam_math.f64_bits)
+    weight_decay_bits,  # weight_decay, likewise (for the decay of a tensor lr)
+    lr_ptr,  # *float scalar, the learning rate (read only when LR_PTR; lr_bits, decay unused)
     ln_beta1_bits,  # log(beta1), likewise
     ln_beta2_bits,  # log(beta2), likewise
     eps,  # added to the denominator
@@ -80,6 +81,7 @@ def _adamw_kernel(
     FIELDS: tl.constexpr,
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    LR_PTR: tl.constexpr,  # the learning rate at lr_ptr
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     ALIGNED: tl.constexpr,  # every address 16-byte aligned (host-checked)
@@ -98,7 +100,9 @@ def _adamw_kernel(
             max_exp_avg_sq_ptr = address(row, 4, DTYPE, ALIGNED)
         step_ptr = address(row, 5, tl.float32, False)
         n = tl.load(row + 6)
-        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
+        neg_step_size, bc2_sqrt, step_decay = step_scalars(
+            step_ptr, lr_ptr, decay, lr_bits, weight_decay_bits, ln_beta1_bits,
+            ln_beta2_bits, LR_PTR)
         n_blocks = tl.minimum(tl.cdiv(n - start, BLOCK_SIZE), CHUNK_BLOCKS)
         for b in range(0, n_blocks):
             # Chunks start at multiples of the chunk size, so each block at one of BLOCK_SIZE.
@@ -107,11 +111,11 @@ def _adamw_kernel(
             if first + BLOCK_SIZE <= n:
                 _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
                         offsets, tl.full([BLOCK_SIZE], 1, tl.int1), grad_scale_ptr,
-                        neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2, eps,
-                        AMSGRAD, MAXIMIZE, HAS_GRAD_SCALE)
+                        neg_step_size, bc2_sqrt, step_decay, lerp_weight, beta2, one_minus_beta2,
+                        eps, AMSGRAD, MAXIMIZE, HAS_GRAD_SCALE)
             else:
                 _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-                        offsets, offsets < n, grad_scale_ptr, neg_step_size, bc2_sqrt, decay,
+                        offsets, offsets < n, grad_scale_ptr, neg_step_size, bc2_sqrt, step_decay,
                         lerp_weight, beta2, one_minus_beta2, eps, AMSGRAD, MAXIMIZE,
                         HAS_GRAD_SCALE)
 
@@ -127,10 +131,12 @@ def _adamw_tensor_kernel(
     grad_scale_ptr,  # *fp32 scalar, the loss scale (read only when HAS_GRAD_SCALE)
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
     n_elements,  # number of elements of this tensor
-    decay, lerp_weight, beta2, one_minus_beta2, lr_bits, ln_beta1_bits, ln_beta2_bits,
+    decay, lerp_weight, beta2, one_minus_beta2, lr_bits, weight_decay_bits, lr_ptr,
+    ln_beta1_bits, ln_beta2_bits,
     eps,  # as _adamw_kernel's
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    LR_PTR: tl.constexpr,  # the learning rate at lr_ptr
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -143,10 +149,12 @@ def _adamw_tensor_kernel(
         # the loads stay 128-bit vectors (a per-lane broadcast load of the flag made every access
         # scalar on sm_90). tl.where, not `&`: the interpreter cannot AND a scalar into a block.
         mask = tl.where(tl.load(found_inf_ptr) == 0, mask, False)
-    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
+    neg_step_size, bc2_sqrt, step_decay = step_scalars(
+        step_ptr, lr_ptr, decay, lr_bits, weight_decay_bits, ln_beta1_bits, ln_beta2_bits,
+        LR_PTR)
     _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, offsets, mask,
-            grad_scale_ptr, neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2,
-            eps, AMSGRAD, MAXIMIZE, HAS_GRAD_SCALE)
+            grad_scale_ptr, neg_step_size, bc2_sqrt, step_decay, lerp_weight, beta2,
+            one_minus_beta2, eps, AMSGRAD, MAXIMIZE, HAS_GRAD_SCALE)
 
 
 def _sizes():
@@ -159,8 +167,10 @@ def _sizes():
 def adamw_step_triton(
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
+    lr_tensor=None,
 ):
-    """One launch for every tensor (a table); the same contract as fastllm.ops.adamw_step."""
+    """One launch for every tensor (a table); the same contract as fastllm.ops.adamw_step
+    (lr_tensor: one element on the params' device, read there instead of lr)."""
     if not params:
         return
     dtype = params[0].dtype
@@ -184,9 +194,13 @@ def adamw_step_triton(
     block, chunk_blocks = _sizes()
     arrays = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None]
     found = None
-    if one_device(device, *arrays):
+    single = one_device(device, *arrays)
+    if single:
         found = table(arrays, steps, block * chunk_blocks, device)
-    consts = host_constants(lr, beta1, beta2, weight_decay)
+    if not single and lr_tensor is not None:
+        # Tensors on several devices (the per-tensor fallback): the value, read once here.
+        lr, lr_tensor = float(lr_tensor.reshape(()).item()), None
+    consts = host_constants(lr, beta1, beta2, weight_decay, lr_tensor)
     if found is None:
         _per_tensor(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, consts,
                     eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,

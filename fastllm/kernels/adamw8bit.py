@@ -32,9 +32,8 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
-from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, bias_corrections,
-                                       device_step, host_constants, load_grad, stream_load,
-                                       stream_store)
+from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, device_step, host_constants,
+                                       load_grad, step_scalars, stream_load, stream_store)
 from fastllm.kernels.adamw import _TL_DTYPES
 from fastllm.kernels.rounding import philox_key, round_nearest, round_stochastic
 from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
@@ -176,6 +175,8 @@ def _adamw8bit_kernel(
     beta2,  # second-moment decay
     one_minus_beta2,  # 1 - beta2, from the host's double
     lr_bits,  # lr, the bits of the host's double (see adam_math.f64_bits)
+    weight_decay_bits,  # weight_decay, likewise (for the decay of a tensor lr)
+    lr_ptr,  # *float scalar, the learning rate (read only when LR_PTR; lr_bits, decay unused)
     ln_beta1_bits,  # log(beta1), likewise
     ln_beta2_bits,  # log(beta2), likewise
     eps,  # added to the denominator
@@ -186,6 +187,7 @@ def _adamw8bit_kernel(
     MASTER: tl.constexpr,
     SR: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    LR_PTR: tl.constexpr,  # the learning rate at lr_ptr
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
@@ -216,7 +218,9 @@ def _adamw8bit_kernel(
         absmax_v_ptr = address(row, 6, tl.float32, ALIGNED)
         step_ptr = address(row, 7, tl.float32, False)
         n = tl.load(row + 8)
-        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
+        neg_step_size, bc2_sqrt, step_decay = step_scalars(
+            step_ptr, lr_ptr, decay, lr_bits, weight_decay_bits, ln_beta1_bits,
+            ln_beta2_bits, LR_PTR)
         # Chunks start at multiples of CHUNK_TILES * ROWS blocks, so each tile at one of ROWS.
         first_block = start // QBLOCK
         n_tiles = tl.minimum(tl.cdiv(tl.cdiv(n - start, QBLOCK), ROWS), CHUNK_TILES)
@@ -233,7 +237,7 @@ def _adamw8bit_kernel(
                 _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr,
                         absmax_m_ptr, absmax_v_ptr, rows, offsets, mask,
                         tl.full([ROWS], 1, tl.int1), random_offsets, map_m, map_v,
-                        grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt, decay,
+                        grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt, step_decay,
                         lerp_weight, beta2, one_minus_beta2, eps, seed, Q8, MASTER, SR,
                         MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP_COEF)
             else:
@@ -241,7 +245,7 @@ def _adamw8bit_kernel(
                 _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr,
                         absmax_m_ptr, absmax_v_ptr, rows, offsets, mask, rows * QBLOCK < n,
                         random_offsets, map_m, map_v, grad_scale_ptr, clip_coef_ptr,
-                        neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2,
+                        neg_step_size, bc2_sqrt, step_decay, lerp_weight, beta2, one_minus_beta2,
                         eps, seed, Q8, MASTER, SR, MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP_COEF)
 
 
@@ -260,13 +264,15 @@ def _adamw8bit_tensor_kernel(
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
     step_ptr,  # *fp32 scalar, this tensor's step count, already incremented
     n_elements,  # elements of this tensor
-    decay, lerp_weight, beta2, one_minus_beta2, lr_bits, ln_beta1_bits, ln_beta2_bits,
+    decay, lerp_weight, beta2, one_minus_beta2, lr_bits, weight_decay_bits, lr_ptr,
+    ln_beta1_bits, ln_beta2_bits,
     eps,  # as _adamw8bit_kernel's
     seed,  # this tensor's random stream (read only when SR)
     Q8: tl.constexpr,
     MASTER: tl.constexpr,
     SR: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    LR_PTR: tl.constexpr,  # the learning rate at lr_ptr
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
@@ -285,7 +291,9 @@ def _adamw8bit_tensor_kernel(
         go = tl.load(found_inf_ptr) == 0
         mask = tl.where(go, mask, False)
         row_mask = tl.where(go, row_mask, False)
-    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
+    neg_step_size, bc2_sqrt, step_decay = step_scalars(
+        step_ptr, lr_ptr, decay, lr_bits, weight_decay_bits, ln_beta1_bits, ln_beta2_bits,
+        LR_PTR)
     map_m = 0  # bf16 moments: no code maps
     map_v = 0
     if Q8:
@@ -294,7 +302,7 @@ def _adamw8bit_tensor_kernel(
     _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, absmax_m_ptr,
             absmax_v_ptr, rows, offsets, mask, row_mask, offsets.to(tl.uint32), map_m, map_v,
             grad_scale_ptr, clip_coef_ptr,
-            neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2, eps, seed, Q8,
+            neg_step_size, bc2_sqrt, step_decay, lerp_weight, beta2, one_minus_beta2, eps, seed, Q8,
             MASTER, SR, MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP_COEF)
 
 
@@ -317,9 +325,10 @@ def _tile(block_size, q8):
 def adamw8bit_step_triton(
     params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes, exp_avg_sq_absmaxes, steps,
     qmaps, *, lr, beta1, beta2, eps, weight_decay, block_size, maximize, stochastic_rounding,
-    seed, grad_scale, clip_coef, found_inf,
+    seed, grad_scale, clip_coef, found_inf, lr_tensor=None,
 ):
-    """One launch for every tensor (a table); the contract of fastllm.ops.adamw8bit_step."""
+    """One launch for every tensor (a table); the contract of fastllm.ops.adamw8bit_step
+    (lr_tensor: one element on the params' device, read there instead of lr)."""
     if not params:
         return
     q8 = exp_avgs[0].dtype.itemsize == 1
@@ -336,9 +345,13 @@ def adamw8bit_step_triton(
     arrays = [params, grads, masters or None, exp_avgs, exp_avg_sqs,
               exp_avg_absmaxes if q8 else None, exp_avg_sq_absmaxes if q8 else None]
     found = None
-    if one_device(device, *arrays):
+    single = one_device(device, *arrays)
+    if single:
         found = table(arrays, steps, chunk_tiles * rows * qblock, device)
-    consts = host_constants(lr, beta1, beta2, weight_decay)
+    if not single and lr_tensor is not None:
+        # Tensors on several devices (the per-tensor fallback): the value, read once here.
+        lr, lr_tensor = float(lr_tensor.reshape(()).item()), None
+    consts = host_constants(lr, beta1, beta2, weight_decay, lr_tensor)
     flags = dict(Q8=q8, MASTER=bool(masters),
                  SR=stochastic_rounding and params[0].dtype.itemsize == 2, MAXIMIZE=maximize,
                  HAS_GRAD_SCALE=grad_scale is not None, HAS_CLIP_COEF=clip_coef is not None,

@@ -21,9 +21,9 @@ strides over their chunks: one launch per step; a nonzero found_inf makes its lo
 import triton
 import triton.language as tl
 
-from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param,
-                                       bias_corrections, device_step, host_constants, load_grad,
-                                       stream_load, stream_store)
+from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param, device_step,
+                                       host_constants, load_grad, step_scalars, stream_load,
+                                       stream_store)
 from fastllm.kernels.adamw import _TL_DTYPES, _sizes
 from fastllm.kernels.rounding import philox_key, round_nearest, round_stochastic
 from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
@@ -84,6 +84,8 @@ def _adamw_master_kernel(
     beta2,  # second-moment decay
     one_minus_beta2,  # 1 - beta2, from the host's double
     lr_bits,  # lr, the bits of the host's double (see adam_math.f64_bits)
+    weight_decay_bits,  # weight_decay, likewise (for the decay of a tensor lr)
+    lr_ptr,  # *float scalar, the learning rate (read only when LR_PTR; lr_bits, decay unused)
     ln_beta1_bits,  # log(beta1), likewise
     ln_beta2_bits,  # log(beta2), likewise
     eps,  # added to the denominator
@@ -94,6 +96,7 @@ def _adamw_master_kernel(
     KAHAN: tl.constexpr,
     SR: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    LR_PTR: tl.constexpr,  # the learning rate at lr_ptr
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
@@ -116,7 +119,9 @@ def _adamw_master_kernel(
             comp_ptr = address(row, 5, DTYPE, ALIGNED)
         step_ptr = address(row, 6, tl.float32, False)
         n = tl.load(row + 7)
-        neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
+        neg_step_size, bc2_sqrt, step_decay = step_scalars(
+            step_ptr, lr_ptr, decay, lr_bits, weight_decay_bits, ln_beta1_bits,
+            ln_beta2_bits, LR_PTR)
         n_blocks = tl.minimum(tl.cdiv(n - start, BLOCK_SIZE), CHUNK_BLOCKS)
         for b in range(0, n_blocks):
             # Chunks start at multiples of the chunk size, so each block at one of BLOCK_SIZE.
@@ -127,13 +132,13 @@ def _adamw_master_kernel(
             if first + BLOCK_SIZE <= n:
                 _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_ptr,
                         offsets, tl.full([BLOCK_SIZE], 1, tl.int1), random_offsets,
-                        grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt, decay,
+                        grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt, step_decay,
                         lerp_weight, beta2, one_minus_beta2, eps, seed, MASTER, KAHAN, SR,
                         MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP_COEF)
             else:
                 _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_ptr,
                         offsets, offsets < n, random_offsets, grad_scale_ptr, clip_coef_ptr,
-                        neg_step_size, bc2_sqrt, decay, lerp_weight, beta2, one_minus_beta2,
+                        neg_step_size, bc2_sqrt, step_decay, lerp_weight, beta2, one_minus_beta2,
                         eps, seed, MASTER, KAHAN, SR, MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP_COEF)
 
 
@@ -150,13 +155,15 @@ def _adamw_master_tensor_kernel(
     found_inf_ptr,  # *fp32 scalar, nonzero skips the step (read only when HAS_FOUND_INF)
     step_ptr,  # *fp32 scalar, this tensor's step count, already incremented
     n_elements,  # number of elements of this tensor
-    decay, lerp_weight, beta2, one_minus_beta2, lr_bits, ln_beta1_bits, ln_beta2_bits,
+    decay, lerp_weight, beta2, one_minus_beta2, lr_bits, weight_decay_bits, lr_ptr,
+    ln_beta1_bits, ln_beta2_bits,
     eps,  # as _adamw_master_kernel's
     seed,  # this tensor's random stream (read only when SR)
     MASTER: tl.constexpr,
     KAHAN: tl.constexpr,
     SR: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    LR_PTR: tl.constexpr,  # the learning rate at lr_ptr
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_CLIP_COEF: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
@@ -170,18 +177,22 @@ def _adamw_master_tensor_kernel(
         # the loads stay 128-bit vectors (a per-lane broadcast load of the flag made every access
         # scalar on sm_90). tl.where, not `&`: the interpreter cannot AND a scalar into a block.
         mask = tl.where(tl.load(found_inf_ptr) == 0, mask, False)
-    neg_step_size, bc2_sqrt = bias_corrections(step_ptr, lr_bits, ln_beta1_bits, ln_beta2_bits)
+    neg_step_size, bc2_sqrt, step_decay = step_scalars(
+        step_ptr, lr_ptr, decay, lr_bits, weight_decay_bits, ln_beta1_bits, ln_beta2_bits,
+        LR_PTR)
     _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, comp_ptr, offsets,
             mask, offsets.to(tl.uint32), grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt,
-            decay, lerp_weight, beta2, one_minus_beta2, eps, seed, MASTER, KAHAN, SR, MAXIMIZE,
+            step_decay, lerp_weight, beta2, one_minus_beta2, eps, seed, MASTER, KAHAN, SR, MAXIMIZE,
             HAS_GRAD_SCALE, HAS_CLIP_COEF)
 
 
 def adamw_master_step_triton(
     params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *, lr, beta1, beta2, eps,
     weight_decay, maximize, stochastic_rounding, seed, grad_scale, clip_coef, found_inf,
+    lr_tensor=None,
 ):
-    """One launch for every tensor (a table); the contract of fastllm.ops.adamw_master_step."""
+    """One launch for every tensor (a table); the contract of fastllm.ops.adamw_master_step
+    (lr_tensor: one element on the params' device, read there instead of lr)."""
     if not params:
         return
     # The kernel reads the scalars through pointers: they must live where the params do.
@@ -193,9 +204,13 @@ def adamw_master_step_triton(
     block, chunk_blocks = _sizes()
     arrays = [params, grads, masters or None, exp_avgs, exp_avg_sqs, kahan_comps or None]
     found = None
-    if one_device(device, *arrays):
+    single = one_device(device, *arrays)
+    if single:
         found = table(arrays, steps, block * chunk_blocks, device)
-    consts = host_constants(lr, beta1, beta2, weight_decay)
+    if not single and lr_tensor is not None:
+        # Tensors on several devices (the per-tensor fallback): the value, read once here.
+        lr, lr_tensor = float(lr_tensor.reshape(()).item()), None
+    consts = host_constants(lr, beta1, beta2, weight_decay, lr_tensor)
     flags = dict(MASTER=bool(masters), KAHAN=bool(kahan_comps), SR=stochastic_rounding,
                  MAXIMIZE=maximize, HAS_GRAD_SCALE=grad_scale is not None,
                  HAS_CLIP_COEF=clip_coef is not None, HAS_FOUND_INF=found_inf is not None)

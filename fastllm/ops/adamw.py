@@ -7,6 +7,8 @@ params, exp_avgs, exp_avg_sqs (and max_exp_avg_sqs when amsgrad) are updated in 
 at one index share shape, dtype and device, are dense and contiguous. grads are read, divided by
 `grad_scale` when given; nothing changes when `found_inf` is nonzero (torch.amp.GradScaler's
 fused-optimizer protocol). `steps` holds each parameter's step count, already incremented.
+`lr` is a float or a one-element tensor, which the GPU kernels read on the device (the op's
+`lr_tensor` argument; see fastllm/ops/_lr.py).
 
 Backends: cpp (CPU), cuda and triton (GPU; triton on CPU under TRITON_INTERPRET=1), and
 `adamw_step_ref`, plain PyTorch.
@@ -18,6 +20,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
+from fastllm.ops._lr import check_lr_tensor, for_backend, split_lr
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
 # The Triton kernel computes in fp32; fp64 params on a GPU go to the CUDA kernel or the reference.
@@ -28,9 +31,11 @@ def adamw_step_ref(
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
 ):
-    """Plain-PyTorch AdamW step: the oracle and the fallback. Computes in fp32 (fp64 for fp64)."""
+    """Plain-PyTorch AdamW step: the oracle and the fallback. Computes in fp32 (fp64 for fp64).
+    `lr` may be a one-element tensor (read here)."""
     if found_inf is not None and bool(found_inf.item()):
         return
+    lr = float(lr) if isinstance(lr, torch.Tensor) else lr
     inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
     for i, param in enumerate(params):
         opmath = torch.float64 if param.dtype == torch.float64 else torch.float32
@@ -62,10 +67,12 @@ def adamw_step_ref(
 
 def _compiled(name):
     def run(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
-            eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None):
+            eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
+            lr_tensor=None):
+        extra = (lr_tensor,) if name.endswith("_cuda") else ()  # (the CPU kernel: never)
         getattr(_extension.extension(), name)(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
-            weight_decay, amsgrad, maximize, grad_scale, found_inf,
+            weight_decay, amsgrad, maximize, grad_scale, found_inf, *extra,
         )
 
     return run
@@ -86,8 +93,9 @@ _IMPLS = {
 
 
 def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
-                     lr, beta1, beta2, eps, weight_decay, amsgrad):
+                     lr, beta1, beta2, eps, weight_decay, amsgrad, lr_tensor=None):
     """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
+    check_lr_tensor("fastllm.adamw_step", lr_tensor, params[0].device if params else None)
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"fastllm.adamw_step: {name} must be finite and >= 0, got {value}")
@@ -129,21 +137,23 @@ def _raise_bad_tensor(where, t, p, i, device):
 
 def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
                      lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
-                     grad_scale=None, found_inf=None):
+                     grad_scale=None, found_inf=None, lr_tensor=None):
     if not _backend.prevalidated():
         check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad)
+                         amsgrad=amsgrad, lr_tensor=lr_tensor)
     if not params:
         return
     device_type = params[0].device.type
     table = _PREFERENCE_FP64 if params[0].dtype == torch.float64 else _PREFERENCE
     backend = _backend.select("adamw_step", device_type, table.get(device_type, ("ref",)))
+    lr, lr_tensor = for_backend(lr, lr_tensor, backend, params[0].device)
+    kwargs = {} if lr_tensor is None else {"lr_tensor": lr_tensor}
     with _backend.device_guard(params[0].device):
         _IMPLS[backend](
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-            grad_scale=grad_scale, found_inf=found_inf,
+            grad_scale=grad_scale, found_inf=found_inf, **kwargs,
         )
 
 
@@ -154,27 +164,29 @@ lib.impl("adamw_step", _adamw_step_impl, "CUDA")
 @torch.library.register_fake("fastllm::adamw_step")
 def _adamw_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
                      lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
-                     grad_scale=None, found_inf=None):
+                     grad_scale=None, found_inf=None, lr_tensor=None):
     check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                     amsgrad=amsgrad)
+                     amsgrad=amsgrad, lr_tensor=lr_tensor)
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
                eps, weight_decay, amsgrad=False, maximize=False, grad_scale=None, found_inf=None):
-    """Functional form of the op (see the module docstring); a no-op for empty lists."""
+    """Functional form of the op (see the module docstring); a no-op for empty lists. `lr`: a
+    float or a one-element tensor."""
     if len(params) == 0:
         return
+    lr, lr_tensor = split_lr(lr)
     if _backend.direct():
         _adamw_step_impl(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-            grad_scale=grad_scale, found_inf=found_inf,
+            grad_scale=grad_scale, found_inf=found_inf, lr_tensor=lr_tensor,
         )
         torch.autograd.graph.increment_version(params)  # what the in-place op would have done
         return
     torch.ops.fastllm.adamw_step(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
         beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-        grad_scale=grad_scale, found_inf=found_inf,
+        grad_scale=grad_scale, found_inf=found_inf, lr_tensor=lr_tensor,
     )

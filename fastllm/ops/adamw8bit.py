@@ -5,6 +5,9 @@
                    block_size=256, maximize=False, stochastic_rounding=False, seed=0,
                    grad_scale=None, clip_coef=None, found_inf=None)
 
+`lr`: a float or a one-element tensor (read on the device by the Triton kernel: the op's
+`lr_tensor` argument; fastllm/ops/_lr.py).
+
 Per element, with step t (torch.optim.AdamW's maths, decoupled weight decay):
     g  = grad * clip_coef / grad_scale                  (negated when maximize)
     m  = dequant(exp_avg);  v = dequant(exp_avg_sq)     (bf16 moments: upcast)
@@ -53,6 +56,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
+from fastllm.ops._lr import check_lr_tensor, for_backend, split_lr
 from fastllm.ops.adamw_master import stochastic_round_ref
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -176,9 +180,11 @@ def adamw8bit_step_ref(
     stochastic_rounding=False, seed=0, grad_scale=None, clip_coef=None, found_inf=None,
 ):
     """Plain-PyTorch step computed in float64 from the stored values: dequantise, AdamW,
-    requantise (nearest code) or round the moments to bf16. The oracle of the kernels."""
+    requantise (nearest code) or round the moments to bf16. The oracle of the kernels. `lr` may
+    be a one-element tensor (read here)."""
     if found_inf is not None and bool(found_inf.item()):
         return
+    lr = float(lr) if isinstance(lr, torch.Tensor) else lr
     mult = 1.0
     if grad_scale is not None:
         mult /= float(grad_scale)
@@ -260,9 +266,10 @@ _IMPLS = {
 
 def check_adamw8bit_args(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, *, lr, beta1, beta2, eps,
-                         weight_decay, block_size):
+                         weight_decay, block_size, lr_tensor=None):
     """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
     where = "fastllm.adamw8bit_step"
+    check_lr_tensor(where, lr_tensor, params[0].device if params else None)
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{where}: {name} must be finite and >= 0, got {value}")
@@ -335,10 +342,12 @@ def check_adamw8bit_args(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_
 def _adamw8bit_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, *, lr, beta1, beta2, eps,
                          weight_decay, block_size=256, maximize=False, stochastic_rounding=False,
-                         seed=0, grad_scale=None, clip_coef=None, found_inf=None):
+                         seed=0, grad_scale=None, clip_coef=None, found_inf=None,
+                         lr_tensor=None):
     check_adamw8bit_args(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, lr=lr, beta1=beta1, beta2=beta2,
-                         eps=eps, weight_decay=weight_decay, block_size=block_size)
+                         eps=eps, weight_decay=weight_decay, block_size=block_size,
+                         lr_tensor=lr_tensor)
     if not params:
         return
     device_type = params[0].device.type
@@ -347,12 +356,14 @@ def _adamw8bit_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_
     if backend == "cuda":
         raise RuntimeError("fastllm.adamw8bit_step: there is no CUDA kernel for this op; its GPU "
                            "path is Triton (FASTLLM_BACKEND=triton)")
+    lr, lr_tensor = for_backend(lr, lr_tensor, backend, params[0].device)
+    kwargs = {} if lr_tensor is None else {"lr_tensor": lr_tensor}
     with _backend.device_guard(params[0].device):
         _IMPLS[backend](
             params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes, exp_avg_sq_absmaxes,
             steps, qmaps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             block_size=block_size, maximize=maximize, stochastic_rounding=stochastic_rounding,
-            seed=seed, grad_scale=grad_scale, clip_coef=clip_coef, found_inf=found_inf,
+            seed=seed, grad_scale=grad_scale, clip_coef=clip_coef, found_inf=found_inf, **kwargs,
         )
 
 
@@ -364,10 +375,12 @@ lib.impl("adamw8bit_step", _adamw8bit_step_impl, "CUDA")
 def _adamw8bit_step_fake(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, *, lr, beta1, beta2, eps,
                          weight_decay, block_size=256, maximize=False, stochastic_rounding=False,
-                         seed=0, grad_scale=None, clip_coef=None, found_inf=None):
+                         seed=0, grad_scale=None, clip_coef=None, found_inf=None,
+                         lr_tensor=None):
     check_adamw8bit_args(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, lr=lr, beta1=beta1, beta2=beta2,
-                         eps=eps, weight_decay=weight_decay, block_size=block_size)
+                         eps=eps, weight_decay=weight_decay, block_size=block_size,
+                         lr_tensor=lr_tensor)
 
 
 def adamw8bit_step(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
@@ -375,9 +388,11 @@ def adamw8bit_step(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmax
                    weight_decay, block_size=256, maximize=False, stochastic_rounding=False,
                    seed=0, grad_scale=None, clip_coef=None, found_inf=None):
     """Functional form of the op (see the module docstring); a no-op for empty lists.
-    qmaps defaults to build_qmaps() on the params' device."""
+    qmaps defaults to build_qmaps() on the params' device; `lr`: a float or a one-element
+    tensor."""
     if len(params) == 0:
         return
+    lr, lr_tensor = split_lr(lr)
     if qmaps is None:
         qmaps = build_qmaps(params[0].device)
     if _backend.direct():  # the torch.ops round trip skipped in plain eager code
@@ -386,7 +401,7 @@ def adamw8bit_step(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmax
             steps, qmaps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             block_size=int(block_size), maximize=maximize,
             stochastic_rounding=stochastic_rounding, seed=int(seed), grad_scale=grad_scale,
-            clip_coef=clip_coef, found_inf=found_inf,
+            clip_coef=clip_coef, found_inf=found_inf, lr_tensor=lr_tensor,
         )
         torch.autograd.graph.increment_version(params)
         return
@@ -395,4 +410,5 @@ def adamw8bit_step(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmax
         steps, qmaps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
         block_size=int(block_size), maximize=maximize, stochastic_rounding=stochastic_rounding,
         seed=int(seed), grad_scale=grad_scale, clip_coef=clip_coef, found_inf=found_inf,
+        lr_tensor=lr_tensor,
     )

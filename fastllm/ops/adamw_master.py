@@ -5,6 +5,9 @@
                       stochastic_rounding=False, seed=0, grad_scale=None, clip_coef=None,
                       found_inf=None)
 
+`lr`: a float or a one-element tensor (read on the device by the GPU kernels: the op's
+`lr_tensor` argument; fastllm/ops/_lr.py).
+
 Per element, with step t (torch.optim.AdamW's maths, decoupled weight decay):
     g  = grad * clip_coef / grad_scale          (negated when maximize)
     x  = master                                 (masters given: fp32 master weights)
@@ -40,6 +43,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
+from fastllm.ops._lr import check_lr_tensor, for_backend, split_lr
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
 
@@ -85,13 +89,14 @@ def adamw_master_step_ref(
     weight_decay, maximize=False, stochastic_rounding=False, seed=0, grad_scale=None,
     clip_coef=None, found_inf=None,
 ):
-    """Plain-PyTorch step: the oracle and the fallback.
+    """Plain-PyTorch step: the oracle and the fallback (`lr` may be a one-element tensor).
 
     Computes in the masters' dtype (the exp_avgs' when there are no masters): fp32 normally, fp64
     when a test hands it fp64 masters and states to get a float64 reference step.
     """
     if found_inf is not None and bool(found_inf.item()):
         return
+    lr = float(lr) if isinstance(lr, torch.Tensor) else lr
     mult = 1.0
     if grad_scale is not None:
         mult /= float(grad_scale)
@@ -138,14 +143,15 @@ def adamw_master_step_ref(
 def _compiled(name):
     def run(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *, lr, beta1,
             beta2, eps, weight_decay, maximize, stochastic_rounding, seed, grad_scale, clip_coef,
-            found_inf):
+            found_inf, lr_tensor=None):
         fn = getattr(_extension.extension(), name, None)
         if fn is None:
             raise NotImplementedError(f"fastllm.adamw_master_step: fastllm._C has no {name}; "
                                       f"rebuild it (pip install --no-build-isolation -e .)")
+        extra = (lr_tensor,) if name.endswith("_cuda") else ()  # (the CPU kernel: never)
         fn(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr, beta1, beta2,
            eps, weight_decay, maximize, stochastic_rounding, seed, grad_scale, clip_coef,
-           found_inf)
+           found_inf, *extra)
 
     return run
 
@@ -165,9 +171,10 @@ _IMPLS = {
 
 
 def check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *,
-                            lr, beta1, beta2, eps, weight_decay):
+                            lr, beta1, beta2, eps, weight_decay, lr_tensor=None):
     """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
     where = "fastllm.adamw_master_step"
+    check_lr_tensor(where, lr_tensor, params[0].device if params else None)
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{where}: {name} must be finite and >= 0, got {value}")
@@ -217,22 +224,24 @@ def check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
 def _adamw_master_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *,
                             lr, beta1, beta2, eps, weight_decay, maximize=False,
                             stochastic_rounding=False, seed=0, grad_scale=None, clip_coef=None,
-                            found_inf=None):
+                            found_inf=None, lr_tensor=None):
     if not _backend.prevalidated():
         check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps,
                                 steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                weight_decay=weight_decay)
+                                weight_decay=weight_decay, lr_tensor=lr_tensor)
     if not params:
         return
     device_type = params[0].device.type
     backend = _backend.select("adamw_master_step", device_type,
                               _PREFERENCE.get(device_type, ("ref",)))
+    lr, lr_tensor = for_backend(lr, lr_tensor, backend, params[0].device)
+    kwargs = {} if lr_tensor is None else {"lr_tensor": lr_tensor}
     with _backend.device_guard(params[0].device):
         _IMPLS[backend](
             params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr=lr,
             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
             stochastic_rounding=stochastic_rounding, seed=seed, grad_scale=grad_scale,
-            clip_coef=clip_coef, found_inf=found_inf,
+            clip_coef=clip_coef, found_inf=found_inf, **kwargs,
         )
 
 
@@ -244,22 +253,25 @@ lib.impl("adamw_master_step", _adamw_master_step_impl, "CUDA")
 def _adamw_master_step_fake(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *,
                             lr, beta1, beta2, eps, weight_decay, maximize=False,
                             stochastic_rounding=False, seed=0, grad_scale=None, clip_coef=None,
-                            found_inf=None):
-    return None
+                            found_inf=None, lr_tensor=None):
+    check_lr_tensor("fastllm.adamw_master_step", lr_tensor,
+                    params[0].device if params else None)
 
 
 def adamw_master_step(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *, lr,
                       beta1, beta2, eps, weight_decay, maximize=False, stochastic_rounding=False,
                       seed=0, grad_scale=None, clip_coef=None, found_inf=None):
-    """Functional form of the op (see the module docstring); a no-op for empty lists."""
+    """Functional form of the op (see the module docstring); a no-op for empty lists. `lr`: a
+    float or a one-element tensor."""
     if len(params) == 0:
         return
+    lr, lr_tensor = split_lr(lr)
     if _backend.direct():  # the torch.ops round trip skipped in plain eager code
         _adamw_master_step_impl(
             params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr=lr,
             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
             stochastic_rounding=stochastic_rounding, seed=int(seed), grad_scale=grad_scale,
-            clip_coef=clip_coef, found_inf=found_inf,
+            clip_coef=clip_coef, found_inf=found_inf, lr_tensor=lr_tensor,
         )
         torch.autograd.graph.increment_version(params)
         return
@@ -267,5 +279,5 @@ def adamw_master_step(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps
         params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr=lr, beta1=beta1,
         beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
         stochastic_rounding=stochastic_rounding, seed=int(seed), grad_scale=grad_scale,
-        clip_coef=clip_coef, found_inf=found_inf,
+        clip_coef=clip_coef, found_inf=found_inf, lr_tensor=lr_tensor,
     )

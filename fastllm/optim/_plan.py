@@ -57,10 +57,17 @@ def scalar(value, name):
 
 def check_hyperparameters(where, lr, betas, eps, weight_decay):
     """Raise ValueError on a bad hyperparameter; the messages contain torch.optim.AdamW's own
-    wording, which code and tests match on."""
-    lr_value = scalar(lr, "lr")
-    if not math.isfinite(lr_value) or lr_value < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {lr}")
+    wording, which code and tests match on.
+
+    A tensor lr is the one value not read on the host while torch.compile traces a step (its
+    shape and dtype are checked; its value when it is set, as torch does): the kernels read it
+    on the device (fastllm/ops/_lr.py)."""
+    if isinstance(lr, torch.Tensor):
+        check_tensor_lr(where, lr)
+    else:
+        lr_value = scalar(lr, "lr")
+        if not math.isfinite(lr_value) or lr_value < 0.0:
+            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {lr}")
     if not math.isfinite(eps) or eps < 0.0:
         raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid epsilon value: {eps}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -76,6 +83,21 @@ def check_hyperparameters(where, lr, betas, eps, weight_decay):
     if not math.isfinite(weight_decay) or weight_decay < 0.0:
         raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid weight_decay value: "
                          f"{weight_decay}")
+
+
+def check_tensor_lr(where, lr):
+    """A tensor lr: one floating-point element (torch.optim's wording first); its value is read
+    and checked unless a step is being traced by torch.compile."""
+    if lr.numel() != 1:
+        raise ValueError(f"fastllm.optim.AdamW: Tensor lr must be 1-element (got shape "
+                         f"{tuple(lr.shape)})")
+    if not lr.dtype.is_floating_point or lr.layout != torch.strided:
+        raise TypeError(f"fastllm.optim.AdamW: {where}: a Tensor lr must be a dense floating-point "
+                        f"tensor, got {lr.dtype} ({lr.layout})")
+    if not torch.compiler.is_compiling():
+        value = lr.item()
+        if not math.isfinite(value) or value < 0.0:
+            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {value}")
 
 
 def refuse_duplicates(where, param_group, group_index):
@@ -320,19 +342,22 @@ class Plan:
                     self.slot_call[slot] = (call, i, grad_index[slot])
 
     def check_hyper(self, opt):
-        """Check each group's hyperparameters when they differ from the last checked ones; the
-        floats the kernels take, per group."""
+        """Check each group's hyperparameters when they differ from the last checked ones; what
+        the kernels take, per group: floats, and a tensor lr as it is (read on the device, so
+        an LR scheduler's in-place `fill_` reaches a compiled or graph-captured step; its value
+        is checked when the tensor is first seen, as torch.optim checks it when it is set)."""
         out = []
         for gi, group in enumerate(opt.param_groups):
             lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            key = (lr, tuple(betas), eps, wd)  # (a list edited in place is a new key)
+            key = (lr, *betas, eps, wd)  # (a list edited in place is a new key)
             cached = self.hyper[gi]
-            if (cached is None or any(isinstance(v, torch.Tensor) for v in (lr, *betas))
-                    or cached[0] != key):
+            if (cached is None or any(isinstance(v, torch.Tensor) for v in betas)
+                    or not _same_values(cached[0], key)):
                 check_hyperparameters(f"param group {gi}", lr, betas, eps, wd)
-                floats = (scalar(lr, "lr"), scalar(betas[0], "beta"), scalar(betas[1], "beta"),
-                          float(eps), float(wd))
-                cached = self.hyper[gi] = (key, floats)
+                values = (lr if isinstance(lr, torch.Tensor) else float(lr),
+                          scalar(betas[0], "beta"), scalar(betas[1], "beta"), float(eps),
+                          float(wd))
+                cached = self.hyper[gi] = (key, values)
             out.append(cached[1])
         return out
 
@@ -442,6 +467,11 @@ def _run_call(opt, gi, group, call, hp, scalars):
     correction and write-backs."""
     scale, coef, skip, plain = (t if t is None or t.device == call.device
                                 else t.to(call.device, non_blocking=True) for t in scalars)
+    lr = hp["lr"]
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != call.device:
+        # As torch's fused AdamW: a device lr goes to each params' device (a CPU one is read
+        # inside the op).
+        hp = dict(hp, lr=lr.to(call.device, non_blocking=True))
     if call.kind == "master":
         _resync_masters(opt, call)
     (ps, gs, masters, ms, vs, ams, avs, extras), writebacks = call.tensors(opt)
@@ -505,6 +535,14 @@ def _resync_masters(opt, call):
         if p._version != version[0] or (not compiling and version[1] is not None
                                         and local(p).data_ptr() != version[1]):
             opt.state[p]["master_param"].copy_(local(p).detach())
+
+
+def _same_values(a, b):
+    """Whether two hyperparameter keys are the same: tensors by identity (comparing their
+    values would read them on the host), the rest by value."""
+    return len(a) == len(b) and all(
+        x is y if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) else x == y
+        for x, y in zip(a, b))
 
 
 def _slot_name(opt, slot, p):

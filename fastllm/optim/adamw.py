@@ -73,7 +73,9 @@ class AdamW(torch.optim.Optimizer):
     reads nothing back from the GPU, and with `capturable=True` it can be captured in a CUDA graph
     or traced by `torch.compile(fullgraph=True)`. `capturable=True` refuses, at construction, the
     two options that need the host: `loss_scaler` (its collapse check; use torch.amp.GradScaler)
-    and `stochastic_rounding` (its seed advances on the host each step).
+    and `stochastic_rounding` (its seed advances on the host each step). A tensor `lr` is read
+    by the kernels where it lives (fastllm/ops/_lr.py), so an LR scheduler's in-place update
+    reaches a captured or compiled step.
 
     With a mixed-precision option on plain grads on one GPU (the Triton backend, or forced), the
     step is two launches: fastllm/kernels/l2norm.py's prologue (the grad norm, the skip flag, the
