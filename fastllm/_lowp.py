@@ -59,14 +59,21 @@ def widen(t):
     return widens(t.device, t.dtype)
 
 
-def autocast_args(*tensors):
-    """`tensors` as CPU autocast hands them to its lower-precision ops (F.linear,
-    F.scaled_dot_product_attention): floating-point ones other than fp64 cast to its dtype, the
-    rest (None, fp64) as they are (ATen's autocast never casts fp64: is_eligible in
-    aten/src/ATen/autocast_mode.h)."""
-    dtype = torch.get_autocast_dtype("cpu")
+def autocast_enabled(device_type):
+    """Whether autocast is on for `device_type` ("cpu", "cuda", ...); False for a device type
+    autocast does not know (meta), where torch.is_autocast_enabled would raise."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def autocast_args(device_type, *tensors):
+    """`tensors` as autocast on `device_type` hands them to its lower-precision ops (F.linear,
+    F.scaled_dot_product_attention): floating-point ones on that device type other than fp64
+    cast to torch.get_autocast_dtype(device_type), the rest (None, fp64, integer, other
+    devices) as they are (ATen's is_eligible and is_autocast_eligible in
+    aten/src/ATen/autocast_mode.h: autocast never casts fp64)."""
+    dtype = torch.get_autocast_dtype(device_type)
     return [t if t is None or not t.is_floating_point() or t.dtype == torch.float64
-            else t.to(dtype) for t in tensors]
+            or t.device.type != device_type else t.to(dtype) for t in tensors]
 
 
 def in_fp32(fn, *args):

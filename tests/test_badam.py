@@ -106,6 +106,38 @@ def test_explicit_blocks_and_bad_arguments():
     assert opt.inner.__class__ is fastllm.optim.AdamW
 
 
+class _TopLevel(nn.Module):
+    """Parameters at the top level (names without a dot) and 11 layers (layers.1 and layers.10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.w2 = nn.Parameter(torch.randn(4))
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(11))
+
+
+def test_prefixes_match_at_a_name_boundary():
+    model = _TopLevel()
+    names = [n for n, _ in model.named_parameters()]
+
+    def members(opt):
+        return [[names[i] for i in idx] for idx in opt.members]
+
+    # by default, 'w' is a block of its own, not w and w2
+    opt = BAdam(model.named_parameters(), lr=1e-2)
+    assert opt.blocks[:3] == [["w"], ["w2"], ["layers.0."]]
+    assert members(opt)[:2] == [["w"], ["w2"]]
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["w"]
+    opt = BAdam(model.named_parameters(), lr=1e-2,
+                blocks=[["w", "layers.1"], ["layers.10."], ["w2", "layers.2.bias"], [""]])
+    assert members(opt) == [["w", "layers.1.weight", "layers.1.bias"],
+                            ["layers.10.weight", "layers.10.bias"], ["w2", "layers.2.bias"],
+                            names]
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == members(opt)[0]
+    with pytest.raises(ValueError, match="matches no parameter"):
+        BAdam(model.named_parameters(), blocks=[["layer"]])
+
+
 @pytest.mark.parametrize("mode", ["ascending", "random"])
 def test_resume_switches_at_the_same_steps(mode):
     a = _model()

@@ -1,12 +1,13 @@
 """The policy layer against PyTorch's own behaviour: autocast's casts (fastllm.linear as F.linear,
-fastllm.attention as F.scaled_dot_product_attention) and Triton's reading of TRITON_INTERPRET."""
+fastllm.attention as F.scaled_dot_product_attention, on CPU and CUDA) and Triton's reading of
+TRITON_INTERPRET."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fastllm
-from fastllm import _backend
+from fastllm import _backend, _lowp
 from fastllm.ops.attention import attention
 from fastllm.ops.linear import linear
 
@@ -65,6 +66,59 @@ def test_attention_op_under_autocast_still_computes_in_fp32(backend):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             cast = attention(qb, kb, vb)
     torch.testing.assert_close(cast, plain, rtol=0, atol=0)
+
+
+def test_autocast_args_casts_what_aten_autocast_casts():
+    """autocast_args(device_type, ...): floating tensors of that device type to its autocast
+    dtype; None, fp64, integer tensors and tensors of another device type as they are."""
+    f32, f16 = torch.randn(3), torch.randn(3, dtype=torch.float16)
+    f64, i64 = torch.randn(3, dtype=torch.float64), torch.arange(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
+            a, b, c, d, e = _lowp.autocast_args("cpu", f32, f16, f64, i64, None)
+            assert _lowp.autocast_enabled("cpu")
+        assert a.dtype == b.dtype == dtype
+        assert torch.equal(a.float(), f32.to(dtype).float())
+        assert c is f64 and d is i64 and e is None
+    # CPU tensors are not CUDA autocast's to cast (is_autocast_eligible), nor the reverse
+    assert all(x is y for x, y in zip(_lowp.autocast_args("cuda", f32, f16), (f32, f16)))
+    assert not _lowp.autocast_enabled("cpu")
+    assert not _lowp.autocast_enabled("meta")  # torch.is_autocast_enabled("meta") raises
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA autocast needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["linear", "attention", "packed_attention"])
+def test_autocast_on_the_inputs_device_casts_like_pytorch(device, dtype, op):
+    """Under torch.autocast(device) fp32 inputs (and a bf16 one among them) give what F.linear /
+    sdpa give there: their dtype, and an error against the fp64 result of the cast inputs at
+    most twice theirs. On CUDA only CPU autocast was read before: the mixed dtypes were refused
+    and fp32 ones computed in fp32. packed_attention: one document per row (doc_start 0), the
+    causal attention again, through the varlen route on a GPU that has it."""
+    if op == "linear":
+        args = [torch.randn(7, 33, device=device), torch.randn(17, 33, device=device),
+                torch.randn(17, device=device, dtype=torch.bfloat16)]
+        ours, theirs_fn = linear, F.linear
+    else:
+        args = [torch.randn(2, 37, 4, 16, device=device),
+                torch.randn(2, 37, 2, 16, device=device, dtype=torch.bfloat16),
+                torch.randn(2, 37, 2, 16, device=device)]
+        doc_start = (torch.zeros(2, 37, dtype=torch.int64, device=device)
+                     if op == "packed_attention" else None)
+
+        def ours(q, k, v):
+            return attention(q, k, v, doc_start=doc_start)
+
+        theirs_fn = _sdpa
+    with torch.autocast(device, dtype=dtype):
+        got, theirs = ours(*args), theirs_fn(*args)
+    assert got.dtype == theirs.dtype == dtype
+    oracle = theirs_fn(*(t.to(dtype).double() for t in args))
+    assert _rel_err(got, oracle) <= 2 * max(_rel_err(theirs, oracle), 1e-7)
 
 
 @pytest.mark.parametrize("value", ["true", "ON", "yes"])

@@ -37,10 +37,16 @@ that step is lost. torch's hook keeps them, and every later step is non-finite t
 an uncompressed tensor leaves no state behind. Other buckets keep the error of the skipped step.
 
 Other differences from torch: with orthogonalization_epsilon 0 a zero column stays zero instead of
-becoming nan; start_iter may be 0 or 1 (torch refuses that with error feedback or warm start
-because DDP rebuilds its buckets after the first iteration): a bucket whose layout changed gets
-fresh state, which is what the refusal protects. All collectives of a bucket run before the hook
-returns (an already completed future), which is how they are ordered on Gloo anyway.
+becoming nan; a warm-started Q column that is zero (the averaged gradient of the step that left
+it was zero; a rank-deficient one leaves its dependent columns zero) gets fixed generic values
+before it is orthogonalised, the same on every rank (`_refill_zero_columns_`): kept, it would
+stay zero for good, that direction never sent again while the error grows (torch's hook, where it
+orthogonalises by Gram-Schmidt (rank <= 2, half precision), gives nan there with epsilon 0 and
+stays stuck with epsilon > 0; its QR, used otherwise, makes unit columns of zero ones);
+start_iter may be 0 or 1 (torch refuses that with error feedback or warm start because DDP
+rebuilds its buckets after the first iteration): a bucket whose layout changed gets fresh state,
+which is what the refusal protects. All collectives of a bucket run before the hook returns (an
+already completed future), which is how they are ordered on Gloo anyway.
 """
 
 import numpy as np
@@ -261,6 +267,8 @@ class PowerSGD:
                 torch.manual_seed(seed)
                 for q in qs:
                     q.copy_(torch.randn(1, *q.shape, device="cpu", dtype=work.dtype)[0])
+        elif qs:
+            _refill_zero_columns_(qs)
         orthogonalize(qs, self.orthogonalization_epsilon)
 
         # Vectors and small matrices: one flat all-reduce, overlapped with the P matmuls.
@@ -305,6 +313,26 @@ class PowerSGD:
             self.p_memory.pop(key, None)
             self.q_memory.pop(key, None)
         return buffer
+
+
+def _filler(shape, device, dtype):
+    """A fixed (m, r) matrix of generic values in [-0.5, 0.5): a multiplicative hash of each
+    element's index (Knuth's), computed where Q lives, the same on every rank and every run."""
+    index = torch.arange(shape[0] * shape[1], device=device, dtype=torch.int64)
+    hashed = (index * 2654435761 + 40503) % 4294967296  # < 2^63 for any index below 2^31
+    return (hashed.to(torch.float64) / 4294967296.0 - 0.5).to(dtype).view(shape)
+
+
+def _refill_zero_columns_(qs):
+    """Give every all-zero column of the warm-started Qs the filler's column, before they are
+    orthogonalised: a zero Q column (the step that left it had a zero average, or a rank-
+    deficient one, whose dependent columns orthogonalize zeroes) would otherwise stay zero for
+    good, that direction never sent again while its error grows. On the device and without a
+    host read (no synchronisation per bucket): a column that is not zero is kept as it is. Q
+    was all-reduced, so every rank refills the same columns with the same values."""
+    for q in qs:
+        zero = (q == 0).all(dim=0)
+        q.copy_(torch.where(zero, _filler(q.shape, q.device, q.dtype), q))
 
 
 def _rng_state_to_torch(state):

@@ -257,10 +257,10 @@ def attention(q, k, v, scale=None, doc_start=None, segments=None):
     first key each query may attend (packed documents; `doc_start_from_position_ids`).
     segments: optional `document_segments(doc_start)`, for a caller that runs many layers on one
     batch (on a GPU the varlen route reads it; computed here when needed, one host sync).
-    Under CPU autocast q, k, v are cast to its dtype first (fp64 ones are not), as
-    F.scaled_dot_product_attention's are."""
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        q, k, v = _lowp.autocast_args(q, k, v)
+    Under autocast on q's device type (CPU, CUDA) q, k, v are cast to its dtype first (fp64
+    ones are not), as F.scaled_dot_product_attention's are."""
+    if _lowp.autocast_enabled(q.device.type):
+        q, k, v = _lowp.autocast_args(q.device.type, q, k, v)
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # head_dim 0: refused below
     scale = float(scale)

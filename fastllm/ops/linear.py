@@ -134,10 +134,11 @@ torch.library.register_autograd("fastllm::linear", _autograd_backward,
 
 def linear(x, weight, bias=None):
     """x weight^T + bias (F.linear's contract), matmuls in fp32 for bf16/fp16 on CPUs without a
-    native low-precision GEMM. Under CPU autocast the inputs are cast to its dtype first, as
-    F.linear's are (fp64 ones are not)."""
-    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        with torch.autocast("cpu", enabled=False):
-            return linear(*_lowp.autocast_args(x, weight, bias))
+    native low-precision GEMM. Under autocast on x's device type (CPU, CUDA) the inputs are cast
+    to its dtype first, as F.linear's are (fp64 ones are not)."""
+    device_type = x.device.type
+    if _lowp.autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return linear(*_lowp.autocast_args(device_type, x, weight, bias))
     return torch.ops.fastllm.linear(x, weight, bias)
 

@@ -5,10 +5,13 @@ block of parameters trains at a time, so only that block needs gradients and opt
                               switch_mode="ascending")
 
 `blocks` is a list of blocks, each a list of parameter-name prefixes (the badam package's
-`block_prefix_list`). By default there is one block per transformer layer found by name
-(`...layers.N.`, `...h.N.`, `...layer.N.`, `...blocks.N.`, or `N.` for a top-level
-nn.Sequential), and every other module (embeddings, final norm, head) is a block of its own,
-in the order the names come. Parameters that match no block never train.
+`block_prefix_list`), matched at a name boundary: a prefix takes the parameter of that name and
+every one under it ('model.layers.1' and 'model.layers.1.' take model.layers.1.*, not
+model.layers.10.*; 'w' takes w, not w2); the empty prefix takes every parameter. By default
+there is one block per transformer layer found by name (`...layers.N.`, `...h.N.`,
+`...layer.N.`, `...blocks.N.`, or `N.` for a top-level nn.Sequential), and every other module
+(embeddings, final norm, head) is a block of its own, in the order the names come. Parameters
+that match no block never train.
 
 Only the active block has requires_grad=True and an inner optimizer (optimizer_class, default
 fastllm.optim.AdamW, built with **optimizer_kwargs); every `switch_block_every` steps the inner
@@ -42,6 +45,13 @@ _OPTIONS = ("master_weights", "max_grad_norm", "loss_scaler", "stochastic_roundi
 _LAYER = re.compile(r"^(.*?(?:^|\.)(?:layers|h|layer|blocks)\.\d+\.)|^(\d+\.)")
 
 
+def _matches(name, prefix):
+    """Whether the parameter `name` is `prefix` or lies under it (see the module docstring)."""
+    if not prefix or prefix.endswith("."):
+        return name.startswith(prefix)
+    return name == prefix or name.startswith(prefix + ".")
+
+
 def default_blocks(names):
     """One block (a list of one name prefix) per layer found in `names`, one per other module."""
     blocks, seen = [], set()
@@ -63,7 +73,8 @@ class BAdam(torch.optim.Optimizer):
         optimizer_class: the inner optimizer for the active block (default fastllm AdamW).
         switch_block_every: steps per block (> 0).
         switch_mode: "ascending", "descending" or "random".
-        blocks: list of lists of name prefixes, or None for the default (see default_blocks).
+        blocks: list of lists of name prefixes, matched at a '.' boundary, or None for the
+            default (see default_blocks).
         start_block: index of the first block (default: the first of the order).
         seed: seeds the "random" order.
         no_decay: names of parameters trained without weight decay (biases and norm weights, as
@@ -95,7 +106,7 @@ class BAdam(torch.optim.Optimizer):
                 raise ValueError(f"fastllm.optim.BAdam: blocks must be a non-empty list of "
                                  f"non-empty lists of parameter-name prefixes, got {blocks!r}")
         blocks = default_blocks(names) if blocks is None else [list(b) for b in blocks]
-        members = [[i for i, n in enumerate(names) if any(n.startswith(pre) for pre in block)]
+        members = [[i for i, n in enumerate(names) if any(_matches(n, pre) for pre in block)]
                    for block in blocks]
         for bi, (block, idx) in enumerate(zip(blocks, members)):
             if not idx:
