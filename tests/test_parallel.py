@@ -2,13 +2,15 @@
 trains the same tiny Llama in tp2, pp2 (GPipe, 1F1B, interleaved 1F1B), dp2 x tp2 (with
 activation checkpointing, with fastllm's AdamW), pp2 x dp2 (also LoRA), pp2 x tp2, sequence
 parallelism (tp2, dp2 x tp2, pp2 x tp2), LoRA under tensor parallel (tp2, and dp2 x tp2
-with sequence parallelism), and resumes a DCP checkpoint saved at dp2 x tp2 in other layouts; each
-rank runs one thread."""
+with sequence parallelism), and resumes a DCP checkpoint saved at dp2 x tp2 in other layouts;
+`fastllm train`'s sharded checkpoints (FSDP2, pipeline stages) keep fastllm AdamW's own entry.
+Each rank runs one thread."""
 
 import os
 import pickle
 import socket
 import tempfile
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -137,6 +139,68 @@ def _lora_sp_trainable():
     return sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad})
 
 
+def _optimizer_extras():
+    """fastllm AdamW's 'fastllm' entry (skip count, stochastic-rounding seed and calls) through
+    fastllm train's sharded checkpoints: FSDP2 over the 4 ranks (checkpoint_layout.full_state,
+    load_full), and two pipeline stages each FSDP2 over dp 2 (gather_stages). Every rank's
+    {layout: (the trained optimizer's entry, the checkpoint's, a fresh optimizer's after loading
+    the checkpoint without it (as one written before it was carried), and after loading it)},
+    on rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fastllm.optim import AdamW
+    from fastllm.train import checkpoint_layout as layout
+
+    names = ["0.weight", "1.weight", "0.bias", "1.bias"]  # the whole model's param_order
+    sizes = ((8, 16), (16, 4))
+
+    def build(layers, mesh, seed):
+        """Linear 0 (8 -> 16) then Linear 1 (16 -> 4), or a stage's of them, sharded."""
+        module = torch.nn.Sequential(OrderedDict((str(i), torch.nn.Linear(*sizes[i]))
+                                                 for i in layers))
+        fully_shard(module, mesh=mesh)
+        decay, no_decay = layout.param_order(module)
+        torch.manual_seed(seed)  # alike on every rank (as fastllm train's): draws sr_seed
+        return module, AdamW([{"params": [p for _, p in decay]},
+                              {"params": [p for _, p in no_decay], "weight_decay": 0.0}],
+                             stochastic_rounding=True, max_grad_norm=1.0)
+
+    def train(module, opt, layers):
+        for step in range(3):  # the second step's grads are inf on every rank: skipped
+            loss = module(torch.ones(2, sizes[layers[0]][0])).sum()
+            (loss * (float("inf") if step == 1 else 1.0)).backward()
+            opt.step()
+            opt.zero_grad()
+        return dict(opt.state_dict()["fastllm"])
+
+    def resume(saved, layers, mesh):
+        box = [saved]
+        dist.broadcast_object_list(box, src=0)  # every rank reads rank 0's optimizer.pt
+        module, opt = build(layers, mesh, seed=1)
+        without = {k: v for k, v in box[0].items() if k != "fastllm"}
+        layout.load_full(module, opt, None, without, names)
+        old = dict(opt.state_dict()["fastllm"])
+        layout.load_full(module, opt, None, box[0], names)
+        return box[0].get("fastllm"), old, dict(opt.state_dict()["fastllm"])
+
+    out = {}
+    mesh = init_device_mesh("cpu", (WORLD,))
+    module, opt = build((0, 1), mesh, seed=0)
+    trained = train(module, opt, (0, 1))
+    out["fsdp"] = (trained,) + resume(layout.full_state(module, opt, names)[1], (0, 1), mesh)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = (mesh["pp"].get_local_rank(),)
+    module, opt = build(stage, mesh["dp"], seed=0)
+    trained = train(module, opt, stage)
+    saved = layout.gather_stages(module, opt, names, 2, mesh["pp"].get_group(),
+                                 mesh["dp"].get_local_rank() == 0)[1]
+    out["pipeline"] = (trained,) + resume(saved, stage, mesh["dp"])
+    every = [None] * WORLD if dist.get_rank() == 0 else None
+    dist.gather_object(out, every, dst=0)
+    return every
+
+
 def _worker(rank, port, out_path, ckpt):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -157,6 +221,7 @@ def _worker(rank, port, out_path, ckpt):
         results["tp2_memory"] = _tp2_memory()
         results["tp2_sp_memory"] = _tp2_memory(sequence_parallel=True)
         results["clip_partial"] = _clip_partial()
+        results["optimizer_extras"] = _optimizer_extras()
         results["lora_sp_trainable"] = _lora_sp_trainable()
         errors = {}
         try:
@@ -237,6 +302,18 @@ def test_checkpoint_moves_between_layouts(runs, layout):
     # unbroken run
     _close(runs[layout]["losses"], runs["single"]["losses"][SAVE_AT:])
     _close(runs[layout]["grad_norms"], runs["single"]["grad_norms"][SAVE_AT:])
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "pipeline"])
+def test_sharded_checkpoint_keeps_the_optimizer_entry(runs, layout):
+    # fastllm train's sharded checkpoints carry fastllm AdamW's 'fastllm' entry, as one
+    # process's do: a resumed run keeps its stochastic-rounding stream and skip count
+    for rank, every in enumerate(runs["optimizer_extras"]):
+        trained, saved, old, loaded = every[layout]
+        assert trained["skipped_steps"] == 1 and trained["sr_calls"] == 3
+        assert saved == trained and loaded == trained, (rank, saved, loaded)
+        # a checkpoint without the entry loads as before: the fresh optimizer's seed, no skips
+        assert old["sr_seed"] != trained["sr_seed"] and old["skipped_steps"] == 0
 
 
 def test_planner_memory_matches_tp2_rank(runs):

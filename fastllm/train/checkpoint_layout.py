@@ -6,6 +6,8 @@ One process's layout is `module.state_dict()` for the model and an index-keyed
 rest, in model order). Sharded models (FSDP2, tensor parallel) gather it with DCP's full state
 dicts; pipeline stages gather their parts to rank 0 over the pipeline group. DCP keys
 optimizer state by parameter name: `by_name` / `by_index` are the one remap between the two.
+DCP keeps only 'state' and 'param_groups': the optimizer's other top-level entries (EXTRAS) are
+carried beside them, so optimizer.pt is the same file in every layout.
 """
 
 import os
@@ -20,6 +22,11 @@ __all__ = ["rng_states", "restore_rng", "param_order", "by_name", "by_index", "f
 
 # optim= -> the optimizer state's dtype (fastllm.optim.convert_state's state_dtype)
 STATE_DTYPES = {"adamw": torch.float32, "adamw_bf16": torch.bfloat16, "adamw8bit": torch.uint8}
+
+# Top-level entries of an optimizer state_dict that DCP's full state dicts drop: fastllm AdamW's
+# 'fastllm' (skip count, stochastic-rounding seed and call count, loss scaler). Not its
+# 'fastllm_lowbyte': 8-bit state is refused under sharded layouts (its absmax is per local block).
+EXTRAS = ("fastllm",)
 
 
 def rng_states(device, world):
@@ -76,10 +83,20 @@ def by_index(optim_state, names):
                              for g in optim_state["param_groups"]]}
 
 
+def _extras(optimizer):
+    """The optimizer's EXTRAS entries, from this rank. One process's layout holds one of each:
+    rank 0's. The skip and call counts are alike on every rank (the skip follows the grad norm
+    over all shards and stages, and every rank steps together); the seed is too wherever the
+    optimizers were built from the same random state (fastllm train's are)."""
+    state = optimizer.state_dict()
+    return {k: state[k] for k in EXTRAS if k in state}
+
+
 def full_state(model, optimizer, names, cpu_offload=True):
     """(model state, index-keyed optimizer state) of a sharded model (FSDP2, tensor parallel)
-    in one process's layout, through DCP's full state dicts. Every rank must call it; with
-    cpu_offload the tensors are gathered on rank 0 only and the others get empty dicts."""
+    in one process's layout, through DCP's full state dicts, with the optimizer's EXTRAS. Every
+    rank must call it; with cpu_offload the tensors are gathered on rank 0 only and the others
+    get (None, None)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -88,12 +105,14 @@ def full_state(model, optimizer, names, cpu_offload=True):
     optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
     if cpu_offload and dist.is_initialized() and dist.get_rank() != 0:
         return None, None
-    return model_state, by_index(optim_state, names)
+    return model_state, dict(by_index(optim_state, names), **_extras(optimizer))
 
 
 def load_full(model, optimizer, model_state, optim_state, names):
     """Load one process's layout into a sharded model and its optimizer (DCP's full state
-    dicts): only the entries this rank's model holds (a pipeline stage holds some layers)."""
+    dicts): only the entries this rank's model holds (a pipeline stage holds some layers). The
+    optimizer's EXTRAS reach its own load_state_dict (which checks them) as in one process; a
+    checkpoint without them leaves the optimizer's as they are."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
@@ -107,14 +126,24 @@ def load_full(model, optimizer, model_state, optim_state, names):
         raise ValueError(f"fastllm train: the checkpoint's optimizer holds {n_saved} "
                          f"parameters, this model {len(names)}")
     mine = {n for n, p in model.named_parameters() if p.requires_grad}
-    set_optimizer_state_dict(model, optimizer, by_name(optim_state, names, mine), options=opts)
+    extras = {k: optim_state[k] for k in EXTRAS if k in optim_state}
+    # DCP hands the optimizer a state_dict of 'state' and 'param_groups' only: put them back in
+    handle = optimizer.register_load_state_dict_pre_hook(
+        lambda _, state_dict: dict(state_dict, **extras)) if extras else None
+    try:
+        set_optimizer_state_dict(model, optimizer, by_name(optim_state, names, mine),
+                                 options=opts)
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def gather_stages(model, optimizer, names, n_decay, pp_group, writer):
     """(model state, optimizer state) of the whole pipeline in one process's layout on rank 0
     (None elsewhere). Each stage takes its part with DCP's full state dicts (over its dp/tp
     ranks); the ranks with `writer` True (dp 0, tp 0: the others hold copies) send theirs to
-    rank 0 over pp_group. names, n_decay: the whole model's param_order."""
+    rank 0 over pp_group; the optimizer's EXTRAS are rank 0's (_extras). names, n_decay: the
+    whole model's param_order."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -145,7 +174,8 @@ def gather_stages(model, optimizer, names, n_decay, pp_group, writer):
     groups = [dict(hyper[names[0]], params=names[:n_decay])]
     if n_decay < len(names):
         groups.append(dict(hyper[names[n_decay]], params=names[n_decay:]))
-    return model_state, by_index({"state": state, "param_groups": groups}, names)
+    return model_state, dict(by_index({"state": state, "param_groups": groups}, names),
+                             **_extras(optimizer))
 
 
 def _moments_dtype(optim_state):
