@@ -142,6 +142,10 @@ def test_config_overrides_yaml_and_errors(tmp_path):
     (["parallel.timeout_s=-1"], "parallel.timeout_s must be finite and >= 0"),
     (["lr=1e-4", "min_lr=1e-3"], "min_lr must be in"),
     (["finetune=galore", "backend=torch"], "backend=torch has no GaLore/BAdam"),
+    # ZeRO's optimizer (which reduces the grads) is not theirs; FSDP/TP shard the matrices
+    (["finetune=galore", "parallel.strategy=zero2"], "finetune=galore runs on plain"),
+    (["finetune=badam", "parallel.strategy=fsdp"], "finetune=badam runs on plain"),
+    (["finetune=badam", "parallel.tp=2"], "finetune=badam runs on plain"),
 ])
 def test_config_refuses_unknown_and_out_of_range_values(overrides, says):
     with pytest.raises(ConfigError, match=says):

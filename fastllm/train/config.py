@@ -228,6 +228,15 @@ class TrainConfig:
                  f"parameters only: parallel.strategy none/ddp/auto with parallel.tp=1 and "
                  f"parallel.pp=1, got strategy={self.parallel.strategy} tp={self.parallel.tp} "
                  f"pp={self.parallel.pp}")
+        if self.finetune in ("galore", "badam"):
+            # Their optimizers step whole, unsharded matrices (GaLore projects a weight's
+            # gradient, BAdam swaps blocks in and out): ZeRO's DistributedOptimizer, which also
+            # reduces the grads, is not theirs, FSDP/tensor-parallel shards would be projected
+            # or checkpointed shard by shard.
+            need(self.parallel.strategy in ("auto", "none", "ddp") and self.parallel.tp == 1,
+                 f"finetune={self.finetune} runs on plain (unsharded) parameters: "
+                 f"parallel.strategy none/ddp/auto with parallel.tp=1, got "
+                 f"strategy={self.parallel.strategy} tp={self.parallel.tp}")
         if self.parallel.pp > 1:
             need(self.finetune == "full", f"parallel.pp > 1 trains finetune=full only, got "
                  f"finetune={self.finetune}")
@@ -290,7 +299,7 @@ class TrainConfig:
             # a held-out set is made of JSONL examples; text windows have no split
             fmt = data_format(self.data.path, self.data.format)
             need(fmt == "jsonl", f"data.eval_path and data.eval_fraction hold out JSONL (SFT) "
-                 f"examples; data.path={self.data.path} is {fmt} data (use a .jsonl file or "
+                 f"examples; data.path={self.data.path} is {fmt} data (use a .jsonl/.json file or "
                  f"data.format=jsonl, or drop them)")
         need(self.eval_interval >= 0 and self.eval.max_new_tokens >= 1 and self.eval.batches >= 0,
              "need eval_interval >= 0, eval.max_new_tokens >= 1 and eval.batches >= 0")
