@@ -1,16 +1,19 @@
 """SFT data against what Hugging Face users expect (TRL's SFTTrainer, apply_chat_template): a chat
 that opens with the assistant, BOS and EOS of plain examples, a lone surrogate escape, the cache
-of an eval_path under a trained BPE, packed boundaries and a resumed order (tiny offline
+of an eval_path under a trained BPE, packed boundaries and a resumed order, .json arrays,
+conversational prompt-completion and prompt + completion tokenised together (tiny offline
 tokenizers, CPU)."""
 
 import json
+import warnings
 
 import pytest
 
+from fastllm.train import sft_data
 from fastllm.train.config import TrainConfig
-from fastllm.train.data import HFTokenizer
-from fastllm.train.sft_data import (SFTDataset, build_datasets, encode_example, read_records,
-                                    tokenize_records)
+from fastllm.train.data import ByteTokenizer, HFTokenizer
+from fastllm.train.sft_data import (SFTDataset, build_datasets, data_format, encode_example,
+                                    read_records, text_pieces, tokenize_records)
 
 # SmolLM2's ChatML template, its default system turn included (tests/test_sft.py drops it)
 SMOL = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -158,3 +161,116 @@ def test_targets_stay_inside_their_example_and_a_resume_keeps_the_order(tmp_path
     for (sa, ba), (sb, bb) in zip([m for step in whole[2:] for m in step],
                                   [m for step in again for m in step]):
         assert sa == sb and all((ba[k] == bb[k]).all() for k in ("input_ids", "labels"))
+
+
+def test_json_arrays_and_json_lines_are_read_and_a_folder_holds_both(tmp_path):
+    """datasets.load_dataset("json") reads a .json file holding an array of records, or JSON
+    Lines; errors name the file and the record's index (from 0)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    # a pretty-printed array, with a byte-order mark
+    (folder / "a.json").write_text("\ufeff" + json.dumps(
+        [{"text": "one"}, {"prompt": "1+1=", "completion": "2"}], indent=2))
+    _write(folder / "b.json", [{"text": "three"}])  # JSON Lines in a .json file
+    _write(folder / "c.jsonl", [{"text": "four"}])
+    assert read_records(str(folder / "a.json")) == [("text", "one"), ("completion", ("1+1=", "2"))]
+    assert [f for _, f in read_records(str(folder))] == ["one", ("1+1=", "2"), "three", "four"]
+    only_json = tmp_path / "j"
+    only_json.mkdir()
+    (only_json / "x.json").write_text('[{"text": "x"}]')
+    assert data_format(str(only_json)) == "jsonl" and read_records(str(only_json))
+    bad = [('[{"text": "ok"}, {"prompt": "x"}]', r"a.json record 1: key 'completion'"),
+           ('[{"text": "ok"}, 3]', r"a.json record 1: a record must be a JSON object"),
+           ('[{"text": "ok"},\n {"text": ]', r"a.json: not valid JSON \(.*line 2"),
+           ('{\n  "text": "one record"\n}', r"a.json: holds one JSON value \(an object with keys "
+                                            r"\['text'\]\); a .json file holds an array"),
+           ('[]', r"holds no examples")]
+    for text, message in bad:
+        (folder / "a.json").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_records(str(folder / "a.json"))
+    (folder / "a.json").write_bytes(b'[{"text": "caf\xe9"}]')
+    with pytest.raises(ValueError, match=r"a.json: not UTF-8 \(byte 14"):
+        read_records(str(folder / "a.json"))
+
+
+def _as_trl(tok, prompt, completion):
+    """TRL's SFTTrainer tokenize_fn for conversational prompt-completion: ids and completion_mask"""
+    ids = tok.tok.apply_chat_template(prompt + completion, tokenize=True,
+                                      return_dict=True)["input_ids"]
+    head = tok.tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                       return_dict=True)["input_ids"]
+    return ids, [0] * len(head) + [1] * (len(ids) - len(head))
+
+
+@pytest.mark.parametrize("template", ["smol", "llama"])
+def test_conversational_prompt_completion_trains_on_the_completion_as_trl(tmp_path, template):
+    if template == "smol":
+        tok = _tokenizer(["<|im_start|>", "<|im_end|>"], eos="<|im_end|>", template=SMOL)
+        reply = "Paris.<|im_end|>\n"
+    else:
+        tok = _tokenizer(["<s>", "</s>"], bos="<s>", eos="</s>", template=LLAMA)
+        reply = "Paris.</s>"
+    prompt = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "What is the capital of France?"}]
+    completion = [{"role": "assistant", "content": "Paris."}]
+    path = _write(tmp_path / "pc.jsonl", [{"prompt": prompt, "completion": completion}])
+    (record,) = read_records(path)
+    assert record == ("chat_completion", (prompt, completion))
+    ids, mask = encode_example(record, tok)
+    assert (ids, mask) == _as_trl(tok, prompt, completion)
+    assert _targets(tok, ids, mask) == reply
+    assert all(encode_example(record, tok, train_on_prompt=True)[1])
+    assert text_pieces([record]) == ["Be brief.", "What is the capital of France?", "Paris."]
+    with pytest.raises(ValueError, match="chat template"):
+        encode_example(record, ByteTokenizer())
+    bad = [({"prompt": prompt, "completion": "Paris."}, "key 'completion' must be a list of "
+                                                        "messages as 'prompt' is"),
+           ({"prompt": "What?", "completion": completion}, "key 'prompt' must be a list of "
+                                                           "messages as 'completion' is"),
+           ({"prompt": prompt, "completion": []}, r"key 'completion' must be a non-empty list"),
+           ({"prompt": [{"role": "robot", "content": "x"}], "completion": completion},
+            r"key 'prompt'\[0\] must be"),
+           ({"prompt": prompt}, "key 'completion' must be a list of messages .* got missing")]
+    for rec, message in bad:
+        with pytest.raises(ValueError, match=r"pc.jsonl line 1: " + message):
+            read_records(_write(tmp_path / "pc.jsonl", [rec]))
+
+
+def test_prompt_and_completion_are_tokenised_together_as_trl():
+    """TRL: ids = tok(prompt + completion) (+ EOS), completion_mask 1 from len(tok(prompt)) on,
+    even where tok(prompt) is no prefix of them (it warns)."""
+    tok = _tokenizer(["<s>", "</s>"], bos="<s>", eos="</s>")
+    eos = tok.eos_token_id
+    # a prompt ending with a space: " Paris" is one token of the whole, as TRL tokenises it
+    with pytest.warns(UserWarning, match="not a prefix"):
+        ids, mask = encode_example(("completion", ("What is ", "Paris.")), tok)
+    assert ids == tok.tok("What is Paris.")["input_ids"] + [eos]
+    assert mask == [0] * len(tok.tok("What is ")["input_ids"]) + [1] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(encode_example(("completion", ("What is ", "Paris.")), tok, True)[1])
+        ids, mask = encode_example(("completion", ("What is", " Paris.")), tok)
+    assert _targets(tok, ids, mask) == " Paris.</s>"
+    # every split of one text: the same ids, TRL's mask
+    text = "What is the capital of France? Paris."
+    for k in range(len(text) + 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ids, mask = encode_example(("completion", (text[:k], text[k:])), tok)
+        whole, head = tok.tok(text)["input_ids"], tok.tok(text[:k])["input_ids"]
+        assert ids == whole + [eos], k
+        n = min(len(head), len(whole))
+        assert mask == [0] * n + [1] * (len(whole) - n) + [1], k
+
+
+def test_caches_of_the_old_tokenisation_are_not_reused(tmp_path, monkeypatch):
+    tok = _tokenizer(["<s>", "</s>"], bos="<s>", eos="</s>")
+    recs = [("completion", ("What is", " Paris."))]
+    monkeypatch.setattr(sft_data, "_VERSION", "sft-2")
+    old = tokenize_records(recs, tok, str(tmp_path))
+    monkeypatch.undo()
+    new = tokenize_records(recs, tok, str(tmp_path))
+    assert new != old
+    ds = SFTDataset(new, [0], seq_len=64, seed=0)
+    assert ds.tokens.tolist() == encode_example(recs[0], tok)[0]

@@ -1,21 +1,17 @@
-"""Supervised fine-tuning data: JSONL instructions and chats -> token ids and a loss mask in the
+"""Supervised fine-tuning data: JSON Lines / JSON instructions and chats (read and checked by
+fastllm.train.sft_records, which lists the shapes) -> token ids and a loss mask in the
 memory-mapped cache (tokenised once) -> packed or length-grouped batches.
-
-A JSONL line is one example, in one of these shapes (the names of HF TRL and Alpaca):
-
-    {"text": "..."}                                   every token counts
-    {"prompt": "...", "completion": "..."}            the completion counts
-    {"instruction": "...", "input": "...", "output": "..."}   Alpaca: the output counts
-    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
-                                                      the assistant turns count
 
 Chats are rendered with the tokenizer's own chat template (apply_chat_template), and so are
 Alpaca records when the tokenizer has one (as a user turn and an assistant turn); without a
 template an Alpaca record takes Stanford Alpaca's prompt. data.train_on_prompt=true counts every
 token. A rendered chat is tokenised piece by piece (the text before each assistant reply, the
 reply), so each reply starts on a token boundary as it does when the model generates it after
-add_generation_prompt. Text, prompts and Alpaca prompts without a template start with what the
-tokenizer puts before a text (Llama's BOS, GPT-2's nothing) and end with one EOS, as in TRL.
+add_generation_prompt. A prompt and its completion are tokenised as TRL's SFTTrainer does: the
+two together (strings joined; messages rendered together), the prompt being as many tokens as it
+tokenises to alone (a conversational prompt rendered with add_generation_prompt). Text, prompts
+and Alpaca prompts without a template start with what the tokenizer puts before a text (Llama's
+BOS, GPT-2's nothing) and end with one EOS, as in TRL.
 
 Batches are dicts of (batch, length) int64 tensors: input_ids, labels (-100 where the loss does
 not count: prompts, padding and each example's first token) and position_ids. With packing
@@ -27,14 +23,16 @@ packing a row is one example, and a micro-batch's rows have similar lengths (HF'
 LengthGroupedSampler: sorted within mega-batches) and are padded to the longest.
 """
 
-import glob
 import hashlib
 import json
 import os
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from fastllm.train.sft_records import data_format, read_records, text_pieces
 
 __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", "SFTDataset",
            "split_examples", "build_sft_data", "build_datasets", "Batch", "prepare_step",
@@ -42,8 +40,7 @@ __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", 
            "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
-_VERSION = "sft-2"
-_ROLES = ("system", "user", "assistant", "tool")
+_VERSION = "sft-3"  # sft-3: prompt + completion tokenised together
 # Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT)
 _ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately "
            "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
@@ -51,102 +48,6 @@ _ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an 
                  "provides further context. Write a response that appropriately completes the "
                  "request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n"
                  "### Response:\n")
-
-
-def data_format(path, fmt="auto"):
-    """text or jsonl: `fmt` when given, else from the extension (.jsonl/.json: jsonl); a folder is
-    jsonl when it holds .jsonl files."""
-    if fmt != "auto":
-        return fmt
-    if path is None:
-        return "text"
-    if os.path.isdir(path):
-        return "jsonl" if glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True) else "text"
-    return "jsonl" if path.endswith((".jsonl", ".json")) else "text"
-
-
-def _files(path):
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True))
-        if not files:
-            raise FileNotFoundError(f"fastllm train: no .jsonl files under {path}")
-        return files
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"fastllm train: data path {path} does not exist")
-    return [path]
-
-
-def _check(record, where):
-    """The record normalised to (kind, fields), or ValueError naming the line and the key."""
-    def need_str(key, optional=False):
-        value = record.get(key)
-        if value is None and optional:
-            return ""
-        if not isinstance(value, str):
-            got = "missing" if key not in record else f"a {type(value).__name__}"
-            raise ValueError(f"fastllm train: {where}: key {key!r} must be a string, got {got}")
-        return value
-
-    if not isinstance(record, dict):
-        raise ValueError(f"fastllm train: {where}: a record must be a JSON object, got "
-                         f"{type(record).__name__}")
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"fastllm train: {where}: key 'messages' must be a non-empty list")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in _ROLES \
-                    or not isinstance(m.get("content"), str):
-                raise ValueError(f"fastllm train: {where}: key 'messages'[{i}] must be "
-                                 f"{{'role': one of {list(_ROLES)}, 'content': a string}}, got "
-                                 f"{json.dumps(m)[:80]}")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError(f"fastllm train: {where}: key 'messages' has no assistant turn "
-                             f"(nothing to learn)")
-        return "chat", [{"role": m["role"], "content": m["content"]} for m in messages]
-    if "prompt" in record or "completion" in record:
-        return "completion", (need_str("prompt"), need_str("completion"))
-    if "instruction" in record or "output" in record:
-        return "alpaca", (need_str("instruction"), need_str("input", optional=True),
-                          need_str("output"), need_str("system", optional=True))
-    if "text" in record:
-        return "text", need_str("text")
-    raise ValueError(f"fastllm train: {where}: a record needs the key 'text', 'prompt' + "
-                     f"'completion', 'instruction' + 'output' or 'messages'; got keys "
-                     f"{sorted(record)}")
-
-
-def read_records(path):
-    """Every example of a .jsonl file (or a folder's .jsonl files, in name order), each
-    (kind, fields). A malformed line raises ValueError naming the file, the line and the key,
-    before any is tokenised. Blank lines are skipped."""
-    records = []
-    for name in _files(path):
-        with open(name, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                where = f"{name} line {n}"
-                try:
-                    # utf-8-sig: a byte-order mark (Windows editors write one) is not JSON
-                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"fastllm train: {where}: not UTF-8 (byte {e.start}: "
-                                     f"{raw[e.start:e.start + 1]!r})") from None
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as e:
-                    raise ValueError(f"fastllm train: {where}: not valid JSON ({e})") from None
-                record = _check(record, where)
-                try:  # "\ud800" is valid JSON but no text: refused here, not by the tokenizer
-                    json.dumps(record, ensure_ascii=False).encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise ValueError(f"fastllm train: {where}: a lone UTF-16 surrogate "
-                                     f"({e.object[e.start]!r}) is not text") from None
-                records.append(record)
-    if not records:
-        raise ValueError(f"fastllm train: {path} holds no examples")
-    return records
 
 
 def _template(tokenizer):
@@ -188,6 +89,18 @@ def _chat_pieces(tokenizer, messages):
     return [(t, a) for t, a in pieces if t]
 
 
+def _prompt_mask(ids, head, train_on_prompt):
+    """The loss mask of prompt + completion ids whose prompt alone tokenises to `head`: the first
+    len(head) positions are the prompt (TRL's completion_mask), whether or not `head` is a prefix
+    of ids (TRL warns, and so do we)."""
+    if ids[:len(head)] != head and not train_on_prompt:  # (every token counts: no boundary)
+        warnings.warn("fastllm train: a prompt's tokens are not a prefix of its prompt + "
+                      "completion tokens (whitespace at their join, or the template); its first "
+                      "len(prompt tokens) tokens are the prompt, as in TRL's SFTTrainer")
+    n = min(len(head), len(ids))
+    return [int(train_on_prompt)] * n + [1] * (len(ids) - n)
+
+
 def encode_example(record, tokenizer, train_on_prompt=False):
     """(token ids, loss mask) of one (kind, fields) record: lists of ints, mask 1 where the token
     is a target of the loss."""
@@ -203,28 +116,39 @@ def encode_example(record, tokenizer, train_on_prompt=False):
         else:
             prompt = (_ALPACA_INPUT if inp else _ALPACA).format(instruction=instruction, input=inp)
             kind, fields = "completion", ((system + "\n\n" if system else "") + prompt, output)
+    if kind in ("chat", "chat_completion") and not _template(tokenizer):
+        raise ValueError(f"fastllm train: chat examples need a tokenizer with a chat "
+                         f"template; {tokenizer.name} has none (data.tokenizer=<a model "
+                         f"folder>, or model=<an HF folder>)")
+    if kind == "chat":
+        ids, mask = [], []
+        for text, counts in _chat_pieces(tokenizer, fields):
+            piece = tokenizer.encode(text)
+            ids += piece
+            mask += [int(counts or train_on_prompt)] * len(piece)
+        return ids, mask
+    if kind == "chat_completion":
+        # TRL's SFTTrainer: the prompt rendered with the generation prompt, prompt + completion
+        # rendered together; the template ends the turns itself (no EOS added)
+        prompt, completion = fields
+        ids = tokenizer.encode(_render(tokenizer, prompt + completion))
+        head = tokenizer.encode(_render(tokenizer, prompt, add_generation_prompt=True))
+        return ids, _prompt_mask(ids, head, train_on_prompt)
+    # what the tokenizer puts before a text (Llama's BOS), as TRL's SFTTrainer and generation
+    # without a template tokenize; a chat template writes its own
+    bos = list(getattr(tokenizer, "bos_ids", ()))
     if kind == "text":
-        pieces = [(fields, True)]
-    elif kind == "completion":
-        pieces = [(fields[0], False), (fields[1], True)]
+        ids = bos + tokenizer.encode(fields)
+        n, mask = len(bos), [1] * len(ids)
     else:
-        if not _template(tokenizer):
-            raise ValueError(f"fastllm train: chat examples need a tokenizer with a chat "
-                             f"template; {tokenizer.name} has none (data.tokenizer=<a model "
-                             f"folder>, or model=<an HF folder>)")
-        pieces = _chat_pieces(tokenizer, fields)
-    ids, mask, piece = [], [], []
-    if kind != "chat":
-        # what the tokenizer puts before a text (Llama's BOS), as TRL's SFTTrainer and generation
-        # without a template tokenize; a chat template writes its own
-        ids = list(getattr(tokenizer, "bos_ids", ()))
-        mask = [int(kind == "text" or train_on_prompt)] * len(ids)
-    for text, counts in pieces:
-        piece = tokenizer.encode(text)
-        ids += piece
-        mask += [int(counts or train_on_prompt)] * len(piece)
-    # a chat template ends its turns itself; a text that ends with the EOS keeps one (TRL's add_eos)
-    if kind != "chat" and not (piece and piece[-1] == eos):
+        # prompt + completion tokenised together, as TRL does (" Paris" after "What is ", not
+        # " " and "Paris"); the prompt is as many tokens as it has alone
+        prompt, completion = fields
+        ids = bos + tokenizer.encode(prompt + completion)
+        head = bos + tokenizer.encode(prompt)
+        n, mask = len(head), _prompt_mask(ids, head, train_on_prompt)
+    # one EOS at the end; a text or completion that ends with the EOS keeps it (TRL's add_eos)
+    if not (len(ids) > n and ids[-1] == eos):
         ids.append(eos)
         mask.append(1)
     return ids, mask
@@ -515,16 +439,3 @@ def max_steps(cfg, dataset, global_batch):
     """cfg.max_steps when set (> 0: it overrides num_train_epochs, as in HF), else the steps
     num_train_epochs take over `dataset`, else config.DEFAULT_MAX_STEPS."""
     return cfg.resolved_max_steps(dataset.num_sequences, global_batch)
-
-
-def text_pieces(records):
-    """Every string of the records (to train a BPE tokenizer on)."""
-    out = []
-    for kind, fields in records:
-        if kind == "chat":
-            out += [m["content"] for m in fields]
-        elif isinstance(fields, str):
-            out.append(fields)
-        else:
-            out += [f for f in fields if f]
-    return out

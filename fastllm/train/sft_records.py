@@ -1,0 +1,206 @@
+"""Supervised fine-tuning examples read from files: JSON Lines (.jsonl: one record a line) or JSON
+(.json: a top-level array of records, or JSON Lines, as datasets.load_dataset("json") reads both);
+a folder's .jsonl and .json files in name order.
+
+A record is one example, in one of these shapes (the names of HF TRL and Alpaca):
+
+    {"text": "..."}                                   every token counts
+    {"prompt": "...", "completion": "..."}            the completion counts
+    {"prompt": [messages], "completion": [messages]}  TRL's conversational prompt-completion:
+                                                      the completion's messages count
+    {"instruction": "...", "input": "...", "output": "..."}   Alpaca: the output counts
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+                                                      the assistant turns count
+
+Each is checked and normalised to (kind, fields) before any is tokenised: ("text", text),
+("completion", (prompt, completion)), ("chat_completion", (prompt messages, completion
+messages)), ("alpaca", (instruction, input, output, system)) or ("chat", messages).
+"""
+
+import glob
+import json
+import os
+
+__all__ = ["data_format", "read_records", "text_pieces"]
+
+_ROLES = ("system", "user", "assistant", "tool")
+_EXTENSIONS = (".jsonl", ".json")
+
+
+def data_format(path, fmt="auto"):
+    """text or jsonl: `fmt` when given, else from the extension (.jsonl/.json: jsonl); a folder is
+    jsonl when it holds .jsonl or .json files."""
+    if fmt != "auto":
+        return fmt
+    if path is None:
+        return "text"
+    if os.path.isdir(path):
+        return "jsonl" if _folder_files(path) else "text"
+    return "jsonl" if path.endswith(_EXTENSIONS) else "text"
+
+
+def _folder_files(path):
+    return sorted(name for ext in _EXTENSIONS
+                  for name in glob.glob(os.path.join(path, "**", "*" + ext), recursive=True))
+
+
+def _files(path):
+    if os.path.isdir(path):
+        files = _folder_files(path)
+        if not files:
+            raise FileNotFoundError(f"fastllm train: no .jsonl or .json files under {path}")
+        return files
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"fastllm train: data path {path} does not exist")
+    return [path]
+
+
+def _type(value):
+    return "missing" if value is None else f"a {type(value).__name__}"
+
+
+def _messages(record, key, where):
+    """record[key] as a checked list of {'role', 'content'} messages."""
+    messages = record[key]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"fastllm train: {where}: key {key!r} must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES \
+                or not isinstance(m.get("content"), str):
+            raise ValueError(f"fastllm train: {where}: key {key!r}[{i}] must be "
+                             f"{{'role': one of {list(_ROLES)}, 'content': a string}}, got "
+                             f"{json.dumps(m)[:80]}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _check(record, where):
+    """The record normalised to (kind, fields), or ValueError naming where it is and the key."""
+    def need_str(key, optional=False):
+        value = record.get(key)
+        if value is None and optional:
+            return ""
+        if not isinstance(value, str):
+            got = "missing" if key not in record else _type(value)
+            raise ValueError(f"fastllm train: {where}: key {key!r} must be a string, got {got}")
+        return value
+
+    if not isinstance(record, dict):
+        raise ValueError(f"fastllm train: {where}: a record must be a JSON object, got "
+                         f"{type(record).__name__}")
+    if "messages" in record:
+        messages = _messages(record, "messages", where)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"fastllm train: {where}: key 'messages' has no assistant turn "
+                             f"(nothing to learn)")
+        return "chat", messages
+    if "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if isinstance(prompt, list) or isinstance(completion, list):
+            for key, other, value in (("prompt", "completion", prompt),
+                                      ("completion", "prompt", completion)):
+                if not isinstance(value, list):
+                    raise ValueError(f"fastllm train: {where}: key {key!r} must be a list of "
+                                     f"messages as {other!r} is (TRL's conversational "
+                                     f"prompt-completion) or both strings, got {_type(value)}")
+            return "chat_completion", (_messages(record, "prompt", where),
+                                       _messages(record, "completion", where))
+        return "completion", (need_str("prompt"), need_str("completion"))
+    if "instruction" in record or "output" in record:
+        return "alpaca", (need_str("instruction"), need_str("input", optional=True),
+                          need_str("output"), need_str("system", optional=True))
+    if "text" in record:
+        return "text", need_str("text")
+    raise ValueError(f"fastllm train: {where}: a record needs the key 'text', 'prompt' + "
+                     f"'completion', 'instruction' + 'output' or 'messages'; got keys "
+                     f"{sorted(record)}")
+
+
+def _decode(raw, where, bom):
+    try:
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not JSON
+        return raw.decode("utf-8-sig" if bom else "utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"fastllm train: {where}: not UTF-8 (byte {e.start}: "
+                         f"{raw[e.start:e.start + 1]!r})") from None
+
+
+def _json_lines(name, raw):
+    """(where, parsed record) of each non-blank line of a JSON Lines file."""
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        where = f"{name} line {n}"
+        line = _decode(line, where, bom=n == 1)
+        if not line.strip():
+            continue
+        try:
+            yield where, json.loads(line)
+        except ValueError as e:
+            if name.endswith(".json"):
+                _refuse_one_value(name, raw)
+            raise ValueError(f"fastllm train: {where}: not valid JSON ({e})") from None
+
+
+def _refuse_one_value(name, raw):
+    """A .json file that is one JSON value over several lines, and no array: say what it needs."""
+    try:
+        value = json.loads(raw.decode("utf-8-sig"))
+    except ValueError:
+        return
+    what = f"an object with keys {sorted(value)[:8]}" if isinstance(value, dict) else \
+        f"a {type(value).__name__}"
+    raise ValueError(f"fastllm train: {name}: holds one JSON value ({what}); a .json file holds "
+                     f"an array of records ([{{...}}, {{...}}]) or one record a line (JSON Lines)")
+
+
+def _json_array(name, raw):
+    """(where, parsed record) of each item of a file holding one JSON array."""
+    text = _decode(raw, name, bom=True)
+    try:
+        items = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"fastllm train: {name}: not valid JSON ({e})") from None
+    for i, record in enumerate(items):
+        yield f"{name} record {i}", record
+
+
+def _parsed(name):
+    with open(name, "rb") as f:
+        raw = f.read()
+    # a .json file may hold an array of records (datasets' json loader reads both)
+    if name.endswith(".json") and raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+        return _json_array(name, raw)
+    return _json_lines(name, raw)
+
+
+def read_records(path):
+    """Every example of a .jsonl or .json file (or a folder's .jsonl and .json files, in name
+    order), each (kind, fields). A malformed record raises ValueError naming the file, the line
+    (JSON Lines) or the record's index from 0 (a JSON array) and the key, before any is
+    tokenised. Blank lines are skipped."""
+    records = []
+    for name in _files(path):
+        for where, record in _parsed(name):
+            record = _check(record, where)
+            try:  # "\ud800" is valid JSON but no text: refused here, not by the tokenizer
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"fastllm train: {where}: a lone UTF-16 surrogate "
+                                 f"({e.object[e.start]!r}) is not text") from None
+            records.append(record)
+    if not records:
+        raise ValueError(f"fastllm train: {path} holds no examples")
+    return records
+
+
+def text_pieces(records):
+    """Every string of the records (to train a BPE tokenizer on)."""
+    out = []
+    for kind, fields in records:
+        if kind == "chat":
+            out += [m["content"] for m in fields]
+        elif kind == "chat_completion":
+            out += [m["content"] for messages in fields for m in messages]
+        elif isinstance(fields, str):
+            out.append(fields)
+        else:
+            out += [f for f in fields if f]
+    return out
