@@ -143,6 +143,7 @@ def test_resume_switches_at_the_same_steps(mode):
     a = _model()
     opt_a = BAdam(a.named_parameters(), switch_block_every=3, switch_mode=mode, lr=1e-2)
     _train(a, opt_a, 7)
+    opt_a.skipped_steps = 2  # (as two inf steps leave it)
     blob = io.BytesIO()
     torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, blob)
     blob.seek(0)
@@ -152,6 +153,7 @@ def test_resume_switches_at_the_same_steps(mode):
     opt_b = BAdam(b.named_parameters(), switch_block_every=3, switch_mode=mode, lr=1e-2)
     opt_b.load_state_dict(saved["opt"])
     assert opt_b.active_block == opt_a.active_block
+    assert opt_b.skipped_steps == 2  # the count goes on from the checkpoint
     _train(a, opt_a, 10, start=7)
     _train(b, opt_b, 10, start=7)
     assert opt_a.switches == opt_b.switches

@@ -192,6 +192,10 @@ def test_state_dict_round_trip_continues_identically():
         opt_a.zero_grad()
         (a(x) - y).square().mean().backward()
         opt_a.step()
+    for p in a.parameters():  # an inf step: skipped, and counted
+        p.grad = torch.full_like(p, float("inf"))
+    opt_a.step()
+    assert opt_a.skipped_steps == 1
     blob = io.BytesIO()
     torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, blob)
     blob.seek(0)
@@ -200,6 +204,7 @@ def test_state_dict_round_trip_continues_identically():
     b.load_state_dict(saved["model"])
     opt_b = _galore(b, gap=3)
     opt_b.load_state_dict(saved["opt"])
+    assert opt_b.skipped_steps == 1  # the count goes on from the checkpoint
     for _ in range(5):  # crosses a projector refresh
         for model, opt in ((a, opt_a), (b, opt_b)):
             opt.zero_grad()
@@ -244,7 +249,10 @@ def test_a_non_finite_grad_changes_nothing(bad, when):
     opt.step()
     assert opt.step_skipped and opt.skipped_steps == 1 and not math.isfinite(opt.grad_norm)
     assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
-    assert _same(state, opt.state_dict())
+    after = opt.state_dict()
+    assert after.pop("fastllm") == {"skipped_steps": 1}  # (the count is all that moved)
+    state.pop("fastllm")
+    assert _same(state, after)
 
 
 def test_clipping_loss_scaling_and_master_weights_match_their_definitions():

@@ -244,6 +244,7 @@ class BAdam(torch.optim.Optimizer):
             "switch_block_every": self.switch_block_every,
             "switch_mode": self.switch_mode,
             "switches": list(self.switches),
+            "skipped_steps": int(self.skipped_steps),
         }
 
     def load_state_dict(self, state_dict):
@@ -269,6 +270,9 @@ class BAdam(torch.optim.Optimizer):
             raise ValueError(f"{where}: position {position!r} is not in 0..{n - 1}")
         if not (isinstance(step, int) and step >= 0):
             raise ValueError(f"{where}: global_step {step!r} is not an int >= 0")
+        skipped = state_dict.get("skipped_steps", 0)  # (absent from states saved before it)
+        if not (isinstance(skipped, int) and skipped >= 0):
+            raise ValueError(f"{where}: skipped_steps {skipped!r} is not an int >= 0")
         generator = torch.Generator()
         try:
             generator.set_state(state_dict["generator"])
@@ -282,4 +286,5 @@ class BAdam(torch.optim.Optimizer):
         self._position = position
         self.generator.set_state(state_dict["generator"])
         self.switches = list(state_dict["switches"])
+        self.skipped_steps = skipped
         self._activate(inner, record=False)

@@ -384,6 +384,19 @@ class GaLoreAdamW(torch.optim.Optimizer):
         if master is not None:
             param.copy_(master)
 
+    def state_dict(self):
+        """torch.optim.Optimizer.state_dict with a 'fastllm' entry holding the skip count (as
+        fastllm.optim.AdamW's), so that a resumed run keeps counting; the state-dict post-hooks
+        see the whole of it."""
+        with held_back(self, "_optimizer_state_dict_post_hooks") as (post_hooks,):
+            state_dict = super().state_dict()
+        state_dict["fastllm"] = {"skipped_steps": int(self.skipped_steps)}
+        for hook in post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
     def load_state_dict(self, state_dict):
         """torch.optim.Optimizer.load_state_dict, keeping the low-rank state and fp32 masters as
         saved (torch casts every floating state tensor to its param's dtype). Every entry is
@@ -396,11 +409,13 @@ class GaLoreAdamW(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         self._check_state(state_dict)
+        skipped = _saved_skips(state_dict.get("fastllm"))
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         with held_back(self, "_optimizer_load_state_dict_pre_hooks",
                        "_optimizer_load_state_dict_post_hooks") as (_, post_hooks):
             super().load_state_dict(state_dict)
         self._written_versions.clear()  # a loaded master is the truth, not the param
+        self.skipped_steps = skipped
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             saved = state_dict["state"].get(pid)
@@ -502,3 +517,16 @@ def _row_shard(p):
     chunk = -(-rows // p.device_mesh.size())
     offset = min(p.device_mesh.get_local_rank(0) * chunk, rows)
     return offset, p.to_local().shape[0], p.device_mesh.get_group(0)
+
+
+def _saved_skips(extra):
+    """The skip count of a state_dict's 'fastllm' entry (0 without one: saved before it was
+    kept, or by torch's AdamW); ValueError when it is not a count."""
+    if extra is None:
+        return 0
+    skipped = extra.get("skipped_steps", 0) if isinstance(extra, dict) else None
+    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+        raise ValueError(f"fastllm.optim.GaLoreAdamW.load_state_dict: the state_dict's 'fastllm' "
+                         f"entry must be a dict whose skipped_steps is an int >= 0, got "
+                         f"{extra!r}")
+    return skipped
