@@ -741,6 +741,18 @@ def test_zero2_two_processes_trains(cache_dir, tmp_path):
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [8, 4]
 
 
+def test_badam_under_ddp_trains_as_one_process(cache_dir, tmp_path):
+    """BAdam leaves every block but one without grads: DDP must expect that (it raised at the
+    second step), and the active block's grads are averaged: the same losses as one process."""
+    args = ["max_steps=5", "finetune=badam", "badam.switch_block_every=2"]
+    one = run(cache_dir, str(tmp_path / "one"), *args)
+    assert one["steps"] == 5
+    assert "strategy=ddp" in torchrun(tiny(cache_dir, str(tmp_path / "two"), *args,
+                                           "parallel.strategy=ddp"), 11)
+    torch.testing.assert_close(losses(str(tmp_path / "two")), losses(str(tmp_path / "one")),
+                               rtol=1e-4, atol=0)
+
+
 @pytest.mark.parametrize("mode", ["lora", "prefix"])
 def test_adapters_initialised_from_the_seed(mode):
     """The same seed gives the same adapters (a LoRA run's step-1 grads depend on its random A),

@@ -29,7 +29,10 @@ class DDP(Strategy):
 
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.module = model
-        self.model = DistributedDataParallel(model, device_ids=ids)
+        # BAdam trains one block at a time (requires_grad off elsewhere): the other blocks get no
+        # grads, which DDP must be told to expect (without it the second step raises)
+        self.model = DistributedDataParallel(
+            model, device_ids=ids, find_unused_parameters=self.cfg.finetune == "badam")
         self.comm_timer = _CommTimer()
         self.model.register_comm_hook(None, self.comm_timer.hook)
 
