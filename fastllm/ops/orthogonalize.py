@@ -3,12 +3,32 @@
     orthogonalize(matrices, epsilon=0.0) -> None
 
 matrices: 2-D (n, r) tensors with r <= n, fp32 or fp64, dense, contiguous, one device. Column by
-column (modified Gram-Schmidt, torch's powerSGD_hook order): x_i /= ||x_i|| + epsilon, then x_i
-is removed from every later column. Afterwards the columns are orthonormal and span the same
-nested subspaces as before (what PowerSGD's P and Q and GaLore's range finder need). With
-epsilon 0 a zero column stays zero (torch's hook would produce nan).
+column (modified Gram-Schmidt, torch's powerSGD_hook order): q_i = x_i / (||x_i|| + epsilon), then
+q_i is removed from every later column, x_j -= (q_i . x_j) q_i. Afterwards the columns are
+orthonormal or zero and span the same nested subspaces as before (what PowerSGD's P and Q and
+GaLore's range finder need).
 
-Backends: cpp (CPU), triton (GPU, fp32; CPU under TRITON_INTERPRET=1), `orthogonalize_ref`.
+A column that depends on the earlier ones (a rank-deficient input: duplicated columns, a gradient
+of rank < r, one nonzero row) keeps only rounding residue after the removals; normalised, that
+residue would be a "unit" column along the earlier ones, not orthogonal to them (torch's hook
+does that). So a column whose norm after the removals is at most tol times its norm before them
+is set to zero instead (multiplied by 0: a nan or inf in it stays visible), with
+
+    tol = DEPENDENCE_C * r * eps,   DEPENDENCE_C = 16,   eps = torch.finfo(dtype).eps.
+
+Why: take x_j = sum_k c_k q_k in the span of the earlier (orthonormal to rounding) q_k, and u =
+eps / 2. One removal leaves, relative to ||x_j||, the error of the sum q_k . x (g <= ~2u: summed
+in double in the C++ kernel, by torch's cascade sum here, in per-block trees in Triton), the
+rounding of the product and of the subtraction (2u) and q_k's own norm error (~2(g + u)): at most
+3g + 4u ~ 5 eps. Over at most r - 1 removals the residue is below 5 r eps ||x_j||; tol is 3x
+that (measured: at most 0.55 r eps on ref and cpp, 2 r eps on Triton with n = 1e5, whose fp32
+sum over 391 row blocks is sequential). A column kept just above tol may be off orthogonal by up
+to residue / norm ~ 5/16 (single-pass Gram-Schmidt; reorthogonalising would fix it), and the
+bound assumes the earlier columns well conditioned (MGS loses orthogonality as eps * cond;
+Bjorck, BIT 7, 1967). With epsilon 0 a zero column stays zero (torch's hook would produce nan).
+
+Backends: cpp (CPU), triton (GPU, fp32; CPU under TRITON_INTERPRET=1), `orthogonalize_ref`; the
+same sums in another order.
 """
 
 import torch
@@ -16,18 +36,30 @@ import torch
 from fastllm import _backend, _extension
 from fastllm._library import lib
 
+DEPENDENCE_C = 16  # see the module docstring; as csrc/cpu/ and kernels/orthogonalize.py
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _PREFERENCE_FP64 = {"cpu": ("cpp", "ref"), "cuda": ("ref",)}
+
+
+def dependence_tol(r, dtype):
+    """The relative norm at or below which a column counts as dependent (module docstring)."""
+    return DEPENDENCE_C * r * torch.finfo(dtype).eps
 
 
 def orthogonalize_ref(matrices, epsilon=0.0):
     """Plain-PyTorch modified Gram-Schmidt, in place, in each matrix's dtype."""
     for x in matrices:
-        r = x.shape[1] if x.dim() == 2 else 0
+        if x.dim() != 2 or x.numel() == 0:
+            continue
+        r = x.shape[1]
+        # Norms as sums of squares: torch's sum is a cascade (error ~ eps), its norm of a strided
+        # column one sequential sum (squared, 6.6e-5 off for 16384 equal fp32 values).
+        limit = (x * x).sum(dim=0).sqrt() * dependence_tol(r, x.dtype)
         for i in range(r):
             col = x[:, i:i + 1]
-            denom = col.norm() + epsilon
-            col.mul_(torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom)))
+            norm = (col * col).sum().sqrt()
+            scale = torch.where(norm > limit[i], 1.0 / (norm + epsilon), torch.zeros_like(norm))
+            col.mul_(scale)  # (x 0, not zero_(): a nan or inf stays visible)
             if i + 1 < r:
                 rest = x[:, i + 1:]
                 rest -= (col * rest).sum(dim=0, keepdim=True) * col
