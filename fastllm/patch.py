@@ -454,6 +454,14 @@ def _is_ours(f, module):
             and len(f.args) == 1 and f.args[0] is module)
 
 
+def _is_patched(m):
+    # the mark alone may be stale: transformers' hub kernels, kernelizing again at a change of
+    # mode, put the class's forward (or a hub kernel's) back (fastllm/_hf.py); such a module is
+    # patched again. (_slot None: some wrapper around ours)
+    return m.__dict__.get(_PATCHED) is not None and (any(
+        _is_ours(m.__dict__.get(s), m) for s in ("forward", "_old_forward")) or _slot(m) is None)
+
+
 def _slot(module):
     """The attribute patch() swaps on `module`: "forward", or under an accelerate hook the
     "_old_forward" that the hook's own forward calls; None where some other wrapper holds the
@@ -461,14 +469,17 @@ def _slot(module):
     d = module.__dict__
     slot = "_old_forward" if _hooked(module) and "_old_forward" in d else "forward"
     f = d.get(slot)
-    # the class's forward bound to the module: what accelerate's remove_hook_from_module leaves
-    if f is None or (getattr(f, "__self__", None) is module
-                     and getattr(f, "__func__", None) is type(module).forward):
+    # the class's forward bound to the module: what accelerate's remove_hook_from_module leaves;
+    # or a hub kernel's, which patch() turns off (fastllm/_hf.py) before it binds
+    if f is None or "_kernel_repo" in d or (
+            getattr(f, "__self__", None) is module
+            and getattr(f, "__func__", None) is type(module).forward):
         return slot
     return None
 
 
 def _bind(module, kind, fn, slot):
+    module.__dict__.pop("_fastllm_previous_forward", None)  # a stale patch's (_is_patched)
     if slot in module.__dict__:
         module._fastllm_previous_forward = module.__dict__[slot]
     # a partial of a module-level function pickles by name (a bound method would not unpickle)
@@ -499,13 +510,12 @@ def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, li
     one) for fastllm's kernels, in place; returns the model. Each keyword turns one kind of
     swap off. Patching a patched model is a no-op for the modules already patched. A module
     whose instance `forward` is already some wrapper other than accelerate's hook is refused
-    (ValueError, nothing patched): patch before wrapping."""
+    (ValueError, nothing patched): patch before wrapping. transformers' hub kernels (`use_kernels`,
+    on from from_pretrained) are turned off while patched, when they would replace a layer the
+    patch swaps (RMSNorm) at each train()/eval(); unpatch turns them on again."""
     chosen = {"rms_norm": rms_norm, "rotary": rotary, "swiglu": swiglu,
               "cross_entropy": cross_entropy, "linear": linear}
-    todo = []
-    for name, m in model.named_modules():
-        if m.__dict__.get(_PATCHED) is None and (swap := _chosen(m, chosen)) is not None:
-            todo.append((name, m, *swap, _slot(m)))
+    todo = _todo(model, chosen)
     wrapped = [f"{name or 'the model'} ({type(m).__name__})"
                for name, m, _, _, slot in todo if slot is None]
     if wrapped:
@@ -513,6 +523,11 @@ def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, li
             "fastllm.patch: these modules already carry an instance `forward` that is not the "
             "class's nor under an accelerate hook, which patching would drop: "
             f"{', '.join(wrapped)}. Patch before wrapping them. Nothing was patched.")
+    kernels_off = _hf.hub_kernels_off(model, [m for _, m, *_ in todo])
+    if kernels_off:  # their reset put the class's forwards back
+        todo = _todo(model, chosen)
+        for m in kernels_off:
+            m._fastllm_use_kernels = True  # for unpatch
     counts = dict.fromkeys(KINDS, 0)
     for _, m, kind, fn, slot in todo:
         if kind == "rotary":
@@ -528,6 +543,11 @@ def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, li
     return model
 
 
+def _todo(model, chosen):
+    return [(name, m, *swap, _slot(m)) for name, m in model.named_modules()
+            if not _is_patched(m) and (swap := _chosen(m, chosen)) is not None]
+
+
 def unpatch(model):
     """Undo patch(model): every module runs its class's forward again, or the instance forward
     it had before (an accelerate hook's wrapped forward included). Returns the model."""
@@ -535,8 +555,9 @@ def unpatch(model):
             if m.__dict__.get(_PATCHED) is not None]
     slots = [next((s for s in ("forward", "_old_forward") if _is_ours(m.__dict__.get(s), m)),
                   None) for _, m in done]
+    # (a stale mark over the class's forward, _is_patched, is only cleared)
     lost = [f"{name or 'the model'} ({type(m).__name__})"
-            for (name, m), slot in zip(done, slots) if slot is None]
+            for (name, m), slot in zip(done, slots) if slot is None and _slot(m) is None]
     if lost:
         raise RuntimeError(
             "fastllm.unpatch: the patched forward of these modules is wrapped by something "
@@ -544,14 +565,19 @@ def unpatch(model):
             "Nothing was unpatched.")
     for (_, m), slot in zip(done, slots):
         d = m.__dict__
-        if "_fastllm_previous_forward" in d:
+        if slot is None:  # a stale mark: the class's forward (or a hub kernel's) is back
+            pass
+        elif "_fastllm_previous_forward" in d:
             setattr(m, slot, d.pop("_fastllm_previous_forward"))
         elif slot == "_old_forward":  # a hook added after patch(): it now calls the class's
             m._old_forward = types.MethodType(type(m).forward, m)
         else:
             del m.forward
-        for attr in (_PATCHED, "_fastllm_eager_attention", "_fastllm_output_cls"):
+        for attr in (_PATCHED, "_fastllm_eager_attention", "_fastllm_output_cls",
+                     "_fastllm_previous_forward"):
             d.pop(attr, None)
+    _hf.hub_kernels_on([m for m in model.modules()
+                        if m.__dict__.pop("_fastllm_use_kernels", False)])
     return model
 
 
@@ -559,7 +585,6 @@ def patched(model):
     """{kind: number of modules patched} for `model` (all zero when it is not patched)."""
     counts = dict.fromkeys(KINDS, 0)
     for _, m in model.named_modules():
-        kind = m.__dict__.get(_PATCHED)
-        if kind is not None:
-            counts[kind] += 1
+        if _is_patched(m):
+            counts[m.__dict__[_PATCHED]] += 1
     return counts
