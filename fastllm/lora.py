@@ -165,6 +165,18 @@ def _matches(name, target_modules):
     return any(name == t or name.endswith("." + t) for t in target_modules)
 
 
+ALL_LINEAR = "all-linear"  # PEFT's shorthand (INCLUDE_LINEAR_LAYERS_SHORTHAND)
+
+
+def all_linear(model):
+    """The names of every nn.Linear of `model` but its output layer (`get_output_embeddings()`),
+    as PEFT expands target_modules="all-linear"."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return [name for name, module in model.named_modules()
+            if name and isinstance(module, nn.Linear) and module is not head]
+
+
 def lora_modules(model):
     """(name, LoRALinear) for every LoRA layer of `model`."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
@@ -176,7 +188,8 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     """Replace every nn.Linear whose name matches `target_modules` by a LoRALinear, in place.
 
     target_modules: module-name suffixes (a list), or one regex string matched against the whole
-    name (PEFT's rule for both). Every other parameter of the model is frozen. rank_pattern /
+    name (PEFT's rule for both), or "all-linear": every nn.Linear but the output layer (PEFT's
+    shorthand, `all_linear`). Every other parameter of the model is frozen. rank_pattern /
     alpha_pattern map a key to its own r / alpha (PEFT's fields of the same names, matched by
     PEFT's rule: the key is a regex for the name's last dotted components, e.g. "q_proj",
     "(q|v)_proj" or "layers.1.self_attn.q_proj"; the first matching key wins).
@@ -193,6 +206,8 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
             "merge_and_unload(model) before injecting again"
         )
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
+    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
+        target_modules = all_linear(model)  # full names: the suffix rule selects exactly them
     targets = [(name, module) for name, module in model.named_modules()
                if name and isinstance(module, nn.Linear) and _matches(name, target_modules)]
     if not targets:

@@ -497,3 +497,20 @@ def test_load_adapter_refusal_leaves_the_model_unchanged(tmp_path):
         load_adapter(fresh, str(tmp_path))
     assert not lora_modules(fresh)
     assert all(p.requires_grad for p in fresh.parameters())
+
+
+def test_all_linear_targets_what_peft_targets():
+    """target_modules="all-linear" (PEFT's shorthand): every nn.Linear but the LM head, the same
+    layers PEFT adapts; fastllm train's lora.target_modules=[all-linear] takes the same."""
+    from fastllm.train.config import TrainConfig
+    from fastllm.train.model import apply_finetune
+
+    theirs = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(target_modules="all-linear"))
+    want = sorted(n.removeprefix("base_model.model.") for n, m in theirs.named_modules()
+                  if hasattr(m, "lora_A") and isinstance(m.base_layer, nn.Linear))
+    assert len(want) == 14 and not any("lm_head" in n for n in want)
+    ours = inject_lora(_tiny_llama(), target_modules="all-linear")
+    assert sorted(n for n, _ in lora_modules(ours)) == want
+    cfg = TrainConfig.from_args(["model=tiny", "finetune=lora", "lora.target_modules=[all-linear]"])
+    trained = apply_finetune(_tiny_llama(), cfg)
+    assert sorted(n for n, _ in lora_modules(trained)) == want

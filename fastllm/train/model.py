@@ -107,6 +107,12 @@ def _apply_finetune(model, cfg):
                              cfg.prefix.encoder_hidden_size or None)
     # lora
     targets = cfg.lora.target_modules
+    if [t.lower() for t in targets] == ["all-linear"]:
+        # PEFT's shorthand, as the distinct last names of those layers (q_proj, ..., down_proj),
+        # so that lora.layers and backend=torch take it as any list
+        from fastllm.lora import all_linear
+
+        targets = sorted({n.rsplit(".", 1)[-1] for n in all_linear(model)})
     if cfg.lora.layers > 0:
         idx = "|".join(str(i) for i in _last_layer_indices(model, cfg.lora.layers))
         mods = "|".join(targets)
