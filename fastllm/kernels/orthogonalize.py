@@ -82,6 +82,7 @@ def orthogonalize_triton(matrices, epsilon=0.0):
         if x.numel() == 0:
             continue
         block_r = max(triton.next_power_of_2(r), 2)
-        block_n = max(16, min(256, 4096 // block_r))
+        # 16 elements a thread per tile (4 warps): with 32 the kernel spilled under Triton 3.6
+        block_n = max(16, min(128, 2048 // block_r))
         _orthogonalize_kernel[(1,)](x, n, r, float(epsilon), _DEPENDENCE_C * r * _EPS,
                                     BLOCK_N=block_n, BLOCK_R=block_r)
