@@ -103,6 +103,7 @@ class PowerSGD:
         self.errors = {}
         self.p_memory = {}
         self.q_memory = {}
+        self._fillers = {}  # (shape, device, dtype) -> _filler's matrix, made once
         self._layouts = {}
         # Elements before and after compression, summed over every bucket and step (torch's
         # PowerSGDState counts the same), and the elements the last reduce sent per rank.
@@ -268,7 +269,7 @@ class PowerSGD:
                 for q in qs:
                     q.copy_(torch.randn(1, *q.shape, device="cpu", dtype=work.dtype)[0])
         elif qs:
-            _refill_zero_columns_(qs)
+            _refill_zero_columns_(qs, self._fillers)
         orthogonalize(qs, self.orthogonalization_epsilon)
 
         # Vectors and small matrices: one flat all-reduce, overlapped with the P matmuls.
@@ -323,16 +324,20 @@ def _filler(shape, device, dtype):
     return (hashed.to(torch.float64) / 4294967296.0 - 0.5).to(dtype).view(shape)
 
 
-def _refill_zero_columns_(qs):
+def _refill_zero_columns_(qs, fillers):
     """Give every all-zero column of the warm-started Qs the filler's column, before they are
     orthogonalised: a zero Q column (the step that left it had a zero average, or a rank-
     deficient one, whose dependent columns orthogonalize zeroes) would otherwise stay zero for
     good, that direction never sent again while its error grows. On the device and without a
     host read (no synchronisation per bucket): a column that is not zero is kept as it is. Q
-    was all-reduced, so every rank refills the same columns with the same values."""
+    was all-reduced, so every rank refills the same columns with the same values. fillers: a
+    cache of _filler's matrices (the same every step)."""
     for q in qs:
         zero = (q == 0).all(dim=0)
-        q.copy_(torch.where(zero, _filler(q.shape, q.device, q.dtype), q))
+        key = (tuple(q.shape), q.device, q.dtype)
+        if key not in fillers:
+            fillers[key] = _filler(q.shape, q.device, q.dtype)
+        q.copy_(torch.where(zero, fillers[key], q))
 
 
 def _rng_state_to_torch(state):
