@@ -13,6 +13,8 @@ equal one process's step by step. Prints one line per step on rank 0.
 """
 
 import argparse
+import json
+import os
 import time
 
 import torch
@@ -35,6 +37,7 @@ from fastllm.parallel import (
     vocab_parallel_cross_entropy,
     wrap_activation_checkpointing,
 )
+from fastllm.train.checkpoint_layout import extras_restored, optimizer_extras
 
 TINY = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=128)
 
@@ -142,8 +145,9 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
         msd, osd = get_state_dict(module, opt)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=load_dir, no_dist=not distributed)
-        set_state_dict(module, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        with extras_restored(opt, _load_extras(load_dir)):
+            set_state_dict(module, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
 
     batches = make_batches(start_step + steps, global_batch, seq_len, module.config.vocab_size,
                            batch_seed)[start_step:]
@@ -180,7 +184,31 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
         if save_dir is not None and step == save_at:
             msd, osd = get_state_dict(module, opt, options=StateDictOptions())
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=save_dir, no_dist=not distributed)
-    return {"losses": losses, "grad_norms": norms, "step_times": times}
+            if not distributed or dist.get_rank() == 0:
+                _save_extras(save_dir, optimizer_extras(opt))
+    return {"losses": losses, "grad_norms": norms, "step_times": times,
+            "skipped_steps": int(getattr(opt, "skipped_steps", 0))}
+
+
+# DCP's optimizer state holds 'state' and 'param_groups' only: fastllm AdamW's other entries
+# (its 'fastllm' skip count, stochastic-rounding seed and call count, loss scaler: plain
+# numbers, alike on every rank) go beside it in a JSON file, which loading does not unpickle.
+EXTRAS_FILE = "fastllm_extras.json"
+
+
+def _save_extras(save_dir, extras):
+    path = os.path.join(save_dir, EXTRAS_FILE)
+    with open(path + ".tmp", "w") as f:  # a crash mid-write leaves the old file whole
+        json.dump(extras, f)
+    os.replace(path + ".tmp", path)
+
+
+def _load_extras(load_dir):
+    path = os.path.join(load_dir, EXTRAS_FILE)
+    if not os.path.exists(path):  # a checkpoint of torch's AdamW, or of before this file
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def main(argv=None):

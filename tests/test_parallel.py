@@ -500,3 +500,25 @@ def test_layout_resolve_names_the_bad_size(sizes, says):
 
     with pytest.raises(ValueError, match=says):
         ParallelLayout.resolve(4, **sizes)
+
+
+def test_example_checkpoint_keeps_the_optimizer_entry(tmp_path):
+    """examples/parallel_train.py's DCP checkpoint carries fastllm AdamW's 'fastllm' entry (DCP
+    keeps only 'state' and 'param_groups') in a JSON file beside it, and resuming loads it."""
+    import json
+
+    from parallel_train import EXTRAS_FILE
+
+    torch.set_num_threads(1)
+    ckpt = str(tmp_path / "ckpt")
+    train(steps=2, optimizer="fastllm_clip", save_dir=ckpt, save_at=1, distributed=False)
+    path = os.path.join(ckpt, EXTRAS_FILE)
+    with open(path) as f:
+        extras = json.load(f)
+    assert extras["fastllm"]["skipped_steps"] == 0
+    extras["fastllm"]["skipped_steps"] = 7  # as if 7 non-finite steps had been skipped
+    with open(path, "w") as f:
+        json.dump(extras, f)
+    resumed = train(steps=1, optimizer="fastllm_clip", load_dir=ckpt, start_step=1,
+                    distributed=False)
+    assert resumed["skipped_steps"] == 7

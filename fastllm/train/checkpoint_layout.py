@@ -10,6 +10,7 @@ DCP keeps only 'state' and 'param_groups': the optimizer's other top-level entri
 carried beside them, so optimizer.pt is the same file in every layout.
 """
 
+import contextlib
 import os
 import random
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["rng_states", "restore_rng", "param_order", "by_name", "by_index", "full_state",
-           "load_full", "gather_stages", "convert_moments", "save_adapter", "load_adapter",
+           "load_full", "optimizer_extras", "extras_restored", "gather_stages", "convert_moments", "save_adapter", "load_adapter",
            "check_resume_config", "non_finite"]
 
 # optim= -> the optimizer state's dtype (fastllm.optim.convert_state's state_dtype)
@@ -83,7 +84,7 @@ def by_index(optim_state, names):
                              for g in optim_state["param_groups"]]}
 
 
-def _extras(optimizer):
+def optimizer_extras(optimizer):
     """The optimizer's EXTRAS entries, from this rank. One process's layout holds one of each:
     rank 0's. The skip and call counts are alike on every rank (the skip follows the grad norm
     over all shards and stages, and every rank steps together); the seed is too wherever the
@@ -105,7 +106,7 @@ def full_state(model, optimizer, names, cpu_offload=True):
     optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
     if cpu_offload and dist.is_initialized() and dist.get_rank() != 0:
         return None, None
-    return model_state, dict(by_index(optim_state, names), **_extras(optimizer))
+    return model_state, dict(by_index(optim_state, names), **optimizer_extras(optimizer))
 
 
 def load_full(model, optimizer, model_state, optim_state, names):
@@ -126,13 +127,21 @@ def load_full(model, optimizer, model_state, optim_state, names):
         raise ValueError(f"fastllm train: the checkpoint's optimizer holds {n_saved} "
                          f"parameters, this model {len(names)}")
     mine = {n for n, p in model.named_parameters() if p.requires_grad}
-    extras = {k: optim_state[k] for k in EXTRAS if k in optim_state}
-    # DCP hands the optimizer a state_dict of 'state' and 'param_groups' only: put them back in
+    with extras_restored(optimizer, {k: optim_state[k] for k in EXTRAS if k in optim_state}):
+        set_optimizer_state_dict(model, optimizer, by_name(optim_state, names, mine),
+                                 options=opts)
+
+
+@contextlib.contextmanager
+def extras_restored(optimizer, extras):
+    """Within it, optimizer.load_state_dict also loads `extras` (optimizer_extras' entries):
+    DCP's set_state_dict / set_optimizer_state_dict hand the optimizer a state_dict of 'state'
+    and 'param_groups' only. The optimizer's own load_state_dict checks them as in one process;
+    no extras (a checkpoint without them) leaves the optimizer's as they are."""
     handle = optimizer.register_load_state_dict_pre_hook(
         lambda _, state_dict: dict(state_dict, **extras)) if extras else None
     try:
-        set_optimizer_state_dict(model, optimizer, by_name(optim_state, names, mine),
-                                 options=opts)
+        yield
     finally:
         if handle is not None:
             handle.remove()
@@ -175,7 +184,7 @@ def gather_stages(model, optimizer, names, n_decay, pp_group, writer):
     if n_decay < len(names):
         groups.append(dict(hyper[names[n_decay]], params=names[n_decay:]))
     return model_state, dict(by_index({"state": state, "param_groups": groups}, names),
-                             **_extras(optimizer))
+                             **optimizer_extras(optimizer))
 
 
 def _moments_dtype(optim_state):
