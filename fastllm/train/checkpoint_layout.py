@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["rng_states", "restore_rng", "param_order", "by_name", "by_index", "full_state",
-           "load_full", "optimizer_extras", "extras_restored", "gather_stages", "convert_moments", "save_adapter", "load_adapter",
-           "check_resume_config", "non_finite"]
+           "load_full", "optimizer_extras", "extras_restored", "gather_stages",
+           "convert_moments", "save_adapter", "load_adapter", "check_resume_config",
+           "non_finite"]
 
 # optim= -> the optimizer state's dtype (fastllm.optim.convert_state's state_dtype)
 STATE_DTYPES = {"adamw": torch.float32, "adamw_bf16": torch.bfloat16, "adamw8bit": torch.uint8}
@@ -245,7 +246,10 @@ def load_adapter(module, path, backend):
 # sections that shape its trainable parameters), and keys whose change only moves the data
 # stream (the saved position would index another order or window size).
 _LAYOUT_KEYS = ("model", "model_config", "finetune", "optimizer_in_backward", "data.tokenizer")
-_MODE_KEYS = {"lora": ("lora.target_modules", "lora.r", "lora.layers", "lora.use_dora"),
+# (lora.alpha and lora.dropout: the saved adapter_config.json's, which fastllm's load_adapter
+# requires of the layers it loads into)
+_MODE_KEYS = {"lora": ("lora.target_modules", "lora.r", "lora.layers", "lora.use_dora",
+                       "lora.alpha", "lora.dropout"),
               "prefix": ("prefix.num_virtual_tokens", "prefix.prefix_projection",
                          "prefix.encoder_hidden_size"),
               "freeze": ("freeze.layers",), "badam": ("badam.blocks",)}
