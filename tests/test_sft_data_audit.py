@@ -274,3 +274,62 @@ def test_caches_of_the_old_tokenisation_are_not_reused(tmp_path, monkeypatch):
     assert new != old
     ds = SFTDataset(new, [0], seq_len=64, seed=0)
     assert ds.tokens.tolist() == encode_example(recs[0], tok)[0]
+
+
+# ChatML with TRL's per-record inputs: a tools block (tools=) and a template variable
+# (chat_template_kwargs={"enable_thinking": false}); an assistant turn may call tools instead
+TOOLS = ("{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
+         "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='name') | join(',') }}"
+         "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+         "{% if m.get('tool_calls') %}call {{ m['tool_calls'][0]['name'] }}{% else %}"
+         "{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+         "<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_and_chat_template_kwargs_are_rendered_as_trl(tmp_path):
+    """TRL's SFTTrainer renders a conversational record with apply_chat_template(..., tools=
+    record["tools"], **record["chat_template_kwargs"]); messages keep their tool_calls."""
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], eos="<|im_end|>", template=TOOLS)
+    tools = [{"name": "weather", "parameters": {"type": "object"}}]
+    kwargs = {"enable_thinking": False}
+    chat = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"name": "weather"}]},
+            {"role": "tool", "content": "sunny", "name": "weather"},
+            {"role": "assistant", "content": "Paris."}]
+    prompt, completion = chat[:1], chat[3:]
+    path = _write(tmp_path / "t.jsonl", [
+        {"messages": chat, "tools": tools},
+        {"prompt": prompt, "completion": completion, "tools": tools,
+         "chat_template_kwargs": kwargs},
+        {"messages": chat[:1] + chat[3:], "tools": None, "chat_template_kwargs": {}}])
+    with_tools, pc, plain = read_records(path)
+    assert with_tools == ("chat", chat, {"tools": tools})
+    assert pc == ("chat_completion", (prompt, completion),
+                  {"tools": tools, "chat_template_kwargs": kwargs})
+    assert plain == ("chat", chat[:1] + chat[3:])  # null / empty: as if absent
+    ids, mask = encode_example(with_tools, tok)
+    assert ids == tok.tok.apply_chat_template(chat, tools=tools, tokenize=True,
+                                              return_dict=True)["input_ids"]
+    assert tok.decode(ids).startswith("<|im_start|>system\nTools: weather<|im_end|>")
+    assert _targets(tok, ids, mask) == "call weather<|im_end|>\nParis.<|im_end|>\n"
+    trl_ids = tok.tok.apply_chat_template(prompt + completion, tools=tools, tokenize=True,
+                                          return_dict=True, **kwargs)["input_ids"]
+    head = tok.tok.apply_chat_template(prompt, tools=tools, tokenize=True, return_dict=True,
+                                       add_generation_prompt=True, **kwargs)["input_ids"]
+    assert tok.decode(trl_ids).startswith("/no_think\n<|im_start|>system\nTools: weather")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the prompt rendered alone is a prefix: no warning
+        ids, mask = encode_example(pc, tok)
+    assert (ids, mask) == (trl_ids, [0] * len(head) + [1] * (len(trl_ids) - len(head)))
+    assert _targets(tok, ids, mask) == "Paris.<|im_end|>\n"
+    assert text_pieces([with_tools]) == ["What is the capital of France?", "sunny", "Paris."]
+    bad = [({"messages": chat, "tools": {"name": "weather"}}, "key 'tools' must be a list"),
+           ({"messages": chat, "chat_template_kwargs": [1]},
+            "key 'chat_template_kwargs' must be an object"),
+           ({"messages": chat, "chat_template_kwargs": {"add_generation_prompt": True}},
+            r"key 'chat_template_kwargs' sets \['add_generation_prompt'\], which fastllm"),
+           ({"text": "Paris.", "tools": tools}, "keys 'tools' and 'chat_template_kwargs' go with"),
+           ({"messages": [{"role": "user", "content": None}] + chat[3:]}, r"key 'messages'\[0\]")]
+    for rec, message in bad:
+        with pytest.raises(ValueError, match="t.jsonl line 1: " + message):
+            read_records(_write(tmp_path / "t.jsonl", [rec]))

@@ -13,7 +13,8 @@ __all__ = ["add_train_commands"]
 
 def add_train_commands(sub):
     p = sub.add_parser("train", help="train a Llama-style model (default: a built-in one on "
-                                     "built-in text, about a minute on a CPU)")
+                                     "built-in text, about a minute on a CPU)",
+                       epilog=_keys_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, metavar="YAML", help="a config file")
     p.add_argument("--compare", default=None, choices=["torch", "hf"],
                    help="also run the same model, data and seed with plain PyTorch parts "
@@ -22,7 +23,7 @@ def add_train_commands(sub):
     # REMAINDER, then _split_options: options may come after the overrides too.
     p.add_argument("overrides", nargs=argparse.REMAINDER, metavar="key=value",
                    help="config overrides, e.g. max_steps=200 lora.r=16 checkpoint.interval=50")
-    p.set_defaults(handler=_train)
+    p.set_defaults(handler=_train, train_parser=p)
     p = sub.add_parser("report", help="plot a training run's curves and time split")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, metavar="PNG",
@@ -30,15 +31,41 @@ def add_train_commands(sub):
     p.set_defaults(handler=_report)
 
 
+def _keys_epilog():
+    """Every config key fastllm train accepts, read from the config's dataclasses (so the help
+    cannot name a key the config lacks), and the Hugging Face names it maps."""
+    import dataclasses
+    import textwrap
+
+    from fastllm.train.config import HF_NAMES, TrainConfig
+
+    cfg = TrainConfig()
+    plain, sections = [], []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            keys = ", ".join(g.name for g in dataclasses.fields(value))
+            sections.append(f"{f.name}.{{{keys}}}")
+        else:
+            plain.append(f.name)
+    hf = ", ".join(f"{k} ({v})" for k, v in HF_NAMES.items())
+    text = (f"config keys (fastllm/train/config.py): {', '.join(plain)}; "
+            f"{'; '.join(sections)}. Hugging Face names: {hf}.")
+    return "\n".join(textwrap.wrap(text, 79))
+
+
 _OPTIONS = {"--config": None, "--compare": ("torch", "hf")}
 
 
 def _split_options(args):
     """Take --config/--compare (as `--opt value` or `--opt=value`) out of the overrides, where
-    argparse leaves them when they follow a key=value."""
+    argparse leaves them when they follow a key=value; -h/--help there prints the help."""
     rest = []
     items = iter(args.overrides)
     for item in items:
+        if item in ("-h", "--help"):
+            args.train_parser.print_help()
+            sys.exit(0)
         name, eq, value = item.partition("=")
         if name not in _OPTIONS:
             rest.append(item)

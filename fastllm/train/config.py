@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    path: typing.Optional[str] = None     # a text file or a folder of .txt/.md files; None: pydoc_data
+    path: typing.Optional[str] = None     # text or .jsonl/.json, file or folder; None: pydoc_data
     tokenizer: str = "byte"               # byte | bpe (trained on the corpus) | a tokenizer folder
     vocab_size: int = 1024                # for tokenizer=bpe
     seq_len: int = 128
@@ -130,7 +130,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 0  # > 0: global batch = micro x this x dp (HF's name)
     eval_interval: int = 0                # steps between evaluations (and at the end); 0: the end
     eval: EvalConfig = field(default_factory=EvalConfig)
-    finetune: str = "full"                # full | freeze | lora | galore | badam
+    finetune: str = "full"                # full | freeze | lora | galore | badam | prefix
     lora: LoraConfig = field(default_factory=LoraConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
@@ -259,6 +259,24 @@ class TrainConfig:
                  f"global_batch_size=0 (got gradient_accumulation_steps="
                  f"{self.gradient_accumulation_steps}, global_batch_size={self.global_batch_size},"
                  f" micro_batch_size={self.micro_batch_size})")
+        return self
+
+    def check_files(self):
+        """Refuse a data.tokenizer, data.path, data.eval_path or eval.prompts_file naming no file
+        or folder here (a typo), and a trained BPE on a pretrained model, before the run writes
+        anything (validate() checks values only: a config may be written before its files)."""
+        def need(ok, message):
+            if not ok:
+                raise ConfigError(f"fastllm train: {message}")
+        tok = self.data.tokenizer
+        need(tok in ("byte", "bpe") or os.path.isdir(tok), f"data.tokenizer={tok!r} is neither "
+             f"byte, bpe nor a folder (a tokenizer's or a model's)")
+        need(not (tok == "bpe" and os.path.isdir(self.model)), f"data.tokenizer=bpe trains a new "
+             f"vocabulary, which model={self.model}'s embeddings do not fit; leave data.tokenizer "
+             f"unset (the model folder's own tokenizer) or name a tokenizer folder")
+        for key, path in (("data.path", self.data.path), ("data.eval_path", self.data.eval_path),
+                          ("eval.prompts_file", self.eval.prompts_file)):
+            need(path is None or os.path.exists(path), f"{key}={path} does not exist")
         return self
 
     def resolved_max_steps(self, num_sequences, global_batch):

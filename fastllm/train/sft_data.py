@@ -2,9 +2,10 @@
 fastllm.train.sft_records, which lists the shapes) -> token ids and a loss mask in the
 memory-mapped cache (tokenised once) -> packed or length-grouped batches.
 
-Chats are rendered with the tokenizer's own chat template (apply_chat_template), and so are
-Alpaca records when the tokenizer has one (as a user turn and an assistant turn); without a
-template an Alpaca record takes Stanford Alpaca's prompt. data.train_on_prompt=true counts every
+Chats are rendered with the tokenizer's own chat template (apply_chat_template, given a record's
+tools and chat_template_kwargs as TRL gives them), and so are Alpaca records when the tokenizer
+has one (as a user turn and an assistant turn); without a template an Alpaca record takes
+Stanford Alpaca's prompt. data.train_on_prompt=true counts every
 token. A rendered chat is tokenised piece by piece (the text before each assistant reply, the
 reply), so each reply starts on a token boundary as it does when the model generates it after
 add_generation_prompt. A prompt and its completion are tokenised as TRL's SFTTrainer does: the
@@ -55,30 +56,36 @@ def _template(tokenizer):
     return getattr(tok, "chat_template", None) if tok is not None else None
 
 
-def _render(tokenizer, messages, add_generation_prompt=False):
-    return tokenizer.tok.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages, add_generation_prompt=False, template=None):
+    """The chat as text; template: a record's TRL inputs ({"tools", "chat_template_kwargs"}),
+    passed as TRL's SFTTrainer passes them."""
+    template = template or {}
+    return tokenizer.tok.apply_chat_template(messages, tools=template.get("tools"),
+                                             tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **template.get("chat_template_kwargs", {}))
 
 
-def _chat_pieces(tokenizer, messages):
+def _chat_pieces(tokenizer, messages, template=None):
     """The rendered chat as (text, is_assistant_reply) pieces: each assistant reply (its content
     and the template's end-of-turn text) is the rendering of the chat up to it minus the
     rendering before it with the generation prompt."""
-    full = _render(tokenizer, messages)
+    full = _render(tokenizer, messages, template=template)
     pieces, done = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         if i:
-            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            before = _render(tokenizer, messages[:i], add_generation_prompt=True,
+                             template=template)
         else:
             # transformers renders no empty chat, and a template may open with text of its own
             # (SmolLM2's default system turn) and the reply's header: what two renderings share
             # when their replies differ only in the first character is the text before the reply
-            a, b = (_render(tokenizer, [dict(m, content=c + m["content"])])
-                    for c in "\ue000\ue001")
+            a, b = (_render(tokenizer, [dict(m, content=c + (m.get("content") or ""))],
+                            template=template) for c in "\ue000\ue001")
             before = os.path.commonprefix([a, b])
-        upto = _render(tokenizer, messages[:i + 1])
+        upto = _render(tokenizer, messages[:i + 1], template=template)
         if not (full.startswith(upto) and upto.startswith(before) and len(before) >= done):
             raise ValueError("fastllm train: the tokenizer's chat template does not render a "
                              "chat as a prefix of its longer chats; cannot find the assistant "
@@ -102,9 +109,12 @@ def _prompt_mask(ids, head, train_on_prompt):
 
 
 def encode_example(record, tokenizer, train_on_prompt=False):
-    """(token ids, loss mask) of one (kind, fields) record: lists of ints, mask 1 where the token
-    is a target of the loss."""
-    kind, fields = record
+    """(token ids, loss mask) of one (kind, fields) or (kind, fields, template inputs) record
+    (fastllm.train.sft_records): lists of ints, mask 1 where the token is a target of the loss.
+    A conversational record's tools and chat_template_kwargs go to apply_chat_template, as
+    TRL's SFTTrainer passes them."""
+    kind, fields, *rest = record
+    template = rest[0] if rest else None  # a conversational record's tools / template kwargs
     eos = tokenizer.eos_token_id
     if kind == "alpaca":
         instruction, inp, output, system = fields
@@ -122,7 +132,7 @@ def encode_example(record, tokenizer, train_on_prompt=False):
                          f"folder>, or model=<an HF folder>)")
     if kind == "chat":
         ids, mask = [], []
-        for text, counts in _chat_pieces(tokenizer, fields):
+        for text, counts in _chat_pieces(tokenizer, fields, template):
             piece = tokenizer.encode(text)
             ids += piece
             mask += [int(counts or train_on_prompt)] * len(piece)
@@ -131,8 +141,9 @@ def encode_example(record, tokenizer, train_on_prompt=False):
         # TRL's SFTTrainer: the prompt rendered with the generation prompt, prompt + completion
         # rendered together; the template ends the turns itself (no EOS added)
         prompt, completion = fields
-        ids = tokenizer.encode(_render(tokenizer, prompt + completion))
-        head = tokenizer.encode(_render(tokenizer, prompt, add_generation_prompt=True))
+        ids = tokenizer.encode(_render(tokenizer, prompt + completion, template=template))
+        head = tokenizer.encode(_render(tokenizer, prompt, add_generation_prompt=True,
+                                        template=template))
         return ids, _prompt_mask(ids, head, train_on_prompt)
     # what the tokenizer puts before a text (Llama's BOS), as TRL's SFTTrainer and generation
     # without a template tokenize; a chat template writes its own

@@ -9,12 +9,20 @@ A record is one example, in one of these shapes (the names of HF TRL and Alpaca)
     {"prompt": [messages], "completion": [messages]}  TRL's conversational prompt-completion:
                                                       the completion's messages count
     {"instruction": "...", "input": "...", "output": "..."}   Alpaca: the output counts
-    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}
                                                       the assistant turns count
+
+A conversational record ("messages", or "prompt" and "completion" message lists) may also carry
+TRL's per-record chat template inputs: "tools" (a list of JSON schemas, passed as
+apply_chat_template's tools=) and "chat_template_kwargs" (an object of extra template variables,
+e.g. {"enable_thinking": false}). A message keeps its other keys ("tool_calls", "name",
+"tool_call_id", ...) for the template; an assistant message with "tool_calls" may have no content.
 
 Each is checked and normalised to (kind, fields) before any is tokenised: ("text", text),
 ("completion", (prompt, completion)), ("chat_completion", (prompt messages, completion
-messages)), ("alpaca", (instruction, input, output, system)) or ("chat", messages).
+messages)), ("alpaca", (instruction, input, output, system)) or ("chat", messages); a
+conversational record with tools or chat_template_kwargs is (kind, fields, template inputs),
+the last {"tools": [...], "chat_template_kwargs": {...}} (only the keys it has).
 """
 
 import glob
@@ -25,6 +33,11 @@ __all__ = ["data_format", "read_records", "text_pieces"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 _EXTENSIONS = (".jsonl", ".json")
+# apply_chat_template's own arguments: fastllm sets them, a record's chat_template_kwargs may not
+_RESERVED = ("conversation", "tools", "documents", "add_generation_prompt",
+             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+             "chat_template")
 
 
 def data_format(path, fmt="auto"):
@@ -60,21 +73,58 @@ def _type(value):
 
 
 def _messages(record, key, where):
-    """record[key] as a checked list of {'role', 'content'} messages."""
+    """record[key] as a checked list of {'role', 'content', ...} messages (their other keys, such
+    as tool_calls, kept for the template)."""
     messages = record[key]
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"fastllm train: {where}: key {key!r} must be a non-empty list")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES \
-                or not isinstance(m.get("content"), str):
+        # an assistant turn that only calls tools has no text (OpenAI's and TRL's content: null)
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
+        if not isinstance(m, dict) or m.get("role") not in _ROLES or not (
+                isinstance(m.get("content"), str) or (calls and m.get("content") is None)):
             raise ValueError(f"fastllm train: {where}: key {key!r}[{i}] must be "
                              f"{{'role': one of {list(_ROLES)}, 'content': a string}}, got "
                              f"{json.dumps(m)[:80]}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [dict(m) for m in messages]
+
+
+def _template_inputs(record, kind, where):
+    """TRL's per-record "tools" and "chat_template_kwargs", checked: {} when it has neither (or
+    they are null, as a dataset's column is where a record has none)."""
+    out = {}
+    tools, kwargs = record.get("tools"), record.get("chat_template_kwargs")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise ValueError(f"fastllm train: {where}: key 'tools' must be a list of JSON "
+                             f"schemas (objects), got {json.dumps(tools)[:80]}")
+        out["tools"] = tools
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"fastllm train: {where}: key 'chat_template_kwargs' must be an "
+                             f"object of template variables, got {json.dumps(kwargs)[:80]}")
+        reserved = sorted(k for k in kwargs if k in _RESERVED)
+        if reserved:
+            raise ValueError(f"fastllm train: {where}: key 'chat_template_kwargs' sets "
+                             f"{reserved}, which fastllm sets itself when rendering the chat")
+        if kwargs:
+            out["chat_template_kwargs"] = kwargs
+    if out and kind not in ("chat", "chat_completion"):
+        raise ValueError(f"fastllm train: {where}: keys 'tools' and 'chat_template_kwargs' go "
+                         f"with conversational records ('messages', or 'prompt' and "
+                         f"'completion' message lists), which the chat template renders")
+    return out
 
 
 def _check(record, where):
-    """The record normalised to (kind, fields), or ValueError naming where it is and the key."""
+    """The record normalised to (kind, fields) or (kind, fields, template inputs), or ValueError
+    naming where it is and the key."""
+    normal = _check_fields(record, where)
+    extra = _template_inputs(record, normal[0], where)
+    return normal + (extra,) if extra else normal
+
+
+def _check_fields(record, where):
     def need_str(key, optional=False):
         value = record.get(key)
         if value is None and optional:
@@ -194,11 +244,12 @@ def read_records(path):
 def text_pieces(records):
     """Every string of the records (to train a BPE tokenizer on)."""
     out = []
-    for kind, fields in records:
+    for kind, fields, *_ in records:
         if kind == "chat":
-            out += [m["content"] for m in fields]
+            out += [m["content"] for m in fields if m.get("content") is not None]
         elif kind == "chat_completion":
-            out += [m["content"] for messages in fields for m in messages]
+            out += [m["content"] for messages in fields for m in messages
+                    if m.get("content") is not None]
         elif isinstance(fields, str):
             out.append(fields)
         else:

@@ -80,6 +80,7 @@ class Trainer:
         # the layout's rules first: a run that cannot start writes nothing
         self.layout = ParallelLayout.from_config(cfg.parallel, self.world)
         check_model(cfg)
+        cfg.check_files()
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if want_cuda else "gloo",
                                     timeout=watchdog.pg_timeout(cfg))

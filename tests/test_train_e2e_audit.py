@@ -1,0 +1,164 @@
+"""fastllm train as a user fine-tuning a pretrained model meets it: a mistyped tokenizer or data
+file is refused by name before the run folder is written, `--help` works after the overrides and
+lists every config key, a resume with another LoRA alpha or dropout names the key; and (with
+FASTLLM_TEST_MODEL=<a SmolLM2 folder>) LoRA SFT on chat JSONL resumed mid-run gives the
+uninterrupted run's losses, and its PEFT adapter and merged export give the trained model's
+logits in peft and transformers."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from fastllm.train.config import ConfigError, TrainConfig
+
+SMOLLM2 = os.environ.get("FASTLLM_TEST_MODEL", "")
+
+
+@pytest.mark.parametrize("overrides,says", [
+    # a typo here reached AutoTokenizer.from_pretrained: an OSError traceback about the Hub
+    (["data.tokenizer=/no/such/tokenizer"], "data.tokenizer='/no/such/tokenizer' is neither "
+                                            "byte, bpe nor a folder"),
+    (["data.tokenizer=byt"], "data.tokenizer='byt' is neither byte, bpe nor a folder"),
+    (["model={model}", "data.tokenizer=bpe"], "data.tokenizer=bpe trains a new vocabulary"),
+    (["data.path=no-such.jsonl"], "data.path=no-such.jsonl does not exist"),
+    (["data.path={data}", "data.eval_path=no-such.jsonl"], "data.eval_path=no-such.jsonl does"),
+    (["eval.prompts_file=no-such.txt"], "eval.prompts_file=no-such.txt does not exist"),
+])
+def test_a_mistyped_tokenizer_or_file_is_refused_before_the_run_folder_is_written(
+        tmp_path, overrides, says):
+    from fastllm.train.trainer import Trainer
+
+    model = tmp_path / "model"  # a folder is a model folder to the config
+    model.mkdir()
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "completion": " b"}\n')
+    out = tmp_path / "run"
+    args = [a.format(model=model, data=data) for a in overrides]
+    cfg = TrainConfig.from_args(["max_steps=1", f"output_dir={out}", *args])
+    with pytest.raises(ConfigError, match=says):
+        Trainer(cfg, log=lambda text: None).train()
+    assert not out.exists()
+
+
+def test_help_after_overrides_prints_the_help_naming_every_config_key(capsys):
+    from fastllm.cli import main
+
+    # argparse's REMAINDER took --help for an override: "expected key=value, got '--help'"
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "finetune=lora", flag])
+        assert e.value.code in (0, None)
+        assert "usage: fastllm train" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    cfg = TrainConfig()
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            keys = ", ".join(g.name for g in dataclasses.fields(value))
+            assert f"{f.name}.{{{keys}}}" in text
+        else:
+            assert f" {f.name}," in text or f" {f.name};" in text, f.name
+    assert "learning_rate (lr)" in text
+
+
+@pytest.mark.parametrize("change", ["lora.alpha=32", "lora.dropout=0.1"])
+def test_resume_with_another_lora_scaling_names_the_key(tmp_path, change):
+    """fastllm's load_adapter refuses layers whose alpha or dropout differ from the saved
+    adapter_config.json: a resume hit it after the model was built, saying "unload(model) first"
+    (a library call a `fastllm train` user cannot make)."""
+    from fastllm.train.trainer import Trainer
+
+    out, text = tmp_path / "run", tmp_path / "t.txt"
+    text.write_text("the capital of France is Paris. " * 40)
+
+    def run(*extra):
+        args = ["model=tiny", "finetune=lora", f"data.path={text}", "data.seq_len=32",
+                "micro_batch_size=2",
+                "threads=1", "track_memory=false", "log_interval=100", "lora.alpha=16",
+                "lora.dropout=0", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"]
+        return Trainer(TrainConfig.from_args(args + list(extra)), log=lambda text: None).train()
+
+    run("max_steps=1")
+    key = change.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"trained with {key}=.*, this run has {change}"):
+        run("max_steps=2", change)
+    assert run("max_steps=2")["steps"] == 2
+
+
+# ----- a real pretrained model (skipped without FASTLLM_TEST_MODEL) -----
+
+needs_model = pytest.mark.skipif(not (SMOLLM2 and os.path.isdir(SMOLLM2)),
+                                 reason="needs FASTLLM_TEST_MODEL=<a SmolLM2 folder>")
+
+
+def _capitals(path):
+    pairs = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
+             ("Japan", "Tokyo"), ("Peru", "Lima")]
+    recs = []
+    for i, (country, city) in enumerate(pairs):
+        user = [{"role": "user", "content": f"Capital of {country}?"}]
+        reply = [{"role": "assistant", "content": f"{city}."}]
+        # both of TRL's conversational shapes
+        recs.append({"messages": user + reply} if i % 2 else {"prompt": user, "completion": reply})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def _sft(tmp_path, name, **kw):
+    cfg = dict(model=SMOLLM2, finetune="lora", output_dir=str(tmp_path / name), max_steps=4,
+               learning_rate=1e-3, warmup_steps=1, micro_batch_size=2, seed=0, threads=2,
+               track_memory=False, log_interval=100, eval_interval=2,
+               lora=dict(r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"]),
+               checkpoint=dict(interval=2),
+               data=dict(path=_capitals(tmp_path / "chat.jsonl"), seq_len=64, eval_fraction=0.2,
+                         cache_dir=str(tmp_path / "cache")))
+    cfg.update(kw)
+    return TrainConfig.from_dict(cfg)
+
+
+def _curve(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [(r.get("step"), r.get("eval_step"), r.get("loss"), r.get("eval_loss"))
+                for r in map(json.loads, f)]
+
+
+@needs_model
+def test_smollm2_lora_sft_resumes_identically_and_exports_to_peft_and_transformers(tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fastllm.export import export, load_run
+    from fastllm.train.trainer import Trainer
+
+    quiet = dict(log=lambda text: None)
+    Trainer(_sft(tmp_path, "whole"), **quiet).train()
+    cut = _sft(tmp_path, "cut")
+    Trainer(cut, **quiet).train()
+    shutil.rmtree(os.path.join(cut.output_dir, "checkpoint-4"))  # as if killed after step 2
+    Trainer(_sft(tmp_path, "cut"), **quiet).train()
+    whole = _curve(str(tmp_path / "whole"))
+    assert _curve(cut.output_dir) == whole and len(whole) == 7  # 4 steps, evals at 0, 2, 4
+    assert whole[-1][3] < whole[0][3]  # the held-out loss fell
+
+    model, tok, _ = load_run(cut.output_dir)
+    chat = [{"role": "user", "content": "Capital of Peru?"}]
+    hf_tok = AutoTokenizer.from_pretrained(SMOLLM2)
+    ids = hf_tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True,
+                                     return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        adapter = export(cut.output_dir, str(tmp_path / "adapter"))
+        base = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32)
+        assert (base(input_ids=ids).logits - want).abs().max() > 1e-2  # it did train
+        pm = peft.PeftModel.from_pretrained(base, adapter)
+        torch.testing.assert_close(pm(input_ids=ids).logits, want, rtol=1e-3, atol=1e-3)
+        merged = export(cut.output_dir, str(tmp_path / "merged"), merged=True)
+        hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+        torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=1e-3, atol=1e-3)
+    assert AutoTokenizer.from_pretrained(merged).chat_template == hf_tok.chat_template
