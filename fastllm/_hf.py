@@ -11,7 +11,10 @@
 - Hub kernels (the `kernels` package, a dependency of 5.x): `from_pretrained` turns them on
   (`use_kernels`, default True unless USE_HUB_KERNELS=0), and then every change of mode
   (`train()`, `eval()`) kernelizes the model again: each layer the package knows (RMSNorm) gets
-  its class's forward back (popped from the instance), or a hub kernel's on a GPU."""
+  its class's forward back (popped from the instance), or a hub kernel's on a GPU.
+- Which forward a module runs: ~140 families copy LlamaMLP's SwiGLU line under their own name,
+  others with the same attributes add multipliers, clamps, dropout or scales (FalconH1, SeedOss,
+  DeepseekV4, Step3p7, Inkling, Dory, BitNet); a user's subclass may override any forward."""
 
 import inspect
 
@@ -89,3 +92,38 @@ def hub_kernels_on(models):
     """Undo hub_kernels_off: kernelize each model again (in its current mode)."""
     for m in models:
         m.use_kernels = True
+
+
+def stock_forward(module, model_types):
+    """Whether module's class runs the forward transformers wrote for one of model_types (its
+    modeling file's), not a subclass's own (an auxiliary loss, other maths)."""
+    return getattr(type(module).forward, "__module__", None) in (
+        f"transformers.models.{t}.modeling_{t}" for t in model_types)
+
+
+# the SwiGLU MLP forward as transformers writes it: LlamaMLP's and its copies, Qwen2MLP's
+def _swiglu_forward(self, x):
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+def _swiglu_forward_inline(self, x):
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _code(fn):
+    # what a function computes, whatever its names and line numbers: its bytecode, the
+    # attribute and global names and the constants that reads, its arguments
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    return code.co_code, code.co_names, code.co_consts, code.co_argcount, code.co_kwonlyargcount
+
+
+_SWIGLU_CODES = (_code(_swiglu_forward), _code(_swiglu_forward_inline))
+
+
+def is_swiglu_forward(forward):
+    """Whether `forward` (an MLP class's) computes down_proj(act_fn(gate_proj(x)) * up_proj(x))
+    and nothing else, compiled to the same code as transformers' own."""
+    return _code(forward) in _SWIGLU_CODES

@@ -25,6 +25,7 @@ What is swapped, per module instance (the class and every other model are untouc
                            its place). In eval, under no_grad or without labels the original
                            forward runs (logits for evaluation metrics; generation unchanged);
                            the keyword `skip_logits=True` / False forces either, as Liger's does.
+                           A nonzero `logits_to_keep` runs the original (a loss on kept logits).
 Each swap is an instance attribute `forward` (functools.partial of the replacement and the
 module, so a patched model pickles), so parameters, names, state_dicts, hooks, PEFT's wrappers
 (patch before or after get_peft_model), gradient checkpointing and torch.compile see the model
@@ -35,8 +36,10 @@ unpatch puts back whatever was there before.
 Shapes handled: the modules of transformers' Llama, Qwen2 and Mistral (checked against
 transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`),
 and the `1 + weight` RMSNorm of Gemma 1-3 (Gemma3n's and Gemma4's multiply by `weight` alone).
-A module that does not look like one of those is left alone, and patch() says which it skipped
-with `verbose=True`.
+An *MLP only when its class's forward is transformers' SwiGLU line itself (no multipliers,
+clamps or dropout around it), an *Attention or *ForCausalLM only when it runs transformers' own
+forward (a subclass's override, an auxiliary loss say, runs as itself). Any other module is
+left alone (GPT-2's, Phi-3's fused projections); `verbose=True` prints the counts per kind.
 
 Distributed: patch before fully_shard (FSDP2) and before tensor-parallel layouts
 (tests/test_patch_distributed.py). The kernels take plain tensors; under FSDP2 the modules see
@@ -344,8 +347,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         # Liger-Kernel's rule, and only with grad: evaluation (Trainer.evaluate's
         # compute_metrics, return_dict=False's (loss, logits, ...)) needs the logits
         skip_logits = self.training and torch.is_grad_enabled()
-    if labels is None or not skip_logits or type(head) is not nn.Linear or _hooked(head) or (
-            is_dtensor(head.weight) and head.bias is not None):
+    # logits_to_keep (the last k positions, or those indices): HF's loss is over those logits
+    # alone (labels shaped to them), and so few logits are cheap to make
+    keeps = torch.is_tensor(logits_to_keep) or logits_to_keep != 0
+    if labels is None or not skip_logits or keeps or type(head) is not nn.Linear or _hooked(
+            head) or (is_dtensor(head.weight) and head.bias is not None):
         return original(self, input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=position_ids, **_hf.cache_kwargs(self, cache),
                         inputs_embeds=inputs_embeds,
@@ -409,14 +415,15 @@ def _is_attention(m):
     return (type(m).__name__.endswith("Attention") and all(
         hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling",
                                 "config", "layer_idx"))
-            and getattr(m.config, "model_type", None) in _MODEL_TYPES)
+            and getattr(m.config, "model_type", None) in _MODEL_TYPES
+            and _hf.stock_forward(m, _MODEL_TYPES))
 
 
 def _is_swiglu_mlp(m):
     act = getattr(m, "act_fn", None)
     return (type(m).__name__.endswith("MLP") and all(
         hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
-            and _is_silu(act))
+            and _is_silu(act) and _hf.is_swiglu_forward(type(m).forward))
 
 
 def _is_silu(act):
@@ -429,13 +436,15 @@ def _is_causal_lm(m):
     # the HF model itself, not a wrapper that forwards attributes to it (PEFT's PeftModel)
     return (type(m).__name__.endswith("ForCausalLM") and "lm_head" in m._modules
             and "model" in m._modules
-            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES)
+            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES
+            and _hf.stock_forward(m, _MODEL_TYPES))
 
 
 def _eager_attention_of(module):
     import sys
 
-    return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    # the forward's module (_hf.stock_forward), not the class's: a subclass kept that forward
+    return getattr(sys.modules[type(module).forward.__module__], "eager_attention_forward")
 
 
 # every replacement forward, as the partials patch() binds carry them

@@ -1,0 +1,313 @@
+"""fastllm.patch across the families and arguments a user brings: Qwen2 (q/k/v bias), Qwen3
+(q_norm/k_norm inside its attention, which the patch leaves to transformers), Mistral with and
+without a sliding window, Llama's rope scalings, tied and untied heads, padded, positioned and
+packed rows, logits_to_keep, output_attentions, generate; and the families it does not support
+(Gemma, Phi-3, GPT-2, and SwiGLU-named MLPs with other maths): their outputs unchanged.
+
+Tiny random models (hidden 64, 2 layers, vocabulary 300, 12 tokens); fp32 within 1e-5 on the
+loss and logits, 1e-4 on every gradient, against the unpatched model."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+import fastllm
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, attn_implementation="sdpa")
+
+
+def _model(name="Llama", **over):
+    config = getattr(transformers, name + "Config")(**{**BASE, **over})
+    torch.manual_seed(0)
+    model = getattr(transformers, name + "ForCausalLM")(config)
+    with torch.no_grad():  # norms start at 1 and biases at 0: move them so their grads matter
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _batch(b=2, s=12):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a masked prompt
+    return ids, labels
+
+
+def _run(model, **kw):
+    """(output, {name: grad}) of one forward and backward (of the loss, else of the logits)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)
+    (out.loss if out.loss is not None else out.logits.square().mean()).backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(ours, theirs):
+    (out_a, grads_a), (out_b, grads_b) = ours, theirs
+    if out_b.loss is not None:
+        torch.testing.assert_close(out_a.loss, out_b.loss, rtol=1e-5, atol=0)
+    if out_a.logits is not None:
+        torch.testing.assert_close(out_a.logits, out_b.logits, rtol=1e-5, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name, g in grads_b.items():
+        err = (grads_a[name] - g).abs().max().item()
+        assert err <= 1e-4 * (g.abs().max().item() + 1e-30), f"{name}: {err:.3g}"
+
+
+def _pair(model):
+    ref = copy.deepcopy(model)
+    return fastllm.patch(model), ref
+
+
+FAMILIES = {
+    "qwen2_bias": ("Qwen2", {}),
+    "qwen2_sliding_layers": ("Qwen2", dict(use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=1)),
+    "qwen3_qk_norm": ("Qwen3", dict(tie_word_embeddings=True)),
+    "mistral_sliding": ("Mistral", dict(sliding_window=4)),
+    "mistral_full_linear_rope": ("Mistral", dict(
+        sliding_window=None, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "llama3_rope": ("Llama", dict(rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8))),
+    # max_position_embeddings below the 12 tokens: the dynamic frequencies are recomputed
+    "dynamic_rope": ("Llama", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0),
+                                   max_position_embeddings=8)),
+    "yarn_rope": ("Llama", dict(rope_scaling=dict(rope_type="yarn", factor=8.0,
+                                                  original_max_position_embeddings=8))),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_equals_unpatched(family):
+    """In training with labels (the fused loss): left-padded rows with their position ids, and
+    packed rows (position ids restarting, no mask); in eval without labels: the logits and
+    every hidden state. All equal the unpatched model's."""
+    name, over = FAMILIES[family]
+    model, ref = _pair(_model(name, **over))
+    counts = fastllm.patched(model)
+    assert counts["rms_norm"] == (9 if name == "Qwen3" else 5) and counts["swiglu"] == 2
+    # Qwen3's attention (q_norm/k_norm) and loss are transformers' own
+    assert counts["rotary"] == counts["cross_entropy"] * 2 == (0 if name == "Qwen3" else 2)
+    ids, labels = _batch()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    padded = dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(mask == 0, -100),
+                  position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    packed = dict(input_ids=ids, labels=labels, use_cache=False, position_ids=torch.tensor(
+        [[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2], list(range(12))]))
+    for kw in (padded, packed):
+        ours = _run(model, **kw)
+        assert ours[0].logits is None or counts["cross_entropy"] == 0
+        _assert_same(ours, _run(ref, **kw))
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        ours, theirs = (m(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+                        for m in (model, ref))
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-5)
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == 3
+    for a, b in zip(ours.hidden_states, theirs.hidden_states):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _mlp_cases():
+    """(module, class, config class, config kwargs, what differs from Llama's SwiGLU)."""
+    size = dict(hidden_size=64, intermediate_size=96)
+    return [
+        ("falcon_h1", "FalconH1MLP", "FalconH1Config", dict(size, mlp_multipliers=[2.0, 0.5])),
+        ("seed_oss", "SeedOssMLP", "SeedOssConfig", dict(size, residual_dropout=0.5)),
+        ("deepseek_v4", "DeepseekV4MLP", "DeepseekV4Config", dict(size, swiglu_limit=0.05)),
+        ("inkling", "InklingMLP", "InklingTextConfig", size),
+    ]
+
+
+@pytest.mark.parametrize("module,cls,config_cls,kw", _mlp_cases(),
+                         ids=[c[1] for c in _mlp_cases()])
+def test_swiglu_named_mlps_with_other_maths_keep_their_forward(module, cls, config_cls, kw):
+    """MLPs with gate/up/down_proj and silu whose forward is not down(silu(gate) * up): FalconH1
+    scales gate and output, SeedOss drops out the output in training, DeepseekV4 clamps gate and
+    up, Inkling multiplies by a learnt scale. Patching them swapped in plain SwiGLU (silently
+    wrong outputs); they keep their own forward: output and grads unchanged."""
+    try:
+        mlp_cls = getattr(importlib.import_module(
+            f"transformers.models.{module}.modeling_{module}"), cls)
+        config = getattr(transformers, config_cls)(**kw)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers has no {cls}")
+    torch.manual_seed(0)
+    mlp = mlp_cls(config).train()
+    with torch.no_grad():
+        for n, p in mlp.named_parameters():
+            if "scale" in n:
+                p.fill_(3.0)
+    ref = copy.deepcopy(mlp)
+    fastllm.patch(mlp)
+    x = 4.0 * torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for m in (mlp, ref):
+        torch.manual_seed(3)  # the same dropout mask on both sides
+        y = m(x)
+        outs.append([y] + list(torch.autograd.grad(y.square().sum(), list(m.parameters()))))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert fastllm.patched(mlp)["swiglu"] == 0
+
+
+def _subclassed(case):
+    """A tiny Llama as a user subclasses it here (outside transformers): `aux_loss`, an auxiliary
+    loss over LlamaForCausalLM's; `halved_attention`, LlamaAttention subclasses that halve their
+    output; `plain_attention`, LlamaAttention subclasses that keep transformers' forward."""
+    from transformers.models.llama import modeling_llama
+
+    class AuxLossLlamaForCausalLM(transformers.LlamaForCausalLM):
+        def forward(self, *args, labels=None, **kwargs):
+            out = super().forward(*args, labels=labels, **kwargs)
+            if labels is not None:
+                out.loss = out.loss + self.lm_head.weight.abs().mean()
+            return out
+
+    class HalvedAttention(modeling_llama.LlamaAttention):
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            return 0.5 * out, weights
+
+    class PlainAttention(modeling_llama.LlamaAttention):
+        pass
+
+    model = _model()
+    if case == "aux_loss":
+        torch.manual_seed(0)
+        return AuxLossLlamaForCausalLM(model.config)
+    cls = HalvedAttention if case == "halved_attention" else PlainAttention
+    for layer in model.model.layers:
+        old = layer.self_attn
+        layer.self_attn = cls(model.config, old.layer_idx)
+        layer.self_attn.load_state_dict(old.state_dict())
+    return model
+
+
+@pytest.mark.parametrize("case,rotary,cross_entropy", [
+    ("aux_loss", 2, 0), ("halved_attention", 0, 1), ("plain_attention", 2, 1)])
+def test_subclasses_outside_transformers(case, rotary, cross_entropy):
+    """A subclass with its own forward keeps it: the patch replaced a causal LM's with Llama's
+    (its auxiliary loss silently gone in training), and failed on an attention's with an
+    AttributeError (the eager attention looked up in the subclass's module, or, where that
+    module had one, replaced its maths). A subclass that keeps transformers' forward is patched
+    (it failed the same way). The loss and every grad equal the unpatched model's."""
+    model, ref = _pair(_subclassed(case).train())
+    ids, labels = _batch()
+    _assert_same(_run(model, input_ids=ids, labels=labels), _run(ref, input_ids=ids,
+                                                                   labels=labels))
+    counts = fastllm.patched(model)
+    assert (counts["rotary"], counts["cross_entropy"]) == (rotary, cross_entropy)
+
+
+def test_logits_to_keep_with_labels_in_training():
+    """logits_to_keep=k with labels in training: transformers' loss is over the last k positions'
+    logits (labels of length k); the patch's fused loss ignored k (a loss over every token, or an
+    error for k labels). Now the same loss, logits and grads as unpatched, and the same error
+    for labels of the full length; without labels the kept logits equal (int or indices)."""
+    model, ref = _pair(_model())
+    ids, labels = _batch()
+    kw = dict(input_ids=ids, labels=labels[:, -5:], logits_to_keep=5)
+    ours, theirs = _run(model, **kw), _run(ref, **kw)
+    assert ours[0].logits.shape == (2, 5, VOCAB)
+    _assert_same(ours, theirs)
+    for m in (model, ref):
+        with pytest.raises(ValueError):
+            m(input_ids=ids, labels=labels, logits_to_keep=5)
+    for keep in (1, torch.tensor([0, 7, 11])):
+        torch.testing.assert_close(model(input_ids=ids, logits_to_keep=keep).logits,
+                                   ref(input_ids=ids, logits_to_keep=keep).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_generate_left_padded_past_the_sliding_window():
+    """Greedy generate (the KV cache path) with Mistral's sliding window of 4 from a left-padded
+    batch, 12 tokens in all: the unpatched model's tokens."""
+    model, ref = _pair(_model("Mistral", sliding_window=4).eval())
+    ids, _ = _batch(s=6)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        ours, theirs = (m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                   pad_token_id=0) for m in (model, ref))
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_output_attentions(train):
+    """output_attentions=True: with eager attention the weights, loss and grads equal the
+    unpatched model's (in training the fused loss); with sdpa both give none, as transformers
+    says."""
+    model, ref = _pair(_model(attn_implementation="eager").train(train))
+    ids, labels = _batch()
+    kw = dict(input_ids=ids, labels=labels, output_attentions=True)
+    ours, theirs = _run(model, **kw), _run(ref, **kw)
+    _assert_same(ours, theirs)
+    assert len(ours[0].attentions) == len(theirs[0].attentions) == 2
+    for a, b in zip(ours[0].attentions, theirs[0].attentions):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    model, ref = _pair(_model().train(train))
+    ours, theirs = (m(**kw).attentions for m in (model, ref))
+    assert len(ours) == len(theirs) == 0
+
+
+def _gpt2():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                     n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("family", ["Gemma", "Phi3", "GPT2"])
+def test_unsupported_families_unchanged(family):
+    """Gemma (its (1 + weight) norms patched, gelu MLP and attention its own), Phi-3 (fused
+    qkv/gate_up projections: norms only) and GPT-2 (Conv1D, LayerNorm: only lm_head's Linear):
+    no rotary or loss swap, and training loss and every grad equal the unpatched model's."""
+    if family == "GPT2":
+        model = _gpt2()
+    else:
+        over = {"Gemma": dict(head_dim=16), "Phi3": dict(pad_token_id=0)}[family]
+        model = _model(family, **over)
+    model, ref = _pair(model.train())
+    counts = fastllm.patched(model)
+    assert counts["rotary"] == counts["cross_entropy"] == counts["swiglu"] == 0
+    assert counts["rms_norm"] == (0 if family == "GPT2" else 5)
+    ids, labels = _batch()
+    _assert_same(_run(model, input_ids=ids, labels=labels), _run(ref, input_ids=ids,
+                                                                   labels=labels))
+
+
+def test_patch_twice_unpatch_and_save_round_trip(tmp_path):
+    """Patching twice changes nothing; unpatch leaves the model's modules, their __dict__ and
+    its logits exactly as before patch; save_pretrained / from_pretrained then round-trips."""
+    model = _model("Qwen2").eval()
+    ref = copy.deepcopy(model)
+    dicts = {n: set(m.__dict__) for n, m in model.named_modules()}
+    ids, _ = _batch()
+    fastllm.patch(model)
+    forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    counts = fastllm.patched(model)
+    fastllm.patch(model)
+    assert fastllm.patched(model) == counts
+    assert all(m.__dict__.get("forward") is forwards[n] for n, m in model.named_modules())
+    fastllm.unpatch(model)
+    assert {n: set(m.__dict__) for n, m in model.named_modules()} == dicts
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, ref(input_ids=ids).logits)
