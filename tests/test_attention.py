@@ -156,9 +156,9 @@ def test_gpu_path_through_sdpa_matches_ref(packed):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_fewer_tasks_than_threads_split_the_query_blocks(packed):
-    """One row and one kv head on 4 threads: the cpp kernel splits the task's 3 query blocks
-    into parts (dK, dV summed per part afterwards); same results as the reference, and the same
-    bits on every call."""
+    """One row and one kv head (fewer tasks than the kernel's 16 parts): the cpp kernel splits
+    the task's 3 query blocks into parts (dK, dV summed per part afterwards); same results as
+    the reference, and the same bits on every call."""
     if fastllm._backend.unavailable_reason("cpp", "cpu"):
         pytest.skip("no cpp backend")
     q, k, v, dy, ds = _inputs((1, 300, 2, 1, 8, packed), torch.float32)

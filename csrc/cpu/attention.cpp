@@ -20,7 +20,7 @@
 //   backward (the same blocks; P recomputed from lse, nothing of size T^2 is kept):
 //     dV += P^T dO,  dP = dO V^T,  dS = P (dP - rowsum(dO O)) scale,  dQ = dS K,  dK += dS^T Q
 //
-// Tasks run in parallel (at::parallel_for over B * Hkv; with fewer tasks than threads each is
+// Tasks run in parallel (at::parallel_for over B * Hkv; with fewer than kParts tasks each is
 // split into runs of query blocks whose dK, dV are summed afterwards), each GEMM on one thread:
 // a task's operands (T x D fp32 per head) and its block's scores (G * Tb x T fp32, 768 KB at
 // G = 3, Tb = 128, T = 512) stay in the core's cache. Blocks skip the keys before their document and
@@ -114,9 +114,14 @@ inline Range keys_of(const int64_t* ds, int64_t t, int64_t first_key) {
 }
 
 // The unit of parallel work: task bg = b * Hkv + g, its query positions [t0, t1) (whole blocks).
-// A task is one part when the tasks fill the threads; with fewer tasks than threads (a small
-// batch, few kv heads) each task's blocks are split into parts of about equal causal work (block
-// i sees i + 1 blocks of keys), so that one row and three kv heads still keep 16 threads busy.
+// A task is one part when there are at least kParts tasks; with fewer (a small batch, few kv
+// heads) each task's blocks are split into parts of about equal causal work (block i sees i + 1
+// blocks of keys), so that one row and three kv heads still keep 16 threads busy. The split is a
+// function of the shapes alone, never of the thread count: the backward adds the parts' dK, dV in
+// part order, so the thread count must not change the parts, or the bits of dK and dV would
+// follow it (torch.set_num_threads(1) and (2) gave different last bits when it did).
+constexpr int64_t kParts = 16;
+
 struct Part {
   int64_t bg, t0, t1;
 };
@@ -124,9 +129,8 @@ struct Part {
 std::vector<Part> parts_of(const Shape& s) {
   const int64_t tasks = s.batch * s.kv_heads, T = s.tokens;
   const int64_t blocks = (T + kBlock - 1) / kBlock;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t split = 1;
-  if (tasks > 0 && tasks < threads) split = std::min(blocks, (threads + tasks - 1) / tasks);
+  if (tasks > 0 && tasks < kParts) split = std::min(blocks, (kParts + tasks - 1) / tasks);
   std::vector<Part> parts;
   parts.reserve(tasks * split);
   const double total = double(blocks) * double(blocks + 1) / 2.0;
@@ -239,13 +243,15 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
   const std::vector<Part> parts = parts_of(s);
   const int64_t tasks = s.batch * s.kv_heads;
   const bool split = static_cast<int64_t>(parts.size()) > tasks;
-  // split tasks: each part's dK, dV contributions (rows [0, t1) of its keys) in a buffer of its
-  // own, summed per task in part order afterwards (deterministic; only with fewer tasks than
-  // threads, so at most ~2 x threads buffers of T x D fp32)
+  // split tasks: each part's dK, dV contributions (rows [0, t1) of its keys) in rows of its own
+  // (part i's from row offset[i]), summed per task in part order afterwards (only with fewer than
+  // kParts tasks, so fewer than 2 x kParts x T rows of D fp32)
   at::Tensor dk_parts, dv_parts;
+  std::vector<int64_t> offset(parts.size() + 1, 0);
   if (split) {
-    dk_parts = at::empty({static_cast<int64_t>(parts.size()), T, D}, f32);
-    dv_parts = at::empty({static_cast<int64_t>(parts.size()), T, D}, f32);
+    for (size_t i = 0; i < parts.size(); ++i) offset[i + 1] = offset[i] + parts[i].t1;
+    dk_parts = at::empty({offset.back(), D}, f32);
+    dv_parts = at::empty({offset.back(), D}, f32);
   }
   const at::ThreadLocalState caller;
   at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
@@ -279,10 +285,12 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
         delta[i] = acc;
         row_lse[i] = lse_all[(b * s.heads + g * G + i % G) * T + part.t0 + i / G];
       }
-      auto dkf = split ? dk_parts[idx] : dk_own;
-      auto dvf = split ? dv_parts[idx] : dv_own;
-      dkf.zero_();  // all T rows: a split task's sum reads every row of its first part
-      dvf.zero_();
+      auto dkf = split ? dk_parts.narrow(0, offset[idx], part.t1) : dk_own;
+      auto dvf = split ? dv_parts.narrow(0, offset[idx], part.t1) : dv_own;
+      // the rows the part can reach: a split task's sum reads no others, and an unsplit task's
+      // one part reaches all T
+      dkf.narrow(0, 0, part.t1).zero_();
+      dvf.narrow(0, 0, part.t1).zero_();
       for (int64_t r0 = part.t0; r0 < part.t1; r0 += kBlock) {
         const int64_t r1 = std::min(part.t1, r0 + kBlock), rows = (r1 - r0) * G;
         const int64_t row0 = (r0 - part.t0) * G;
@@ -324,22 +332,30 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
     }
   });
   if (split) {
-    // each task's parts in order: part p covered keys [0, its t1)
+    // each task's parts in order: part p covered keys [0, its t1). Parallel over (task, block of
+    // kBlock key rows), so that one task's sum is not left to one thread; every element is still
+    // the sum of its parts in part order.
     std::vector<int64_t> first_part(tasks + 1, static_cast<int64_t>(parts.size()));
     for (int64_t i = static_cast<int64_t>(parts.size()) - 1; i >= 0; --i) first_part[parts[i].bg] = i;
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t key_blocks = (T + kBlock - 1) / kBlock;
+    at::parallel_for(0, tasks * key_blocks, 1, [&](int64_t begin, int64_t end) {
       at::ThreadLocalStateGuard same_state(caller);
       c10::NoGradGuard no_grad;
-      for (int64_t bg = begin; bg < end; ++bg) {
+      auto dk_sum = at::empty({kBlock, D}, f32), dv_sum = at::empty({kBlock, D}, f32);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t bg = item / key_blocks, j0 = (item % key_blocks) * kBlock;
+        const int64_t j1 = std::min(T, j0 + kBlock);
         const int64_t b = bg / s.kv_heads, g = bg % s.kv_heads;
-        auto dk_sum = dk_parts[first_part[bg]], dv_sum = dv_parts[first_part[bg]];  // in place
-        for (int64_t i = first_part[bg] + 1; i < first_part[bg + 1]; ++i) {
-          const int64_t seen = parts[i].t1;
-          dk_sum.narrow(0, 0, seen).add_(dk_parts[i].narrow(0, 0, seen));
-          dv_sum.narrow(0, 0, seen).add_(dv_parts[i].narrow(0, 0, seen));
+        dk_sum.zero_();
+        dv_sum.zero_();
+        for (int64_t i = first_part[bg]; i < first_part[bg + 1]; ++i) {
+          const int64_t seen = std::min(parts[i].t1, j1) - j0;  // the part's rows in the block
+          if (seen <= 0) continue;
+          dk_sum.narrow(0, 0, seen).add_(dk_parts.narrow(0, offset[i] + j0, seen));
+          dv_sum.narrow(0, 0, seen).add_(dv_parts.narrow(0, offset[i] + j0, seen));
         }
-        store(dk_sum, dk, b, 0, T, g, 1);
-        store(dv_sum, dv, b, 0, T, g, 1);
+        store(dk_sum, dk, b, j0, j1, g, 1);
+        store(dv_sum, dv, b, j0, j1, g, 1);
       }
     });
   }

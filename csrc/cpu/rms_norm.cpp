@@ -4,11 +4,13 @@
 //             dx = rstd * (g - xhat * mean(g * xhat)),   dw = sum over rows of dy * xhat
 // offset is 0 (Llama) or 1 (Gemma's `1 + weight`). Everything is computed in fp32 (fp64 for fp64)
 // and rounded once into the output dtype. dw is reduced per block of rows into fp32 partial sums
-// (one per block, a fixed number of blocks), then added in block order: deterministic for a
-// given thread count, and the backward reads x and dy exactly once.
+// (one per block), then added in block order. The blocks are a function of (rows, h) only, never
+// of the thread count, so dw has the same bits on 1 thread or 64; the backward reads x and dy
+// exactly once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cpu/model_io.h"
@@ -96,6 +98,42 @@ void check_args(const at::Tensor& x, const at::Tensor& weight) {
 // Rows per parallel task: enough elements (~16K) that a fork/join is amortised.
 int64_t grain_rows(int64_t h) { return std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(h, 1)); }
 
+// At most this many dw partial sums: enough blocks to balance the threads of a big machine,
+// few enough that the partials (kMaxBlocks x h fp32, 147 KB at h = 576) stay in cache.
+constexpr int64_t kMaxBlocks = 64;
+
+// Rows per backward block: grain_rows(h), or more so that there are at most kMaxBlocks.
+int64_t block_rows(int64_t rows, int64_t h) {
+  return std::max(grain_rows(h), (rows + kMaxBlocks - 1) / kMaxBlocks);
+}
+
+// dw[i] = the blocks' partials at column i added in block order (fp32, fp64 for fp64), rounded
+// once; parallel over columns, so the order of each sum is the same on any number of threads.
+template <typename scalar_t>
+void sum_partials(const typename Io<scalar_t>::opmath_t* partial, int64_t blocks, int64_t h,
+                  scalar_t* dw_raw) {
+  using io = Io<scalar_t>;
+  using op_t = typename io::opmath_t;
+  using raw_t = typename io::raw_t;
+  raw_t* dw = reinterpret_cast<raw_t*>(dw_raw);
+  constexpr int64_t kColumns = 256;  // a few cache lines of every block's partial per task
+  // tasks of at least ~64K partial elements: a small sum (64 x 576) is cheaper than a fork/join
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (blocks * kColumns));
+  at::parallel_for(0, (h + kColumns - 1) / kColumns, grain, [&](int64_t c0, int64_t c1) {
+    op_t acc[kColumns];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i0 = c * kColumns, n = std::min(kColumns, h - i0);
+      std::fill(acc, acc + n, op_t(0));
+      for (int64_t b = 0; b < blocks; ++b) {
+        const op_t* __restrict p = partial + b * h + i0;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) acc[i] += p[i];
+      }
+      for (int64_t i = 0; i < n; ++i) dw[i0 + i] = io::store(acc[i]);
+    }
+  });
+}
+
 }  // namespace
 
 std::vector<at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -135,13 +173,13 @@ std::vector<at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_out, const 
   const int64_t rows = x.size(0), h = x.size(1);
   auto dx = need_dx ? at::empty_like(x) : at::empty({0}, x.options());
   auto dw = need_dweight ? at::empty_like(weight) : at::empty({0}, x.options());
-  // A fixed number of row blocks (a function of the thread count only), each with its own dw
-  // partial sum: the sum order does not depend on how the scheduler hands them out.
-  const int64_t blocks = need_dweight ? std::max<int64_t>(1, std::min<int64_t>(
-                                            rows, 4 * at::get_num_threads()))
-                                      : std::max<int64_t>(1, rows);
-  auto partial = need_dweight ? at::zeros({blocks, h}, x.options().dtype(op_dtype))
-                              : at::Tensor();
+  // Blocks of block_rows(rows, h) rows, each with its own dw partial sum: the split and the
+  // order the partials are added in depend on the sizes alone, not on the thread count or on
+  // how the scheduler hands the blocks out.
+  const int64_t per_block = block_rows(rows, h);
+  const int64_t blocks = std::max<int64_t>(1, (rows + per_block - 1) / per_block);
+  auto partial = need_dweight && rows > 0 && h > 0
+                     ? at::empty({blocks, h}, x.options().dtype(op_dtype)) : at::Tensor();
   if (rows > 0 && h > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
                                     "fastllm_rms_norm_backward_cpu", [&] {
@@ -152,23 +190,18 @@ std::vector<at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_out, const 
       const op_t* rp = rstd.const_data_ptr<op_t>();
       scalar_t* dxp = need_dx ? dx.mutable_data_ptr<scalar_t>() : nullptr;
       op_t* pp = need_dweight ? partial.mutable_data_ptr<op_t>() : nullptr;
-      const int64_t per_block = (rows + blocks - 1) / blocks;
       at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t begin = b * per_block, end = std::min(rows, begin + per_block);
-          if (begin >= end) continue;
-          backward_rows<scalar_t>(dyp, xp, wp, rp, dxp, pp ? pp + b * h : nullptr, begin, end, h,
-                                  offset, need_dx);
+          op_t* acc = pp ? pp + b * h : nullptr;
+          if (acc != nullptr) std::fill(acc, acc + h, op_t(0));  // every block has rows
+          backward_rows<scalar_t>(dyp, xp, wp, rp, dxp, acc, begin, end, h, offset, need_dx);
         }
       });
+      if (need_dweight) sum_partials<scalar_t>(pp, blocks, h, dw.mutable_data_ptr<scalar_t>());
     });
-  }
-  if (need_dweight) {
-    if (rows == 0) {
-      dw.zero_();
-    } else {
-      dw.copy_(partial.sum(0));
-    }
+  } else if (need_dweight) {
+    dw.zero_();
   }
   return {dx, dw};
 }
