@@ -8,6 +8,10 @@
 // what is left of it is rounding residue (fastllm/ops/orthogonalize.py derives the bound); it is
 // set to zero (times 0: a nan or inf stays visible) instead of normalised into a unit column that
 // is not orthogonal to them. With eps = 0 a zero column stays zero (torch's would be nan).
+// A kept column whose norm fell below 1/sqrt(2) of its first one is projected a second time
+// against q_0 .. q_{i-1} (classical Gram-Schmidt: c = Q^T x_i, x_i -= Q c) before it is
+// normalised: after one pass its rounding residue, relative to what is left of it, can leave it
+// far from orthogonal (up to 5/16 just above tol); twice is enough (orthogonalize.py's docstring).
 // One pass first takes every column's squared norm; then each column costs two passes over the
 // rows: one normalises x_i and accumulates q_i . x_j for every j > i at once, the other removes
 // q_i from the later columns and accumulates ||x_{i+1}||^2. Rows are contiguous, so every pass
@@ -29,14 +33,45 @@
 namespace fastllm {
 namespace {
 
-// As DEPENDENCE_C in fastllm/ops/orthogonalize.py.
+// As DEPENDENCE_C and REORTHOGONALIZE in fastllm/ops/orthogonalize.py.
 constexpr double kDependence = 16.0;
+constexpr double kReorthogonalize = 0.5;
 constexpr int64_t kBlock = 64;
+
+// The second pass over column i of x (n, r): x_i -= sum_{k < i} (q_k . x_i) q_k, the dot
+// products and each row's sum in double. Returns the new ||x_i||^2.
+template <typename T>
+double project_again(T* __restrict x, int64_t n, int64_t r, int64_t i, std::vector<double>& c,
+                     std::vector<double>& part) {
+  std::fill(c.begin(), c.begin() + i, 0.0);
+  for (int64_t b = 0; b < n; b += kBlock) {
+    std::fill(part.begin(), part.begin() + i, 0.0);
+    for (int64_t row = b; row < std::min(n, b + kBlock); ++row) {
+      const T* xr = x + row * r;
+      const double xi = double(xr[i]);
+      for (int64_t k = 0; k < i; ++k) part[k] += double(xr[k]) * xi;
+    }
+    for (int64_t k = 0; k < i; ++k) c[k] += part[k];
+  }
+  double norm2 = 0.0;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    double sum = 0.0;
+    for (int64_t row = b; row < std::min(n, b + kBlock); ++row) {
+      T* xr = x + row * r;
+      double proj = 0.0;
+      for (int64_t k = 0; k < i; ++k) proj += c[k] * double(xr[k]);
+      xr[i] = T(double(xr[i]) - proj);
+      sum += double(xr[i]) * double(xr[i]);
+    }
+    norm2 += sum;
+  }
+  return norm2;
+}
 
 template <typename T>
 void orthogonalize_one(T* __restrict x, int64_t n, int64_t r, double eps) {
   const double tol = kDependence * double(r) * std::numeric_limits<T>::epsilon();
-  std::vector<double> acc(r, 0.0), part(r), limit(r);
+  std::vector<double> acc(r, 0.0), part(r), limit(r), first(r), c(r);
   std::vector<T> coef(r);
   for (int64_t b = 0; b < n; b += kBlock) {
     std::fill(part.begin(), part.end(), 0.0);
@@ -47,10 +82,15 @@ void orthogonalize_one(T* __restrict x, int64_t n, int64_t r, double eps) {
     for (int64_t j = 0; j < r; ++j) acc[j] += part[j];
   }
   for (int64_t j = 0; j < r; ++j) limit[j] = tol * std::sqrt(acc[j]);
+  first = acc;
   double norm2 = acc[0];
   for (int64_t i = 0; i < r; ++i) {
+    const bool keep = std::sqrt(norm2) > limit[i];
+    if (keep && i > 0 && norm2 < kReorthogonalize * first[i]) {
+      norm2 = project_again(x, n, r, i, c, part);
+    }
     const double norm = std::sqrt(norm2);
-    const T inv = T(norm > limit[i] ? 1.0 / (norm + eps) : 0.0);
+    const T inv = T(keep ? 1.0 / (norm + eps) : 0.0);
     std::fill(acc.begin() + i + 1, acc.end(), 0.0);
     for (int64_t b = 0; b < n; b += kBlock) {
       std::fill(part.begin() + i + 1, part.end(), 0.0);

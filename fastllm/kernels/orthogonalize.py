@@ -6,7 +6,9 @@ of torch's powerSGD_hook and of orthogonalize_ref):
     x_j -= (q_i . x_j) q_i            for every j > i
 tol = 16 r eps(fp32) (fastllm/ops/orthogonalize.py derives it) marks a column that depends on
 the earlier ones: what is left of it is rounding residue, zeroed (times 0: a nan stays) instead
-of normalised.
+of normalised. A kept column whose norm fell below 1/sqrt(2) of its first one is projected a
+second time against q_0 .. q_{i-1} (c = Q^T x_i, x_i -= Q c: two more passes) before it is
+normalised, so that it comes out orthogonal to them (twice is enough; the ops module's docstring).
 One program per matrix. A first pass over row blocks takes every column's squared norm; then per
 column one pass normalises x_i and accumulates every q_i . x_j at once, a second removes q_i from
 the later columns and accumulates ||x_{i+1}||^2. The whole row (r <= BLOCK_R columns) is one
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 
 _DEPENDENCE_C = 16  # as DEPENDENCE_C in fastllm/ops/orthogonalize.py
+_REORTHOGONALIZE = 0.5  # as REORTHOGONALIZE there
 _EPS = torch.finfo(torch.float32).eps
 
 
@@ -28,6 +31,7 @@ def _orthogonalize_kernel(
     n_cols,  # columns of the matrix (r), at most BLOCK_R
     eps,  # added to every column norm before dividing
     tol,  # a column whose norm falls to tol * its first norm or below is set to zero
+    again_below,  # a kept column whose squared norm falls below this * its first is projected twice
     BLOCK_N: tl.constexpr,  # rows per tile
     BLOCK_R: tl.constexpr,  # n_cols rounded up to a power of two
 ):
@@ -42,10 +46,34 @@ def _orthogonalize_kernel(
     # IEEE-rounded sqrt and reciprocal as the C++ kernel's (tl.sqrt and / are approximate
     # on GPUs and exact in the interpreter, so the tests would not see the difference).
     limit = tol * tl.sqrt_rn(sq)
+    first = sq
     norm2 = tl.sum(tl.where(cols == 0, sq, 0.0), axis=0)
     for i in range(0, n_cols):
+        keep = tl.sqrt_rn(norm2) > tl.sum(tl.where(cols == i, limit, 0.0), axis=0)
+        first_i = tl.sum(tl.where(cols == i, first, 0.0), axis=0)
+        if keep & (i > 0) & (norm2 < again_below * first_i):
+            c = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for start in range(0, n_rows, BLOCK_N):
+                rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+                mask = (rows[:, None] < n_rows) & col_mask[None, :]
+                tile = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask,
+                               other=0.0)
+                x_i = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
+                c += tl.sum(tile * x_i[:, None], axis=0)
+            c = tl.where(cols < i, c, 0.0)
+            sq_i = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_rows, BLOCK_N):
+                rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+                mask = (rows[:, None] < n_rows) & col_mask[None, :]
+                ptrs = x_ptr + rows[:, None] * n_cols + cols[None, :]
+                tile = tl.load(ptrs, mask=mask, other=0.0)
+                x_i = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
+                x_i -= tl.sum(tile * c[None, :], axis=1)
+                tl.store(ptrs, tl.broadcast_to(x_i[:, None], tile.shape),
+                         mask=mask & (cols[None, :] == i))
+                sq_i += x_i * x_i
+            norm2 = tl.sum(sq_i, axis=0)
         norm = tl.sqrt_rn(norm2)
-        keep = norm > tl.sum(tl.where(cols == i, limit, 0.0), axis=0)
         # A dependent column gets inv = 0. (tl.where, not tl.maximum(norm + eps, 1e-38): below
         # fp32's normal range Triton 3.6 types the constant fp64, and tl.div_rn takes fp32 only)
         safe = tl.where(keep, norm + eps, 1.0)
@@ -85,4 +113,4 @@ def orthogonalize_triton(matrices, epsilon=0.0):
         # 16 elements a thread per tile (4 warps): with 32 the kernel spilled under Triton 3.6
         block_n = max(16, min(128, 2048 // block_r))
         _orthogonalize_kernel[(1,)](x, n, r, float(epsilon), _DEPENDENCE_C * r * _EPS,
-                                    BLOCK_N=block_n, BLOCK_R=block_r)
+                                    _REORTHOGONALIZE, BLOCK_N=block_n, BLOCK_R=block_r)

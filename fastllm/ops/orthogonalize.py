@@ -22,10 +22,19 @@ in double in the C++ kernel, by torch's cascade sum here, in per-block trees in 
 rounding of the product and of the subtraction (2u) and q_k's own norm error (~2(g + u)): at most
 3g + 4u ~ 5 eps. Over at most r - 1 removals the residue is below 5 r eps ||x_j||; tol is 3x
 that (measured: at most 0.55 r eps on ref and cpp, 2 r eps on Triton with n = 1e5, whose fp32
-sum over 391 row blocks is sequential). A column kept just above tol may be off orthogonal by up
-to residue / norm ~ 5/16 (single-pass Gram-Schmidt; reorthogonalising would fix it), and the
-bound assumes the earlier columns well conditioned (MGS loses orthogonality as eps * cond;
-Bjorck, BIT 7, 1967). With epsilon 0 a zero column stays zero (torch's hook would produce nan).
+sum over 391 row blocks is sequential). With epsilon 0 a zero column stays zero (torch's hook
+would produce nan).
+
+Twice is enough: a kept column's residue is relative to its first norm, so after one pass of
+removals a column that cancelled down to a small fraction of that norm is off orthogonal by up to
+residue / norm (up to 5/16 for a column kept just above tol; the bound above also assumes the
+earlier columns well conditioned, MGS losing orthogonality as eps * cond, Bjorck, BIT 7, 1967).
+So a kept column whose norm fell below 1/sqrt(2) of its first one (REORTHOGONALIZE on the
+squares) is projected once more against the finished q_0 .. q_{i-1} (classical Gram-Schmidt:
+c = Q^T x_i, x_i -= Q c) before it is normalised; one more pass leaves it orthogonal to working
+precision (Kahan's "twice is enough", Parlett, The Symmetric Eigenvalue Problem, 1980, sec. 6-9;
+Giraud, Langou, Rozloznik, Comput. Math. Appl. 50, 2005). Whether a column is dependent is still
+decided by its norm after the first pass, so a dependent column still comes out exactly zero.
 
 Backends: cpp (CPU), triton (GPU, fp32; CPU under TRITON_INTERPRET=1), `orthogonalize_ref`; the
 same sums in another order.
@@ -37,6 +46,9 @@ from fastllm import _backend, _extension
 from fastllm._library import lib
 
 DEPENDENCE_C = 16  # see the module docstring; as csrc/cpu/ and kernels/orthogonalize.py
+# A kept column whose squared norm after the removals is below this fraction of its first one
+# (its norm below 1/sqrt(2) of it) is projected a second time (module docstring)
+REORTHOGONALIZE = 0.5
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _PREFERENCE_FP64 = {"cpu": ("cpp", "ref"), "cuda": ("ref",)}
 
@@ -54,11 +66,22 @@ def orthogonalize_ref(matrices, epsilon=0.0):
         r = x.shape[1]
         # Norms as sums of squares: torch's sum is a cascade (error ~ eps), its norm of a strided
         # column one sequential sum (squared, 6.6e-5 off for 16384 equal fp32 values).
-        limit = (x * x).sum(dim=0).sqrt() * dependence_tol(r, x.dtype)
+        first = (x * x).sum(dim=0)
+        limit = first.sqrt() * dependence_tol(r, x.dtype)
         for i in range(r):
             col = x[:, i:i + 1]
-            norm = (col * col).sum().sqrt()
-            scale = torch.where(norm > limit[i], 1.0 / (norm + epsilon), torch.zeros_like(norm))
+            norm2 = (col * col).sum()
+            keep = norm2.sqrt() > limit[i]
+            if i > 0:
+                # the second pass (module docstring), as masked arithmetic rather than an `if`
+                # on the device's value; `prev` holds the finished q_0 .. q_{i-1}
+                prev = x[:, :i]
+                again = keep & (norm2 < REORTHOGONALIZE * first[i])
+                proj = (prev * (prev * col).sum(dim=0, keepdim=True)).sum(dim=1, keepdim=True)
+                col -= torch.where(again, proj, torch.zeros_like(proj))
+                norm2 = torch.where(again, (col * col).sum(), norm2)
+            norm = norm2.sqrt()
+            scale = torch.where(keep, 1.0 / (norm + epsilon), torch.zeros_like(norm))
             col.mul_(scale)  # (x 0, not zero_(): a nan or inf stays visible)
             if i + 1 < r:
                 rest = x[:, i + 1:]
