@@ -123,6 +123,18 @@ def _code(fn):
 _SWIGLU_CODES = (_code(_swiglu_forward), _code(_swiglu_forward_inline))
 
 
+def stock_norm(module):
+    """Whether an RMSNorm module's class runs a forward transformers wrote (every one of its
+    RMSNorms that patch matches by name and attributes computes what fastllm's does: checked
+    over transformers 5.25's 170), or one compiled to the same code as LlamaRMSNorm's (a
+    trust-remote-code copy), not a subclass's own (a clamp, another cast)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    forward = type(module).forward
+    return (getattr(forward, "__module__", None) or "").startswith("transformers.models.") or (
+        _code(forward) == _code(LlamaRMSNorm.forward))
+
+
 def is_swiglu_forward(forward):
     """Whether `forward` (an MLP class's) computes down_proj(act_fn(gate_proj(x)) * up_proj(x))
     and nothing else, compiled to the same code as transformers' own."""

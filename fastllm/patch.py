@@ -403,12 +403,13 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 def _is_llama_rms_norm(m):
     return (type(m).__name__.endswith("RMSNorm") and not type(m).__name__.startswith("Gemma")
             and isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 1
-            and hasattr(m, "variance_epsilon"))
+            and hasattr(m, "variance_epsilon") and _hf.stock_norm(m))
 
 
 def _is_gemma_rms_norm(m):
     return (type(m).__name__ in _GEMMA_RMS_NORMS
-            and isinstance(getattr(m, "weight", None), nn.Parameter) and hasattr(m, "eps"))
+            and isinstance(getattr(m, "weight", None), nn.Parameter) and hasattr(m, "eps")
+            and _hf.stock_norm(m))
 
 
 def _is_attention(m):

@@ -211,6 +211,42 @@ def test_subclasses_outside_transformers(case, rotary, cross_entropy):
     assert (counts["rotary"], counts["cross_entropy"]) == (rotary, cross_entropy)
 
 
+@pytest.mark.parametrize("case", ["clamped", "copied"])
+def test_rms_norm_subclass_keeps_its_forward(case):
+    """An RMSNorm subclass with a forward of its own (here: clamping its output) keeps it; a
+    class outside transformers whose forward is LlamaRMSNorm's code (trust-remote-code copies
+    it) is swapped. Either way the outputs and grads equal the unpatched model's."""
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    class ClampedRMSNorm(modeling_llama.LlamaRMSNorm):
+        def forward(self, x):
+            return super().forward(x).clamp(-0.5, 0.5)
+
+    # LlamaRMSNorm's forward as a module of its own compiles it (same code, another module)
+    stock = modeling_llama.LlamaRMSNorm.forward
+    copied = types.FunctionType(stock.__code__, dict(stock.__globals__, __name__="remote_code"))
+    CopiedRMSNorm = type("CopiedRMSNorm", (modeling_llama.LlamaRMSNorm,), {"forward": copied})
+    cls = ClampedRMSNorm if case == "clamped" else CopiedRMSNorm
+    model = _model()
+    norms = [(parent, name) for parent in model.modules() for name, child in
+             parent.named_children() if isinstance(child, modeling_llama.LlamaRMSNorm)]
+    for parent, name in norms:
+        old = getattr(parent, name)
+        new = cls(old.weight.numel(), eps=old.variance_epsilon)
+        new.load_state_dict(old.state_dict())
+        setattr(parent, name, new)
+    with torch.no_grad():  # not the ones of a fresh init: a clamp must have work to do
+        for parent, name in norms:
+            getattr(parent, name).weight.normal_(1.0, 2.0)
+    model, ref = _pair(model.train())
+    ids, labels = _batch()
+    _assert_same(_run(model, input_ids=ids, labels=labels), _run(ref, input_ids=ids,
+                                                                   labels=labels))
+    assert fastllm.patched(model)["rms_norm"] == (0 if case == "clamped" else len(norms))
+
+
 def test_logits_to_keep_with_labels_in_training():
     """logits_to_keep=k with labels in training: transformers' loss is over the last k positions'
     logits (labels of length k); the patch's fused loss ignored k (a loss over every token, or an
