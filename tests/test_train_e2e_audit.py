@@ -67,6 +67,22 @@ def test_help_after_overrides_prints_the_help_naming_every_config_key(capsys):
     assert "learning_rate (lr)" in text
 
 
+def test_one_key_under_two_names_on_the_command_line_is_refused():
+    # (a config file giving both was refused; on the command line the later one won silently)
+    with pytest.raises(ConfigError, match="learning_rate and lr are the same key"):
+        TrainConfig.from_args(["lr=1e-3", "learning_rate=2e-3"])
+    assert TrainConfig.from_args(["lr=1e-3", "lr=2e-3"]).lr == 2e-3  # one name: the later wins
+
+
+def test_malformed_prompts_jsonl_names_the_line(tmp_path):
+    from fastllm.train.evaluate import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl line 2: not JSON"):
+        read_prompts([], str(path))
+
+
 @pytest.mark.parametrize("change", ["lora.alpha=32", "lora.dropout=0.1"])
 def test_resume_with_another_lora_scaling_names_the_key(tmp_path, change):
     """fastllm's load_adapter refuses layers whose alpha or dropout differ from the saved

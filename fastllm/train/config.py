@@ -372,11 +372,16 @@ class TrainConfig:
     def from_args(cls, overrides=(), config_path=None):
         """The config file (if any), then each `dotted.key=value` in order."""
         cfg = cls.load(config_path) if config_path else cls()
+        spelled = {}  # fastllm's key -> how the command line named it (a later value wins)
         for item in overrides:
             key, sep, value = item.partition("=")
             if not sep or not key:
                 raise ConfigError(f"fastllm train: expected key=value, got {item!r}")
-            cfg.set(key.strip(), value)
+            key = key.strip()
+            first = spelled.setdefault(HF_NAMES.get(key, key), key)
+            if first != key:  # as a config file giving both names is refused
+                raise ConfigError(f"fastllm train: {key} and {first} are the same key; give one")
+            cfg.set(key, value)
         return cfg.validate()
 
     def set(self, dotted, text):

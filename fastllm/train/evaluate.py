@@ -138,7 +138,11 @@ def read_prompts(prompts, prompts_file):
                 if not line:
                     continue
                 if prompts_file.endswith(".jsonl"):
-                    rec = json.loads(line)
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"fastllm train: {prompts_file} line {n}: not JSON "
+                                         f"({e.msg} at column {e.colno})") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                         raise ValueError(f"fastllm train: {prompts_file} line {n}: expected "
                                          f"{{\"prompt\": a string}}")
