@@ -101,6 +101,14 @@ def stock_forward(module, model_types):
         f"transformers.models.{t}.modeling_{t}" for t in model_types)
 
 
+def eager_attention_of(module):
+    """transformers' eager attention function of the modeling file module's forward is from
+    (stock_forward), not its class's: a subclass elsewhere that keeps that forward."""
+    import sys
+
+    return getattr(sys.modules[type(module).forward.__module__], "eager_attention_forward")
+
+
 # the SwiGLU MLP forward as transformers writes it: LlamaMLP's and its copies, Qwen2MLP's
 def _swiglu_forward(self, x):
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))

@@ -16,16 +16,16 @@ What is swapped, per module instance (the class and every other model are untouc
                            native low-precision GEMMs (products in fp32, fastllm/_lowp.py; the
                            attention's sdpa is then computed in fp32 the same way), or fp32 on a
                            CPU where ATen's fp32 GEMM is slow (oneDNN's, fastllm/_gemm.py)
-    *ForCausalLM        -> Llama, Qwen2 and Mistral only (the others change their logits or add
-                           to their loss: softcapping, logit scales, router losses): with `labels`
-                           in training (module.training and grad enabled), the loss by
+    *ForCausalLM        -> Llama, Qwen2, Qwen3 and Mistral only (the others change their logits
+                           or add to their loss: softcapping, logit scales, router losses): with
+                           `labels` in training (module.training and grad enabled), the loss by
                            fastllm.ops.fused_linear_cross_entropy on the last hidden states and
                            lm_head's weight: the (tokens, vocab) logits never exist, and the
                            output's `logits` is None (Liger-Kernel's rule; a tuple keeps None in
-                           its place). In eval, under no_grad or without labels the original
-                           forward runs (logits for evaluation metrics; generation unchanged);
-                           the keyword `skip_logits=True` / False forces either, as Liger's does.
-                           A nonzero `logits_to_keep` runs the original (a loss on kept logits).
+                           its place). In eval, under no_grad, without labels or with a nonzero
+                           `logits_to_keep` the original forward runs (logits for evaluation
+                           metrics; generation unchanged); `skip_logits=True` / False forces
+                           either, as Liger's does.
 Each swap is an instance attribute `forward` (functools.partial of the replacement and the
 module, so a patched model pickles), so parameters, names, state_dicts, hooks, PEFT's wrappers
 (patch before or after get_peft_model), gradient checkpointing and torch.compile see the model
@@ -35,7 +35,7 @@ unpatch puts back whatever was there before.
 
 Shapes handled: the modules of transformers' Llama, Qwen2 and Mistral (checked against
 transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`),
-and the `1 + weight` RMSNorm of Gemma 1-3 (Gemma3n's and Gemma4's multiply by `weight` alone).
+Qwen3's but its attention (q/k norms), the `1 + weight` RMSNorm of Gemma 1-3.
 An *MLP only when its class's forward is transformers' SwiGLU line itself (no multipliers,
 clamps or dropout around it), an *Attention or *ForCausalLM only when it runs transformers' own
 forward (a subclass's override, an auxiliary loss say, runs as itself). Any other module is
@@ -72,8 +72,10 @@ _PATCHED = "_fastllm_patched"
 # the kinds of swap, as patch()'s keyword arguments name them
 KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
 
-# config.model_type of the models whose attention and causal-LM loss the patch reproduces
+# config.model_type of the models whose attention and causal-LM loss the patch reproduces;
+# Qwen3's loss only (its attention normalises q and k: transformers' runs)
 _MODEL_TYPES = ("llama", "qwen2", "mistral")
+_LOSS_MODEL_TYPES = _MODEL_TYPES + ("qwen3",)
 
 # the RMSNorms that scale by (1 + weight) (transformers' modeling_gemma, _gemma2, _gemma3);
 # Gemma3n's and Gemma4's scale by weight (initialised to ones) and are left alone
@@ -361,9 +363,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
-    plan = _attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
-                           attention_mask, position_ids, cache)
-    if plan is not None:
+    plan = self.config.model_type in _MODEL_TYPES and _attention_plan(
+        self, input_ids if input_ids is not None else inputs_embeds, attention_mask,
+        position_ids, cache)
+    if plan:
         kwargs[_ATTENTION_PLAN] = plan
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, **_hf.cache_kwargs(self.model, cache),
@@ -437,15 +440,8 @@ def _is_causal_lm(m):
     # the HF model itself, not a wrapper that forwards attributes to it (PEFT's PeftModel)
     return (type(m).__name__.endswith("ForCausalLM") and "lm_head" in m._modules
             and "model" in m._modules
-            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES
-            and _hf.stock_forward(m, _MODEL_TYPES))
-
-
-def _eager_attention_of(module):
-    import sys
-
-    # the forward's module (_hf.stock_forward), not the class's: a subclass kept that forward
-    return getattr(sys.modules[type(module).forward.__module__], "eager_attention_forward")
+            and getattr(getattr(m, "config", None), "model_type", None) in _LOSS_MODEL_TYPES
+            and _hf.stock_forward(m, _LOSS_MODEL_TYPES))
 
 
 # every replacement forward, as the partials patch() binds carry them
@@ -541,7 +537,7 @@ def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, li
     counts = dict.fromkeys(KINDS, 0)
     for _, m, kind, fn, slot in todo:
         if kind == "rotary":
-            m._fastllm_eager_attention = _eager_attention_of(m)
+            m._fastllm_eager_attention = _hf.eager_attention_of(m)
         elif kind == "cross_entropy":
             import transformers.modeling_outputs as outputs
 
