@@ -1,6 +1,6 @@
 """fastllm.patch(model): run a Hugging Face Llama-family model on fastllm's kernels, in place.
 
-    model = LlamaForCausalLM.from_pretrained(...)      # or Qwen2ForCausalLM, MistralForCausalLM
+    model = LlamaForCausalLM.from_pretrained(...)      # or Qwen2/Qwen3/MistralForCausalLM
     fastllm.patch(model)                                # returns the model
     out = model(input_ids, labels=labels)               # out.loss; in training, out.logits is None
     fastllm.unpatch(model)                              # the original forwards again
@@ -35,7 +35,7 @@ unpatch puts back whatever was there before.
 
 Shapes handled: the modules of transformers' Llama, Qwen2 and Mistral (checked against
 transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`),
-Qwen3's but its attention (q/k norms), the `1 + weight` RMSNorm of Gemma 1-3.
+Qwen3's (q and k normalised per head before the rotation), the `1 + weight` RMSNorm of Gemma 1-3.
 An *MLP only when its class's forward is transformers' SwiGLU line itself (no multipliers,
 clamps or dropout around it), an *Attention or *ForCausalLM only when it runs transformers' own
 forward (a subclass's override, an auxiliary loss say, runs as itself). Any other module is
@@ -72,10 +72,8 @@ _PATCHED = "_fastllm_patched"
 # the kinds of swap, as patch()'s keyword arguments name them
 KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
 
-# config.model_type of the models whose attention and causal-LM loss the patch reproduces;
-# Qwen3's loss only (its attention normalises q and k: transformers' runs)
-_MODEL_TYPES = ("llama", "qwen2", "mistral")
-_LOSS_MODEL_TYPES = _MODEL_TYPES + ("qwen3",)
+# config.model_type of the models whose attention and causal-LM loss the patch reproduces
+_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 # the RMSNorms that scale by (1 + weight) (transformers' modeling_gemma, _gemma2, _gemma3);
 # Gemma3n's and Gemma4's scale by weight (initialised to ones) and are left alone
@@ -188,8 +186,11 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         # projects again
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
                                   **_hf.cache_kwargs(self, cache), **kwargs)
+    q, k = q.view(hidden_shape), k.view(hidden_shape)
+    if self.config.model_type == "qwen3":  # Qwen3 normalises each head's q and k first
+        q, k = self.q_norm(q), self.k_norm(k)
     # (B, S, H, D) as the projections lay them out: the kernel rotates q and k in one pass
-    q, k = rotary_embedding(q.view(hidden_shape), k.view(hidden_shape), cos, sin)
+    q, k = rotary_embedding(q, k, cos, sin)
     v = v.view(hidden_shape)
     dropout = 0.0 if not self.training else self.attention_dropout
     plan = kwargs.pop(_ATTENTION_PLAN, None)
@@ -363,10 +364,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
-    plan = self.config.model_type in _MODEL_TYPES and _attention_plan(
-        self, input_ids if input_ids is not None else inputs_embeds, attention_mask,
-        position_ids, cache)
-    if plan:
+    plan = _attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
+                           attention_mask, position_ids, cache)
+    if plan is not None:
         kwargs[_ATTENTION_PLAN] = plan
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, **_hf.cache_kwargs(self.model, cache),
@@ -440,8 +440,8 @@ def _is_causal_lm(m):
     # the HF model itself, not a wrapper that forwards attributes to it (PEFT's PeftModel)
     return (type(m).__name__.endswith("ForCausalLM") and "lm_head" in m._modules
             and "model" in m._modules
-            and getattr(getattr(m, "config", None), "model_type", None) in _LOSS_MODEL_TYPES
-            and _hf.stock_forward(m, _LOSS_MODEL_TYPES))
+            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES
+            and _hf.stock_forward(m, _MODEL_TYPES))
 
 
 # every replacement forward, as the partials patch() binds carry them

@@ -1,9 +1,8 @@
 """fastllm.patch across the families and arguments a user brings: Qwen2 (q/k/v bias), Qwen3
-(q_norm/k_norm inside its attention, which the patch leaves to transformers; its loss fused),
-Mistral with and without a sliding window, Llama's rope scalings, tied and untied heads, padded,
-positioned and packed rows, logits_to_keep, output_attentions, generate; and the families it
-does not support (Gemma, Phi-3, GPT-2, and SwiGLU-named MLPs with other maths): their outputs
-unchanged.
+(q_norm/k_norm before the rotation; with sliding-window layers), Mistral with and without a
+sliding window, Llama's rope scalings, tied and untied heads, padded, positioned and packed
+rows, logits_to_keep, output_attentions, generate; and the families it does not support (Gemma,
+Phi-3, GPT-2, and SwiGLU-named MLPs with other maths): their outputs unchanged.
 
 Tiny random models (hidden 64, 2 layers, vocabulary 300, 12 tokens); fp32 within 1e-5 on the
 loss and logits, 1e-4 on every gradient, against the unpatched model."""
@@ -73,6 +72,8 @@ FAMILIES = {
     "qwen2_sliding_layers": ("Qwen2", dict(use_sliding_window=True, sliding_window=4,
                                            max_window_layers=1)),
     "qwen3_qk_norm": ("Qwen3", dict(tie_word_embeddings=True)),
+    "qwen3_sliding_layers": ("Qwen3", dict(use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=1)),
     "mistral_sliding": ("Mistral", dict(sliding_window=4)),
     "mistral_full_linear_rope": ("Mistral", dict(
         sliding_window=None, tie_word_embeddings=True,
@@ -97,8 +98,7 @@ def test_family_equals_unpatched(family):
     model, ref = _pair(_model(name, **over))
     counts = fastllm.patched(model)
     assert counts["rms_norm"] == (9 if name == "Qwen3" else 5) and counts["swiglu"] == 2
-    # Qwen3's attention (q_norm/k_norm) is transformers' own; its loss is the fused one
-    assert counts["rotary"] == (0 if name == "Qwen3" else 2) and counts["cross_entropy"] == 1
+    assert counts["rotary"] == 2 and counts["cross_entropy"] == 1  # (Qwen3: its q/k norms too)
     ids, labels = _batch()
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
@@ -118,6 +118,42 @@ def test_family_equals_unpatched(family):
     assert len(ours.hidden_states) == len(theirs.hidden_states) == 3
     for a, b in zip(ours.hidden_states, theirs.hidden_states):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Qwen3", "Qwen2"])
+def test_fastllm_attention_with_packed_rows(name, monkeypatch):
+    """fastllm's CPU attention kernel in Qwen3's layers (its q and k normalised, then rotated)
+    and Qwen2's (q/k/v biases): packed rows (position ids restarting, no mask) give the
+    unpatched model's loss and grads, and the kernel ran in every layer."""
+    if not (fastllm._extension.has_cpp()
+            and hasattr(fastllm._extension.extension(), "attention_cpu")):
+        pytest.skip("no cpp attention kernel")
+    monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
+    attention_module = importlib.import_module("fastllm.ops.attention")
+    calls, real = [], attention_module.attention
+    monkeypatch.setattr(attention_module, "attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, ref = _pair(_model(name).train())
+    ids, labels = _batch()
+    kw = dict(input_ids=ids, labels=labels, use_cache=False, position_ids=torch.tensor(
+        [[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2], list(range(12))]))
+    _assert_same(_run(model, **kw), _run(ref, **kw))
+    assert len(calls) == 2
+
+
+def test_qwen3_with_fastllm_lora_on_qkv():
+    """fastllm.lora on Qwen3's q/k/v (the patch runs them through lora_linear_multi, whose q and
+    k are strided views of one product) before its q/k norms: LoRA grads equal unpatched."""
+    model = _model("Qwen3")
+    fastllm.lora.inject_lora(model, ["q_proj", "k_proj", "v_proj"], r=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    model, ref = _pair(model.train())
+    ids, labels = _batch()
+    _assert_same(_run(model, input_ids=ids, labels=labels), _run(ref, input_ids=ids,
+                                                                   labels=labels))
 
 
 def _mlp_cases():
