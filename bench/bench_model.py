@@ -20,7 +20,9 @@
    torch profile of one step of each (self CPU time by op).
 The quick run uses 4 layers, 8 x 256 tokens, 2 timed steps; --full (or FASTLLM_BENCH_LAYERS,
 FASTLLM_BENCH_SEQ, FASTLLM_BENCH_STEPS) the whole 30 layers at 8 x 512; FASTLLM_BENCH_DTYPES=fp32
-(or bf16) runs one precision, FASTLLM_BENCH_STEPS=0 the ops only.
+(or bf16) runs one precision, FASTLLM_BENCH_STEPS=0 the ops only. FASTLLM_BENCH_FAMILY=qwen3 steps
+a Qwen3-0.6B-shaped Qwen3ForCausalLM instead (hidden 1024, 16 / 8 heads of 128, q/k norms, ffn
+3072, vocab 151936, tied embeddings; random init): the vocabulary where the logits weigh most.
 """
 
 import copy
@@ -159,9 +161,28 @@ def run_ops(b, s, dtypes, progress):
 
 # --- 2. the training step ---------------------------------------------------------------------
 
+QWEN3_VOCAB = 151936
+
+
+def _family():
+    family = os.environ.get("FASTLLM_BENCH_FAMILY", "smollm2")
+    if family not in ("smollm2", "qwen3"):
+        raise SystemExit(f"FASTLLM_BENCH_FAMILY={family}: use smollm2 or qwen3")
+    return family
+
+
 def _model(layers, dtype):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    if _family() == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=1024, intermediate_size=3072,
+                             num_hidden_layers=layers, num_attention_heads=16,
+                             num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                             tie_word_embeddings=True, attn_implementation="sdpa")
+        return Qwen3ForCausalLM(config).to(dtype), "random init"
     path = os.environ.get("FASTLLM_BENCH_MODEL")
     if path:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -247,12 +268,14 @@ def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
     then one profiled step."""
     rows = []
     torch.manual_seed(0)
-    ids = torch.randint(0, VOCAB, (b, s))
+    qwen3 = _family() == "qwen3"
+    ids = torch.randint(0, QWEN3_VOCAB if qwen3 else VOCAB, (b, s))
     for dtype in dtypes:
         for finetune in finetunes:
             dt = str(dtype).split(".")[-1]
             setups, source = _setups(layers, dtype, finetune)
-            size = (f"SmolLM2-135M shape ({source}), {layers} layers, {b}x{s} tokens, "
+            size = (f"{'Qwen3-0.6B' if qwen3 else 'SmolLM2-135M'} shape ({source}), "
+                    f"{layers} layers, {b}x{s} tokens, "
                     f"{finetune}, {dt}")
             fns = {name: _train_step(m, o, ids) for name, (m, o) in setups.items()}
             losses, peaks, warmup_s = {}, {}, {}

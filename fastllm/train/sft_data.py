@@ -41,7 +41,9 @@ __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", 
            "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
-_VERSION = "sft-3"  # sft-3: prompt + completion tokenised together
+# sft-4: records' tools, chat_template_kwargs and messages' tool_calls rendered; sft-3: prompt
+# and completion tokenised together
+_VERSION = "sft-4"
 # Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT)
 _ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately "
            "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
