@@ -61,8 +61,13 @@ def widen(t):
 
 def autocast_enabled(device_type):
     """Whether autocast is on for `device_type` ("cpu", "cuda", ...); False for a device type
-    autocast does not know (meta), where torch.is_autocast_enabled would raise."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    autocast does not know (meta), where torch.is_autocast_enabled would raise. Under
+    torch.compile the availability check is skipped: dynamo before torch 2.13 cannot trace
+    torch._C._is_autocast_available (fullgraph failed on torch 2.11), and a traced tensor's
+    device is a real one."""
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+        return False
+    return torch.is_autocast_enabled(device_type)
 
 
 def autocast_args(device_type, *tensors):
