@@ -25,6 +25,15 @@ _EPS = torch.finfo(torch.float32).eps
 
 
 @triton.jit
+def _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N: tl.constexpr):
+    """The rows start .. start + BLOCK_N of the matrix as one tile: (pointers, mask, values)."""
+    rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rows[:, None] < n_rows) & col_mask[None, :]
+    ptrs = x_ptr + rows[:, None] * n_cols + cols[None, :]
+    return ptrs, mask, tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _orthogonalize_kernel(
     x_ptr,  # *fp32, (n_rows, n_cols) row-major, updated in place
     n_rows,  # rows of the matrix (n)
@@ -39,9 +48,7 @@ def _orthogonalize_kernel(
     col_mask = cols < n_cols
     sq = tl.zeros([BLOCK_R], dtype=tl.float32)
     for start in range(0, n_rows, BLOCK_N):
-        rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-        mask = (rows[:, None] < n_rows) & col_mask[None, :]
-        tile = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
         sq += tl.sum(tile * tile, axis=0)
     # IEEE-rounded sqrt and reciprocal as the C++ kernel's (tl.sqrt and / are approximate
     # on GPUs and exact in the interpreter, so the tests would not see the difference).
@@ -54,19 +61,13 @@ def _orthogonalize_kernel(
         if keep & (i > 0) & (norm2 < again_below * first_i):
             c = tl.zeros([BLOCK_R], dtype=tl.float32)
             for start in range(0, n_rows, BLOCK_N):
-                rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-                mask = (rows[:, None] < n_rows) & col_mask[None, :]
-                tile = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask,
-                               other=0.0)
+                ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
                 x_i = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
                 c += tl.sum(tile * x_i[:, None], axis=0)
             c = tl.where(cols < i, c, 0.0)
             sq_i = tl.zeros([BLOCK_N], dtype=tl.float32)
             for start in range(0, n_rows, BLOCK_N):
-                rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-                mask = (rows[:, None] < n_rows) & col_mask[None, :]
-                ptrs = x_ptr + rows[:, None] * n_cols + cols[None, :]
-                tile = tl.load(ptrs, mask=mask, other=0.0)
+                ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
                 x_i = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
                 x_i -= tl.sum(tile * c[None, :], axis=1)
                 tl.store(ptrs, tl.broadcast_to(x_i[:, None], tile.shape),
@@ -80,10 +81,7 @@ def _orthogonalize_kernel(
         inv = tl.where(keep, tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe), 0.0)
         dots = tl.zeros([BLOCK_R], dtype=tl.float32)
         for start in range(0, n_rows, BLOCK_N):
-            rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-            mask = (rows[:, None] < n_rows) & col_mask[None, :]
-            ptrs = x_ptr + rows[:, None] * n_cols + cols[None, :]
-            tile = tl.load(ptrs, mask=mask, other=0.0)
+            ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
             q = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1) * inv
             dots += tl.sum(q[:, None] * tile, axis=0)
             tl.store(ptrs, tl.broadcast_to(q[:, None], tile.shape),
@@ -92,10 +90,7 @@ def _orthogonalize_kernel(
         if i + 1 < n_cols:
             sq = tl.zeros([BLOCK_R], dtype=tl.float32)
             for start in range(0, n_rows, BLOCK_N):
-                rows = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-                mask = (rows[:, None] < n_rows) & col_mask[None, :]
-                ptrs = x_ptr + rows[:, None] * n_cols + cols[None, :]
-                tile = tl.load(ptrs, mask=mask, other=0.0)
+                ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
                 q = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
                 out = tile - q[:, None] * coef[None, :]
                 tl.store(ptrs, out, mask=mask & (cols[None, :] > i))
