@@ -158,11 +158,17 @@ def check_lora_args(where, r, alpha, dropout):
         raise ValueError(f"{where}: dropout must be in [0, 1), got {dropout!r}")
 
 
-def _matches(name, target_modules):
+def matches(name, target_modules):
     # PEFT's rule: a string is a regex that must match the whole name; a list matches by suffix.
     if isinstance(target_modules, str):
         return re.fullmatch(target_modules, name) is not None
     return any(name == t or name.endswith("." + t) for t in target_modules)
+
+
+def no_match_message(where, targets, names, kind="nn.Linear"):
+    last = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))  # q_proj, ..., lm_head
+    return (f"{where}: no {kind} in the model matches {targets!r}; its {kind} layers are named "
+            f"{', '.join(last[:12])}{', ...' * (len(last) > 12)} (whole names: {names[:2]})")
 
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand (INCLUDE_LINEAR_LAYERS_SHORTHAND)
@@ -203,17 +209,14 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
         raise ValueError(
             f"fastllm.inject_lora: LoRA is already injected into this model ({len(existing)} "
             f"LoRALinear layers, e.g. {existing[0][0]!r}); call fastllm.lora.unload(model) or "
-            "merge_and_unload(model) before injecting again"
-        )
+            "merge_and_unload(model) before injecting again")
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
         target_modules = all_linear(model)  # full names: the suffix rule selects exactly them
-    targets = [(name, module) for name, module in model.named_modules()
-               if name and isinstance(module, nn.Linear) and _matches(name, target_modules)]
+    linear = {n: m for n, m in model.named_modules() if n and isinstance(m, nn.Linear)}
+    targets = [(n, m) for n, m in linear.items() if matches(n, target_modules)]
     if not targets:
-        raise ValueError(
-            f"fastllm.inject_lora: no nn.Linear in the model matches {target_modules!r}"
-        )
+        raise ValueError(no_match_message("fastllm.inject_lora", target_modules, list(linear)))
     # every layer's values are checked before the model changes (no half-injected model)
     values = []
     for name, module in targets:
@@ -379,7 +382,7 @@ def _saved_target_modules(model, layers):
     regex = getattr(model, "_fastllm_lora_target_modules", None)
     short = sorted({n.rsplit(".", 1)[-1] for n in adapted})
     for targets in ([regex] if isinstance(regex, str) else []) + [short]:
-        if {n for n in names if _matches(n, targets)} == adapted:
+        if {n for n in names if matches(n, targets)} == adapted:
             return targets
     return sorted(adapted)
 
@@ -487,10 +490,8 @@ def _load_state(model, state):
                 copies.append((getattr(layer.base_layer, attr), state[key], key))
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
-        raise ValueError(
-            f"fastllm.load_adapter: adapter and model disagree; missing {sorted(missing)[:4]}, "
-            f"unexpected {sorted(unexpected)[:4]}"
-        )
+        raise ValueError(f"fastllm.load_adapter: adapter and model disagree; missing "
+                         f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
     for name, layer in layers.items():
         if layer.merged:
             raise ValueError(f"fastllm.load_adapter: {name} is merged; unmerge_lora first")
@@ -546,8 +547,7 @@ _BASE_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 
 def _empty(value):
-    return value is None or value is False or (isinstance(value, (str, list, dict))
-                                               and not value)
+    return value is None or value is False or (isinstance(value, (str, list, dict)) and not value)
 
 
 def _check_supported(config):

@@ -3,6 +3,8 @@
     config.py            TrainConfig, one dataclass tree (YAML + dotted key=value overrides)
     data.py              token file cached by content hash, packed sequences, prefetching loader
     model.py             built-in Llama configs and the training modes (which parameters train)
+    preflight.py         what the config names (model, LoRA targets, files, eval prompts), checked
+                         before the run writes anything
     strategies/          one way of running per module (one process, DDP, FSDP2, ZeRO-1/2, tensor
                          and pipeline parallel), on the layout of fastllm.parallel.ParallelLayout
     optimizers.py        optimizer construction (fastllm, torch baseline, in-backward, GaLore/BAdam,

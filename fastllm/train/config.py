@@ -54,7 +54,7 @@ class LoraConfig:
 @dataclass
 class EvalConfig:
     prompts: typing.List[str] = field(default_factory=list)  # generated greedily at each eval
-    prompts_file: typing.Optional[str] = None  # more prompts: .txt lines or {"prompt"} .jsonl
+    prompts_file: typing.Optional[str] = None  # .txt lines or .jsonl {"prompt"[, "tools", ...]}
     max_new_tokens: int = 64
     batches: int = 0                      # eval batches per evaluation; 0: the whole eval set
     on_start: bool = True                 # also evaluate before the first step

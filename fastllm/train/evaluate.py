@@ -16,7 +16,7 @@ import os
 import torch
 
 __all__ = ["evaluate_loss", "generate_samples", "chat_prompt_ids", "read_eval", "read_prompts",
-           "Evaluator"]
+           "read_prompt_records", "template_refusal", "Evaluator"]
 
 
 @torch.no_grad()
@@ -57,14 +57,30 @@ def evaluate_loss(model, dataset, batch_size, device, autocast=None, max_batches
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
 
 
-def chat_prompt_ids(tokenizer, prompt):
+def template_refusal(where, tokenizer_name):
+    """The error for a prompt with tools or chat_template_kwargs and a tokenizer without a chat
+    template (as a chat training record is refused)."""
+    from fastllm.train.sft_data import NO_TEMPLATE_HINT
+
+    return (f"fastllm train: {where}: 'tools' and 'chat_template_kwargs' are rendered by a chat "
+            f"template; tokenizer {tokenizer_name} has none {NO_TEMPLATE_HINT}")
+
+
+def chat_prompt_ids(tokenizer, prompt, template=None):
     """A prompt's token ids as the model expects them: a user turn plus the generation prompt
-    when the tokenizer has a chat template, else the plain text."""
+    when the tokenizer has a chat template, else the plain text. template: the prompt's TRL
+    inputs ({"tools", "chat_template_kwargs"}), given to the chat template as a training
+    record's are (fastllm.train.sft_data.render_chat); refused without a template."""
     tok = getattr(tokenizer, "tok", tokenizer)
     if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True)
+        from fastllm.train.sft_data import render_chat
+
+        text = render_chat(tok, [{"role": "user", "content": prompt}],
+                           add_generation_prompt=True, template=template)
         return tok(text, add_special_tokens=False)["input_ids"]
+    if template:
+        name = getattr(tokenizer, "name", None) or getattr(tok, "name_or_path", "")
+        raise ValueError(template_refusal(f"prompt {prompt[:40]!r}", name or type(tok).__name__))
     if hasattr(tokenizer, "encode") and not hasattr(tokenizer, "tok"):
         return tokenizer.encode(prompt)
     return tok(prompt)["input_ids"]
@@ -72,16 +88,18 @@ def chat_prompt_ids(tokenizer, prompt):
 
 @torch.no_grad()
 def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
-                     do_sample=False, temperature=1.0, top_p=1.0):
+                     do_sample=False, temperature=1.0, top_p=1.0, templates=None):
     """The model's continuation of each prompt (greedy unless do_sample), as text without the
-    prompt. tokenizer: a fastllm tokenizer (fastllm.train.data) or a transformers one."""
+    prompt. tokenizer: a fastllm tokenizer (fastllm.train.data) or a transformers one.
+    templates: None, or each prompt's chat template inputs (chat_prompt_ids' template)."""
     was_training = model.training
     model.eval()
     eos = getattr(tokenizer, "eos_token_id", None)
     outs = []
+    templates = [None] * len(prompts) if templates is None else templates
     try:
-        for prompt in prompts:
-            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
+        for prompt, template in zip(prompts, templates, strict=True):
+            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt, template)], device=device)
             kw = dict(do_sample=do_sample)
             if do_sample:
                 kw.update(temperature=temperature, top_p=top_p)
@@ -129,25 +147,37 @@ def read_eval(path):
 
 def read_prompts(prompts, prompts_file):
     """eval.prompts plus the lines of eval.prompts_file (a .txt: one prompt a line; a .jsonl:
-    {"prompt": ...} lines)."""
-    out = list(prompts)
+    {"prompt": ...} lines), as text."""
+    return [text for text, _, _ in read_prompt_records(prompts, prompts_file)]
+
+
+def read_prompt_records(prompts, prompts_file):
+    """eval.prompts plus eval.prompts_file's prompts, each (text, template inputs, where): a
+    .jsonl line {"prompt": ..., "tools": [...], "chat_template_kwargs": {...}} carries TRL's
+    per-record chat template inputs (checked as a training record's,
+    fastllm.train.sft_records.template_inputs; {} when it has none); `where` names the line."""
+    from fastllm.train.sft_records import template_inputs
+
+    out = [(p, {}, f"eval.prompts[{i}]") for i, p in enumerate(prompts)]
     if prompts_file:
         with open(prompts_file, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
                     continue
+                where, template = f"{prompts_file} line {n}", {}
                 if prompts_file.endswith(".jsonl"):
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"fastllm train: {prompts_file} line {n}: not JSON "
+                        raise ValueError(f"fastllm train: {where}: not JSON "
                                          f"({e.msg} at column {e.colno})") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                        raise ValueError(f"fastllm train: {prompts_file} line {n}: expected "
+                        raise ValueError(f"fastllm train: {where}: expected "
                                          f"{{\"prompt\": a string}}")
-                    line = rec["prompt"]
-                out.append(line)
+                    # a prompt is rendered as a user turn: a chat, for the template inputs
+                    line, template = rec["prompt"], template_inputs(rec, "chat", where)
+                out.append((line, template, where))
     return out
 
 
@@ -175,7 +205,9 @@ class Evaluator:
 
     def __init__(self, cfg, dataset, tokenizer, rank):
         self.cfg, self.dataset, self.tokenizer, self.rank = cfg, dataset, tokenizer, rank
-        self.prompts = read_prompts(cfg.eval.prompts, cfg.eval.prompts_file)
+        records = read_prompt_records(cfg.eval.prompts, cfg.eval.prompts_file)
+        self.prompts = [text for text, _, _ in records]
+        self.templates = [template for _, template, _ in records]
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.samples_path = os.path.join(cfg.output_dir, "samples.jsonl")
 
@@ -219,7 +251,8 @@ class Evaluator:
         samples = []
         if self.prompts and self.rank == 0 and whole:
             samples = generate_samples(trainer.module, self.tokenizer, self.prompts,
-                                       self.cfg.eval.max_new_tokens, trainer.device)
+                                       self.cfg.eval.max_new_tokens, trainer.device,
+                                       templates=self.templates)
         if self.rank == 0:
             if out:
                 with open(self.metrics_path, "a") as f:

@@ -8,7 +8,8 @@ import torch
 
 from fastllm.parallel import decoder_layers
 
-__all__ = ["PRESETS", "build_model", "apply_finetune", "is_model_dir", "check_model"]
+__all__ = ["PRESETS", "build_model", "model_skeleton", "apply_finetune", "lora_targets",
+           "is_model_dir", "check_model"]
 
 # Llama-architecture sizes, random init (transformers' LlamaConfig). vocab_size comes from the
 # tokenizer. tiny is for tests, mini for the default run.
@@ -40,12 +41,22 @@ def check_model(cfg):
 
 def build_model(cfg, vocab_size, dtype):
     """A LlamaForCausalLM from a preset (seeded by cfg.seed) or an HF causal LM from a folder."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if is_model_dir(cfg.model):
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype,
                                                      local_files_only=True)
         return model
+    config = _preset_config(cfg, vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype)
+
+
+def _preset_config(cfg, vocab_size):
+    from transformers import LlamaConfig
+
     if cfg.model not in PRESETS:
         raise ValueError(f"fastllm train: model={cfg.model!r} is neither a built-in "
                          f"({', '.join(PRESETS)}) nor a folder")
@@ -53,11 +64,27 @@ def build_model(cfg, vocab_size, dtype):
     kwargs.update(vocab_size=vocab_size, max_position_embeddings=max(256, cfg.data.seq_len),
                   tie_word_embeddings=False, use_cache=False)
     kwargs.update(cfg.model_config)
-    config = LlamaConfig(**kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(config)
-    return model.to(dtype)
+    return LlamaConfig(**kwargs)
+
+
+def model_skeleton(cfg):
+    """The model build_model makes for cfg, on the meta device: its modules and shapes, no
+    weights read or allocated (a folder's config.json only). The vocabulary is a stand-in (the
+    tokenizer's is not known yet)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    if is_model_dir(cfg.model):
+        from fastllm.train.config import ConfigError
+
+        try:
+            config = AutoConfig.from_pretrained(cfg.model, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"fastllm train: model={cfg.model}: no readable model config "
+                              f"there ({e})") from None
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        return LlamaForCausalLM(_preset_config(cfg, vocab_size=257))
 
 
 def _last_layer_indices(model, n):
@@ -106,17 +133,7 @@ def _apply_finetune(model, cfg):
         return attach_prefix(model, cfg.prefix.num_virtual_tokens, cfg.prefix.prefix_projection,
                              cfg.prefix.encoder_hidden_size or None)
     # lora
-    targets = cfg.lora.target_modules
-    if [t.lower() for t in targets] == ["all-linear"]:
-        # PEFT's shorthand, as the distinct last names of those layers (q_proj, ..., down_proj),
-        # so that lora.layers and backend=torch take it as any list
-        from fastllm.lora import all_linear
-
-        targets = sorted({n.rsplit(".", 1)[-1] for n in all_linear(model)})
-    if cfg.lora.layers > 0:
-        idx = "|".join(str(i) for i in _last_layer_indices(model, cfg.lora.layers))
-        mods = "|".join(targets)
-        targets = rf".*\.layers\.({idx})\.(.*\.)?({mods})"
+    targets = lora_targets(model, cfg)
     if cfg.backend == "torch":
         import peft
 
@@ -131,3 +148,21 @@ def _apply_finetune(model, cfg):
         model, target_modules=targets, r=cfg.lora.r, alpha=cfg.lora.alpha,
         dropout=cfg.lora.dropout)
     return model
+
+
+def lora_targets(model, cfg, entries=None):
+    """The target_modules inject_lora (or PEFT) is given for cfg.lora.target_modules (or
+    `entries`, a list of its entries) on `model`: all-linear as the distinct last names of those
+    layers, and under lora.layers > 0 a regex for them in the last lora.layers decoder layers."""
+    targets = list(cfg.lora.target_modules if entries is None else entries)
+    if [t.lower() for t in targets] == ["all-linear"]:
+        # PEFT's shorthand, as the distinct last names of those layers (q_proj, ..., down_proj),
+        # so that lora.layers and backend=torch take it as any list
+        from fastllm.lora import all_linear
+
+        targets = sorted({n.rsplit(".", 1)[-1] for n in all_linear(model)})
+    if cfg.lora.layers > 0:
+        idx = "|".join(str(i) for i in _last_layer_indices(model, cfg.lora.layers))
+        mods = "|".join(targets)
+        targets = rf".*\.layers\.({idx})\.(.*\.)?({mods})"
+    return targets

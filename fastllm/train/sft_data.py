@@ -38,9 +38,11 @@ from fastllm.train.sft_records import data_format, read_records, text_pieces
 __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", "SFTDataset",
            "split_examples", "build_sft_data", "build_datasets", "Batch", "prepare_step",
            "model_inputs", "max_steps", "text_pieces", "dp_sum", "gather_samples",
-           "IGNORE_INDEX"]
+           "render_chat", "IGNORE_INDEX", "NO_TEMPLATE_HINT"]
 
 IGNORE_INDEX = -100
+# what to do when the run's tokenizer has no chat template (byte and bpe have none)
+NO_TEMPLATE_HINT = "(data.tokenizer=<a model folder>, or model=<an HF folder>)"
 # sft-4: records' tools, chat_template_kwargs and messages' tool_calls rendered; sft-3: prompt
 # and completion tokenised together
 _VERSION = "sft-4"
@@ -58,36 +60,37 @@ def _template(tokenizer):
     return getattr(tok, "chat_template", None) if tok is not None else None
 
 
-def _render(tokenizer, messages, add_generation_prompt=False, template=None):
-    """The chat as text; template: a record's TRL inputs ({"tools", "chat_template_kwargs"}),
-    passed as TRL's SFTTrainer passes them."""
+def render_chat(tokenizer, messages, add_generation_prompt=False, template=None):
+    """The chat as text (tokenizer: a fastllm HFTokenizer or a transformers one); template: a
+    record's TRL inputs ({"tools", "chat_template_kwargs"}), passed as TRL's SFTTrainer passes
+    them."""
     template = template or {}
-    return tokenizer.tok.apply_chat_template(messages, tools=template.get("tools"),
-                                             tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **template.get("chat_template_kwargs", {}))
+    tok = getattr(tokenizer, "tok", tokenizer)
+    return tok.apply_chat_template(messages, tools=template.get("tools"), tokenize=False,
+                                   add_generation_prompt=add_generation_prompt,
+                                   **template.get("chat_template_kwargs", {}))
 
 
 def _chat_pieces(tokenizer, messages, template=None):
     """The rendered chat as (text, is_assistant_reply) pieces: each assistant reply (its content
     and the template's end-of-turn text) is the rendering of the chat up to it minus the
     rendering before it with the generation prompt."""
-    full = _render(tokenizer, messages, template=template)
+    full = render_chat(tokenizer, messages, template=template)
     pieces, done = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         if i:
-            before = _render(tokenizer, messages[:i], add_generation_prompt=True,
-                             template=template)
+            before = render_chat(tokenizer, messages[:i], add_generation_prompt=True,
+                                 template=template)
         else:
             # transformers renders no empty chat, and a template may open with text of its own
             # (SmolLM2's default system turn) and the reply's header: what two renderings share
             # when their replies differ only in the first character is the text before the reply
-            a, b = (_render(tokenizer, [dict(m, content=c + (m.get("content") or ""))],
-                            template=template) for c in "\ue000\ue001")
+            a, b = (render_chat(tokenizer, [dict(m, content=c + (m.get("content") or ""))],
+                                template=template) for c in "\ue000\ue001")
             before = os.path.commonprefix([a, b])
-        upto = _render(tokenizer, messages[:i + 1], template=template)
+        upto = render_chat(tokenizer, messages[:i + 1], template=template)
         if not (full.startswith(upto) and upto.startswith(before) and len(before) >= done):
             raise ValueError("fastllm train: the tokenizer's chat template does not render a "
                              "chat as a prefix of its longer chats; cannot find the assistant "
@@ -130,8 +133,7 @@ def encode_example(record, tokenizer, train_on_prompt=False):
             kind, fields = "completion", ((system + "\n\n" if system else "") + prompt, output)
     if kind in ("chat", "chat_completion") and not _template(tokenizer):
         raise ValueError(f"fastllm train: chat examples need a tokenizer with a chat "
-                         f"template; {tokenizer.name} has none (data.tokenizer=<a model "
-                         f"folder>, or model=<an HF folder>)")
+                         f"template; {tokenizer.name} has none {NO_TEMPLATE_HINT}")
     if kind == "chat":
         ids, mask = [], []
         for text, counts in _chat_pieces(tokenizer, fields, template):
@@ -143,9 +145,9 @@ def encode_example(record, tokenizer, train_on_prompt=False):
         # TRL's SFTTrainer: the prompt rendered with the generation prompt, prompt + completion
         # rendered together; the template ends the turns itself (no EOS added)
         prompt, completion = fields
-        ids = tokenizer.encode(_render(tokenizer, prompt + completion, template=template))
-        head = tokenizer.encode(_render(tokenizer, prompt, add_generation_prompt=True,
-                                        template=template))
+        ids = tokenizer.encode(render_chat(tokenizer, prompt + completion, template=template))
+        head = tokenizer.encode(render_chat(tokenizer, prompt, add_generation_prompt=True,
+                                            template=template))
         return ids, _prompt_mask(ids, head, train_on_prompt)
     # what the tokenizer puts before a text (Llama's BOS), as TRL's SFTTrainer and generation
     # without a template tokenize; a chat template writes its own

@@ -29,7 +29,7 @@ import glob
 import json
 import os
 
-__all__ = ["data_format", "read_records", "text_pieces"]
+__all__ = ["data_format", "read_records", "template_inputs", "text_pieces"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 _EXTENSIONS = (".jsonl", ".json")
@@ -89,7 +89,7 @@ def _messages(record, key, where):
     return [dict(m) for m in messages]
 
 
-def _template_inputs(record, kind, where):
+def template_inputs(record, kind, where):
     """TRL's per-record "tools" and "chat_template_kwargs", checked: {} when it has neither (or
     they are null, as a dataset's column is where a record has none)."""
     out = {}
@@ -120,7 +120,7 @@ def _check(record, where):
     """The record normalised to (kind, fields) or (kind, fields, template inputs), or ValueError
     naming where it is and the key."""
     normal = _check_fields(record, where)
-    extra = _template_inputs(record, normal[0], where)
+    extra = template_inputs(record, normal[0], where)
     return normal + (extra,) if extra else normal
 
 

@@ -24,14 +24,15 @@ from fastllm.patch import patch as patch_kernels
 from fastllm.parallel import ParallelLayout, apply_activation_checkpointing, decoder_layers
 from fastllm.parallel.pipeline import pipeline_loss
 from fastllm.train import checkpoint as ckpt
-from fastllm.train import checkpoint_layout, faults, run_dir, sft_data, strategies, watchdog
+from fastllm.train import (checkpoint_layout, faults, preflight, run_dir, sft_data, strategies,
+                           watchdog)
 from fastllm.train.config import DEFAULT_MAX_STEPS, TrainConfig
 from fastllm.train.data import Loader
 from fastllm.train.evaluate import Evaluator
 from fastllm.train.memory import PeakMemory
 from fastllm.train.metrics import MetricsWriter, write_summary
 from fastllm.train.signals import StopSignals
-from fastllm.train.model import apply_finetune, build_model, check_model, is_model_dir
+from fastllm.train.model import apply_finetune, build_model, is_model_dir
 
 __all__ = ["Trainer", "lr_at"]
 
@@ -79,8 +80,7 @@ class Trainer:
                       else int(os.environ.get("WORLD_SIZE", "1")))
         # the layout's rules first: a run that cannot start writes nothing
         self.layout = ParallelLayout.from_config(cfg.parallel, self.world)
-        check_model(cfg)
-        cfg.check_files()
+        preflight.check(cfg)  # the model, files and prompts the config names
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if want_cuda else "gloo",
                                     timeout=watchdog.pg_timeout(cfg))

@@ -1,0 +1,98 @@
+"""What a run's config names, checked before the run writes anything (no run folder, no
+config.yaml, no checkpoint touched), where the config's values alone cannot tell:
+
+    preflight.check(cfg)   # ConfigError naming the key and the problem
+
+the model (a preset or a folder; a lora.target_modules entry that selects no layer of it, found on
+its meta-device skeleton, so no weights are read), the files (TrainConfig.check_files) and the
+eval prompts (eval.prompts_file's records; tools or chat_template_kwargs with a tokenizer that has
+no chat template). The trainer runs the same checks again later (inject_lora, generation) for
+callers that skip these.
+"""
+
+from torch import nn
+
+from fastllm.train.config import ConfigError
+from fastllm.train.model import check_model, is_model_dir, lora_targets, model_skeleton
+
+__all__ = ["check", "check_lora_targets", "check_prompts", "tokenizer_folder"]
+
+
+def check(cfg):
+    """Every check of this module, the cheap ones first."""
+    check_model(cfg)
+    cfg.check_files()
+    check_lora_targets(cfg)
+    check_prompts(cfg)
+    return cfg
+
+
+def _adaptable(backend):
+    """The layer types lora.target_modules may select: fastllm's LoRA wraps nn.Linear; PEFT's
+    (backend=torch) also adapts embeddings, convolutions and attention (the types of
+    peft.tuners.lora.layer.dispatch_default)."""
+    if backend != "torch":
+        return (nn.Linear,), "nn.Linear"
+    from transformers.pytorch_utils import Conv1D
+
+    return ((nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention,
+             Conv1D), "nn.Linear, nn.Embedding or convolution")
+
+
+def check_lora_targets(cfg):
+    """finetune=lora: refuse an empty lora.target_modules, all-linear among other entries (it
+    would be taken as a module name and select nothing), and each entry that selects no layer
+    of the model (a typo), as the trainer would select them (all-linear expanded, lora.layers
+    applied), naming the entry and the layer names there are (fastllm.lora.no_match_message, the
+    message inject_lora gives)."""
+    from fastllm.lora import ALL_LINEAR, matches, no_match_message
+
+    if cfg.finetune != "lora":
+        return
+    entries = list(cfg.lora.target_modules)
+    where = "fastllm train: lora.target_modules"
+    if not entries:
+        raise ConfigError(f"{where} is empty: name the layers to adapt (e.g. [q_proj, v_proj]) or "
+                          f"give {ALL_LINEAR}")
+    if len(entries) > 1 and any(t.lower() == ALL_LINEAR for t in entries):
+        raise ConfigError(f"{where}: {ALL_LINEAR!r} (every nn.Linear but the output layer) stands "
+                          f"alone; got {entries}")
+    model = model_skeleton(cfg)
+    types, kind = _adaptable(cfg.backend)
+    names = [n for n, m in model.named_modules() if n and isinstance(m, types)]
+    note = (f" (lora.layers={cfg.lora.layers}: the last {cfg.lora.layers} decoder layers only)"
+            if cfg.lora.layers > 0 else "")
+    for entry in entries:
+        targets = lora_targets(model, cfg, [entry])
+        if not any(matches(n, targets) for n in names):
+            raise ConfigError(no_match_message(where, entry, names, kind) + note)
+
+
+def tokenizer_folder(cfg):
+    """The folder whose tokenizer the run loads (fastllm.train.data.build_tokenizer's choice), or
+    None for byte and bpe (fastllm's own, which have no chat template)."""
+    spec = cfg.data.tokenizer
+    if is_model_dir(cfg.model) and spec == "byte":
+        return cfg.model
+    return None if spec in ("byte", "bpe") else spec
+
+
+def check_prompts(cfg):
+    """Read eval.prompts and eval.prompts_file (a malformed record is refused by its line) and
+    refuse records carrying tools or chat_template_kwargs when the run's tokenizer has no chat
+    template to render them with (as chat training records are)."""
+    from fastllm.train.evaluate import read_prompt_records, template_refusal
+
+    if not (cfg.eval.prompts or cfg.eval.prompts_file):
+        return
+    records = read_prompt_records(cfg.eval.prompts, cfg.eval.prompts_file)
+    first = next((where for _, template, where in records if template), None)
+    if first is None:
+        return
+    folder = tokenizer_folder(cfg)
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        if AutoTokenizer.from_pretrained(folder, local_files_only=True).chat_template:
+            return
+    raise ConfigError(template_refusal(first, folder or cfg.data.tokenizer))

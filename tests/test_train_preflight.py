@@ -1,0 +1,275 @@
+"""fastllm train checks what only the model or the tokenizer can tell before it writes anything: a
+lora.target_modules entry that names no nn.Linear (a typo) is refused on the model's meta
+skeleton (no weights read) with the names there are; eval.prompts_file records carry TRL's
+per-record `tools` and `chat_template_kwargs` into the chat template of the generation prompt,
+and are refused where the tokenizer has no chat template (built-in model, a tiny HF folder)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from fastllm.train import TrainConfig, Trainer
+from fastllm.train.config import ConfigError
+
+# ChatML with a tools block and a template variable, as tests/test_sft_data_audit.py's
+TOOLS = ("{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
+         "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='name') | join(',') }}"
+         "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+         "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+         "<|im_start|>assistant\n{% endif %}")
+WEATHER = [{"name": "weather", "parameters": {"type": "object"}}]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _tokenizer(template):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["user assistant system Tools: weather What is the capital of "
+                             "France? Paris."] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>")
+    fast.chat_template = template
+    return fast
+
+
+def _hf_folder(path, template=TOOLS, weights=True):
+    """A 2-layer Llama (random weights) with a ChatML BPE tokenizer; weights=False: config.json
+    and the tokenizer only."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _tokenizer(template)
+    tok.save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=128, eos_token_id=tok.eos_token_id)
+    if weights:
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    return _hf_folder(tmp_path_factory.mktemp("hf-model"))
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "t.txt"
+    path.write_text("What is the capital of France? Paris. " * 20)
+    return str(path)
+
+
+def _args(model, text, out, *extra):
+    return [f"model={model}", f"data.path={text}", "data.seq_len=32", "micro_batch_size=2",
+            "threads=1", "track_memory=false", "log_interval=100", "warmup_steps=1",
+            f"data.cache_dir={out.parent / 'cache'}", f"output_dir={out}", *extra]
+
+
+# ----- lora.target_modules -----
+
+# the names there are: the layers' last names, in the model's order
+NAMES = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
+
+
+@pytest.mark.parametrize("targets,says", [
+    ("[q_prj]", f"no nn.Linear in the model matches 'q_prj'; its nn.Linear layers are named "
+                f"{NAMES}"),
+    ("[q_proj,v_prj]", "matches 'v_prj'"),          # one typo among good names
+    ("[self_attn]", "matches 'self_attn'"),         # a module, but no nn.Linear
+    ("[q_proj,all-linear]", "'all-linear' .* stands alone"),
+])
+@pytest.mark.parametrize("model", ["tiny", "hf"])
+@pytest.mark.parametrize("backend", ["fastllm", "torch"])
+def test_a_lora_target_typo_is_refused_before_the_run_folder_is_written(
+        tmp_path, hf_model, text, targets, says, model, backend):
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_args(_args(hf_model if model == "hf" else "tiny", text, out,
+                                      "finetune=lora", f"backend={backend}", "max_steps=1",
+                                      f"lora.target_modules={targets}"))
+    if backend == "torch":  # PEFT adapts embeddings too: they are among the names
+        says = says.replace("nn.Linear", "nn.Linear, nn.Embedding or convolution").replace(
+            "named q_proj", "named embed_tokens, q_proj")
+    with pytest.raises(ConfigError, match=f"^fastllm train: lora.target_modules: .*{says}"):
+        Trainer(cfg, log=lambda t: None).train()
+    assert not out.exists()
+
+
+def test_the_typo_is_found_without_reading_weights_and_under_lora_layers(tmp_path, text):
+    """A folder with config.json but no weights: the skeleton is enough. lora.layers=1 adapts the
+    last layer only, where a full name of layer 0 matches nothing."""
+    folder = _hf_folder(tmp_path / "config-only", weights=False)
+    out = tmp_path / "run"
+    for targets, bad in (("[q_prj]", "q_prj"),
+                         ("[model.layers.0.self_attn.q_proj]", "model.layers.0.self_attn.q_proj")):
+        cfg = TrainConfig.from_args(_args(folder, text, out, "finetune=lora", "lora.layers=1",
+                                          f"lora.target_modules={targets}"))
+        with pytest.raises(ConfigError, match=rf"matches {re.escape(repr(bad))}.*\(lora.layers=1"):
+            Trainer(cfg, log=lambda t: None).train()
+        assert not out.exists()
+
+
+def test_the_cli_names_the_typo_and_writes_nothing(tmp_path, text):
+    from fastllm.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *_args("tiny", text, out, "finetune=lora", "lora.target_modules=q_prj")])
+    assert ("lora.target_modules: no nn.Linear in the model matches 'q_prj'; its nn.Linear "
+            "layers are named q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+            "lm_head" in str(e.value.code))
+    assert not out.exists()
+
+
+def test_the_late_check_gives_the_same_names():
+    """inject_lora itself (a library user's, or the trainer's after the preflight) names the
+    layers there are too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastllm.lora import inject_lora
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match=r"no nn.Linear in the model matches \['q_prj'\]; its "
+                                         r"nn.Linear layers are named .*q_proj.*down_proj"):
+        inject_lora(model, target_modules=["q_prj"])
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "ALL-LINEAR", "[q_proj,v_proj]", "o_proj",
+                                     "[model.layers.1.self_attn.q_proj]"])
+@pytest.mark.parametrize("model", ["tiny", "hf"])
+def test_good_targets_pass_the_preflight(tmp_path, hf_model, text, targets, model):
+    from fastllm.train.preflight import check_lora_targets
+
+    cfg = TrainConfig.from_args(_args(hf_model if model == "hf" else "tiny", text,
+                                      tmp_path / "run", "finetune=lora",
+                                      f"lora.target_modules={targets}"))
+    check_lora_targets(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+# ----- eval.prompts_file: TRL's per-record tools and chat_template_kwargs -----
+
+def _prompts(path, *records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_a_prompt_records_tools_and_template_kwargs_reach_the_chat_template(tmp_path):
+    from fastllm.train.data import HFTokenizer
+    from fastllm.train.evaluate import chat_prompt_ids, read_prompt_records
+
+    path = _prompts(tmp_path / "p.jsonl",
+                    {"prompt": "What is the weather?", "tools": WEATHER,
+                     "chat_template_kwargs": {"enable_thinking": False}},
+                    {"prompt": "Capital of France?", "tools": None})
+    records = read_prompt_records(["Hi"], path)
+    assert records == [("Hi", {}, "eval.prompts[0]"),
+                       ("What is the weather?",
+                        {"tools": WEATHER, "chat_template_kwargs": {"enable_thinking": False}},
+                        f"{path} line 1"),
+                       ("Capital of France?", {}, f"{path} line 2")]
+    fast = _tokenizer(TOOLS)
+    tok = HFTokenizer(fast, "chatml")
+    text, template, _ = records[1]
+    ids = chat_prompt_ids(tok, text, template)
+    user = [{"role": "user", "content": text}]
+    # as a training record is rendered (tests/test_sft_data_audit.py): apply_chat_template's
+    # tools= and the kwargs as template variables
+    want = fast.apply_chat_template(user, tools=WEATHER, tokenize=False,
+                                    add_generation_prompt=True, enable_thinking=False)
+    assert want.startswith("/no_think\n<|im_start|>system\nTools: weather<|im_end|>")
+    assert ids == fast(want, add_special_tokens=False)["input_ids"]
+    plain = fast.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert chat_prompt_ids(tok, text) == fast(plain, add_special_tokens=False)["input_ids"]
+    # without a chat template there is nothing to render them with (a library caller's refusal)
+    with pytest.raises(ValueError, match="'tools' and 'chat_template_kwargs' are rendered by a "
+                                         "chat template; tokenizer plain has none"):
+        chat_prompt_ids(HFTokenizer(_tokenizer(None), "plain"), text, template)
+
+
+@pytest.mark.parametrize("record,says", [
+    ({"prompt": "a", "tools": {"name": "weather"}}, "line 1: key 'tools' must be a list"),
+    ({"prompt": "a", "chat_template_kwargs": [1]}, "line 1: key 'chat_template_kwargs' must be"),
+    ({"prompt": "a", "chat_template_kwargs": {"add_generation_prompt": False}},
+     r"line 1: key 'chat_template_kwargs' sets \['add_generation_prompt'\]"),
+    ({"prompt": ["a"]}, r"line 1: expected \{\"prompt\": a string\}"),
+])
+def test_a_malformed_prompt_record_is_refused_before_the_run_folder_is_written(
+        tmp_path, hf_model, text, record, says):
+    out = tmp_path / "run"
+    prompts = _prompts(tmp_path / "p.jsonl", record)
+    cfg = TrainConfig.from_args(_args(hf_model, text, out, "max_steps=1",
+                                      f"eval.prompts_file={prompts}"))
+    with pytest.raises(ValueError, match=says):
+        Trainer(cfg, log=lambda t: None).train()
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model", ["tiny", "hf-without-template"])
+def test_tools_without_a_chat_template_are_refused_before_the_run_folder_is_written(
+        tmp_path, text, model):
+    if model == "tiny":
+        model, name = "tiny", "byte"
+    else:
+        model = name = _hf_folder(tmp_path / "plain", template=None, weights=False)
+    out = tmp_path / "run"
+    prompts = _prompts(tmp_path / "p.jsonl", {"prompt": "a"},
+                       {"prompt": "What is the weather?", "tools": WEATHER})
+    cfg = TrainConfig.from_args(_args(model, text, out, "max_steps=1",
+                                      f"eval.prompts_file={prompts}"))
+    with pytest.raises(ConfigError, match=rf"{re.escape(prompts)} line 2: 'tools' and "
+                                          rf"'chat_template_kwargs' are rendered by a chat "
+                                          rf"template; tokenizer {re.escape(name)} has none"):
+        Trainer(cfg, log=lambda t: None).train()
+    assert not out.exists()
+
+
+def test_eval_samples_are_generated_with_each_prompts_tools(tmp_path, hf_model, text,
+                                                            monkeypatch):
+    from fastllm.train import evaluate
+
+    seen = []
+    real = evaluate.chat_prompt_ids
+
+    def spy(tokenizer, prompt, template=None):
+        ids = real(tokenizer, prompt, template)
+        seen.append((prompt, tokenizer.decode(ids)))
+        return ids
+
+    monkeypatch.setattr(evaluate, "chat_prompt_ids", spy)
+    out = tmp_path / "run"
+    prompts = _prompts(tmp_path / "p.jsonl", {"prompt": "Capital of France?"},
+                       {"prompt": "What is the weather?", "tools": WEATHER,
+                        "chat_template_kwargs": {"enable_thinking": False}})
+    Trainer(TrainConfig.from_args(_args(hf_model, text, out, "max_steps=1", "finetune=lora",
+                                        "lora.target_modules=all-linear",
+                                        f"eval.prompts_file={prompts}", "eval.max_new_tokens=2")),
+            log=lambda t: None).train()
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["prompt"]) for s in samples] == [
+        (0, "Capital of France?"), (0, "What is the weather?"),
+        (1, "Capital of France?"), (1, "What is the weather?")]
+    assert [p for p, _ in seen] == [s["prompt"] for s in samples]
+    plain, tools = seen[:2]
+    assert "Tools:" not in plain[1] and plain[1].startswith("<|im_start|>user\nCapital")
+    assert tools[1].startswith("/no_think\n<|im_start|>system\nTools: weather<|im_end|>\n"
+                               "<|im_start|>user\nWhat is the weather?<|im_end|>\n"
+                               "<|im_start|>assistant\n")
