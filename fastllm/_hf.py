@@ -18,6 +18,8 @@
 
 import inspect
 
+import torch
+
 # per class, what its signature says; plain dicts, not functools.lru_cache, which torch.compile
 # warns about at every compile of a patched model (it traces through the cache wrapper)
 _CACHE_KEYWORD, _UPDATE_TAKES_CACHE_KWARGS = {}, {}
@@ -45,6 +47,17 @@ def cache_keyword(module):
 def cache_kwargs(module, cache):
     """{keyword: cache} to splat into a call of module's class forward."""
     return {cache_keyword(module): cache}
+
+
+def per_item(loss, num_items_in_batch):
+    """A summed loss over the Trainer's `num_items_in_batch` (the label count of the accumulated
+    batch), as transformers' fixed_cross_entropy divides it, its gradient included: with no
+    labels (0) the loss is 0 / 0 = nan and the gradient zero there (cross_entropy's backward
+    writes zero for ignored labels), while the fused loss's saved gradients times 1 / 0 would be
+    nan. torch.where, not an `if`: no host sync on a GPU."""
+    n = torch.as_tensor(num_items_in_batch, device=loss.device)
+    none = n == 0
+    return torch.where(none, torch.full_like(loss, float("nan")), loss / torch.where(none, 1, n))
 
 
 def _update_takes_cache_kwargs(cls):

@@ -385,9 +385,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     loss = loss_fn(hidden, head.weight, shift_labels.to(hidden.device), bias=head.bias,
                    ignore_index=ignore_index, reduction=reduction)
     if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
+        loss = _hf.per_item(loss, num_items_in_batch)
     # the field by its own name: transformers 5's deprecated alias `past_key_values` warns
     cache_field = "cache" if "cache" in outputs.__dataclass_fields__ else "past_key_values"
     out = self._fastllm_output_cls(loss=loss, logits=None, hidden_states=outputs.hidden_states,
