@@ -1,16 +1,19 @@
 """3D parallel layouts against one process: one 4-rank Gloo world (spawned once for the module)
 trains the same tiny Llama in tp2, pp2 (GPipe, 1F1B, interleaved 1F1B), dp2 x tp2 (with
 activation checkpointing, with fastllm's AdamW), pp2 x dp2 (also LoRA), pp2 x tp2, sequence
-parallelism (tp2, dp2 x tp2, pp2 x tp2), LoRA under tensor parallel (tp2, and dp2 x tp2
-with sequence parallelism), and resumes a DCP checkpoint saved at dp2 x tp2 in other layouts;
-`fastllm train`'s sharded checkpoints (FSDP2, pipeline stages) keep fastllm AdamW's own entry.
-Each rank runs one thread."""
+parallelism (tp2, dp2 x tp2, pp2 x tp2), LoRA under tp (tp2, and dp2 x tp2 with sequence
+parallelism), a tiny Qwen3 (tp2, and patched in dp2 x tp2 with sequence parallelism), resumes
+a DCP checkpoint saved at dp2 x tp2 in other layouts; `fastllm train`'s sharded checkpoints
+(FSDP2, pipeline stages) keep fastllm AdamW's own entry. Each rank runs one thread."""
 
+import importlib
 import os
 import pickle
 import socket
 import tempfile
+import time
 from collections import OrderedDict
+from unittest import mock
 
 import pytest
 import torch
@@ -55,6 +58,56 @@ def _layouts(ckpt):
         "dp2_tp2_sp_lora": ((1, 2, 2), ("pp", "dp", "tp"), {"lora_rank": 4,
                                                              "sequence_parallel": True}),
     }
+
+
+QWEN3 = {  # a Qwen3 (q_norm/k_norm on each head): name -> (mesh, dim names, patched, kwargs)
+    "qwen3_tp2": ((2, 2), ("rep", "tp"), False, {}),
+    # patched, FSDP2 and sequence parallel: the norms' kernels on DTensors' local rows
+    "qwen3_dp2_tp2_sp_patched": ((1, 2, 2), ("pp", "dp", "tp"), True, {"sequence_parallel": True}),
+}
+
+
+def _qwen3_train(mesh=None, patch=False, **parallel):
+    """A tiny Qwen3 (hidden 64, 4 query / 2 kv heads of 16), 3 AdamW steps on batches of 4 x 16:
+    {"losses", "grads" (first step), "params" (after), "norm_calls" (DTensor args per call)}."""
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import fastllm
+    from fastllm.parallel import loss_backward, mesh_size, parallelize
+    from fastllm.parallel import vocab_parallel_cross_entropy as loss_fn
+    from parallel_train import make_batches
+
+    def whole(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        attn_implementation="sdpa"))
+    with torch.no_grad():  # norms start at 1: make each head's q/k norm weight differ
+        for p in (p for name, p in model.named_parameters() if "norm" in name):
+            p.add_(0.1 * torch.randn_like(p))
+    parallelize(fastllm.patch(model) if patch else model, mesh, **parallel)
+    dp = mesh_size(mesh, "dp")  # dp ranks take alternate rows
+    rows = slice(mesh["dp"].get_local_rank() if dp > 1 else 0, None, dp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    out, ops = {"losses": []}, importlib.import_module("fastllm.ops.rms_norm")
+    with mock.patch.object(ops, "rms_norm", wraps=ops.rms_norm) as kernel:
+        for ids, labels in make_batches(3, 4, 16, 128):
+            loss = loss_fn(model(input_ids=ids[rows]).logits, labels[rows])
+            loss_backward(loss)
+            loss = whole(loss)
+            if dp > 1:
+                dist.all_reduce(loss, group=mesh["dp"].get_group())
+            out["losses"].append(loss.item() / dp)
+            out.setdefault("grads", {n: whole(p.grad) for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    out["norm_calls"] = [any(isinstance(t, DTensor) for t in c.args) for c in kernel.call_args_list]
+    out["params"] = {n: whole(p) for n, p in model.named_parameters()}
+    return out
 
 
 def _saved_bytes(model, ids, labels):
@@ -212,6 +265,9 @@ def _worker(rank, port, out_path, ckpt):
         for name, (shape, names, kwargs) in _layouts(ckpt).items():
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             results[name] = train(mesh=mesh, steps=STEPS, **kwargs)
+        for name, (shape, names, patch, kwargs) in QWEN3.items():
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            results[name] = _qwen3_train(mesh, patch, **kwargs)
         # resume the dp2 x tp2 checkpoint in other layouts
         resume = {"resume_dp4": (4, 1, 1, "1f1b"), "resume_pp2_dp2": (2, 1, 2, "1f1b"),
                   "resume_pp2_dp2_interleaved": (2, 1, 2, "interleaved")}
@@ -257,8 +313,6 @@ def runs():
         ckpt = os.path.join(tmp, "ckpt")
         ctx = mp.start_processes(_worker, args=(_free_port(), out_path, ckpt), nprocs=WORLD,
                                  join=False, start_method="spawn")
-        import time
-
         deadline = time.monotonic() + TIMEOUT_S
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
@@ -271,6 +325,7 @@ def runs():
         results["single"] = train(steps=STEPS)
         results["single_lora"] = train(steps=STEPS, lora_rank=4)
         results["resume_single"] = train(steps=STEPS - SAVE_AT, load_dir=ckpt, start_step=SAVE_AT)
+        results["qwen3_single"] = _qwen3_train()
         yield results
 
 
@@ -293,6 +348,20 @@ def test_layout_matches_one_process(runs, layout):
     _close(runs[layout]["losses"], single["losses"])
     # clipping by the true global norm: the pre-clip norm over all shards and stages
     _close(runs[layout]["grad_norms"], single["grad_norms"])
+
+
+@pytest.mark.parametrize("layout", list(QWEN3))
+def test_qwen3_matches_one_process(runs, layout):
+    # q_norm/k_norm see each rank's heads: their weights' grads must be summed over tp
+    got, want = runs[layout], runs["qwen3_single"]
+    # fastllm's kernel on local tensors, 9 norms a step: 2 layers x (2 + q_norm + k_norm) + 1
+    assert got["norm_calls"] == [False] * (9 * 3 if QWEN3[layout][2] else 0)
+    for kind, rtol, atol in (("grads", 1e-4, 0.0), ("params", 0.0, 1e-4)):
+        for name, w in want[kind].items():
+            err = (got[kind][name] - w).abs().max().item()
+            # Adam carries rounding of near-zero grads into updates (~1e-5); a wrong step: ~lr
+            assert err <= rtol * w.abs().max().item() + atol, f"{kind} {name}: {err:.3g}"
+    _close(got["losses"], want["losses"])
 
 
 @pytest.mark.parametrize("layout", ["resume_dp4", "resume_pp2_dp2", "resume_pp2_dp2_interleaved",
@@ -454,7 +523,8 @@ class _FakeMesh:
 
 def test_custom_plan_leaves_the_vocabulary_alone(monkeypatch):
     """A custom plan shards decoder-layer submodules only: tied embeddings and a vocabulary
-    tp does not divide are accepted; the per-layer rules (heads, kv heads, ffn) still hold."""
+    tp does not divide are accepted; the per-layer rules (heads, kv heads, ffn) still hold, and
+    every dimension the plan splits must divide, checked before any layer changes."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from fastllm.parallel import parallelize, tensor_parallel
@@ -466,6 +536,12 @@ def test_custom_plan_leaves_the_vocabulary_alone(monkeypatch):
                                                                    sorted(plan))))
     plan = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel()}
+    odd = tiny_llama(layers=2)  # layer 1's gate_proj: 161 outputs, which the config cannot say
+    odd.model.layers[1].mlp.gate_proj = torch.nn.Linear(64, 161, bias=False)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide mlp.gate_proj.out_features=161, "
+                                         r"which the plan's ColwiseParallel on mlp.gate_proj"):
+        parallelize(odd, _FakeMesh(tp=2), plan=plan)
+    assert sharded == []  # refused before the first layer was changed
     tied = tiny_llama(layers=2)
     tied.config.tie_word_embeddings = True
     for model in (tied, tiny_llama(layers=2, vocab=129)):

@@ -4,7 +4,8 @@
 mesh["tp"], activation checkpointing per decoder layer, then FSDP2 (`fully_shard`) over
 mesh["dp"]. The model must be a transformers Llama-style causal LM (`model.model.layers`,
 `self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, `model.model.embed_tokens`,
-`model.lm_head`), or a pipeline stage built from one by `fastllm.parallel.build_pipeline_stage`.
+`model.lm_head`; Qwen3's per-head `self_attn.{q,k}_norm` too), or a pipeline stage built from
+one by `fastllm.parallel.build_pipeline_stage`.
 Optional sequence parallelism shards the norms and the residual stream on the sequence; the
 projections may be wrapped by fastllm.lora (LoRALinear), whose adapters are sharded with them.
 """
@@ -214,6 +215,66 @@ def _lora_aware(layer, plan):
     return out
 
 
+# per-head norms applied to the column-parallel projections' local heads before the rotation
+# (Qwen3's q_norm/k_norm: RMSNorm over head_dim, weight (head_dim,))
+_HEAD_NORMS = {"self_attn.q_norm": "self_attn.q_proj", "self_attn.k_norm": "self_attn.k_proj"}
+
+
+def _with_head_norms(layer, plan):
+    """`plan` plus the per-head norms of `layer` whose projection it splits by heads.
+
+    A column-parallel q_proj hands each rank its local heads, (batch, seq, heads / tp,
+    head_dim) once viewed, and q_norm normalises each head over head_dim: the right numbers
+    with the weight replicated, but each rank's weight grad sums over its own heads only. Left
+    plain, the grads stay per-rank partial sums, the ranks' weights drift apart after the first
+    step and the loss leaves the one-process run's. Here the weight becomes a replicated DTensor
+    and the input a DTensor sharded on the heads (torch's SequenceParallel on dim 2 does both),
+    so the grad comes out Partial and is summed over tp as it is accumulated
+    (`_grad_to_param_layout`), as the norms' under sequence parallelism are."""
+    out = dict(plan)
+    for norm, proj in _HEAD_NORMS.items():
+        style = plan.get(proj)
+        if norm in plan or style is None or _get_submodule(layer, norm) is None:
+            continue
+        if not (isinstance(style, ColwiseParallel) and style.output_layouts[0] == Shard(-1)
+                and style.use_local_output):
+            raise ValueError(f"tensor parallel of {norm}: its input is {proj}'s output, which "
+                             f"the plan shards as {style}; give {norm} its own style in the "
+                             f"plan (only a column-parallel {proj} with local outputs is "
+                             f"handled here)")
+        out[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return out
+
+
+def _check_plan_divides(layer, plan, tp):
+    """Raise ValueError naming the module when a column- or row-parallel style of `plan` would
+    split a dimension tp does not divide: DTensor shards it unevenly without a word, and the
+    ranks then hold different numbers of heads or columns."""
+    for name, style in plan.items():
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        module = layer.get_submodule(name)
+        module = module.base_layer if isinstance(module, LoRALinear) else module
+        col = isinstance(style, ColwiseParallel)
+        if isinstance(module, nn.Linear):  # weight (out_features, in_features)
+            dim, what = (0, "out_features") if col else (1, "in_features")
+        elif isinstance(module, nn.Embedding):  # weight (num_embeddings, embedding_dim)
+            dim, what = (1, "embedding_dim") if col else (0, "num_embeddings")
+        else:
+            continue  # torch's styles refuse other modules themselves
+        if module.weight.shape[dim] % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide {name}.{what}="
+                             f"{module.weight.shape[dim]}, which the plan's "
+                             f"{type(style).__name__} on {name} splits; change the plan or tp")
+
+
+def _get_submodule(module, name):
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _check_seq_len(tp):
     def hook(module, args):
         seq = args[0].shape[1]
@@ -315,7 +376,7 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
     norms = ("input_layernorm", "post_attention_layernorm")
     for layer in layers:
         parallelize_module(layer, tp_mesh, _lora_aware(
-            layer, {k: v for k, v in plan.items() if k not in norms}))
+            layer, _with_head_norms(layer, {k: v for k, v in plan.items() if k not in norms})))
         if sequence_parallel:
             for name in norms:
                 parallelize_module(layer.get_submodule(name), tp_mesh, SequenceParallel())
@@ -371,7 +432,9 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
     missing or size-1 dimension is skipped). plan: None for the Llama plan
     (`llama_tp_plan()`, with vocabulary-parallel embedding and head), or a dict
     {submodule name within a decoder layer: ParallelStyle} applied to every decoder layer
-    (the embedding and head stay whole on every rank).
+    (the embedding and head stay whole on every rank; per-head q/k norms behind a column-parallel
+    q/k_proj are added; every dimension it splits must divide by tp, checked on every layer
+    before any is changed).
     param_dtype/reduce_dtype: FSDP2's mixed precision (e.g. torch.bfloat16 / torch.float32).
     vocab_parallel_logits: see `apply_tensor_parallel` (False inside a pipeline).
     sequence_parallel: shard the residual stream and the norms on the sequence between the
@@ -400,8 +463,12 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
             # a custom plan shards decoder-layer submodules only: the embedding and head stay
             # whole, so tied weights and a vocabulary tp does not divide are fine
             ParallelLayout(tp=tp).check_model(model.config, vocab_parallel=False)
-            for layer in decoder_layers(model):
-                parallelize_module(layer, mesh["tp"], _lora_aware(layer, plan))
+            layers = decoder_layers(model)
+            for layer in layers:  # every layer checked before the first one is changed
+                _check_plan_divides(layer, plan, tp)
+            plans = [_lora_aware(layer, _with_head_norms(layer, plan)) for layer in layers]
+            for layer, layer_plan in zip(layers, plans):
+                parallelize_module(layer, mesh["tp"], layer_plan)
             _hook_grad_layouts(model)
     if activation_checkpointing:
         wrap_activation_checkpointing(model)
