@@ -109,6 +109,12 @@ inline int32_t encode_magnitude(const Code& c, float a) {
   return c.first[j] + std::min(std::max(k, 0), c.span[j]);
 }
 
+// |x| as the bits of an fp32: a block's absmax is their largest. As integers they order as the
+// values do and every NaN's lie above inf's, so a NaN in the block gives the block a NaN absmax
+// (as torch.amax in adamw8bit_step_ref), which std::max, fmax and vmaxps would drop, leaving
+// finite garbage in the state where torch.optim.AdamW has a NaN.
+inline uint32_t abs_bits(float x) { return float_to_bits(x) & 0x7fffffffu; }
+
 inline uint8_t encode_signed(const Code& c, float x, float inv_absmax) {
   const float a = std::min(std::fabs(x) * inv_absmax, 1.0f);
   const int32_t idx = a == a ? encode_magnitude(c, a) : 255;
@@ -168,7 +174,7 @@ void block_scalar(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
   const float old_am = Q8 ? t.absmax_m[block] : 0.0f;
   const float old_av = Q8 ? t.absmax_v[block] : 0.0f;
   const bool small_weight = s.lerp_weight < 0.5f;
-  float max_m = 0.0f, max_v = 0.0f;
+  uint32_t max_m = 0, max_v = 0;  // abs_bits
   for (int64_t i = 0; i < len; ++i) {
     const float g = Fmt::load(g_ptr[i]) * s.grad_mult;
     float x = MASTER ? t.master[begin + i] : Fmt::load(p[i]);
@@ -196,24 +202,25 @@ void block_scalar(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
     if constexpr (Q8) {
       mbuf[i] = m;
       vbuf[i] = v;
-      max_m = std::max(max_m, std::fabs(m));
-      max_v = std::max(max_v, std::fabs(v));
+      max_m = std::max(max_m, abs_bits(m));
+      max_v = std::max(max_v, abs_bits(v));
     } else {
       static_cast<uint16_t*>(t.m)[begin + i] = lowp::BF16::round_nearest(m);
       static_cast<uint16_t*>(t.v)[begin + i] = lowp::BF16::round_nearest(v);
     }
   }
   if constexpr (Q8) {
-    const float inv_m = max_m > 0.0f ? 1.0f / max_m : 0.0f;
-    const float inv_v = max_v > 0.0f ? 1.0f / max_v : 0.0f;
+    const float am = bits_to_float(max_m), av = bits_to_float(max_v);
+    const float inv_m = am > 0.0f ? 1.0f / am : 0.0f;
+    const float inv_v = av > 0.0f ? 1.0f / av : 0.0f;
     uint8_t* mq = static_cast<uint8_t*>(t.m) + begin;
     uint8_t* vq = static_cast<uint8_t*>(t.v) + begin;
     for (int64_t i = 0; i < len; ++i) {
       mq[i] = encode_signed(cm, mbuf[i], inv_m);
       vq[i] = encode_unsigned(cv, vbuf[i], inv_v);
     }
-    t.absmax_m[block] = max_m;
-    t.absmax_v[block] = max_v;
+    t.absmax_m[block] = am;
+    t.absmax_v[block] = av;
   }
 }
 
@@ -280,8 +287,10 @@ inline void store_vec(typename Fmt::T* ptr, __mmask16 k, __m512 x, uint32_t stre
 // whole rest of the step, so they would make the kernel compute-bound below the memory speed.
 inline __m512 sqrt_nr(__m512 v) {
   // v * rsqrt(v) is nan at v = 0; from FLT_MIN up it is finite, and sqrt(FLT_MIN) ~ 1e-19 is
-  // nothing next to eps. (v = inf, only reachable with inf grads, gives nan instead of inf.)
-  v = _mm512_max_ps(v, _mm512_set1_ps(1.17549435e-38f));
+  // nothing next to eps. v second: vmaxps returns its second operand when one is nan, so a nan v
+  // stays nan (as std::sqrt's). (v = inf, from inf grads or (1 - beta2) * g^2 overflowing fp32,
+  // gives nan instead of inf.)
+  v = _mm512_max_ps(_mm512_set1_ps(1.17549435e-38f), v);
   __m512 y = _mm512_rsqrt14_ps(v);
   const __m512 half_v = _mm512_mul_ps(v, _mm512_set1_ps(0.5f));
   y = _mm512_mul_ps(y, _mm512_fnmadd_ps(_mm512_mul_ps(half_v, y), y, _mm512_set1_ps(1.5f)));
@@ -456,7 +465,9 @@ void block_avx512(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
     uint8_t* vq = static_cast<uint8_t*>(t.v) + begin;
     const __m512 b1am = _mm512_set1_ps((1.0f - s.lerp_weight) * t.absmax_m[block]);
     const __m512 b2av = _mm512_set1_ps(s.beta2 * t.absmax_v[block]);
-    __m512 max_m = _mm512_setzero_ps(), max_v = _mm512_setzero_ps();
+    // The absmaxes as abs_bits, lane by lane (vpmaxud: a NaN is kept, vmaxps would drop it).
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    __m512i max_m = _mm512_setzero_si512(), max_v = _mm512_setzero_si512();
     int64_t i = 0;
     // Full groups of 64 run unmasked, the 64 values of each moment decoded up front: with VBMI
     // by byte permutes instead of gathers (a gather is 16 loads). On this Zen 4 VM decoding the
@@ -489,8 +500,8 @@ void block_avx512(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
                                         m, v);
         _mm512_store_ps(mbuf + iu, m);
         _mm512_store_ps(vbuf + iu, v);
-        max_m = _mm512_max_ps(max_m, _mm512_abs_ps(m));
-        max_v = _mm512_max_ps(max_v, v);  // v >= 0
+        max_m = _mm512_max_epu32(max_m, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
+        max_v = _mm512_max_epu32(max_v, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
       }
     }
     for (; i < len; i += 16) {
@@ -502,10 +513,13 @@ void block_avx512(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
       update16<Fmt, true, MASTER, SR>(t, begin + i, k, c, s.seed, b1am, b2av, m, v);
       _mm512_store_ps(mbuf + i, m);
       _mm512_store_ps(vbuf + i, v);
-      max_m = _mm512_mask_max_ps(max_m, k, max_m, _mm512_abs_ps(m));
-      max_v = _mm512_mask_max_ps(max_v, k, max_v, v);  // v >= 0
+      max_m = _mm512_mask_max_epu32(max_m, k, max_m,
+                                    _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
+      max_v = _mm512_mask_max_epu32(max_v, k, max_v,
+                                    _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
     }
-    const float am = _mm512_reduce_max_ps(max_m), av = _mm512_reduce_max_ps(max_v);
+    const float am = bits_to_float(uint32_t(_mm512_reduce_max_epu32(max_m)));
+    const float av = bits_to_float(uint32_t(_mm512_reduce_max_epu32(max_v)));
     const __m512 inv_m = _mm512_set1_ps(am > 0.0f ? 1.0f / am : 0.0f);
     const __m512 inv_v = _mm512_set1_ps(av > 0.0f ? 1.0f / av : 0.0f);
     i = 0;

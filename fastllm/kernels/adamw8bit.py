@@ -5,7 +5,8 @@ Maths (fastllm/ops/adamw8bit.py has the full contract), per element with step t:
     m  = code_s[m_q] * absmax_m;   v = code_u[v_q] * absmax_v      (bf16 moments: upcast)
     x  = x * (1 - lr * wd);   m = lerp(m, g, 1 - beta1);   v = beta2 * v + (1 - beta2) * g^2
     x  = x - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-    absmax = max |.| over the block;   m_q, v_q = nearest code to m / absmax_m, v / absmax_v
+    absmax = max |.| over the block (nan if it holds a nan);   m_q, v_q = nearest code to
+    m / absmax_m, v / absmax_v
 A tile is (ROWS, BLOCK_P2): one row per quantisation block (BLOCK_P2, the block size rounded up
 to a power of two, masked), so a block's new absmax is a row reduction. The nearest code is found
 as the C++ kernel finds it, without a search: the fp32 exponent of a = |x| / absmax picks a
@@ -102,6 +103,15 @@ def _encode(x, inv_absmax, code_map, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def _absmax(x, mask):
+    """Per row of a 2-D tile: the largest |x| where mask, nan when the row holds a nan (as
+    torch.amax; tl.max, like fmax, drops it and would leave finite garbage in the state). The
+    bits of |x| as int32 order as the values do, and every nan's lie above inf's."""
+    bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    return tl.max(bits, axis=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, absmax_m_ptr,
             absmax_v_ptr, rows, offsets, mask, row_mask, random_offsets, map_m, map_v,
             grad_scale_ptr, clip_coef_ptr, neg_step_size, bc2_sqrt, decay, lerp_weight, beta2,
@@ -141,8 +151,8 @@ def _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, absmax
     stream_store(param_ptr, offsets, p_new, mask)
 
     if Q8:
-        new_absmax_m = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1)
-        new_absmax_v = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1)
+        new_absmax_m = _absmax(m, mask)
+        new_absmax_v = _absmax(v, mask)
         # Correctly rounded reciprocals, as the C++ kernel's 1.0f / absmax: `/` is approximate on
         # GPUs, and one ulp of the scale can move a value across a code boundary.
         safe_m = tl.where(new_absmax_m > 0, new_absmax_m, 1.0)

@@ -28,6 +28,14 @@ by bitsandbytes.functional.create_dynamic_map(signed, max_exponent_bits=7, total
 0, 1.0, and per decade i = 0..6 the midpoints of 2^i (signed, with both signs) or 2^(i+1)
 (unsigned) equal bins of [0.1, 1] * 10^(i-6). An all-zero block stores absmax 0.
 
+Non-finite values (no code holds them): a block holding a nan stores absmax nan, so all of it
+dequantises to nan (torch.amax's rule; a max that drops nan, as std::max, fmax and tl.max do,
+would leave finite garbage where torch.optim.AdamW has nan); an infinite value gives absmax inf
+and the top code of its sign, dequantising to itself, and the block's other values to nan
+(0 * inf). The fp32 param update uses m and v before quantisation, so only the elements with a
+non-finite grad go non-finite in the step itself, the rest of such a block in the next one. Use
+max_grad_norm, a loss scaler or GradScaler (found_inf) to skip such steps instead.
+
 Encoding is analytic, not a search, so it vectorises: inside one decade the codes are equally
 spaced, so the nearest is floor((a - first_boundary) / spacing); which decade a = |x| / absmax
 falls in takes one table lookup indexed by the fp32 exponent of a (each binary octave holds at
@@ -156,8 +164,10 @@ def quantize_blockwise_ref(x, code, block_size):
     absmax = blocks.abs().amax(dim=1) if nb else torch.zeros(0, dtype=torch.float64)
     absmax32 = absmax.float()
     scale = absmax32.double()
-    normalized = torch.where(scale[:, None] > 0, blocks / scale[:, None].clamp_min(1e-300),
-                             torch.zeros_like(blocks))
+    # An infinite value normalises to its sign (inf / inf would be nan, and -inf would come
+    # back as +inf); a nan absmax (amax keeps nan) makes the whole block dequantise to nan.
+    ratio = torch.where(blocks.isinf(), blocks.sign(), blocks / scale[:, None].clamp_min(1e-300))
+    normalized = torch.where(scale[:, None] > 0, ratio, torch.zeros_like(blocks))
     normalized = normalized.clamp(-1.0, 1.0).reshape(-1)[:n]
     code64 = code.double().to(flat.device)
     boundaries = (code64[1:] + code64[:-1]) / 2

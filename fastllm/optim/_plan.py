@@ -507,7 +507,8 @@ def _run_call(opt, gi, group, call, hp, scalars):
 def written_version(p):
     """What tells a write to p from outside the optimizer: its version counter (in-place writes,
     model.load_state_dict) and its memory (`p.data = w`, vector_to_parameters). In-place writes
-    through `p.data` bypass the version counter, as they bypass autograd, and are not seen.
+    through `p.data` bypass the version counter, as they bypass autograd, and are not seen
+    unless the user then calls torch.autograd.graph.increment_version(p) (AdamW's docstring).
     (The memory is not recorded in a step traced by torch.compile, which has no addresses.)"""
     if torch.compiler.is_compiling():
         return p._version, None

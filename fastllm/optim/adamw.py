@@ -110,10 +110,15 @@ class AdamW(torch.optim.Optimizer):
     device tensors, read only when you look at them.
 
     A parameter changed outside the optimizer (`model.load_state_dict`, an in-place clip under
-    no_grad, `p.data = w`) while it has a master copy is noticed through its version counter and
-    its memory, and the master is re-synced from it, so the next step does not write the stale
-    master back. In-place writes through `p.data` (`p.data.clamp_()`) bypass the version counter,
-    as they bypass autograd: write under torch.no_grad() instead.
+    no_grad, `p.data = w`, torch.nn.init) while it has a master copy is noticed through its
+    version counter and its memory, and the master is re-synced from it, so the next step does
+    not write the stale master back. In-place writes through `p.data` (`p.data.copy_(w)`,
+    `p.data.normal_()` as in transformers' _init_weights, `p.data += delta` as in peft's merge)
+    are not seen: they bypass the version counter, as they bypass autograd, and torch keeps no
+    other record of a write; the next step overwrites them with the stale master. Write under
+    torch.no_grad() instead, or after such writes call
+    `torch.autograd.graph.increment_version(params)` (a param or a list of them): the next step
+    then re-syncs those masters.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,

@@ -1,0 +1,215 @@
+"""Training state is never silently corrupted by the optimizers of fastllm/optim/adamw.py.
+
+Non-finite grads: without a skip mechanism a nan/inf reaches the moments as it reaches
+torch.optim.AdamW's exp_avg; 8-bit moments share one absmax per block, so a block holding a nan
+stores absmax nan and the whole block dequantises to nan (adamw8bit_step_ref: torch.amax keeps
+nan). Every backend must agree with the reference, a max that drops nan (std::max, fmax,
+Triton's tl.max) would leave finite garbage in the state. With a skip mechanism (max_grad_norm,
+GradScaler's found_inf) such a step changes nothing, on every backend.
+
+Master weights: a write to a bf16 param outside the optimizer must reach its fp32 master before
+the next step, or that step writes the stale master back over it.
+"""
+
+import math
+
+import pytest
+import torch
+
+import fastllm
+from fastllm.ops import adamw8bit as q8
+from fastllm.optim import AdamW, AdamW8bit
+from conftest import backend_device_params
+
+SIGNED, UNSIGNED = q8.dynamic_code(True), q8.dynamic_code(False)
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def _state(n, state_dtype, block):
+    """Non-trivial moments: the stored form of random ones (codes and absmaxes, or bf16)."""
+    m = torch.randn(n, dtype=torch.float64) * 1e-2
+    v = torch.rand(n, dtype=torch.float64) * 1e-4
+    if state_dtype == torch.uint8:
+        cm, am = q8.quantize_blockwise_ref(m, SIGNED, block)
+        cv, av = q8.quantize_blockwise_ref(v, UNSIGNED, block)
+        return [cm, cv, am, av]
+    return [m.to(torch.bfloat16), v.to(torch.bfloat16)]
+
+
+def _step(backend, p, g, state, step, block):
+    cm, cv, *absmax = state
+    with fastllm.use_backend(backend):
+        q8.adamw8bit_step([p], [g], [], [cm], [cv], absmax[:1], absmax[1:],
+                          [torch.tensor(float(step))], block_size=block, **HYPER)
+
+
+def _moments(state, block):
+    """(m, v) as float64, as the next step reads them."""
+    if state[0].dtype != torch.uint8:
+        return state[0].double(), state[1].double()
+    return (q8.dequantize_blockwise_ref(state[0], state[2], SIGNED, block),
+            q8.dequantize_blockwise_ref(state[1], state[3], UNSIGNED, block))
+
+
+def _assert_matches(got, want, what):
+    """Same nan, +inf and -inf elements; the finite ones equal up to fp32 rounding."""
+    got, want = got.double().cpu(), want.double().cpu()
+    for kind in (torch.isnan, torch.isposinf, torch.isneginf):
+        differ = (kind(got) != kind(want)).nonzero().flatten().tolist()
+        assert not differ, f"{what}: {kind.__name__} differs from the reference at {differ[:8]}"
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-6,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("state_dtype", [torch.uint8, torch.bfloat16], ids=["q8", "bf16state"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_nonfinite_grad_reaches_the_state_as_in_the_reference(backend, device, state_dtype, bad):
+    """adamw8bit_step without found_inf: a step with non-finite grad elements, then a clean one,
+    each from the backend's own state, against the float64 reference on a copy of it."""
+    block, n = 128, 300  # blocks [0, 128), [128, 256) and a ragged [256, 300)
+    torch.manual_seed(0)
+    p = torch.randn(n)
+    state = _state(n, state_dtype, block)
+    for step, bad_at in ((1, [3, 127, 299]), (2, [])):  # block 1 stays clean
+        g = torch.randn(n)
+        g[bad_at] = bad
+        p_ref, state_ref = p.clone(), [t.clone() for t in state]
+        _step("ref", p_ref, g.clone(), state_ref, step, block)
+        p, g, state = p.to(device), g.to(device), [t.to(device) for t in state]
+        _step(backend, p, g, state, step, block)
+        p, state = p.cpu(), [t.cpu() for t in state]
+        _assert_matches(p, p_ref, f"step {step}: param")
+        if state_dtype == torch.uint8:
+            _assert_matches(state[2], state_ref[2], f"step {step}: exp_avg absmax")
+            _assert_matches(state[3], state_ref[3], f"step {step}: exp_avg_sq absmax")
+        for name, got, want in zip(("exp_avg", "exp_avg_sq"), _moments(state, block),
+                                   _moments(state_ref, block)):
+            _assert_matches(got, want, f"step {step}: {name}")
+        if step == 1 and state_dtype == torch.uint8 and bad != bad:  # nan: the reference's
+            assert state_ref[2].isnan().tolist() == [True, False, True]  # own contract
+        m, v = _moments(state, block)
+        assert torch.isfinite(m[128:256]).all() and torch.isfinite(v[128:256]).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("state_dtype", [torch.uint8, torch.bfloat16], ids=["q8", "bf16state"])
+def test_nan_in_the_second_moment_reaches_the_param(backend, device, state_dtype):
+    """A nan already in exp_avg_sq (a loaded state), finite grads and exp_avg: the update divides
+    by sqrt(nan), so the param goes nan, as in torch.optim.AdamW. (The AVX-512 path clamps v
+    away from 0 before its sqrt; with the clamp as vmaxps's second operand that turned a nan v
+    into a huge finite update.)"""
+    block, n = 128, 300
+    torch.manual_seed(0)
+    p, g = torch.randn(n), torch.randn(n)
+    state = _state(n, state_dtype, block)
+    if state_dtype == torch.uint8:
+        state[3][1] = math.nan  # the second block's exp_avg_sq absmax
+    else:
+        state[1][[5, 200, 299]] = math.nan
+    p_ref, state_ref = p.clone(), [t.clone() for t in state]
+    _step("ref", p_ref, g.clone(), state_ref, 1, block)
+    p, state = p.to(device), [t.to(device) for t in state]
+    _step(backend, p, g.to(device), state, 1, block)
+    p, state = p.cpu(), [t.cpu() for t in state]
+    assert p_ref.isnan().any()
+    _assert_matches(p, p_ref, "param")
+    for name, got, want in zip(("exp_avg", "exp_avg_sq"), _moments(state, block),
+                               _moments(state_ref, block)):
+        _assert_matches(got, want, name)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+
+
+def _snapshot(model, opt):
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for state in opt.state.values():
+        tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("make", [
+    lambda ps, **kw: AdamW8bit(ps, lr=1e-2, min_8bit_size=0, block_size=64, **kw),
+    lambda ps, **kw: AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16, **kw),
+], ids=["q8", "bf16state"])
+@pytest.mark.parametrize("skip", ["max_grad_norm", "grad_scaler"])
+def test_nonfinite_step_is_skipped_on_every_backend(backend, device, make, skip):
+    """With a skip mechanism a nan grad changes nothing bitwise (params, moments, absmaxes,
+    step counts) on every backend, and the next clean step runs."""
+    model = _model().to(device)
+    scaler = None
+    if skip == "max_grad_norm":
+        opt = make(model.parameters(), max_grad_norm=1.0)
+    else:
+        opt = make(model.parameters())
+        scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+    x = torch.randn(8, 48, device=device)
+    with fastllm.use_backend(backend):
+        for step in range(3):
+            loss = model(x).square().mean()
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if step == 1:
+                before = _snapshot(model, opt)
+                model[0].weight.grad[0, 0] = math.nan
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            if step == 1:
+                assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
+                if skip == "max_grad_norm":
+                    assert bool(opt.step_skipped)
+            opt.zero_grad()
+    assert all(torch.isfinite(t).all() for t in _snapshot(model, opt))
+    assert all(float(s["step"]) == 2.0 for s in opt.state.values())
+
+
+def _data_write(p, write):
+    """An in-place write through p.data (which does not bump p's version counter)."""
+    if write == "copy_":
+        p.data.copy_(torch.randn_like(p))
+    elif write == "normal_":  # transformers' _init_weights
+        p.data.normal_(mean=0.0, std=0.02)
+    else:  # peft's merge of a LoRA delta
+        p.data += torch.randn_like(p)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: AdamW(ps, lr=1e-2, master_weights=True),
+    lambda ps: AdamW8bit(ps, lr=1e-2, master_weights=True, min_8bit_size=0, block_size=64),
+], ids=["adamw", "adamw8bit"])
+@pytest.mark.parametrize("write", ["copy_", "normal_", "iadd"])
+@pytest.mark.parametrize("bump", [False, True], ids=["alone", "increment_version"])
+def test_data_write_reaches_the_master_after_increment_version(make, write, bump):
+    """As AdamW's docstring says: a write through p.data is not seen, and the next step writes
+    the stale master back over it; torch.autograd.graph.increment_version(p) after the write
+    makes the next step re-sync the master from the param instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 24).to(torch.bfloat16)
+    opt = make(model.parameters())
+    model(torch.randn(4, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    w = model.weight
+    stale = opt.state[w]["master_param"].clone()
+    _data_write(w, write)
+    written = w.detach().clone()
+    assert not torch.equal(written, stale.to(torch.bfloat16))
+    if bump:
+        torch.autograd.graph.increment_version(w)
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # the step writes back round(master), and changes nothing else
+    opt.zero_grad(set_to_none=False)
+    opt.step()
+    master = opt.state[w]["master_param"]
+    if bump:
+        assert torch.equal(w.detach(), written) and torch.equal(master, written.float())
+    else:
+        assert torch.equal(w.detach(), stale.to(torch.bfloat16)) and torch.equal(master, stale)
