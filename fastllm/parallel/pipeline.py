@@ -9,6 +9,7 @@ The training runtime and examples/parallel_train.py both build their pipelines w
 """
 
 import copy
+import inspect
 
 import torch
 import torch.nn as nn
@@ -73,9 +74,43 @@ def llama_layer_costs(config, seq_len):
     from fastllm.parallel.planner import model_from_hf_config
 
     spec = model_from_hf_config(config.to_dict())
-    layer = 2 * seq_len * spec.layer_linear_params() + 4 * seq_len * seq_len * spec.hidden
+    layer = 2 * seq_len * spec.layer_linear_params() + 4 * seq_len * seq_len * spec.q_dim
     head = 2 * seq_len * spec.hidden * spec.vocab
     return [layer] * spec.layers, 0.0, head
+
+
+def _attention_type(layer, config):
+    """"sliding_attention" or "full_attention": the mask transformers' model forward gives this
+    decoder layer. Qwen2/Qwen3 attention carries its own `sliding_window` (None on full layers,
+    from config.layer_types); Mistral's reads config.sliding_window for every layer; Llama has
+    neither."""
+    attn = getattr(layer, "self_attn", None)
+    window = (attn.sliding_window if hasattr(attn, "sliding_window")
+              else getattr(config, "sliding_window", None))
+    return "full_attention" if window is None else "sliding_attention"
+
+
+def _causal_masks(config, h, pos, kinds):
+    """transformers' masks for each attention kind in `kinds`, as its model forward builds them
+    (transformers.masking_utils): None where SDPA's own causal flag suffices, else a 4D mask
+    (batch, 1, seq, seq), or a flex BlockMask. h: (batch, seq, hidden); pos: (1, seq) int64."""
+    from transformers import masking_utils
+
+    builders = {"full_attention": masking_utils.create_causal_mask,
+                "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+    masks = {}
+    for kind in kinds:
+        build = builders[kind]
+        # the keywords changed across releases (4.x: input_embeds, cache_position,
+        # past_key_values; 5.2x: inputs_embeds, cache, with past_key_values deprecated)
+        params = inspect.signature(build).parameters
+        args = {"config": config, "attention_mask": None, "position_ids": pos,
+                "inputs_embeds" if "inputs_embeds" in params else "input_embeds": h,
+                "cache" if "cache" in params else "past_key_values": None}
+        if "cache_position" in params:
+            args["cache_position"] = pos[0]
+        masks[kind] = build(**args)
+    return masks
 
 
 class LlamaStage(nn.Module):
@@ -83,12 +118,17 @@ class LlamaStage(nn.Module):
     stage and the final norm and head on the last. Parameter names are the full model's.
 
     forward: first stage takes input_ids (batch, seq) int64, others hidden (batch, seq, hidden);
-    the last stage returns logits (batch, seq, vocab), others hidden states.
+    the last stage returns logits (batch, seq, vocab), others hidden states. Each layer gets the
+    causal mask of its kind (sliding-window layers of Mistral, Qwen2, Qwen3: the windowed one),
+    as in the model's own forward.
     """
 
     def __init__(self, model, lo, hi, first, last):
         super().__init__()
         inner = model.model
+        # read before parallelize_fn may wrap the layers (activation checkpointing)
+        self.attention_types = {str(i): _attention_type(inner.layers[i], model.config)
+                                for i in range(lo, hi)}
         inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(lo, hi)})
         if not first:
             inner.embed_tokens = None
@@ -108,9 +148,10 @@ class LlamaStage(nn.Module):
         h = inner.embed_tokens(x) if self.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         pe = inner.rotary_emb(h, pos)
-        for layer in inner.layers.values():
-            # no mask: SDPA applies the causal mask itself when attention_mask is None
-            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        masks = _causal_masks(self.config, h, pos, set(self.attention_types.values()))
+        for name, layer in inner.layers.items():
+            h = layer(h, attention_mask=masks[self.attention_types[name]], position_ids=pos,
+                      position_embeddings=pe)
         if self.last:
             h = self.lm_head(inner.norm(h))
         return h

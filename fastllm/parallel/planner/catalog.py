@@ -12,7 +12,13 @@ GiB = 1024**3
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer. gated_mlp: Llama's SwiGLU (3 matrices) vs GPT's 2."""
+    """A decoder-only transformer. gated_mlp: Llama's SwiGLU (3 matrices) vs GPT's 2.
+
+    head_dim: the width of one attention head; 0 (the default) means hidden // heads, as in
+    Llama and Mistral. Qwen3 sets its own (Qwen3-0.6B: 16 heads of 128 on a hidden of 1024), so
+    q and the attention output are heads x head_dim wide, not hidden (`q_dim`). qk_norm: an
+    RMSNorm (head_dim weights) on each head's q and on its k, as in Qwen3.
+    """
 
     name: str
     layers: int
@@ -23,10 +29,20 @@ class ModelSpec:
     vocab: int
     gated_mlp: bool = True
     tied_embeddings: bool = False
+    head_dim: int = 0
+    qk_norm: bool = False
+
+    def __post_init__(self):
+        if not self.head_dim:
+            try:
+                object.__setattr__(self, "head_dim", self.hidden // self.heads)
+            except (TypeError, ZeroDivisionError):
+                pass  # a bad shape: `fastllm plan` checks every field and names it
 
     @property
-    def head_dim(self):
-        return self.hidden // self.heads
+    def q_dim(self):
+        """The width of q and of the attention output (o_proj's input): heads x head_dim."""
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self):
@@ -34,12 +50,14 @@ class ModelSpec:
 
     def layer_linear_params(self):
         """Weights of the matmuls in one layer (q, k, v, o, MLP); norms excluded."""
-        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        attn = 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
         mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
         return attn + mlp
 
     def layer_params(self):
-        return self.layer_linear_params() + 2 * self.hidden
+        """Matmul weights and the norms: two RMSNorms of hidden, Qwen3's q/k norms of head_dim."""
+        return (self.layer_linear_params() + 2 * self.hidden
+                + (2 * self.head_dim if self.qk_norm else 0))
 
     def embedding_params(self):
         return self.vocab * self.hidden
@@ -60,6 +78,8 @@ MODELS = {
     "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
     "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
     "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
+    "qwen3-0.6b": ModelSpec("qwen3-0.6b", 28, 1024, 16, 8, 3072, 151936, tied_embeddings=True,
+                            head_dim=128, qk_norm=True),
 }
 
 
@@ -85,6 +105,10 @@ def model_from_hf_config(path_or_dict, name=None):
     gated = "n_embd" not in cfg
     return ModelSpec(
         name=name or cfg.get("model_type", "model"),
+        # Qwen3 sets head_dim apart from hidden / heads; Llama writes it (equal), Qwen2 omits it
+        # (0: hidden // heads)
+        head_dim=cfg.get("head_dim") or 0,
+        qk_norm=cfg.get("model_type") == "qwen3",
         layers=get("num_hidden_layers", "n_layer"),
         hidden=hidden,
         heads=heads,

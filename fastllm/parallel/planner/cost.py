@@ -144,10 +144,11 @@ def activation_bytes_per_layer(model, micro_batch, seq_len, dtype_bytes=2, tp=1,
 
     Counted for transformers' LlamaDecoderLayer (e = dtype bytes): each RMSNorm keeps its fp32
     input, its normalised value and its output ((4 + 2e) per element) and a fp32 rsqrt per
-    token; attention keeps q after rotary and its output (2e per element of hidden), k and v
-    (2e per kv element), and SDPA's fp32 log-sum-exp per head; the SwiGLU MLP keeps gate, up,
-    silu(gate) and their product (4e per ffn element). Without flash attention (Megatron's
-    2021 kernels) the scores, softmax and dropout mask add (2e + 1) per score element.
+    token; attention keeps q after rotary and its output (2e per element of heads x head_dim,
+    `q_dim`: hidden in Llama, not in Qwen3), k and v (2e per kv element), and SDPA's fp32
+    log-sum-exp per head; the SwiGLU MLP keeps gate, up, silu(gate) and their product (4e per
+    ffn element). Without flash attention (Megatron's 2021 kernels) the scores, softmax and
+    dropout mask add (2e + 1) per score element.
     """
     tokens = micro_batch * seq_len
     e = dtype_bytes
@@ -157,7 +158,7 @@ def activation_bytes_per_layer(model, micro_batch, seq_len, dtype_bytes=2, tp=1,
         # norm inputs/outputs are sharded on the sequence; the gathered input of q/k/v and of
         # gate/up is kept whole
         norms = 2 * ((4 + e) * h / t + e * h + 4 / t)
-    attn = (2 * e * h + 2 * e * model.kv_dim + 4 * model.heads) / t
+    attn = (2 * e * model.q_dim + 2 * e * model.kv_dim + 4 * model.heads) / t
     mlp = ((4 if model.gated_mlp else 2) * e * model.ffn) / t
     per_token = norms + attn + mlp
     scores = 0 if flash else (2 * e + 1) * model.heads * seq_len * seq_len * micro_batch / t
@@ -165,8 +166,8 @@ def activation_bytes_per_layer(model, micro_batch, seq_len, dtype_bytes=2, tp=1,
 
 
 def _lora_params_per_layer(model, rank):
-    h, kv, f = model.hidden, model.kv_dim, model.ffn
-    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+    h, q, kv, f = model.hidden, model.q_dim, model.kv_dim, model.ffn
+    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
     return rank * sum(i + o for i, o in shapes)
 
 
@@ -249,7 +250,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     # of a parameter beside the accumulated one (autograd's AccumulateGrad adds it in
     # afterwards): the largest parameter tensor of the stage. (The logits' gradient replaces
     # the log-softmax the loss frees: one process measures no net growth there.)
-    largest_layer_param = max(model.hidden * model.ffn, model.hidden * model.hidden) / t
+    largest_layer_param = max(model.hidden * model.ffn, model.hidden * model.q_dim) / t
 
     rt = runtime or MEGATRON
     # (rank, holds the embedding, holds the head): rank 1 has the most micro-batches in flight
@@ -317,7 +318,8 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     def sync(n):
         return sync_cost(gpu, n) if shared and n > 1 else 0.0
     tokens = b * s
-    layer_fwd = 2 * tokens * model.layer_linear_params() + 4 * b * s * s * model.hidden
+    # attention's scores and weighted sum: 2 matmuls of (s x head_dim x s) per head
+    layer_fwd = 2 * tokens * model.layer_linear_params() + 4 * b * s * s * model.q_dim
     head_fwd = 2 * tokens * model.hidden * model.vocab
     bwd_factor = 1 if lo.lora_rank else 2  # LoRA: input grads only through frozen weights
     passes = 1 + bwd_factor + (1 if lo.recompute else 0)
@@ -417,7 +419,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     # model FLOPs (no recomputation) for MFU; Megatron's counted FLOPs for "achieved"
     head_flops = 2 * seq_len * model.hidden * model.vocab
     fwd = (model.layers * (2 * seq_len * model.layer_linear_params() + 4 * seq_len * seq_len
-                           * model.hidden) + head_flops) * global_batch
+                           * model.q_dim) + head_flops) * global_batch
     model_flops = fwd * (1 + bwd_factor)
     # recomputation repeats the layers' forward, not the head's
     hw_flops = model_flops + (fwd - head_flops * global_batch if lo.recompute else 0)

@@ -1,0 +1,134 @@
+"""Config keys the pipeline stage and the planner must read, single-process.
+
+- Sliding-window attention (Mistral's `sliding_window`; Qwen2/Qwen3's `use_sliding_window`,
+  `sliding_window`, `max_window_layers` -> `layer_types`): each layer of a pipeline stage gets
+  the mask of its kind, so stages chained give the plain model's logits and gradients.
+- Qwen3's `head_dim` (heads x head_dim != hidden) and its q/k norms: the planner's parameter
+  count is the model's own.
+"""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastllm.parallel.pipeline import LlamaStage, llama_layer_costs  # noqa: E402
+from fastllm.parallel.planner import MODELS, model_from_hf_config  # noqa: E402
+
+SEQ, WINDOW = 13, 4  # longer than the window, odd
+
+
+def _config(family, attn="sdpa", layers=4, tied=False):
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**shape)
+    elif family == "mistral":  # every layer windowed
+        cfg = transformers.MistralConfig(**shape, sliding_window=WINDOW)
+    elif family == "qwen2":  # layers >= max_window_layers windowed
+        cfg = transformers.Qwen2Config(**shape, use_sliding_window=True, sliding_window=WINDOW,
+                                       max_window_layers=1)
+    else:  # qwen3: 4 heads of 16 on a hidden of 32
+        cfg = transformers.Qwen3Config(**shape, head_dim=16, use_sliding_window=True,
+                                       sliding_window=WINDOW, max_window_layers=2)
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def _model(cfg):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=cfg._attn_implementation)
+
+
+def _run_stages(model, bounds, ids):
+    """Cut deep copies of `model` at `bounds` and run the stages one after the other."""
+    stages = [LlamaStage(copy.deepcopy(model), lo, hi, i == 0, i == len(bounds) - 2)
+              for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    h = ids
+    for st in stages:
+        h = st(h)
+    return h, stages
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_pipeline_stages_match_the_model_with_sliding_windows(family, attn):
+    model = _model(_config(family, attn))
+    ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    kept = ids.clone()
+    want = model(ids).logits
+    want.float().pow(2).mean().backward()
+    # a stage mixing full and sliding layers (qwen3: 0-1 full, 2-3 windowed)
+    got, stages = _run_stages(model, [0, 1, 3, 4], ids)
+    torch.testing.assert_close(got, want)
+    got.float().pow(2).mean().backward()
+    grads = {n: p.grad for st in stages for n, p in st.named_parameters()}
+    assert sorted(grads) == sorted(n for n, _ in model.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
+    assert torch.equal(ids, kept)
+
+
+def test_stage_reads_layer_kinds_before_layers_are_wrapped():
+    """parallelize_fn may wrap the layers (activation checkpointing): the windowed layers keep
+    their mask."""
+    from fastllm.parallel.tensor_parallel import wrap_activation_checkpointing
+
+    model = _model(_config("qwen3"))
+    ids = torch.randint(0, 96, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    want = model(ids).logits
+    stage = wrap_activation_checkpointing(LlamaStage(copy.deepcopy(model), 0, 4, True, True))
+    torch.testing.assert_close(stage(ids), want)
+
+
+def test_full_attention_under_sdpa_builds_no_mask():
+    """Llama (no window) and sequences within the window keep SDPA's own causal flag: no
+    (seq x seq) mask is materialised."""
+    from fastllm.parallel.pipeline import _causal_masks
+
+    h, pos = torch.zeros(2, SEQ, 32), torch.arange(SEQ).unsqueeze(0)
+    assert _causal_masks(_config("llama"), h, pos, {"full_attention"}) == {"full_attention": None}
+    n = WINDOW - 1
+    short = _causal_masks(_config("qwen3"), h[:, :n], pos[:, :n], {"sliding_attention"})
+    assert short == {"sliding_attention": None}
+    long = _causal_masks(_config("qwen3"), h, pos, {"sliding_attention"})["sliding_attention"]
+    assert long.shape[-2:] == (SEQ, SEQ)
+
+
+def _meta_params(cfg):
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    layer = model.model.layers[0]
+    linear = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+    return sum(p.numel() for p in model.parameters()), linear
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("mistral", False),
+                                         ("qwen3", False), ("qwen3", True)])
+def test_planner_counts_the_models_parameters(family, tied):
+    cfg = _config(family, layers=3, tied=tied)
+    spec = model_from_hf_config(cfg.to_dict())
+    total, linear = _meta_params(cfg)
+    assert spec.params() == total
+    assert spec.layer_linear_params() == linear
+    assert spec.q_dim == cfg.num_attention_heads * cfg.head_dim
+    if family == "qwen3":
+        assert spec.q_dim == 2 * cfg.hidden_size
+        costs, _, _ = llama_layer_costs(cfg, SEQ)
+        # attention's scores and weighted sum run over heads x head_dim, not hidden
+        assert costs[0] == 2 * SEQ * linear + 4 * SEQ * SEQ * spec.q_dim
+
+
+def test_catalog_qwen3_0_6b_is_its_config():
+    # Qwen/Qwen3-0.6B config.json; its model card: 0.6B parameters, 0.44B without embeddings
+    cfg = transformers.Qwen3Config(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+    spec = MODELS["qwen3-0.6b"]
+    assert spec == model_from_hf_config(cfg.to_dict(), name="qwen3-0.6b")
+    assert spec.params() == _meta_params(cfg)[0]
+    assert round(spec.params() / 1e9, 2) == 0.6
+    assert round((spec.params() - spec.embedding_params()) / 1e9, 2) == 0.44
