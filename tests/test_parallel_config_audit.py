@@ -8,6 +8,7 @@
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -132,3 +133,96 @@ def test_catalog_qwen3_0_6b_is_its_config():
     assert spec.params() == _meta_params(cfg)[0]
     assert round(spec.params() / 1e9, 2) == 0.6
     assert round((spec.params() - spec.embedding_params()) / 1e9, 2) == 0.44
+
+
+# --- biases, head_dim without hidden % heads, Qwen3's q/k norms in the cost model ---------------
+
+@pytest.mark.parametrize("family,biases", [
+    ("qwen2", {}),  # q/k/v biases whatever the config says
+    ("qwen2", dict(attention_bias=True, mlp_bias=True)),
+    ("llama", dict(attention_bias=True)), ("llama", dict(mlp_bias=True)),
+    ("llama", dict(attention_bias=True, mlp_bias=True)),
+    ("mistral", dict(attention_bias=True, mlp_bias=True)),  # Mistral builds no bias
+    ("qwen3", dict(attention_bias=True, mlp_bias=True)),  # Qwen3: attention only
+])
+def test_planner_counts_biases(family, biases):
+    cfg = _config(family, layers=2)
+    for key, value in biases.items():
+        setattr(cfg, key, value)
+    spec = model_from_hf_config(cfg.to_dict())
+    total, linear = _meta_params(cfg)
+    with torch.device("meta"):
+        layer = transformers.AutoModelForCausalLM.from_config(cfg).model.layers[0]
+    assert spec.params() == total
+    assert spec.layer_params() == sum(p.numel() for p in layer.parameters())
+    assert spec.layer_linear_params() == linear  # the matmuls' FLOPs: weights, no biases
+    assert spec.layer_tensors() == len(list(layer.parameters()))
+
+
+def test_plan_cli_takes_head_dim_without_hidden_divisible_by_heads(tmp_path, capsys):
+    from fastllm.cli import main
+
+    # Qwen3 builds 3 heads of 16 on a hidden of 40
+    shape = dict(vocab_size=96, hidden_size=40, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=3, num_key_value_heads=1)
+    cfg = transformers.Qwen3Config(**shape, head_dim=16)
+    path = tmp_path / "tiny" / "config.json"
+    path.parent.mkdir()
+    path.write_text(cfg.to_json_string())
+    args = ["plan", "--model", str(path), "--seq-len", "16", "--global-batch", "2",
+            "--gpus", "1", "--gpu", "A100"]
+    main(args)
+    assert "tiny: 0.00B params, 2 layers, hidden 40, heads 3/1 kv" in capsys.readouterr().out
+    assert model_from_hf_config(str(path)).params() == _meta_params(cfg)[0]
+    # without head_dim, hidden must split over the heads
+    path.write_text(json.dumps(dict(shape, model_type="llama")))
+    with pytest.raises(SystemExit, match="hidden size 40 and 3 heads do not divide.*head_dim"):
+        main(args)
+
+
+def _saved_bytes(cfg, dtype):
+    """Bytes autograd saves for a forward of `cfg`'s model (one count per storage)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids).logits.float().pow(2).mean()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_count_qwen3_qk_norms(dtype):
+    """What Qwen3's q/k norms add to a layer's saved activations, against the same shape in
+    Llama (4 heads of 16 on a hidden of 32 in both)."""
+    from fastllm.parallel.planner import activation_bytes_per_layer
+
+    qwen3 = _config("qwen3", layers=2)
+    qwen3.use_sliding_window, qwen3.layer_types = False, ["full_attention"] * 2
+    llama = _config("llama", layers=2)
+    llama.head_dim = qwen3.head_dim
+    e = dtype.itemsize
+    added = _saved_bytes(qwen3, dtype) - _saved_bytes(llama, dtype)
+    planned = [activation_bytes_per_layer(model_from_hf_config(c.to_dict()), 2, SEQ, e)
+               for c in (qwen3, llama)]
+    assert 2 * (planned[0] - planned[1]) == added > 0
+
+
+def test_optimizer_host_cost_counts_each_layers_tensors():
+    """The optimizer's per-tensor host cost (a CPU's op_overhead) counts the q/k norms' and the
+    biases' tensors: 9 in a Llama layer, 11 in Qwen3's, 12 in Qwen2's."""
+    from fastllm.parallel.planner import FASTLLM, GPUSpec, Layout, estimate
+
+    host = GPUSpec("host", 1e12, 1e12, 1e30, 1e9, 1e9, op_overhead=1.0)
+    for family, tensors in (("llama", 9), ("qwen3", 11), ("qwen2", 12)):
+        spec = model_from_hf_config(_config(family, layers=2).to_dict())
+        r = estimate(spec, Layout(), SEQ, 1, host, runtime=FASTLLM)
+        # two layers, and the embedding, final norm and head
+        assert r["time_optimizer"] == pytest.approx((2 * tensors + 3) * FASTLLM.ops_param)

@@ -18,6 +18,8 @@ class ModelSpec:
     Llama and Mistral. Qwen3 sets its own (Qwen3-0.6B: 16 heads of 128 on a hidden of 1024), so
     q and the attention output are heads x head_dim wide, not hidden (`q_dim`). qk_norm: an
     RMSNorm (head_dim weights) on each head's q and on its k, as in Qwen3.
+    qkv_bias, o_bias, mlp_bias: biases on q/k/v (Qwen2; Llama's attention_bias), on o (Llama's
+    attention_bias) and on gate/up/down (Llama's mlp_bias).
     """
 
     name: str
@@ -31,13 +33,20 @@ class ModelSpec:
     tied_embeddings: bool = False
     head_dim: int = 0
     qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self):
         if not self.head_dim:
             try:
+                rest = self.hidden % self.heads
                 object.__setattr__(self, "head_dim", self.hidden // self.heads)
             except (TypeError, ZeroDivisionError):
-                pass  # a bad shape: `fastllm plan` checks every field and names it
+                return  # a bad shape: `fastllm plan` checks every field and names it
+            if rest and self.hidden > 0 and self.heads > 0:
+                raise ValueError(f"hidden size {self.hidden} and {self.heads} heads do not divide "
+                                 "and no head_dim is given")
 
     @property
     def q_dim(self):
@@ -54,10 +63,25 @@ class ModelSpec:
         mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
         return attn + mlp
 
+    def layer_bias_params(self):
+        """Biases of one layer's matmuls: q/k/v (q_dim + 2 kv_dim), o (hidden), the MLP's
+        (gate and up: ffn each, down: hidden)."""
+        mlp = self.ffn * (2 if self.gated_mlp else 1) + self.hidden
+        return ((self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden * self.o_bias
+                + mlp * self.mlp_bias)
+
     def layer_params(self):
-        """Matmul weights and the norms: two RMSNorms of hidden, Qwen3's q/k norms of head_dim."""
-        return (self.layer_linear_params() + 2 * self.hidden
+        """Matmul weights, their biases and the norms: two RMSNorms of hidden, Qwen3's q/k norms
+        of head_dim."""
+        return (self.layer_linear_params() + self.layer_bias_params() + 2 * self.hidden
                 + (2 * self.head_dim if self.qk_norm else 0))
+
+    def layer_tensors(self):
+        """Parameter tensors in one layer (an optimizer's per-tensor work): Llama's 7 matrices
+        (GPT's 6) and 2 norms, Qwen3's q/k norms, one per bias."""
+        mlp = 3 if self.gated_mlp else 2
+        return (4 + mlp + 2 + 2 * self.qk_norm + 3 * self.qkv_bias + self.o_bias
+                + mlp * self.mlp_bias)
 
     def embedding_params(self):
         return self.vocab * self.hidden
@@ -103,12 +127,21 @@ def model_from_hf_config(path_or_dict, name=None):
     hidden = get("hidden_size", "n_embd", "d_model")
     heads = get("num_attention_heads", "n_head")
     gated = "n_embd" not in cfg
+    # biases as transformers' modelling code builds them: Qwen2 q/k/v always and no other;
+    # Mistral none; Qwen3 reads attention_bias (q/k/v/o); Llama, and the families that copy
+    # it, attention_bias and mlp_bias (gate/up/down)
+    kind = cfg.get("model_type")
+    attention_bias = bool(cfg.get("attention_bias")) and kind not in ("qwen2", "mistral")
+    mlp_bias = bool(cfg.get("mlp_bias")) and kind not in ("qwen2", "qwen3", "mistral")
     return ModelSpec(
         name=name or cfg.get("model_type", "model"),
         # Qwen3 sets head_dim apart from hidden / heads; Llama writes it (equal), Qwen2 omits it
         # (0: hidden // heads)
         head_dim=cfg.get("head_dim") or 0,
-        qk_norm=cfg.get("model_type") == "qwen3",
+        qk_norm=kind == "qwen3",
+        qkv_bias=attention_bias or kind == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=mlp_bias,
         layers=get("num_hidden_layers", "n_layer"),
         hidden=hidden,
         heads=heads,

@@ -74,9 +74,10 @@ def load_json_spec(path, option, build):
             # faster than the hardware
             raise SystemExit(f"fastllm plan: {option} {path}: {field.name} is a fraction of the "
                              f"peak and must be in (0, 1] (e.g. 0.7 for 70%), got {value}")
-    if hasattr(spec, "heads") and (spec.hidden % spec.heads or spec.heads % spec.kv_heads):
-        raise SystemExit(f"fastllm plan: {option} {path}: hidden size {spec.hidden}, "
-                         f"{spec.heads} heads and {spec.kv_heads} key/value heads do not divide")
+    # hidden % heads is ModelSpec's check: needed only when the config gives no head_dim
+    if hasattr(spec, "heads") and spec.heads % spec.kv_heads:
+        raise SystemExit(f"fastllm plan: {option} {path}: {spec.heads} heads and "
+                         f"{spec.kv_heads} key/value heads do not divide")
     return spec
 
 

@@ -100,7 +100,9 @@ class RuntimeSpec:
     ops_fsdp_layer: int = 0
     ops_outside: int = 0
     ops_param: int = 0
-    tensors_layer: int = 9           # parameter tensors per decoder layer (Llama: 7 + 2 norms)
+    # parameter tensors per decoder layer of the Llama the op counts were measured on;
+    # estimate() takes the model's own (ModelSpec.layer_tensors: Qwen3's q/k norms, biases)
+    tensors_layer: int = 9
     small_collectives: int = 0       # per step: loss and gradient-norm all-reduces
     # torch.distributed.pipelining: every micro-batch's receive buffers and the last stage's
     # outputs are held until the step ends (Megatron-LM allocates them per transfer)
@@ -147,8 +149,10 @@ def activation_bytes_per_layer(model, micro_batch, seq_len, dtype_bytes=2, tp=1,
     token; attention keeps q after rotary and its output (2e per element of heads x head_dim,
     `q_dim`: hidden in Llama, not in Qwen3), k and v (2e per kv element), and SDPA's fp32
     log-sum-exp per head; the SwiGLU MLP keeps gate, up, silu(gate) and their product (4e per
-    ffn element). Without flash attention (Megatron's 2021 kernels) the scores, softmax and
-    dropout mask add (2e + 1) per score element.
+    ffn element). Qwen3's q/k norms (qk_norm) keep the fp32 copy of q and k and their
+    normalised value ((4 + e) per element; their output goes to rotary, which keeps none) and
+    a fp32 rsqrt per head. Without flash attention (Megatron's 2021 kernels) the scores,
+    softmax and dropout mask add (2e + 1) per score element.
     """
     tokens = micro_batch * seq_len
     e = dtype_bytes
@@ -159,6 +163,8 @@ def activation_bytes_per_layer(model, micro_batch, seq_len, dtype_bytes=2, tp=1,
         # gate/up is kept whole
         norms = 2 * ((4 + e) * h / t + e * h + 4 / t)
     attn = (2 * e * model.q_dim + 2 * e * model.kv_dim + 4 * model.heads) / t
+    if model.qk_norm:
+        attn += ((4 + e) * (model.q_dim + model.kv_dim) + 4 * (model.heads + model.kv_heads)) / t
     mlp = ((4 if model.gated_mlp else 2) * e * model.ffn) / t
     per_token = norms + attn + mlp
     scores = 0 if flash else (2 * e + 1) * model.heads * seq_len * seq_len * micro_batch / t
@@ -402,7 +408,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     # optimizer: memory-bound over the local shard (master, two moments, grad, weight), and
     # the host cost of its ops per parameter tensor (on DTensors under tp or FSDP)
     opt_elems = trainable / (lo.dp if lo.zero >= 1 else 1)
-    tensors = layers_stage * rt.tensors_layer + (3 if lo.pp == 1 else 2)
+    tensors = layers_stage * model.layer_tensors() + (3 if lo.pp == 1 else 2)
     t_opt = opt_elems * (2 * (12 if mixed else 8) + g + e) / gpu.hbm_bandwidth \
         + tensors * rt.ops_param * (dop if (t > 1 or lo.dp > 1) else op)
 
