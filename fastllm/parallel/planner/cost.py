@@ -100,9 +100,6 @@ class RuntimeSpec:
     ops_fsdp_layer: int = 0
     ops_outside: int = 0
     ops_param: int = 0
-    # parameter tensors per decoder layer of the Llama the op counts were measured on;
-    # estimate() takes the model's own (ModelSpec.layer_tensors: Qwen3's q/k norms, biases)
-    tensors_layer: int = 9
     small_collectives: int = 0       # per step: loss and gradient-norm all-reduces
     # torch.distributed.pipelining: every micro-batch's receive buffers and the last stage's
     # outputs are held until the step ends (Megatron-LM allocates them per transfer)
