@@ -464,7 +464,9 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
 
     dropout_p applies only when `training`. seed: int or int64 scalar tensor fixing the dropout
     mask; by default a fresh one is drawn from torch's generator (so torch.manual_seed repeats it),
-    on x's GPU for GPU tensors (new_dropout_seed).
+    on x's GPU for GPU tensors (new_dropout_seed). Activation checkpointing repeats the mask
+    when it recomputes the layer because it restores torch's generator first: with
+    `torch.utils.checkpoint(..., preserve_rng_state=False)` pass a `seed` drawn outside instead.
     Under autocast every floating input is cast to the autocast dtype, as F.linear's are.
     """
     p = float(dropout_p) if training else 0.0
