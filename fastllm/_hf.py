@@ -56,6 +56,7 @@ def per_item(loss, num_items_in_batch):
     writes zero for ignored labels), while the fused loss's saved gradients times 1 / 0 would be
     nan. torch.where, not an `if`: no host sync on a GPU."""
     n = torch.as_tensor(num_items_in_batch, device=loss.device)
+    n = n.to(loss.dtype) if n.is_floating_point() else n  # a float count keeps the loss's dtype
     none = n == 0
     return torch.where(none, torch.full_like(loss, float("nan")), loss / torch.where(none, 1, n))
 

@@ -212,7 +212,9 @@ def test_activations_count_qwen3_qk_norms(dtype):
     added = _saved_bytes(qwen3, dtype) - _saved_bytes(llama, dtype)
     planned = [activation_bytes_per_layer(model_from_hf_config(c.to_dict()), 2, SEQ, e)
                for c in (qwen3, llama)]
-    assert 2 * (planned[0] - planned[1]) == added > 0
+    # equal on transformers 5.25; a tolerance, as the bytes autograd keeps inside transformers'
+    # eager code may move a little between releases (a fused norm, another upcast)
+    assert added > 0 and 2 * (planned[0] - planned[1]) == pytest.approx(added, rel=0.1)
 
 
 def test_optimizer_host_cost_counts_each_layers_tensors():
@@ -226,3 +228,50 @@ def test_optimizer_host_cost_counts_each_layers_tensors():
         r = estimate(spec, Layout(), SEQ, 1, host, runtime=FASTLLM)
         # two layers, and the embedding, final norm and head
         assert r["time_optimizer"] == pytest.approx((2 * tensors + 3) * FASTLLM.ops_param)
+
+
+def test_stage_runs_on_meta_inputs():
+    """torch < 2.13's pipelining infers a stage's output shapes by running it on meta tensors:
+    the masks must not read values back (transformers' packed-sequence check would)."""
+    for family, attn in (("qwen3", "sdpa"), ("mistral", "eager")):
+        with torch.device("meta"):
+            model = _model(_config(family, attn))
+        stage = LlamaStage(model, 1, 3, False, False)
+        out = stage(torch.empty(2, SEQ, 32, device="meta"))
+        assert out.shape == (2, SEQ, 32) and out.device.type == "meta"
+
+
+class _Mesh:
+    """A tp dimension of size 2 for parallelize's checks (no process group)."""
+
+    def __init__(self, name=None):
+        self.mesh_dim_names, self.device_type = ("tp",), "cpu"
+
+    def __getitem__(self, name):
+        return self
+
+    def size(self):
+        return 2
+
+
+def test_custom_plan_keeps_frozen_weights_frozen(monkeypatch):
+    """torch's parallel styles re-create the weights they place as new Parameters that require
+    grad (SequenceParallel on Qwen3's q/k norms, added to a custom plan): under LoRA the frozen
+    base weights must stay frozen."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from fastllm.parallel import parallelize, tensor_parallel
+
+    def place(module, mesh, plan):  # what the styles do to requires_grad, without a mesh
+        for name in plan:
+            sub = module.get_submodule(name)
+            sub.weight = torch.nn.Parameter(sub.weight.detach())
+
+    monkeypatch.setattr(tensor_parallel, "parallelize_module", place)
+    monkeypatch.setattr(tensor_parallel, "_hook_grad_layouts", lambda model: None)
+    model = _model(_config("qwen3", layers=2))
+    model.requires_grad_(False)
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
+    parallelize(model, _Mesh(), plan=plan)
+    assert not [n for n, p in model.named_parameters() if p.requires_grad]

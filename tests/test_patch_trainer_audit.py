@@ -155,3 +155,14 @@ def test_trainer_evaluate_gives_metrics_the_logits(tmp_path):
     assert ours.shape == (6, 11, VOCAB)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=0)
+
+
+def test_per_item_keeps_the_loss_dtype():
+    """A float count (a Trainer's num_items_in_batch may be one) divides a bf16 loss into bf16,
+    as `loss / count` does."""
+    from fastllm import _hf
+
+    loss = torch.tensor(6.0, dtype=torch.bfloat16)
+    for count in (4.0, torch.tensor(4.0, dtype=torch.float64), 4, torch.tensor(4)):
+        out = _hf.per_item(loss, count)
+        assert out.dtype == torch.bfloat16 and float(out) == 1.5, count

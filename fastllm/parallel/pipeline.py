@@ -96,6 +96,8 @@ def _causal_masks(config, h, pos, kinds):
     (batch, 1, seq, seq), or a flex BlockMask. h: (batch, seq, hidden); pos: (1, seq) int64."""
     from transformers import masking_utils
 
+    if h.device.type == "meta":  # torch < 2.13's pipeline shape inference: shapes only
+        return dict.fromkeys(kinds)
     builders = {"full_attention": masking_utils.create_causal_mask,
                 "sliding_attention": masking_utils.create_sliding_window_causal_mask}
     masks = {}
@@ -104,7 +106,9 @@ def _causal_masks(config, h, pos, kinds):
         # the keywords changed across releases (4.x: input_embeds, cache_position,
         # past_key_values; 5.2x: inputs_embeds, cache, with past_key_values deprecated)
         params = inspect.signature(build).parameters
-        args = {"config": config, "attention_mask": None, "position_ids": pos,
+        # position_ids None: pos is one arange, nothing packed to look for (transformers reads
+        # a value back to the host to look, a sync per micro-batch, and fails on meta tensors)
+        args = {"config": config, "attention_mask": None, "position_ids": None,
                 "inputs_embeds" if "inputs_embeds" in params else "input_embeds": h,
                 "cache" if "cache" in params else "past_key_values": None}
         if "cache_position" in params:

@@ -467,8 +467,11 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
             for layer in layers:  # every layer checked before the first one is changed
                 _check_plan_divides(layer, plan, tp)
             plans = [_lora_aware(layer, _with_head_norms(layer, plan)) for layer in layers]
+            frozen = {n for n, p in model.named_parameters(remove_duplicate=False)
+                      if not p.requires_grad}
             for layer, layer_plan in zip(layers, plans):
                 parallelize_module(layer, mesh["tp"], layer_plan)
+            _keep_frozen(model, frozen)  # the styles re-create the weights they place
             _hook_grad_layouts(model)
     if activation_checkpointing:
         wrap_activation_checkpointing(model)
