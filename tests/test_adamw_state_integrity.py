@@ -122,6 +122,31 @@ def test_nan_in_the_second_moment_reaches_the_param(backend, device, state_dtype
         _assert_matches(got, want, name)
 
 
+@pytest.mark.parametrize("backend,device",
+                         [p for p in backend_device_params() if p.values[0] != "ref"])
+@pytest.mark.parametrize("state_dtype", [torch.uint8, torch.bfloat16], ids=["q8", "bf16state"])
+def test_second_moment_overflow_leaves_the_param_finite(backend, device, state_dtype):
+    """A finite grad above ~6e20 overflows (1 - beta2) * g^2 to inf in fp32: sqrt(v) = inf, so
+    that element gets no update but its decay, as in torch.optim.AdamW (the float64 reference
+    does not overflow; the other elements still match it). The AVX-512 path took sqrt and 1/x
+    from estimates, where inf * 0 made that param nan."""
+    block, n, huge = 128, 300, [3, 64, 200, 299]  # unmasked and ragged (masked) lanes
+    torch.manual_seed(0)
+    p, g = torch.randn(n), torch.randn(n)
+    g[huge] = torch.tensor([1e21, -3e22, 2e30, 1e21])
+    state = _state(n, state_dtype, block)
+    p_ref, state_ref = p.clone(), [t.clone() for t in state]
+    _step("ref", p_ref, g.clone(), state_ref, 1, block)
+    p0, p, state = p.clone(), p.to(device), [t.to(device) for t in state]
+    _step(backend, p, g.to(device), state, 1, block)
+    p = p.cpu()
+    torch.testing.assert_close(p[huge], p0[huge] * (1 - HYPER["lr"] * HYPER["weight_decay"]),
+                               rtol=1e-6, atol=0)
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[huge] = False
+    _assert_matches(p[rest], p_ref[rest], "param")
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))

@@ -36,6 +36,7 @@
 #endif
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -288,18 +289,22 @@ inline void store_vec(typename Fmt::T* ptr, __mmask16 k, __m512 x, uint32_t stre
 inline __m512 sqrt_nr(__m512 v) {
   // v * rsqrt(v) is nan at v = 0; from FLT_MIN up it is finite, and sqrt(FLT_MIN) ~ 1e-19 is
   // nothing next to eps. v second: vmaxps returns its second operand when one is nan, so a nan v
-  // stays nan (as std::sqrt's). (v = inf, from inf grads or (1 - beta2) * g^2 overflowing fp32,
-  // gives nan instead of inf.)
+  // stays nan (as std::sqrt's). v = inf ((1 - beta2) * g^2 overflowing fp32 for |g| above ~6e20)
+  // would give inf * 0 = nan: it is passed through as inf, so that (with reciprocal_nr(inf) = 0)
+  // the element gets no update, as in the scalar path and torch.optim.AdamW.
   v = _mm512_max_ps(_mm512_set1_ps(1.17549435e-38f), v);
   __m512 y = _mm512_rsqrt14_ps(v);
   const __m512 half_v = _mm512_mul_ps(v, _mm512_set1_ps(0.5f));
   y = _mm512_mul_ps(y, _mm512_fnmadd_ps(_mm512_mul_ps(half_v, y), y, _mm512_set1_ps(1.5f)));
-  return _mm512_mul_ps(v, y);
+  const __mmask16 inf = _mm512_cmp_ps_mask(v, _mm512_set1_ps(FLT_MAX), _CMP_GT_OQ);
+  return _mm512_mask_mov_ps(_mm512_mul_ps(v, y), inf, v);
 }
 
-inline __m512 reciprocal_nr(__m512 d) {
+inline __m512 reciprocal_nr(__m512 d) {  // d > 0 or nan here (a denominator sqrt(v) * c + eps)
   const __m512 r = _mm512_rcp14_ps(d);
-  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+  const __mmask16 inf = _mm512_cmp_ps_mask(d, _mm512_set1_ps(FLT_MAX), _CMP_GT_OQ);
+  return _mm512_mask_mov_ps(_mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))), inf,
+                            _mm512_setzero_ps());
 }
 
 struct CodeVec {
