@@ -14,7 +14,11 @@
   its class's forward back (popped from the instance), or a hub kernel's on a GPU.
 - Which forward a module runs: ~140 families copy LlamaMLP's SwiGLU line under their own name,
   others with the same attributes add multipliers, clamps, dropout or scales (FalconH1, SeedOss,
-  DeepseekV4, Step3p7, Inkling, Dory, BitNet); a user's subclass may override any forward."""
+  DeepseekV4, Step3p7, Inkling, Dory, BitNet); a user's subclass may override any forward.
+- TRL's trainers (SFT, DPO, GRPO, RLOO, KTO; checked on TRL 1.16.0) give the causal LM an
+  instance `forward` in their __init__ (trl.trainer.utils.add_fused_lm_head): a wrapper around
+  the forward it finds, which with `fused_lm_head=True` (their training and evaluation loss) runs
+  the backbone and TRL's own chunked log-prob kernel over lm_head's weight, else that forward."""
 
 import inspect
 
@@ -161,3 +165,32 @@ def is_swiglu_forward(forward):
     """Whether `forward` (an MLP class's) computes down_proj(act_fn(gate_proj(x)) * up_proj(x))
     and nothing else, compiled to the same code as transformers' own."""
     return _code(forward) in _SWIGLU_CODES
+
+
+def trl_fused_head(forward):
+    """Whether an instance `forward` is TRL's fused LM head, or a wrapper around it (accelerate's
+    autocast one, which sets __wrapped__). Known by its code and the module that defines it: it
+    takes the name, __module__ and signature of the class's forward (functools.wraps)."""
+    f = getattr(forward, "__func__", forward)
+    while f is not None:
+        code, where = getattr(f, "__code__", None), getattr(f, "__globals__", {})
+        if (code is not None and code.co_name == "_fused_forward"
+                and str(where.get("__name__")).startswith("trl.")):
+            return True
+        f = getattr(f, "__wrapped__", None)
+    return False
+
+
+def trl_hint(modules, action):
+    """What to do, for patch's or unpatch's refusal (action), when one of `modules` carries TRL's
+    fused LM head; else ""."""
+    if not any(trl_fused_head(m.__dict__.get("forward")) for m in modules):
+        return ""
+    if action == "patch":
+        return (" That `forward` is TRL's fused LM head, which its trainers add in __init__: "
+                "call fastllm.patch(model) before SFTTrainer(...) (or DPOTrainer, GRPOTrainer, "
+                "...), or patch after it with cross_entropy=False (TRL's head computes the "
+                "training loss either way; the other kernels are the same).")
+    return (" That `forward` is TRL's fused LM head, which a TRL trainer put around fastllm's: "
+            "after training, `del <module>.forward` removes both (the class's forward again; a "
+            "new trainer adds TRL's head back), then unpatch.")

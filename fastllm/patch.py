@@ -514,7 +514,8 @@ def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, li
     one) for fastllm's kernels, in place; returns the model. Each keyword turns one kind of
     swap off. Patching a patched model is a no-op for the modules already patched. A module
     whose instance `forward` is already some wrapper other than accelerate's hook is refused
-    (ValueError, nothing patched): patch before wrapping. transformers' hub kernels (`use_kernels`,
+    (ValueError, nothing patched): patch before wrapping, and before building a TRL trainer (it
+    adds its fused LM head, fastllm/_hf.py). transformers' hub kernels (`use_kernels`,
     on from from_pretrained) are turned off while patched, when they would replace a layer the
     patch swaps (RMSNorm) at each train()/eval(); unpatch turns them on again."""
     chosen = {"rms_norm": rms_norm, "rotary": rotary, "swiglu": swiglu,
@@ -526,7 +527,8 @@ def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, li
         raise ValueError(
             "fastllm.patch: these modules already carry an instance `forward` that is not the "
             "class's nor under an accelerate hook, which patching would drop: "
-            f"{', '.join(wrapped)}. Patch before wrapping them. Nothing was patched.")
+            f"{', '.join(wrapped)}. Patch before wrapping them. Nothing was patched."
+            + _hf.trl_hint([m for _, m, *_, slot in todo if slot is None], "patch"))
     kernels_off = _hf.hub_kernels_off(model, [m for _, m, *_ in todo])
     if kernels_off:  # their reset put the class's forwards back
         todo = _todo(model, chosen)
@@ -566,7 +568,8 @@ def unpatch(model):
         raise RuntimeError(
             "fastllm.unpatch: the patched forward of these modules is wrapped by something "
             f"other than an accelerate hook: {', '.join(lost)}. Remove that wrapper first. "
-            "Nothing was unpatched.")
+            "Nothing was unpatched." + _hf.trl_hint([m for (_, m), slot in zip(done, slots)
+                                                    if slot is None], "unpatch"))
     for (_, m), slot in zip(done, slots):
         d = m.__dict__
         if slot is None:  # a stale mark: the class's forward (or a hub kernel's) is back
