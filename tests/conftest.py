@@ -42,3 +42,13 @@ def backend_device_params():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (pytestmark = pytest.mark.usefixtures("one_thread")): an
+    in-process training run then computes bit for bit what its copy in another process does."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -13,6 +13,8 @@ from fastllm.train.data import ByteTokenizer, HFTokenizer
 from fastllm.train.sft_data import (SFTDataset, _pack, encode_example, read_records,
                                     split_examples, tokenize_records)
 
+from _tiny_tokenizer import tiny_bpe
+
 # SmolLM2's (ChatML) template without its default system turn
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
@@ -25,19 +27,7 @@ SMOLLM2 = os.environ.get("FASTLLM_TEST_MODEL", "")
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     """A small byte-level BPE with ChatML's special tokens and a chat template, built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["user assistant system What is the capital of France? Paris."] * 4,
-                            trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|im_end|>")
-    fast.chat_template = CHATML
+    fast = tiny_bpe(CHATML, pad="<|im_end|>")
     path = str(tmp_path_factory.mktemp("tok"))
     fast.save_pretrained(path)
     return path

@@ -15,6 +15,8 @@ from fastllm.train.data import ByteTokenizer, HFTokenizer
 from fastllm.train.sft_data import (SFTDataset, build_datasets, data_format, encode_example,
                                     read_records, text_pieces, tokenize_records)
 
+from _tiny_tokenizer import tiny_bpe
+
 # SmolLM2's ChatML template, its default system turn included (tests/test_sft.py drops it)
 SMOL = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
         "{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% endif %}"
@@ -27,23 +29,9 @@ LLAMA = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content']
 
 
 def _tokenizer(specials, bos=None, eos=None, template=None):
-    """A byte-level BPE over a few words; with `bos`, tok(text) puts it first (as Llama's)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["user assistant system What is the capital of France? Paris."] * 4,
-                            trainer)
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
-    fast.chat_template = template
-    return HFTokenizer(fast, f"audit-{bos}-{eos}-{bool(template)}")
+    """tiny_bpe as fastllm's HFTokenizer, named by its tokens (the token cache's key)."""
+    return HFTokenizer(tiny_bpe(template, specials, bos=bos, eos=eos),
+                       f"audit-{bos}-{eos}-{bool(template)}")
 
 
 def _targets(tok, ids, mask):

@@ -29,12 +29,7 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("token-cache"))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(cache_dir, output_dir, *extra):

@@ -2,9 +2,12 @@
 lora.target_modules entry that names no nn.Linear (a typo) is refused on the model's meta
 skeleton (no weights read) with the names there are; eval.prompts_file records carry TRL's
 per-record `tools` and `chat_template_kwargs` into the chat template of the generation prompt,
-and are refused where the tokenizer has no chat template (built-in model, a tiny HF folder)."""
+and are refused where the tokenizer has no chat template (built-in model, a tiny HF folder), as
+chat training records are (the first record of each data file is read, for train and eval
+files, JSON Lines and arrays, folders and data.format=jsonl)."""
 
 import json
+import os
 import re
 
 import pytest
@@ -13,6 +16,8 @@ import torch
 from fastllm.train import TrainConfig, Trainer
 from fastllm.train.config import ConfigError
 
+from _tiny_tokenizer import tiny_bpe
+
 # ChatML with a tools block and a template variable, as tests/test_sft_data_audit.py's
 TOOLS = ("{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
          "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='name') | join(',') }}"
@@ -20,31 +25,10 @@ TOOLS = ("{% if enable_thinking is defined and not enable_thinking %}/no_think\n
          "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
          "<|im_start|>assistant\n{% endif %}")
 WEATHER = [{"name": "weather", "parameters": {"type": "object"}}]
+# the words the tokenizer's BPE is trained on
+WORDS = "user assistant system Tools: weather What is the capital of France? Paris."
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _tokenizer(template):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["user assistant system Tools: weather What is the capital of "
-                             "France? Paris."] * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|im_end|>")
-    fast.chat_template = template
-    return fast
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hf_folder(path, template=TOOLS, weights=True):
@@ -52,7 +36,7 @@ def _hf_folder(path, template=TOOLS, weights=True):
     and the tokenizer only."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = _tokenizer(template)
+    tok = tiny_bpe(template, words=WORDS, pad="<|im_end|>")
     tok.save_pretrained(path)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -186,7 +170,7 @@ def test_a_prompt_records_tools_and_template_kwargs_reach_the_chat_template(tmp_
                         {"tools": WEATHER, "chat_template_kwargs": {"enable_thinking": False}},
                         f"{path} line 1"),
                        ("Capital of France?", {}, f"{path} line 2")]
-    fast = _tokenizer(TOOLS)
+    fast = tiny_bpe(TOOLS, words=WORDS, pad="<|im_end|>")
     tok = HFTokenizer(fast, "chatml")
     text, template, _ = records[1]
     ids = chat_prompt_ids(tok, text, template)
@@ -202,7 +186,8 @@ def test_a_prompt_records_tools_and_template_kwargs_reach_the_chat_template(tmp_
     # without a chat template there is nothing to render them with (a library caller's refusal)
     with pytest.raises(ValueError, match="'tools' and 'chat_template_kwargs' are rendered by a "
                                          "chat template; tokenizer plain has none"):
-        chat_prompt_ids(HFTokenizer(_tokenizer(None), "plain"), text, template)
+        chat_prompt_ids(HFTokenizer(tiny_bpe(None, words=WORDS, pad="<|im_end|>"), "plain"),
+                        text, template)
 
 
 @pytest.mark.parametrize("record,says", [
@@ -273,3 +258,141 @@ def test_eval_samples_are_generated_with_each_prompts_tools(tmp_path, hf_model, 
     assert tools[1].startswith("/no_think\n<|im_start|>system\nTools: weather<|im_end|>\n"
                                "<|im_start|>user\nWhat is the weather?<|im_end|>\n"
                                "<|im_start|>assistant\n")
+
+
+# ----- chat training records need a chat template -----
+
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                     {"role": "assistant", "content": "Paris."}]}
+CHAT_COMPLETION = {"prompt": [{"role": "user", "content": "What is the capital of France?"}],
+                   "completion": [{"role": "assistant", "content": "Paris."}]}
+COMPLETION = {"prompt": "What is the capital of France?", "completion": " Paris."}
+ALPACA = {"instruction": "Name the capital.", "input": "France", "output": "Paris."}
+
+
+def _jsonl(path, *records):
+    """JSON Lines of `records` (a string as it is: a blank line, or a line that is no JSON)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                            for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory):
+    """An HF folder whose tokenizer has no chat template (config.json and the tokenizer only)."""
+    return _hf_folder(tmp_path_factory.mktemp("plain"), template=None, weights=False)
+
+
+def _chat_data(tmp_path, layout, chat):
+    """(overrides naming the data, where its chat record is) for each way a run reads JSONL."""
+    d = tmp_path / "data"
+    if layout == "jsonl":  # after a blank line: the record's own line is named
+        path = _jsonl(d / "c.jsonl", "", chat, COMPLETION)
+        return [f"data.path={path}"], f"{path} line 2"
+    if layout == "json-array":  # the rest of the array is not read, nor parsed
+        path = d / "c.json"
+        d.mkdir()
+        path.write_text(" [\n" + json.dumps(chat) + ",\n{broken")
+        return [f"data.path={path}"], f"{path} record 0"
+    if layout == "folder":  # a text file first, then the chats
+        _jsonl(d / "a" / "1.jsonl", {"text": "Paris."})
+        path = _jsonl(d / "b" / "2.jsonl", chat)
+        return [f"data.path={d}"], f"{path} line 1"
+    if layout == "eval-path":  # the training records need no template, the held-out ones do
+        train, held = _jsonl(d / "t.jsonl", COMPLETION), _jsonl(d / "e.jsonl", chat)
+        return [f"data.path={train}", f"data.eval_path={held}"], f"{held} line 1"
+    assert layout == "format-jsonl"  # JSONL under another name, as data.format declares
+    path = _jsonl(d / "c.txt", chat)
+    return [f"data.path={path}", "data.format=jsonl"], f"{path} line 1"
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "json-array", "folder", "eval-path", "format-jsonl"])
+@pytest.mark.parametrize("chat", [CHAT, CHAT_COMPLETION], ids=["messages", "prompt-completion"])
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe", "hf-without-template"])
+def test_chat_data_without_a_chat_template_is_refused_before_the_run_folder_is_written(
+        tmp_path, plain_model, layout, chat, tokenizer):
+    data, where = _chat_data(tmp_path, layout, chat)
+    model, name = ((plain_model, plain_model) if tokenizer == "hf-without-template" else
+                   ("tiny", tokenizer))
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_args(_args(model, "unused", out, "max_steps=1",
+                                      f"data.tokenizer={name}", *data))
+    with pytest.raises(ConfigError, match=rf"^fastllm train: {re.escape(where)}: chat examples "
+                                          rf"need a tokenizer with a chat template; "
+                                          rf"{re.escape(name)} has none \(data.tokenizer="):
+        Trainer(cfg, log=lambda t: None).train()
+    assert not out.exists()
+
+
+def test_the_cli_names_the_chat_record_and_writes_nothing(tmp_path):
+    from fastllm.cli import main
+
+    data = _jsonl(tmp_path / "c.jsonl", CHAT)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *_args("tiny", data, out)])
+    assert (f"{data} line 1: chat examples need a tokenizer with a chat template; byte has none "
+            f"(data.tokenizer=<a model folder>, or model=<an HF folder>)" in str(e.value.code))
+    assert not out.exists()
+
+
+def _template_in_tokenizer_config(folder):
+    """The folder's chat template moved from chat_template.jinja into tokenizer_config.json, where
+    tokenizers saved by transformers < 4.47 keep it."""
+    jinja = os.path.join(folder, "chat_template.jinja")
+    with open(jinja) as f:
+        template = f.read()
+    os.remove(jinja)
+    config = os.path.join(folder, "tokenizer_config.json")
+    with open(config) as f:
+        saved = json.load(f)
+    with open(config, "w") as f:
+        json.dump(dict(saved, chat_template=template), f)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["jinja", "tokenizer-config", "tokenizer-folder", "alpaca",
+                                  "text-format", "completion"])
+def test_data_the_tokenizer_can_render_passes_the_chat_check(tmp_path, hf_model, plain_model,
+                                                             case):
+    """A template in chat_template.jinja or (older folders) tokenizer_config.json, a tokenizer
+    folder beside a built-in model; Alpaca records (Stanford Alpaca's prompt without a template),
+    chat records read as text (data.format=text) and plain prompt + completion need none."""
+    from transformers import AutoTokenizer
+
+    from fastllm.train.preflight import check_chat_data
+
+    chat, model, extra = _jsonl(tmp_path / "c.jsonl", CHAT), "tiny", []
+    if case == "jinja":
+        model = hf_model
+    elif case == "tokenizer-config":
+        model = _template_in_tokenizer_config(_hf_folder(tmp_path / "old", weights=False))
+        assert not os.path.exists(os.path.join(model, "chat_template.jinja"))
+        assert AutoTokenizer.from_pretrained(model).chat_template == TOOLS
+    elif case == "tokenizer-folder":
+        extra = [f"data.tokenizer={hf_model}"]
+    elif case == "alpaca":
+        model, chat = plain_model, _jsonl(tmp_path / "a.jsonl", ALPACA)
+    elif case == "text-format":
+        extra = ["data.format=text"]
+    else:
+        chat = _jsonl(tmp_path / "p.jsonl", COMPLETION)
+    cfg = TrainConfig.from_args(_args(model, chat, tmp_path / "run", *extra))
+    check_chat_data(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_chat_record_after_other_records_is_refused_when_tokenised_with_the_same_words(
+        tmp_path, text):
+    """The check reads each file's first record only (not the whole dataset twice); a chat
+    further on is refused when the run tokenises it, in the same words without the line."""
+    from fastllm.train.preflight import check_chat_data
+
+    data = _jsonl(tmp_path / "c.jsonl", COMPLETION, CHAT)
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_args(_args("tiny", data, out, "max_steps=1"))
+    check_chat_data(cfg)
+    with pytest.raises(ValueError, match=r"^fastllm train: chat examples need a tokenizer with a "
+                                         r"chat template; byte has none \(data.tokenizer="):
+        Trainer(cfg, log=lambda t: None).train()

@@ -4,10 +4,12 @@ config.yaml, no checkpoint touched), where the config's values alone cannot tell
     preflight.check(cfg)   # ConfigError naming the key and the problem
 
 the model (a preset or a folder; a lora.target_modules entry that selects no layer of it, found on
-its meta-device skeleton, so no weights are read), the files (TrainConfig.check_files) and the
-eval prompts (eval.prompts_file's records; tools or chat_template_kwargs with a tokenizer that has
-no chat template). The trainer runs the same checks again later (inject_lora, generation) for
-callers that skip these.
+its meta-device skeleton, so no weights are read), the files (TrainConfig.check_files), chat
+training records with a tokenizer that has no chat template (the first record of each data file,
+not the whole dataset) and the eval prompts (eval.prompts_file's records; tools or
+chat_template_kwargs with a tokenizer that has no chat template). The trainer runs the same checks
+again later (inject_lora, tokenising, generation) for callers that skip these, and for a chat
+record that follows other records in its file.
 """
 
 from torch import nn
@@ -15,7 +17,7 @@ from torch import nn
 from fastllm.train.config import ConfigError
 from fastllm.train.model import check_model, is_model_dir, lora_targets, model_skeleton
 
-__all__ = ["check", "check_lora_targets", "check_prompts", "tokenizer_folder"]
+__all__ = ["check", "check_chat_data", "check_lora_targets", "check_prompts", "tokenizer_folder"]
 
 
 def check(cfg):
@@ -23,6 +25,7 @@ def check(cfg):
     check_model(cfg)
     cfg.check_files()
     check_lora_targets(cfg)
+    check_chat_data(cfg)
     check_prompts(cfg)
     return cfg
 
@@ -77,6 +80,35 @@ def tokenizer_folder(cfg):
     return None if spec in ("byte", "bpe") else spec
 
 
+def _has_chat_template(cfg):
+    """Whether the run's tokenizer has a chat template (AutoTokenizer finds it in
+    tokenizer_config.json or chat_template.jinja as the trainer's does)."""
+    folder = tokenizer_folder(cfg)
+    if folder is None:
+        return False
+    from transformers import AutoTokenizer
+
+    return bool(AutoTokenizer.from_pretrained(folder, local_files_only=True).chat_template)
+
+
+def check_chat_data(cfg):
+    """JSONL data (data.path as data.format reads it, and data.eval_path): refuse a file whose
+    first record is a chat ('messages', or TRL's 'prompt' and 'completion' message lists) when
+    the run's tokenizer has no chat template, naming the file and the line (the message the
+    tokenising gives, fastllm.train.sft_data.chat_refusal). Alpaca records need none (without
+    one they take Stanford Alpaca's prompt)."""
+    from fastllm.train.sft_data import chat_refusal, data_format
+    from fastllm.train.sft_records import first_records
+
+    data = cfg.data
+    if data_format(data.path, data.format) != "jsonl":
+        return
+    chats = [where for path in (data.path, data.eval_path) if path
+             for where, kind in first_records(path) if kind in ("chat", "chat_completion")]
+    if chats and not _has_chat_template(cfg):
+        raise ConfigError(chat_refusal(chats[0], tokenizer_folder(cfg) or data.tokenizer))
+
+
 def check_prompts(cfg):
     """Read eval.prompts and eval.prompts_file (a malformed record is refused by its line) and
     refuse records carrying tools or chat_template_kwargs when the run's tokenizer has no chat
@@ -89,10 +121,5 @@ def check_prompts(cfg):
     first = next((where for _, template, where in records if template), None)
     if first is None:
         return
-    folder = tokenizer_folder(cfg)
-    if folder is not None:
-        from transformers import AutoTokenizer
-
-        if AutoTokenizer.from_pretrained(folder, local_files_only=True).chat_template:
-            return
-    raise ConfigError(template_refusal(first, folder or cfg.data.tokenizer))
+    if not _has_chat_template(cfg):
+        raise ConfigError(template_refusal(first, tokenizer_folder(cfg) or cfg.data.tokenizer))

@@ -38,7 +38,7 @@ from fastllm.train.sft_records import data_format, read_records, text_pieces
 __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", "SFTDataset",
            "split_examples", "build_sft_data", "build_datasets", "Batch", "prepare_step",
            "model_inputs", "max_steps", "text_pieces", "dp_sum", "gather_samples",
-           "render_chat", "IGNORE_INDEX", "NO_TEMPLATE_HINT"]
+           "render_chat", "chat_refusal", "IGNORE_INDEX", "NO_TEMPLATE_HINT"]
 
 IGNORE_INDEX = -100
 # what to do when the run's tokenizer has no chat template (byte and bpe have none)
@@ -53,6 +53,14 @@ _ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an 
                  "provides further context. Write a response that appropriately completes the "
                  "request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n"
                  "### Response:\n")
+
+
+def chat_refusal(where, tokenizer_name):
+    """The error for a chat example (where: its file and line, or None) and a tokenizer without
+    a chat template: the same from fastllm.train.preflight, before the run, and from tokenising."""
+    where = f"{where}: " if where else ""
+    return (f"fastllm train: {where}chat examples need a tokenizer with a chat template; "
+            f"{tokenizer_name} has none {NO_TEMPLATE_HINT}")
 
 
 def _template(tokenizer):
@@ -132,8 +140,7 @@ def encode_example(record, tokenizer, train_on_prompt=False):
             prompt = (_ALPACA_INPUT if inp else _ALPACA).format(instruction=instruction, input=inp)
             kind, fields = "completion", ((system + "\n\n" if system else "") + prompt, output)
     if kind in ("chat", "chat_completion") and not _template(tokenizer):
-        raise ValueError(f"fastllm train: chat examples need a tokenizer with a chat "
-                         f"template; {tokenizer.name} has none {NO_TEMPLATE_HINT}")
+        raise ValueError(chat_refusal(None, tokenizer.name))
     if kind == "chat":
         ids, mask = [], []
         for text, counts in _chat_pieces(tokenizer, fields, template):

@@ -25,11 +25,12 @@ conversational record with tools or chat_template_kwargs is (kind, fields, templ
 the last {"tools": [...], "chat_template_kwargs": {...}} (only the keys it has).
 """
 
+import codecs
 import glob
 import json
 import os
 
-__all__ = ["data_format", "read_records", "template_inputs", "text_pieces"]
+__all__ = ["data_format", "first_records", "read_records", "template_inputs", "text_pieces"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 _EXTENSIONS = (".jsonl", ".json")
@@ -219,6 +220,61 @@ def _parsed(name):
     if name.endswith(".json") and raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
         return _json_array(name, raw)
     return _json_lines(name, raw)
+
+
+def _first_parsed(name):
+    """(where, parsed record) of the first record of a file, named as _parsed names it, reading
+    no further than that record; None for a file without one."""
+    with open(name, "rb") as f:
+        if name.endswith(".json"):
+            first = _first_item(f, name)
+            if first is not False:
+                return first
+            f.seek(0)
+        for n, line in enumerate(f, 1):
+            where = f"{name} line {n}"
+            line = _decode(line, where, bom=n == 1)
+            if line.strip():
+                return where, json.loads(line)
+    return None
+
+
+def _first_item(f, name):
+    """(where, item 0) of a .json file holding an array, decoded a megabyte at a time until its
+    first item parses; None for an empty array, False for a file holding no array."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    text = ""
+    while True:
+        chunk = f.read(1 << 20)
+        text += decoder.decode(chunk, final=not chunk)
+        body = text.lstrip(" \t\r\n")
+        if body and not body.startswith("[") or not (body or chunk):
+            return False
+        try:
+            return f"{name} record 0", json.JSONDecoder().raw_decode(body[1:].lstrip())[0]
+        except ValueError:
+            if not chunk:
+                return None
+
+
+def first_records(path):
+    """(where, kind) of the first record of each file of a JSONL data path (a file, or a folder's
+    files as read_records reads them), reading each file no further than that record: what a
+    check before the run can afford. A file that is missing, empty or whose first record is
+    malformed is left out (read_records refuses it, naming where)."""
+    out = []
+    try:
+        names = _files(path)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        try:
+            first = _first_parsed(name)
+            if first is not None:
+                out.append((first[0], _check_fields(first[1], first[0])[0]))
+        except (OSError, ValueError):
+            pass
+    return out
 
 
 def read_records(path):
