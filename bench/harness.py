@@ -51,11 +51,16 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def measure(fn, *, device="cpu", warmup=2, min_reps=5, max_reps=200, min_time_s=0.4):
+def measure(fn, *, device="cpu", warmup=2, min_reps=5, max_reps=200, min_time_s=0.4,
+            queue_ahead_ms=0.0):
     """Time fn() (which must leave its work finished or queued on `device`'s current stream).
 
     Runs `warmup` untimed calls, then at least `min_reps` and until `min_time_s` has passed (at
-    most `max_reps`). CPU calls are timed with perf_counter, CUDA calls with CUDA events.
+    most `max_reps`). CPU calls are timed with perf_counter, CUDA calls with CUDA events: by
+    default from an idle GPU, so the host's launch cost counts (an optimizer step's host cost is
+    part of its time); with queue_ahead_ms the GPU first spins that long, the host enqueues fn()
+    meanwhile, and the events time the GPU's work alone (a kernel's time, as in a training step
+    whose host runs ahead), as long as fn's host part takes less than queue_ahead_ms.
     """
     is_cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
@@ -66,6 +71,8 @@ def measure(fn, *, device="cpu", warmup=2, min_reps=5, max_reps=200, min_time_s=
     while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time_s):
         if is_cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queue_ahead_ms:
+                _gpu_spin(queue_ahead_ms)
             begin.record()
             fn()
             end.record()
@@ -79,7 +86,24 @@ def measure(fn, *, device="cpu", warmup=2, min_reps=5, max_reps=200, min_time_s=
     return Timing(statistics.median(times), q[0], q[3], len(times))
 
 
-def measure_many(fns, *, device="cpu", warmup=2, min_reps=7, max_reps=100, min_time_s=1.0):
+_SPIN_CYCLES_PER_MS = []
+
+
+def _gpu_spin(ms):
+    """Keep the current CUDA stream busy for about `ms` (torch.cuda._sleep counts clock cycles;
+    their rate is measured once)."""
+    if not _SPIN_CYCLES_PER_MS:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        _SPIN_CYCLES_PER_MS.append(1_000_000 / max(begin.elapsed_time(end), 1e-3))
+    torch.cuda._sleep(int(ms * _SPIN_CYCLES_PER_MS[0]))
+
+
+def measure_many(fns, *, device="cpu", warmup=2, min_reps=7, max_reps=100, min_time_s=1.0,
+                 queue_ahead_ms=0.0):
     """Time several callables in interleaved rounds (a, b, c, a, b, c, ...).
 
     On a shared or noisy machine the speed of memory drifts over seconds; interleaving exposes
@@ -96,7 +120,7 @@ def measure_many(fns, *, device="cpu", warmup=2, min_reps=7, max_reps=100, min_t
     while reps < max_reps and (reps < min_reps or time.perf_counter() - start < min_time_s):
         for name, fn in fns.items():
             times[name].append(measure(fn, device=device, warmup=0, min_reps=1, max_reps=1,
-                                       min_time_s=0.0).median_ms)
+                                       min_time_s=0.0, queue_ahead_ms=queue_ahead_ms).median_ms)
         reps += 1
     out = {}
     for name, ts in times.items():

@@ -349,3 +349,41 @@ def test_device_bench_model_case_smoke():
         assert set(case) == {"fastllm", hf, "HF + Liger-Kernel" + peft}
         assert case["fastllm"]["first_loss"] == pytest.approx(case[hf]["first_loss"], rel=1e-3)
         assert case["fastllm"]["ratio_to_baseline"] > 0
+
+
+def test_device_bench_graph_keeps_what_it_captured(monkeypatch):
+    # A CUDA graph holds no reference to the tensors it replays on: device_bench's replay callable
+    # must keep the captured step (its optimizer, params and state) alive, or the next case's
+    # allocations reuse that memory under the graph. CUDA's graph API faked on the CPU.
+    import contextlib
+    import gc
+    import weakref
+
+    from fastllm.bench import device_bench
+
+    class Fake:
+        def __init__(self, *args, **kwargs):
+            self.replays = 0
+
+        def wait_stream(self, other):
+            pass
+
+        def replay(self):
+            self.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "Stream", Fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Fake())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Fake)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **k: contextlib.nullcontext())
+    held = []
+
+    def make_step():
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+        held.append(weakref.ref(opt))
+        return opt.step
+
+    replay = device_bench._graphed(make_step, "cuda")
+    gc.collect()
+    assert held[0]() is not None, "the optimizer the graph replays on was freed"
+    replay()
