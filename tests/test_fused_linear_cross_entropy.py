@@ -23,7 +23,9 @@ from fastllm.bench.harness import allocator_peak_bytes
 
 _op_module = sys.modules["fastllm.ops.fused_linear_cross_entropy"]
 
-BACKENDS = [p for p in backend_device_params() if p.values[1] == "cpu"]
+# on a GPU also (triton, cuda) and (ref, cuda): the torch GEMMs, the CUDA chunking and the fp32 dW
+# accumulation that only run there
+BACKENDS = [p for p in backend_device_params() if p.values[0] != "cuda"]
 
 # (leading shape, H, V, options): odd sizes; V=300 with 2-row chunks runs many chunks and a last
 # short one, and the cpp kernel's several-vocabulary-tile path for bf16 (V > its 2048 tile is
@@ -41,12 +43,13 @@ def _case_id(case):
     return "x".join(map(str, lead)) + f"-H{h}-V{v}" + "".join(f"-{k}" for k in opts)
 
 
-def _inputs(lead, h, v, opts, dtype, ignore_all=False):
+def _inputs(lead, h, v, opts, dtype, ignore_all=False, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(*lead, h, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * 2 / h**0.5).to(dtype).requires_grad_()
-    bias = torch.randn(v, generator=g).to(dtype).requires_grad_() if opts.get("bias") else None
-    labels = torch.randint(0, v, lead, generator=g)
+    hidden = torch.randn(*lead, h, generator=g).to(device, dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 2 / h**0.5).to(device, dtype).requires_grad_()
+    bias = (torch.randn(v, generator=g).to(device, dtype).requires_grad_() if opts.get("bias")
+            else None)
+    labels = torch.randint(0, v, lead, generator=g).to(device)
     if opts.get("ignore"):
         labels[..., ::3] = -100
     if ignore_all:
@@ -99,9 +102,9 @@ def test_matches_ref(backend, device, dtype, case, reduction, small_chunks):
     if backend == "triton" and (reduction == "sum" or case is CASES[1]):
         pytest.skip("interpreter time")
     lead, h, v, opts = case
-    hidden, weight, bias, labels, kwargs = _inputs(lead, h, v, opts, dtype)
+    hidden, weight, bias, labels, kwargs = _inputs(lead, h, v, opts, dtype, device=device)
     before = [t.detach().clone() for t in (hidden, weight, bias) if t is not None]
-    seed_grad = torch.rand(lead) + 0.5 if reduction == "none" else None
+    seed_grad = torch.rand(lead, device=device) + 0.5 if reduction == "none" else None
     with fastllm.use_backend(backend):
         got = _loss_and_grads(fused_linear_cross_entropy, hidden, weight, bias, labels,
                               reduction, kwargs, seed_grad)
@@ -122,7 +125,8 @@ def test_matches_ref(backend, device, dtype, case, reduction, small_chunks):
 def test_matches_hugging_face_loss(backend, device):
     """The plain case against F.cross_entropy over materialised fp32 logits (transformers'
     ForCausalLMLoss after its shift), loss and grads."""
-    hidden, weight, _, labels, _ = _inputs((2, 11), 32, 97, dict(ignore=True), torch.float32)
+    hidden, weight, _, labels, _ = _inputs((2, 11), 32, 97, dict(ignore=True), torch.float32,
+                                           device=device)
     logits = F.linear(hidden, weight).float()
     hf = F.cross_entropy(logits.view(-1, 97), labels.view(-1), ignore_index=-100)
     hf_grads = torch.autograd.grad(hf, [hidden, weight])
@@ -140,7 +144,7 @@ def test_all_ignored(backend, device, reduction):
     """Every label ignored: F.cross_entropy's convention, nan for "mean", 0 for "sum" and per
     token; zero grads in every case."""
     hidden, weight, bias, labels, _ = _inputs((5,), 8, 13, dict(bias=True), torch.float32,
-                                              ignore_all=True)
+                                              ignore_all=True, device=device)
     with fastllm.use_backend(backend):
         loss = fused_linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction)
     expected = F.cross_entropy(F.linear(hidden, weight, bias), labels, reduction=reduction)
@@ -152,7 +156,7 @@ def test_all_ignored(backend, device, reduction):
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_frozen_weight_and_no_grad(backend, device):
     """Only the grads asked for are computed (a frozen head: no dW); no_grad: loss only."""
-    hidden, weight, _, labels, _ = _inputs((6,), 8, 13, {}, torch.float32)
+    hidden, weight, _, labels, _ = _inputs((6,), 8, 13, {}, torch.float32, device=device)
     weight.requires_grad_(False)
     ref = fused_linear_cross_entropy_ref(hidden, weight, labels)
     (ref_gh,) = torch.autograd.grad(ref, [hidden])

@@ -186,14 +186,31 @@ def row_pass_ref(z, labels, weights, label_smoothing, z_loss, cap, need_grad):
     return loss.to(acc)
 
 
-def _mm_acc(a, b, acc):
-    """a @ b with an fp32 (fp64) result: a chunk's dW product, summed over chunks without ever
-    being rounded to bf16/fp16 (the products of bf16 values are exact in fp32)."""
-    if a.dtype == acc:
-        return torch.mm(a, b)
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=acc)
-    return torch.mm(a.to(acc), b.to(acc))
+# whether torch's CUDA addmm adds a bf16/fp16 product into an fp32 `out` (addmm.dtype_out; some
+# releases require the added input in the operands' dtype): probed on the first call
+_ADDMM_INTO_FP32 = []
+
+
+def _add_mm(acc, a, b):
+    """acc += a @ b, acc fp32 (fp64): a chunk's dW product summed over chunks without ever being
+    rounded to bf16/fp16 (the products of bf16 values are exact in fp32). The GEMM adds into acc
+    itself (beta = 1) where it can: no (V, h) temporary per chunk, whose write and re-read would
+    cost about twice the GEMM's own time on a GPU at 49k vocabulary and ~256-row chunks."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif not a.is_cuda:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    else:
+        if _ADDMM_INTO_FP32 != [False]:
+            try:
+                torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+                _ADDMM_INTO_FP32[:] = [True]
+                return
+            except (RuntimeError, TypeError):  # argument checks, before any kernel runs
+                if _ADDMM_INTO_FP32 == [True]:
+                    raise
+                _ADDMM_INTO_FP32[:] = [False]
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
 
 
 def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_by_valid,
@@ -233,7 +250,7 @@ def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_b
             if need_hidden:
                 gh[idx] = torch.mm(z, weight)
             if need_weight:
-                gw.add_(_mm_acc(z.t(), x, acc))
+                _add_mm(gw, z.t(), x)
             if gb is not None:
                 gb.add_(z.sum(0, dtype=acc))
     gw = empty if gw is None else gw.to(weight.dtype)
