@@ -26,6 +26,9 @@ What is swapped, per module instance (the class and every other model are untouc
                            `logits_to_keep` the original forward runs (logits for evaluation
                            metrics; generation unchanged); `skip_logits=True` / False forces
                            either, as Liger's does.
+    *Model (the decoder -> its own forward, which in training hands the attention layers the
+     stack)                attention plan (fastllm/_attention_plan.py) when it is called directly
+                           (TRL's fused LM head, cross_entropy=False); with rotary
 Each swap is an instance attribute `forward` (functools.partial of the replacement and the
 module, so a patched model pickles), so parameters, names, state_dicts, hooks, PEFT's wrappers
 (patch before or after get_peft_model), gradient checkpointing and torch.compile see the model
@@ -65,12 +68,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm import _gemm, _hf, _lowp
+from fastllm._attention_plan import ATTENTION_PLAN, attention_plan, fastllm_attention_applies
 from fastllm._dtensor import is_dtensor
 
 _PATCHED = "_fastllm_patched"
 
 # the kinds of swap, as patch()'s keyword arguments name them
-KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
+# (and "backbone": the decoder stack, swapped with the attention layers (rotary) to hand them the
+# attention plan when it is called directly)
+KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear", "backbone")
 
 # config.model_type of the models whose attention and causal-LM loss the patch reproduces
 _MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -193,8 +199,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     q, k = rotary_embedding(q, k, cos, sin)
     v = v.view(hidden_shape)
     dropout = 0.0 if not self.training else self.attention_dropout
-    plan = kwargs.pop(_ATTENTION_PLAN, None)
-    if plan is not None and _fastllm_attention_applies(self, dropout, kwargs):
+    plan = kwargs.pop(ATTENTION_PLAN, None)
+    if plan is not None and fastllm_attention_applies(self, dropout, kwargs):
         # causal attention known from _causal_lm_forward (no 2-D mask: plain causal, or packed
         # documents from the position ids, as transformers' mask would say), in the projections'
         # (B, T, H, D) layout: fastllm's CPU kernel, or on a GPU PyTorch's varlen flash
@@ -247,79 +253,19 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return self.o_proj(attn_output), attn_weights
 
 
-# The keyword _causal_lm_forward hands the attention layers (through the model's **kwargs) when it
-# knows the attention is causal with no padding: the same rule as transformers' masking_utils
-# (packed documents from position ids only with no 2-D mask and no cache).
-_ATTENTION_PLAN = "fastllm_attention_plan"
-
-
-class _AttentionPlan:
-    __slots__ = ("doc_start", "_on", "_segments")
-
-    def __init__(self, doc_start):
-        # (B, T) int64 from the position ids, or None (none given: plain causal). A layer that
-        # sees a cache ignores it: transformers looks for packed rows only when the model runs
-        # without one (masking_utils), and whether it does is only known there (the model may
-        # make a cache for use_cache, or not, as under gradient checkpointing in training)
-        self.doc_start = doc_start
-        self._on, self._segments = {}, {}
-
-    def doc_start_on(self, device):
-        """doc_start on `device` (a model split across GPUs: each layer's own), copied once."""
-        if self.doc_start is None or self.doc_start.device == device:
-            return self.doc_start
-        if device not in self._on:
-            self._on[device] = self.doc_start.to(device)
-        return self._on[device]
-
-    def segments(self, device):
-        """document_segments(doc_start) on `device`, computed by the first layer there that needs
-        it (the GPU's varlen route; its host reads once per forward, not per layer) and kept for the
-        others and for the recomputation under gradient checkpointing."""
-        from fastllm.ops.attention import document_segments
-
-        if device not in self._segments:  # (from the position ids: whole documents, never None)
-            self._segments[device] = document_segments(self.doc_start_on(device))
-        return self._segments[device]
-
-
-def _attention_plan(model, inputs, attention_mask, position_ids, cache):
-    from fastllm.ops.attention import (doc_start_from_position_ids, gpu_varlen_available,
-                                       worth_it)
-
-    if inputs is None or attention_mask is not None:
-        return None
-    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
-        return None
-    if cache is not None and cache.get_seq_length() > 0:
-        return None
-    device = inputs.device
-    if device.type == "cuda":
-        # rows with position ids (packed when they restart), where PyTorch has varlen flash
-        # attention; each layer decides from its own q and k whether it applies
-        # (gpu_varlen_applies) and otherwise runs transformers' attention (SDPA with its
-        # (B, 1, T, T) block-diagonal mask for packed rows)
-        if position_ids is None or not gpu_varlen_available():
-            return None
-    elif device.type != "cpu" or not worth_it(inputs.shape[1],
-                                              getattr(model, "dtype", torch.float32)):
-        return None
-    if position_ids is None:
-        return _AttentionPlan(None)
-    return _AttentionPlan(doc_start_from_position_ids(
-        position_ids.expand(inputs.shape[0], -1).to(device)))
-
-
-def _fastllm_attention_applies(module, dropout, kwargs):
-    # the device, dtype and length are checked by the layer (_attention_forward) on its own q
-    config = module.config
-    return (dropout == 0.0 and getattr(module, "is_causal", True)
-            and kwargs.get("is_causal", True) is not False
-            and not kwargs.get("output_attentions", False)
-            # Qwen2 sets sliding_window per layer (None: full attention); Mistral in its config
-            and (module.sliding_window if hasattr(module, "sliding_window")
-                 else getattr(config, "sliding_window", None)) is None
-            and getattr(config, "attn_logit_softcapping", None) is None)
+def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                      inputs_embeds=None, **kwargs):
+    # the decoder stack called directly in training (TRL's fused LM head, a causal LM patched
+    # with cross_entropy=False): the attention plan the patched causal-LM forward hands on
+    cache = _hf.take_cache(cache, kwargs)
+    if ATTENTION_PLAN not in kwargs and self.training and torch.is_grad_enabled():
+        plan = attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
+                              attention_mask, position_ids, cache)
+        if plan is not None:
+            kwargs[ATTENTION_PLAN] = plan
+    return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, **_hf.cache_kwargs(self, cache),
+                              inputs_embeds=inputs_embeds, **kwargs)
 
 
 def _mlp_forward(self, x):
@@ -364,10 +310,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
-    plan = _attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
+    plan = attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
                            attention_mask, position_ids, cache)
     if plan is not None:
-        kwargs[_ATTENTION_PLAN] = plan
+        kwargs[ATTENTION_PLAN] = plan
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, **_hf.cache_kwargs(self.model, cache),
                          inputs_embeds=inputs_embeds,
@@ -434,6 +380,14 @@ def _is_silu(act):
         getattr(act, "__name__", None) == "silu")
 
 
+def _is_backbone(m):
+    # the decoder stack a causal LM calls (LlamaModel, Qwen2Model, ...), transformers' own
+    return (type(m).__name__.endswith("Model") and "layers" in m._modules
+            and "embed_tokens" in m._modules
+            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES
+            and _hf.stock_forward(m, _MODEL_TYPES))
+
+
 def _is_causal_lm(m):
     # the HF model itself, not a wrapper that forwards attributes to it (PEFT's PeftModel)
     return (type(m).__name__.endswith("ForCausalLM") and "lm_head" in m._modules
@@ -444,7 +398,7 @@ def _is_causal_lm(m):
 
 # every replacement forward, as the partials patch() binds carry them
 _REPLACEMENTS = (_linear_forward, _rms_norm_forward, _gemma_rms_norm_forward, _attention_forward,
-                 _mlp_forward, _causal_lm_forward)
+                 _mlp_forward, _causal_lm_forward, _backbone_forward)
 
 
 def _hooked(module):
@@ -505,6 +459,8 @@ def _chosen(m, chosen):
         return "linear", _linear_forward
     if chosen["cross_entropy"] and _is_causal_lm(m):
         return "cross_entropy", _causal_lm_forward
+    if chosen["rotary"] and _is_backbone(m):
+        return "backbone", _backbone_forward
     return None
 
 

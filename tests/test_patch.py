@@ -88,7 +88,7 @@ def test_patched_llama_equals_unpatched():
     logits = model(input_ids=ids).logits
     fastllm.patch(model)
     assert fastllm.patched(model) == {"rms_norm": 5, "rotary": 2, "swiglu": 2,
-                                      "cross_entropy": 1, "linear": 15}
+                                      "cross_entropy": 1, "linear": 15, "backbone": 1}
     ours = _loss_and_grads(model, ids, labels)
     assert ours[0].logits is None  # the loss came from hidden states, as Liger's does
     _assert_same(ours, theirs)
@@ -136,6 +136,43 @@ def test_fastllm_attention_equals_unpatched(packed, checkpointing, monkeypatch):
     model(input_ids=ids, labels=labels, attention_mask=mask, use_cache=False)
     assert not calls
     model(input_ids=ids, labels=labels, use_cache=False, is_causal=False)  # bidirectional
+    assert not calls
+
+
+@pytest.mark.parametrize("cross_entropy", [True, False])
+def test_fastllm_attention_when_the_backbone_is_called_directly(cross_entropy, monkeypatch):
+    """The decoder stack called directly in training (TRL's fused LM head does so; so does a
+    model patched with cross_entropy=False): its attention layers get the attention plan too
+    (packed rows), with the unpatched model's output and grads; in eval none is made."""
+    if not _has_attention_kernel():
+        pytest.skip("no cpp attention kernel")
+    monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
+    model = _model().train()
+    ids, _ = _batch(s=9)
+    kw = dict(input_ids=ids, use_cache=False,
+              position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], list(range(9))]))
+    seed = torch.randn(2, 9, 64)
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        out = m.model(**kw).last_hidden_state
+        (out * seed).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                              if p.grad is not None}
+
+    theirs = run(model)
+    fastllm.patch(model, cross_entropy=cross_entropy)
+    assert fastllm.patched(model)["backbone"] == 1
+    calls = _count_attention_calls(monkeypatch)
+    ours = run(model)
+    assert len(calls) == 2  # both layers
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
+    for name, grad in theirs[1].items():
+        err, scale = (ours[1][name] - grad).abs().max().item(), grad.abs().max().item()
+        assert err <= 1e-4 * scale + 1e-7, f"{name}: {err:.3g} vs {scale:.3g}"
+    calls.clear()
+    model.eval()
+    model.model(**kw)
     assert not calls
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # the kernels patch() runs in the backbone (fastllm/patch.py looks each up at call time)
 _KERNELS = {"rms_norm": "fastllm.ops.rms_norm", "rotary_embedding": "fastllm.ops.rotary_embedding",
-            "swiglu_linear": "fastllm.ops.swiglu"}
+            "swiglu_linear": "fastllm.ops.swiglu", "attention": "fastllm.ops.attention"}
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +133,19 @@ def _assert_close(got, want, rtol, name):
     assert err <= rtol * scale, f"{name}: error {err:.3g} vs scale {scale:.3g}"
 
 
-@pytest.mark.parametrize("adapters,checkpointing", [
-    (None, False), (None, True), ("peft", True), ("fastllm", True)])
+@pytest.mark.parametrize("adapters,checkpointing,packing", [
+    (None, False, False), (None, True, False), ("peft", True, False), ("fastllm", True, False),
+    (None, False, True)])
 def test_sft_trainer_patched_before_trains_as_unpatched(trl, tok, tmp_path, monkeypatch,
-                                                        adapters, checkpointing):
+                                                        adapters, checkpointing, packing):
     from peft import LoraConfig
 
     over = dict(gradient_checkpointing=checkpointing)
+    if packing:  # rows of whole examples with restarting position ids, no attention_mask
+        if not hasattr(fastllm._extension.extension(), "attention_cpu"):
+            pytest.skip("no cpp attention kernel")
+        monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
+        over["packing"] = True
     if adapters == "peft":
         over["peft_config"] = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
                                          target_modules=["q_proj", "v_proj", "gate_proj"])
@@ -153,6 +159,9 @@ def test_sft_trainer_patched_before_trains_as_unpatched(trl, tok, tmp_path, monk
     # the backbone ran fastllm's kernels: 4 micro-batches and 1 evaluation batch of 2 layers
     assert calls["rotary_embedding"] >= 10 and calls["swiglu_linear"] >= 10
     assert calls["rms_norm"] >= 25
+    # packed: fastllm's attention in every layer of every training micro-batch (the backbone,
+    # which TRL's head calls directly, hands its layers the attention plan)
+    assert calls["attention"] >= (2 * 2 if packing else 0)
     calls.update(dict.fromkeys(calls, 0))
     want_logs, want_grads, want_metrics, want_trained = _run(trl, reference, tok, tmp_path,
                                                              **over)

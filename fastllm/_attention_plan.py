@@ -1,0 +1,87 @@
+"""The attention plan fastllm.patch hands a model's attention layers: whether a forward's
+attention is plain causal or packed documents, known once per forward from its inputs, so that
+each patched attention layer can run fastllm.ops.attention (the CPU kernel; on a GPU PyTorch's
+varlen flash attention for packed rows) instead of transformers' masked attention.
+
+The patched causal-LM forward (with labels, in training) and the patched backbone (*Model, when
+called directly in training: TRL's fused LM head, or patch(cross_entropy=False)) compute it and
+hand it on through the model's **kwargs under ATTENTION_PLAN; the patched attention pops it.
+"""
+
+import torch
+
+__all__ = ["ATTENTION_PLAN", "AttentionPlan", "attention_plan", "fastllm_attention_applies"]
+
+# The keyword the patched causal LM or backbone hands the attention layers (through the model's
+# **kwargs) when it knows the attention is causal with no padding: the same rule as transformers'
+# masking_utils (packed documents from position ids only with no 2-D mask and no cache).
+ATTENTION_PLAN = "fastllm_attention_plan"
+
+
+class AttentionPlan:
+    __slots__ = ("doc_start", "_on", "_segments")
+
+    def __init__(self, doc_start):
+        # (B, T) int64 from the position ids, or None (none given: plain causal). A layer that
+        # sees a cache ignores it: transformers looks for packed rows only when the model runs
+        # without one (masking_utils), and whether it does is only known there (the model may
+        # make a cache for use_cache, or not, as under gradient checkpointing in training)
+        self.doc_start = doc_start
+        self._on, self._segments = {}, {}
+
+    def doc_start_on(self, device):
+        """doc_start on `device` (a model split across GPUs: each layer's own), copied once."""
+        if self.doc_start is None or self.doc_start.device == device:
+            return self.doc_start
+        if device not in self._on:
+            self._on[device] = self.doc_start.to(device)
+        return self._on[device]
+
+    def segments(self, device):
+        """document_segments(doc_start) on `device`, computed by the first layer there that needs
+        it (the GPU's varlen route; its host reads once per forward, not per layer) and kept for the
+        others and for the recomputation under gradient checkpointing."""
+        from fastllm.ops.attention import document_segments
+
+        if device not in self._segments:  # (from the position ids: whole documents, never None)
+            self._segments[device] = document_segments(self.doc_start_on(device))
+        return self._segments[device]
+
+
+def attention_plan(model, inputs, attention_mask, position_ids, cache):
+    from fastllm.ops.attention import (doc_start_from_position_ids, gpu_varlen_available,
+                                       worth_it)
+
+    if inputs is None or attention_mask is not None:
+        return None
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return None
+    if cache is not None and cache.get_seq_length() > 0:
+        return None
+    device = inputs.device
+    if device.type == "cuda":
+        # rows with position ids (packed when they restart), where PyTorch has varlen flash
+        # attention; each layer decides from its own q and k whether it applies
+        # (gpu_varlen_applies) and otherwise runs transformers' attention (SDPA with its
+        # (B, 1, T, T) block-diagonal mask for packed rows)
+        if position_ids is None or not gpu_varlen_available():
+            return None
+    elif device.type != "cpu" or not worth_it(inputs.shape[1],
+                                              getattr(model, "dtype", torch.float32)):
+        return None
+    if position_ids is None:
+        return AttentionPlan(None)
+    return AttentionPlan(doc_start_from_position_ids(
+        position_ids.expand(inputs.shape[0], -1).to(device)))
+
+
+def fastllm_attention_applies(module, dropout, kwargs):
+    # the device, dtype and length are checked by the layer (_attention_forward) on its own q
+    config = module.config
+    return (dropout == 0.0 and getattr(module, "is_causal", True)
+            and kwargs.get("is_causal", True) is not False
+            and not kwargs.get("output_attentions", False)
+            # Qwen2 sets sliding_window per layer (None: full attention); Mistral in its config
+            and (module.sliding_window if hasattr(module, "sliding_window")
+                 else getattr(config, "sliding_window", None)) is None
+            and getattr(config, "attn_logit_softcapping", None) is None)
