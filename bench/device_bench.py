@@ -93,6 +93,10 @@ def _kernels_per_call(fn, device):
     return count or None  # 0: the profiler saw none (CUPTI under graphs), not a kernel-less step
 
 
+def _kernel_note(count):
+    return None if count is None else f"{count} kernels per step"
+
+
 def _is_kernel(event):
     """A kernel among a profile's GPU events (not a memcpy or memset)."""
     return (event.device_type == torch.autograd.DeviceType.CUDA
@@ -179,7 +183,7 @@ def adamw(device, scale, rows):
             rows.append({"op": "adamw", "size": size, "provider": name,
                          "time_ms": timing.median_ms, "bytes": 28 * total,
                          "baseline": "torch fused (eager)",
-                         "note": f"{counts[name]} kernels per step"})
+                         "note": _kernel_note(counts[name])})
 
 
 def master(device, scale, rows):
@@ -193,7 +197,7 @@ def master(device, scale, rows):
     for name, timing in _time(fns, device).items():
         rows.append({"op": "adamw_master", "size": f"{total // M}M bf16 params / 16 tensors",
                      "provider": name, "time_ms": timing.median_ms, "bytes": 30 * total,
-                     "baseline": "torch sequence", "note": f"{counts[name]} kernels per step"})
+                     "baseline": "torch sequence", "note": _kernel_note(counts[name])})
 
 
 def lowbyte(device, scale, rows):
@@ -210,7 +214,7 @@ def lowbyte(device, scale, rows):
     for name, timing in _time(fns, device).items():
         rows.append({"op": "lowbyte state", "size": f"{total // M}M fp32 params / 16 tensors",
                      "provider": name, "time_ms": timing.median_ms,
-                     "baseline": "torch fused fp32", "note": f"{counts[name]} kernels per step"})
+                     "baseline": "torch fused fp32", "note": _kernel_note(counts[name])})
 
 
 def lora(device, scale, rows):
@@ -802,10 +806,13 @@ def main():
     rows, failed = [], []
 
     def save():  # whole or not at all: a kill mid-write leaves the last JSON
-        harness.annotate(rows)
+        try:
+            harness.annotate(rows)
+        except Exception:  # the measured times are still worth keeping, unannotated
+            traceback.print_exc()
         with open(opts.json + ".tmp", "w") as f:
             json.dump({"device": device, "machine": machine, "rows": rows, "failed": failed}, f,
-                      indent=1)
+                      indent=1, default=str)
         os.replace(opts.json + ".tmp", opts.json)
 
     global _checkpoint
@@ -823,10 +830,12 @@ def main():
         if device == "cuda":
             torch.cuda.empty_cache()
         save()  # after every case: a run cut short keeps what it measured
-    print(f"{device}: {machine}\n")
-    print(harness.format_table(rows))
+    # a provider's FAILED row (on the GPU each is kept as a row, not raised; the peers' excepted)
     failed += [f"{r['op']} {r['size']}: {r['provider']}: {r['note']}" for r in rows
                if str(r.get("note")).startswith("FAILED") and "liger" not in r["provider"].lower()]
+    save()
+    print(f"{device}: {machine}\n")
+    print(harness.format_table(rows))
     for line in failed:
         print(f"FAILED {line}")
     return 1 if failed else 0

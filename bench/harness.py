@@ -182,8 +182,11 @@ def annotate(rows):
     given in cases that have a probe row (without one it would only rank the providers).
     """
     for case in _cases(rows).values():
-        by_provider = {r["provider"]: r for r in case}
+        # a row without a time (a provider that failed, a peer not installed) gets nothing
+        by_provider = {r["provider"]: r for r in case if r.get("time_ms")}
         for r in case:
+            if not r.get("time_ms"):
+                continue
             if r.get("bytes"):
                 r["gbps"] = r["bytes"] / r["time_ms"] / 1e6
             if r.get("flops"):

@@ -74,9 +74,10 @@ from fastllm._dtensor import is_dtensor
 _PATCHED = "_fastllm_patched"
 
 # the kinds of swap, as patch()'s keyword arguments name them
-# (and "backbone": the decoder stack, swapped with the attention layers (rotary) to hand them the
-# attention plan when it is called directly)
-KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear", "backbone")
+KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
+# swapped with the attention layers (rotary), not counted as a kind of its own: the decoder stack,
+# which hands them the attention plan when it is called directly
+_BACKBONE = "backbone"
 
 # config.model_type of the models whose attention and causal-LM loss the patch reproduces
 _MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -460,7 +461,7 @@ def _chosen(m, chosen):
     if chosen["cross_entropy"] and _is_causal_lm(m):
         return "cross_entropy", _causal_lm_forward
     if chosen["rotary"] and _is_backbone(m):
-        return "backbone", _backbone_forward
+        return _BACKBONE, _backbone_forward
     return None
 
 
@@ -499,7 +500,8 @@ def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, li
 
             m._fastllm_output_cls = outputs.CausalLMOutputWithPast
         _bind(m, kind, fn, slot)
-        counts[kind] += 1
+        if kind in counts:
+            counts[kind] += 1
     if verbose:
         print("fastllm.patch: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return model
@@ -548,6 +550,6 @@ def patched(model):
     """{kind: number of modules patched} for `model` (all zero when it is not patched)."""
     counts = dict.fromkeys(KINDS, 0)
     for _, m in model.named_modules():
-        if _is_patched(m):
+        if _is_patched(m) and m.__dict__[_PATCHED] in counts:
             counts[m.__dict__[_PATCHED]] += 1
     return counts

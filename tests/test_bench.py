@@ -387,3 +387,20 @@ def test_device_bench_graph_keeps_what_it_captured(monkeypatch):
     gc.collect()
     assert held[0]() is not None, "the optimizer the graph replays on was freed"
     replay()
+
+
+def test_device_bench_keeps_a_case_whose_baseline_failed():
+    # On the GPU a provider that raises becomes a FAILED row (time None) instead of losing the
+    # case; the other rows, whose baseline it may be, are still annotated and tabled.
+    from fastllm.bench import device_bench
+
+    note = device_bench._failure("torch eager", RuntimeError("boom"), "cuda", ("liger-kernel",))
+    assert note.startswith("FAILED: RuntimeError: boom")
+    with pytest.raises(RuntimeError, match="boom"):  # off the GPU (CI's smoke run) it raises
+        device_bench._failure("torch eager", RuntimeError("boom"), "cpu", ("liger-kernel",))
+    rows = [dict(op="model/swiglu", size="s", provider="fastllm", time_ms=2.0, bytes=4e6,
+                 baseline="torch eager"),
+            dict(op="model/swiglu", size="s", provider="torch eager", time_ms=None, note=note)]
+    harness.annotate(rows)
+    assert rows[0]["gbps"] == pytest.approx(2.0) and "ratio_to_baseline" not in rows[0]
+    assert "FAILED" in harness.format_table(rows)

@@ -88,7 +88,7 @@ def test_patched_llama_equals_unpatched():
     logits = model(input_ids=ids).logits
     fastllm.patch(model)
     assert fastllm.patched(model) == {"rms_norm": 5, "rotary": 2, "swiglu": 2,
-                                      "cross_entropy": 1, "linear": 15, "backbone": 1}
+                                      "cross_entropy": 1, "linear": 15}
     ours = _loss_and_grads(model, ids, labels)
     assert ours[0].logits is None  # the loss came from hidden states, as Liger's does
     _assert_same(ours, theirs)
@@ -162,7 +162,7 @@ def test_fastllm_attention_when_the_backbone_is_called_directly(cross_entropy, m
 
     theirs = run(model)
     fastllm.patch(model, cross_entropy=cross_entropy)
-    assert fastllm.patched(model)["backbone"] == 1
+    assert "forward" in model.model.__dict__  # the decoder stack (not a kind patched() counts)
     calls = _count_attention_calls(monkeypatch)
     ours = run(model)
     assert len(calls) == 2  # both layers

@@ -187,8 +187,10 @@ def row_pass_ref(z, labels, weights, label_smoothing, z_loss, cap, need_grad):
 
 
 # whether torch's CUDA addmm adds a bf16/fp16 product into an fp32 `out` (addmm.dtype_out; some
-# releases require the added input in the operands' dtype): probed on the first call
+# releases require the added input in the operands' dtype): probed on the first call. torch < 2.8
+# has no out_dtype on mm / addmm at all.
 _ADDMM_INTO_FP32 = []
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 def _add_mm(acc, a, b):
@@ -198,19 +200,20 @@ def _add_mm(acc, a, b):
     cost about twice the GEMM's own time on a GPU at 49k vocabulary and ~256-row chunks."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif not a.is_cuda:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-    else:
+        return
+    if a.is_cuda and _MM_OUT_DTYPE:
         if _ADDMM_INTO_FP32 != [False]:
             try:
                 torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
                 _ADDMM_INTO_FP32[:] = [True]
                 return
-            except (RuntimeError, TypeError):  # argument checks, before any kernel runs
-                if _ADDMM_INTO_FP32 == [True]:
+            except RuntimeError as exc:  # its argument checks run before any kernel
+                if _ADDMM_INTO_FP32 == [True] or "dtype" not in str(exc):  # not a refusal
                     raise
                 _ADDMM_INTO_FP32[:] = [False]
         acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    else:  # the CPU's reference path, or torch < 2.8
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_by_valid,

@@ -239,21 +239,30 @@ def _first_parsed(name):
     return None
 
 
+_FIRST_ITEM_LIMIT = 64 << 20  # bytes of a .json array read to find its first item, at most
+
+
 def _first_item(f, name):
-    """(where, item 0) of a .json file holding an array, decoded a megabyte at a time until its
-    first item parses; None for an empty array, False for a file holding no array."""
+    """(where, item 0) of a .json file holding an array, decoded until its first item parses
+    (tried again each time what was read doubles: linear in the item's size); None for an empty
+    array or a first item not found within _FIRST_ITEM_LIMIT (read_records judges those), False
+    for a file holding no array."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
-    text = ""
+    text, size, tried = "", 0, 0
     while True:
-        chunk = f.read(1 << 20)
+        chunk = f.read(max(1 << 20, size))  # reads of 1 MB, then as much as was read: doubling
+        size += len(chunk)
         text += decoder.decode(chunk, final=not chunk)
         body = text.lstrip(" \t\r\n")
         if body and not body.startswith("[") or not (body or chunk):
             return False
+        if chunk and size < 2 * tried:
+            continue
+        tried = size
         try:
             return f"{name} record 0", json.JSONDecoder().raw_decode(body[1:].lstrip())[0]
         except ValueError:
-            if not chunk:
+            if not chunk or size >= _FIRST_ITEM_LIMIT:
                 return None
 
 
