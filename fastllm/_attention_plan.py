@@ -3,16 +3,16 @@ attention is plain causal or packed documents, known once per forward from its i
 each patched attention layer can run fastllm.ops.attention (the CPU kernel; on a GPU PyTorch's
 varlen flash attention for packed rows) instead of transformers' masked attention.
 
-The patched causal-LM forward (with labels, in training) and the patched backbone (*Model, when
-called directly in training: TRL's fused LM head, or patch(cross_entropy=False)) compute it and
-hand it on through the model's **kwargs under ATTENTION_PLAN; the patched attention pops it.
+The patched decoder stack (*Model) computes it in training, however it is called (by the causal
+LM, patched or not, or directly by TRL's fused LM head), and hands it on through its **kwargs
+under ATTENTION_PLAN; the patched attention pops it.
 """
 
 import torch
 
 __all__ = ["ATTENTION_PLAN", "AttentionPlan", "attention_plan", "fastllm_attention_applies"]
 
-# The keyword the patched causal LM or backbone hands the attention layers (through the model's
+# The keyword the patched decoder stack hands the attention layers (through the model's
 # **kwargs) when it knows the attention is causal with no padding: the same rule as transformers'
 # masking_utils (packed documents from position ids only with no 2-D mask and no cache).
 ATTENTION_PLAN = "fastllm_attention_plan"

@@ -202,7 +202,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     dropout = 0.0 if not self.training else self.attention_dropout
     plan = kwargs.pop(ATTENTION_PLAN, None)
     if plan is not None and fastllm_attention_applies(self, dropout, kwargs):
-        # causal attention known from _causal_lm_forward (no 2-D mask: plain causal, or packed
+        # causal attention known from _backbone_forward (no 2-D mask: plain causal, or packed
         # documents from the position ids, as transformers' mask would say), in the projections'
         # (B, T, H, D) layout: fastllm's CPU kernel, or on a GPU PyTorch's varlen flash
         # attention for packed rows
@@ -256,10 +256,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                       inputs_embeds=None, **kwargs):
-    # the decoder stack called directly in training (TRL's fused LM head, a causal LM patched
-    # with cross_entropy=False): the attention plan the patched causal-LM forward hands on
+    # the decoder stack in training, called by the (patched or not) causal LM or directly (TRL's
+    # fused LM head): the attention plan its patched attention layers read
     cache = _hf.take_cache(cache, kwargs)
-    if ATTENTION_PLAN not in kwargs and self.training and torch.is_grad_enabled():
+    if self.training and torch.is_grad_enabled():
         plan = attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
                               attention_mask, position_ids, cache)
         if plan is not None:
@@ -311,10 +311,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
-    plan = attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
-                           attention_mask, position_ids, cache)
-    if plan is not None:
-        kwargs[ATTENTION_PLAN] = plan
+    # (the attention plan: made by the patched decoder stack, self.model, in training)
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, **_hf.cache_kwargs(self.model, cache),
                          inputs_embeds=inputs_embeds,
