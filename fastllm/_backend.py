@@ -39,6 +39,11 @@ def use_backend(name):
         _local.forced = previous
 
 
+def thread_backend():
+    """The backend use_backend forces on this thread, or None."""
+    return getattr(_local, "forced", None)
+
+
 @contextlib.contextmanager
 def validated():
     """Inside the block (this thread), ops skip their per-tensor argument checks: the caller
@@ -162,6 +167,15 @@ def select(op_name, device_type, preference):
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def implementation(op_name, impls, backend):
+    """impls[backend]; a backend the op has no kernel for (only a forced one can be chosen) is
+    refused by name, with the backends it has."""
+    if backend not in impls:
+        raise RuntimeError(f"fastllm.{op_name}: backend {backend!r} was forced but this op has no "
+                           f"{backend} kernel (it has {', '.join(sorted(impls))})")
+    return impls[backend]
+
+
 def select_kernel(op_name, device_type, dtype, preference, kernels, *, cpp_entry=None,
                   kernel_dtypes=None):
     """The backend one call of an op runs: `select`'s choice for the device, then the op's limits.
@@ -173,9 +187,7 @@ def select_kernel(op_name, device_type, dtype, preference, kernels, *, cpp_entry
     backend was forced, each of these says why it cannot run instead of falling back."""
     backend = select(op_name, device_type, preference.get(device_type, ("ref",)))
     forced = forced_backend() == backend
-    if backend not in kernels:
-        raise RuntimeError(f"fastllm.{op_name}: backend {backend!r} was forced but this op has no "
-                           f"{backend} kernel (it has {', '.join(sorted(kernels))})")
+    implementation(op_name, kernels, backend)  # a forced backend the op lacks: refused by name
     if backend == "cpp" and cpp_entry is not None and not hasattr(_extension.extension(),
                                                                   cpp_entry):
         if forced:

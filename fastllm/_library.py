@@ -145,6 +145,28 @@ for _schema in SCHEMAS.values():
 
 
 
+def register_autograd(op, backward, *, setup_context):
+    """torch.library.register_autograd for a fastllm op, whose backward then runs on the backend
+    forced around its forward: fastllm.use_backend holds for one thread, and autograd runs the
+    backward of CUDA tensors on a device thread of its own, where the forward's choice was lost
+    (a forward forced to ref had its backward on Triton; seen on an H200, 2026-12-04)."""
+    from fastllm import _backend
+
+    def setup(ctx, inputs, output):
+        ctx.fastllm_backend = _backend.thread_backend()
+        setup_context(ctx, inputs, output)
+
+    @functools.wraps(backward)
+    def run_backward(ctx, *grads):
+        name = getattr(ctx, "fastllm_backend", None)
+        if name is None:
+            return backward(ctx, *grads)
+        with _backend.use_backend(name):
+            return backward(ctx, *grads)
+
+    torch.library.register_autograd(op, run_backward, setup_context=setup)
+
+
 def first_order_only(where):
     """Decorator for the backward of a fastllm op whose gradients come from kernels (C++,
     Triton, a backward op with no derivative of its own, or grads computed in the forward):

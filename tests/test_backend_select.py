@@ -4,6 +4,9 @@ themselves: a call a compiled kernel cannot take (fp64, an extension built befor
 the reference unless a backend was forced, and then it says why; a forced backend the op has no
 kernel for is refused by name."""
 
+import importlib
+import threading
+
 import pytest
 import torch
 
@@ -104,9 +107,70 @@ def test_extension_without_the_entry(op, monkeypatch):
         _run(op, torch.float32, "cpp")
 
 
+def test_forced_backend_without_a_kernel_is_refused_by_name():
+    """FASTLLM_BACKEND=cuda on a GPU reaches ops whose GPU path is Triton: refused by name (it was
+    a KeyError), before anything changes."""
+    galore = importlib.import_module("fastllm.ops.galore_adam_step")  # (the module)
+
+    with pytest.raises(RuntimeError, match=r"fastllm\.galore_adam_step: backend 'cuda' was forced "
+                                           r"but this op has no cuda kernel \(it has cpp, ref, "
+                                           r"triton\)"):
+        _backend.implementation("galore_adam_step", galore._IMPLS, "cuda")
+
+
 def test_forced_backend_the_op_lacks():
     if _backend.unavailable_reason("triton", "cpu") is not None:
         pytest.skip(_backend.unavailable_reason("triton", "cpu"))
     with pytest.raises(RuntimeError, match=r"fastllm\.attention: backend 'triton' was forced but "
                                            r"this op has no triton kernel \(it has cpp, ref\)"):
         _run("attention", torch.float32, "triton")
+
+
+def _forward_needing_grads(op):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    cos, sin = torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    return {
+        "rms_norm": lambda: rms_norm(r(3, 8), r(8)),
+        "swiglu": lambda: swiglu(r(3, 8), r(3, 8)),
+        "rotary_embedding": lambda: rotary_embedding(r(1, 4, 2, 8), r(1, 4, 1, 8), cos, sin)[0],
+        "attention": lambda: attention(r(1, 5, 2, 8), r(1, 5, 1, 8), r(1, 5, 1, 8)),
+        # (reduction "none": grads computed in the backward, not in the forward)
+        "fused_linear_cross_entropy": lambda: fused_linear_cross_entropy(
+            r(5, 8), r(11, 8), torch.tensor([1, 0, 10, -100, 3]), reduction="none"),
+        "lora_linear": lambda: lora_linear(r(5, 8), torch.randn(6, 8, generator=g), r(2, 8),
+                                           r(6, 2), 2.0, dropout_p=0.3, seed=11),
+    }[op]()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_backward_on_another_thread_runs_on_the_forward_backend(op, monkeypatch):
+    """use_backend holds for one thread, and autograd runs the backward of CUDA tensors on a
+    device thread of its own: a forward forced to ref had its backward on Triton (an H200,
+    2026-12-04). The backward, run here on another thread, selects the forward's backend."""
+    seen, errors = [], []
+    real = _backend.select
+
+    def spy(name, *args):
+        seen.append((name, _backend.forced_backend()))
+        return real(name, *args)
+
+    with fastllm.use_backend("ref"):
+        y = _forward_needing_grads(op)
+    monkeypatch.setattr(_backend, "select", spy)
+
+    def backward():
+        try:
+            y.float().sum().backward()
+        except Exception as exc:  # re-raised below, on the test's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=backward)
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    assert seen and all(forced == "ref" for _, forced in seen), seen

@@ -28,11 +28,14 @@ from fastllm.ops import orthogonalize, orthogonalize_ref, powersgd_decompress
 from fastllm.ops import powersgd_decompress_ref
 from fastllm.ops.orthogonalize import dependence_tol
 
+# the op has no CUDA kernel: its GPU path is Triton
+NO_CUDA_KERNEL = backend_device_params(without=("cuda",))
+
 SHAPES = [(1, 1), (7, 1), (7, 7), (123, 4), (4097, 3)]
 
 
 # --- kernels --------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-8])
 def test_orthogonalize_matches_reference(backend, device, dtype, epsilon):
@@ -82,7 +85,7 @@ def _rank_deficient(kind, dtype):
     return x.to(dtype), dependent
 
 
-@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["one_row", "duplicated", "combination"])
 def test_orthogonalize_zeroes_dependent_columns(backend, device, dtype, kind):
@@ -115,7 +118,7 @@ def _nearly_dependent(n, dtype, factor):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("factor", [10.0, 1e3, 1e6])
 def test_orthogonalize_nearly_dependent_columns_come_out_orthogonal(backend, device, dtype,
@@ -134,7 +137,7 @@ def test_orthogonalize_nearly_dependent_columns_come_out_orthogonal(backend, dev
     assert off <= 64 * torch.finfo(dtype).eps, f"max |Q^T Q - I| = {off:.3g}"
 
 
-@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("with_errors", [True, False])
 def test_decompress_matches_reference(backend, device, dtype, with_errors):
@@ -476,7 +479,7 @@ def test_ddp_training_200_steps_within_3_percent_of_dense(world2):
 # --- PowerSGD in one process (a world-1 Gloo group of its own) ---------------------------------
 def _cpu_backends():
     # Not Triton: the same sums as the C++ kernel, at 1.3 s a case in the interpreter.
-    return [p for p in backend_device_params() if p.values[1] == "cpu" and p.values[0] != "triton"]
+    return [p for p in NO_CUDA_KERNEL if p.values[1] == "cpu" and p.values[0] != "triton"]
 
 
 @pytest.mark.parametrize("backend,device", _cpu_backends())

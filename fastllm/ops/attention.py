@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from fastllm import _backend, _extension, _gemm, _lowp
-from fastllm._library import first_order_only, lib
+from fastllm._library import first_order_only, lib, register_autograd
 
 __all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "document_segments",
            "DocumentSegments", "cpu_attention_enabled", "worth_it", "gpu_varlen_applies",
@@ -247,7 +247,7 @@ def _backward(ctx, grad_out, _grad_lse):
     return dq, dk, dv, None, None
 
 
-torch.library.register_autograd("fastllm::attention", _backward, setup_context=_setup_context)
+register_autograd("fastllm::attention", _backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, scale=None, doc_start=None, segments=None):

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension, _gemm, _lowp
-from fastllm._library import first_order_only, lib
+from fastllm._library import first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 REDUCTIONS = ("mean", "sum", "none")
@@ -419,8 +419,8 @@ def _fused_backward(ctx, grad_loss, *_):
     return grads[0], grads[1], None, grads[2], None, None, None, None, None, None
 
 
-torch.library.register_autograd("fastllm::fused_linear_cross_entropy", _fused_backward,
-                                setup_context=_setup_context)
+register_autograd("fastllm::fused_linear_cross_entropy", _fused_backward,
+                  setup_context=_setup_context)
 
 
 def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100,

@@ -126,8 +126,9 @@ def _impl(param, grad, proj, exp_avg, exp_avg_sq, *, step, left, lr, beta1, beta
     if backend == "triton" and param.dtype == torch.float64:
         raise RuntimeError("fastllm.galore_adam_step: the triton backend computes in float32; "
                            "float64 params run on cpp or ref")
+    impl = _backend.implementation("galore_adam_step", _IMPLS, backend)
     with _backend.device_guard(param.device):
-        _IMPLS[backend](param, grad, proj, exp_avg, exp_avg_sq, **kwargs)
+        impl(param, grad, proj, exp_avg, exp_avg_sq, **kwargs)
 
 
 lib.impl("galore_adam_step", _impl, "CPU")

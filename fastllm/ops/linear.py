@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _gemm, _lowp
-from fastllm._library import first_order_only, lib
+from fastllm._library import first_order_only, lib, register_autograd
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _WHERE = "fastllm.linear"
@@ -128,8 +128,8 @@ def _autograd_backward(ctx, grad_y):
     return tuple(grads)
 
 
-torch.library.register_autograd("fastllm::linear", _autograd_backward,
-                                setup_context=_setup_context)
+register_autograd("fastllm::linear", _autograd_backward,
+                  setup_context=_setup_context)
 
 
 def linear(x, weight, bias=None):

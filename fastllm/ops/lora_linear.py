@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension, _gemm, _lowp
-from fastllm._library import first_order_only, lib
+from fastllm._library import first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 
@@ -446,7 +446,7 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
     return grad_x, grad_w, grad_a, grad_b, None, grad_bias, None, None
 
 
-torch.library.register_autograd(
+register_autograd(
     "fastllm::lora_linear", _lora_linear_backward, setup_context=_setup_context
 )
 

@@ -133,8 +133,9 @@ def _orthogonalize_impl(matrices, epsilon=0.0):
     if backend == "triton" and matrices[0].dtype == torch.float64:
         raise RuntimeError("fastllm.orthogonalize: the triton backend computes in float32; "
                            "float64 matrices run on cpp or ref")
+    impl = _backend.implementation("orthogonalize", _IMPLS, backend)
     with _backend.device_guard(matrices[0].device):
-        _IMPLS[backend](matrices, float(epsilon))
+        impl(matrices, float(epsilon))
 
 
 lib.impl("orthogonalize", _orthogonalize_impl, "CPU")

@@ -98,8 +98,9 @@ def _impl(matrices, ps, qs, local_qs, errors, scale):
     if backend == "triton" and matrices[0].dtype == torch.float64:
         raise RuntimeError("fastllm.powersgd_decompress: the triton backend computes in "
                            "float32; float64 matrices run on cpp or ref")
+    impl = _backend.implementation("powersgd_decompress", _IMPLS, backend)
     with _backend.device_guard(matrices[0].device):
-        _IMPLS[backend](matrices, ps, qs, local_qs, errors, float(scale))
+        impl(matrices, ps, qs, local_qs, errors, float(scale))
 
 
 lib.impl("powersgd_decompress", _impl, "CPU")

@@ -22,7 +22,7 @@ import math
 import torch
 
 from fastllm import _backend, _extension
-from fastllm._library import first_order_only, lib
+from fastllm._library import first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -173,7 +173,7 @@ def _backward(ctx, grad_y, grad_rstd):
     return (dx if need_dx else None), (dw if need_w else None), None, None
 
 
-torch.library.register_autograd("fastllm::rms_norm", _backward, setup_context=_setup_context)
+register_autograd("fastllm::rms_norm", _backward, setup_context=_setup_context)
 
 
 def rms_norm(x, weight, eps=1e-6, offset=0.0):

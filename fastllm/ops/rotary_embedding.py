@@ -23,7 +23,7 @@ Backends: cpp (csrc/cpu/rotary_embedding.cpp), triton (fastllm/kernels/rotary_em
 import torch
 
 from fastllm import _backend, _extension
-from fastllm._library import first_order_only, lib
+from fastllm._library import first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -221,8 +221,8 @@ def _backward(ctx, grad_q, grad_k):
     return dq, dk, None, None, None
 
 
-torch.library.register_autograd("fastllm::rotary_embedding", _backward,
-                                setup_context=_setup_context)
+register_autograd("fastllm::rotary_embedding", _backward,
+                  setup_context=_setup_context)
 
 
 def rotary_embedding(q, k, cos, sin, position_ids=None, inplace=False):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension
-from fastllm._library import first_order_only, lib
+from fastllm._library import first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -127,7 +127,7 @@ def _backward(ctx, grad_y):
     return dg, du
 
 
-torch.library.register_autograd("fastllm::swiglu", _backward, setup_context=_setup_context)
+register_autograd("fastllm::swiglu", _backward, setup_context=_setup_context)
 
 
 def swiglu(gate, up):
