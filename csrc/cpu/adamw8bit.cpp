@@ -368,9 +368,13 @@ inline __m512i encode_magnitude_vec(const CodeVec& c, __m512 a) {
   const __m512 t = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(j, c.inv),
                                    _mm512_permutexvar_ps(j, c.offset));
   // t > -1 for every a in segment j (its first decision boundary is less than a spacing below
-  // the first code's), so truncation gives k >= 0 and only the top needs a clamp.
+  // the first code's), so truncation gives k >= 0 and only the top needs a clamp. A nan t (a nan,
+  // or inf * 0: an infinite m or v over its block's inf absmax) truncates to INT_MIN; the clamp
+  // is unsigned so that it gives the top code 255, as encode_signed/encode_unsigned do. A signed
+  // min kept a negative k whose low byte is 255 too, but encode_signed_vec's 254 - k for m < 0
+  // then wrapped to 255 (+1.0) instead of 0 (-1.0): -inf came back as +inf.
   const __m512i k = _mm512_add_epi32(_mm512_cvttps_epi32(t), _mm512_permutexvar_epi32(j, c.first));
-  return _mm512_min_epi32(k, _mm512_permutexvar_epi32(j, c.last));
+  return _mm512_min_epu32(k, _mm512_permutexvar_epi32(j, c.last));
 }
 
 // Code of the first moment: the magnitude's code mirrored for m < 0 (254 - i; -0.0 and nan
