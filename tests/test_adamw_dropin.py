@@ -211,44 +211,44 @@ def test_compiled_gradscaler_protocol_step_has_no_graph_break():
     assert int(opt.skipped_steps) == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("master", [False, True])
-def test_cuda_graph_captured_step_matches_eager(master):
-    """A capturable step captured in a CUDA graph and replayed 10 times equals 10 eager steps."""
+def _warmed_up_pair(master, shapes, grads):
+    """Two copies of the same params and capturable optimizers, each after the same eager
+    warm-up step (grads[0]; the graphed one on a side stream, where its state is created)."""
     dtype = torch.bfloat16 if master else torch.float32
-    shapes = [(1000, 33), (7,), (4097,)]
     graphed, eager = _params(shapes, "cuda", dtype), _params(shapes, "cuda", dtype)
     kwargs = dict(lr=1e-2, weight_decay=0.1, capturable=True, master_weights=master,
                   max_grad_norm=1.0 if master else None)
     g_opt = fastllm.optim.AdamW(graphed, **kwargs)
     e_opt = fastllm.optim.AdamW(eager, **kwargs)
-    gen = torch.Generator().manual_seed(6)
-    grads = [[torch.randn(s, generator=gen).to("cuda", dtype) for s in shapes] for _ in range(10)]
     static = [g.clone() for g in grads[0]]
     for p, g in zip(graphed, static):
         p.grad = g
-    # Warm up on a side stream (state is created here), then capture one step.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    snapshot = [p.detach().clone() for p in graphed]
     with torch.cuda.stream(side):
         g_opt.step()
     torch.cuda.current_stream().wait_stream(side)
-    with torch.no_grad():  # undo the warm-up step: params back, state to fresh
-        for p, s in zip(graphed, snapshot):
-            p.copy_(s)
-        for st in g_opt.state.values():
-            for key, value in st.items():
-                if key == "master_param":
-                    continue
-                value.zero_()
-        for p in graphed:
-            if "master_param" in g_opt.state[p]:
-                g_opt.state[p]["master_param"].copy_(p.detach().float())
+    for p, g in zip(eager, grads[0]):
+        p.grad = g.clone()
+    e_opt.step()
+    return graphed, g_opt, static, eager, e_opt
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("master", [False, True])
+def test_cuda_graph_captured_step_matches_eager(master):
+    """A capturable step captured in a CUDA graph and replayed 9 times equals 9 eager steps, after
+    one eager warm-up step on each side. (The test undid the warm-up by writing the params, a
+    write outside the optimizer, whose master re-sync was then captured: test_master_resync_...)"""
+    dtype = torch.bfloat16 if master else torch.float32
+    shapes = [(1000, 33), (7,), (4097,)]
+    gen = torch.Generator().manual_seed(6)
+    grads = [[torch.randn(s, generator=gen).to("cuda", dtype) for s in shapes] for _ in range(10)]
+    graphed, g_opt, static, eager, e_opt = _warmed_up_pair(master, shapes, grads)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_opt.step()
-    for step in range(10):
+    for step in range(1, 10):
         for s, g in zip(static, grads[step]):
             s.copy_(g)
         graph.replay()
@@ -259,6 +259,27 @@ def test_cuda_graph_captured_step_matches_eager(master):
     for a, b in zip(graphed, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert g_opt.state[a]["step"].item() == 10.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_master_resync_is_refused_inside_a_cuda_graph_capture():
+    """A bf16 param written outside the optimizer before the capture: its master would be re-synced
+    by a copy the graph replays every step (each replay resetting the master to the bf16 param),
+    so the capture is refused by name; after an eager step the same capture goes through."""
+    shapes = [(64, 3), (5,)]
+    gen = torch.Generator().manual_seed(7)
+    grads = [[torch.randn(s, generator=gen).to("cuda", torch.bfloat16) for s in shapes]] * 2
+    graphed, g_opt, _, _, _ = _warmed_up_pair(True, shapes, grads)
+    with torch.no_grad():
+        graphed[1].mul_(0.5)  # a write outside the optimizer
+    with pytest.raises(RuntimeError, match=r"fastllm\.optim\.AdamW: .*was written outside the "
+                                           r"optimizer since its last step.*CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            g_opt.step()
+    g_opt.step()  # eager: the master re-synced from the param
+    assert torch.equal(g_opt.state[graphed[1]]["master_param"].bfloat16(), graphed[1].detach())
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        g_opt.step()
 
 
 def test_master_weights_resync_after_outside_changes():
@@ -364,7 +385,7 @@ def test_stochastic_rounding_bits_agree_between_cpp_and_cuda():
     grads = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
     out = {}
     for device in ("cpu", "cuda"):
-        params = [t.to(device) for t in init]
+        params = [t.to(device, copy=True) for t in init]  # (not init itself on the CPU)
         ms = [torch.zeros(s, device=device) for s in shapes]
         vs = [torch.zeros(s, device=device) for s in shapes]
         steps = [torch.ones((), device=device) for _ in shapes]

@@ -530,12 +530,23 @@ def _resync_masters(opt, call):
     if None not in call.versions and _written_versions(call) == call.versions:
         return  # the common case: nothing wrote a param since the last step
     compiling = torch.compiler.is_compiling()
-    for p, version in zip(call.params, call.versions):
-        if version is None:
-            continue
-        if p._version != version[0] or (not compiling and version[1] is not None
-                                        and local(p).data_ptr() != version[1]):
-            opt.state[p]["master_param"].copy_(local(p).detach())
+    stale = [i for i, (p, version) in enumerate(zip(call.params, call.versions))
+             if version is not None and (
+                 p._version != version[0] or (not compiling and version[1] is not None
+                                              and local(p).data_ptr() != version[1]))]
+    if stale and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # The copy would be captured and replayed every step, each replay replacing the master
+        # with the bf16 param (its fp32 precision lost; seen on an H200, 2026-12-04).
+        name = _slot_name(opt, call.slots[stale[0]], call.params[stale[0]])
+        raise RuntimeError(
+            f"fastllm.optim.AdamW: {name} was written outside the optimizer since its last step, "
+            f"and its fp32 master cannot be re-synced inside a CUDA graph capture (the copy "
+            f"would be replayed every step); take one step eagerly after such a write, or load "
+            f"the optimizer's state (load_state_dict: the loaded master is the truth), before "
+            f"capturing")
+    for i in stale:
+        p = call.params[i]
+        opt.state[p]["master_param"].copy_(local(p).detach())
 
 
 def _same_values(a, b):
