@@ -19,6 +19,7 @@ from fastllm.ops.lora_linear import (
     lora_linear_ref,
 )
 
+from _model_ops import check_close
 from conftest import backend_device_params
 
 BACKENDS = [p for p in backend_device_params() if p.values[0] != "cuda"]  # GPU path is triton
@@ -44,17 +45,9 @@ def _grads(y, inputs, g):
 
 
 def _check_close(name, got, torch_lp, oracle, dtype):
-    """got, torch_lp: results at dtype; oracle: the same maths in fp64."""
-    oracle = oracle.double()
-    scale = oracle.abs().max().item() + 1e-30
-    err = (got.double() - oracle).abs().max().item()
-    if dtype == torch.float32:
-        assert err <= 1e-5 * scale, f"{name}: fp32 error {err:.3g} vs scale {scale:.3g}"
-    else:
-        torch_err = (torch_lp.double() - oracle).abs().max().item()
-        # the floor only matters when PyTorch happens to be exact on a tiny tensor
-        bound = 2.0 * torch_err + 1e-3 * torch.finfo(dtype).eps * scale
-        assert err <= bound, f"{name}: error {err:.3g} > 2 x PyTorch's {torch_err:.3g}"
+    """got, torch_lp: results at dtype; oracle: the same maths in fp64 (_model_ops.check_close:
+    fp32 1e-5 relative, low precision twice PyTorch's error or an ulp at the largest value)."""
+    check_close(name, got, torch_lp, oracle, dtype)
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)

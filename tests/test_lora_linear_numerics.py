@@ -38,7 +38,9 @@ def test_fp32_low_rank_products_keep_fp32_accuracy(backend, device, x_dtype, dro
         scale = o.abs().max().item()
         err, ref_err = ((t.double() - o).abs().max().item() / scale for t in (ours, theirs))
         assert ours.dtype == torch.float32, name
-        assert err <= 2 * ref_err + 1e-7, f"{name}: {err:.2e} vs the reference's {ref_err:.2e}"
+        # + 1e-6: on an H200 dA's 2048-long sums came to 6.5e-7 against cuBLAS's 2.5e-7
+        # (2026-12-04: the tensor cores' accumulation order); a dropped term costs ~1.5e-5
+        assert err <= 2 * ref_err + 1e-6, f"{name}: {err:.2e} vs the reference's {ref_err:.2e}"
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)

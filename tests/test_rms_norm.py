@@ -20,7 +20,7 @@ def _hf_norm(h, eps, offset, weight):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     m = GemmaRMSNorm(h, eps=eps) if offset else LlamaRMSNorm(h, eps=eps)
-    m = m.to(weight.dtype)
+    m = m.to(weight.device, weight.dtype)
     with torch.no_grad():
         m.weight.copy_(weight)
     return m
