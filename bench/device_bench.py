@@ -93,6 +93,30 @@ def _kernels_per_call(fn, device):
     return count or None  # 0: the profiler saw none (CUPTI under graphs), not a kernel-less step
 
 
+def _kernel_times(fn, device):
+    """{kernel name: GPU ms summed over one call of fn} (torch.profiler); {} off the GPU."""
+    if torch.device(device).type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for e in prof.events():
+        if _is_kernel(e):
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / 1e3
+    return per_kernel
+
+
+def _top_kernels(per_kernel, n):
+    """The n kernels that took the most GPU time, as a note."""
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:n]
+    return "; ".join(f"{name[:60]} {ms:.3f} ms" for name, ms in top)
+
+
 def _kernel_note(count):
     return None if count is None else f"{count} kernels per step"
 
@@ -230,20 +254,10 @@ def lora(device, scale, rows):
         rows.append({"op": "lora_linear", "size": size, "provider": name,
                      "time_ms": timing.median_ms, "flops": 2 * 2 * tokens * k * n,
                      "baseline": "torch frozen linear"})
-    if torch.device(device).type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fns["fastllm"]()
-            torch.cuda.synchronize()
-        per_kernel = {}
-        for e in prof.events():
-            if _is_kernel(e):
-                per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / 1e3
-        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
+    per_kernel = _kernel_times(fns["fastllm"], device)
+    if per_kernel:
         rows.append({"op": "lora_linear", "size": size, "provider": "fastllm kernels",
-                     "time_ms": sum(per_kernel.values()),
-                     "note": "; ".join(f"{name[:60]} {ms:.3f} ms" for name, ms in top)})
+                     "time_ms": sum(per_kernel.values()), "note": _top_kernels(per_kernel, 8)})
 
 
 def large(device, scale, rows):
@@ -497,6 +511,11 @@ def _model_ops(shape, device, scale, liger, why, rows):
             peak = _peak_mib(steps[name], device)
             notes = [f"{kernels} kernels per call" if kernels is not None else None,
                      f"peak +{peak:.0f} MiB" if peak is not None else None]
+            if name.startswith("fastllm"):  # where its GPU time goes
+                per_kernel = _kernel_times(steps[name], device)
+                if per_kernel:
+                    notes.append(f"GPU {sum(per_kernel.values()):.3f} ms: "
+                                 f"{_top_kernels(per_kernel, 5)}")
             rows.append({"op": f"model/{op}", "size": size, "provider": name,
                          "time_ms": timing.median_ms, **work, "baseline": "torch eager",
                          "peak_mib": peak, "note": ", ".join(n for n in notes if n) or None})
@@ -664,6 +683,7 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
     timings = harness.measure_many({n: fns[n] for n in order}, device=device, warmup=0,
                                    min_reps=rounds, max_reps=rounds, min_time_s=0.0)
     kernels = {n: _kernels_per_call(fns[n], device) for n in order}
+    gpu_time = {n: _kernel_times(fns[n], device) for n in order}  # the GPU's share of a step
 
     size = (f"SmolLM2-135M shape, random init, {shape.layers} layers, "
             f"{shape.batch}x{shape.seq} tokens, {finetune}"
@@ -681,6 +701,9 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
                  None if kernels[name] is None else f"{kernels[name]} kernels per step"]
         if name == lig:
             notes.append(f"liger-kernel {liger.version}")
+        if gpu_time[name]:
+            notes.append(f"kernels {sum(gpu_time[name].values()):.1f} ms of the step, most: "
+                         f"{_top_kernels(gpu_time[name], 4)}")
         by_name[name] = {"op": "model step", "size": size, "provider": name, "time_ms": ms,
                          "tokens_per_s": shape.tokens / ms * 1e3, "peak_mib": peak,
                          "first_loss": first_loss[name], "baseline": hf,

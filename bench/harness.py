@@ -71,13 +71,16 @@ def measure(fn, *, device="cpu", warmup=2, min_reps=5, max_reps=200, min_time_s=
     while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time_s):
         if is_cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            spun = None
             if queue_ahead_ms:
-                _gpu_spin(queue_ahead_ms)
+                spun = _gpu_spin(queue_ahead_ms)
             begin.record()
             fn()
             end.record()
             end.synchronize()
             times.append(begin.elapsed_time(end))
+            if spun is not None:
+                _spun(*spun, begin)
         else:
             t0 = time.perf_counter()
             fn()
@@ -90,16 +93,26 @@ _SPIN_CYCLES_PER_MS = []
 
 
 def _gpu_spin(ms):
-    """Keep the current CUDA stream busy for about `ms` (torch.cuda._sleep counts clock cycles;
-    their rate is measured once)."""
+    """Keep the current CUDA stream busy for about `ms` (torch.cuda._sleep counts clock cycles).
+    Returns (start event, cycles) for _spun, which measures the spin and corrects the rate: the
+    SM clock rises from idle (345 MHz on the H200) to boost (1980 MHz) under load, so a rate
+    measured once on an idle GPU made the spins ~6x shorter than asked (2026-12-04: 3 ms asked,
+    ~0.5 ms spun, and every queued-ahead row timed the host instead of the GPU)."""
     if not _SPIN_CYCLES_PER_MS:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        torch.cuda._sleep(1_000_000)
-        end.record()
-        end.synchronize()
-        _SPIN_CYCLES_PER_MS.append(1_000_000 / max(begin.elapsed_time(end), 1e-3))
-    torch.cuda._sleep(int(ms * _SPIN_CYCLES_PER_MS[0]))
+        _SPIN_CYCLES_PER_MS.append(2_000_000.0)  # a 2 GHz guess, corrected after each spin
+    cycles = int(ms * _SPIN_CYCLES_PER_MS[0])
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    return start, cycles
+
+
+def _spun(start, cycles, end):
+    """After `end` (recorded right after the spin) completed: the rate the spin ran at. The next
+    spin takes the highest rate seen (the boost clock; from the 2 GHz guess up), so that it is
+    never shorter than asked, only longer while the clock is still rising."""
+    rate = cycles / max(start.elapsed_time(end), 1e-3)
+    _SPIN_CYCLES_PER_MS[0] = max(_SPIN_CYCLES_PER_MS[0], rate)
 
 
 def measure_many(fns, *, device="cpu", warmup=2, min_reps=7, max_reps=100, min_time_s=1.0,
