@@ -133,18 +133,17 @@ def _check_labels(flat, ignore_index, vocab):
                          f"and is not ignore_index ({ignore_index})")
 
 
-def chunk_rows(tokens, vocab, elem_size, device_type="cpu", hidden_size=None):
-    """Rows of the chunk buffer (chunk x vocab logits in hidden's dtype)."""
-    if device_type == "cuda" and hidden_size:
-        # Liger-Kernel's choice: about as many logits per chunk as hidden holds elements
-        rows = 1 << max(0, math.ceil(math.log2(max(1, tokens / math.ceil(vocab / hidden_size)))))
-    else:
-        rows = _budget_rows(vocab, elem_size)
-    return balanced_rows(tokens, max(1, rows))
+def chunk_rows(tokens, vocab, elem_size):
+    """Rows of the chunk buffer (chunk x vocab logits in hidden's dtype), on every device
+    CHUNK_BYTES of logits. (On a GPU the chunks were Liger-Kernel's, about as many logits as
+    hidden holds elements: 64 chunks of 256 rows at 16384 x 576 -> 49152, whose ~9 launches and
+    Python each made the call host-bound on an H200: 601 kernels, 11.8 ms of GPU work in a 28.1
+    ms call, 2026-12-04. 128 MiB chunks make 12 of 1366 rows; not yet measured on a GPU.)"""
+    return balanced_rows(tokens, _budget_rows(vocab, elem_size))
 
 
 def _budget_rows(vocab, elem_size):
-    """Rows of CHUNK_BYTES of logits (CPU): the chunk size before balancing."""
+    """Rows of CHUNK_BYTES of logits: the chunk size before balancing."""
     return max(1, CHUNK_BYTES // max(1, vocab * elem_size))
 
 
@@ -237,7 +236,7 @@ def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_b
         and bias is not None else None
     if m > 0:
         if rows is None:
-            rows = chunk_rows(m, vocab, hidden2.element_size(), hidden2.device.type, h)
+            rows = chunk_rows(m, vocab, hidden2.element_size())
         w_all = torch.full((m,), scale / m if divide_by_valid else scale, dtype=torch.float32,
                            device=hidden2.device)
         if token_scale is not None:
@@ -477,8 +476,7 @@ class _VocabParallel(torch.autograd.Function):
         gb = torch.zeros(v_local, dtype=acc, device=weight.device) if need[2] else None
         w = (1.0 / m if reduction == "mean" else 1.0) if m else 0.0
         eps = label_smoothing
-        rows = chunk_rows(max(m, 1), v_local, hidden.element_size(), hidden.device.type,
-                          hidden.shape[-1])
+        rows = chunk_rows(max(m, 1), v_local, hidden.element_size())
         for c0 in range(0, m, rows):
             idx = valid[c0:c0 + rows]
             x = hidden2[idx]
