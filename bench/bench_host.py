@@ -12,10 +12,16 @@ default, gives a training loop; both sides swap between two preallocated sets):
                                                                 on the same bf16 params
 The peer of the second case does less (no fp32 master copy, no inf/nan skip): the bar to reach.
 
+Then the model ops' host cost: one forward and backward of each op fastllm.patch puts in a
+model, on inputs so small (16 tokens) that the time is the Python and dispatch around the
+kernels, against the torch eager maths Hugging Face runs (on an H200 a patched SmolLM2 step
+spent 59 ms in kernels and 198 ms in all: the host's part, 2026-12-04).
+
     fastllm bench --ops host
 """
 
 import torch
+import torch.nn.functional as F
 
 import fastllm
 from fastllm.bench import harness
@@ -78,6 +84,65 @@ def _providers():
     }
 
 
+def model_op_pairs():
+    """{op: (fastllm's forward, torch eager's forward of the same maths)} on 16 tokens, each
+    returning a tensor of the op's result (the rotary pair: the sum of q's and k's)."""
+    from fastllm.ops import (fused_linear_cross_entropy, lora_linear, rms_norm,
+                             rotary_embedding, swiglu)
+
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*shape, grad=True):
+        return torch.randn(*shape, generator=gen).requires_grad_(grad)
+
+    x, w = r(16, 64), r(64)
+    q, k = r(1, 16, 4, 16), r(1, 16, 2, 16)
+    cos, sin = r(1, 16, 16, grad=False), r(1, 16, 16, grad=False)
+    gate, up = r(16, 128), r(16, 128)
+    base, a, b = r(64, 64, grad=False), r(8, 64), r(64, 8)
+    hidden, head, labels = r(16, 64), r(256, 64), torch.randint(0, 256, (16,), generator=gen)
+
+    def rope(t):  # Hugging Face's rotate-half form
+        c, s_ = cos.unsqueeze(2), sin.unsqueeze(2)
+        half = t.shape[-1] // 2
+        return t * c + torch.cat((-t[..., half:], t[..., :half]), -1) * s_
+
+    def torch_rms():
+        v = x.float().pow(2).mean(-1, keepdim=True)
+        return w * (x.float() * torch.rsqrt(v + 1e-6)).to(x.dtype)
+
+    pairs = {
+        "rms_norm 16x64": (lambda: rms_norm(x, w), torch_rms),
+        "rotary_embedding q 16x4x16, k 2 heads": (
+            lambda: sum(t.sum() for t in rotary_embedding(q, k, cos, sin)),
+            lambda: rope(q).sum() + rope(k).sum()),
+        "swiglu 16x128": (lambda: swiglu(gate, up), lambda: F.silu(gate) * up),
+        "lora_linear 16x64 -> 64, r=8": (
+            lambda: lora_linear(x, base, a, b, 2.0),
+            lambda: F.linear(x, base) + F.linear(F.linear(x, a), b) * 2.0),
+        "fused_linear_cross_entropy 16x64 -> 256": (
+            lambda: fused_linear_cross_entropy(hidden, head, labels),
+            lambda: F.cross_entropy(F.linear(hidden, head).float(), labels)),
+    }
+    return pairs
+
+
+def _model_op_rows(progress):
+    rows = []
+    for op, fns in model_op_pairs().items():
+        ours, theirs = (lambda f=f: f().sum().backward() for f in fns)
+        size = f"model op fwd+bwd, {op}, 1 thread"
+        progress(f"host: {size}")
+        times = harness.measure_many({"fastllm": ours, "torch eager": theirs}, warmup=20,
+                                     min_reps=50, max_reps=2000, min_time_s=1.0)
+        for name in ("fastllm", "torch eager"):
+            us = times[name].median_ms * 1e3
+            rows.append({"op": "host", "size": size, "provider": name,
+                         "time_ms": times[name].median_ms, "baseline": "torch eager",
+                         "note": f"{us:.0f} us per call"})
+    return rows
+
+
 def run(device="cpu", full=False, progress=print):
     if torch.device(device).type != "cpu":
         return []  # a host-cost measurement: CPU tensors by design
@@ -101,6 +166,7 @@ def run(device="cpu", full=False, progress=print):
                 rows.append({"op": "host", "size": size, "provider": name,
                              "time_ms": times[name].median_ms, "baseline": baseline,
                              "us_per_tensor": us, "note": f"{us:.2f} us per tensor"})
+        rows += _model_op_rows(progress)
     finally:
         torch.set_num_threads(threads)
     return rows

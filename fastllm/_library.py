@@ -145,11 +145,47 @@ for _schema in SCHEMAS.values():
 
 
 
-def register_autograd(op, backward, *, setup_context):
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(args):
+    """Whether a call with these arguments may skip the dispatcher: eager code (not traced by
+    torch.compile, no dispatch or function mode such as FakeTensor or FlopCounter, no functorch
+    transform) on plain tensors (not DTensor or another subclass). The dispatcher's Python
+    round trip (boxing, default filling, the autograd redispatch) cost a patched model's step
+    more than its GPU kernels saved: on an H200, fastllm's kernels took 59 ms of a 198 ms step
+    (2026-12-04)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+
+
+def direct_op(name, impl):
+    """torch.ops.fastllm.<name> as a function that calls `impl` (its implementation, the same on
+    every device) directly in plain eager code: for the ops without autograd of their own (the
+    backward ops). Arguments: every schema argument, positionally."""
+    packet = getattr(torch.ops.fastllm, name)
+
+    def call(*args):
+        return impl(*args) if plain_eager(args) else packet(*args)
+
+    call.__name__ = name
+    return call
+
+
+def register_autograd(op, backward, *, setup_context, impl=None):
     """torch.library.register_autograd for a fastllm op, whose backward then runs on the backend
     forced around its forward: fastllm.use_backend holds for one thread, and autograd runs the
     backward of CUDA tensors on a device thread of its own, where the forward's choice was lost
-    (a forward forced to ref had its backward on Triton; seen on an H200, 2026-12-04)."""
+    (a forward forced to ref had its backward on Triton; seen on an H200, 2026-12-04).
+
+    impl: the op's implementation (the same on every device). Given, the return value calls the
+    op with every schema argument, positionally: in plain eager code (plain_eager) through an
+    autograd.Function of the same forward, setup_context and backward, without the dispatcher
+    (the custom op's own autograd is that Function behind two dispatches); otherwise through
+    torch.ops (torch.compile, modes, DTensor)."""
     from fastllm import _backend
 
     def setup(ctx, inputs, output):
@@ -165,6 +201,28 @@ def register_autograd(op, backward, *, setup_context):
             return backward(ctx, *grads)
 
     torch.library.register_autograd(op, run_backward, setup_context=setup)
+    if impl is None:
+        return None
+    packet = getattr(torch.ops.fastllm, op.split("::", 1)[1])
+
+    def forward(ctx, *args):
+        out = impl(*args)
+        setup(ctx, args, out)
+        return out
+
+    direct = type(f"Direct_{packet.__name__}", (torch.autograd.Function,),
+                  {"forward": staticmethod(forward), "backward": staticmethod(run_backward)})
+
+    def call(*args):
+        if not plain_eager(args):
+            return packet(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in args):
+            return direct.apply(*args)
+        return impl(*args)
+
+    call.__name__ = packet.__name__
+    return call
 
 
 def first_order_only(where):

@@ -404,3 +404,13 @@ def test_device_bench_keeps_a_case_whose_baseline_failed():
     harness.annotate(rows)
     assert rows[0]["gbps"] == pytest.approx(2.0) and "ratio_to_baseline" not in rows[0]
     assert "FAILED" in harness.format_table(rows)
+
+
+def test_host_bench_model_op_peers_compute_the_same_maths():
+    """`fastllm bench --ops host` times each model op against torch eager code of the same maths:
+    the two give the same result (a peer of other maths would make the comparison meaningless)."""
+    from fastllm.bench import bench_host
+
+    for op, (ours, theirs) in bench_host.model_op_pairs().items():
+        torch.testing.assert_close(ours().float(), theirs().float(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, op=op: f"{op}: {m}")

@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from fastllm import _backend, _extension, _gemm, _lowp
-from fastllm._library import first_order_only, lib, register_autograd
+from fastllm._library import direct_op, first_order_only, lib, register_autograd
 
 __all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "document_segments",
            "DocumentSegments", "cpu_attention_enabled", "worth_it", "gpu_varlen_applies",
@@ -217,6 +217,7 @@ def _attention_backward_impl(grad_out, q, k, v, out, lse, doc_start, scale):
 for _key in ("CPU", "CUDA"):
     lib.impl("attention", _attention_impl, _key)
     lib.impl("attention_backward", _attention_backward_impl, _key)
+_attention_backward = direct_op("attention_backward", _attention_backward_impl)
 
 
 @torch.library.register_fake("fastllm::attention")
@@ -242,12 +243,13 @@ def _setup_context(ctx, inputs, output):
 @first_order_only("fastllm.attention")
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, doc_start = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fastllm.attention_backward(grad_out.contiguous(), q, k, v, out, lse,
-                                                      doc_start, ctx.scale)
+    dq, dk, dv = _attention_backward(grad_out.contiguous(), q, k, v, out, lse, doc_start,
+                                     ctx.scale)
     return dq, dk, dv, None, None
 
 
-register_autograd("fastllm::attention", _backward, setup_context=_setup_context)
+_attention = register_autograd("fastllm::attention", _backward, setup_context=_setup_context,
+                               impl=_attention_impl)
 
 
 def attention(q, k, v, scale=None, doc_start=None, segments=None):
@@ -275,7 +277,7 @@ def attention(q, k, v, scale=None, doc_start=None, segments=None):
             if out is not None:
                 return out
         return _sdpa_attention(q, k, v, scale, doc_start)
-    return torch.ops.fastllm.attention(q, k, v, doc_start, scale)[0]
+    return _attention(q, k, v, doc_start, scale)[0]
 
 
 class DocumentSegments:

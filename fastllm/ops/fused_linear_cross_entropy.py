@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension, _gemm, _lowp
-from fastllm._library import first_order_only, lib, register_autograd
+from fastllm._library import direct_op, first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 REDUCTIONS = ("mean", "sum", "none")
@@ -354,6 +354,7 @@ lib.impl("fused_linear_cross_entropy", _fused_impl, "CPU")
 lib.impl("fused_linear_cross_entropy", _fused_impl, "CUDA")
 lib.impl("fused_linear_cross_entropy_backward", _backward_impl, "CPU")
 lib.impl("fused_linear_cross_entropy_backward", _backward_impl, "CUDA")
+_fused_backward_op = direct_op("fused_linear_cross_entropy_backward", _backward_impl)
 
 
 def _loss_dtype(hidden):
@@ -407,7 +408,7 @@ def _fused_backward(ctx, grad_loss, *_):
     grads = [None, None, None]
     missing = [w and not p for w, p in zip(wanted, ctx.precomputed)]
     if any(missing):  # not computed in the forward ("none", or grads it was not asked for)
-        recomputed = torch.ops.fastllm.fused_linear_cross_entropy_backward(
+        recomputed = _fused_backward_op(
             grad_loss, hidden, weight, labels, bias, *ctx.args, missing)
         for i, m in enumerate(missing):
             if m:
@@ -418,8 +419,8 @@ def _fused_backward(ctx, grad_loss, *_):
     return grads[0], grads[1], None, grads[2], None, None, None, None, None, None
 
 
-register_autograd("fastllm::fused_linear_cross_entropy", _fused_backward,
-                  setup_context=_setup_context)
+_fused_op = register_autograd("fastllm::fused_linear_cross_entropy", _fused_backward,
+                              setup_context=_setup_context, impl=_fused_impl)
 
 
 def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100,
@@ -443,7 +444,7 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
     in_forward = torch.is_grad_enabled() and reduction != "none"
     grad_mask = [in_forward and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     cap = 0.0 if logit_softcap is None else float(logit_softcap)
-    loss, _, _, _ = torch.ops.fastllm.fused_linear_cross_entropy(
+    loss, _, _, _ = _fused_op(
         hidden, weight, labels, bias, int(ignore_index), reduction, float(label_smoothing),
         float(z_loss), cap, grad_mask)
     return loss

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _gemm, _lowp
-from fastllm._library import first_order_only, lib, register_autograd
+from fastllm._library import direct_op, first_order_only, lib, register_autograd
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _WHERE = "fastllm.linear"
@@ -85,6 +85,7 @@ lib.impl("linear", _linear_impl, "CPU")
 lib.impl("linear", _linear_impl, "CUDA")
 lib.impl("linear_backward", _linear_backward_impl, "CPU")
 lib.impl("linear_backward", _linear_backward_impl, "CUDA")
+_linear_backward = direct_op("linear_backward", _linear_backward_impl)
 
 
 @torch.library.register_fake("fastllm::linear")
@@ -120,16 +121,15 @@ def _autograd_backward(ctx, grad_y):
     need_b = ctx.has_bias and needs[2]
     grads = [None] * len(needs)
     if need_x or need_w or need_b:
-        dx, dw, db = torch.ops.fastllm.linear_backward(grad_y, x, weight,
-                                                       [need_x, need_w, need_b])
+        dx, dw, db = _linear_backward(grad_y, x, weight, [need_x, need_w, need_b])
         for i, (need, g) in enumerate(zip((need_x, need_w, need_b), (dx, dw, db))):
             if need:
                 grads[i] = g
     return tuple(grads)
 
 
-register_autograd("fastllm::linear", _autograd_backward,
-                  setup_context=_setup_context)
+_linear = register_autograd("fastllm::linear", _autograd_backward, setup_context=_setup_context,
+                            impl=_linear_impl)
 
 
 def linear(x, weight, bias=None):
@@ -140,5 +140,5 @@ def linear(x, weight, bias=None):
     if _lowp.autocast_enabled(device_type):
         with torch.autocast(device_type, enabled=False):
             return linear(*_lowp.autocast_args(device_type, x, weight, bias))
-    return torch.ops.fastllm.linear(x, weight, bias)
+    return _linear(x, weight, bias)
 

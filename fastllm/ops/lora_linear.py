@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension, _gemm, _lowp
-from fastllm._library import first_order_only, lib, register_autograd
+from fastllm._library import direct_op, first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 
@@ -391,6 +391,7 @@ lib.impl("lora_linear", _lora_linear_impl, "CPU")
 lib.impl("lora_linear", _lora_linear_impl, "CUDA")
 lib.impl("lora_linear_backward", _lora_linear_backward_impl, "CPU")
 lib.impl("lora_linear_backward", _lora_linear_backward_impl, "CUDA")
+_lora_backward = direct_op("lora_linear_backward", _lora_linear_backward_impl)
 
 
 @torch.library.register_fake("fastllm::lora_linear")
@@ -427,7 +428,7 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
     need_x, need_w, need_a, need_b, _, need_bias, _, _ = ctx.needs_input_grad
     grad_x = grad_w = grad_a = grad_b = grad_bias = None
     if need_x or need_a or need_b:
-        dx, da, db = torch.ops.fastllm.lora_linear_backward(
+        dx, da, db = _lora_backward(
             grad_y, x, weight, lora_a, lora_b, xa, ctx.scaling, ctx.dropout_p, seed,
             [need_x, need_a, need_b],
         )
@@ -446,9 +447,9 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
     return grad_x, grad_w, grad_a, grad_b, None, grad_bias, None, None
 
 
-register_autograd(
-    "fastllm::lora_linear", _lora_linear_backward, setup_context=_setup_context
-)
+_lora_linear = register_autograd(
+    "fastllm::lora_linear", _lora_linear_backward, setup_context=_setup_context,
+    impl=_lora_linear_impl)
 
 
 def new_dropout_seed(device=None):
@@ -494,5 +495,5 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
             seed = torch.full((), int(seed), dtype=torch.int64, device=x.device)  # a CPU seed
         else:
             seed = seed.to(torch.int64).reshape(())
-    y, _ = torch.ops.fastllm.lora_linear(x, weight, lora_a, lora_b, float(scaling), bias, p, seed)
+    y, _ = _lora_linear(x, weight, lora_a, lora_b, float(scaling), bias, p, seed)
     return y

@@ -22,7 +22,7 @@ import math
 import torch
 
 from fastllm import _backend, _extension
-from fastllm._library import first_order_only, lib, register_autograd
+from fastllm._library import direct_op, first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -140,6 +140,7 @@ lib.impl("rms_norm", _rms_norm_impl, "CPU")
 lib.impl("rms_norm", _rms_norm_impl, "CUDA")
 lib.impl("rms_norm_backward", _rms_norm_backward_impl, "CPU")
 lib.impl("rms_norm_backward", _rms_norm_backward_impl, "CUDA")
+_rms_norm_backward = direct_op("rms_norm_backward", _rms_norm_backward_impl)
 
 
 @torch.library.register_fake("fastllm::rms_norm")
@@ -168,12 +169,12 @@ def _backward(ctx, grad_y, grad_rstd):
     need_dx, need_w = ctx.needs_input_grad[:2]
     if not (need_dx or need_w):
         return None, None, None, None
-    dx, dw = torch.ops.fastllm.rms_norm_backward(grad_y, x, weight, rstd, ctx.offset,
-                                                 [need_dx, need_w])
+    dx, dw = _rms_norm_backward(grad_y, x, weight, rstd, ctx.offset, [need_dx, need_w])
     return (dx if need_dx else None), (dw if need_w else None), None, None
 
 
-register_autograd("fastllm::rms_norm", _backward, setup_context=_setup_context)
+_rms_norm_op = register_autograd("fastllm::rms_norm", _backward, setup_context=_setup_context,
+                                 impl=_rms_norm_impl)
 
 
 def rms_norm(x, weight, eps=1e-6, offset=0.0):
@@ -183,7 +184,7 @@ def rms_norm(x, weight, eps=1e-6, offset=0.0):
     dtype first, so y always has x's dtype."""
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
-    y, _ = torch.ops.fastllm.rms_norm(x, weight, float(eps), float(offset))
+    y, _ = _rms_norm_op(x, weight, float(eps), float(offset))
     return y
 
 

@@ -23,7 +23,7 @@ Backends: cpp (csrc/cpu/rotary_embedding.cpp), triton (fastllm/kernels/rotary_em
 import torch
 
 from fastllm import _backend, _extension
-from fastllm._library import first_order_only, lib, register_autograd
+from fastllm._library import direct_op, first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -187,6 +187,7 @@ lib.impl("rotary_embedding", _rotary_impl, "CPU")
 lib.impl("rotary_embedding", _rotary_impl, "CUDA")
 lib.impl("rotary_embedding_backward", _rotary_backward_impl, "CPU")
 lib.impl("rotary_embedding_backward", _rotary_backward_impl, "CUDA")
+_rotary_backward = direct_op("rotary_embedding_backward", _rotary_backward_impl)
 lib.impl("rotary_embedding_", _rotary_inplace_impl, "CPU")
 lib.impl("rotary_embedding_", _rotary_inplace_impl, "CUDA")
 
@@ -217,12 +218,12 @@ def _setup_context(ctx, inputs, output):
 @first_order_only("fastllm.rotary_embedding")
 def _backward(ctx, grad_q, grad_k):
     cos, sin, position_ids = ctx.saved_tensors
-    dq, dk = torch.ops.fastllm.rotary_embedding_backward(grad_q, grad_k, cos, sin, position_ids)
+    dq, dk = _rotary_backward(grad_q, grad_k, cos, sin, position_ids)
     return dq, dk, None, None, None
 
 
-register_autograd("fastllm::rotary_embedding", _backward,
-                  setup_context=_setup_context)
+_rotary = register_autograd("fastllm::rotary_embedding", _backward,
+                            setup_context=_setup_context, impl=_rotary_impl)
 
 
 def rotary_embedding(q, k, cos, sin, position_ids=None, inplace=False):
@@ -238,7 +239,7 @@ def rotary_embedding(q, k, cos, sin, position_ids=None, inplace=False):
                                "use the out-of-place form (it keeps no extra memory)")
         torch.ops.fastllm.rotary_embedding_(q, k, cos, sin, position_ids)
         return q, k
-    return torch.ops.fastllm.rotary_embedding(q, k, cos, sin, position_ids)
+    return _rotary(q, k, cos, sin, position_ids)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):

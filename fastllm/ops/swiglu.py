@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension
-from fastllm._library import first_order_only, lib, register_autograd
+from fastllm._library import direct_op, first_order_only, lib, register_autograd
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -103,6 +103,7 @@ lib.impl("swiglu", _swiglu_impl, "CPU")
 lib.impl("swiglu", _swiglu_impl, "CUDA")
 lib.impl("swiglu_backward", _swiglu_backward_impl, "CPU")
 lib.impl("swiglu_backward", _swiglu_backward_impl, "CUDA")
+_swiglu_backward = direct_op("swiglu_backward", _swiglu_backward_impl)
 
 
 @torch.library.register_fake("fastllm::swiglu")
@@ -123,16 +124,17 @@ def _setup_context(ctx, inputs, output):
 @first_order_only("fastllm.swiglu")
 def _backward(ctx, grad_y):
     gate, up = ctx.saved_tensors
-    dg, du = torch.ops.fastllm.swiglu_backward(grad_y, gate, up)
+    dg, du = _swiglu_backward(grad_y, gate, up)
     return dg, du
 
 
-register_autograd("fastllm::swiglu", _backward, setup_context=_setup_context)
+_swiglu = register_autograd("fastllm::swiglu", _backward, setup_context=_setup_context,
+                            impl=_swiglu_impl)
 
 
 def swiglu(gate, up):
     """silu(gate) * up; gate, up (...,) of one shape and dtype."""
-    return torch.ops.fastllm.swiglu(gate, up)
+    return _swiglu(gate, up)
 
 
 class _SwiGLULinear(torch.autograd.Function):
