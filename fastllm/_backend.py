@@ -24,6 +24,7 @@ from fastllm import _extension
 BACKENDS = ("ref", "cpp", "triton", "cuda")
 
 _local = threading.local()
+_UNSET = object()
 
 
 @contextlib.contextmanager
@@ -89,13 +90,17 @@ def forced_backend():
     return name
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def device_guard(device):
     """Make `device` current for a Triton launch (Triton launches on the current CUDA device,
     and a torch.library Python kernel sets no guard); a no-op for CPU tensors."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return _NO_GUARD
 
 
 # what Triton reads as TRITON_INTERPRET set (triton.knobs' env_bool, any case): "1" alone would
@@ -143,12 +148,15 @@ def unavailable_reason(backend, device_type):
     raise ValueError(f"fastllm: unknown backend {backend!r}")
 
 
-def select(op_name, device_type, preference):
+def select(op_name, device_type, preference, forced=_UNSET):
     """The backend to run `op_name` on `device_type`.
 
     preference: backends in order of preference for that device, e.g. ("cuda", "triton", "ref").
+    forced: forced_backend(), where the caller has it already (each read of the environment
+    costs microseconds, and a model op selects twice per step).
     """
-    forced = forced_backend()
+    if forced is _UNSET:
+        forced = forced_backend()
     if forced is not None:
         reason = unavailable_reason(forced, device_type)
         if reason is not None:
@@ -185,8 +193,9 @@ def select_kernel(op_name, device_type, dtype, preference, kernels, *, cpp_entry
     the cpp backend calls; an extension built before it existed runs the reference instead.
     kernel_dtypes: {backend: dtypes its kernels take}; other dtypes run the reference. Where the
     backend was forced, each of these says why it cannot run instead of falling back."""
-    backend = select(op_name, device_type, preference.get(device_type, ("ref",)))
-    forced = forced_backend() == backend
+    forced_name = forced_backend()
+    backend = select(op_name, device_type, preference.get(device_type, ("ref",)), forced_name)
+    forced = forced_name == backend
     implementation(op_name, kernels, backend)  # a forced backend the op lacks: refused by name
     if backend == "cpp" and cpp_entry is not None and not hasattr(_extension.extension(),
                                                                   cpp_entry):
