@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fastllm import _backend, _extension
 from fastllm._library import direct_op, first_order_only, lib, register_autograd
+from fastllm.ops.linear import _linear as _linear_op, _linear_backward
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -143,8 +144,8 @@ class _SwiGLULinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias):
-        h = torch.ops.fastllm.swiglu(gate, up)
-        out = torch.ops.fastllm.linear(h, weight, bias)  # fastllm/_lowp.py's bf16 policy
+        h = _swiglu(gate, up)
+        out = _linear_op(h, weight, bias)  # fastllm/_lowp.py's bf16 policy
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
         return out
@@ -157,12 +158,11 @@ class _SwiGLULinear(torch.autograd.Function):
         need_h, need_b = need_g or need_u, need_b and ctx.has_bias
         dgate = dup = dw = db = None
         # the product h only when dW needs it; dh = dy W reads nothing of h but its shape
-        h = torch.ops.fastllm.swiglu(gate, up) if need_w else gate
-        dh, dw, db = torch.ops.fastllm.linear_backward(grad_out, h, weight,
-                                                       [need_h, need_w, need_b])
+        h = _swiglu(gate, up) if need_w else gate
+        dh, dw, db = _linear_backward(grad_out, h, weight, [need_h, need_w, need_b])
         del h
         if need_h:
-            dgate, dup = torch.ops.fastllm.swiglu_backward(dh, gate, up)
+            dgate, dup = _swiglu_backward(dh, gate, up)
         return dgate, dup, (dw if need_w else None), (db if need_b else None)
 
 
