@@ -12,10 +12,11 @@
 # later steps run even when an earlier one failed, and the exit status is non-zero when any step
 # failed. Every step's timeout is cut to what is left of the budget less 25 s (timeout's 10 s
 # kill grace and 15 s for the summary), so the whole stays within it whatever the steps take.
-# Timed on an H200 (2026-12-04): build 73 s, the GPU tests 50 s of pytest with 12 workers (cut
-# at 75 s with 8), the measurements 47 s (the model case 22 s), 213 s in all; each step's limit
-# leaves room over that (a run cut short keeps what it measured: the tests' log says which ran,
-# and device_bench.py rewrites its JSON after every case and between the model case's parts).
+# Timed on an H200 (2026-12-04): build 73 s, the GPU tests 50-64 s of pytest with 12 workers
+# (cut at 75 s with 8), the measurements 47 s (the model case 22-28 s), 213-237 s in all; each
+# step's limit leaves room over that (a run cut short keeps what it measured: the tests' log
+# says which ran, and device_bench.py rewrites its JSON after every case and between the model
+# case's parts).
 # BENCH_CASES=packed,model (and a narrower DEVICE_TESTS) measures issue 19 alone. $OUT gets 7
 # files (build, wheels, gpu, versions, bench and tests logs, the bench JSON): the device tool
 # brings back 8 at most, so a `| tee $OUT/...` fits once.

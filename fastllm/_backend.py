@@ -70,7 +70,8 @@ def direct():
     FlopCounter, ...) or grad mode the op goes through torch.ops as before."""
     return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._is_torch_function_mode_enabled())
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._get_tracing_state() is None)
 
 
 def env_choice(name, choices):

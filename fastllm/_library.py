@@ -151,13 +151,15 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def plain_eager(args):
     """Whether a call with these arguments may skip the dispatcher: eager code (not traced by
     torch.compile, no dispatch or function mode such as FakeTensor or FlopCounter, no functorch
-    transform) on plain tensors (not DTensor or another subclass). The dispatcher's Python
+    transform, no torch.jit.trace, which would record the kernels' surroundings without them) on
+    plain tensors (not DTensor or another subclass). The dispatcher's Python
     round trip (boxing, default filling, the autograd redispatch) cost a patched model's step
     more than its GPU kernels saved: on an H200, fastllm's kernels took 59 ms of a 198 ms step
     (2026-12-04)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
+            or torch._C._are_functorch_transforms_active()
+            or torch._C._get_tracing_state() is not None):  # torch.jit.trace records torch.ops
         return False
     return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
 
@@ -175,6 +177,30 @@ def direct_op(name, impl):
     return call
 
 
+def remember_backend(ctx):
+    """In a forward (or setup_context): keep the backend forced on this thread for the backward
+    (on_forward_backend), which autograd may run on another thread."""
+    from fastllm import _backend
+
+    ctx.fastllm_backend = _backend.thread_backend()
+
+
+def on_forward_backend(backward):
+    """Decorator for a backward(ctx, *grads) whose forward called remember_backend(ctx): it runs
+    under the backend forced around that forward."""
+    from fastllm import _backend
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        name = getattr(ctx, "fastllm_backend", None)
+        if name is None:
+            return backward(ctx, *grads)
+        with _backend.use_backend(name):
+            return backward(ctx, *grads)
+
+    return run
+
+
 def register_autograd(op, backward, *, setup_context, impl=None):
     """torch.library.register_autograd for a fastllm op, whose backward then runs on the backend
     forced around its forward: fastllm.use_backend holds for one thread, and autograd runs the
@@ -186,20 +212,11 @@ def register_autograd(op, backward, *, setup_context, impl=None):
     autograd.Function of the same forward, setup_context and backward, without the dispatcher
     (the custom op's own autograd is that Function behind two dispatches); otherwise through
     torch.ops (torch.compile, modes, DTensor)."""
-    from fastllm import _backend
-
     def setup(ctx, inputs, output):
-        ctx.fastllm_backend = _backend.thread_backend()
+        remember_backend(ctx)
         setup_context(ctx, inputs, output)
 
-    @functools.wraps(backward)
-    def run_backward(ctx, *grads):
-        name = getattr(ctx, "fastllm_backend", None)
-        if name is None:
-            return backward(ctx, *grads)
-        with _backend.use_backend(name):
-            return backward(ctx, *grads)
-
+    run_backward = on_forward_backend(backward)
     torch.library.register_autograd(op, run_backward, setup_context=setup)
     if impl is None:
         return None

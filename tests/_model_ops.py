@@ -5,6 +5,8 @@ fp32: within 1e-5 of the fp64 oracle relative to its largest magnitude (1e-4 for
 bf16/fp16: the error against the fp64 oracle at most twice PyTorch's own (what a user would run:
 the Hugging Face module or plain torch in that dtype)."""
 
+import math
+
 import torch
 
 
@@ -16,12 +18,13 @@ def check_close(name, got, torch_lp, oracle, dtype, fp32_rtol=1e-5):
         assert err <= fp32_rtol * scale, f"{name}: error {err:.3g} vs scale {scale:.3g}"
     else:
         torch_err = (torch_lp.double() - oracle).abs().max().item()
-        # The floor, an ulp at the largest magnitude, matters only on a tiny tensor where PyTorch
-        # happens to land near the exact value: rounding the inputs (the oracle has them exact)
-        # and the output alone can cost one element that much (a 2-element bf16 rotary on an
-        # H200: 0.75 ulp against PyTorch's 0.35, 2026-12-04); over many elements PyTorch's own
-        # error reaches half an ulp and twice it is the bound.
-        bound = max(2.0 * torch_err, torch.finfo(dtype).eps * scale)
+        # The floor, one ulp of the largest magnitude, matters only on a tiny tensor where
+        # PyTorch happens to land near the exact value: rounding the inputs (the oracle has them
+        # exact) and the output alone can cost one element that much (a 2-element bf16 rotary on
+        # an H200: 0.75 ulp against PyTorch's 0.35, 2026-12-04); over many elements PyTorch's
+        # own error reaches half an ulp and twice it is the bound.
+        ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(scale))
+        bound = max(2.0 * torch_err, ulp)
         assert err <= bound, f"{name}: error {err:.3g} > 2 x PyTorch's {torch_err:.3g}"
 
 

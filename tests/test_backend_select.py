@@ -18,7 +18,7 @@ from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from fastllm.ops.lora_linear import lora_linear
 from fastllm.ops.rms_norm import rms_norm
 from fastllm.ops.rotary_embedding import rotary_embedding
-from fastllm.ops.swiglu import swiglu
+from fastllm.ops.swiglu import swiglu, swiglu_linear
 
 
 def _inputs(dtype):
@@ -127,6 +127,13 @@ def test_forced_backend_the_op_lacks():
         _run("attention", torch.float32, "triton")
 
 
+class _NoopMode(torch.overrides.TorchFunctionMode):
+    """A function mode that changes nothing: with one active, ops go through the dispatcher."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _forward_needing_grads(op, leaves=None):
     """The op's output from inputs that require grad (appended to `leaves` if given)."""
     g = torch.Generator().manual_seed(0)
@@ -148,14 +155,18 @@ def _forward_needing_grads(op, leaves=None):
             r(5, 8), r(11, 8), torch.tensor([1, 0, 10, -100, 3]), reduction="none"),
         "lora_linear": lambda: lora_linear(r(5, 8), torch.randn(6, 8, generator=g), r(2, 8),
                                            r(6, 2), 2.0, dropout_p=0.3, seed=11),
+        # the patched MLP's SwiGLU + down projection, an autograd.Function of its own
+        "swiglu_linear": lambda: swiglu_linear(r(3, 8), r(3, 8), r(5, 8), r(5)),
     }[op]()
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_backward_on_another_thread_runs_on_the_forward_backend(op, monkeypatch):
+@pytest.mark.parametrize("dispatcher", [False, True], ids=["direct", "dispatcher"])
+@pytest.mark.parametrize("op", OPS + ["swiglu_linear"])
+def test_backward_on_another_thread_runs_on_the_forward_backend(op, dispatcher, monkeypatch):
     """use_backend holds for one thread, and autograd runs the backward of CUDA tensors on a
     device thread of its own: a forward forced to ref had its backward on Triton (an H200,
-    2026-12-04). The backward, run here on another thread, selects the forward's backend."""
+    2026-12-04). The backward, run here on another thread, selects the forward's backend, on
+    the eager path and through the dispatcher (a mode active)."""
     seen, errors = [], []
     real = _backend.select
 
@@ -163,7 +174,7 @@ def test_backward_on_another_thread_runs_on_the_forward_backend(op, monkeypatch)
         seen.append((name, _backend.forced_backend()))
         return real(name, *args)
 
-    with fastllm.use_backend("ref"):
+    with fastllm.use_backend("ref"), (_NoopMode() if dispatcher else contextlib.nullcontext()):
         y = _forward_needing_grads(op)
     monkeypatch.setattr(_backend, "select", spy)
 
@@ -179,13 +190,6 @@ def test_backward_on_another_thread_runs_on_the_forward_backend(op, monkeypatch)
     if errors:
         raise errors[0]
     assert seen and all(forced == "ref" for _, forced in seen), seen
-
-
-class _NoopMode(torch.overrides.TorchFunctionMode):
-    """A function mode that changes nothing: with one active, ops go through the dispatcher."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -206,3 +210,13 @@ def test_plain_eager_calls_skip_the_dispatcher_and_compute_the_same(op):
     assert torch.equal(y0, y1) and len(g0) == len(g1) > 0
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert n0.startswith("Direct_") and not n1.startswith("Direct_"), (n0, n1)
+
+
+def test_jit_trace_records_the_op():
+    """torch.jit.trace records torch.ops calls: on the eager path it would record only the ATen
+    ops around the kernel (a replay read uninitialised memory), so a trace takes the dispatcher."""
+    x, w = torch.randn(3, 8), torch.randn(8)
+    traced = torch.jit.trace(lambda x, w: rms_norm(x, w), (x, w))
+    assert "fastllm::rms_norm" in str(traced.graph)
+    x2, w2 = torch.randn(4, 8), torch.randn(8)
+    torch.testing.assert_close(traced(x2, w2), rms_norm(x2, w2))

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from fastllm import _backend, _extension
-from fastllm._library import direct_op, first_order_only, lib, register_autograd
+from fastllm._library import (direct_op, first_order_only, lib, on_forward_backend,
+                              register_autograd, remember_backend)
 from fastllm.ops.linear import _linear as _linear_op, _linear_backward
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -148,9 +149,11 @@ class _SwiGLULinear(torch.autograd.Function):
         out = _linear_op(h, weight, bias)  # fastllm/_lowp.py's bf16 policy
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
+        remember_backend(ctx)
         return out
 
     @staticmethod
+    @on_forward_backend
     @first_order_only("fastllm.swiglu_linear")
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors

@@ -523,28 +523,42 @@ def _written_versions(call):
     return [(p._version, p.data_ptr()) for p in call.params]
 
 
+def _stale_masters(call):
+    """The indices of the call's params written outside the optimizer since its own last write
+    (model.load_state_dict, an in-place clip, `p.data = w`, ...)."""
+    if None not in call.versions and _written_versions(call) == call.versions:
+        return []  # the common case: nothing wrote a param since the last step
+    compiling = torch.compiler.is_compiling()
+    return [i for i, (p, version) in enumerate(zip(call.params, call.versions))
+            if version is not None and (
+                p._version != version[0] or (not compiling and version[1] is not None
+                                             and local(p).data_ptr() != version[1]))]
+
+
+def refuse_stale_masters_in_capture(opt, plan):
+    """Before a step changes anything: inside a CUDA graph capture a master re-sync would be
+    captured and replayed every step, each replay replacing the fp32 master with the bf16 param
+    (its precision lost; seen on an H200, 2026-12-04), so a stale master is refused there."""
+    if (torch.compiler.is_compiling() or not torch.cuda.is_available()
+            or not torch.cuda.is_current_stream_capturing()):
+        return
+    for call in (c for calls in plan.groups for c in calls if c.kind == "master"):
+        stale = _stale_masters(call)
+        if stale:
+            name = _slot_name(opt, call.slots[stale[0]], call.params[stale[0]])
+            raise RuntimeError(
+                f"fastllm.optim.AdamW: {name} was written outside the optimizer since its last "
+                f"step, and its fp32 master cannot be re-synced inside a CUDA graph capture (the "
+                f"copy would be replayed every step); take one step eagerly after such a write, "
+                f"or load the optimizer's state (load_state_dict: the loaded master is the "
+                f"truth), before capturing")
+
+
 def _resync_masters(opt, call):
     """Re-sync the fp32 master from its param if something outside the optimizer wrote the
-    param since the optimizer's own last write (model.load_state_dict, an in-place clip,
-    `p.data = w`, ...): otherwise this step would write the stale master back over that change."""
-    if None not in call.versions and _written_versions(call) == call.versions:
-        return  # the common case: nothing wrote a param since the last step
-    compiling = torch.compiler.is_compiling()
-    stale = [i for i, (p, version) in enumerate(zip(call.params, call.versions))
-             if version is not None and (
-                 p._version != version[0] or (not compiling and version[1] is not None
-                                              and local(p).data_ptr() != version[1]))]
-    if stale and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        # The copy would be captured and replayed every step, each replay replacing the master
-        # with the bf16 param (its fp32 precision lost; seen on an H200, 2026-12-04).
-        name = _slot_name(opt, call.slots[stale[0]], call.params[stale[0]])
-        raise RuntimeError(
-            f"fastllm.optim.AdamW: {name} was written outside the optimizer since its last step, "
-            f"and its fp32 master cannot be re-synced inside a CUDA graph capture (the copy "
-            f"would be replayed every step); take one step eagerly after such a write, or load "
-            f"the optimizer's state (load_state_dict: the loaded master is the truth), before "
-            f"capturing")
-    for i in stale:
+    param since the optimizer's own last write: otherwise this step would write the stale
+    master back over that change."""
+    for i in _stale_masters(call):
         p = call.params[i]
         opt.state[p]["master_param"].copy_(local(p).detach())
 

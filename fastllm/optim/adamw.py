@@ -35,7 +35,7 @@ import torch
 from fastllm import _backend
 from fastllm.amp import LossScaler
 from fastllm.optim._plan import (Plan, check_hyperparameters, describe, kind_of,
-                                 refuse_duplicates)
+                                 refuse_duplicates, refuse_stale_masters_in_capture)
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm, grad_norm_step
 from fastllm.optim.state_layout import Moments
 
@@ -388,6 +388,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         plan = self._step_plan()  # checks everything before anything changes
+        refuse_stale_masters_in_capture(self, plan)
 
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
