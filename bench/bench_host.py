@@ -15,7 +15,8 @@ The peer of the second case does less (no fp32 master copy, no inf/nan skip): th
 Then the model ops' host cost: one forward and backward of each op fastllm.patch puts in a
 model, on inputs so small (16 tokens) that the time is the Python and dispatch around the
 kernels, against the torch eager maths Hugging Face runs (on an H200 a patched SmolLM2 step
-spent 59 ms in kernels and 198 ms in all: the host's part, 2026-12-04).
+spent 59 ms in kernels and 198 ms in all: the host's part, 2026-12-04); and a whole training step
+of a 30-layer Llama as small, patched against Hugging Face's.
 
     fastllm bench --ops host
 """
@@ -143,6 +144,37 @@ def _model_op_rows(progress):
     return rows
 
 
+def _tiny_llama_step_rows(progress):
+    """A whole training step (forward with labels, backward) of a 30-layer Llama so small (hidden
+    64, 16 tokens) that the time is the host's: Hugging Face's model against fastllm.patch's."""
+    try:
+        import transformers
+    except ImportError:
+        return []
+    import copy
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 256, (1, 16))
+
+    def step_of(model):
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+        return step
+
+    size = "model step fwd+bwd, 30-layer Llama, hidden 64, 16 tokens, 1 thread"
+    progress(f"host: {size}")
+    fns = {"fastllm.patch": step_of(fastllm.patch(copy.deepcopy(base))),
+           "Hugging Face": step_of(copy.deepcopy(base))}
+    times = harness.measure_many(fns, warmup=3, min_reps=10, max_reps=200, min_time_s=3.0)
+    return [{"op": "host", "size": size, "provider": name, "time_ms": times[name].median_ms,
+             "baseline": "Hugging Face"} for name in fns]
+
+
 def run(device="cpu", full=False, progress=print):
     if torch.device(device).type != "cpu":
         return []  # a host-cost measurement: CPU tensors by design
@@ -167,6 +199,7 @@ def run(device="cpu", full=False, progress=print):
                              "time_ms": times[name].median_ms, "baseline": baseline,
                              "us_per_tensor": us, "note": f"{us:.2f} us per tensor"})
         rows += _model_op_rows(progress)
+        rows += _tiny_llama_step_rows(progress)
     finally:
         torch.set_num_threads(threads)
     return rows
