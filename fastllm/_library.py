@@ -144,7 +144,6 @@ for _schema in SCHEMAS.values():
     lib.define(_schema)
 
 
-
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -152,10 +151,9 @@ def plain_eager(args):
     """Whether a call with these arguments may skip the dispatcher: eager code (not traced by
     torch.compile, no dispatch or function mode such as FakeTensor or FlopCounter, no functorch
     transform, no torch.jit.trace, which would record the kernels' surroundings without them) on
-    plain tensors (not DTensor or another subclass). The dispatcher's Python
-    round trip (boxing, default filling, the autograd redispatch) cost a patched model's step
-    more than its GPU kernels saved: on an H200, fastllm's kernels took 59 ms of a 198 ms step
-    (2026-12-04)."""
+    plain tensors (not DTensor or another subclass). The dispatcher's Python round trip (boxing,
+    default filling, the autograd redispatch) cost a patched model's step more than its GPU
+    kernels saved: on an H200, fastllm's kernels took 59 ms of a 198 ms step (2026-12-04)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled()
             or torch._C._are_functorch_transforms_active()
@@ -201,13 +199,13 @@ def on_forward_backend(backward):
     return run
 
 
-def register_autograd(op, backward, *, setup_context, impl=None):
+def register_autograd(op, backward, *, setup_context, impl):
     """torch.library.register_autograd for a fastllm op, whose backward then runs on the backend
     forced around its forward: fastllm.use_backend holds for one thread, and autograd runs the
     backward of CUDA tensors on a device thread of its own, where the forward's choice was lost
     (a forward forced to ref had its backward on Triton; seen on an H200, 2026-12-04).
 
-    impl: the op's implementation (the same on every device). Given, the return value calls the
+    impl: the op's implementation (the same on every device). Returns a function that calls the
     op with every schema argument, positionally: in plain eager code (plain_eager) through an
     autograd.Function of the same forward, setup_context and backward, without the dispatcher
     (the custom op's own autograd is that Function behind two dispatches); otherwise through
@@ -218,8 +216,6 @@ def register_autograd(op, backward, *, setup_context, impl=None):
 
     run_backward = on_forward_backend(backward)
     torch.library.register_autograd(op, run_backward, setup_context=setup)
-    if impl is None:
-        return None
     packet = getattr(torch.ops.fastllm, op.split("::", 1)[1])
 
     def forward(ctx, *args):
