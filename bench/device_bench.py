@@ -78,10 +78,12 @@ def _failure(name, exc, device, peers):
     return f"FAILED: {type(exc).__name__}: {str(exc)[:200]}"
 
 
-def _kernels_per_call(fn, device):
-    """How many GPU kernels one call of fn launches (torch.profiler); None on the CPU."""
+def _kernel_profile(fn, device):
+    """(kernels one call of fn launches, {kernel name: GPU ms summed over the call}), by
+    torch.profiler after a warm-up call; (None, {}) on the CPU, and a count of None where the
+    profiler saw no kernel (CUPTI under graphs), not a kernel-less step."""
     if torch.device(device).type != "cuda":
-        return None
+        return None, {}
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -89,26 +91,17 @@ def _kernels_per_call(fn, device):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    count = sum(1 for e in prof.events() if _is_kernel(e))
-    return count or None  # 0: the profiler saw none (CUPTI under graphs), not a kernel-less step
-
-
-def _kernel_times(fn, device):
-    """{kernel name: GPU ms summed over one call of fn} (torch.profiler); {} off the GPU."""
-    if torch.device(device).type != "cuda":
-        return {}
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    per_kernel = {}
+    count, per_kernel = 0, {}
     for e in prof.events():
         if _is_kernel(e):
+            count += 1
             per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / 1e3
-    return per_kernel
+    return count or None, per_kernel
+
+
+def _kernels_per_call(fn, device):
+    """How many GPU kernels one call of fn launches; None on the CPU."""
+    return _kernel_profile(fn, device)[0]
 
 
 def _top_kernels(per_kernel, n):
@@ -254,7 +247,7 @@ def lora(device, scale, rows):
         rows.append({"op": "lora_linear", "size": size, "provider": name,
                      "time_ms": timing.median_ms, "flops": 2 * 2 * tokens * k * n,
                      "baseline": "torch frozen linear"})
-    per_kernel = _kernel_times(fns["fastllm"], device)
+    _, per_kernel = _kernel_profile(fns["fastllm"], device)
     if per_kernel:
         rows.append({"op": "lora_linear", "size": size, "provider": "fastllm kernels",
                      "time_ms": sum(per_kernel.values()), "note": _top_kernels(per_kernel, 8)})
@@ -507,15 +500,13 @@ def _model_ops(shape, device, scale, liger, why, rows):
                              "probe": True, "note": "the ceilings case's copy, timed in these "
                              "rounds"})
                 continue
-            kernels = _kernels_per_call(steps[name], device)
+            kernels, per_kernel = _kernel_profile(steps[name], device)
             peak = _peak_mib(steps[name], device)
             notes = [f"{kernels} kernels per call" if kernels is not None else None,
                      f"peak +{peak:.0f} MiB" if peak is not None else None]
-            if name.startswith("fastllm"):  # where its GPU time goes
-                per_kernel = _kernel_times(steps[name], device)
-                if per_kernel:
-                    notes.append(f"GPU {sum(per_kernel.values()):.3f} ms: "
-                                 f"{_top_kernels(per_kernel, 5)}")
+            if name.startswith("fastllm") and per_kernel:  # where its GPU time goes
+                notes.append(f"GPU {sum(per_kernel.values()):.3f} ms: "
+                             f"{_top_kernels(per_kernel, 5)}")
             rows.append({"op": f"model/{op}", "size": size, "provider": name,
                          "time_ms": timing.median_ms, **work, "baseline": "torch eager",
                          "peak_mib": peak, "note": ", ".join(n for n in notes if n) or None})
@@ -682,8 +673,10 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
     order = [n for n in (hf, lig, ours) if n in fns]
     timings = harness.measure_many({n: fns[n] for n in order}, device=device, warmup=0,
                                    min_reps=rounds, max_reps=rounds, min_time_s=0.0)
-    kernels = {n: _kernels_per_call(fns[n], device) for n in order}
-    gpu_time = {n: _kernel_times(fns[n], device) for n in order}  # the GPU's share of a step
+    # kernels per step, and the GPU's share of a step
+    kernels, gpu_time = {}, {}
+    for n in order:
+        kernels[n], gpu_time[n] = _kernel_profile(fns[n], device)
 
     size = (f"SmolLM2-135M shape, random init, {shape.layers} layers, "
             f"{shape.batch}x{shape.seq} tokens, {finetune}"

@@ -4,7 +4,8 @@ One program per (batch, position) row: cos and sin of that row are loaded once a
 every head of q, then of k, BLOCK_HEADS heads at a time. (Programs per row and block of heads,
 q's and k's apart, made 3 programs of one warp per row for SmolLM2's 9 + 3 heads, the second
 holding one head of q: 0.066 ms fwd+bwd at 8 x 2048 tokens on an H200, 34% of the copy
-bandwidth, Liger-Kernel's one program per row 0.034 ms, 2026-12-04.) Inputs and outputs have any (B, S, H) strides with a unit last stride, and
+bandwidth, Liger-Kernel's one program per row 0.034 ms, 2026-12-04.) Inputs and outputs have
+any (B, S, H) strides with a unit last stride, and
 so do cos and sin (each with its own row strides); the outputs may be the inputs (in place: each
 element is loaded before any is stored).
 The one-program-per-row layout (2026-12-04) is interpreter-tested only; the layout before it

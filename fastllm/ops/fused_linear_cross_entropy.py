@@ -220,7 +220,7 @@ def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_b
              rows=None):
     """The cpp kernel's algorithm with torch GEMMs and `row_pass` (ref or triton): the same
     contract as fastllm._C.fused_linear_cross_entropy_cpu."""
-    n, h = hidden2.shape
+    n = hidden2.shape[0]
     vocab = weight.shape[0]
     acc = torch.float64 if hidden2.dtype == torch.float64 else torch.float32
     need_grad = need_hidden or need_weight or need_bias
