@@ -144,8 +144,9 @@ std::vector<at::Tensor> fused_linear_cross_entropy_cpu(
     double z_loss, double softcap, bool need_hidden, bool need_weight, bool need_bias,
     int64_t chunk_rows);
 // Model ops (csrc/cpu/rms_norm.cpp, rotary_embedding.cpp, swiglu.cpp; fastllm/ops/<op>.py) ---
-// RMSNorm of contiguous x (rows, h) with weight (h,) of x's dtype: {y, rstd (rows,) fp32};
-// y = x * rstd * (offset + weight), offset 0 (Llama) or 1 (Gemma).
+// RMSNorm of contiguous x (..., h) with weight (h,) of x's dtype: {y of x's shape, rstd of
+// x.shape[:-1], fp32 (fp64 for fp64 x)}; y = x * rstd * (offset + weight), offset 0 (Llama) or
+// 1 (Gemma).
 std::vector<at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
                                      double offset);
 // {dx, dweight} of rms_norm_cpu (each empty when not needed), one pass over x and grad_out.

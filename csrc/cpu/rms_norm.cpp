@@ -89,10 +89,17 @@ void backward_rows(const scalar_t* dy_raw, const scalar_t* x_raw, const scalar_t
 void check_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(),
               "fastllm.rms_norm: the cpp backend takes CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fastllm.rms_norm: x must be contiguous (rows, h)");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "fastllm.rms_norm: x must be contiguous (..., h)");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type(),
               "fastllm.rms_norm: weight must be contiguous (h,) of x's dtype");
+}
+
+// Rows of x (..., h): the product of its leading sizes (h may be 0).
+int64_t rows_of(const at::Tensor& x) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return rows;
 }
 
 // Rows per parallel task: enough elements (~16K) that a fork/join is amortised.
@@ -139,11 +146,12 @@ void sum_partials(const typename Io<scalar_t>::opmath_t* partial, int64_t blocks
 std::vector<at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
                                      double offset) {
   check_args(x, weight);
-  const int64_t rows = x.size(0), h = x.size(1);
+  const int64_t rows = rows_of(x), h = x.size(-1);
   auto y = at::empty_like(x);
-  // rstd in the compute precision: fp64 for fp64 (so its gradients are fp64-accurate), else fp32
+  // rstd (x's leading sizes) in the compute precision: fp64 for fp64 (so its gradients are
+  // fp64-accurate), else fp32
   const auto op_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto rstd = at::empty({rows}, x.options().dtype(op_dtype));
+  auto rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(op_dtype));
   // h == 0 still runs the rows: their rstd is 1 / sqrt(0 / 0 + eps) = nan, as the mean of no
   // elements is (rms_norm_ref), not whatever at::empty left there
   if (rows == 0) return {y, rstd};
@@ -168,9 +176,10 @@ std::vector<at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_out, const 
                   grad_out.scalar_type() == x.scalar_type(),
               "fastllm.rms_norm: grad_out must be contiguous, of x's shape and dtype");
   const auto op_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(rstd.scalar_type() == op_dtype && rstd.numel() == x.size(0) && rstd.is_contiguous(),
-              "fastllm.rms_norm: rstd must be contiguous (rows,), fp64 for fp64 x, else fp32");
-  const int64_t rows = x.size(0), h = x.size(1);
+  const int64_t rows = rows_of(x), h = x.size(-1);
+  TORCH_CHECK(rstd.scalar_type() == op_dtype && rstd.numel() == rows && rstd.is_contiguous(),
+              "fastllm.rms_norm: rstd must be contiguous with one element per row of x, fp64 for "
+              "fp64 x, else fp32");
   auto dx = need_dx ? at::empty_like(x) : at::empty({0}, x.options());
   auto dw = need_dweight ? at::empty_like(weight) : at::empty({0}, x.options());
   // Blocks of block_rows(rows, h) rows, each with its own dw partial sum: the split and the

@@ -60,33 +60,36 @@ def check_rms_norm_args(x, weight, eps, offset):
                          f"got {offset}")
 
 
-def _forward_ref(x2, weight, eps, offset):
-    xf = x2.to(_opmath(x2.dtype))
+def _forward_ref(x, weight, eps, offset):
+    xf = x.to(_opmath(x.dtype))
     rstd = torch.rsqrt(xf.square().mean(-1) + eps)
-    y = (xf * rstd[:, None] * (offset + weight.to(xf.dtype))).to(x2.dtype)
+    y = (xf * rstd[..., None] * (offset + weight.to(xf.dtype))).to(x.dtype)
     return y, rstd  # fp64 for fp64 x, else fp32
 
 
-def _backward_ref(dy2, x2, weight, rstd, offset, need_dx, need_w):
-    op = _opmath(x2.dtype)
-    xhat = x2.to(op) * rstd.to(op)[:, None]
-    dyf = dy2.to(op)
+def _backward_ref(dy, x, weight, rstd, offset, need_dx, need_w):
+    op = _opmath(x.dtype)
+    h = x.shape[-1]
+    rows = math.prod(x.shape[:-1])  # (reshape(-1, h) cannot infer it when h is 0)
+    x2, dyf = x.reshape(rows, h).to(op), dy.reshape(rows, h).to(op)
+    r = rstd.reshape(rows, 1).to(op)
+    xhat = x2 * r
     dx = dw = None
     if need_dx:
         g = dyf * (offset + weight.to(op))
-        dx = (rstd.to(op)[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x2.dtype)
+        dx = (r * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype).view(x.shape)
     if need_w:
         dw = (dyf * xhat).sum(0).to(weight.dtype)
     return dx, dw
 
 
-def _forward_cpp(x2, weight, eps, offset):
-    y, rstd = _extension.extension().rms_norm_cpu(x2, weight, eps, offset)
+def _forward_cpp(x, weight, eps, offset):
+    y, rstd = _extension.extension().rms_norm_cpu(x, weight, eps, offset)
     return y, rstd
 
 
-def _backward_cpp(dy2, x2, weight, rstd, offset, need_dx, need_w):
-    dx, dw = _extension.extension().rms_norm_backward_cpu(dy2, x2, weight, rstd, offset, need_dx,
+def _backward_cpp(dy, x, weight, rstd, offset, need_dx, need_w):
+    dx, dw = _extension.extension().rms_norm_backward_cpu(dy, x, weight, rstd, offset, need_dx,
                                                           need_w)
     return (dx if need_dx else None), (dw if need_w else None)
 
@@ -113,26 +116,27 @@ def _select(x):
                                   kernel_dtypes={"triton": _backend.KERNEL_DTYPES})
 
 
+# Every backend takes contiguous x (..., h) as it is (no reshape to rows and back: each view
+# costs the host microseconds, and the patched step is host-bound on a GPU) and returns y of
+# x's shape, rstd of x.shape[:-1]; the backward takes rstd of that shape (or any with one
+# element per row) and returns dx of x's shape.
+
+
 def _rms_norm_impl(x, weight, eps, offset=0.0):
     check_rms_norm_args(x, weight, eps, offset)
-    h = x.shape[-1]
-    x2 = x.reshape(math.prod(x.shape[:-1]), h).contiguous()  # not -1: h may be 0
     with _backend.device_guard(x.device):
-        y, rstd = _FORWARD[_select(x)](x2, weight.contiguous(), eps, offset)
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+        return _FORWARD[_select(x)](x.contiguous(), weight.contiguous(), eps, offset)
 
 
 def _rms_norm_backward_impl(grad_out, x, weight, rstd, offset, output_mask):
     need_dx, need_w = output_mask
-    h = x.shape[-1]
-    rows = math.prod(x.shape[:-1])
-    x2 = x.reshape(rows, h).contiguous()
-    dy2 = grad_out.reshape(rows, h).contiguous()
     with _backend.device_guard(x.device):
-        dx, dw = _BACKWARD[_select(x)](dy2, x2, weight.contiguous(), rstd.reshape(-1).contiguous(),
-                                       offset, need_dx, need_w)
-    dx = dx.view(x.shape) if need_dx else x.new_empty(0)
-    dw = dw if need_w else x.new_empty(0)
+        dx, dw = _BACKWARD[_select(x)](grad_out.contiguous(), x.contiguous(), weight.contiguous(),
+                                       rstd.contiguous(), offset, need_dx, need_w)
+    if not need_dx:
+        dx = x.new_empty(0)
+    if not need_w:
+        dw = x.new_empty(0)
     return dx, dw
 
 
