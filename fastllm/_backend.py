@@ -195,15 +195,34 @@ def select_kernel(op_name, device_type, dtype, preference, kernels, *, cpp_entry
     kernel_dtypes: {backend: dtypes its kernels take}; other dtypes run the reference. Where the
     backend was forced, each of these says why it cannot run instead of falling back."""
     forced_name = forced_backend()
-    backend = select(op_name, device_type, preference.get(device_type, ("ref",)), forced_name)
-    forced = forced_name == backend
-    implementation(op_name, kernels, backend)  # a forced backend the op lacks: refused by name
+    if forced_name is None:
+        # the unforced choice depends only on these and on what is installed: kept (a model op
+        # selects twice per call, and a patched step makes hundreds of calls). An op name has
+        # one set of kernels and kernel dtypes; its preference for the device is in the key.
+        key = (op_name, device_type, dtype, preference.get(device_type))
+        backend = _CHOSEN.get(key)
+        if backend is None:
+            backend = _CHOSEN[key] = _choose(op_name, device_type, dtype, preference, kernels,
+                                             None, kernel_dtypes)
+    else:
+        backend = _choose(op_name, device_type, dtype, preference, kernels, forced_name,
+                          kernel_dtypes)
     if backend == "cpp" and cpp_entry is not None and not hasattr(_extension.extension(),
                                                                   cpp_entry):
-        if forced:
+        if forced_name is not None:
             raise RuntimeError(f"fastllm.{op_name}: backend 'cpp' was forced but fastllm._C "
                                f"predates {cpp_entry}; rebuild it (make build)")
         return "ref"
+    return backend
+
+
+_CHOSEN = {}  # (op name, device type, dtype, preference) -> the unforced backend
+
+
+def _choose(op_name, device_type, dtype, preference, kernels, forced_name, kernel_dtypes):
+    backend = select(op_name, device_type, preference.get(device_type, ("ref",)), forced_name)
+    forced = forced_name == backend
+    implementation(op_name, kernels, backend)  # a forced backend the op lacks: refused by name
     dtypes = (kernel_dtypes or {}).get(backend)
     if dtypes is not None and dtype not in dtypes:
         if forced:

@@ -90,13 +90,16 @@ _GEMMA_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 # --- the replacement forwards (bound to each patched module) ---------------------------------
 
 def _linear_forward(self, input):
-    if is_dtensor(self.weight):  # tensor parallel: DTensor's F.linear (the op takes local tensors)
+    # off the CPU (a GPU: cuBLAS) nothing differs from nn.Linear's forward: F.linear first, as
+    # cheaply as nn.Linear (a patched step was host-bound on an H200; about 200 calls a step)
+    if input.device.type != "cpu" or is_dtensor(self.weight):
+        # (tensor parallel: DTensor's F.linear; the op takes local tensors)
         return F.linear(input, self.weight, self.bias)
     # fastllm.ops.linear where it differs from F.linear: bf16/fp16 matmuls on a CPU without
     # native low-precision GEMMs (fastllm/_lowp.py), autocast's included, and fp32 ones on a CPU
     # where ATen's fp32 GEMM is slow (fastllm/_gemm.py); else nn.Linear's forward
     dtype = input.dtype
-    if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    if torch.is_autocast_enabled("cpu"):
         dtype = torch.get_autocast_dtype("cpu")
     if _lowp.widens(input.device, dtype) or _gemm.routes(input.device, dtype):
         from fastllm.ops.linear import linear
@@ -441,6 +444,13 @@ def _bind(module, kind, fn, slot):
     # a partial of a module-level function pickles by name (a bound method would not unpickle)
     setattr(module, slot, functools.partial(fn, module))
     setattr(module, _PATCHED, kind)
+    # the cache keyword of what the forward hands the cache to, filled now, not by the first
+    # forward: torch.compile guards on that cache's contents, and a first trace that filled it
+    # was compiled again at the next call
+    if kind in ("rotary", _BACKBONE):
+        _hf.cache_keyword(module)
+    elif kind == "cross_entropy" and isinstance(getattr(module, "model", None), nn.Module):
+        _hf.cache_keyword(module.model)
 
 
 def _chosen(m, chosen):
