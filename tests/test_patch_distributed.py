@@ -408,3 +408,50 @@ def test_fastllm_train_patches_under_tensor_parallel(runs, folder):
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
                                    atol=0)
+
+
+def test_fastllm_train_torch_compile_trains_as_eager(folder):
+    """`fastllm train torch_compile=true` compiles the patched model in place (fastllm's kernels
+    are custom ops in the graph) with no graph break (the first step's peak-memory tracker, a
+    dispatch mode, made dynamo break at every fastllm op), no recompilation per step, and trains
+    as the eager run does: the same losses and grad norms."""
+    from torch._dynamo.utils import counters
+
+    from fastllm.train import TrainConfig, Trainer
+    from fastllm.train.metrics import read_metrics
+
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for name, extra in (("eager", ("checkpoint_ratio=0.5",)),
+                            ("compiled", ("checkpoint_ratio=0.5", "torch_compile=true"))):
+            # (nn.Module.compile compiles Module._call_impl: what earlier tests compiled counts
+            # toward dynamo's recompile limit, past which it would run this eagerly)
+            torch._dynamo.reset()
+            counters.clear()
+            out = os.path.join(folder, name)
+            trainer = Trainer(TrainConfig.from_args(_train_args(folder, out, *extra)))
+            trainer.train()
+            assert (trainer.module._compiled_call_impl is not None) == (name == "compiled")
+            assert fastllm.patched(trainer.module)["rms_norm"] == 5
+            assert not counters["graph_break"], dict(counters["graph_break"])
+            # one graph, or two (another torch or transformers may split it at the checkpoints)
+            graphs = counters["stats"]["unique_graphs"]
+            assert (1 <= graphs <= 2) if name == "compiled" else graphs == 0, graphs
+            runs[name] = read_metrics(os.path.join(out, "metrics.jsonl"))
+    finally:
+        torch.set_num_threads(threads)
+    got, want = runs["compiled"], runs["eager"]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(
+        range(1, TRAIN_STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
+                                   atol=0)
+
+
+def test_train_config_torch_compile():
+    from fastllm.train.config import ConfigError, TrainConfig
+
+    assert TrainConfig.from_args(["torch_compile=true"]).torch_compile is True
+    with pytest.raises(ConfigError, match="torch_compile is not supported with parallel.tp"):
+        TrainConfig.from_args(["torch_compile=true", "parallel.tp=2"])

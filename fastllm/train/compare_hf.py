@@ -8,7 +8,8 @@ betas/eps/weight decay, clipping and accumulation; HF normalises the loss over t
 Precision: HF keeps fp32 parameters and runs bf16 under autocast (TrainingArguments.bf16), where
 fastllm holds bf16 parameters with fp32 master weights. Peak memory is measured the same way on
 both sides on the CPU: fastllm.train.memory.PeakMemory over the first step (params, grads,
-optimizer state and every tensor the step allocates).
+optimizer state and every tensor the step allocates); with torch_compile (both sides compiled)
+it is not tracked: fastllm reports its process's peak RSS, HF nothing.
 """
 
 import math
@@ -76,7 +77,7 @@ def run_hf(cfg, log=print):
         bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True,
         dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
-        optim="adamw_torch")
+        optim="adamw_torch", torch_compile=cfg.torch_compile)
     record = {"losses": [], "times": [], "peak": None}
     fetched = []  # each micro-batch's real tokens, in order
 
@@ -90,7 +91,7 @@ def run_hf(cfg, log=print):
 
         def on_step_begin(self, a, state, control, **kw):
             self.t0 = time.perf_counter()
-            if state.global_step == 0 and cfg.track_memory:
+            if state.global_step == 0 and cfg.track_memory and not cfg.torch_compile:
                 self.tracker = PeakMemory(hf.model, hf.optimizer)
                 self.tracker.__enter__()
 

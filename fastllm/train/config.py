@@ -155,6 +155,7 @@ class TrainConfig:
     threads: int = 0                      # torch intra-op threads per process; 0: torch's default
     backend: str = "fastllm"              # fastllm | torch (torch.optim.AdamW fused, PEFT, autocast)
     kernels: str = "fastllm"              # fastllm: fastllm.patch on HF-folder models | none
+    torch_compile: bool = False           # torch.compile the model (HF's torch_compile)
     optim: str = "adamw"                  # adamw (fp32 state) | adamw_bf16 | adamw8bit (fastllm)
     track_memory: bool = True             # measure step 1's peak tensor memory on CPU (PeakMemory)
     nan_batches: typing.List[int] = field(default_factory=list)  # fault injection: poisoned steps
@@ -202,6 +203,9 @@ class TrainConfig:
              "lora.dropout in [0, 1)")
         _validate_values(self, need)
         need(self.parallel.tp >= 1 and self.parallel.pp >= 1, "parallel.tp and pp must be >= 1")
+        plain = self.parallel.tp == self.parallel.pp == 1 and self.parallel.strategy != "fsdp"
+        need(not self.torch_compile or plain, "torch_compile is not supported with parallel.tp "
+             "or pp > 1 or parallel.strategy=fsdp")
         need(self.parallel.dp >= -1, f"parallel.dp must be >= 1 (or 0 / -1: world_size / (tp * pp)),"
              f" got {self.parallel.dp}")
         need(self.parallel.schedule in _SCHEDULES, f"parallel.schedule must be one of "

@@ -129,6 +129,8 @@ class Trainer:
         model.train()
         self.n_checkpointed = apply_activation_checkpointing(model, cfg.checkpoint_ratio)
         self.n_layers = len(decoder_layers(model))
+        if cfg.torch_compile:  # the whole model, as HF's Trainer (README: why not per layer)
+            model.compile()
         self.strategy = strategies.make(cfg, self.layout, self.device, self.rank)
         self.strategy.wrap(model, self._stage_loss)
         self.strategy.build_optimizer()
@@ -273,8 +275,9 @@ class Trainer:
                     micro, data_wait = self.loader.next_step()
                     self.position += self.global_batch
                     tracker = None
+                    # (not under torch_compile: compiled code allocates outside its dispatch mode)
                     if (cfg.track_memory and tracked_peak is None and self.device.type == "cpu"
-                            and strategy.name == "none"):
+                            and strategy.name == "none" and not cfg.torch_compile):
                         tracker = PeakMemory(self.module, self.optimizer)
                         tracker.__enter__()
                     elif self.device.type == "cuda":
