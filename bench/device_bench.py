@@ -314,6 +314,8 @@ STEP_WARMUP, STEP_ROUNDS = 2, 5
 # (60 MB on an H200): enough sets to touch this many bytes between two uses of one set.
 ROTATE_BYTES = 256 * M
 LIGER = "liger-kernel"
+# the model step's fastllm provider under torch.compile (FASTLLM_DEVICE_COMPILE=1, full only)
+COMPILED = "fastllm + torch.compile"
 LIGER_STEP = "HF + Liger-Kernel"
 
 
@@ -636,12 +638,21 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
             model = peft_model(model, setups[ours][0])
         return model, torch.optim.AdamW(_trainable(model), lr=1e-5, fused=True), state
 
+    def compiled_setup():
+        model, opt, state = fastllm_setup()
+        model.compile()  # what `fastllm train torch_compile=true` does
+        return model, opt, state
+
     hf = "HF + PEFT" if finetune == "lora" else "HF"
     lig = LIGER_STEP + (" + PEFT" if finetune == "lora" else "")
     ours = "fastllm"
     makers = {ours: fastllm_setup, hf: hf_setup}  # fastllm first: PEFT copies its adapter
     if liger:
         makers[lig] = liger_setup
+    if finetune == "full" and os.environ.get("FASTLLM_DEVICE_COMPILE") == "1":
+        # opt-in: compiling the 30-layer step has not been timed on the GPU machine yet, and
+        # bench/device_check.sh has minutes
+        makers[COMPILED] = compiled_setup
 
     def train_step(model, opt, state):
         def step():
@@ -670,7 +681,7 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
             continue
         held[name] = allocated() - before  # params, optimizer state, whatever it keeps
     peaks = {name: _peak_mib(fn, device) for name, fn in fns.items()}
-    order = [n for n in (hf, lig, ours) if n in fns]
+    order = [n for n in (hf, lig, ours, COMPILED) if n in fns]
     timings = harness.measure_many({n: fns[n] for n in order}, device=device, warmup=0,
                                    min_reps=rounds, max_reps=rounds, min_time_s=0.0)
     # kernels per step, and the GPU's share of a step
@@ -702,14 +713,14 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
                          "first_loss": first_loss[name], "baseline": hf,
                          "note": ", ".join(n for n in notes if n)}
         rows.append(by_name[name])
-    ours_row = by_name.get(ours)
-    for peer in (hf, lig):
-        if peer in result and ours_row is not None:
-            tps, peak = result[peer]
-            vs = f"vs {peer}: x{result[ours][0] / tps:.2f} tokens/s"
-            if peak:
-                vs += f", {100 * result[ours][1] / peak:.0f}% of its memory"
-            ours_row["note"] += "; " + vs
+    for mine in (ours, COMPILED):
+        for peer in (hf, lig):
+            if peer in result and mine in by_name:
+                tps, peak = result[peer]
+                vs = f"vs {peer}: x{result[mine][0] / tps:.2f} tokens/s"
+                if peak and result[mine][1]:
+                    vs += f", {100 * result[mine][1] / peak:.0f}% of its memory"
+                by_name[mine]["note"] += "; " + vs
     for name, note in failed.items():
         rows.append({"op": "model step", "size": size, "provider": name, "time_ms": None,
                      "note": note})

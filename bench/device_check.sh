@@ -44,7 +44,9 @@
 # DEVICE_CHECK_BUDGET (seconds, default 360), DEVICE_TESTS (pytest arguments, default the GPU
 # cases: -k "cuda or gpu" tests), TEST_WORKERS (pytest-xdist workers, default 12),
 # BENCH_CASES (comma-separated cases of bench/device_bench.py; default all), WHEEL_DIR (where
-# .whl/*.whl is installed, default /tmp/fastllm-wheels).
+# .whl/*.whl is installed, default /tmp/fastllm-wheels), FASTLLM_DEVICE_COMPILE=1 (the model
+# step's full case also as `fastllm + torch.compile`: the whole model compiled, as `fastllm
+# train torch_compile=true` does; off by default, its compile time on that machine not known).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 
