@@ -144,22 +144,29 @@ def _model_op_rows(progress):
     return rows
 
 
-def _tiny_llama_step_rows(progress):
-    """A whole training step (forward with labels, backward) of a 30-layer Llama so small (hidden
-    64, 16 tokens) that the time is the host's: Hugging Face's model against fastllm.patch's."""
-    try:
-        import transformers
-    except ImportError:
-        return []
-    import copy
+def tiny_llama():
+    """(a 30-layer LlamaForCausalLM so small, hidden 64, that a step's time is the host's, in
+    train mode; 16 token ids for it)."""
+    import transformers
 
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
         tie_word_embeddings=True)
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 256, (1, 16))
+    return transformers.LlamaForCausalLM(config).train(), torch.randint(0, 256, (1, 16))
+
+
+def _tiny_llama_step_rows(progress):
+    """A whole training step (forward with labels, backward) of tiny_llama(): Hugging Face's
+    model against fastllm.patch's."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return []
+    import copy
+
+    base, ids = tiny_llama()
 
     def step_of(model):
         def step():

@@ -4,8 +4,8 @@
 
 Times, in the checkout it is run from (its `fastllm` package first on sys.path), one forward and
 backward of each of `fastllm bench --ops host`'s model ops (bench/bench_host.py model_op_pairs:
-tiny inputs, so the time is the host's Python and dispatch) and a training step of its 30-layer
-Llama of hidden 64 patched by fastllm.patch, 1 thread: medians of 7 rounds of 200 calls per op
+tiny inputs, so the time is the host's Python and dispatch) and a training step of its
+tiny_llama() patched by fastllm.patch, 1 thread: medians of 7 rounds of 200 calls per op
 and of 5 rounds of 10 steps. Run it alternately in the two checkouts (same fastllm._C) and
 compare medians. (`fastllm bench --ops host` compares fastllm with torch eager in one process
 through bench/harness.py; two checkouts cannot share a process, hence this plain timer.)
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import fastllm  # noqa: E402
-from bench_host import model_op_pairs  # noqa: E402
+from bench_host import model_op_pairs, tiny_llama  # noqa: E402
 
 
 def _median_s(fn, reps, rounds=7):
@@ -36,18 +36,11 @@ def _median_s(fn, reps, rounds=7):
 
 
 def main():
-    import transformers
-
     torch.set_num_threads(1)
     ops = {op.split(" ")[0]: (lambda f=fns[0]: f().sum().backward())
            for op, fns in model_op_pairs().items()}
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-        tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = fastllm.patch(transformers.LlamaForCausalLM(config).train())
-    ids = torch.randint(0, 256, (1, 16))
+    model, ids = tiny_llama()
+    fastllm.patch(model)
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()

@@ -68,10 +68,17 @@ def direct():
     an optimizer step): only in plain eager code under no_grad, where the dispatcher would do
     nothing but route the call. Under torch.compile, a dispatch or function mode (FakeTensor,
     FlopCounter, ...) or grad mode the op goes through torch.ops as before."""
-    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._is_torch_function_mode_enabled()
-            and torch._C._get_tracing_state() is None)
+    return not torch.is_grad_enabled() and not intercepted()
+
+
+def intercepted():
+    """Whether something other than plain eager execution sees an op call, so that it must go
+    through torch.ops: torch.compile tracing, a dispatch or function mode (FakeTensor,
+    FlopCounter, ...), torch.jit.trace (which records torch.ops, not what an implementation
+    calls). The shared part of direct() and fastllm._library.plain_eager."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._get_tracing_state() is not None)
 
 
 def env_choice(name, choices):

@@ -9,6 +9,8 @@ import functools
 
 import torch
 
+from fastllm import _backend
+
 lib = torch.library.Library("fastllm", "DEF")
 
 SCHEMAS = {
@@ -154,10 +156,7 @@ def plain_eager(args):
     plain tensors (not DTensor or another subclass). The dispatcher's Python round trip (boxing,
     default filling, the autograd redispatch) cost a patched model's step more than its GPU
     kernels saved: on an H200, fastllm's kernels took 59 ms of a 198 ms step (2026-12-04)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active()
-            or torch._C._get_tracing_state() is not None):  # torch.jit.trace records torch.ops
+    if _backend.intercepted() or torch._C._are_functorch_transforms_active():
         return False
     return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
 
@@ -178,16 +177,12 @@ def direct_op(name, impl):
 def remember_backend(ctx):
     """In a forward (or setup_context): keep the backend forced on this thread for the backward
     (on_forward_backend), which autograd may run on another thread."""
-    from fastllm import _backend
-
     ctx.fastllm_backend = _backend.thread_backend()
 
 
 def on_forward_backend(backward):
     """Decorator for a backward(ctx, *grads) whose forward called remember_backend(ctx): it runs
     under the backend forced around that forward."""
-    from fastllm import _backend
-
     @functools.wraps(backward)
     def run(ctx, *grads):
         name = getattr(ctx, "fastllm_backend", None)

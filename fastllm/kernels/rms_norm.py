@@ -182,8 +182,7 @@ def _programs(device, tiles):
 
 def rms_norm_fwd_triton(x, weight, eps, offset):
     """x: (..., h), weight: (h,) of x's dtype -> (y like x, rstd fp32 of x.shape[:-1])."""
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = x.contiguous()
     h = x.shape[-1]
     rows = x.shape[:-1].numel()
     y = torch.empty_like(x)
@@ -202,12 +201,7 @@ def rms_norm_bwd_triton(dy, x, weight, rstd, offset, need_dx, need_w):
     """dy, x: (..., h); weight: (h,); rstd: rows fp32 values, any shape, contiguous -> (dx like x
     or None, dweight of the weight's dtype or None). Two launches (one without dweight); none
     for empty x (with dweight, zeros when there are no rows)."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if not dy.is_contiguous():
-        dy = dy.contiguous()
-    if not rstd.is_contiguous():
-        rstd = rstd.contiguous()
+    x, dy, rstd = x.contiguous(), dy.contiguous(), rstd.contiguous()
     h = x.shape[-1]
     rows = x.shape[:-1].numel()
     dx = torch.empty_like(x) if need_dx else None
