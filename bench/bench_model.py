@@ -20,7 +20,8 @@
    torch profile of one step of each (self CPU time by op).
 The quick run uses 4 layers, 8 x 256 tokens, 2 timed steps; --full (or FASTLLM_BENCH_LAYERS,
 FASTLLM_BENCH_SEQ, FASTLLM_BENCH_STEPS) the whole 30 layers at 8 x 512; FASTLLM_BENCH_DTYPES=fp32
-(or bf16) runs one precision, FASTLLM_BENCH_STEPS=0 the ops only. FASTLLM_BENCH_FAMILY=qwen3 steps
+(or bf16) runs one precision, FASTLLM_BENCH_FINETUNES=full (or lora) one kind of fine-tuning,
+FASTLLM_BENCH_STEPS=0 the ops only. FASTLLM_BENCH_FAMILY=qwen3 steps
 a Qwen3-0.6B-shaped Qwen3ForCausalLM instead (hidden 1024, 16 / 8 heads of 128, q/k norms, ffn
 3072, vocab 151936, tied embeddings; random init): the vocabulary where the logits weigh most.
 """
@@ -343,7 +344,11 @@ def run(device="cpu", full=False, progress=print):
     if not names or any(n not in known for n in names):
         raise SystemExit(f"FASTLLM_BENCH_DTYPES={','.join(names)}: use fp32, bf16 or fp32,bf16")
     dtypes = [known[n] for n in names]
+    finetunes = os.environ.get("FASTLLM_BENCH_FINETUNES", "lora,full").split(",")
+    if not finetunes or any(f not in ("lora", "full") for f in finetunes):
+        raise SystemExit(f"FASTLLM_BENCH_FINETUNES={','.join(finetunes)}: use lora, full or "
+                         "lora,full")
     rows = run_ops(8, 512, dtypes, progress)
     if steps > 0:  # FASTLLM_BENCH_STEPS=0: the ops only
-        rows += run_steps(layers, 8, seq, steps, dtypes, ["lora", "full"], progress)
+        rows += run_steps(layers, 8, seq, steps, dtypes, finetunes, progress)
     return rows

@@ -46,6 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("onednn_gemm_available", &fastllm::onednn_gemm_available);
   m.def("set_onednn_fp32_gemm", &fastllm::set_onednn_fp32_gemm);
   m.def("onednn_fp32_gemm", &fastllm::onednn_fp32_gemm);
+  m.def("gemm_bf16f32_cpu", &fastllm::gemm_bf16f32_cpu, no_gil);
+  m.def("gemm_bf16f32_available", &fastllm::gemm_bf16f32_available);
+  m.def("set_gemm_bf16f32", &fastllm::set_gemm_bf16f32);
   // model ops: RMSNorm, rotary embedding, SwiGLU
   m.def("rms_norm_cpu", &fastllm::rms_norm_cpu, no_gil);
   m.def("rms_norm_backward_cpu", &fastllm::rms_norm_backward_cpu, no_gil);

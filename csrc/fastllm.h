@@ -129,6 +129,14 @@ void mm_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 void bias_mm_out(const at::Tensor& out, const at::Tensor& bias, const at::Tensor& a,
                  const at::Tensor& b);
 void addmm_inplace(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha);
+// bf16 x bf16 -> fp32 CPU GEMM (csrc/cpu/gemm_bf16.cpp): out = a @ b, or out += a @ b when
+// accumulate, summed in fp32 and never rounded to bf16. a, b 2-D bf16 of any strides, out 2-D fp32
+// with contiguous rows. Only in builds with AVX512-BF16; raises else. gemm_bf16f32_available():
+// built with it and not switched off by set_gemm_bf16f32(false) (for tests of the fallbacks).
+void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
+                      bool accumulate);
+bool gemm_bf16f32_available();
+void set_gemm_bf16f32(bool on);
 
 // fastllm::fused_linear_cross_entropy (csrc/cpu/fused_linear_cross_entropy.cpp)
 // Cross-entropy of logits = hidden weight^T + bias over chunks of tokens, never materialising

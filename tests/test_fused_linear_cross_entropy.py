@@ -169,11 +169,25 @@ def test_frozen_weight_and_no_grad(backend, device):
     torch.testing.assert_close(no_grad, ref.detach())
 
 
-def test_cpp_bf16_many_tiles(monkeypatch):
+@pytest.mark.parametrize("widened", [True, False], ids=["bf16f32-gemm", "residual"])
+def test_cpp_bf16_many_tiles(monkeypatch, widened):
     """bf16 over several chunks and more than one 2048-row vocabulary tile: the cpp kernel's
-    fp32 dW accumulation, against fp64."""
+    fp32 dW accumulation, against fp64, by both of its ways: fastllm's bf16 x bf16 -> fp32 GEMM
+    (AVX512-BF16 builds) and the native bf16 GEMM with its rounding residual (the fallback)."""
     if fastllm._backend.unavailable_reason("cpp", "cpu"):
         pytest.skip("no cpp backend")
+    ext = fastllm._extension.extension()
+    if widened and not ext.gemm_bf16f32_available():
+        pytest.skip("fastllm._C built without AVX512-BF16")
+    was = ext.gemm_bf16f32_available()
+    ext.set_gemm_bf16f32(widened)
+    try:
+        _many_tiles(monkeypatch)
+    finally:
+        ext.set_gemm_bf16f32(was)
+
+
+def _many_tiles(monkeypatch):
     monkeypatch.setattr(_op_module, "CHUNK_BYTES", 3 * 4500 * 2)
     hidden, weight, bias, labels, _ = _inputs((10,), 16, 4500, dict(bias=True), torch.bfloat16)
     with fastllm.use_backend("cpp"):

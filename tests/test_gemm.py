@@ -145,3 +145,75 @@ def test_bench_gemm_smoke(monkeypatch):
     assert all(r["time_ms"] > 0 and r["flops"] > 0 for r in rows)
     assert float(rows[-1]["note"].rsplit(" ", 1)[1]) < 1e-4
     assert _gemm._mode() == "aten"
+
+
+# bf16 x bf16 -> fp32 (csrc/cpu/gemm_bf16.cpp): only in builds with AVX512-BF16
+def _bf16f32():
+    ext = _extension.extension()
+    if ext is None or not hasattr(ext, "gemm_bf16f32_available"):
+        pytest.skip("extension not built")
+    if not ext.gemm_bf16f32_available():
+        pytest.skip("fastllm._C built without AVX512-BF16")
+    return ext
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (13, 7, 3), (37, 45, 19), (150, 70, 515),
+                                   (300, 33, 2), (12, 32, 256)])
+def test_bf16f32_matches_fp64(m, n, k):
+    """Summed in fp32 and never rounded to bf16: fp32-level error against fp64 (at::mm of bf16,
+    which rounds its output, is ~2^-9 off and would fail), overwrite and accumulate; odd sizes
+    run the edge tiles, k 515 three k blocks with an odd last one, m 150 two row blocks."""
+    ext = _bf16f32()
+    g = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(k, n, generator=g).bfloat16()
+    ref = a.double() @ b.double()
+    out = torch.full((m, n), float("nan"))  # not accumulating: what out held is not read
+    ext.gemm_bf16f32_cpu(a, b, out, False)
+    assert _rel(out, ref) < 1e-5
+    c = torch.randn(m, n, generator=g)
+    out = c.clone()
+    ext.gemm_bf16f32_cpu(a, b, out, True)
+    assert _rel(out, c.double() + ref) < 1e-5
+    if k >= 19:  # what the kernel is for: bf16 products without bf16's rounding
+        assert _rel((a @ b).float(), ref) > 100 * _rel(out - c, ref)
+
+
+def test_bf16f32_strided_operands_and_threads():
+    """Transposed and sliced operands, an out whose rows are wider than n; the same bits with 1
+    thread as with 2 (every element is one task's, summed in a fixed order)."""
+    ext = _bf16f32()
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(300, 170, generator=g).bfloat16().t()        # (170, 300), column-major
+    b = torch.randn(300, 90, generator=g).bfloat16()[:, ::2]      # (300, 45), column stride 2
+    wide = torch.zeros(170, 64)
+    out = wide[:, 5:50]
+    ext.gemm_bf16f32_cpu(a, b, out, False)
+    assert _rel(out, a.double() @ b.double()) < 1e-5
+    assert wide[:, :5].abs().sum() == 0 and wide[:, 50:].abs().sum() == 0
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.empty(170, 45)
+        ext.gemm_bf16f32_cpu(a, b, one, False)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, out)
+
+
+def test_bf16f32_empty_and_bad_arguments():
+    ext = _bf16f32()
+    out = torch.full((3, 2), 7.0)
+    ext.gemm_bf16f32_cpu(torch.empty(3, 0).bfloat16(), torch.empty(0, 2).bfloat16(), out, True)
+    assert (out == 7).all()
+    ext.gemm_bf16f32_cpu(torch.empty(3, 0).bfloat16(), torch.empty(0, 2).bfloat16(), out, False)
+    assert (out == 0).all()
+    a, b = torch.randn(3, 4).bfloat16(), torch.randn(4, 2).bfloat16()
+    with pytest.raises(RuntimeError, match="a and b must be bf16"):
+        ext.gemm_bf16f32_cpu(a.float(), b, torch.empty(3, 2), False)
+    with pytest.raises(RuntimeError, match="out must be fp32"):
+        ext.gemm_bf16f32_cpu(a, b, torch.empty(3, 2).bfloat16(), False)
+    with pytest.raises(RuntimeError, match="shapes do not chain"):
+        ext.gemm_bf16f32_cpu(a, b.t(), torch.empty(3, 2), False)
+    with pytest.raises(RuntimeError, match=r"rows must be contiguous"):
+        ext.gemm_bf16f32_cpu(a, b, torch.empty(2, 3).t(), False)

@@ -10,9 +10,11 @@
 //        loss = lse - (1 - eps) z_y - eps mean_j(z_j) + z_loss lse^2
 //        G_j = w (p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j = y]) (1 - (z_j / cap)^2)
 //   dX_c = G W                        fastllm::mm_out, straight into grad_hidden's rows
-//   dW  += G^T X_c, db += sum_rows G  fp32 accumulation: fp32 in place (addmm_); bf16/fp16 over
-//                                     several chunks: each chunk's product by the native
-//                                     low-precision GEMM, a tile of vocabulary rows at a
+//   dW  += G^T X_c, db += sum_rows G  fp32 accumulation: fp32 in place (addmm_); bf16 over
+//                                     several chunks with AVX512-BF16: fastllm's bf16 x bf16 ->
+//                                     fp32 GEMM into an fp32 dW (csrc/cpu/gemm_bf16.cpp); else
+//                                     (fp16, or no AVX512-BF16) each chunk's product by the
+//                                     native low-precision GEMM, a tile of vocabulary rows at a
 //                                     time, added with its rounding residual into an fp32 dW
 //                                     (one chunk: at::mm, one rounding, as torch's own backward)
 // w is the token's weight in the reduction (1 / valid tokens for "mean", 1 for "sum", the
@@ -208,21 +210,27 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
   const int64_t rows = chunk_rows_for(m, vocab, hidden.element_size(), chunk_rows_requested);
   // fp32 accumulators; bf16/fp16 with a single chunk write dW with one product (one rounding)
   const bool direct_dw = fp32 || m <= rows;
-  // bf16/fp16 over several chunks: dw32 is an fp32 (V, H) accumulator and `partial` one tile of
-  // a chunk's product P in the storage dtype (the tile, not the chunk's whole (V, H) product,
-  // keeps the transient at kPartialBytes). The native low-precision GEMM accumulates in fp32 but
+  // Otherwise (fp16, or a build without AVX512-BF16) over several chunks: dw32 is an fp32 (V, H)
+  // accumulator and `partial` one tile of a chunk's product P in the storage dtype (the tile,
+  // not the chunk's whole (V, H) product, keeps the transient at kPartialBytes). The native low-precision GEMM accumulates in fp32 but
   // rounds its output, and partial sums rounded chunk by chunk can cancel to worse than torch's
   // one rounding; so each tile is added as round(P) and then the rounded residual
   // round(P - round(P)) (a second GEMM with beta = -1, whose sum the GEMM forms in fp32): the
   // accumulated error is ~u^2 |P|, fp32-like. Two native GEMMs are still faster than ATen's
   // cpublas::brgemm with an fp32 accumulator, which ran at 146 GFLOP/s on AVX512-BF16 without
   // AMX (no VNNI packing there) against ~530 for this GEMM (BENCHMARKS.md, 2026-12-02).
+  // bf16 with AVX512-BF16 (csrc/cpu/gemm_bf16.cpp): each chunk's product is summed straight into
+  // dw32 in fp32 by one bf16 x bf16 -> fp32 GEMM, no rounding and no residual.
+  const bool widened_dw = !direct_dw && std::is_same<scalar_t, at::BFloat16>::value &&
+                          gemm_bf16f32_available();
   constexpr int64_t kPartialBytes = int64_t(16) << 20;
   at::Tensor dw32, partial, db32;
   int64_t tile = vocab;
   if (grads && need_weight) {
     if (direct_dw) {
       dw32 = m > 0 ? at::empty_like(weight) : at::zeros_like(weight);
+    } else if (widened_dw) {
+      dw32 = at::empty({vocab, h}, f32);  // m > rows > 0: the first chunk writes it whole
     } else {
       dw32 = at::zeros({vocab, h}, f32);
       tile = std::min<int64_t>(vocab, std::max<int64_t>(256, kPartialBytes / (std::max<int64_t>(1, h) * weight.element_size())));
@@ -278,6 +286,8 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
           } else {
             addmm_inplace(dw32, z.t(), x, 1.0);
           }
+        } else if (widened_dw) {
+          gemm_bf16f32_cpu(z.t(), x, dw32, /*accumulate=*/c0 > 0);
         } else {
           const auto gt = z.t();  // (V, c)
           for (int64_t v0 = 0; v0 < vocab; v0 += tile) {

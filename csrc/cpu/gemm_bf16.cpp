@@ -1,0 +1,225 @@
+// bf16 x bf16 -> fp32 GEMM on CPUs with AVX512-BF16: out (+)= a @ b with the products summed in
+// fp32 and written to an fp32 out, never rounded to bf16 on the way.
+//
+// PyTorch's CPU build has no public entry for this: at::mm of bf16 rounds its output to bf16,
+// aten::mm.dtype (out_dtype) is CUDA-only, ATen's mkldnn_matmul wants out in a's dtype,
+// cpublas::gemm's bf16 -> fp32 overload is not exported, and cpublas::brgemm (oneDNN's ukernel,
+// exported) ran at ~205 GFLOP/s here against ~420 for ATen's bf16 GEMM on an AMD EPYC Zen 4
+// (BENCHMARKS.md, 2026-12-04). The fused loss's bf16 dW is a sum of per-chunk products that must
+// not be rounded chunk by chunk: it paid a second GEMM for each rounding residual instead.
+//
+// The kernel: B is packed once into pairs of k for every column (the layout vdpbf16ps reads:
+// [k / 2][32 columns][2]), each task packs its block of A's rows as 32-bit pairs, and a 12 x 32
+// register tile accumulates 24 zmm of fp32 with vdpbf16ps (one broadcast pair of A against 32
+// columns of B per instruction pair). Blocks: 256 of k, 144 rows of A (L2), one 32-column panel
+// of B at a time (16 KiB, L1). Every element of out is one task's, summed in a fixed k order:
+// the result does not depend on the thread count. An internal building block
+// (csrc/cpu/fused_linear_cross_entropy.cpp), not an op; set_gemm_bf16f32(false) turns its users
+// back to their fallbacks (tests run both).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "../fastllm.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define FASTLLM_GEMM_BF16 1
+#endif
+
+namespace fastllm {
+
+#ifdef FASTLLM_GEMM_BF16
+namespace {
+
+constexpr int kMR = 12;          // rows of the register tile
+constexpr int kNR = 32;          // columns of the register tile (two zmm of fp32)
+constexpr int64_t kKC = 256;     // k per block (even)
+constexpr int64_t kMC = 144;     // rows of A per task (a multiple of kMR)
+
+// Rows [0, m) x k [0, kc) of A (element (i, k) at a[i * sm + k * sk]) as [m / kMR panels]
+// [kc / 2][kMR] 32-bit pairs (A(i, k) low, A(i, k + 1) high), zero-padded to whole panels and
+// an even k.
+void pack_a(const uint16_t* a, int64_t sm, int64_t sk, int64_t m, int64_t kc, uint32_t* out) {
+  const int64_t kp = (kc + 1) / 2;
+  for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+    uint32_t* o = out + (i0 / kMR) * kp * kMR;
+    const int64_t mr = std::min<int64_t>(kMR, m - i0);
+    for (int64_t p = 0; p < kp; ++p) {
+      const int64_t k = 2 * p;
+      const bool pair = k + 1 < kc;
+      for (int64_t i = 0; i < kMR; ++i) {
+        uint32_t v = 0;
+        if (i < mr) {
+          const uint16_t* r = a + (i0 + i) * sm + k * sk;
+          v = uint32_t(r[0]) | (pair ? uint32_t(r[sk]) << 16 : 0u);
+        }
+        o[p * kMR + i] = v;
+      }
+    }
+  }
+}
+
+// k [0, kc) x columns [0, n) (n <= kNR) of B (element (k, j) at b[k * sk + j * sn]) as
+// [kc / 2][kNR][2], zero-padded.
+void pack_b_panel(const uint16_t* b, int64_t sk, int64_t sn, int64_t kc, int64_t n,
+                  uint16_t* out) {
+  const int64_t kp = (kc + 1) / 2;
+  for (int64_t p = 0; p < kp; ++p) {
+    const int64_t k = 2 * p;
+    const uint16_t* r0 = b + k * sk;
+    const bool pair = k + 1 < kc;
+    uint16_t* d = out + p * kNR * 2;
+    for (int64_t j = 0; j < kNR; ++j) {
+      d[2 * j] = j < n ? r0[j * sn] : 0;
+      d[2 * j + 1] = (j < n && pair) ? r0[sk + j * sn] : 0;
+    }
+  }
+}
+
+// out[0:m, 0:n] (+)= the tile's kp pairs of k. The accumulators are indexed only with constants
+// (the loops unrolled) so that they stay in registers; the edge rows and columns go through a
+// stack copy of the tile and masked stores.
+inline void micro_tile(int64_t kp, const uint32_t* a, const uint16_t* b, float* out, int64_t ld,
+                       int m, int n, bool accumulate) {
+  __m512 c0[kMR], c1[kMR];
+#pragma GCC unroll 12
+  for (int i = 0; i < kMR; ++i) {
+    c0[i] = _mm512_setzero_ps();
+    c1[i] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < kp; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * 2 * kNR);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * 2 * kNR + kNR);
+#pragma GCC unroll 12
+    for (int i = 0; i < kMR; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[p * kMR + i]));
+      c0[i] = _mm512_dpbf16_ps(c0[i], ai, b0);
+      c1[i] = _mm512_dpbf16_ps(c1[i], ai, b1);
+    }
+  }
+  alignas(64) float tile[kMR * kNR];
+#pragma GCC unroll 12
+  for (int i = 0; i < kMR; ++i) {
+    _mm512_store_ps(tile + i * kNR, c0[i]);
+    _mm512_store_ps(tile + i * kNR + 16, c1[i]);
+  }
+  const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  const __mmask16 m1 =
+      n >= 32 ? __mmask16(0xFFFF) : (n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1));
+  for (int i = 0; i < m; ++i) {
+    float* r = out + i * ld;
+    __m512 v0 = _mm512_load_ps(tile + i * kNR);
+    __m512 v1 = _mm512_load_ps(tile + i * kNR + 16);
+    if (accumulate) {
+      v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, r));
+      v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, r + 16));
+    }
+    _mm512_mask_storeu_ps(r, m0, v0);
+    _mm512_mask_storeu_ps(r + 16, m1, v1);
+  }
+}
+
+}  // namespace
+#endif  // FASTLLM_GEMM_BF16
+
+namespace {
+#ifdef FASTLLM_GEMM_BF16
+std::atomic<bool> g_bf16f32_on{true};
+#else
+std::atomic<bool> g_bf16f32_on{false};
+#endif
+}  // namespace
+
+bool gemm_bf16f32_available() { return g_bf16f32_on.load(std::memory_order_relaxed); }
+
+void set_gemm_bf16f32(bool on) {
+#ifndef FASTLLM_GEMM_BF16
+  TORCH_CHECK(!on, "fastllm: fastllm._C was built without AVX512-BF16: no bf16 -> fp32 GEMM");
+#endif
+  g_bf16f32_on.store(on, std::memory_order_relaxed);
+}
+
+void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
+                      bool accumulate) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2,
+              "fastllm.gemm_bf16f32: a, b and out must be 2-D, got ", a.sizes(), ", ", b.sizes(),
+              ", ", out.sizes());
+  TORCH_CHECK(a.size(1) == b.size(0) && out.size(0) == a.size(0) && out.size(1) == b.size(1),
+              "fastllm.gemm_bf16f32: shapes do not chain: a ", a.sizes(), " @ b ", b.sizes(),
+              " into out ", out.sizes());
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16,
+              "fastllm.gemm_bf16f32: a and b must be bf16, got ", a.scalar_type(), " and ",
+              b.scalar_type());
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "fastllm.gemm_bf16f32: out must be fp32, got ",
+              out.scalar_type());
+  for (const at::Tensor* t : {&a, &b, &out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->layout() == at::kStrided,
+                "fastllm.gemm_bf16f32: dense CPU tensors only");
+  }
+  TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1,
+              "fastllm.gemm_bf16f32: out's rows must be contiguous (stride(1) == 1), got strides ",
+              out.strides());
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!accumulate) out.zero_();
+    return;
+  }
+#ifndef FASTLLM_GEMM_BF16
+  TORCH_CHECK(false, "fastllm.gemm_bf16f32: fastllm._C was built without AVX512-BF16 (this CPU "
+                     "or FASTLLM_CPU_ARCH lacks it)");
+#else
+  const auto* pa = reinterpret_cast<const uint16_t*>(a.const_data_ptr());
+  const auto* pb = reinterpret_cast<const uint16_t*>(b.const_data_ptr());
+  float* pc = out.mutable_data_ptr<float>();
+  const int64_t ldc = out.stride(0);
+  const int64_t sam = a.stride(0), sak = a.stride(1), sbk = b.stride(0), sbn = b.stride(1);
+  const int64_t panels = (N + kNR - 1) / kNR;
+  const int64_t kblocks = (K + kKC - 1) / kKC;
+  const int64_t panel_elems = (kKC / 2) * kNR * 2;
+  // all of B, packed once: [k block][panel][kKC / 2][kNR][2]
+  auto packed_b = at::empty({kblocks * panels * panel_elems}, b.options());
+  auto* bp = reinterpret_cast<uint16_t*>(packed_b.mutable_data_ptr());
+  at::parallel_for(0, kblocks * panels, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t kb = t / panels, jp = t % panels;
+      const int64_t k0 = kb * kKC, j0 = jp * kNR;
+      pack_b_panel(pb + k0 * sbk + j0 * sbn, sbk, sbn, std::min(kKC, K - k0),
+                   std::min<int64_t>(kNR, N - j0), bp + t * panel_elems);
+    }
+  });
+  // Tasks: blocks of kMC rows x groups of panels; groups only as many as the threads need
+  // (each group packs its rows of A again).
+  const int64_t mblocks = (M + kMC - 1) / kMC;
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t groups = std::min(panels, std::max<int64_t>(1, (want + mblocks - 1) / mblocks));
+  const int64_t per_group = (panels + groups - 1) / groups;
+  at::parallel_for(0, mblocks * groups, 1, [&](int64_t t0, int64_t t1) {
+    auto packed_a = at::empty({kMC * (kKC / 2)}, at::kInt);
+    auto* ap = reinterpret_cast<uint32_t*>(packed_a.mutable_data_ptr());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i0 = (t / groups) * kMC, m = std::min(kMC, M - i0);
+      const int64_t p0 = (t % groups) * per_group, p1 = std::min(panels, p0 + per_group);
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        const int64_t k0 = kb * kKC, kc = std::min(kKC, K - k0), kp = (kc + 1) / 2;
+        pack_a(pa + i0 * sam + k0 * sak, sam, sak, m, kc, ap);
+        const bool acc = accumulate || kb > 0;
+        for (int64_t jp = p0; jp < p1; ++jp) {
+          const uint16_t* panel = bp + (kb * panels + jp) * panel_elems;
+          const int n = static_cast<int>(std::min<int64_t>(kNR, N - jp * kNR));
+          for (int64_t ii = 0; ii < m; ii += kMR) {
+            micro_tile(kp, ap + (ii / kMR) * kp * kMR, panel, pc + (i0 + ii) * ldc + jp * kNR,
+                       ldc, static_cast<int>(std::min<int64_t>(kMR, m - ii)), n, acc);
+          }
+        }
+      }
+    }
+  });
+#endif
+}
+
+}  // namespace fastllm
