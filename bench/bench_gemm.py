@@ -9,6 +9,12 @@ attention projections (4096 x 576 x 576, 4096 x 192 x 576), a LoRA r=16 down pro
 dA (4096 x 16 x 576, 16 x 576 x 4096), and the LM head over one chunk of the fused loss
 (1024 x 49152 x 576). Both providers are timed in the same interleaved rounds; the route is
 forced (FASTLLM_CPU_FP32_MATMUL=onednn) whatever the CPU's default. CPU only.
+
+bf16 x bf16 -> fp32 (csrc/cpu/gemm_bf16.cpp, builds with AVX512-BF16), on the products it serves:
+the fused loss's dW over one 682-row chunk of bf16 tokens (49152 x 576 x 682, G^T read
+transposed) and the attention's S = Q K^T of a 128-position block of 3 stacked heads against 512
+keys (384 x 512 x 64); against torch.mm of the bf16 operands (which rounds its output to bf16)
+and of fp32 copies (what they replace: a cast, then fp32's GEMM).
 """
 
 import os
@@ -32,14 +38,21 @@ SHAPES = [
 ]
 
 
+# (label, m, n, k, transposed a)
+BF16_SHAPES = [
+    ("fused loss dW, 682-token chunk", 49152, 576, 682, True),
+    ("attention S = Q K^T, 128 x 3 heads", 384, 512, 64, False),
+]
+
+
 def run(device="cpu", full=False, progress=print):
     if torch.device(device).type != "cpu":
         progress("gemm: CPU only (fastllm's GPU matmuls are cuBLAS's); skipped")
         return []
+    rows = _bf16f32(full, progress)
     if not _gemm._usable():
         progress("gemm: no oneDNN matmul in this PyTorch (or fastllm._C not built); skipped")
-        return []
-    rows = []
+        return rows
     g = torch.Generator().manual_seed(0)
     with mock.patch.dict(os.environ, {_gemm.ENV: "onednn"}):
         for label, m, n, k, trans in SHAPES:
@@ -58,4 +71,38 @@ def run(device="cpu", full=False, progress=print):
                              "time_ms": t.median_ms, "flops": 2 * m * n * k,
                              "baseline": "torch.mm (ATen)"})
             rows[-1]["note"] = f"fastllm's max abs error against fp64: {err:.2e}"
+    return rows
+
+
+def _bf16f32(full, progress):
+    from fastllm import _extension
+
+    ext = _extension.extension()
+    if ext is None or not ext.gemm_bf16f32_available():
+        progress("gemm: fastllm._C has no bf16 x bf16 -> fp32 GEMM (no AVX512-BF16); skipped")
+        return []
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for label, m, n, k, trans in BF16_SHAPES:
+        size = f"{label}: {m} x {n} x {k}, bf16 -> fp32"
+        progress(f"gemm {size}: torch.mm bf16, fp32 copies, fastllm (interleaved)")
+        a = (torch.randn(k, m, generator=g).bfloat16().t() if trans
+             else torch.randn(m, k, generator=g).bfloat16())
+        b = torch.randn(k, n, generator=g).bfloat16()
+        out, low = torch.empty(m, n), torch.empty(m, n, dtype=torch.bfloat16)
+        exact = a.double() @ b.double()
+        ext.gemm_bf16f32_cpu(a, b, out, False)
+        errs = {"fastllm": (out.double() - exact).abs().max().item(),
+                "torch.mm bf16": (torch.mm(a, b).double() - exact).abs().max().item()}
+        timings = harness.measure_many({
+            "torch.mm bf16 (bf16 out)": lambda: torch.mm(a, b, out=low),
+            "torch.mm of fp32 copies": lambda: torch.mm(a.float(), b.float(), out=out),
+            "fastllm bf16 -> fp32": lambda: ext.gemm_bf16f32_cpu(a, b, out, False),
+        }, min_time_s=0.5 if not full else 2.0)
+        for provider, t in timings.items():
+            rows.append({"op": "gemm", "size": size, "provider": provider,
+                         "time_ms": t.median_ms, "flops": 2 * m * n * k,
+                         "baseline": "torch.mm bf16 (bf16 out)"})
+        rows[-1]["note"] = (f"max abs error against fp64: fastllm {errs['fastllm']:.2e}, "
+                            f"torch.mm bf16 {errs['torch.mm bf16']:.2e}")
     return rows

@@ -131,6 +131,33 @@ def test_matches_ref_and_sdpa(backend, device, dtype, case):
         check_close(name, a, t, o, dtype, fp32_rtol=1e-5 if name == "out" else 1e-4)
 
 
+@pytest.mark.parametrize("bf16_products", [True, False], ids=["bf16-gemm", "fp32-copies"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=_case_id)
+def test_cpp_bf16_both_product_paths(bf16_products, case):
+    """bf16 on the cpp kernel by both of its ways: S = QK^T and dP = dO V^T of the bf16 inputs
+    through fastllm's bf16 x bf16 -> fp32 GEMM (AVX512-BF16 builds) and of fp32 copies (the
+    fallback): each within twice PyTorch's own error against fp64."""
+    if fastllm._backend.unavailable_reason("cpp", "cpu"):
+        pytest.skip("no cpp backend")
+    ext = fastllm._extension.extension()
+    if bf16_products and not ext.gemm_bf16f32_available():
+        pytest.skip("fastllm._C built without AVX512-BF16")
+    q, k, v, dy, doc_start = _inputs(case, torch.bfloat16)
+    was = ext.gemm_bf16f32_available()
+    ext.set_gemm_bf16f32(bf16_products)
+    try:
+        with fastllm.use_backend("cpp"):
+            got = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
+    finally:
+        ext.set_gemm_bf16f32(was)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    oracle = grads([attention_ref(*wide, doc_start=doc_start)], wide, [dy.double()])
+    theirs_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    theirs = grads([_sdpa(*theirs_in, doc_start)], theirs_in, [dy])
+    for name, a, t, o in zip(("out", "dq", "dk", "dv"), got, theirs, oracle):
+        check_close(name, a.detach(), t.detach(), o, torch.bfloat16, None)
+
+
 def test_scale_and_documents_are_honoured():
     """A document's output depends on its own tokens only, and scale multiplies q k^T."""
     q, k, v, _, _ = _inputs((1, 9, 2, 1, 4, False), torch.float64)

@@ -137,6 +137,7 @@ def test_bench_gemm_smoke(monkeypatch):
     from fastllm.bench import bench_gemm
 
     monkeypatch.setattr(bench_gemm, "SHAPES", [("t", 9, 7, 5, False), ("tt", 6, 4, 11, True)])
+    monkeypatch.setattr(bench_gemm, "BF16_SHAPES", [])
     monkeypatch.setenv(_gemm.ENV, "aten")
     rows = bench_gemm.run(progress=lambda *_: None)
     assert [(r["size"].split(":")[0], r["provider"]) for r in rows] == [
@@ -217,3 +218,20 @@ def test_bf16f32_empty_and_bad_arguments():
         ext.gemm_bf16f32_cpu(a, b.t(), torch.empty(3, 2), False)
     with pytest.raises(RuntimeError, match=r"rows must be contiguous"):
         ext.gemm_bf16f32_cpu(a, b, torch.empty(2, 3).t(), False)
+
+
+def test_bench_gemm_bf16f32_smoke(monkeypatch):
+    """`fastllm bench --ops gemm`'s bf16 -> fp32 rows at tiny sizes: three providers per shape
+    and fastllm's error note, fp32-level where torch.mm's bf16 output is not."""
+    _bf16f32()
+    from fastllm.bench import bench_gemm
+
+    monkeypatch.setattr(bench_gemm, "SHAPES", [])
+    monkeypatch.setattr(bench_gemm, "BF16_SHAPES", [("b", 40, 24, 70, True)])
+    rows = bench_gemm.run(progress=lambda *_: None)
+    assert [r["provider"] for r in rows] == ["torch.mm bf16 (bf16 out)",
+                                             "torch.mm of fp32 copies", "fastllm bf16 -> fp32"]
+    assert all(r["time_ms"] > 0 for r in rows)
+    ours, theirs = (float(x.split(",")[0]) for x in rows[-1]["note"].split("fastllm ")[1:2] +
+                    rows[-1]["note"].split("torch.mm bf16 ")[1:2])
+    assert ours < 1e-4 < theirs

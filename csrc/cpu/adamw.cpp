@@ -11,7 +11,10 @@
 // a few ulps, except that the division by sqrt(1 - beta2^t) is a multiplication by its inverse:
 // with AVX-512 on 2 cores the step is bound by division/sqrt throughput whenever memory is fast,
 // and this removes one of its three divisions/square roots per element (1 ulp apart).
-// Arithmetic is in fp32 for fp32/bf16/fp16 tensors (fp64 for fp64).
+// Arithmetic is in fp32 for fp32/bf16/fp16 tensors (fp64 for fp64); bf16/fp16 are widened and
+// rounded (to nearest even, as c10's casts) with model_io.h's integer conversions, which gcc
+// vectorises: c10's scalar casts kept the bf16 loop scalar, 4.8x torch fused's time at 33M bf16
+// params (BENCHMARKS.md, 2026-12-04).
 //
 // All tensors of one call are cut into chunks and the chunks are split across the ATen (OpenMP)
 // thread pool in one parallel region, so many small tensors cost one fork/join, not one each.
@@ -23,6 +26,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "cpu/model_io.h"
 #include "fastllm.h"
 #include "static_dispatch.h"
 #include "tensor_checks.h"
@@ -47,36 +51,44 @@ struct AdamWScalars {
 };
 
 template <typename scalar_t, bool AMSGRAD, bool MAXIMIZE, bool SCALED>
-void adamw_chunk(scalar_t* __restrict p_ptr, const scalar_t* __restrict g_ptr,
-                 scalar_t* __restrict m_ptr, scalar_t* __restrict v_ptr,
-                 scalar_t* __restrict vmax_ptr, int64_t n,
+void adamw_chunk(scalar_t* __restrict p_raw, const scalar_t* __restrict g_raw,
+                 scalar_t* __restrict m_raw, scalar_t* __restrict v_raw,
+                 scalar_t* __restrict vmax_raw, int64_t n,
                  const AdamWScalars<at::opmath_type<scalar_t>>& s) {
   using opmath_t = at::opmath_type<scalar_t>;
+  using Io = model_io::Io<scalar_t>;
+  using raw_t = typename Io::raw_t;
+  static_assert(sizeof(raw_t) == sizeof(scalar_t), "raw storage type");
+  auto* __restrict p_ptr = reinterpret_cast<raw_t*>(p_raw);
+  const auto* __restrict g_ptr = reinterpret_cast<const raw_t*>(g_raw);
+  auto* __restrict m_ptr = reinterpret_cast<raw_t*>(m_raw);
+  auto* __restrict v_ptr = reinterpret_cast<raw_t*>(v_raw);
+  auto* __restrict vmax_ptr = reinterpret_cast<raw_t*>(vmax_raw);
   // torch's lerp switches formula at weight 0.5 for accuracy; the choice is uniform per call.
   const bool small_weight = s.lerp_weight < opmath_t(0.5);
   const opmath_t one_minus_weight = opmath_t(1) - s.lerp_weight;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    opmath_t g = static_cast<opmath_t>(g_ptr[i]);
+    opmath_t g = static_cast<opmath_t>(Io::load(g_ptr[i]));
     if constexpr (SCALED) g = g * s.inv_grad_scale;
     if constexpr (MAXIMIZE) g = -g;
-    opmath_t p = static_cast<opmath_t>(p_ptr[i]) * s.decay;
-    opmath_t m = static_cast<opmath_t>(m_ptr[i]);
+    opmath_t p = static_cast<opmath_t>(Io::load(p_ptr[i])) * s.decay;
+    opmath_t m = static_cast<opmath_t>(Io::load(m_ptr[i]));
     const opmath_t diff = g - m;
     m = small_weight ? m + s.lerp_weight * diff : g - diff * one_minus_weight;
-    opmath_t v = static_cast<opmath_t>(v_ptr[i]) * s.beta2;
+    opmath_t v = static_cast<opmath_t>(Io::load(v_ptr[i])) * s.beta2;
     v = v + s.one_minus_beta2 * g * g;
     opmath_t v_used = v;
     if constexpr (AMSGRAD) {
-      const opmath_t vm = static_cast<opmath_t>(vmax_ptr[i]);
+      const opmath_t vm = static_cast<opmath_t>(Io::load(vmax_ptr[i]));
       v_used = vm > v ? vm : v;
-      vmax_ptr[i] = static_cast<scalar_t>(v_used);
+      vmax_ptr[i] = Io::store(v_used);
     }
     const opmath_t denom = std::sqrt(v_used) * s.inv_bc2_sqrt + s.eps;
     p = p + s.neg_step_size * m / denom;
-    p_ptr[i] = static_cast<scalar_t>(p);
-    m_ptr[i] = static_cast<scalar_t>(m);
-    v_ptr[i] = static_cast<scalar_t>(v);
+    p_ptr[i] = Io::store(p);
+    m_ptr[i] = Io::store(m);
+    v_ptr[i] = Io::store(v);
   }
 }
 

@@ -1,9 +1,13 @@
-// Causal attention for CPU training on fp32 GEMMs, with packed documents (fastllm::attention).
+// Causal attention for CPU training on whole-block GEMMs, with packed documents
+// (fastllm::attention).
 //
 // q (B, T, Hq, D), k and v (B, T, Hkv, D) (flash-attention's layout, the projections' own; Hq a
 // multiple of Hkv: grouped-query attention), one dtype (fp32, bf16, fp16). Query t of row b
 // attends the keys j with doc_start[b, t] <= j <= t (doc_start empty: 0, plain causal); packed
-// documents are the rows whose doc_start restarts. Everything is computed in fp32.
+// documents are the rows whose doc_start restarts. Everything is computed in fp32: the products
+// of P and dS take fp32 copies of v, q, k, dO; S = Q K^T and dP = dO V^T, whose operands are the
+// inputs themselves, multiply bf16 inputs as they are where fastllm._C has its AVX512-BF16 GEMM
+// (csrc/cpu/gemm_bf16.cpp: fp32 sums, the same values as of fp32 copies up to summation order).
 //
 // Why: PyTorch's CPU flash attention runs its softmax(QK^T)V a 64 x 64-ish tile at a time through
 // per-tile GEMM calls; on an AMD Zen 5 (2 cores, torch 2.13) SmolLM2's attention (8 x 512
@@ -11,7 +15,8 @@
 // (BENCHMARKS.md). Here one task is one (row b, kv head g): the G = Hq / Hkv query heads that
 // share g are stacked into one (T * G, D) matrix (row t * G + h), so every product is one GEMM
 // over a block of Tb query positions of all G heads against the keys the block can see, through
-// fastllm::mm_out (oneDNN fp32 where fastllm/_gemm.py routes it, csrc/cpu/gemm.cpp):
+// fastllm::mm_out (oneDNN fp32 where fastllm/_gemm.py routes it, csrc/cpu/gemm.cpp) or the
+// bf16 x bf16 -> fp32 GEMM:
 //
 //   forward, per block of query positions [r0, r1) and its key range [lo, r1), lo = doc_start[r0]:
 //     S = Q_blk K^T                      (G * nb, n) fp32, n = r1 - lo
@@ -90,7 +95,7 @@ Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // Rows [t0, t1) of a task's (T, G, D) slice of x (B, T, H, D) at heads [h0, h0 + heads), as a
-// ((t1 - t0) * heads, D) fp32 matrix: the first rows of `into`.
+// ((t1 - t0) * heads, D) matrix of into's dtype: the first rows of `into`.
 void load(const at::Tensor& x, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t heads,
           const at::Tensor& into) {
   into.narrow(0, 0, (t1 - t0) * heads)
@@ -111,6 +116,23 @@ struct Range {
 
 inline Range keys_of(const int64_t* ds, int64_t t, int64_t first_key) {
   return {(ds ? ds[t] : 0) - first_key, t + 1 - first_key};
+}
+
+// Whether S = Q K^T and dP = dO V^T multiply bf16 inputs as they are (fastllm's bf16 x bf16 ->
+// fp32 GEMM) rather than fp32 copies of them. P and dS are never rounded to bf16: PyTorch's CPU
+// flash attention keeps them fp32 (its bf16 output and grads are within half an ulp there, and
+// rounding them doubled fastllm's error on its tests).
+bool bf16_products(const at::Tensor& q) {
+  return q.scalar_type() == at::kBFloat16 && gemm_bf16f32_available();
+}
+
+// out (fp32) = a @ b: bf16 operands through csrc/cpu/gemm_bf16.cpp, fp32 ones through mm_out.
+void product(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kBFloat16) {
+    gemm_bf16f32_cpu(a, b, out, /*accumulate=*/false);
+  } else {
+    mm_out(out, a, b);
+  }
 }
 
 // The unit of parallel work: task bg = b * Hkv + g, its query positions [t0, t1) (whole blocks).
@@ -161,6 +183,7 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   auto lse = at::empty({s.batch, s.heads, s.tokens}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
   const auto f32 = q.options().dtype(at::kFloat);
+  const auto ops = bf16_products(q) ? q.options() : f32;  // S's operands
   const int64_t T = s.tokens, G = s.group, D = s.dim;
   const float sc = static_cast<float>(scale);
   const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
@@ -172,7 +195,7 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
-    auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
+    auto qf = at::empty({T * G, D}, ops), kf = at::empty({T, D}, ops), vf = at::empty({T, D}, f32);
     auto of = at::empty({T * G, D}, f32);
     auto scores = at::empty({std::min(T, kBlock) * G * T}, f32);
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -187,7 +210,7 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
         const int64_t row0 = (r0 - part.t0) * G;
         const int64_t first = ds ? ds[r0] : 0, n = r1 - first;
         auto sblk = scores.narrow(0, 0, rows * n).view({rows, n});
-        mm_out(sblk, qf.narrow(0, row0, rows), kf.narrow(0, first, n).t());
+        product(sblk, qf.narrow(0, row0, rows), kf.narrow(0, first, n).t());
         float* sp = sblk.mutable_data_ptr<float>();
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t t = r0 + i / G;
@@ -236,6 +259,7 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
   auto dv = at::empty(v.sizes(), v.options());
   if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
   const auto f32 = q.options().dtype(at::kFloat);
+  const bool lowp = bf16_products(q);
   const int64_t T = s.tokens, G = s.group, D = s.dim;
   const float sc = static_cast<float>(scale);
   const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
@@ -259,6 +283,11 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
     c10::NoGradGuard no_grad;
     auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
     auto dof = at::empty({T * G, D}, f32), of = at::empty({T * G, D}, f32);
+    // S's and dP's operands: bf16 copies (lowp), else the fp32 ones
+    auto q16 = lowp ? at::empty({T * G, D}, q.options()) : qf;
+    auto k16 = lowp ? at::empty({T, D}, q.options()) : kf;
+    auto v16 = lowp ? at::empty({T, D}, q.options()) : vf;
+    auto do16 = lowp ? at::empty({T * G, D}, q.options()) : dof;
     auto dqf = at::empty({T * G, D}, f32);
     auto dk_own = split ? at::Tensor() : at::empty({T, D}, f32);
     auto dv_own = split ? at::Tensor() : at::empty({T, D}, f32);
@@ -272,8 +301,15 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
       const int64_t own_rows = (part.t1 - part.t0) * G;
       load(q, b, part.t0, part.t1, g * G, G, qf);
       load(k, b, 0, part.t1, g, 1, kf);
-      load(v, b, 0, part.t1, g, 1, vf);
       load(grad_out, b, part.t0, part.t1, g * G, G, dof);
+      if (lowp) {
+        load(q, b, part.t0, part.t1, g * G, G, q16);
+        load(k, b, 0, part.t1, g, 1, k16);
+        load(v, b, 0, part.t1, g, 1, v16);
+        load(grad_out, b, part.t0, part.t1, g * G, G, do16);
+      } else {
+        load(v, b, 0, part.t1, g, 1, vf);
+      }
       load(out, b, part.t0, part.t1, g * G, G, of);
       // delta = rowsum(dO * O), and each row's lse, in the part's (t, h) row order
       const float* dop = dof.const_data_ptr<float>();
@@ -298,8 +334,8 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
         auto p = pbuf.narrow(0, 0, rows * n).view({rows, n});
         auto dp = dpbuf.narrow(0, 0, rows * n).view({rows, n});
         const auto qb = qf.narrow(0, row0, rows), dob = dof.narrow(0, row0, rows);
-        const auto kb = kf.narrow(0, first, n), vb = vf.narrow(0, first, n);
-        mm_out(p, qb, kb.t());
+        const auto kb = kf.narrow(0, first, n);
+        product(p, q16.narrow(0, row0, rows), k16.narrow(0, first, n).t());
         float* pp = p.mutable_data_ptr<float>();
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t t = r0 + i / G;
@@ -312,7 +348,7 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
           std::fill(row + r.hi, row + n, 0.0f);
         }
         addmm_inplace(dvf.narrow(0, first, n), p.t(), dob, 1.0);
-        mm_out(dp, dob, vb.t());
+        product(dp, do16.narrow(0, row0, rows), v16.narrow(0, first, n).t());
         float* dpp = dp.mutable_data_ptr<float>();
         for (int64_t i = 0; i < rows; ++i) {
           const float di = delta[row0 + i];

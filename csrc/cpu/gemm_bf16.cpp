@@ -13,8 +13,8 @@
 // register tile accumulates 24 zmm of fp32 with vdpbf16ps (one broadcast pair of A against 32
 // columns of B per instruction pair). Blocks: 256 of k, 144 rows of A (L2), one 32-column panel
 // of B at a time (16 KiB, L1). Every element of out is one task's, summed in a fixed k order:
-// the result does not depend on the thread count. An internal building block
-// (csrc/cpu/fused_linear_cross_entropy.cpp), not an op; set_gemm_bf16f32(false) turns its users
+// the result does not depend on the thread count. An internal building block (the fused loss's
+// bf16 dW, csrc/cpu/attention.cpp's bf16 products), not an op; set_gemm_bf16f32(false) turns its users
 // back to their fallbacks (tests run both).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -195,7 +195,8 @@ void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   // Tasks: blocks of kMC rows x groups of panels; groups only as many as the threads need
   // (each group packs its rows of A again).
   const int64_t mblocks = (M + kMC - 1) / kMC;
-  const int64_t want = 4 * at::get_num_threads();
+  // (called from a parallel region, as by the attention's tasks, everything runs on this thread)
+  const int64_t want = at::in_parallel_region() ? 1 : 4 * at::get_num_threads();
   const int64_t groups = std::min(panels, std::max<int64_t>(1, (want + mblocks - 1) / mblocks));
   const int64_t per_group = (panels + groups - 1) / groups;
   at::parallel_for(0, mblocks * groups, 1, [&](int64_t t0, int64_t t1) {
