@@ -131,12 +131,19 @@ void bias_mm_out(const at::Tensor& out, const at::Tensor& bias, const at::Tensor
 void addmm_inplace(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha);
 // bf16 x bf16 -> fp32 CPU GEMM (csrc/cpu/gemm_bf16.cpp): out = a @ b, or out += a @ b when
 // accumulate, summed in fp32 and never rounded to bf16. a, b 2-D bf16 of any strides, out 2-D fp32
-// with contiguous rows. Only in builds with AVX512-BF16; raises else. gemm_bf16f32_available():
+// with contiguous rows; subnormals flushed to zero (vdpbf16ps). Only in builds with AVX512-BF16;
+// raises else (when there is anything to multiply). gemm_bf16f32_available():
 // built with it and not switched off by set_gemm_bf16f32(false) (for tests of the fallbacks).
 void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
                       bool accumulate);
 bool gemm_bf16f32_available();
-void set_gemm_bf16f32(bool on);
+// set_gemm_bf16f32: false off, true on wherever it applies (gemm_bf16f32_forced()), nullopt the
+// default (on, but for the fused loss's dW on AMX CPUs).
+void set_gemm_bf16f32(c10::optional<bool> on);
+bool gemm_bf16f32_forced();
+// Whether PyTorch's bf16 GEMMs run on AMX tiles here (cpublas::could_pack): there at::mm's bf16
+// may well beat gemm_bf16f32_cpu, which was measured only on CPUs without AMX.
+bool bf16_gemm_on_amx();
 
 // fastllm::fused_linear_cross_entropy (csrc/cpu/fused_linear_cross_entropy.cpp)
 // Cross-entropy of logits = hidden weight^T + bias over chunks of tokens, never materialising

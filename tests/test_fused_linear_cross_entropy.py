@@ -28,8 +28,9 @@ _op_module = sys.modules["fastllm.ops.fused_linear_cross_entropy"]
 BACKENDS = [p for p in backend_device_params() if p.values[0] != "cuda"]
 
 # (leading shape, H, V, options): odd sizes; V=300 with 2-row chunks runs many chunks and a last
-# short one, and the cpp kernel's several-vocabulary-tile path for bf16 (V > its 2048 tile is
-# covered by test_cpp_bf16_many_tiles).
+# short one, and the cpp kernel's bf16 dW over several chunks (by the bf16 -> fp32 GEMM where
+# fastllm._C has it, else the residual path; test_cpp_bf16_many_tiles runs both, and V past the
+# residual path's 2048-row tile).
 CASES = [
     ((3, 7), 24, 37, dict()),
     ((21,), 24, 300, dict(bias=True, label_smoothing=0.1)),
@@ -179,17 +180,18 @@ def test_cpp_bf16_many_tiles(monkeypatch, widened):
     ext = fastllm._extension.extension()
     if widened and not ext.gemm_bf16f32_available():
         pytest.skip("fastllm._C built without AVX512-BF16")
-    was = ext.gemm_bf16f32_available()
     ext.set_gemm_bf16f32(widened)
     try:
         _many_tiles(monkeypatch)
     finally:
-        ext.set_gemm_bf16f32(was)
+        ext.set_gemm_bf16f32(None)  # the default
 
 
 def _many_tiles(monkeypatch):
     monkeypatch.setattr(_op_module, "CHUNK_BYTES", 3 * 4500 * 2)
-    hidden, weight, bias, labels, _ = _inputs((10,), 16, 4500, dict(bias=True), torch.bfloat16)
+    # ignored tokens too: the chunks' rows gathered by index_select
+    hidden, weight, bias, labels, _ = _inputs((10,), 16, 4500, dict(bias=True, ignore=True),
+                                              torch.bfloat16)
     with fastllm.use_backend("cpp"):
         got = _loss_and_grads(fused_linear_cross_entropy, hidden, weight, bias, labels, "mean", {})
     oracle = _loss_and_grads(fused_linear_cross_entropy_ref, *_as(torch.float64,

@@ -182,23 +182,25 @@ def test_bf16f32_matches_fp64(m, n, k):
 
 def test_bf16f32_strided_operands_and_threads():
     """Transposed and sliced operands, an out whose rows are wider than n; the same bits with 1
-    thread as with 2 (every element is one task's, summed in a fixed order)."""
+    thread as with 2, whose work splits differ (one block of rows: 4 groups of column panels
+    with 1 thread, 8 with 2; every element is one task's, summed in a fixed order)."""
     ext = _bf16f32()
     g = torch.Generator().manual_seed(3)
-    a = torch.randn(300, 170, generator=g).bfloat16().t()        # (170, 300), column-major
-    b = torch.randn(300, 90, generator=g).bfloat16()[:, ::2]      # (300, 45), column stride 2
-    wide = torch.zeros(170, 64)
-    out = wide[:, 5:50]
-    ext.gemm_bf16f32_cpu(a, b, out, False)
-    assert _rel(out, a.double() @ b.double()) < 1e-5
-    assert wide[:, :5].abs().sum() == 0 and wide[:, 50:].abs().sum() == 0
+    a = torch.randn(1000, 100, generator=g).bfloat16().t()       # (100, 1000), column-major
+    b = torch.randn(1000, 1400, generator=g).bfloat16()[:, ::2]   # (1000, 700), column stride 2
+    wide = torch.zeros(100, 710)
+    out = wide[:, 5:705]
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
+        ext.gemm_bf16f32_cpu(a, b, out, False)
         torch.set_num_threads(1)
-        one = torch.empty(170, 45)
+        one = torch.empty(100, 700)
         ext.gemm_bf16f32_cpu(a, b, one, False)
     finally:
         torch.set_num_threads(threads)
+    assert _rel(out, a.double() @ b.double()) < 1e-5
+    assert wide[:, :5].abs().sum() == 0 and wide[:, 705:].abs().sum() == 0
     assert torch.equal(one, out)
 
 
@@ -218,6 +220,10 @@ def test_bf16f32_empty_and_bad_arguments():
         ext.gemm_bf16f32_cpu(a, b.t(), torch.empty(3, 2), False)
     with pytest.raises(RuntimeError, match=r"rows must be contiguous"):
         ext.gemm_bf16f32_cpu(a, b, torch.empty(2, 3).t(), False)
+    with pytest.raises(RuntimeError, match="refers to a single memory location"):
+        ext.gemm_bf16f32_cpu(a, b, torch.empty(1, 2).expand(3, 2), False)
+    with pytest.raises(RuntimeError, match="negative bit"):
+        ext.gemm_bf16f32_cpu(torch._neg_view(a), b, torch.empty(3, 2), False)
 
 
 def test_bench_gemm_bf16f32_smoke(monkeypatch):

@@ -7,7 +7,8 @@
 // documents are the rows whose doc_start restarts. Everything is computed in fp32: the products
 // of P and dS take fp32 copies of v, q, k, dO; S = Q K^T and dP = dO V^T, whose operands are the
 // inputs themselves, multiply bf16 inputs as they are where fastllm._C has its AVX512-BF16 GEMM
-// (csrc/cpu/gemm_bf16.cpp: fp32 sums, the same values as of fp32 copies up to summation order).
+// (csrc/cpu/gemm_bf16.cpp: fp32 sums, the values of fp32 copies' products up to the order of the
+// sums and subnormals, which it flushes to zero).
 //
 // Why: PyTorch's CPU flash attention runs its softmax(QK^T)V a 64 x 64-ish tile at a time through
 // per-tile GEMM calls; on an AMD Zen 5 (2 cores, torch 2.13) SmolLM2's attention (8 x 512
@@ -281,7 +282,8 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
   at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
-    auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32), vf = at::empty({T, D}, f32);
+    auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32);
+    auto vf = lowp ? at::Tensor() : at::empty({T, D}, f32);  // (lowp: dP takes v16)
     auto dof = at::empty({T * G, D}, f32), of = at::empty({T * G, D}, f32);
     // S's and dP's operands: bf16 copies (lowp), else the fp32 ones
     auto q16 = lowp ? at::empty({T * G, D}, q.options()) : qf;

@@ -212,17 +212,21 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
   const bool direct_dw = fp32 || m <= rows;
   // Otherwise (fp16, or a build without AVX512-BF16) over several chunks: dw32 is an fp32 (V, H)
   // accumulator and `partial` one tile of a chunk's product P in the storage dtype (the tile,
-  // not the chunk's whole (V, H) product, keeps the transient at kPartialBytes). The native low-precision GEMM accumulates in fp32 but
-  // rounds its output, and partial sums rounded chunk by chunk can cancel to worse than torch's
-  // one rounding; so each tile is added as round(P) and then the rounded residual
-  // round(P - round(P)) (a second GEMM with beta = -1, whose sum the GEMM forms in fp32): the
-  // accumulated error is ~u^2 |P|, fp32-like. Two native GEMMs are still faster than ATen's
-  // cpublas::brgemm with an fp32 accumulator, which ran at 146 GFLOP/s on AVX512-BF16 without
-  // AMX (no VNNI packing there) against ~530 for this GEMM (BENCHMARKS.md, 2026-12-02).
+  // not the chunk's whole (V, H) product, keeps the transient at kPartialBytes). The native
+  // low-precision GEMM accumulates in fp32 but rounds its output, and partial sums rounded chunk
+  // by chunk can cancel to worse than torch's one rounding; so each tile is added as round(P)
+  // and then the rounded residual round(P - round(P)) (a second GEMM with beta = -1, whose sum
+  // the GEMM forms in fp32): the accumulated error is ~u^2 |P|, fp32-like. Two native GEMMs are
+  // still faster than ATen's cpublas::brgemm with an fp32 accumulator, which ran at 146 GFLOP/s
+  // on AVX512-BF16 without AMX (no VNNI packing there) against ~530 for this GEMM (BENCHMARKS.md,
+  // 2026-12-02).
   // bf16 with AVX512-BF16 (csrc/cpu/gemm_bf16.cpp): each chunk's product is summed straight into
-  // dw32 in fp32 by one bf16 x bf16 -> fp32 GEMM, no rounding and no residual.
+  // dw32 in fp32 by one bf16 x bf16 -> fp32 GEMM, no rounding and no residual. Not on CPUs whose
+  // bf16 GEMMs run on AMX, where the two native GEMMs are AMX's and the kernel (AVX512-BF16,
+  // measured without AMX only) is likely the slower (set_gemm_bf16f32(true) forces it).
   const bool widened_dw = !direct_dw && std::is_same<scalar_t, at::BFloat16>::value &&
-                          gemm_bf16f32_available();
+                          gemm_bf16f32_available() &&
+                          (!bf16_gemm_on_amx() || gemm_bf16f32_forced());
   constexpr int64_t kPartialBytes = int64_t(16) << 20;
   at::Tensor dw32, partial, db32;
   int64_t tile = vocab;

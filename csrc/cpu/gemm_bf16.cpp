@@ -13,11 +13,15 @@
 // register tile accumulates 24 zmm of fp32 with vdpbf16ps (one broadcast pair of A against 32
 // columns of B per instruction pair). Blocks: 256 of k, 144 rows of A (L2), one 32-column panel
 // of B at a time (16 KiB, L1). Every element of out is one task's, summed in a fixed k order:
-// the result does not depend on the thread count. An internal building block (the fused loss's
-// bf16 dW, csrc/cpu/attention.cpp's bf16 products), not an op; set_gemm_bf16f32(false) turns its users
-// back to their fallbacks (tests run both).
+// the result does not depend on the thread count. As every vdpbf16ps, it reads subnormal inputs
+// as zero and flushes subnormal results (below 1.2e-38; an fp32 GEMM keeps them). An internal
+// building block (the fused loss's bf16 dW, csrc/cpu/attention.cpp's bf16 products), not an op;
+// set_gemm_bf16f32(false) turns its users back to their fallbacks, (true) on wherever they could
+// take it, (None) back to the default (tests run both ways).
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <atomic>
@@ -127,20 +131,34 @@ inline void micro_tile(int64_t kp, const uint32_t* a, const uint16_t* b, float* 
 #endif  // FASTLLM_GEMM_BF16
 
 namespace {
+// the switch: used where measured to pay (kAuto, the default), everywhere it applies, or nowhere
+enum Mode : int { kOff = 0, kAuto = 1, kForced = 2 };
 #ifdef FASTLLM_GEMM_BF16
-std::atomic<bool> g_bf16f32_on{true};
+std::atomic<int> g_bf16f32_mode{kAuto};
 #else
-std::atomic<bool> g_bf16f32_on{false};
+std::atomic<int> g_bf16f32_mode{kOff};
 #endif
 }  // namespace
 
-bool gemm_bf16f32_available() { return g_bf16f32_on.load(std::memory_order_relaxed); }
+bool gemm_bf16f32_available() { return g_bf16f32_mode.load(std::memory_order_relaxed) != kOff; }
 
-void set_gemm_bf16f32(bool on) {
+bool gemm_bf16f32_forced() { return g_bf16f32_mode.load(std::memory_order_relaxed) == kForced; }
+
+bool bf16_gemm_on_amx() {
+  // PyTorch's own test for packing B into AMX tiles (its CPU flash attention's), true where its
+  // bf16 GEMMs run on AMX
+  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+  return amx;
+}
+
+void set_gemm_bf16f32(c10::optional<bool> on) {
 #ifndef FASTLLM_GEMM_BF16
-  TORCH_CHECK(!on, "fastllm: fastllm._C was built without AVX512-BF16: no bf16 -> fp32 GEMM");
+  TORCH_CHECK(!on.value_or(false),
+              "fastllm: fastllm._C was built without AVX512-BF16: no bf16 -> fp32 GEMM");
+  if (!on.has_value()) return;
 #endif
-  g_bf16f32_on.store(on, std::memory_order_relaxed);
+  g_bf16f32_mode.store(!on.has_value() ? kAuto : (*on ? kForced : kOff),
+                       std::memory_order_relaxed);
 }
 
 void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
@@ -163,6 +181,9 @@ void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1,
               "fastllm.gemm_bf16f32: out's rows must be contiguous (stride(1) == 1), got strides ",
               out.strides());
+  at::assert_no_internal_overlap(out);  // tasks write disjoint elements of out
+  TORCH_CHECK(!a.is_neg() && !b.is_neg(),
+              "fastllm.gemm_bf16f32: a and b must not carry a negative bit (resolve_neg() first)");
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   if (M == 0 || N == 0) return;
   if (K == 0) {
@@ -180,7 +201,8 @@ void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   const int64_t sam = a.stride(0), sak = a.stride(1), sbk = b.stride(0), sbn = b.stride(1);
   const int64_t panels = (N + kNR - 1) / kNR;
   const int64_t kblocks = (K + kKC - 1) / kKC;
-  const int64_t panel_elems = (kKC / 2) * kNR * 2;
+  const int64_t kc_max = std::min(kKC, K);
+  const int64_t panel_elems = ((kc_max + 1) / 2) * kNR * 2;
   // all of B, packed once: [k block][panel][kKC / 2][kNR][2]
   auto packed_b = at::empty({kblocks * panels * panel_elems}, b.options());
   auto* bp = reinterpret_cast<uint16_t*>(packed_b.mutable_data_ptr());
@@ -200,7 +222,7 @@ void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   const int64_t groups = std::min(panels, std::max<int64_t>(1, (want + mblocks - 1) / mblocks));
   const int64_t per_group = (panels + groups - 1) / groups;
   at::parallel_for(0, mblocks * groups, 1, [&](int64_t t0, int64_t t1) {
-    auto packed_a = at::empty({kMC * (kKC / 2)}, at::kInt);
+    auto packed_a = at::empty({kMC * ((kc_max + 1) / 2)}, at::kInt);
     auto* ap = reinterpret_cast<uint32_t*>(packed_a.mutable_data_ptr());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i0 = (t / groups) * kMC, m = std::min(kMC, M - i0);
