@@ -241,3 +241,19 @@ def test_bench_gemm_bf16f32_smoke(monkeypatch):
     ours, theirs = (float(x.split(",")[0]) for x in rows[-1]["note"].split("fastllm ")[1:2] +
                     rows[-1]["note"].split("torch.mm bf16 ")[1:2])
     assert ours < 1e-4 < theirs
+
+
+def test_amx_probe_follows_the_cpu():
+    """bf16_gemm_on_amx (PyTorch's cpublas::could_pack, looked up at run time: the fused loss
+    keeps its native GEMMs where it is true) is false on a CPU without AMX-BF16."""
+    ext = _extension.extension()
+    if ext is None or not hasattr(ext, "bf16_gemm_on_amx"):
+        pytest.skip("extension not built")
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    amx = ext.bf16_gemm_on_amx()
+    assert isinstance(amx, bool)
+    if "amx_bf16" not in flags:
+        assert not amx
