@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -39,6 +40,22 @@ def backend_device_params(without=()):
         marks = [pytest.mark.skip(reason=reason)] if reason else []
         out.append(pytest.param(backend, device, id=p.id, marks=marks))
     return out
+
+
+@contextlib.contextmanager
+def gemm_bf16f32(on):
+    """fastllm._C's bf16 x bf16 -> fp32 GEMM forced on (True) or off (False) for the block, then
+    back to its default; skips the test when on is asked of a build without AVX512-BF16."""
+    if fastllm._backend.unavailable_reason("cpp", "cpu"):
+        pytest.skip("no cpp backend")
+    ext = fastllm._extension.extension()
+    if on and not ext.gemm_bf16f32_available():
+        pytest.skip("fastllm._C built without AVX512-BF16")
+    ext.set_gemm_bf16f32(on)
+    try:
+        yield
+    finally:
+        ext.set_gemm_bf16f32(None)  # the default
 
 
 @pytest.fixture(autouse=True)

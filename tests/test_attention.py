@@ -17,7 +17,7 @@ from fastllm import _lowp
 from fastllm.ops.attention import attention, attention_ref, doc_start_from_position_ids
 
 from _model_ops import check_close, count_varlen_calls, grads
-from conftest import backend_device_params
+from conftest import backend_device_params, gemm_bf16f32
 
 _module = sys.modules["fastllm.ops.attention"]
 BACKENDS = [p for p in backend_device_params() if p.values[0] in ("cpp", "ref")]
@@ -137,18 +137,9 @@ def test_cpp_bf16_both_product_paths(bf16_products, case):
     """bf16 on the cpp kernel by both of its ways: S = QK^T and dP = dO V^T of the bf16 inputs
     through fastllm's bf16 x bf16 -> fp32 GEMM (AVX512-BF16 builds) and of fp32 copies (the
     fallback): each within twice PyTorch's own error against fp64."""
-    if fastllm._backend.unavailable_reason("cpp", "cpu"):
-        pytest.skip("no cpp backend")
-    ext = fastllm._extension.extension()
-    if bf16_products and not ext.gemm_bf16f32_available():
-        pytest.skip("fastllm._C built without AVX512-BF16")
     q, k, v, dy, doc_start = _inputs(case, torch.bfloat16)
-    ext.set_gemm_bf16f32(bf16_products)
-    try:
-        with fastllm.use_backend("cpp"):
-            got = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
-    finally:
-        ext.set_gemm_bf16f32(None)  # the default
+    with gemm_bf16f32(bf16_products), fastllm.use_backend("cpp"):
+        got = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
     wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
     oracle = grads([attention_ref(*wide, doc_start=doc_start)], wide, [dy.double()])
     theirs_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -161,18 +152,13 @@ def test_cpp_bf16_scores_follow_the_switch():
     """The bf16 scores really come from the bf16 -> fp32 GEMM when it is on: the logsumexp (fp32,
     from S) differs in its last bits from the fp32 copies' (another order of the sums), and
     agrees to fp32's precision."""
-    ext = fastllm._extension.extension()
-    if fastllm._backend.unavailable_reason("cpp", "cpu") or not ext.gemm_bf16f32_available():
-        pytest.skip("no cpp backend / fastllm._C built without AVX512-BF16")
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 40, h, 64, generator=g).bfloat16() for h in (2, 1, 1))
     lse = {}
-    try:
-        for on in (True, False):
-            ext.set_gemm_bf16f32(on)
-            lse[on] = ext.attention_cpu(q, k, v, torch.empty(0, dtype=torch.long), 0.125)[1]
-    finally:
-        ext.set_gemm_bf16f32(None)  # the default
+    for on in (True, False):
+        with gemm_bf16f32(on):
+            lse[on] = fastllm._extension.extension().attention_cpu(
+                q, k, v, torch.empty(0, dtype=torch.long), 0.125)[1]
     assert not torch.equal(lse[True], lse[False])
     torch.testing.assert_close(lse[True], lse[False], rtol=1e-5, atol=1e-5)
 

@@ -18,7 +18,7 @@ from fastllm.ops.fused_linear_cross_entropy import (
     fused_linear_cross_entropy_ref,
 )
 
-from conftest import backend_device_params
+from conftest import backend_device_params, gemm_bf16f32
 from fastllm.bench.harness import allocator_peak_bytes
 
 _op_module = sys.modules["fastllm.ops.fused_linear_cross_entropy"]
@@ -175,16 +175,8 @@ def test_cpp_bf16_many_tiles(monkeypatch, widened):
     """bf16 over several chunks and more than one 2048-row vocabulary tile: the cpp kernel's
     fp32 dW accumulation, against fp64, by both of its ways: fastllm's bf16 x bf16 -> fp32 GEMM
     (AVX512-BF16 builds) and the native bf16 GEMM with its rounding residual (the fallback)."""
-    if fastllm._backend.unavailable_reason("cpp", "cpu"):
-        pytest.skip("no cpp backend")
-    ext = fastllm._extension.extension()
-    if widened and not ext.gemm_bf16f32_available():
-        pytest.skip("fastllm._C built without AVX512-BF16")
-    ext.set_gemm_bf16f32(widened)
-    try:
+    with gemm_bf16f32(widened):
         _many_tiles(monkeypatch)
-    finally:
-        ext.set_gemm_bf16f32(None)  # the default
 
 
 def _many_tiles(monkeypatch):

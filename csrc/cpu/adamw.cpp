@@ -69,18 +69,18 @@ void adamw_chunk(scalar_t* __restrict p_raw, const scalar_t* __restrict g_raw,
   const opmath_t one_minus_weight = opmath_t(1) - s.lerp_weight;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    opmath_t g = static_cast<opmath_t>(Io::load(g_ptr[i]));
+    opmath_t g = Io::load(g_ptr[i]);
     if constexpr (SCALED) g = g * s.inv_grad_scale;
     if constexpr (MAXIMIZE) g = -g;
-    opmath_t p = static_cast<opmath_t>(Io::load(p_ptr[i])) * s.decay;
-    opmath_t m = static_cast<opmath_t>(Io::load(m_ptr[i]));
+    opmath_t p = Io::load(p_ptr[i]) * s.decay;
+    opmath_t m = Io::load(m_ptr[i]);
     const opmath_t diff = g - m;
     m = small_weight ? m + s.lerp_weight * diff : g - diff * one_minus_weight;
-    opmath_t v = static_cast<opmath_t>(Io::load(v_ptr[i])) * s.beta2;
+    opmath_t v = Io::load(v_ptr[i]) * s.beta2;
     v = v + s.one_minus_beta2 * g * g;
     opmath_t v_used = v;
     if constexpr (AMSGRAD) {
-      const opmath_t vm = static_cast<opmath_t>(Io::load(vmax_ptr[i]));
+      const opmath_t vm = Io::load(vmax_ptr[i]);
       v_used = vm > v ? vm : v;
       vmax_ptr[i] = Io::store(v_used);
     }

@@ -110,6 +110,12 @@ void store(const at::Tensor& from, const at::Tensor& x, int64_t b, int64_t t0, i
       .copy_(from.narrow(0, 0, (t1 - t0) * heads).view({t1 - t0, heads, x.size(3)}));
 }
 
+// Rows t of head h of row b of x (B, T, H, D), as a (T, D) view (rows H * D apart): the keys or
+// values of one kv head as the bf16 GEMM takes them, which reads any strides (no copy).
+at::Tensor head_rows(const at::Tensor& x, int64_t b, int64_t h) {
+  return x.select(0, b).select(1, h);
+}
+
 // Key range [lo, hi) of query position t (lo relative to the block's first key).
 struct Range {
   int64_t lo, hi;
@@ -184,7 +190,7 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   auto lse = at::empty({s.batch, s.heads, s.tokens}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
   const auto f32 = q.options().dtype(at::kFloat);
-  const auto ops = bf16_products(q) ? q.options() : f32;  // S's operands
+  const bool lowp = bf16_products(q);
   const int64_t T = s.tokens, G = s.group, D = s.dim;
   const float sc = static_cast<float>(scale);
   const int64_t* ds_all = doc_start.numel() > 0 ? doc_start.const_data_ptr<int64_t>() : nullptr;
@@ -196,22 +202,25 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
-    auto qf = at::empty({T * G, D}, ops), kf = at::empty({T, D}, ops), vf = at::empty({T, D}, f32);
-    auto of = at::empty({T * G, D}, f32);
+    // S's operands: bf16 q (the group's heads stacked) and k as it is (lowp), else fp32 copies
+    auto qf = at::empty({T * G, D}, lowp ? q.options() : f32);
+    auto kf = lowp ? at::Tensor() : at::empty({T, D}, f32);
+    auto vf = at::empty({T, D}, f32), of = at::empty({T * G, D}, f32);
     auto scores = at::empty({std::min(T, kBlock) * G * T}, f32);
     for (int64_t idx = begin; idx < end; ++idx) {
       const Part part = parts[idx];
       const int64_t b = part.bg / s.kv_heads, g = part.bg % s.kv_heads;
       const int64_t* ds = ds_all ? ds_all + b * T : nullptr;
       load(q, b, part.t0, part.t1, g * G, G, qf);  // row (t - t0) * G + h
-      load(k, b, 0, part.t1, g, 1, kf);           // row t: every key the part can see
+      if (!lowp) load(k, b, 0, part.t1, g, 1, kf);  // row t: every key the part can see
+      const auto keys = lowp ? head_rows(k, b, g) : kf;
       load(v, b, 0, part.t1, g, 1, vf);
       for (int64_t r0 = part.t0; r0 < part.t1; r0 += kBlock) {
         const int64_t r1 = std::min(part.t1, r0 + kBlock), rows = (r1 - r0) * G;
         const int64_t row0 = (r0 - part.t0) * G;
         const int64_t first = ds ? ds[r0] : 0, n = r1 - first;
         auto sblk = scores.narrow(0, 0, rows * n).view({rows, n});
-        product(sblk, qf.narrow(0, row0, rows), kf.narrow(0, first, n).t());
+        product(sblk, qf.narrow(0, row0, rows), keys.narrow(0, first, n).t());
         float* sp = sblk.mutable_data_ptr<float>();
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t t = r0 + i / G;
@@ -285,10 +294,9 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
     auto qf = at::empty({T * G, D}, f32), kf = at::empty({T, D}, f32);
     auto vf = lowp ? at::Tensor() : at::empty({T, D}, f32);  // (lowp: dP takes v16)
     auto dof = at::empty({T * G, D}, f32), of = at::empty({T * G, D}, f32);
-    // S's and dP's operands: bf16 copies (lowp), else the fp32 ones
+    // S's and dP's operands: bf16 copies of q and dO (lowp; k and v as they are), else the fp32
+    // ones
     auto q16 = lowp ? at::empty({T * G, D}, q.options()) : qf;
-    auto k16 = lowp ? at::empty({T, D}, q.options()) : kf;
-    auto v16 = lowp ? at::empty({T, D}, q.options()) : vf;
     auto do16 = lowp ? at::empty({T * G, D}, q.options()) : dof;
     auto dqf = at::empty({T * G, D}, f32);
     auto dk_own = split ? at::Tensor() : at::empty({T, D}, f32);
@@ -306,12 +314,11 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
       load(grad_out, b, part.t0, part.t1, g * G, G, dof);
       if (lowp) {
         load(q, b, part.t0, part.t1, g * G, G, q16);
-        load(k, b, 0, part.t1, g, 1, k16);
-        load(v, b, 0, part.t1, g, 1, v16);
         load(grad_out, b, part.t0, part.t1, g * G, G, do16);
       } else {
         load(v, b, 0, part.t1, g, 1, vf);
       }
+      const auto k16 = lowp ? head_rows(k, b, g) : kf, v16 = lowp ? head_rows(v, b, g) : vf;
       load(out, b, part.t0, part.t1, g * G, G, of);
       // delta = rowsum(dO * O), and each row's lse, in the part's (t, h) row order
       const float* dop = dof.const_data_ptr<float>();
