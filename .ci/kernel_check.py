@@ -269,7 +269,8 @@ def model_recipes():
     def swiglu(ffn):
         gate, up = torch.randn(rows, ffn).to(dt), torch.randn(rows, ffn).to(dt)
         swiglu_fwd_triton(gate, up)
-        swiglu_bwd_triton(torch.randn(rows, ffn).to(dt), gate, up)
+        for need_h in (False, True):  # (True: swiglu_linear's backward, the product written too)
+            swiglu_bwd_triton(torch.randn(rows, ffn).to(dt), gate, up, need_h)
 
     def rotary(hq, hk, d, gather):
         b, s = 2, 32

@@ -16,7 +16,9 @@ Then the model ops' host cost: one forward and backward of each op fastllm.patch
 model, on inputs so small (16 tokens) that the time is the Python and dispatch around the
 kernels, against the torch eager maths Hugging Face runs (on an H200 a patched SmolLM2 step
 spent 59 ms in kernels and 198 ms in all: the host's part, 2026-12-04); and a whole training step
-of a 30-layer Llama as small, patched against Hugging Face's.
+of a 30-layer Llama as small, patched against Hugging Face's. Then the same ops and step on
+fastllm's GPU path with its Triton launches stubbed out (bench/host_gpu_path.py, in a process of
+its own): the host work a GPU step pays around fastllm's kernels, measured without a GPU.
 
     fastllm bench --ops host
 """
@@ -182,6 +184,25 @@ def _tiny_llama_step_rows(progress):
              "baseline": "Hugging Face"} for name in fns]
 
 
+def _gpu_path_rows(progress):
+    """bench/host_gpu_path.py's rows (the GPU path's host work, Triton launches stubbed), from
+    a process of its own: TRITON_INTERPRET must be set before triton is imported."""
+    import json
+    import subprocess
+    import sys
+
+    from fastllm import _backend
+
+    if not _backend.triton_available():
+        return []
+    progress("host: the GPU path (Triton launches stubbed), in a process of its own")
+    done = subprocess.run([sys.executable, "-m", "fastllm.bench.host_gpu_path"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError("bench/host_gpu_path.py failed:\n" + done.stderr[-4000:])
+    return json.loads(done.stdout)
+
+
 def run(device="cpu", full=False, progress=print):
     if torch.device(device).type != "cpu":
         return []  # a host-cost measurement: CPU tensors by design
@@ -207,6 +228,7 @@ def run(device="cpu", full=False, progress=print):
                              "us_per_tensor": us, "note": f"{us:.2f} us per tensor"})
         rows += _model_op_rows(progress)
         rows += _tiny_llama_step_rows(progress)
+        rows += _gpu_path_rows(progress)
     finally:
         torch.set_num_threads(threads)
     return rows

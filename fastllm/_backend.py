@@ -106,7 +106,10 @@ def device_guard(device):
     and a torch.library Python kernel sets no guard); a no-op for CPU tensors."""
     if not isinstance(device, torch.device):
         device = torch.device(device)
-    if device.type == "cuda":
+    # (only where the device is not already current: entering and leaving torch.cuda.device
+    # costs microseconds, and a patched model's step makes hundreds of such calls)
+    if (device.type == "cuda" and device.index is not None
+            and device.index != torch.cuda.current_device()):
         return torch.cuda.device(device)
     return _NO_GUARD
 

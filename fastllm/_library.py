@@ -129,9 +129,14 @@ SCHEMAS = {
         "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor? doc_start, float scale) -> (Tensor, Tensor, Tensor)"
     ),
-    # silu(gate) * up; the backward recomputes sigmoid(gate).
+    # silu(gate) * up; the backward recomputes sigmoid(gate), and with need_h the product
+    # silu(gate) * up itself in the same pass (swiglu_linear's weight grad reads it), else an
+    # empty tensor.
     "swiglu": "swiglu(Tensor gate, Tensor up) -> Tensor",
-    "swiglu_backward": "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)",
+    "swiglu_backward": (
+        "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, bool need_h=False) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
     # x weight^T + bias, computed in fp32 for bf16/fp16 on CPUs without a native low-precision
     # GEMM (fastllm/ops/linear.py, fastllm/_lowp.py); (dx, dweight, dbias), empty where
     # output_mask is False.

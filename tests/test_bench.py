@@ -414,3 +414,42 @@ def test_host_bench_model_op_peers_compute_the_same_maths():
     for op, (ours, theirs) in bench_host.model_op_pairs().items():
         torch.testing.assert_close(ours().float(), theirs().float(), rtol=1e-5, atol=1e-5,
                                    msg=lambda m, op=op: f"{op}: {m}")
+
+
+def test_host_bench_gpu_path_runs_the_triton_kernels():
+    """bench/host_gpu_path.py (the GPU path's host work, Triton launches stubbed) times what it
+    says: each model op's fastllm side and the patched step launch their Triton kernels (a
+    preference left on cpp would launch none), one forward launch per RMSNorm, rotary and
+    SwiGLU of the 30 layers (+ the final norm), and with LoRA's frozen base no weight-grad
+    work for the frozen norms."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-m", "fastllm.bench.host_gpu_path", "--launches"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout)
+    for op in ("rms_norm", "rotary_embedding", "swiglu", "lora_linear",
+               "fused_linear_cross_entropy"):
+        (ours,) = [v for k, v in counts.items() if k.startswith(op + " ")]
+        assert sum(ours.values()) >= 1, (op, ours)
+    step = counts["step full"]
+    assert step["_rms_norm_fwd_kernel"] == 61 and step["_rotary_kernel"] == 60
+    # down_proj's weight grad reads the SwiGLU product from the backward kernel's pass: no
+    # second forward launch per layer to recompute it
+    assert step["_swiglu_fwd_kernel"] == 30 and step["_swiglu_bwd_kernel"] == 30
+    assert step["_flce_row_kernel"] >= 1
+    # LoRA (frozen base): no dweight work for the norms
+    lora = counts["step lora"]
+    assert "_rms_norm_dw_kernel" not in lora and lora["_swiglu_bwd_kernel"] == 30, lora
+
+
+def test_host_side_grid_arithmetic_matches_triton():
+    """fastllm.kernels.cdiv / next_power_of_2 (plain Python for the launchers) compute what
+    triton.cdiv / triton.next_power_of_2 do."""
+    triton = pytest.importorskip("triton")
+    from fastllm.kernels import cdiv, next_power_of_2
+
+    for n in list(range(0, 300)) + [65535, 65536, 65537, 2**31 + 1000]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 2, 3, 16, 1024):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)

@@ -51,12 +51,29 @@ def test_bad_input_is_refused():
         swiglu(torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_product_is_the_forwards(backend, device, dtype):
+    """swiglu_backward(..., need_h=True) also returns silu(gate) * up (what swiglu_linear's
+    weight grad reads instead of a second forward pass): bitwise the forward's output on the same
+    backend, and the same dgate and dup as without it; empty without need_h."""
+    gate = (3 * torch.randn(4, 77, device=device)).to(dtype)
+    up, dy = (torch.randn(4, 77, device=device).to(dtype) for _ in range(2))
+    with fastllm.use_backend(backend):
+        y = swiglu(gate, up)
+        dg, du, h = torch.ops.fastllm.swiglu_backward(dy, gate, up, True)
+        dg0, du0, none = torch.ops.fastllm.swiglu_backward(dy, gate, up)
+    assert torch.equal(h, y) and torch.equal(dg, dg0) and torch.equal(du, du0)
+    assert none.numel() == 0
+
+
 def test_opcheck_and_compile():
     gate = torch.randn(5, 33, requires_grad=True)
     up = torch.randn(5, 33, requires_grad=True)
     torch.library.opcheck(torch.ops.fastllm.swiglu.default, (gate, up))
-    torch.library.opcheck(torch.ops.fastllm.swiglu_backward.default,
-                          (torch.randn(5, 33), gate.detach(), up.detach()))
+    for need_h in (False, True):
+        torch.library.opcheck(torch.ops.fastllm.swiglu_backward.default,
+                              (torch.randn(5, 33), gate.detach(), up.detach(), need_h))
     fn = torch.compile(lambda g, u: swiglu(g, u).sum(), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(fn(gate, up), swiglu(gate, up).sum())
     fn(gate, up).backward()
@@ -81,3 +98,29 @@ def test_swiglu_linear_matches_and_keeps_no_product(frozen):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         swiglu_linear(gate, up, w, b)
     assert {t.data_ptr() for t in saved} <= {gate.data_ptr(), up.data_ptr(), w.data_ptr()}
+
+
+@pytest.mark.parametrize("mode", ["native", "fp32"])
+def test_swiglu_linear_both_linear_paths(monkeypatch, mode):
+    """bf16 through F.linear and torch.mm (native: what a GPU runs) and through fastllm.linear
+    (fp32: the CPU policy that widens bf16 products): each against F.linear of the fp64 maths and
+    against PyTorch's bf16 F.linear of HF's product, forward and every gradient."""
+    from fastllm.ops.swiglu import swiglu_linear
+
+    monkeypatch.setenv("FASTLLM_CPU_LOWP_MATMUL", mode)
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_()
+
+    gate, up, w, b = r(3, 9, 40), r(3, 9, 40), r(11, 40), r(11)
+    g = torch.randn(3, 9, 11, generator=gen).to(torch.bfloat16)
+    out = swiglu_linear(gate, up, w, b)
+    assert out.grad_fn.plain == (mode == "native")
+    got = grads([out], [gate, up, w, b], [g])
+    c = [t.detach().clone().requires_grad_() for t in (gate, up, w, b)]
+    theirs = grads([F.linear(F.silu(c[0]) * c[1], c[2], c[3])], c, [g])
+    d = [t.detach().double().requires_grad_() for t in (gate, up, w, b)]
+    oracle = grads([F.linear(swiglu_ref(d[0], d[1]), d[2], d[3])], d, [g.double()])
+    for name, a, t, o in zip(("y", "dgate", "dup", "dw", "db"), got, theirs, oracle):
+        check_close(name, a, t, o, torch.bfloat16)

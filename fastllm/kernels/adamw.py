@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+from fastllm.kernels import cdiv
 from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param, device_step,
                                        host_constants, load_grad, step_scalars, stream_load)
 from fastllm.kernels.rounding import store_rounded
@@ -227,7 +228,7 @@ def _per_tensor(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, co
         n = p.numel()
         if n == 0:
             continue
-        _adamw_tensor_kernel[(triton.cdiv(n, block),)](
+        _adamw_tensor_kernel[(cdiv(n, block),)](
             p, grads[i], exp_avgs[i], exp_avg_sqs[i],
             max_exp_avg_sqs[i] if amsgrad else p,
             device_step(steps[i], p.device),

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+from fastllm.kernels import cdiv, next_power_of_2
 from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, device_step, host_constants,
                                        load_grad, step_scalars, stream_load, stream_store)
 from fastllm.kernels.adamw import _TL_DTYPES
@@ -325,7 +326,7 @@ def _tile(block_size, q8):
     tile = 16384 if triton_interpreting() else 1024
     if not q8:
         block_size = tile = tile * 2
-    block_p2 = triton.next_power_of_2(block_size)
+    block_p2 = next_power_of_2(block_size)
     rows = max(1, tile // block_p2)
     if triton_interpreting():
         return block_size, block_p2, rows, 1, 4
@@ -397,7 +398,7 @@ def _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
         if n == 0:
             continue
         spare = exp_avgs[i]
-        _adamw8bit_tensor_kernel[(triton.cdiv(n, tile),)](
+        _adamw8bit_tensor_kernel[(cdiv(n, tile),)](
             p, grads[i], masters[i] if masters else spare, exp_avgs[i], exp_avg_sqs[i],
             exp_avg_absmaxes[i] if flags["Q8"] else spare,
             exp_avg_sq_absmaxes[i] if flags["Q8"] else spare,

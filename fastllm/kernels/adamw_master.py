@@ -21,6 +21,7 @@ strides over their chunks: one launch per step; a nonzero found_inf makes its lo
 import triton
 import triton.language as tl
 
+from fastllm.kernels import cdiv
 from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param, device_step,
                                        host_constants, load_grad, step_scalars, stream_load,
                                        stream_store)
@@ -241,7 +242,7 @@ def _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, step
         n = p.numel()
         if n == 0:
             continue
-        _adamw_master_tensor_kernel[(triton.cdiv(n, block),)](
+        _adamw_master_tensor_kernel[(cdiv(n, block),)](
             p, grads[i],
             masters[i] if masters else exp_avgs[i],
             exp_avgs[i], exp_avg_sqs[i],

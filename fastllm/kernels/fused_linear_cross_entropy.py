@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import next_power_of_2
 from fastllm.kernels.rounding import round_nearest
 
 
@@ -104,7 +105,7 @@ def row_pass_triton(z, labels, weights, label_smoothing, z_loss, cap, need_grad)
         return loss
     if z.stride(1) != 1:
         raise ValueError("fastllm.fused_linear_cross_entropy: the chunk buffer must be row-major")
-    block_v = min(triton.next_power_of_2(vocab), 4096 if z.element_size() == 4 else 8192)
+    block_v = min(next_power_of_2(vocab), 4096 if z.element_size() == 4 else 8192)
     _flce_row_kernel[(rows,)](
         z, labels.contiguous(), weights.float().contiguous(), loss, vocab, z.stride(0),
         float(label_smoothing), float(z_loss), float(cap or 1.0),

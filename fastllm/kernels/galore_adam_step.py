@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import cdiv
+
 
 @triton.jit
 def _adam_lowrank_kernel(
@@ -47,7 +49,7 @@ def galore_adam_step_triton(param, grad, proj, exp_avg, exp_avg_sq, *, step, lef
     low = proj.t().mm(g) if left else g.mm(proj)
     n = low.numel()
     block = 1024
-    _adam_lowrank_kernel[(triton.cdiv(n, block),)](
+    _adam_lowrank_kernel[(cdiv(n, block),)](
         low, exp_avg, exp_avg_sq, n, 1.0 - beta1, beta2, 1.0 - beta2,
         1.0 / math.sqrt(1.0 - beta2**step), eps, BLOCK_SIZE=block)
     decay = 1.0 - lr * weight_decay

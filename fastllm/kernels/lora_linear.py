@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+from fastllm.kernels import cdiv, next_power_of_2
 from fastllm.kernels.rounding import round_nearest
 
 
@@ -349,17 +350,17 @@ def _post_scale(p2, q):
 
 
 def _block_r(r):
-    return max(16, triton.next_power_of_2(r))
+    return max(16, next_power_of_2(r))
 
 
 def _down(p2, q, q_strides, m, k, r, dropout, has_dropout, out, cfg):
     """out (m, r, any strides) = d(p2) q^T, q: (r, k) at q_strides, stored in out's dtype."""
     meta = dict(cfg["down"])
-    m_blocks = triton.cdiv(m, meta["BLOCK_M"])
-    k_blocks = triton.cdiv(k, meta["BLOCK_K"])
+    m_blocks = cdiv(m, meta["BLOCK_M"])
+    k_blocks = cdiv(k, meta["BLOCK_K"])
     splits = max(1, min(k_blocks, _TARGET_PROGRAMS // m_blocks))
-    k_per_split = triton.cdiv(k_blocks, splits) * meta["BLOCK_K"]
-    splits = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(k_blocks, splits) * meta["BLOCK_K"]
+    splits = cdiv(k, k_per_split)
     if splits == 1:
         target, strides = out, (0, *out.stride())
     else:
@@ -378,7 +379,7 @@ def _down(p2, q, q_strides, m, k, r, dropout, has_dropout, out, cfg):
 def _up(c2, lo, lo_strides, u, u_strides, bias, m, n, r, scaling, dropout, has_dropout, cfg):
     """c2 (m, n) = s d(lo u^T) (+ bias); lo (m, r), u (n, r) at the given strides."""
     meta = dict(cfg["up"])
-    grid = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+    grid = (cdiv(m, meta["BLOCK_M"]), cdiv(n, meta["BLOCK_N"]))
     seed, threshold, dropout_scale = dropout
     _launch(_lora_up_kernel, grid, (
         c2, lo, u, c2 if bias is None else bias, m, n, r, float(scaling), seed, threshold,
@@ -391,11 +392,11 @@ def _weight_grad(p2, q, m, p_cols, r, scaling, dropout, has_dropout, out_dtype, 
     """s d(P)^T Q, (p_cols, r), in out_dtype: fp32 partial sums over splits of M, summed here in
     a fixed order (deterministic, unlike atomics), so a long M still fills the machine."""
     meta = dict(cfg["pq"])
-    p_blocks = triton.cdiv(p_cols, meta["BLOCK_P"])
-    m_blocks = triton.cdiv(m, meta["BLOCK_M"])
+    p_blocks = cdiv(p_cols, meta["BLOCK_P"])
+    m_blocks = cdiv(m, meta["BLOCK_M"])
     splits = max(1, min(m_blocks, _TARGET_PROGRAMS // p_blocks))
-    rows_per_split = triton.cdiv(m_blocks, splits) * meta["BLOCK_M"]
-    splits = triton.cdiv(m, rows_per_split)
+    rows_per_split = cdiv(m_blocks, splits) * meta["BLOCK_M"]
+    splits = cdiv(m, rows_per_split)
     partial = torch.empty((splits, p_cols, r), dtype=torch.float32, device=p2.device)
     seed, threshold, dropout_scale = dropout
     _launch(_lora_pq_kernel, (p_blocks, splits), (

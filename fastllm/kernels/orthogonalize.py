@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import next_power_of_2
+
 _DEPENDENCE_C = 16  # as DEPENDENCE_C in fastllm/ops/orthogonalize.py
 _REORTHOGONALIZE = 0.5  # as REORTHOGONALIZE there
 _EPS = torch.finfo(torch.float32).eps
@@ -104,7 +106,7 @@ def orthogonalize_triton(matrices, epsilon=0.0):
         n, r = x.shape
         if x.numel() == 0:
             continue
-        block_r = max(triton.next_power_of_2(r), 2)
+        block_r = max(next_power_of_2(r), 2)
         # 16 elements a thread per tile (4 warps): with 32 the kernel spilled under Triton 3.6
         block_n = max(16, min(128, 2048 // block_r))
         _orthogonalize_kernel[(1,)](x, n, r, float(epsilon), _DEPENDENCE_C * r * _EPS,

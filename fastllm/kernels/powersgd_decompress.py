@@ -10,6 +10,8 @@ is read once and M and the error written once.
 import triton
 import triton.language as tl
 
+from fastllm.kernels import cdiv
+
 
 @triton.jit
 def _decompress_kernel(
@@ -60,6 +62,6 @@ def powersgd_decompress_triton(matrices, ps, qs, local_qs, errors, scale):
             continue
         err = errors[i] if errors else mat
         local_q = local_qs[i] if errors else q
-        grid = (triton.cdiv(n, block_m), triton.cdiv(m, block_n))
+        grid = (cdiv(n, block_m), cdiv(m, block_n))
         _decompress_kernel[grid](mat, err, p, q, local_q, n, m, p.shape[1], float(scale),
                                  HAS_ERROR=bool(errors), BLOCK_M=block_m, BLOCK_N=block_n)

@@ -26,11 +26,14 @@ accesses, no spills). The three kernels run in the test suite under the Triton i
 (TRITON_INTERPRET=1); none has run on a GPU yet.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+from fastllm.kernels import cdiv, next_power_of_2
 from fastllm.kernels.rounding import round_nearest
 
 # Elements per tile: the forward's 16 per thread (two 16-byte loads of bf16) at 16 warps (40
@@ -148,7 +151,7 @@ def _rms_norm_dw_kernel(
 
 
 def _block_h(h):
-    block = triton.next_power_of_2(max(h, 1))
+    block = next_power_of_2(max(h, 1))
     if block > 65536:
         raise ValueError(f"fastllm.rms_norm: the Triton kernel takes rows of up to 65536, got {h}")
     return block
@@ -159,6 +162,13 @@ def _tile(h, elements, per_thread=16):
     block = _block_h(h)
     rows = max(1, elements // block)
     return rows, block, min(16, max(1, rows * block // (32 * per_thread)))
+
+
+@functools.lru_cache(maxsize=None)
+def _config(h, elements, per_thread):
+    """(ROWS, BLOCK_H, num_warps, H_DIVISOR) of a launch over rows of h: computed once per
+    shape (a patched model launches with a handful of h, hundreds of times a step)."""
+    return (*_tile(h, elements, per_thread), _divisor(h))
 
 
 def _divisor(h):
@@ -190,10 +200,10 @@ def rms_norm_fwd_triton(x, weight, eps, offset):
     if rows and not h:
         rstd.fill_(float("nan"))  # 1 / sqrt(0 / 0 + eps), as the C++ kernel and the reference
     elif rows:
-        rows_per, block, warps = _tile(h, _TILE)
-        _rms_norm_fwd_kernel[(triton.cdiv(rows, rows_per),)](
+        rows_per, block, warps, divisor = _config(h, _TILE, 16)
+        _rms_norm_fwd_kernel[(cdiv(rows, rows_per),)](
             x, weight, y, rstd, rows, h, eps, offset, ROWS=rows_per, BLOCK_H=block,
-            H_DIVISOR=_divisor(h), num_warps=warps)
+            H_DIVISOR=divisor, num_warps=warps)
     return y, rstd
 
 
@@ -211,15 +221,15 @@ def rms_norm_bwd_triton(dy, x, weight, rstd, offset, need_dx, need_w):
         dw = (torch.empty if rows else torch.zeros)(h, dtype=weight.dtype, device=x.device)
     if not (rows and h and (need_dx or need_w)):
         return dx, dw
-    rows_per, block, warps = _tile(h, _BWD_TILE, per_thread=8)
-    n = _programs(x.device, triton.cdiv(rows, rows_per))
+    rows_per, block, warps, divisor = _config(h, _BWD_TILE, 8)
+    n = _programs(x.device, cdiv(rows, rows_per))
     partial = torch.empty(n, h, dtype=torch.float32, device=x.device) if need_w else rstd
     _rms_norm_bwd_kernel[(n,)](
         dy, x, weight, rstd, dx if need_dx else x, partial, rows, h, offset, ROWS=rows_per,
-        BLOCK_H=block, H_DIVISOR=_divisor(h), NEED_DX=need_dx, NEED_DW=need_w,
+        BLOCK_H=block, H_DIVISOR=divisor, NEED_DX=need_dx, NEED_DW=need_w,
         num_warps=warps)
     if need_w:
-        _rms_norm_dw_kernel[(triton.cdiv(h, _DW_COLUMNS),)](
-            partial, dw, n, h, SLOTS=_DW_SLOTS, BLOCK_C=_DW_COLUMNS, H_DIVISOR=_divisor(h),
+        _rms_norm_dw_kernel[(cdiv(h, _DW_COLUMNS),)](
+            partial, dw, n, h, SLOTS=_DW_SLOTS, BLOCK_C=_DW_COLUMNS, H_DIVISOR=divisor,
             num_warps=4)
     return dx, dw

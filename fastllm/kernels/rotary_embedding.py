@@ -15,6 +15,7 @@ passed its GPU tests on an H200.
 import triton
 import triton.language as tl
 
+from fastllm.kernels import next_power_of_2
 from fastllm.kernels.rounding import round_nearest
 
 
@@ -88,7 +89,7 @@ def rotary_embedding_triton(q, k, cos, sin, position_ids, q_out, k_out, backward
         return
     half = D // 2
     # all of q's heads in one tile up to 16 (a power of two: 9 heads take 16 rows), more in a loop
-    block_heads = min(triton.next_power_of_2(max(Hq, Hk, 1)), 16)
+    block_heads = min(next_power_of_2(max(Hq, Hk, 1)), 16)
     gather = position_ids is not None
     # cos and sin keep their own strides: the op accepts any row strides for each (a view of
     # one tensor's storage with the other's strides would read the wrong rows, or out of bounds).
@@ -104,7 +105,7 @@ def rotary_embedding_triton(q, k, cos, sin, position_ids, q_out, k_out, backward
         stride_cs, stride_ss = cos.stride(1), sin.stride(1)
         stride_pb = stride_ps = 0
         pos = cos  # unused
-    block_half = triton.next_power_of_2(max(half, 1))
+    block_half = next_power_of_2(max(half, 1))
     # Enough threads for 16 bytes per thread per load (128-bit accesses: .ci/kernel_check.py);
     # with more, a head of 64 in bf16 (8 heads x 32 columns a tile) was split into 8-byte loads.
     tile_bytes = block_heads * block_half * q.element_size()

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from fastllm._backend import triton_interpreting
+from fastllm.kernels import cdiv
 from fastllm.kernels.rounding import store_rounded
 
 
@@ -32,4 +33,4 @@ def scaled_copy_triton(dst, src, factor):
     for d, s in zip(dst, src):
         n = d.numel()
         if n:
-            _scaled_copy_kernel[(triton.cdiv(n, block),)](d, s, factor, n, BLOCK_SIZE=block)
+            _scaled_copy_kernel[(cdiv(n, block),)](d, s, factor, n, BLOCK_SIZE=block)

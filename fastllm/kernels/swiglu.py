@@ -1,12 +1,14 @@
 """SwiGLU in Triton (fastllm/ops/swiglu.py has the maths): flat elementwise kernels over
 contiguous gate and up, fp32 arithmetic, one rounding per output; the backward recomputes
-sigmoid(gate). Interpreter-tested only (TRITON_INTERPRET=1); not yet verified on a GPU.
+sigmoid(gate), and on request the product silu(gate) * up in the same pass. Interpreter-tested;
+the kernels without the product ran on an H200 (2026-12-04), the product's store has not.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import cdiv
 from fastllm.kernels.rounding import round_nearest
 
 
@@ -29,7 +31,9 @@ def _swiglu_fwd_kernel(
 def _swiglu_bwd_kernel(
     dy_ptr, g_ptr, u_ptr,  # *T (n,) grad of y, gate, up
     dg_ptr, du_ptr,  # *T (n,) grads of gate and up
+    h_ptr,  # *T (n,) silu(gate) * up, written when NEED_H (as the forward rounds it)
     n,
+    NEED_H: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -42,6 +46,8 @@ def _swiglu_bwd_kernel(
     du = dy * g * sig
     tl.store(dg_ptr + offs, round_nearest(dg, dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + offs, round_nearest(du, du_ptr.dtype.element_ty), mask=mask)
+    if NEED_H:  # the forward's expression: g * sigmoid(g) * u, rounded once
+        tl.store(h_ptr + offs, round_nearest(g * sig * u, h_ptr.dtype.element_ty), mask=mask)
 
 
 _BLOCK = 1024
@@ -51,14 +57,16 @@ def swiglu_fwd_triton(gate, up):
     y = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, y, n, BLOCK=_BLOCK, num_warps=4)
+        _swiglu_fwd_kernel[(cdiv(n, _BLOCK),)](gate, up, y, n, BLOCK=_BLOCK, num_warps=4)
     return y
 
 
-def swiglu_bwd_triton(dy, gate, up):
+def swiglu_bwd_triton(dy, gate, up, need_h=False):
+    """(dgate, dup, silu(gate) * up or None)."""
     dg, du = torch.empty_like(gate), torch.empty_like(gate)
+    h = torch.empty_like(gate) if need_h else None
     n = gate.numel()
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dy, gate, up, dg, du, n, BLOCK=_BLOCK,
-                                                      num_warps=4)
-    return dg, du
+        _swiglu_bwd_kernel[(cdiv(n, _BLOCK),)](dy, gate, up, dg, du, dg if h is None else h, n,
+                                                      NEED_H=need_h, BLOCK=_BLOCK, num_warps=4)
+    return dg, du, h

@@ -60,6 +60,12 @@ def _widener(x):
     return (lambda t: t.float()) if _lowp.widen(x) else (lambda t: t)
 
 
+def linear_is_plain(x):
+    """Whether fastllm.linear over x is exactly F.linear: neither CPU policy applies (always
+    the case off the CPU)."""
+    return not (_lowp.widen(x) or _gemm.routes(x.device, x.dtype))
+
+
 def _linear_impl(x, weight, bias=None):
     check_linear_args(x, weight, bias)
     wide = _widener(x)

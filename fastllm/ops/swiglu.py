@@ -7,9 +7,13 @@ up for its backward; this keeps gate and up):
 
     dgate = dy * up * sig * (1 + gate * (1 - sig)),   dup = dy * silu(gate)
 
-Ops (schemas in fastllm/_library.py): swiglu(gate, up) -> y, swiglu_backward(dy, gate, up) ->
-(dgate, dup). Backends: cpp (csrc/cpu/swiglu.cpp), triton (fastllm/kernels/swiglu.py), ref.
+Ops (schemas in fastllm/_library.py): swiglu(gate, up) -> y, swiglu_backward(dy, gate, up,
+need_h=False) -> (dgate, dup, h): with need_h, h = silu(gate) * up as the forward rounds it (the
+Triton kernel writes it in the same pass; swiglu_linear's weight grad reads it), else empty.
+Backends: cpp (csrc/cpu/swiglu.cpp), triton (fastllm/kernels/swiglu.py), ref.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 from fastllm import _backend, _extension
 from fastllm._library import (direct_op, first_order_only, lib, on_forward_backend,
                               register_autograd, remember_backend)
-from fastllm.ops.linear import _linear as _linear_op, _linear_backward
+from fastllm.ops.linear import _linear as _linear_op, _linear_backward, linear_is_plain
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -51,20 +55,22 @@ def _forward_ref(gate, up):
     return swiglu_ref(gate, up)
 
 
-def _backward_ref(dy, gate, up):
+def _backward_ref(dy, gate, up, need_h):
     op = _opmath(gate.dtype)
     g, u, d = gate.to(op), up.to(op), dy.to(op)
     sig = torch.sigmoid(g)
-    return (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (d * g * sig).to(gate.dtype)
+    h = swiglu_ref(gate, up) if need_h else None
+    return (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (d * g * sig).to(gate.dtype), h
 
 
 def _forward_cpp(gate, up):
     return _extension.extension().swiglu_cpu(gate, up)
 
 
-def _backward_cpp(dy, gate, up):
-    dg, du = _extension.extension().swiglu_backward_cpu(dy, gate, up)
-    return dg, du
+def _backward_cpp(dy, gate, up, need_h):
+    ext = _extension.extension()
+    dg, du = ext.swiglu_backward_cpu(dy, gate, up)
+    return dg, du, (ext.swiglu_cpu(gate, up) if need_h else None)
 
 
 def _forward_triton(gate, up):
@@ -73,10 +79,10 @@ def _forward_triton(gate, up):
     return swiglu_fwd_triton(gate, up)
 
 
-def _backward_triton(dy, gate, up):
+def _backward_triton(dy, gate, up, need_h):
     from fastllm.kernels.swiglu import swiglu_bwd_triton
 
-    return swiglu_bwd_triton(dy, gate, up)
+    return swiglu_bwd_triton(dy, gate, up, need_h)
 
 
 _FORWARD = {"ref": _forward_ref, "cpp": _forward_cpp, "triton": _forward_triton}
@@ -95,10 +101,11 @@ def _swiglu_impl(gate, up):
         return _FORWARD[_select(gate)](gate.contiguous(), up.contiguous())
 
 
-def _swiglu_backward_impl(grad_out, gate, up):
+def _swiglu_backward_impl(grad_out, gate, up, need_h=False):
     with _backend.device_guard(gate.device):
-        return _BACKWARD[_select(gate)](grad_out.contiguous(), gate.contiguous(),
-                                        up.contiguous())
+        dg, du, h = _BACKWARD[_select(gate)](grad_out.contiguous(), gate.contiguous(),
+                                             up.contiguous(), need_h)
+    return dg, du, (gate.new_empty(0) if h is None else h)
 
 
 lib.impl("swiglu", _swiglu_impl, "CPU")
@@ -115,8 +122,9 @@ def _swiglu_fake(gate, up):
 
 
 @torch.library.register_fake("fastllm::swiglu_backward")
-def _swiglu_backward_fake(grad_out, gate, up):
-    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+def _swiglu_backward_fake(grad_out, gate, up, need_h=False):
+    return (gate.new_empty(gate.shape), gate.new_empty(gate.shape),
+            gate.new_empty(gate.shape) if need_h else gate.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
@@ -126,7 +134,7 @@ def _setup_context(ctx, inputs, output):
 @first_order_only("fastllm.swiglu")
 def _backward(ctx, grad_y):
     gate, up = ctx.saved_tensors
-    dg, du = _swiglu_backward(grad_y, gate, up)
+    dg, du, _ = _swiglu_backward(grad_y, gate, up, False)
     return dg, du
 
 
@@ -141,12 +149,17 @@ def swiglu(gate, up):
 
 class _SwiGLULinear(torch.autograd.Function):
     """silu(gate) * up, then the down projection, keeping gate and up only: the product h (as
-    large as gate) is recomputed in the backward when the weight's gradient needs it."""
+    large as gate) is recomputed in the backward when the weight's gradient needs it, by the
+    same pass that computes dgate and dup (one read of gate and up for both)."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias):
         h = _swiglu(gate, up)
-        out = _linear_op(h, weight, bias)  # fastllm/_lowp.py's bf16 policy
+        # fastllm.linear where a CPU policy applies (fastllm/_lowp.py, _gemm.py); else (a GPU)
+        # F.linear and torch.mm in the backward: the same products without the op's Python
+        # layers (the patched step was host-bound on an H200)
+        ctx.plain = linear_is_plain(h)
+        out = F.linear(h, weight, bias) if ctx.plain else _linear_op(h, weight, bias)
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
         remember_backend(ctx)
@@ -159,14 +172,33 @@ class _SwiGLULinear(torch.autograd.Function):
         gate, up, weight = ctx.saved_tensors
         need_g, need_u, need_w, need_b = ctx.needs_input_grad
         need_h, need_b = need_g or need_u, need_b and ctx.has_bias
-        dgate = dup = dw = db = None
-        # the product h only when dW needs it; dh = dy W reads nothing of h but its shape
-        h = _swiglu(gate, up) if need_w else gate
-        dh, dw, db = _linear_backward(grad_out, h, weight, [need_h, need_w, need_b])
-        del h
+        dgate = dup = h = dw = db = None
         if need_h:
-            dgate, dup = _swiglu_backward(dh, gate, up)
-        return dgate, dup, (dw if need_w else None), (db if need_b else None)
+            # dh = dy W reads nothing of h but its shape (gate's); then dgate, dup and, when dW
+            # needs it, the product h itself from one pass over dh, gate and up
+            dh = _linear_grads(ctx.plain, grad_out, gate, weight, True, False, False)[0]
+            dgate, dup, h = _swiglu_backward(dh, gate, up, need_w)
+            del dh
+        elif need_w:
+            h = _swiglu(gate, up)
+        if need_w or need_b:
+            _, dw, db = _linear_grads(ctx.plain, grad_out, h if need_w else gate, weight, False,
+                                      need_w, need_b)
+        return dgate, dup, dw, db
+
+
+def _linear_grads(plain, grad_out, h, weight, need_h, need_w, need_b):
+    """The grads of F.linear(h, weight, bias) for grad_out: (dh, dweight, dbias), None where not
+    needed; through torch.mm where fastllm.linear is plain F.linear (a GPU), else through its
+    backward op (fastllm/_lowp.py's and _gemm.py's CPU policies)."""
+    if not plain:
+        grads = _linear_backward(grad_out, h, weight, [need_h, need_w, need_b])
+        return tuple(g if need else None for g, need in zip(grads, (need_h, need_w, need_b)))
+    rows = math.prod(h.shape[:-1])  # (reshape(-1, 0) cannot infer it: a 0-feature layer)
+    dy = grad_out.reshape(rows, weight.shape[0])
+    dh = torch.mm(dy, weight).view(h.shape) if need_h else None
+    dw = torch.mm(dy.t(), h.reshape(rows, h.shape[-1])) if need_w else None
+    return dh, dw, (dy.sum(0) if need_b else None)
 
 
 def swiglu_linear(gate, up, weight, bias=None):

@@ -1,0 +1,177 @@
+"""The host work of fastllm's GPU path, measured on a CPU: the Triton launches stubbed out.
+
+On an H200 a patched SmolLM2 step was host-bound (2026-12-04: 59 ms of kernels in a 198 ms step,
+Hugging Face's 96 in 149): what the host does around each kernel decides the step's time. This
+runs that host work on CPU tensors, where it can be measured without a GPU: the Triton backend
+forced (the kernels' GPU path) under TRITON_INTERPRET=1, with every Triton launch replaced by a
+call that returns at once, so the time is fastllm's Python, autograd and allocations around the
+kernels, not the kernels. Not in it: Triton's own launcher (binding and the driver call, the
+same for any Triton user, Liger-Kernel's included) and CUDA's per-launch cost of each aten op
+(which falls on Hugging Face's side more: it runs more ops). The kernels' outputs are left
+unwritten; nothing reads them.
+
+The GPU path's choices are made as on a GPU: fp32 matmuls through ATen (the GPU's F.linear; on a
+CPU fastllm may route them to oneDNN), attention by transformers' SDPA (on a GPU fastllm runs no
+attention of its own for plain causal rows).
+
+    python -m fastllm.bench.host_gpu_path              # JSON rows (`fastllm bench --ops host`)
+    python -m fastllm.bench.host_gpu_path --launches   # the Triton launches of one call of each
+"""
+
+import copy
+import json
+import os
+import sys
+
+# before triton or any fastllm kernel module is imported: Triton decides at decoration time
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ["FASTLLM_CPU_ATTENTION"] = "torch"
+os.environ["FASTLLM_CPU_FP32_MATMUL"] = "aten"
+
+ENV = ("TRITON_INTERPRET=1", "FASTLLM_CPU_ATTENTION=torch", "FASTLLM_CPU_FP32_MATMUL=aten")
+
+
+def _stub_launches():
+    """Make every Triton launch return at once; returns the Counter of launches by kernel."""
+    import collections
+
+    from triton.runtime import interpreter
+
+    launches = collections.Counter()
+
+    def run(self, *args, grid=None, warmup=False, **kwargs):
+        launches[getattr(self.fn, "__name__", "?")] += 1
+
+    interpreter.InterpretedFunction.run = run
+    return launches
+
+
+# the model ops whose GPU backend (their preference for CUDA tensors) takes CPU tensors here
+_MODEL_OPS = ("rms_norm", "rotary_embedding", "swiglu", "fused_linear_cross_entropy",
+              "lora_linear")
+
+
+def _gpu_preferences():
+    """Give the model ops on CPU tensors the backend choice they make on a GPU, unforced (a
+    forced backend is chosen again on every call, and its backward runs under use_backend; an
+    unforced choice is kept, as on a GPU)."""
+    import importlib
+
+    from fastllm import _backend
+
+    for name in _MODEL_OPS:
+        preference = importlib.import_module(f"fastllm.ops.{name}")._PREFERENCE
+        preference["cpu"] = preference["cuda"]
+    getattr(_backend, "_CHOSEN", {}).clear()  # (older checkouts, for comparing: no cache)
+
+
+def rows(progress=lambda msg: None):
+    from fastllm.bench import harness
+    from fastllm.bench.bench_host import model_op_pairs
+
+    launches = _stub_launches()
+    _gpu_preferences()
+    out = []
+    note = "GPU path, Triton launches stubbed, " + " ".join(ENV)
+    for op, fns in model_op_pairs().items():
+        size = f"model op fwd+bwd, {op}, 1 thread, {note}"
+        progress(f"host: {size}")
+        ours, theirs = (lambda f=f: f().sum().backward() for f in fns)
+        times = harness.measure_many({"fastllm (triton path)": ours, "torch eager": theirs},
+                                     warmup=20, min_reps=50, max_reps=2000, min_time_s=1.0)
+        for name, t in times.items():
+            out.append({"op": "host", "size": size, "provider": name,
+                        "time_ms": t.median_ms, "baseline": "torch eager",
+                        "note": f"{t.median_ms * 1e3:.0f} us per call"})
+    for finetune in ("full", "lora"):
+        out += _step_rows(finetune, launches, note, progress)
+    return out
+
+
+def _models(finetune):
+    """{provider: tiny_llama() model}: fastllm.patch against Hugging Face, full fine-tuning or
+    LoRA r=16 on q/v (fastllm.lora against PEFT), the same weights on both sides; and the ids."""
+    import fastllm
+    from fastllm.bench.bench_host import tiny_llama
+
+    base, ids = tiny_llama()
+    hf, ours = copy.deepcopy(base), base
+    if finetune == "lora":
+        import peft
+
+        config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                                 lora_dropout=0.0)
+        hf = peft.get_peft_model(hf, config, autocast_adapter_dtype=False)
+        fastllm.lora.inject_lora(ours, ["q_proj", "v_proj"], r=16, alpha=32)
+    # linear=False: on a GPU the patched nn.Linear forward calls F.linear first, as cheaply as
+    # nn.Linear's own; on a CPU it first checks fastllm's CPU matmul policies (microseconds a
+    # layer that a GPU step does not pay)
+    fastllm.patch(ours, linear=False)
+    return {"fastllm.patch (triton path)": ours,
+            "Hugging Face" + (" + PEFT" if finetune == "lora" else ""): hf}, ids
+
+
+def _step_rows(finetune, launches, note, progress):
+    from fastllm.bench import harness
+
+    models, ids = _models(finetune)
+
+    def step_of(model):
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+        return step
+
+    fns = {name: step_of(m) for name, m in models.items()}
+    ours, peer = fns
+    fns[ours]()
+    launches.clear()
+    fns[ours]()
+    per_step = dict(launches)
+    what = "full" if finetune == "full" else "LoRA r=16 q/v"
+    size = (f"model step fwd+bwd ({what}), 30-layer Llama, hidden 64, 16 tokens, 1 thread, "
+            f"{note}")
+    progress(f"host: {size}")
+    times = harness.measure_many(fns, warmup=3, min_reps=10, max_reps=200, min_time_s=3.0)
+    rows = []
+    for name, t in times.items():
+        row = {"op": "host", "size": size, "provider": name, "time_ms": t.median_ms,
+               "baseline": peer}
+        if name == ours:
+            row["note"] = f"{sum(per_step.values())} Triton launches per step: " + ", ".join(
+                f"{k} {v}" for k, v in sorted(per_step.items()))
+        rows.append(row)
+    return rows
+
+
+def launch_counts():
+    """{what: {kernel: launches}} of one call of each model op pair's fastllm side and of one
+    patched step, on the path rows() times (what tests/test_bench.py checks it times)."""
+    from fastllm.bench.bench_host import model_op_pairs
+
+    launches = _stub_launches()
+    _gpu_preferences()
+    counts = {}
+    for op, (ours, _) in model_op_pairs().items():
+        launches.clear()
+        ours().sum().backward()
+        counts[op] = dict(launches)
+    for finetune in ("full", "lora"):
+        models, ids = _models(finetune)
+        launches.clear()
+        next(iter(models.values()))(input_ids=ids, labels=ids).loss.backward()
+        counts[f"step {finetune}"] = dict(launches)
+    return counts
+
+
+def main():
+    import torch
+
+    torch.set_num_threads(1)
+    if sys.argv[1:] == ["--launches"]:
+        json.dump(launch_counts(), sys.stdout)
+        return
+    json.dump(rows(progress=lambda msg: print(msg, file=sys.stderr)), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
