@@ -191,13 +191,15 @@ def _gpu_path_rows(progress):
     import subprocess
     import sys
 
+    import importlib.util
+
     from fastllm import _backend
 
-    if not _backend.triton_available():
-        return []
+    if not _backend.triton_available() or importlib.util.find_spec("transformers") is None:
+        return []  # (its steps are of a transformers Llama; the LoRA one needs peft too)
     progress("host: the GPU path (Triton launches stubbed), in a process of its own")
     done = subprocess.run([sys.executable, "-m", "fastllm.bench.host_gpu_path"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800)
     if done.returncode:
         raise RuntimeError("bench/host_gpu_path.py failed:\n" + done.stderr[-4000:])
     return json.loads(done.stdout)

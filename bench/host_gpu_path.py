@@ -83,9 +83,16 @@ def rows(progress=lambda msg: None):
             out.append({"op": "host", "size": size, "provider": name,
                         "time_ms": t.median_ms, "baseline": "torch eager",
                         "note": f"{t.median_ms * 1e3:.0f} us per call"})
-    for finetune in ("full", "lora"):
+    for finetune in _finetunes():
         out += _step_rows(finetune, launches, note, progress)
     return out
+
+
+def _finetunes():
+    """The steps this machine can build: LoRA's peer is PEFT's."""
+    import importlib.util
+
+    return ("full", "lora") if importlib.util.find_spec("peft") is not None else ("full",)
 
 
 def _models(finetune):
@@ -155,7 +162,7 @@ def launch_counts():
         launches.clear()
         ours().sum().backward()
         counts[op] = dict(launches)
-    for finetune in ("full", "lora"):
+    for finetune in _finetunes():
         models, ids = _models(finetune)
         launches.clear()
         next(iter(models.values()))(input_ids=ids, labels=ids).loss.backward()

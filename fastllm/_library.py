@@ -199,7 +199,7 @@ def on_forward_backend(backward):
     return run
 
 
-def register_autograd(op, backward, *, setup_context, impl):
+def register_autograd(op, backward, *, setup_context, impl, materialize_grads=True):
     """torch.library.register_autograd for a fastllm op, whose backward then runs on the backend
     forced around its forward: fastllm.use_backend holds for one thread, and autograd runs the
     backward of CUDA tensors on a device thread of its own, where the forward's choice was lost
@@ -209,7 +209,14 @@ def register_autograd(op, backward, *, setup_context, impl):
     op with every schema argument, positionally: in plain eager code (plain_eager) through an
     autograd.Function of the same forward, setup_context and backward, without the dispatcher
     (the custom op's own autograd is that Function behind two dispatches); otherwise through
-    torch.ops (torch.compile, modes, DTensor)."""
+    torch.ops (torch.compile, modes, DTensor).
+
+    materialize_grads=False: on the eager path the backward gets None, not zeros, for outputs
+    without a gradient: for ops whose extra outputs are non-differentiable (RMSNorm's rstd, the
+    attention's lse, LoRA's xa, the fused loss's precomputed grads), whose zeros autograd
+    would otherwise allocate and fill on every backward, only to be ignored (the fused loss's
+    included a weight-sized tensor). Such an op has one differentiable output, whose grad its
+    backward reads and which is defined whenever the backward runs."""
     def setup(ctx, inputs, output):
         remember_backend(ctx)
         setup_context(ctx, inputs, output)
@@ -219,12 +226,23 @@ def register_autograd(op, backward, *, setup_context, impl):
     packet = getattr(torch.ops.fastllm, op.split("::", 1)[1])
 
     def forward(ctx, *args):
+        if not materialize_grads:
+            ctx.set_materialize_grads(False)
+            ctx.fastllm_inputs = len(args)
         out = impl(*args)
         setup(ctx, args, out)
         return out
 
-    direct = type(f"Direct_{packet.__name__}", (torch.autograd.Function,),
-                  {"forward": staticmethod(forward), "backward": staticmethod(run_backward)})
+    def backward_or_none(ctx, *grads):
+        # with no output grad at all (gradcheck's undefined-grad check, a grad of zeros), the
+        # inputs' grads are zero: None, without running the backward
+        if all(g is None for g in grads):
+            return (None,) * ctx.fastllm_inputs
+        return run_backward(ctx, *grads)
+
+    direct = type(f"Direct_{packet.__name__}", (torch.autograd.Function,), {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(run_backward if materialize_grads else backward_or_none)})
 
     def call(*args):
         if not plain_eager(args):

@@ -220,3 +220,31 @@ def test_jit_trace_records_the_op():
     assert "fastllm::rms_norm" in str(traced.graph)
     x2, w2 = torch.randn(4, 8), torch.randn(8)
     torch.testing.assert_close(traced(x2, w2), rms_norm(x2, w2))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "fused_linear_cross_entropy", "lora_linear"])
+def test_eager_backward_fills_no_zeros_for_non_differentiable_outputs(op):
+    """The eager path's backward gets None, not zeros, for the non-differentiable outputs (rstd,
+    the fused loss's precomputed grads, LoRA's xa): autograd would otherwise allocate and fill
+    them on every backward (a weight-sized tensor for the fused loss), only to ignore them."""
+    from torch.profiler import profile
+
+    from fastllm.ops import fused_linear_cross_entropy, lora_linear, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    y = {"rms_norm": lambda: rms_norm(r(3, 8), r(8)),
+         "fused_linear_cross_entropy": lambda: fused_linear_cross_entropy(
+             r(5, 8), r(11, 8), torch.tensor([1, 0, 10, -100, 3])),
+         "lora_linear": lambda: lora_linear(r(5, 8), torch.randn(6, 8, generator=g), r(2, 8),
+                                            r(6, 2), 2.0)}[op]()
+    loss, seed = y.sum(), torch.ones(())
+    assert type(y.grad_fn).__name__.startswith("Direct_")
+    with profile() as prof:
+        loss.backward(seed)
+    filled = [e.name for e in prof.events()
+              if e.name in ("aten::zeros", "aten::zero_", "aten::fill_")]
+    assert not filled, filled

@@ -422,8 +422,8 @@ def test_host_bench_gpu_path_runs_the_triton_kernels():
     preference left on cpp would launch none), one forward launch per RMSNorm, rotary and
     SwiGLU of the 30 layers (+ the final norm), and with LoRA's frozen base no weight-grad
     work for the frozen norms."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("triton")
+    for module in ("transformers", "peft", "triton"):
+        pytest.importorskip(module)
     done = subprocess.run([sys.executable, "-m", "fastllm.bench.host_gpu_path", "--launches"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

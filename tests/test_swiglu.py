@@ -100,27 +100,58 @@ def test_swiglu_linear_matches_and_keeps_no_product(frozen):
     assert {t.data_ptr() for t in saved} <= {gate.data_ptr(), up.data_ptr(), w.data_ptr()}
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("mode", ["native", "fp32"])
-def test_swiglu_linear_both_linear_paths(monkeypatch, mode):
-    """bf16 through F.linear and torch.mm (native: what a GPU runs) and through fastllm.linear
-    (fp32: the CPU policy that widens bf16 products): each against F.linear of the fp64 maths and
-    against PyTorch's bf16 F.linear of HF's product, forward and every gradient."""
+@pytest.mark.parametrize("trained", ["all", "weight", "inputs"])
+def test_swiglu_linear_both_linear_paths(monkeypatch, backend, device, mode, trained):
+    """bf16 through F.linear and torch.mm (native: what a GPU runs; the weight grad reads the
+    product the SwiGLU backward kernel writes) and through fastllm.linear (fp32: the CPU policy
+    that widens bf16 products), on each backend and with the weight or the inputs alone
+    trained: against F.linear of the fp64 maths and PyTorch's bf16 F.linear of HF's product,
+    forward and every gradient."""
     from fastllm.ops.swiglu import swiglu_linear
 
     monkeypatch.setenv("FASTLLM_CPU_LOWP_MATMUL", mode)
     gen = torch.Generator().manual_seed(0)
 
-    def r(*shape):
-        return torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_()
+    def r(*shape, grad):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device).requires_grad_(
+            grad)
 
-    gate, up, w, b = r(3, 9, 40), r(3, 9, 40), r(11, 40), r(11)
-    g = torch.randn(3, 9, 11, generator=gen).to(torch.bfloat16)
-    out = swiglu_linear(gate, up, w, b)
-    assert out.grad_fn.plain == (mode == "native")
-    got = grads([out], [gate, up, w, b], [g])
-    c = [t.detach().clone().requires_grad_() for t in (gate, up, w, b)]
-    theirs = grads([F.linear(F.silu(c[0]) * c[1], c[2], c[3])], c, [g])
-    d = [t.detach().double().requires_grad_() for t in (gate, up, w, b)]
-    oracle = grads([F.linear(swiglu_ref(d[0], d[1]), d[2], d[3])], d, [g.double()])
-    for name, a, t, o in zip(("y", "dgate", "dup", "dw", "db"), got, theirs, oracle):
+    gate, up = (r(3, 9, 40, grad=trained != "weight") for _ in range(2))
+    w, b = r(11, 40, grad=trained != "inputs"), r(11, grad=trained != "inputs")
+    leaves = [t for t in (gate, up, w, b) if t.requires_grad]
+    g = torch.randn(3, 9, 11, generator=gen).to(torch.bfloat16).to(device)
+    with fastllm.use_backend(backend):
+        out = swiglu_linear(gate, up, w, b)
+        assert out.grad_fn.plain == (mode == "native" or device != "cpu")
+        got = grads([out], leaves, [g])
+    c = [t.detach().clone().requires_grad_(t.requires_grad) for t in (gate, up, w, b)]
+    theirs = grads([F.linear(F.silu(c[0]) * c[1], c[2], c[3])],
+                   [t for t in c if t.requires_grad], [g])
+    d = [t.detach().double().requires_grad_(t.requires_grad) for t in (gate, up, w, b)]
+    oracle = grads([F.linear(swiglu_ref(d[0], d[1]), d[2], d[3])],
+                   [t for t in d if t.requires_grad], [g.double()])
+    names = ["y"] + [n for n, t in zip(("dgate", "dup", "dw", "db"), (gate, up, w, b))
+                     if t.requires_grad]
+    for name, a, t, o in zip(names, got, theirs, oracle):
         check_close(name, a, t, o, torch.bfloat16)
+
+
+def test_swiglu_linear_under_autocast_and_bad_bias():
+    """fp32 inputs under autocast (bf16): the output and grads of F.linear's autocast behaviour
+    would mix dtypes in the backward's products; swiglu_linear keeps fastllm.linear's there
+    (fp32, as before), and its backward runs. A bias of another dtype or shape is refused by
+    name."""
+    from fastllm.ops.swiglu import swiglu_linear
+
+    gate, up = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 3, 8, requires_grad=True)
+    w, b = torch.randn(5, 8, requires_grad=True), torch.randn(5, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = swiglu_linear(gate, up, w, b)
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in (gate, up, w, b))
+    with pytest.raises(TypeError, match="bias has dtype"):
+        swiglu_linear(gate, up, w, b.double())
+    with pytest.raises(ValueError, match="bias must be"):
+        swiglu_linear(gate, up, w, b[:1])

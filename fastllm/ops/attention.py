@@ -249,7 +249,7 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 _attention = register_autograd("fastllm::attention", _backward, setup_context=_setup_context,
-                               impl=_attention_impl)
+                               impl=_attention_impl, materialize_grads=False)
 
 
 def attention(q, k, v, scale=None, doc_start=None, segments=None):

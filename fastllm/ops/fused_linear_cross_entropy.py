@@ -420,7 +420,8 @@ def _fused_backward(ctx, grad_loss, *_):
 
 
 _fused_op = register_autograd("fastllm::fused_linear_cross_entropy", _fused_backward,
-                              setup_context=_setup_context, impl=_fused_impl)
+                              setup_context=_setup_context, impl=_fused_impl,
+                              materialize_grads=False)
 
 
 def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100,

@@ -229,8 +229,10 @@ def _forward_torch(dropout, dropout_add, x, weight, lora_a, lora_b, scaling, bia
 
 def low_rank_seed(lo, up, scaling, bias=None):
     """scaling * lo @ up (+ bias), one addmm: the output a base GEMM then adds to (beta=1)."""
-    if bias is None:  # beta=0: the input is ignored, a zero scalar stands for it
-        return _gemm.addmm(lo.new_zeros(()), lo, up, beta=0, alpha=scaling)
+    if bias is None:
+        # beta=0: torch.addmm ignores its input (nan and inf in it are not propagated), so a
+        # row of `up` stands for it: no zeros tensor (on a GPU, an allocation and a fill launch)
+        return _gemm.addmm(up[0], lo, up, beta=0, alpha=scaling)
     return _gemm.addmm(bias, lo, up, alpha=scaling)
 
 
@@ -449,7 +451,7 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
 
 _lora_linear = register_autograd(
     "fastllm::lora_linear", _lora_linear_backward, setup_context=_setup_context,
-    impl=_lora_linear_impl)
+    impl=_lora_linear_impl, materialize_grads=False)
 
 
 def new_dropout_seed(device=None):

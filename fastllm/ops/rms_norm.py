@@ -178,7 +178,7 @@ def _backward(ctx, grad_y, grad_rstd):
 
 
 _rms_norm_op = register_autograd("fastllm::rms_norm", _backward, setup_context=_setup_context,
-                                 impl=_rms_norm_impl)
+                                 impl=_rms_norm_impl, materialize_grads=False)
 
 
 def rms_norm(x, weight, eps=1e-6, offset=0.0):

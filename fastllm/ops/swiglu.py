@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastllm import _backend, _extension
+from fastllm import _backend, _extension, _lowp
 from fastllm._library import (direct_op, first_order_only, lib, on_forward_backend,
                               register_autograd, remember_backend)
 from fastllm.ops.linear import _linear as _linear_op, _linear_backward, linear_is_plain
@@ -158,7 +158,8 @@ class _SwiGLULinear(torch.autograd.Function):
         # fastllm.linear where a CPU policy applies (fastllm/_lowp.py, _gemm.py); else (a GPU)
         # F.linear and torch.mm in the backward: the same products without the op's Python
         # layers (the patched step was host-bound on an H200)
-        ctx.plain = linear_is_plain(h)
+        # (not under autocast: F.linear would cast the product down, the backward's mm not)
+        ctx.plain = linear_is_plain(h) and not _lowp.autocast_enabled(h.device.type)
         out = F.linear(h, weight, bias) if ctx.plain else _linear_op(h, weight, bias)
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
@@ -173,27 +174,30 @@ class _SwiGLULinear(torch.autograd.Function):
         need_g, need_u, need_w, need_b = ctx.needs_input_grad
         need_h, need_b = need_g or need_u, need_b and ctx.has_bias
         dgate = dup = h = dw = db = None
+        if not ctx.plain:  # fastllm.linear's backward op: dh, dW and db in one call
+            h = _swiglu(gate, up) if need_w else gate  # (dh = dy W reads only h's shape)
+            dh, dw, db = _linear_backward(grad_out, h, weight, [need_h, need_w, need_b])
+            del h
+            if need_h:
+                dgate, dup, _ = _swiglu_backward(dh, gate, up, False)
+            return dgate, dup, (dw if need_w else None), (db if need_b else None)
         if need_h:
             # dh = dy W reads nothing of h but its shape (gate's); then dgate, dup and, when dW
             # needs it, the product h itself from one pass over dh, gate and up
-            dh = _linear_grads(ctx.plain, grad_out, gate, weight, True, False, False)[0]
+            dh = _plain_linear_grads(grad_out, gate, weight, True, False, False)[0]
             dgate, dup, h = _swiglu_backward(dh, gate, up, need_w)
             del dh
         elif need_w:
             h = _swiglu(gate, up)
         if need_w or need_b:
-            _, dw, db = _linear_grads(ctx.plain, grad_out, h if need_w else gate, weight, False,
-                                      need_w, need_b)
+            _, dw, db = _plain_linear_grads(grad_out, h if need_w else gate, weight, False,
+                                            need_w, need_b)
         return dgate, dup, dw, db
 
 
-def _linear_grads(plain, grad_out, h, weight, need_h, need_w, need_b):
-    """The grads of F.linear(h, weight, bias) for grad_out: (dh, dweight, dbias), None where not
-    needed; through torch.mm where fastllm.linear is plain F.linear (a GPU), else through its
-    backward op (fastllm/_lowp.py's and _gemm.py's CPU policies)."""
-    if not plain:
-        grads = _linear_backward(grad_out, h, weight, [need_h, need_w, need_b])
-        return tuple(g if need else None for g, need in zip(grads, (need_h, need_w, need_b)))
+def _plain_linear_grads(grad_out, h, weight, need_h, need_w, need_b):
+    """The grads of F.linear(h, weight, bias) for grad_out through torch.mm: (dh, dweight,
+    dbias), None where not needed."""
     rows = math.prod(h.shape[:-1])  # (reshape(-1, 0) cannot infer it: a 0-feature layer)
     dy = grad_out.reshape(rows, weight.shape[0])
     dh = torch.mm(dy, weight).view(h.shape) if need_h else None
@@ -207,7 +211,11 @@ def swiglu_linear(gate, up, weight, bias=None):
     gate, up: (..., ffn); weight: (out, ffn); bias: (out,) or None; one dtype. The product is
     recomputed (one elementwise pass) only when weight requires grad (full fine-tuning); with a
     frozen weight (LoRA elsewhere) nothing is recomputed."""
+    where = "fastllm.swiglu_linear"
     if weight.dtype != gate.dtype:
-        raise TypeError(f"fastllm.swiglu_linear: weight has dtype {weight.dtype}, gate has "
-                        f"{gate.dtype}")
+        raise TypeError(f"{where}: weight has dtype {weight.dtype}, gate has {gate.dtype}")
+    if bias is not None and bias.dtype != gate.dtype:
+        raise TypeError(f"{where}: bias has dtype {bias.dtype}, gate has {gate.dtype}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"{where}: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     return _SwiGLULinear.apply(gate, up, weight, bias)
