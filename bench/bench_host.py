@@ -130,15 +130,17 @@ def model_op_pairs():
     return pairs
 
 
-def _model_op_rows(progress):
+def model_op_rows(progress, ours="fastllm", suffix=""):
+    """Rows of model_op_pairs() timed fwd+bwd, fastllm's side named `ours`; `suffix` ends each
+    case's name (bench/host_gpu_path.py's rows say how they ran)."""
     rows = []
     for op, fns in model_op_pairs().items():
-        ours, theirs = (lambda f=f: f().sum().backward() for f in fns)
-        size = f"model op fwd+bwd, {op}, 1 thread"
+        mine, theirs = (lambda f=f: f().sum().backward() for f in fns)
+        size = f"model op fwd+bwd, {op}, 1 thread{suffix}"
         progress(f"host: {size}")
-        times = harness.measure_many({"fastllm": ours, "torch eager": theirs}, warmup=20,
+        times = harness.measure_many({ours: mine, "torch eager": theirs}, warmup=20,
                                      min_reps=50, max_reps=2000, min_time_s=1.0)
-        for name in ("fastllm", "torch eager"):
+        for name in (ours, "torch eager"):
             us = times[name].median_ms * 1e3
             rows.append({"op": "host", "size": size, "provider": name,
                          "time_ms": times[name].median_ms, "baseline": "torch eager",
@@ -159,6 +161,13 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).train(), torch.randint(0, 256, (1, 16))
 
 
+def step_of(model, ids):
+    """A training step's forward (labels: the ids) and backward, no optimizer."""
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+    return step
+
+
 def _tiny_llama_step_rows(progress):
     """A whole training step (forward with labels, backward) of tiny_llama(): Hugging Face's
     model against fastllm.patch's."""
@@ -169,16 +178,10 @@ def _tiny_llama_step_rows(progress):
     import copy
 
     base, ids = tiny_llama()
-
-    def step_of(model):
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-        return step
-
     size = "model step fwd+bwd, 30-layer Llama, hidden 64, 16 tokens, 1 thread"
     progress(f"host: {size}")
-    fns = {"fastllm.patch": step_of(fastllm.patch(copy.deepcopy(base))),
-           "Hugging Face": step_of(copy.deepcopy(base))}
+    fns = {"fastllm.patch": step_of(fastllm.patch(copy.deepcopy(base)), ids),
+           "Hugging Face": step_of(copy.deepcopy(base), ids)}
     times = harness.measure_many(fns, warmup=3, min_reps=10, max_reps=200, min_time_s=3.0)
     return [{"op": "host", "size": size, "provider": name, "time_ms": times[name].median_ms,
              "baseline": "Hugging Face"} for name in fns]
@@ -187,11 +190,10 @@ def _tiny_llama_step_rows(progress):
 def _gpu_path_rows(progress):
     """bench/host_gpu_path.py's rows (the GPU path's host work, Triton launches stubbed), from
     a process of its own: TRITON_INTERPRET must be set before triton is imported."""
+    import importlib.util
     import json
     import subprocess
     import sys
-
-    import importlib.util
 
     from fastllm import _backend
 
@@ -228,7 +230,7 @@ def run(device="cpu", full=False, progress=print):
                 rows.append({"op": "host", "size": size, "provider": name,
                              "time_ms": times[name].median_ms, "baseline": baseline,
                              "us_per_tensor": us, "note": f"{us:.2f} us per tensor"})
-        rows += _model_op_rows(progress)
+        rows += model_op_rows(progress)
         rows += _tiny_llama_step_rows(progress)
         rows += _gpu_path_rows(progress)
     finally:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import fastllm  # noqa: E402
-from bench_host import model_op_pairs, tiny_llama  # noqa: E402
+from bench_host import model_op_pairs, step_of, tiny_llama  # noqa: E402
 
 
 def _median_s(fn, reps, rounds=7):
@@ -40,10 +40,7 @@ def main():
     ops = {op.split(" ")[0]: (lambda f=fns[0]: f().sum().backward())
            for op, fns in model_op_pairs().items()}
     model, ids = tiny_llama()
-    fastllm.patch(model)
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+    step = step_of(fastllm.patch(model), ids)
 
     for fn in ops.values():
         for _ in range(50):

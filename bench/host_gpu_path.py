@@ -65,24 +65,26 @@ def _gpu_preferences():
     getattr(_backend, "_CHOSEN", {}).clear()  # (older checkouts, for comparing: no cache)
 
 
-def rows(progress=lambda msg: None):
-    from fastllm.bench import harness
-    from fastllm.bench.bench_host import model_op_pairs
-
+def _prepared():
+    """Stub the launches and take the GPU's backend choices; the Counter of launches."""
     launches = _stub_launches()
     _gpu_preferences()
-    out = []
+    return launches
+
+
+def _launches_of(fn, launches):
+    """{kernel: launches} of one call of fn."""
+    launches.clear()
+    fn()
+    return dict(launches)
+
+
+def rows(progress=lambda msg: None):
+    from fastllm.bench.bench_host import model_op_rows
+
+    launches = _prepared()
     note = "GPU path, Triton launches stubbed, " + " ".join(ENV)
-    for op, fns in model_op_pairs().items():
-        size = f"model op fwd+bwd, {op}, 1 thread, {note}"
-        progress(f"host: {size}")
-        ours, theirs = (lambda f=f: f().sum().backward() for f in fns)
-        times = harness.measure_many({"fastllm (triton path)": ours, "torch eager": theirs},
-                                     warmup=20, min_reps=50, max_reps=2000, min_time_s=1.0)
-        for name, t in times.items():
-            out.append({"op": "host", "size": size, "provider": name,
-                        "time_ms": t.median_ms, "baseline": "torch eager",
-                        "note": f"{t.median_ms * 1e3:.0f} us per call"})
+    out = model_op_rows(progress, ours="fastllm (triton path)", suffix=f", {note}")
     for finetune in _finetunes():
         out += _step_rows(finetune, launches, note, progress)
     return out
@@ -120,20 +122,13 @@ def _models(finetune):
 
 def _step_rows(finetune, launches, note, progress):
     from fastllm.bench import harness
+    from fastllm.bench.bench_host import step_of
 
     models, ids = _models(finetune)
-
-    def step_of(model):
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-        return step
-
-    fns = {name: step_of(m) for name, m in models.items()}
+    fns = {name: step_of(m, ids) for name, m in models.items()}
     ours, peer = fns
-    fns[ours]()
-    launches.clear()
-    fns[ours]()
-    per_step = dict(launches)
+    fns[ours]()  # (warm-up: the first call builds what later ones reuse)
+    per_step = _launches_of(fns[ours], launches)
     what = "full" if finetune == "full" else "LoRA r=16 q/v"
     size = (f"model step fwd+bwd ({what}), 30-layer Llama, hidden 64, 16 tokens, 1 thread, "
             f"{note}")
@@ -153,20 +148,15 @@ def _step_rows(finetune, launches, note, progress):
 def launch_counts():
     """{what: {kernel: launches}} of one call of each model op pair's fastllm side and of one
     patched step, on the path rows() times (what tests/test_bench.py checks it times)."""
-    from fastllm.bench.bench_host import model_op_pairs
+    from fastllm.bench.bench_host import model_op_pairs, step_of
 
-    launches = _stub_launches()
-    _gpu_preferences()
-    counts = {}
-    for op, (ours, _) in model_op_pairs().items():
-        launches.clear()
-        ours().sum().backward()
-        counts[op] = dict(launches)
+    launches = _prepared()
+    counts = {op: _launches_of(lambda f=ours: f().sum().backward(), launches)
+              for op, (ours, _) in model_op_pairs().items()}
     for finetune in _finetunes():
         models, ids = _models(finetune)
-        launches.clear()
-        next(iter(models.values()))(input_ids=ids, labels=ids).loss.backward()
-        counts[f"step {finetune}"] = dict(launches)
+        counts[f"step {finetune}"] = _launches_of(step_of(next(iter(models.values())), ids),
+                                                  launches)
     return counts
 
 

@@ -227,12 +227,20 @@ def _forward_torch(dropout, dropout_add, x, weight, lora_a, lora_b, scaling, bia
     return y.view(*x.shape[:-1], weight.shape[0]), xa_t
 
 
+def scaled_mm(a, b, scaling):
+    """scaling * (a @ b) as one addmm, scaled in the GEMM and rounded once. beta=0: torch.addmm
+    ignores its input (nan and inf in it are not propagated), so a row of b stands for it: no
+    zeros tensor (on a GPU, an allocation and a fill launch) and no separate scaling pass. A b
+    with no rows (an empty batch) has no row to lend: a mm and a scaling pass."""
+    if b.shape[0] == 0:
+        return _gemm.mm(a, b).mul_(scaling)
+    return _gemm.addmm(b[0], a, b, beta=0, alpha=scaling)
+
+
 def low_rank_seed(lo, up, scaling, bias=None):
     """scaling * lo @ up (+ bias), one addmm: the output a base GEMM then adds to (beta=1)."""
     if bias is None:
-        # beta=0: torch.addmm ignores its input (nan and inf in it are not propagated), so a
-        # row of `up` stands for it: no zeros tensor (on a GPU, an allocation and a fill launch)
-        return _gemm.addmm(up[0], lo, up, beta=0, alpha=scaling)
+        return scaled_mm(lo, up, scaling)
     return _gemm.addmm(bias, lo, up, alpha=scaling)
 
 

@@ -8,7 +8,8 @@ import torch
 
 from fastllm import _gemm, _lowp
 from fastllm._library import first_order_only
-from fastllm.ops.lora_linear import check_lora_linear_args, lora_linear, low_rank_seed, mixed
+from fastllm.ops.lora_linear import (check_lora_linear_args, lora_linear, low_rank_seed, mixed,
+                                     scaled_mm)
 
 
 # --- LoRA over several projections that share one input (q/k/v, gate/up) -----------------------
@@ -40,14 +41,6 @@ def _multi_forward(x2, weights, biases, lora_as, lora_bs, scalings):
     return outs, a_cat, xa_t
 
 
-def _scaled_mm(a, b, scaling):
-    """scaling * (a @ b) as one addmm (scaled in the GEMM, rounded once; beta=0 ignores the
-    input, for which a row of b stands); a mm and a scaling pass where b has no rows."""
-    if b.shape[0] == 0:
-        return _gemm.mm(a, b).mul_(scaling)
-    return _gemm.addmm(b[0], a, b, beta=0, alpha=scaling)
-
-
 def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has_bias, need):
     """(dx2, dw, db, da, dbb) of lora_linear_multi; `need` is ctx.needs_input_grad."""
     n = len(weights)
@@ -59,7 +52,7 @@ def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has
             if dys[i] is None:
                 dyb_parts.append(x2.new_zeros(hi - lo, x2.shape[0]))
             else:
-                dyb_parts.append(_scaled_mm(lora_bs[i].t(), dys[i].t(), scalings[i]))
+                dyb_parts.append(scaled_mm(lora_bs[i].t(), dys[i].t(), scalings[i]))
     dyb_t = torch.cat(dyb_parts) if dyb_parts else None
     dx = None
     if need[0]:
@@ -84,7 +77,7 @@ def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has
             if need[3 + 2 * n + i]:
                 da[i] = da_cat[lo:hi]
             if need[3 + 3 * n + i]:
-                dbb[i] = _scaled_mm(g.t(), xa_t[lo:hi].t(), scalings[i])
+                dbb[i] = scaled_mm(g.t(), xa_t[lo:hi].t(), scalings[i])
     return dx, dw, db, da, dbb
 
 

@@ -209,8 +209,8 @@ def swiglu_linear(gate, up, weight, bias=None):
     """F.linear(silu(gate) * up, weight, bias) without keeping silu(gate) * up for the backward.
 
     gate, up: (..., ffn); weight: (out, ffn); bias: (out,) or None; one dtype. The product is
-    recomputed (one elementwise pass) only when weight requires grad (full fine-tuning); with a
-    frozen weight (LoRA elsewhere) nothing is recomputed."""
+    recomputed only when weight requires grad (full fine-tuning), by the SwiGLU backward's own
+    pass over gate and up; with a frozen weight (LoRA elsewhere) nothing is recomputed."""
     where = "fastllm.swiglu_linear"
     if weight.dtype != gate.dtype:
         raise TypeError(f"{where}: weight has dtype {weight.dtype}, gate has {gate.dtype}")
