@@ -148,6 +148,35 @@ def test_cpp_bf16_both_product_paths(bf16_products, case):
         check_close(name, a.detach(), t.detach(), o, torch.bfloat16, None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_cpp_reads_and_writes_any_layout(dtype):
+    """The cpp kernel's row copies (plain loops for rows of head_dim contiguous, ATen's copy_ for
+    the rest): q, k, v as (B, H, T, D) tensors seen through transposes, and with head_dim
+    strided, give the bits of contiguous inputs, forward and every grad; a negative view is
+    read as its values."""
+    case = (2, 133, 6, 2, 8, True)
+    q, k, v, dy, doc_start = _inputs(case, dtype)
+    with fastllm.use_backend("cpp"):
+        want = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
+        for how in ("transposed", "strided head_dim"):
+            if how == "transposed":  # (B, H, T, D) storage, rows of D contiguous
+                bases = [t.detach().transpose(1, 2).contiguous().requires_grad_()
+                         for t in (q, k, v)]
+                views = [t.transpose(1, 2) for t in bases]
+            else:  # every other element of a (.., 2 D) tensor
+                bases = [torch.stack([t.detach(), torch.zeros_like(t)], -1).requires_grad_()
+                         for t in (q, k, v)]
+                views = [t[..., 0] for t in bases]
+            assert not views[0].is_contiguous()
+            got = grads([attention(*views, doc_start=doc_start)], views, [dy])
+            for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+                assert torch.equal(a, w), (how, name)
+        neg = torch._neg_view(-q.detach())
+        assert neg.is_neg()
+        assert torch.equal(attention(neg, k.detach(), v.detach(), doc_start=doc_start),
+                           attention(q.detach(), k.detach(), v.detach(), doc_start=doc_start))
+
+
 def test_cpp_bf16_scores_follow_the_switch():
     """The bf16 scores really come from the bf16 -> fp32 GEMM when it is on: the logsumexp (fp32,
     from S) differs in its last bits from the fp32 copies' (another order of the sums), and

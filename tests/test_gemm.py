@@ -172,12 +172,21 @@ def test_bf16f32_matches_fp64(m, n, k):
     out = torch.full((m, n), float("nan"))  # not accumulating: what out held is not read
     ext.gemm_bf16f32_cpu(a, b, out, False)
     assert _rel(out, ref) < 1e-5
+    plain = out
     c = torch.randn(m, n, generator=g)
     out = c.clone()
     ext.gemm_bf16f32_cpu(a, b, out, True)
     assert _rel(out, c.double() + ref) < 1e-5
     if k >= 19:  # what the kernel is for: bf16 products without bf16's rounding
         assert _rel((a @ b).float(), ref) > 100 * _rel(out - c, ref)
+    # the packing's layouts: pairs of k read as one word where k is contiguous (a row-major; b
+    # the transpose of a row-major (n, k), as attention's K^T), element by element elsewhere:
+    # the same bits either way
+    a_cols, b_rows = a.t().contiguous().t(), b.t().contiguous().t()
+    for x, y in ((a_cols, b), (a, b_rows), (a_cols, b_rows)):
+        other = torch.empty(m, n)
+        ext.gemm_bf16f32_cpu(x, y, other, False)
+        assert torch.equal(other, plain), (x.stride(), y.stride())
 
 
 def test_bf16f32_strided_operands_and_threads():

@@ -40,9 +40,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../fastllm.h"
+#include "cpu/model_io.h"
 #include "cpu/vec_math.h"
 
 namespace fastllm {
@@ -96,18 +98,80 @@ Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // Rows [t0, t1) of a task's (T, G, D) slice of x (B, T, H, D) at heads [h0, h0 + heads), as a
-// ((t1 - t0) * heads, D) matrix of into's dtype: the first rows of `into`.
+// ((t1 - t0) * heads, D) matrix of into's dtype: the first rows of `into` (contiguous).
+// store() writes such rows back. Plain loops for x with contiguous rows of D in fp32, bf16 or
+// fp16 (the projections' layout), the values widened / rounded to nearest even as every model
+// kernel's (model_io.h): a task's copies were 8 ATen copy_ calls of 16-37 us each, 0.26 s of
+// SmolLM2's full bf16 step (BENCHMARKS.md, 2026-12-05); other layouts and dtypes take copy_.
+template <typename scalar_t, bool kStore>
+void move_rows(const at::Tensor& x, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t heads,
+               const at::Tensor& buf) {
+  using io = model_io::Io<scalar_t>;
+  using raw_t = typename io::raw_t;
+  // a store writes x (one of the op's outputs) from buf; a load reads x into buf
+  std::conditional_t<kStore, raw_t*, const raw_t*> xp;
+  std::conditional_t<kStore, const void*, void*> bp;
+  if constexpr (kStore) {
+    xp = static_cast<raw_t*>(x.mutable_data_ptr());
+    bp = buf.const_data_ptr();
+  } else {
+    xp = static_cast<const raw_t*>(x.const_data_ptr());
+    bp = buf.mutable_data_ptr();
+  }
+  const int64_t D = x.size(3), st = x.stride(1), sh = x.stride(2);
+  xp += b * x.stride(0) + t0 * st + h0 * sh;
+  const bool widen = buf.scalar_type() != x.scalar_type();  // buf fp32, x bf16 or fp16
+  for (int64_t t = 0; t < t1 - t0; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const auto xr = xp + t * st + h * sh;
+      const int64_t row = (t * heads + h) * D;
+      if (!widen) {
+        if constexpr (kStore) {
+          std::copy_n(static_cast<const raw_t*>(bp) + row, D, xr);
+        } else {
+          std::copy_n(xr, D, static_cast<raw_t*>(bp) + row);
+        }
+      } else if constexpr (kStore) {
+        const float* br = static_cast<const float*>(bp) + row;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) xr[d] = io::store(br[d]);
+      } else {
+        float* br = static_cast<float*>(bp) + row;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) br[d] = io::load(xr[d]);
+      }
+    }
+  }
+}
+
+template <bool kStore>
+void move(const at::Tensor& x, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t heads,
+          const at::Tensor& buf) {
+  const auto dt = x.scalar_type();
+  const bool plain = x.stride(3) == 1 && buf.is_contiguous() && !x.is_neg() && !x.is_conj() &&
+                     (buf.scalar_type() == dt || buf.scalar_type() == at::kFloat);
+  if (plain && dt == at::kFloat) return move_rows<float, kStore>(x, b, t0, t1, h0, heads, buf);
+  if (plain && dt == at::kBFloat16) {
+    return move_rows<at::BFloat16, kStore>(x, b, t0, t1, h0, heads, buf);
+  }
+  if (plain && dt == at::kHalf) return move_rows<at::Half, kStore>(x, b, t0, t1, h0, heads, buf);
+  auto rows = buf.narrow(0, 0, (t1 - t0) * heads).view({t1 - t0, heads, x.size(3)});
+  auto part = x.select(0, b).narrow(0, t0, t1 - t0).narrow(1, h0, heads);
+  if (kStore) {
+    part.copy_(rows);
+  } else {
+    rows.copy_(part);
+  }
+}
+
 void load(const at::Tensor& x, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t heads,
           const at::Tensor& into) {
-  into.narrow(0, 0, (t1 - t0) * heads)
-      .view({t1 - t0, heads, x.size(3)})
-      .copy_(x.select(0, b).narrow(0, t0, t1 - t0).narrow(1, h0, heads));
+  move</*kStore=*/false>(x, b, t0, t1, h0, heads, into);
 }
 
 void store(const at::Tensor& from, const at::Tensor& x, int64_t b, int64_t t0, int64_t t1,
            int64_t h0, int64_t heads) {
-  x.select(0, b).narrow(0, t0, t1 - t0).narrow(1, h0, heads)
-      .copy_(from.narrow(0, 0, (t1 - t0) * heads).view({t1 - t0, heads, x.size(3)}));
+  move</*kStore=*/true>(x, b, t0, t1, h0, heads, from);
 }
 
 // Rows t of head h of row b of x (B, T, H, D), as a (T, D) view (rows H * D apart): the keys or

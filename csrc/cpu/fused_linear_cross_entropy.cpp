@@ -170,12 +170,17 @@ int64_t chunk_rows_for(int64_t tokens, int64_t vocab, int64_t elem_size, int64_t
       1, requested > 0 ? requested : kBudget / std::max<int64_t>(1, vocab * elem_size));
   if (tokens <= most) return std::max<int64_t>(1, tokens);
   // Chunks of equal size, and no short last one: each chunk streams the whole weight through
-  // its three GEMMs however few its rows, so 2048 tokens at 682 rows go as 3 x 683, not
-  // 3 x 682 + 2 (a chunk may exceed `most` by up to an eighth for that; fastllm/ops/
-  // fused_linear_cross_entropy.py's chunk_rows is the same rule)
+  // its three GEMMs however few its rows, so 2048 tokens at 682 rows go as 688, 688, 672, not
+  // 3 x 682 + 2 (a chunk may exceed `most` by up to an eighth and a tile for that). From 8 tiles
+  // of kRowTile rows on, whole tiles: oneDNN's GEMMs ran at 60-75% of their speed at some row
+  // counts (1363, 682) and at full speed at every multiple of 16 tried (BENCHMARKS.md,
+  // 2026-12-05). fastllm/ops/fused_linear_cross_entropy.py's balanced_rows is the same rule.
+  constexpr int64_t kRowTile = 16;
   int64_t chunks = tokens / most;
   if ((tokens + chunks - 1) / chunks > most + most / 8) chunks += 1;
-  return (tokens + chunks - 1) / chunks;
+  int64_t rows = (tokens + chunks - 1) / chunks;
+  if (rows >= 8 * kRowTile) rows = std::min(tokens, (rows + kRowTile - 1) / kRowTile * kRowTile);
+  return rows;
 }
 
 template <typename scalar_t>

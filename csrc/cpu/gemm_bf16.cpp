@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 
 #include "../fastllm.h"
 
@@ -45,6 +46,13 @@ constexpr int kNR = 32;          // columns of the register tile (two zmm of fp3
 constexpr int64_t kKC = 256;     // k per block (even)
 constexpr int64_t kMC = 144;     // rows of A per task (a multiple of kMR)
 
+// The two bf16 at p (p[0] low, p[1] high): one 32-bit load.
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
 // Rows [0, m) x k [0, kc) of A (element (i, k) at a[i * sm + k * sk]) as [m / kMR panels]
 // [kc / 2][kMR] 32-bit pairs (A(i, k) low, A(i, k + 1) high), zero-padded to whole panels and
 // an even k.
@@ -53,7 +61,13 @@ void pack_a(const uint16_t* a, int64_t sm, int64_t sk, int64_t m, int64_t kc, ui
   for (int64_t i0 = 0; i0 < m; i0 += kMR) {
     uint32_t* o = out + (i0 / kMR) * kp * kMR;
     const int64_t mr = std::min<int64_t>(kMR, m - i0);
-    for (int64_t p = 0; p < kp; ++p) {
+    // k contiguous (sk == 1): each pair is one 32-bit word of the row, read as such
+    const int64_t words = sk == 1 && mr == kMR ? kc / 2 : 0;
+    for (int64_t i = 0; i < kMR && words > 0; ++i) {
+      const uint16_t* r = a + (i0 + i) * sm;
+      for (int64_t p = 0; p < words; ++p) o[p * kMR + i] = load_pair(r + 2 * p);
+    }
+    for (int64_t p = words; p < kp; ++p) {
       const int64_t k = 2 * p;
       const bool pair = k + 1 < kc;
       for (int64_t i = 0; i < kMR; ++i) {
@@ -73,7 +87,16 @@ void pack_a(const uint16_t* a, int64_t sm, int64_t sk, int64_t m, int64_t kc, ui
 void pack_b_panel(const uint16_t* b, int64_t sk, int64_t sn, int64_t kc, int64_t n,
                   uint16_t* out) {
   const int64_t kp = (kc + 1) / 2;
-  for (int64_t p = 0; p < kp; ++p) {
+  // k contiguous (sk == 1, as B = K^T of row-major K): column j's pair is one 32-bit word
+  const int64_t words = sk == 1 && n == kNR ? kc / 2 : 0;
+  for (int64_t j = 0; j < kNR && words > 0; ++j) {
+    const uint16_t* c = b + j * sn;
+    for (int64_t p = 0; p < words; ++p) {
+      const uint32_t w = load_pair(c + 2 * p);
+      std::memcpy(out + (p * kNR + j) * 2, &w, sizeof(w));
+    }
+  }
+  for (int64_t p = words; p < kp; ++p) {
     const int64_t k = 2 * p;
     const uint16_t* r0 = b + k * sk;
     const bool pair = k + 1 < kc;

@@ -29,7 +29,8 @@ inputs that require them (a frozen head skips the dW GEMM), and ignored tokens a
 any GEMM.
 
 Chunk size: CHUNK_BYTES (128 MiB) of logits per chunk (`chunk_rows`), 682 fp32 / 1365 bf16 rows at
-V = 49152, the chunks balanced (`balanced_rows`: equal, none short, at most an eighth over): the
+V = 49152, the chunks balanced (`balanced_rows`: equal, none short, at most an eighth over, whole
+multiples of 16 rows, at which oneDNN's GEMMs keep their speed): the
 op's extra memory is one chunk plus the grads, independent of the token count.
 
 Backends: cpp (CPU: csrc/cpu/fused_linear_cross_entropy.cpp, ATen GEMMs + an AVX-512 row pass,
@@ -138,7 +139,7 @@ def chunk_rows(tokens, vocab, elem_size):
     CHUNK_BYTES of logits. (On a GPU the chunks were Liger-Kernel's, about as many logits as
     hidden holds elements: 64 chunks of 256 rows at 16384 x 576 -> 49152, whose ~9 launches and
     Python each made the call host-bound on an H200: 601 kernels, 11.8 ms of GPU work in a 28.1
-    ms call, 2026-12-04. 128 MiB chunks make 12 of 1366 rows; not yet measured on a GPU.)"""
+    ms call, 2026-12-04. 128 MiB chunks make 12 of 1376 rows; not yet measured on a GPU.)"""
     return balanced_rows(tokens, _budget_rows(vocab, elem_size))
 
 
@@ -147,17 +148,28 @@ def _budget_rows(vocab, elem_size):
     return max(1, CHUNK_BYTES // max(1, vocab * elem_size))
 
 
+# Chunks of at least 8 x ROW_TILE rows are whole multiples of it: oneDNN's GEMMs slow down at
+# some row counts (AMD Zen 4, 2 threads, torch 2.13, 49152 x 576 head: bf16 logits 0.25 TFLOP/s at
+# 1363 rows, 0.40 at 1376; fp32 0.15 at 1363, 0.20 at 1376; 2047, 1023 and 682 rows slow too;
+# every multiple of 16 tried ran at full speed: BENCHMARKS.md, 2026-12-05).
+ROW_TILE = 16
+
+
 def balanced_rows(tokens, most):
     """Rows per chunk for `tokens` rows in chunks of about `most`: equal chunks and no short last
     one (each chunk streams the whole weight through its GEMMs however few its rows: 2048 tokens
-    at 682 go as 3 x 683, not 3 x 682 + 2); a chunk exceeds `most` by at most an eighth. The C++
-    kernel's chunk_rows_for applies the same rule to the rows it is given."""
+    at 682 go as 688, 688, 672, not 3 x 682 + 2), rounded up to whole ROW_TILEs from 8 of them on; a
+    chunk exceeds `most` by at most an eighth plus a tile. The C++ kernel's chunk_rows_for applies
+    the same rule to the rows it is given."""
     if tokens <= most:
         return max(1, tokens)
     chunks = tokens // most
     if -(-tokens // chunks) > most + most // 8:
         chunks += 1
-    return -(-tokens // chunks)
+    rows = -(-tokens // chunks)
+    if rows >= 8 * ROW_TILE:
+        rows = min(tokens, -(-rows // ROW_TILE) * ROW_TILE)
+    return rows
 
 
 def row_pass_ref(z, labels, weights, label_smoothing, z_loss, cap, need_grad):
