@@ -21,8 +21,8 @@
 //
 //   forward, per block of query positions [r0, r1) and its key range [lo, r1), lo = doc_start[r0]:
 //     S = Q_blk K^T                      (G * nb, n) fp32, n = r1 - lo
-//     P = softmax(scale * S) masked       row pass: lse = max + log sum exp (kept for backward)
-//     O_blk = P V
+//     E = exp(scale * S - max) masked    row pass: lse = max + log sum E (kept for backward)
+//     O_blk = (E V) / rowsum(E)          (P = E / rowsum(E): the division on O's D columns)
 //   backward (the same blocks; P recomputed from lse, nothing of size T^2 is kept):
 //     dV += P^T dO,  dP = dO V^T,  dS = P (dP - rowsum(dO O)) scale,  dQ = dS K,  dK += dS^T Q
 //
@@ -101,8 +101,9 @@ Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // ((t1 - t0) * heads, D) matrix of into's dtype: the first rows of `into` (contiguous).
 // store() writes such rows back. Plain loops for x with contiguous rows of D in fp32, bf16 or
 // fp16 (the projections' layout), the values widened / rounded to nearest even as every model
-// kernel's (model_io.h): a task's copies were 8 ATen copy_ calls of 16-37 us each, 0.26 s of
-// SmolLM2's full bf16 step (BENCHMARKS.md, 2026-12-05); other layouts and dtypes take copy_.
+// kernel's (model_io.h): a task's copies were 8 ATen copy_ calls of 16-37 us each (a layer's
+// fwd + bwd 64.7 -> 62.6 ms at SmolLM2's shape, BENCHMARKS.md 2026-12-05); other layouts and
+// dtypes take copy_.
 template <typename scalar_t, bool kStore>
 void move_rows(const at::Tensor& x, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t heads,
                const at::Tensor& buf) {
@@ -206,6 +207,54 @@ void product(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
   }
 }
 
+// The row loops, on values passed in (no reference into the workers' captures, which gcc must
+// assume a row's stores can change: it reloaded the scale with a gather every iteration and kept
+// the running max in memory, BENCHMARKS.md 2026-12-05).
+struct Softmax {
+  float max, sum;
+};
+
+// row[lo, hi) <- exp(sc * row - max) (not divided by the sum: the caller scales the output's
+// rows instead, D values a row instead of n); zero outside [lo, hi).
+inline Softmax softmax_row(float* row, int64_t n, int64_t lo, int64_t hi, float sc) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, row[j] * sc);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = lo; j < hi; ++j) {
+    const float p = exp_fast(row[j] * sc - mx);
+    row[j] = p;
+    sum += p;
+  }
+  std::fill(row, row + lo, 0.0f);
+  std::fill(row + hi, row + n, 0.0f);
+  return {mx, sum};
+}
+
+// rows x cols of x (contiguous) times each row's factor
+inline void scale_rows(float* x, int64_t rows, int64_t cols, const float* factor) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float f = factor[i];
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) x[i * cols + j] *= f;
+  }
+}
+
+// The backward's P row from its lse: row[lo, hi) <- exp(sc * row - lse), zero outside.
+inline void probs_row(float* row, int64_t n, int64_t lo, int64_t hi, float sc, float lse) {
+#pragma omp simd
+  for (int64_t j = lo; j < hi; ++j) row[j] = exp_fast(row[j] * sc - lse);
+  std::fill(row, row + lo, 0.0f);
+  std::fill(row + hi, row + n, 0.0f);
+}
+
+// dS row from dP (in place) and P: dS = P (dP - delta) sc.
+inline void dscores_row(float* dp, const float* p, int64_t n, float delta, float sc) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - delta) * sc;
+}
+
 // The unit of parallel work: task bg = b * Hkv + g, its query positions [t0, t1) (whole blocks).
 // A task is one part when there are at least kParts tasks; with fewer (a small batch, few kv
 // heads) each task's blocks are split into parts of about equal causal work (block i sees i + 1
@@ -271,6 +320,7 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
     auto kf = lowp ? at::Tensor() : at::empty({T, D}, f32);
     auto vf = at::empty({T, D}, f32), of = at::empty({T * G, D}, f32);
     auto scores = at::empty({std::min(T, kBlock) * G * T}, f32);
+    std::vector<float> inv_sum(std::min(T, kBlock) * G);
     for (int64_t idx = begin; idx < end; ++idx) {
       const Part part = parts[idx];
       const int64_t b = part.bg / s.kv_heads, g = part.bg % s.kv_heads;
@@ -289,25 +339,13 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t t = r0 + i / G;
           const Range r = keys_of(ds, t, first);
-          float* row = sp + i * n;
-          float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-          for (int64_t j = r.lo; j < r.hi; ++j) mx = std::max(mx, row[j] * sc);
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = r.lo; j < r.hi; ++j) {
-            const float p = exp_fast(row[j] * sc - mx);
-            row[j] = p;
-            sum += p;
-          }
-          const float inv = 1.0f / sum;
-#pragma omp simd
-          for (int64_t j = r.lo; j < r.hi; ++j) row[j] *= inv;
-          std::fill(row, row + r.lo, 0.0f);
-          std::fill(row + r.hi, row + n, 0.0f);
-          lse_all[(b * s.heads + g * G + i % G) * T + t] = mx + std::log(sum);
+          const Softmax row = softmax_row(sp + i * n, n, r.lo, r.hi, sc);
+          inv_sum[i] = 1.0f / row.sum;
+          lse_all[(b * s.heads + g * G + i % G) * T + t] = row.max + std::log(row.sum);
         }
-        mm_out(of.narrow(0, row0, rows), sblk, vf.narrow(0, first, n));
+        auto ob = of.narrow(0, row0, rows);
+        mm_out(ob, sblk, vf.narrow(0, first, n));
+        scale_rows(ob.mutable_data_ptr<float>(), rows, D, inv_sum.data());
       }
       store(of, out, b, part.t0, part.t1, g * G, G);
     }
@@ -413,22 +451,13 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t t = r0 + i / G;
           const Range r = keys_of(ds, t, first);
-          float* row = pp + i * n;
-          const float l = row_lse[row0 + i];
-#pragma omp simd
-          for (int64_t j = r.lo; j < r.hi; ++j) row[j] = exp_fast(row[j] * sc - l);
-          std::fill(row, row + r.lo, 0.0f);
-          std::fill(row + r.hi, row + n, 0.0f);
+          probs_row(pp + i * n, n, r.lo, r.hi, sc, row_lse[row0 + i]);
         }
         addmm_inplace(dvf.narrow(0, first, n), p.t(), dob, 1.0);
         product(dp, do16.narrow(0, row0, rows), v16.narrow(0, first, n).t());
         float* dpp = dp.mutable_data_ptr<float>();
         for (int64_t i = 0; i < rows; ++i) {
-          const float di = delta[row0 + i];
-          const float* prow = pp + i * n;
-          float* row = dpp + i * n;
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) row[j] = prow[j] * (row[j] - di) * sc;
+          dscores_row(dpp + i * n, pp + i * n, n, delta[row0 + i], sc);
         }
         mm_out(dqf.narrow(0, row0, rows), dp, kb);
         addmm_inplace(dkf.narrow(0, first, n), dp.t(), qb, 1.0);
