@@ -212,6 +212,30 @@ def test_bad_arguments():
             fused_linear_cross_entropy(hidden, weight, torch.tensor([0, 1, 13, 2]))
 
 
+def test_chunks_are_balanced_whole_tiles():
+    """The chunk rows (balanced_rows; the C++ kernel's chunk_rows_for is the same rule): equal
+    chunks within an eighth and a tile of the budget, never one chunk more than the equal split
+    needs, and from 8 tiles on whole multiples of ROW_TILE (oneDNN's head GEMMs ran at 60-75% of
+    their speed at 1363 and 682 rows)."""
+    from fastllm.ops.fused_linear_cross_entropy import ROW_TILE, balanced_rows
+
+    assert balanced_rows(4088, 1365) == 1376  # SmolLM2's bf16 step: 1376 + 1376 + 1336
+    assert balanced_rows(2048, 682) == 688
+    assert balanced_rows(100, 1365) == 100 and balanced_rows(0, 8) == 1
+    for tokens in (1, 7, 127, 129, 500, 4088, 16384, 100003):
+        for most in (1, 5, 100, 128, 682, 1365, 5000):
+            rows = balanced_rows(tokens, most)
+            if tokens <= most:
+                assert rows == tokens
+                continue
+            assert rows <= most + most // 8 + ROW_TILE - 1, (tokens, most, rows)
+            # the fewest chunks of at most most + most // 8 rows: rounding adds none
+            fewest = next(c for c in range(1, tokens + 1) if -(-tokens // c) <= most + most // 8)
+            assert -(-tokens // rows) <= max(fewest, tokens // most), (tokens, most, rows)
+            if rows >= 8 * ROW_TILE and rows < tokens:
+                assert rows % ROW_TILE == 0, (tokens, most, rows)
+
+
 def test_never_allocates_tokens_by_vocab(monkeypatch):
     # the fast path; ref and triton share one chunk driver (_chunked), checked by the same sizes
     backend = "ref" if fastllm._backend.unavailable_reason("cpp", "cpu") else "cpp"
