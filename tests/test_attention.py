@@ -152,8 +152,8 @@ def test_cpp_bf16_both_product_paths(bf16_products, case):
 def test_cpp_reads_and_writes_any_layout(dtype):
     """The cpp kernel's row copies (plain loops for rows of head_dim contiguous, ATen's copy_ for
     the rest): q, k, v as (B, H, T, D) tensors seen through transposes, and with head_dim
-    strided, give the bits of contiguous inputs, forward and every grad; a negative view is
-    read as its values."""
+    strided, give the bits of contiguous inputs, forward and every grad; negative views are read
+    as their values; bf16 and fp16 results are the fp32 ones rounded to nearest even."""
     case = (2, 133, 6, 2, 8, True)
     q, k, v, dy, doc_start = _inputs(case, dtype)
     with fastllm.use_backend("cpp"):
@@ -171,10 +171,25 @@ def test_cpp_reads_and_writes_any_layout(dtype):
             got = grads([attention(*views, doc_start=doc_start)], views, [dy])
             for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
                 assert torch.equal(a, w), (how, name)
-        neg = torch._neg_view(-q.detach())
-        assert neg.is_neg()
-        assert torch.equal(attention(neg, k.detach(), v.detach(), doc_start=doc_start),
+        negs = [torch._neg_view(-t.detach()) for t in (q, k, v)]
+        assert all(t.is_neg() for t in negs)
+        assert torch.equal(attention(*negs, doc_start=doc_start),
                            attention(q.detach(), k.detach(), v.detach(), doc_start=doc_start))
+    if dtype != torch.float32:
+        # the stores' rounding against torch's: with fp32 products (the bf16 GEMM off) the kernels
+        # on bf16 or fp16 inputs are the kernels on their fp32 widening, rounded once at the end
+        ext = fastllm._extension.extension()
+        ins = [t.detach() for t in (q, k, v)]
+        start = doc_start if doc_start is not None else torch.empty(0, dtype=torch.long)
+        with gemm_bf16f32(False):
+            out, lse = ext.attention_cpu(*ins, start, 0.3)
+            out32, lse32 = ext.attention_cpu(*[t.float() for t in ins], start, 0.3)
+            assert torch.equal(out, out32.to(dtype)) and torch.equal(lse, lse32)
+            low = ext.attention_backward_cpu(dy, *ins, out, lse, start, 0.3)
+            wide = ext.attention_backward_cpu(*[t.float() for t in (dy, *ins, out)], lse, start,
+                                              0.3)
+        for name, a, w in zip(("dq", "dk", "dv"), low, wide):
+            assert a.dtype == dtype and torch.equal(a, w.to(dtype)), name
 
 
 def test_cpp_bf16_scores_follow_the_switch():

@@ -213,10 +213,10 @@ def test_bad_arguments():
 
 
 def test_chunks_are_balanced_whole_tiles():
-    """The chunk rows (balanced_rows; the C++ kernel's chunk_rows_for is the same rule): equal
-    chunks within an eighth and a tile of the budget, never one chunk more than the equal split
-    needs, and from 8 tiles on whole multiples of ROW_TILE (oneDNN's head GEMMs ran at 60-75% of
-    their speed at 1363 and 682 rows)."""
+    """The chunk rows (balanced_rows; the C++ kernel's chunk_rows_for is the same rule): no more
+    than the tokens, within an eighth and a tile of the budget, never one chunk more than the
+    equal split needs, and from 8 tiles on whole multiples of ROW_TILE (oneDNN's head GEMMs ran
+    at 60-75% of their speed at 1363 and 682 rows); only the last chunk is shorter."""
     from fastllm.ops.fused_linear_cross_entropy import ROW_TILE, balanced_rows
 
     assert balanced_rows(4088, 1365) == 1376  # SmolLM2's bf16 step: 1376 + 1376 + 1336
@@ -225,6 +225,7 @@ def test_chunks_are_balanced_whole_tiles():
     for tokens in (1, 7, 127, 129, 500, 4088, 16384, 100003):
         for most in (1, 5, 100, 128, 682, 1365, 5000):
             rows = balanced_rows(tokens, most)
+            assert 1 <= rows <= max(1, tokens), (tokens, most, rows)
             if tokens <= most:
                 assert rows == tokens
                 continue

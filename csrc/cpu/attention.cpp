@@ -149,7 +149,8 @@ template <bool kStore>
 void move(const at::Tensor& x, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t heads,
           const at::Tensor& buf) {
   const auto dt = x.scalar_type();
-  const bool plain = x.stride(3) == 1 && buf.is_contiguous() && !x.is_neg() && !x.is_conj() &&
+  // (the entry points resolved negative views: every x here reads as its memory)
+  const bool plain = x.stride(3) == 1 && buf.is_contiguous() &&
                      (buf.scalar_type() == dt || buf.scalar_type() == at::kFloat);
   if (plain && dt == at::kFloat) return move_rows<float, kStore>(x, b, t0, t1, h0, heads, buf);
   if (plain && dt == at::kBFloat16) {
@@ -158,7 +159,7 @@ void move(const at::Tensor& x, int64_t b, int64_t t0, int64_t t1, int64_t h0, in
   if (plain && dt == at::kHalf) return move_rows<at::Half, kStore>(x, b, t0, t1, h0, heads, buf);
   auto rows = buf.narrow(0, 0, (t1 - t0) * heads).view({t1 - t0, heads, x.size(3)});
   auto part = x.select(0, b).narrow(0, t0, t1 - t0).narrow(1, h0, heads);
-  if (kStore) {
+  if constexpr (kStore) {
     part.copy_(rows);
   } else {
     rows.copy_(part);
@@ -296,8 +297,10 @@ std::vector<Part> parts_of(const Shape& s) {
 std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                       const at::Tensor& v_in, const at::Tensor& doc_start,
                                       double scale) {
-  // plain aliases: nothing the workers copy or multiply is recorded by autograd
-  const auto q = q_in.detach(), k = k_in.detach(), v = v_in.detach();
+  // plain aliases: nothing the workers copy or multiply is recorded by autograd; a negative view
+  // as its values (the workers read raw memory, and the bf16 GEMM refuses the bit)
+  const auto q = q_in.detach().resolve_neg(), k = k_in.detach().resolve_neg(),
+             v = v_in.detach().resolve_neg();
   const Shape s = check(q, k, v, doc_start, /*check_values=*/true);
   auto out = at::empty({s.batch, s.tokens, s.heads, s.dim}, q.options());
   auto lse = at::empty({s.batch, s.heads, s.tokens}, q.options().dtype(at::kFloat));
@@ -358,8 +361,9 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
                                                const at::Tensor& v_in, const at::Tensor& out_in,
                                                const at::Tensor& lse, const at::Tensor& doc_start,
                                                double scale) {
-  const auto grad_out = grad_out_in.detach(), q = q_in.detach(), k = k_in.detach(),
-             v = v_in.detach(), out = out_in.detach();
+  const auto grad_out = grad_out_in.detach().resolve_neg(), q = q_in.detach().resolve_neg(),
+             k = k_in.detach().resolve_neg(), v = v_in.detach().resolve_neg(),
+             out = out_in.detach().resolve_neg();
   const Shape s = check(q, k, v, doc_start, /*check_values=*/false);
   TORCH_CHECK(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes() &&
                   lse.sizes() == at::IntArrayRef({s.batch, s.heads, s.tokens}) &&

@@ -169,12 +169,13 @@ int64_t chunk_rows_for(int64_t tokens, int64_t vocab, int64_t elem_size, int64_t
   const int64_t most = std::max<int64_t>(
       1, requested > 0 ? requested : kBudget / std::max<int64_t>(1, vocab * elem_size));
   if (tokens <= most) return std::max<int64_t>(1, tokens);
-  // Chunks of equal size, and no short last one: each chunk streams the whole weight through
-  // its three GEMMs however few its rows, so 2048 tokens at 682 rows go as 688, 688, 672, not
-  // 3 x 682 + 2 (a chunk may exceed `most` by up to an eighth and a tile for that). From 8 tiles
-  // of kRowTile rows on, whole tiles: oneDNN's GEMMs ran at 60-75% of their speed at some row
-  // counts (1363, 682) and at full speed at every multiple of 16 tried (BENCHMARKS.md,
-  // 2026-12-05). fastllm/ops/fused_linear_cross_entropy.py's balanced_rows is the same rule.
+  // As few chunks as an equal split needs: each chunk streams the whole weight through its three
+  // GEMMs however few its rows, so 2048 tokens at 682 rows go as 3 chunks (688, 688, 672), not
+  // 3 x 682 + 2 (a chunk may exceed `most` by up to an eighth and a tile for that; the last one
+  // takes what is left). From 8 tiles of kRowTile rows on, whole tiles: oneDNN's GEMMs ran at
+  // 60-75% of their speed at some row counts (1363, 682) and at full speed at every multiple of
+  // 16 tried (BENCHMARKS.md, 2026-12-05). fastllm/ops/fused_linear_cross_entropy.py's
+  // balanced_rows is the same rule.
   constexpr int64_t kRowTile = 16;
   int64_t chunks = tokens / most;
   if ((tokens + chunks - 1) / chunks > most + most / 8) chunks += 1;

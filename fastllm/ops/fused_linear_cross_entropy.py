@@ -29,9 +29,10 @@ inputs that require them (a frozen head skips the dW GEMM), and ignored tokens a
 any GEMM.
 
 Chunk size: CHUNK_BYTES (128 MiB) of logits per chunk (`chunk_rows`), 682 fp32 / 1365 bf16 rows at
-V = 49152, the chunks balanced (`balanced_rows`: equal, none short, at most an eighth over, whole
-multiples of 16 rows, at which oneDNN's GEMMs keep their speed): the
-op's extra memory is one chunk plus the grads, independent of the token count.
+V = 49152, the chunks balanced (`balanced_rows`: no more chunks than an equal split needs, at most
+an eighth and a tile over, and from 128 rows on whole multiples of 16 rows, at which oneDNN's
+GEMMs keep their speed): the op's extra memory is one chunk plus the grads, independent of the
+token count.
 
 Backends: cpp (CPU: csrc/cpu/fused_linear_cross_entropy.cpp, ATen GEMMs + an AVX-512 row pass,
 OpenMP over rows), triton (GPU; CPU under TRITON_INTERPRET=1: torch GEMMs and the row pass of
@@ -156,11 +157,12 @@ ROW_TILE = 16
 
 
 def balanced_rows(tokens, most):
-    """Rows per chunk for `tokens` rows in chunks of about `most`: equal chunks and no short last
-    one (each chunk streams the whole weight through its GEMMs however few its rows: 2048 tokens
-    at 682 go as 688, 688, 672, not 3 x 682 + 2), rounded up to whole ROW_TILEs from 8 of them on; a
-    chunk exceeds `most` by at most an eighth plus a tile. The C++ kernel's chunk_rows_for applies
-    the same rule to the rows it is given."""
+    """Rows per chunk for `tokens` rows in chunks of about `most`: as few chunks as an equal
+    split of at most an eighth over `most` needs (each chunk streams the whole weight through its
+    GEMMs however few its rows: 2048 tokens at 682 go as 3 chunks, not 3 x 682 + 2), their rows
+    rounded up to whole ROW_TILEs from 8 of them on, so that all chunks but the last are whole
+    tiles (2048 at 682: 688, 688, 672; the last takes what is left, never an extra chunk). The C++
+    kernel's chunk_rows_for applies the same rule to the rows it is given."""
     if tokens <= most:
         return max(1, tokens)
     chunks = tokens // most
