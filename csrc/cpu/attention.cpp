@@ -215,6 +215,12 @@ struct Softmax {
   float max, sum;
 };
 
+// The keys a row does not see: zeros for the products that read the whole block row.
+inline void zero_outside(float* row, int64_t n, int64_t lo, int64_t hi) {
+  std::fill(row, row + lo, 0.0f);
+  std::fill(row + hi, row + n, 0.0f);
+}
+
 // row[lo, hi) <- exp(sc * row - max) (not divided by the sum: the caller scales the output's
 // rows instead, D values a row instead of n); zero outside [lo, hi).
 inline Softmax softmax_row(float* row, int64_t n, int64_t lo, int64_t hi, float sc) {
@@ -228,8 +234,7 @@ inline Softmax softmax_row(float* row, int64_t n, int64_t lo, int64_t hi, float 
     row[j] = p;
     sum += p;
   }
-  std::fill(row, row + lo, 0.0f);
-  std::fill(row + hi, row + n, 0.0f);
+  zero_outside(row, n, lo, hi);
   return {mx, sum};
 }
 
@@ -246,8 +251,7 @@ inline void scale_rows(float* x, int64_t rows, int64_t cols, const float* factor
 inline void probs_row(float* row, int64_t n, int64_t lo, int64_t hi, float sc, float lse) {
 #pragma omp simd
   for (int64_t j = lo; j < hi; ++j) row[j] = exp_fast(row[j] * sc - lse);
-  std::fill(row, row + lo, 0.0f);
-  std::fill(row + hi, row + n, 0.0f);
+  zero_outside(row, n, lo, hi);
 }
 
 // dS row from dP (in place) and P: dS = P (dP - delta) sc.
