@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -316,6 +317,10 @@ ROTATE_BYTES = 256 * M
 LIGER = "liger-kernel"
 # the model step's fastllm provider under torch.compile (FASTLLM_DEVICE_COMPILE=1, full only)
 COMPILED = "fastllm + torch.compile"
+# the full step (forward, backward, AdamW) captured whole in one CUDA graph and replayed: the
+# step without its host work (fastllm's and Hugging Face's; Liger-Kernel's loss reads the GPU
+# back, which a capture refuses)
+OURS_GRAPH, HF_GRAPH = "fastllm, CUDA graph", "HF, CUDA graph"
 LIGER_STEP = "HF + Liger-Kernel"
 
 
@@ -643,12 +648,22 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
         model.compile()  # what `fastllm train torch_compile=true` does
         return model, opt, state
 
+    def graph_setup(setup, optimizer):
+        def make():
+            model, _, state = setup()
+            return model, optimizer(_trainable(model), lr=1e-5, capturable=True), state
+        return make
+
     hf = "HF + PEFT" if finetune == "lora" else "HF"
     lig = LIGER_STEP + (" + PEFT" if finetune == "lora" else "")
     ours = "fastllm"
     makers = {ours: fastllm_setup, hf: hf_setup}  # fastllm first: PEFT copies its adapter
     if liger:
         makers[lig] = liger_setup
+    graphed = (OURS_GRAPH, HF_GRAPH) if finetune == "full" and cuda else ()
+    if graphed:
+        makers[OURS_GRAPH] = graph_setup(fastllm_setup, fastllm.optim.AdamW)
+        makers[HF_GRAPH] = graph_setup(hf_setup, functools.partial(torch.optim.AdamW, fused=True))
     if finetune == "full" and os.environ.get("FASTLLM_DEVICE_COMPILE") == "1":
         # opt-in: compiling the 30-layer step has not been timed on the GPU machine yet, and
         # bench/device_check.sh has minutes
@@ -665,12 +680,34 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
 
         return step
 
+    def graph_step(model, opt, state):
+        """Two eager steps on a side stream (kernels compiled, optimizer state allocated, grads
+        left None), then one step captured; replay() runs it."""
+        step = train_step(model, opt, state)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+
+        def replay():
+            graph.replay()
+            return loss.detach()
+
+        return replay
+
     setups, fns, first_loss, held, failed = {}, {}, {}, {}, {}
     for name, make in makers.items():
         before = allocated()
         try:
             setups[name] = make()
-            fns[name] = train_step(*setups[name])
+            fns[name] = (graph_step if name in graphed else train_step)(*setups[name])
             first_loss[name] = float(fns[name]())
             for _ in range(warmup - 1):
                 fns[name]()
@@ -680,8 +717,9 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
             fns.pop(name, None)
             continue
         held[name] = allocated() - before  # params, optimizer state, whatever it keeps
-    peaks = {name: _peak_mib(fn, device) for name, fn in fns.items()}
-    order = [n for n in (hf, lig, ours, COMPILED) if n in fns]
+    # (a replay allocates nothing: its activations live in the graph's pool, not counted here)
+    peaks = {name: None if name in graphed else _peak_mib(fn, device) for name, fn in fns.items()}
+    order = [n for n in (hf, lig, ours, COMPILED, HF_GRAPH, OURS_GRAPH) if n in fns]
     timings = harness.measure_many({n: fns[n] for n in order}, device=device, warmup=0,
                                    min_reps=rounds, max_reps=rounds, min_time_s=0.0)
     # kernels per step, and the GPU's share of a step
@@ -713,8 +751,8 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
                          "first_loss": first_loss[name], "baseline": hf,
                          "note": ", ".join(n for n in notes if n)}
         rows.append(by_name[name])
-    for mine in (ours, COMPILED):
-        for peer in (hf, lig):
+    for mine in (ours, COMPILED, OURS_GRAPH):
+        for peer in (hf, lig) + ((HF_GRAPH,) if mine == OURS_GRAPH else ()):
             if peer in result and mine in by_name:
                 tps, peak = result[peer]
                 vs = f"vs {peer}: x{result[mine][0] / tps:.2f} tokens/s"

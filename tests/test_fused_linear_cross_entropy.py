@@ -237,6 +237,96 @@ def test_chunks_are_balanced_whole_tiles():
                 assert rows % ROW_TILE == 0, (tokens, most, rows)
 
 
+def _row_pass(backend):
+    reason = fastllm._backend.unavailable_reason(backend, "cpu")
+    if reason:
+        pytest.skip(reason)
+    return {"ref": _op_module.row_pass_ref, "triton": _op_module._row_pass_triton}[backend]
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sync_free_rows_match_gathered_rows(backend, dtype):
+    """The GPU driver's sync-free form (dense: ignored tokens kept in place with a negative label,
+    as under CUDA graph capture) gives the gathered form's loss and grads, ignored tokens' loss
+    and hidden grad exactly 0; with per-token scales (the backward op's), and all ignored."""
+    row_pass = _row_pass(backend)
+    hidden, weight, bias, labels, _ = _inputs((23,), 16, 130, dict(bias=True, ignore=True), dtype)
+    hidden, weight, bias = hidden.detach(), weight.detach(), bias.detach()
+    opts = (-100, 0.1, 1e-3, 5.0, True, True, True)  # ignore_index, eps, z_loss, cap, masks
+    for token_scale, divide, lab in ((None, True, labels), (torch.rand(23) + 0.5, False, labels),
+                                     (None, True, torch.full_like(labels, -100))):
+        got, want = (_op_module._chunked(row_pass, hidden, weight, lab, bias, token_scale, 1.0,
+                                         divide, *opts, rows=4, dense=dense)
+                     for dense in (True, False))
+        ignored = lab == -100
+        assert torch.equal(got[0][ignored], torch.zeros(int(ignored.sum())))
+        assert torch.equal(got[1][ignored], torch.zeros_like(got[1][ignored]))
+        for name, g, w in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), got, want):
+            # the same maths; dW and db summed over other chunks: rounding apart
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2,
+                                                                                   atol=1e-4)
+            torch.testing.assert_close(g, w, **tol, msg=name)
+
+
+def test_sync_free_rows_read_nothing_back():
+    """dense=True makes no host read (what a CUDA graph capture refuses and what stalls the
+    host): no nonzero, item or bool of a tensor; the label check is a device-side assertion.
+    The gathered form does read (the spy can fail), and a bad label still raises (on a CPU the
+    assertion is synchronous)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Spy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    hidden, weight, _, labels, _ = _inputs((9,), 8, 37, dict(ignore=True), torch.float32)
+    args = (hidden.detach(), weight.detach(), labels, None, None, 1.0, True, -100, 0.0, 0.0,
+            None, True, True, False)
+    reads = {"nonzero", "_local_scalar_dense", "is_nonzero", "item", "masked_select", "equal"}
+    for dense in (True, False):
+        with Spy() as spy:
+            _op_module._chunked(_op_module.row_pass_ref, *args, rows=4, dense=dense)
+        assert (spy.ops & reads == set()) == dense, sorted(spy.ops & reads)
+        assert ("_assert_async" in spy.ops) == dense
+    bad = labels.clone()
+    bad[4] = 37
+    with pytest.raises(RuntimeError, match="outside"):
+        _op_module._chunked(_op_module.row_pass_ref, *args[:2], bad, *args[3:], dense=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_capture():
+    """The loss and its grads captured in a CUDA graph (the sync-free rows): each replay gives
+    the eager op's values for the labels copied into the captured tensor."""
+    hidden, weight, _, labels, _ = _inputs((2, 64), 32, 300, dict(ignore=True), torch.float32,
+                                           device="cuda")
+
+    def step():
+        loss = fused_linear_cross_entropy(hidden, weight, labels, label_smoothing=0.1)
+        return [loss] + list(torch.autograd.grad(loss, [hidden, weight]))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: compiles the row kernel outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for new in (torch.randint(0, 300, labels.shape, device="cuda"), labels.clone().fill_(-100)):
+        new[0, :5] = -100
+        labels.copy_(new)
+        graph.replay()
+        for got, want in zip(captured, step()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 def test_never_allocates_tokens_by_vocab(monkeypatch):
     # the fast path; ref and triton share one chunk driver (_chunked), checked by the same sizes
     backend = "ref" if fastllm._backend.unavailable_reason("cpp", "cpu") else "cpp"

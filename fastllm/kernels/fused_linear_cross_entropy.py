@@ -8,11 +8,14 @@ Maths, per token row z (V logits of one chunk, any float dtype; computed in fp32
 The grad overwrites z in place, so the chunk buffer holds logits, then their grad, and the
 (tokens x vocab) matrix never exists; fastllm/ops/fused_linear_cross_entropy.py's `_chunked`
 drives the chunks (logits GEMM, this kernel, dX and dW GEMMs), the same algorithm as the C++
-kernel. Why only the loss is Triton: the GEMMs are >85% of the op's FLOP time and cuBLAS is the
-best there is at them (the lesson of lora_linear.py); the loss is memory-bound, and doing
-it in one read and one write of the chunk is what a kernel can win.
+kernel. A row whose label is negative is an ignored token kept in place (the driver's sync-free
+rows, under CUDA graph capture): its loss and grad are 0. Why only the loss is Triton: the GEMMs
+are >85% of the op's FLOP time and cuBLAS is the best there is at them (the lesson of
+lora_linear.py); the loss is memory-bound, and doing it in one read and one write of the chunk is
+what a kernel can win.
 
-Interpreter-tested (TRITON_INTERPRET=1) at small sizes; not yet run on a GPU.
+Interpreter-tested (TRITON_INTERPRET=1) at small sizes; ran on an H200 (2026-12-04), its
+negative-label rows not yet.
 """
 
 import torch
@@ -37,7 +40,7 @@ def _softcap(z, cap):
 @triton.jit
 def _flce_row_kernel(
     z_ptr,  # *T (rows, V) at row * stride_zm + v: logits in, their grad out (NEED_GRAD)
-    labels_ptr,  # *int64 (rows,), every one valid (the driver drops ignored tokens)
+    labels_ptr,  # *int64 (rows,) in [0, V), or negative: an ignored token (loss 0, grad 0)
     weights_ptr,  # *fp32 (rows,): each token's weight w in the reduced loss
     loss_ptr,  # *fp32 (rows,): per-token loss out
     V,  # vocabulary size
@@ -52,6 +55,10 @@ def _flce_row_kernel(
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_zm
     y = tl.load(labels_ptr + row)
+    # a negative label: a token the sync-free driver keeps in place of dropping it (under CUDA
+    # graph capture, where finding the valid tokens would read the GPU): loss 0, grad row 0
+    valid = y >= 0
+    y = tl.maximum(y, 0)
     w = tl.load(weights_ptr + row)
     m = float("-inf")
     s = 0.0
@@ -75,7 +82,7 @@ def _flce_row_kernel(
     # makes sum_z -inf, and 0 * -inf would turn a finite loss into nan
     smooth = tl.where(eps > 0.0, eps * (sum_z / V), 0.0)
     loss = lse - (1.0 - eps) * z_y - smooth + z_loss * lse * lse
-    tl.store(loss_ptr + row, loss)
+    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
     if NEED_GRAD:
         coef = w * (1.0 + 2.0 * z_loss * lse)
         offset = w * eps / V
@@ -90,6 +97,7 @@ def _flce_row_kernel(
             if HAS_CAP:
                 t = z / cap
                 g = g * (1.0 - t * t)
+            g = tl.where(valid, g, 0.0)
             tl.store(z_row + offs, round_nearest(g, z_ptr.dtype.element_ty), mask=mask)
 
 

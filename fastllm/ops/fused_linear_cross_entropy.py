@@ -26,7 +26,10 @@ from forward to backward. "none" cannot use
 it (the incoming grad weights each token differently inside the dW sum), so its forward computes
 the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads are computed only for the
 inputs that require them (a frozen head skips the dW GEMM), and ignored tokens are dropped before
-any GEMM.
+any GEMM, but under CUDA graph capture: finding them (and checking the labels) reads the GPU back,
+which a capture refuses, so there the GPU driver keeps every token in place, the ignored ones with
+a loss and grad of 0, and checks the labels by a device-side assertion (`_chunked`'s dense rows;
+the patched model's whole step then captures, tests/test_cuda_graph_step.py).
 
 Chunk size: CHUNK_BYTES (128 MiB) of logits per chunk (`chunk_rows`), 682 fp32 / 1365 bf16 rows at
 V = 49152, the chunks balanced (`balanced_rows`: no more chunks than an equal split needs, at most
@@ -176,12 +179,15 @@ def balanced_rows(tokens, most):
 
 def row_pass_ref(z, labels, weights, label_smoothing, z_loss, cap, need_grad):
     """One chunk's rows of logits z (c, V), in place: returns the per-token losses (c,) fp32 and,
-    with need_grad, overwrites z with weights[:, None] * dloss/dz. labels (c,) all valid."""
+    with need_grad, overwrites z with weights[:, None] * dloss/dz. labels (c,) in [0, V), or
+    negative for an ignored token (the sync-free driver's rows: loss 0, a grad row of zeros)."""
     acc = torch.float64 if z.dtype == torch.float64 else torch.float32
     zf = z.to(acc)
     if cap:
         zf = cap * torch.tanh(zf / cap)
     vocab = z.shape[1]
+    valid = labels >= 0
+    labels = labels.clamp_min(0)
     lse = torch.logsumexp(zf, 1)
     z_y = zf.gather(1, labels[:, None])[:, 0]
     eps = label_smoothing
@@ -195,8 +201,8 @@ def row_pass_ref(z, labels, weights, label_smoothing, z_loss, cap, need_grad):
         g.scatter_add_(1, labels[:, None], -(w * (1.0 - eps))[:, None])
         if cap:
             g.mul_(1.0 - (zf / cap).square())
-        z.copy_(g)
-    return loss.to(acc)
+        z.copy_(g.masked_fill_(~valid[:, None], 0.0))
+    return loss.masked_fill_(~valid, 0.0).to(acc)
 
 
 # whether torch's CUDA addmm adds a bf16/fp16 product into an fp32 `out` (addmm.dtype_out; some
@@ -229,18 +235,40 @@ def _add_mm(acc, a, b):
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+def _capturing(t):
+    """Whether t's device is being captured into a CUDA graph (which refuses reads of the GPU)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_by_valid,
              ignore_index, label_smoothing, z_loss, cap, need_hidden, need_weight, need_bias,
-             rows=None):
+             rows=None, dense=None):
     """The cpp kernel's algorithm with torch GEMMs and `row_pass` (ref or triton): the same
-    contract as fastllm._C.fused_linear_cross_entropy_cpu."""
+    contract as fastllm._C.fused_linear_cross_entropy_cpu.
+
+    dense: keep every token in place instead of gathering the valid ones, so that nothing reads
+    the GPU back (the gather's nonzero and the label check's any() both wait for it, and neither
+    can be captured in a CUDA graph): ignored tokens go through the GEMMs with a negative label
+    (loss 0, grad 0), the label check is a device-side assertion, and the chunks are views of
+    hidden and of the grads. None: dense exactly when a CUDA graph is being captured (eager, the
+    ignored tokens cost no GEMM time)."""
+    if dense is None:
+        dense = _capturing(hidden2)
     n = hidden2.shape[0]
     vocab = weight.shape[0]
     acc = torch.float64 if hidden2.dtype == torch.float64 else torch.float32
     need_grad = need_hidden or need_weight or need_bias
-    _check_labels(flat, ignore_index, vocab)
-    valid = (flat != ignore_index).nonzero()[:, 0]
-    m = valid.numel()
+    keep = flat != ignore_index
+    if dense:
+        torch._assert_async(~(keep & ((flat < 0) | (flat >= vocab))).any(),
+                            f"{_WHERE}: a label is outside [0, {vocab}) and is not ignore_index "
+                            f"({ignore_index})")
+        valid, m = None, n
+        count = keep.sum()
+    else:
+        _check_labels(flat, ignore_index, vocab)
+        valid = keep.nonzero()[:, 0]
+        m = valid.numel()
     loss = hidden2.new_zeros(n, dtype=acc)
     empty = hidden2.new_empty(0)
     gh = torch.zeros_like(hidden2) if need_grad and need_hidden else empty
@@ -251,16 +279,22 @@ def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_b
     if m > 0:
         if rows is None:
             rows = chunk_rows(m, vocab, hidden2.element_size())
-        w_all = torch.full((m,), scale / m if divide_by_valid else scale, dtype=torch.float32,
-                           device=hidden2.device)
+        if dense:  # (count on the device: 1 / count where it is 0 weighs no token)
+            w_all = keep * (scale / count.clamp_min(1) if divide_by_valid else scale)
+            labels = torch.where(keep, flat, -1)
+        else:
+            w_all = torch.full((m,), scale / m if divide_by_valid else scale,
+                               dtype=torch.float32, device=hidden2.device)
+            labels = flat[valid]
         if token_scale is not None:
-            w_all = w_all * token_scale.float()[valid]
+            w_all = w_all * (token_scale.float() if dense else token_scale.float()[valid])
+        w_all = w_all.float()
         for c0 in range(0, m, rows):
-            idx = valid[c0:c0 + rows]
+            idx = slice(c0, c0 + rows) if dense else valid[c0:c0 + rows]
             x = hidden2[idx]
             z = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
-            loss[idx] = row_pass(z, flat[idx], w_all[c0:c0 + rows], label_smoothing, z_loss,
-                                 cap, need_grad)
+            loss[idx] = row_pass(z, labels[c0:c0 + rows], w_all[c0:c0 + rows], label_smoothing,
+                                 z_loss, cap, need_grad)
             if not need_grad:
                 continue
             if need_hidden:
