@@ -122,7 +122,8 @@ def _is_kernel(event):
 
 
 def _graphed(make_step, device):
-    """make_step() -> step; the step captured in a CUDA graph (replay), or None off the GPU."""
+    """make_step() -> step; the step captured in a CUDA graph (replay, which returns what the
+    captured call returned, rewritten by each replay), or None off the GPU."""
     if torch.device(device).type != "cuda":
         return None
     step = make_step()
@@ -134,10 +135,11 @@ def _graphed(make_step, device):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
+        out = step()
 
     def replay(step=step):  # holds the step (its optimizer, params, state): the graph does not
         graph.replay()
+        return out
 
     return replay
 
@@ -317,10 +319,10 @@ ROTATE_BYTES = 256 * M
 LIGER = "liger-kernel"
 # the model step's fastllm provider under torch.compile (FASTLLM_DEVICE_COMPILE=1, full only)
 COMPILED = "fastllm + torch.compile"
-# the full step (forward, backward, AdamW) captured whole in one CUDA graph and replayed: the
-# step without its host work (fastllm's and Hugging Face's; Liger-Kernel's loss reads the GPU
-# back, which a capture refuses)
-OURS_GRAPH, HF_GRAPH = "fastllm, CUDA graph", "HF, CUDA graph"
+# suffix of the providers whose step (forward, backward, AdamW) is captured whole in one CUDA
+# graph and replayed: the step without its host work (fastllm's and Hugging Face's; Liger-Kernel's
+# loss reads the GPU back, which a capture refuses)
+GRAPH = ", CUDA graph"
 LIGER_STEP = "HF + Liger-Kernel"
 
 
@@ -660,10 +662,11 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
     makers = {ours: fastllm_setup, hf: hf_setup}  # fastllm first: PEFT copies its adapter
     if liger:
         makers[lig] = liger_setup
-    graphed = (OURS_GRAPH, HF_GRAPH) if finetune == "full" and cuda else ()
+    ours_graph, hf_graph = ours + GRAPH, hf + GRAPH
+    graphed = (ours_graph, hf_graph) if cuda else ()
     if graphed:
-        makers[OURS_GRAPH] = graph_setup(fastllm_setup, fastllm.optim.AdamW)
-        makers[HF_GRAPH] = graph_setup(hf_setup, functools.partial(torch.optim.AdamW, fused=True))
+        makers[ours_graph] = graph_setup(fastllm_setup, fastllm.optim.AdamW)
+        makers[hf_graph] = graph_setup(hf_setup, functools.partial(torch.optim.AdamW, fused=True))
     if finetune == "full" and os.environ.get("FASTLLM_DEVICE_COMPILE") == "1":
         # opt-in: compiling the 30-layer step has not been timed on the GPU machine yet, and
         # bench/device_check.sh has minutes
@@ -680,34 +683,15 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
 
         return step
 
-    def graph_step(model, opt, state):
-        """Two eager steps on a side stream (kernels compiled, optimizer state allocated, grads
-        left None), then one step captured; replay() runs it."""
-        step = train_step(model, opt, state)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-
-        def replay():
-            graph.replay()
-            return loss.detach()
-
-        return replay
-
     setups, fns, first_loss, held, failed = {}, {}, {}, {}, {}
     for name, make in makers.items():
         before = allocated()
         try:
             setups[name] = make()
-            fns[name] = (graph_step if name in graphed else train_step)(*setups[name])
+            if name in graphed:  # (the warm-up leaves the grads None: the capture's own)
+                fns[name] = _graphed(lambda: train_step(*setups[name]), device)
+            else:
+                fns[name] = train_step(*setups[name])
             first_loss[name] = float(fns[name]())
             for _ in range(warmup - 1):
                 fns[name]()
@@ -719,7 +703,7 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
         held[name] = allocated() - before  # params, optimizer state, whatever it keeps
     # (a replay allocates nothing: its activations live in the graph's pool, not counted here)
     peaks = {name: None if name in graphed else _peak_mib(fn, device) for name, fn in fns.items()}
-    order = [n for n in (hf, lig, ours, COMPILED, HF_GRAPH, OURS_GRAPH) if n in fns]
+    order = [n for n in (hf, lig, ours, COMPILED, hf_graph, ours_graph) if n in fns]
     timings = harness.measure_many({n: fns[n] for n in order}, device=device, warmup=0,
                                    min_reps=rounds, max_reps=rounds, min_time_s=0.0)
     # kernels per step, and the GPU's share of a step
@@ -751,8 +735,8 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
                          "first_loss": first_loss[name], "baseline": hf,
                          "note": ", ".join(n for n in notes if n)}
         rows.append(by_name[name])
-    for mine in (ours, COMPILED, OURS_GRAPH):
-        for peer in (hf, lig) + ((HF_GRAPH,) if mine == OURS_GRAPH else ()):
+    for mine in (ours, COMPILED, ours_graph):
+        for peer in (hf, lig) + ((hf_graph,) if mine == ours_graph else ()):
             if peer in result and mine in by_name:
                 tps, peak = result[peer]
                 vs = f"vs {peer}: x{result[mine][0] / tps:.2f} tokens/s"
