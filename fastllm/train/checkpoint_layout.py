@@ -252,9 +252,34 @@ _MODE_KEYS = {"lora": ("lora.target_modules", "lora.r", "lora.layers", "lora.use
                        "lora.alpha", "lora.dropout"),
               "prefix": ("prefix.num_virtual_tokens", "prefix.prefix_projection",
                          "prefix.encoder_hidden_size"),
-              "freeze": ("freeze.layers",), "badam": ("badam.blocks",)}
+              "freeze": ("freeze.layers",), "badam": ("badam.blocks",),
+              # (the projected side and its rank: the shapes of the low-rank moments)
+              "galore": ("galore.rank", "galore.proj_type")}
+# Param-group hyperparameters that come from the config (weight_decay, AdamW's, GaLore's
+# refresh gap and scale): a checkpoint's optimizer state brings back its own, which a resume with
+# a changed config must not silently keep.
+_HYPERPARAMS = ("weight_decay", "betas", "eps", "update_proj_gap", "scale")
 _DATA_KEYS = ("seed", "data.path", "data.format", "data.seq_len", "data.packing",
               "data.train_on_prompt", "data.eval_fraction", "data.eval_path")
+
+
+def group_hyperparams(optimizer):
+    """[{hyperparameter: value} per param group] of the optimizer as this run built it."""
+    return [{k: g[k] for k in _HYPERPARAMS if k in g} for g in optimizer.param_groups]
+
+
+def set_group_hyperparams(optimizer, values, path, log):
+    """Put group_hyperparams()'s values back after loading `path`'s optimizer state, logging
+    each one that differs from the checkpoint's."""
+    changed = {}
+    for group, mine in zip(optimizer.param_groups, values):
+        for key, value in mine.items():
+            old = group.get(key)
+            if old != value and not (isinstance(old, (list, tuple)) and tuple(old) == value):
+                changed.setdefault(key, (old, value))
+            group[key] = value
+    for key, (old, new) in changed.items():
+        log(f"fastllm train: resuming {path} with {key}={new} (it was trained with {old})")
 
 
 def _get(config, dotted):

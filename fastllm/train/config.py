@@ -16,13 +16,14 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+from fastllm.train.config_values import (ConfigError, convert as _convert,
+                                         field_names as _field_names,
+                                         field_type as _field_type,
+                                         parse_free as _parse_free, update as _update)
+
 __all__ = ["TrainConfig", "DataConfig", "EvalConfig", "LoraConfig", "PrefixConfig",
            "FreezeConfig", "GaloreConfig", "BAdamConfig", "CheckpointConfig", "ParallelConfig",
            "ConfigError", "HF_NAMES", "hf_names"]
-
-
-class ConfigError(ValueError):
-    """A config value is unknown, mistyped or inconsistent."""
 
 
 @dataclass
@@ -500,101 +501,3 @@ def hf_names(data):
             raise ConfigError(f"fastllm train: {key} is {HF_NAMES[key]}; give one of them")
         target[leaf] = value
     return out
-
-
-def _field_names(obj):
-    return [f.name for f in dataclasses.fields(obj)]
-
-
-def _field_type(obj, name):
-    hints = typing.get_type_hints(type(obj))
-    return hints[name]
-
-
-def _parse_free(text):
-    import yaml
-
-    if not isinstance(text, str):
-        return text
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return yaml.safe_load(text)
-
-
-def _convert(key, value, current, hint):
-    """`value` (a string from the command line or a YAML scalar) as the type of the field."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is typing.Union and type(None) in args:  # Optional[X]
-        inner = next(a for a in args if a is not type(None))
-        # an empty string stays a (refused) empty path for Optional[str]: `data.path=` must
-        # not silently mean the built-in corpus
-        empty = () if inner is str else ("",)
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") + empty):
-            return None
-        hint = inner
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-    try:
-        if hint is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if hint is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError(value)
-            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
-        if hint is float:
-            return float(value)
-        if hint is str:
-            return str(value)
-        if origin in (list, typing.List):
-            items = value
-            if isinstance(value, str):
-                items = _parse_free(value) if value.strip().startswith("[") else [
-                    v for v in value.split(",") if v.strip()]
-            if not isinstance(items, (list, tuple)):
-                items = [items]
-            inner = args[0] if args else str
-            return [_convert(key, v, None, inner) for v in items]
-        if origin in (dict, typing.Dict):
-            data = _parse_free(value) if isinstance(value, str) else value
-            if not isinstance(data, dict):
-                raise ValueError(value)
-            return dict(data)
-    except (ValueError, TypeError):
-        pass
-    else:
-        if dataclasses.is_dataclass(current):
-            data = _parse_free(value) if isinstance(value, str) else value
-            if not isinstance(data, dict):
-                raise ConfigError(f"fastllm train: {key} is a section: set its keys ({key}."
-                                  f"<name>=...) or give a mapping, got {value!r}")
-            _update(current, data, key + ".")
-            return current
-        return value
-    raise ConfigError(f"fastllm train: {key}={value!r} is not a valid {_type_name(hint)}")
-
-
-def _type_name(hint):
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-
-
-def _update(obj, data, prefix):
-    if not isinstance(data, dict):
-        raise ConfigError(f"fastllm train: {prefix.rstrip('.') or 'config'} must be a mapping")
-    for key, value in data.items():
-        if key not in _field_names(obj):
-            raise ConfigError(f"fastllm train: unknown config key {prefix + key!r}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            _update(current, value, prefix + key + ".")
-        else:
-            setattr(obj, key, _convert(prefix + key, value, current, _field_type(obj, key)))
-

@@ -108,7 +108,10 @@ def build_tokenizer(spec, docs, vocab_size, cache_dir, model_dir=None):
 
     if spec not in ("byte", "bpe") or model_dir is not None:
         folder = model_dir if spec == "byte" else spec
-        return HFTokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True), folder)
+        # the caches keyed by the name follow the folder's files, not its path alone (another
+        # tokenizer saved into the same folder reused the first one's token cache)
+        return HFTokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True),
+                           f"{folder}-{_files_digest(folder)}")
     digest = _digest(docs, f"bpe-{vocab_size}")[:16]
     folder = os.path.join(_cache_dir(cache_dir), f"bpe-{digest}")
     path = os.path.join(folder, "tokenizer.json")
@@ -128,6 +131,24 @@ def build_tokenizer(spec, docs, vocab_size, cache_dir, model_dir=None):
     fast = PreTrainedTokenizerFast(tokenizer_file=path, eos_token="<|endoftext|>")
     # the digest: caches keyed by the name (an SFT eval_path's) follow the corpus the BPE learned
     return HFTokenizer(fast, f"bpe-{vocab_size}-{digest}")
+
+
+# a model folder's weights (hashing them would read gigabytes; they do not tokenize)
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx")
+
+
+def _files_digest(folder):
+    """sha256 of a folder's files but its weights (tokenizer files, configs, chat template)."""
+    h = hashlib.sha256()
+    if not os.path.isdir(folder):
+        return "0"
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.endswith(_WEIGHTS) or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            h.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:16]
 
 
 def _digest(docs, salt):

@@ -75,14 +75,21 @@ class MetricsWriter:
                                  dynamic_ncols=True)
             except ImportError:
                 self._bar = None
+        self._tb_dir = os.path.join(output_dir, "tensorboard")
         if cfg.report_to == "tensorboard":
             try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+                self._open_tb(start_step)
             except ImportError:
                 print("fastllm train: report_to=tensorboard but tensorboard is not installed "
                       "(pip install tensorboard); writing metrics.jsonl only", file=sys.stderr)
+
+    def _open_tb(self, step):
+        """TensorBoard's writer from `step` on: the events an earlier run (or the steps before a
+        rollback) logged after it are purged, as metrics.jsonl's lines are (TensorBoard drops
+        a run's events at or after a purge_step it finds logged later)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(self._tb_dir, purge_step=step + 1)
 
     def _truncate_after(self, step):
         """A resumed run rewrites the steps after its checkpoint: drop their old lines."""
@@ -109,6 +116,9 @@ class MetricsWriter:
         self._file.close()
         self._truncate_after(step)
         self._file = open(self.path, "a")
+        if self._tb is not None:
+            self._tb.close()
+            self._open_tb(step)
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()

@@ -26,7 +26,7 @@ __all__ = ["RunDirError", "lock", "prepare", "release", "previous_run"]
 
 LOCK = ".lock"
 # What a run leaves besides checkpoint-<step>/ folders.
-_RUN_FILES = ("metrics.jsonl", "summary.json", "report.png")
+_RUN_FILES = ("metrics.jsonl", "summary.json", "report.png", "tensorboard")
 
 
 class RunDirError(RuntimeError):

@@ -194,7 +194,11 @@ class Trainer:
             checkpoint_layout.load_adapter(self.module, os.path.join(path, "adapter"), cfg.backend)
         else:
             model_state = ckpt.load_file(os.path.join(path, "model.pt"))
+        configured = checkpoint_layout.group_hyperparams(self.optimizer)
         self.strategy.load(model_state, optim_state)
+        # the saved param groups bring back the checkpoint's hyperparameters: this run's config
+        # wins (lr is set every step from the schedule)
+        checkpoint_layout.set_group_hyperparams(self.optimizer, configured, path, self.log)
         self.strategy.scalers.load_state_dict(state)
         if state["data"]["global_batch"] != self.global_batch:
             raise ValueError(f"fastllm train: {path} was trained with global_batch_size="
@@ -231,7 +235,6 @@ class Trainer:
         cfg = self.cfg
         if self.rank == 0:
             self._run_lock = run_dir.prepare(cfg, self.log)
-            cfg.save(cfg.output_dir)
         self._barrier()
         self._build_data()
         self._build_model()
@@ -256,6 +259,8 @@ class Trainer:
                     self.log(f"fastllm train: {cfg.output_dir} is already at max_steps="
                              f"{cfg.max_steps}; raise max_steps or pick another output_dir to "
                              f"train more")
+        if self.rank == 0:  # (after the resume checks: a refused resume leaves the old one)
+            cfg.save(cfg.output_dir)
         # the ranks of one tensor-parallel group, and the stages of one pipeline, read the same
         # batch: the data is split over dp only
         lay, strategy = self.layout, self.strategy

@@ -1,0 +1,117 @@
+"""Config values from the command line or YAML: each `key=value` converted to its field's type
+(fastllm/train/config.py's dataclasses), with an error naming the key for anything else."""
+
+import dataclasses
+import typing
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or inconsistent."""
+
+
+# list keys whose items are free text: an unbracketed value is one item, not split at commas
+# (a list of several is given as a YAML list: eval.prompts='["a, b", "c"]')
+FREE_TEXT_LISTS = ("eval.prompts",)
+
+
+def field_names(obj):
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def field_type(obj, name):
+    hints = typing.get_type_hints(type(obj))
+    return hints[name]
+
+
+def parse_free(text):
+    import yaml
+
+    if not isinstance(text, str):
+        return text
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return yaml.safe_load(text)
+
+
+def convert(key, value, current, hint):
+    """`value` (a string from the command line or a YAML scalar) as the type of the field."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union and type(None) in args:  # Optional[X]
+        inner = next(a for a in args if a is not type(None))
+        # an empty string stays a (refused) empty path for Optional[str]: `data.path=` must
+        # not silently mean the built-in corpus
+        empty = () if inner is str else ("",)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") + empty):
+            return None
+        hint = inner
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if hint is int:
+            # an exponent is a whole number or refused: 5e-1 is not 0, 1e400 not a traceback
+            number = float(value) if isinstance(value, str) and "e" in value.lower() else value
+            if isinstance(number, bool) or (isinstance(number, float) and not number.is_integer()):
+                raise ValueError(value)
+            return int(number)
+        if hint is float:
+            return float(value)
+        if hint is str:
+            return str(value)
+        if origin in (list, typing.List):
+            items = value
+            if isinstance(value, str) and value.strip().startswith("["):
+                items = parse_free(value)
+            elif isinstance(value, str) and key in FREE_TEXT_LISTS:
+                items = [value] if value.strip() else []  # a prompt may hold commas: one item
+            elif isinstance(value, str):
+                items = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(items, (list, tuple)):
+                items = [items]
+            inner = args[0] if args else str
+            return [convert(key, v, None, inner) for v in items]
+        if origin in (dict, typing.Dict):
+            data = parse_free(value) if isinstance(value, str) else value
+            if not isinstance(data, dict):
+                raise ValueError(value)
+            return dict(data)
+    except (ValueError, TypeError):
+        pass
+    else:
+        if dataclasses.is_dataclass(current):
+            data = parse_free(value) if isinstance(value, str) else value
+            if not isinstance(data, dict):
+                raise ConfigError(f"fastllm train: {key} is a section: set its keys ({key}."
+                                  f"<name>=...) or give a mapping, got {value!r}")
+            update(current, data, key + ".")
+            return current
+        return value
+    raise ConfigError(f"fastllm train: {key}={value!r} is not a valid {_type_name(hint)}")
+
+
+def _type_name(hint):
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def update(obj, data, prefix):
+    if not isinstance(data, dict):
+        raise ConfigError(f"fastllm train: {prefix.rstrip('.') or 'config'} must be a mapping")
+    for key, value in data.items():
+        if key not in field_names(obj):
+            raise ConfigError(f"fastllm train: unknown config key {prefix + key!r}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            update(current, value, prefix + key + ".")
+        else:
+            setattr(obj, key, convert(prefix + key, value, current, field_type(obj, key)))
+

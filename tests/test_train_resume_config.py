@@ -1,0 +1,115 @@
+"""fastllm train takes what the user wrote, and a resume or a cache keeps nothing stale: numbers
+with exponents are whole or refused, list items are trimmed and prompts keep their commas; a
+resume applies this run's optimizer hyperparameters (the checkpoint's param groups brought back
+their own) and refuses another GaLore rank before anything is written; a tokenizer folder's
+token cache follows its files, not its path; TensorBoard's events are purged after a resume's or
+a rollback's step, as metrics.jsonl's lines are (tiny model, one thread, a few steps)."""
+
+import os
+import random
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from fastllm.train import TrainConfig, Trainer
+from fastllm.train.config import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def run(cache_dir, output_dir, *extra, log=None):
+    args = ["model=tiny", "data.seq_len=32", "micro_batch_size=4", "lr=1e-2", "warmup_steps=1",
+            "threads=1", "log_interval=1000", "track_memory=false", "checkpoint.interval=0",
+            f"data.cache_dir={cache_dir}", f"output_dir={output_dir}", *extra]
+    return Trainer(TrainConfig.from_args(args), log=log or (lambda text: None)).train()
+
+
+@pytest.mark.parametrize("value", ["5e-1", "2.5e0", "1e400", "1.5"])
+def test_an_int_key_refuses_a_fraction_or_overflow(value):
+    with pytest.raises(ConfigError, match=f"checkpoint.interval='{value}' is not a valid int"):
+        TrainConfig.from_args([f"checkpoint.interval={value}"])
+
+
+def test_list_items_are_trimmed_and_a_prompt_keeps_its_commas():
+    cfg = TrainConfig.from_args(["lora.target_modules=q_proj, v_proj", "max_steps=1e3",
+                                 "eval.prompts=What is 2, 3?"])
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.max_steps == 1000
+    assert cfg.eval.prompts == ["What is 2, 3?"]
+    assert TrainConfig.from_args(['eval.prompts=["a, b", c]']).eval.prompts == ["a, b", "c"]
+
+
+def test_resume_applies_new_hyperparameters_and_refuses_another_galore_rank(tmp_path):
+    cache, out = str(tmp_path / "cache"), str(tmp_path / "run")
+    gal = ("finetune=galore", "galore.rank=4")
+    run(cache, out, "max_steps=1", *gal)
+    with pytest.raises(ConfigError, match="trained with galore.rank=4, this run has galore.rank=8"):
+        run(cache, out, "max_steps=2", "finetune=galore", "galore.rank=8")
+    with open(os.path.join(out, "config.yaml")) as f:  # the refused run wrote nothing
+        assert yaml.safe_load(f)["galore"]["rank"] == 4
+    said = []
+    s = run(cache, out, "max_steps=2", *gal, "weight_decay=0.5", "betas=[0.8,0.9]",
+            log=said.append)
+    assert s["resumed_from"].endswith("checkpoint-1")
+    assert any("with weight_decay=0.5 (it was trained with 0.1)" in line for line in said), said
+    groups = torch.load(os.path.join(out, "checkpoint-2", "optimizer.pt"),
+                        weights_only=True)["param_groups"]
+    assert [g["weight_decay"] for g in groups][:1] == [0.5] and 0.0 in [
+        g["weight_decay"] for g in groups]  # the no-decay group stays undecayed
+    assert all(tuple(g["betas"]) == (0.8, 0.9) for g in groups)
+
+
+def _bpe_folder(folder, seed):
+    """A 300-token byte-level BPE saved as a Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(5)) for _ in range(3000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([" ".join(words)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(
+        folder)
+
+
+def test_a_tokenizer_folder_cache_follows_its_files(tmp_path):
+    from fastllm.train.data import build_tokenizer, tokenize_to_file
+
+    folder, docs = str(tmp_path / "tok"), ["some text to tokenize, twice over"]
+    made = []
+    for seed in (0, 1):  # two tokenizers of one size, saved in turn into one folder
+        _bpe_folder(folder, seed)
+        tok = build_tokenizer(folder, docs, 0, str(tmp_path / "cache"))
+        made.append((tok.vocab_size, tokenize_to_file(docs, tok, str(tmp_path / "cache"))))
+    assert made[0][0] == made[1][0] and made[0][1] != made[1][1]
+
+
+def test_tensorboard_events_after_a_resumed_or_rewound_step_are_purged(tmp_path, monkeypatch):
+    from fastllm.train import run_dir
+    from fastllm.train.metrics import MetricsWriter
+
+    opened = []
+
+    class Writer:
+        def __init__(self, log_dir, purge_step=None):
+            opened.append(purge_step)
+
+        def close(self):
+            pass
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    cfg = SimpleNamespace(log_interval=1, report_to="tensorboard")
+    writer = MetricsWriter(cfg, str(tmp_path), True, 10, 3)  # resumed at step 3
+    writer.rewind(5)  # a rollback to step 5
+    writer.close()
+    assert opened == [4, 6]
+    os.makedirs(tmp_path / "tensorboard")
+    assert "tensorboard" in run_dir.previous_run(str(tmp_path))  # overwrite_output_dir clears it
