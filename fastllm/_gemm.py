@@ -104,8 +104,9 @@ def _take(*tensors):
         return False
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         return False  # autograd would not see the call
-    return all(x is None or (x.dtype == torch.float32 and x.layout == torch.strided)
-               for x in tensors)
+    # (a negated view goes to torch, which resolves it: the GEMM reads raw memory)
+    return all(x is None or (x.dtype == torch.float32 and x.layout == torch.strided
+                             and not x.is_neg()) for x in tensors)
 
 
 def _gemm(a, b, out, beta, alpha):

@@ -163,7 +163,10 @@ def plain_eager(args):
     kernels saved: on an H200, fastllm's kernels took 59 ms of a 198 ms step (2026-12-04)."""
     if _backend.intercepted() or torch._C._are_functorch_transforms_active():
         return False
-    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+    # a negated or conjugated view (x._neg_view(), z.conj().imag) goes through torch.ops too:
+    # the dispatcher's fallbacks hand the kernels its values, which read raw memory
+    return all(type(a) in _PLAIN and not (a.is_neg() or a.is_conj())
+               for a in args if isinstance(a, torch.Tensor))
 
 
 def direct_op(name, impl):

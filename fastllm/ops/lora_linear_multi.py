@@ -8,6 +8,7 @@ import torch
 
 from fastllm import _gemm, _lowp
 from fastllm._library import first_order_only
+from fastllm.ops.linear import check_linear_args
 from fastllm.ops.lora_linear import (check_lora_linear_args, lora_linear, low_rank_seed, mixed,
                                      scaled_mm)
 
@@ -140,6 +141,11 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
         if lora_as[i] is not None:
             check_lora_linear_args(x, weights[i], lora_as[i], lora_bs[i], scalings[i], biases[i],
                                    0.0)
+            continue
+        try:  # a projection without LoRA: fastllm.linear's checks (a bias broadcast per token)
+            check_linear_args(x, weights[i], biases[i])
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"fastllm.lora_linear_multi: projection {i}: {exc}") from None
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)

@@ -237,7 +237,13 @@ def rotary_embedding(q, k, cos, sin, position_ids=None, inplace=False):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             raise RuntimeError("fastllm.rotary_embedding: inplace=True does not support autograd; "
                                "use the out-of-place form (it keeps no extra memory)")
-        torch.ops.fastllm.rotary_embedding_(q, k, cos, sin, position_ids)
+        # a negated view (x._neg_view()) as its values, written back through the view: the
+        # dispatcher's fallback refuses a mutable argument that carries the bit
+        qs, ks = q.resolve_neg(), k.resolve_neg()  # (q, k themselves unless negated)
+        torch.ops.fastllm.rotary_embedding_(qs, ks, cos, sin, position_ids)
+        for view, done in ((q, qs), (k, ks)):
+            if done is not view:
+                view.copy_(done)
         return q, k
     return _rotary(q, k, cos, sin, position_ids)
 
