@@ -6,7 +6,9 @@
 params, exp_avgs, exp_avg_sqs (and max_exp_avg_sqs when amsgrad) are updated in place. All tensors
 at one index share shape, dtype and device, are dense and contiguous. grads are read, divided by
 `grad_scale` when given; nothing changes when `found_inf` is nonzero (torch.amp.GradScaler's
-fused-optimizer protocol). `steps` holds each parameter's step count, already incremented.
+fused-optimizer protocol). `steps` holds each parameter's step count, already incremented (>= 1):
+one-element floating-point tensors on the params' device or the CPU. A grad or step carrying
+the negative bit (x._neg_view()) is read by value; a written tensor carrying it is refused.
 `lr` is a float or a one-element tensor, which the GPU kernels read on the device (the op's
 `lr_tensor` argument; see fastllm/ops/_lr.py).
 
@@ -25,6 +27,7 @@ from fastllm.ops._lr import check_lr_tensor, for_backend, split_lr
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
 # The Triton kernel computes in fp32; fp64 params on a GPU go to the CUDA kernel or the reference.
 _PREFERENCE_FP64 = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "ref")}
+_CPU = torch.device("cpu")
 
 
 def adamw_step_ref(
@@ -117,8 +120,37 @@ def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
         for i, (t, p) in enumerate(zip(lst, params)):
             # One cheap test per tensor on the hot path; the diagnosis only when it fails.
             if not (t.layout == torch.strided and t.device == device and t.dtype == p.dtype
-                    and t.dtype.is_floating_point and t.shape == p.shape and t.is_contiguous()):
+                    and t.dtype.is_floating_point and t.shape == p.shape and t.is_contiguous()
+                    and (name == "grads" or not t.is_neg())):
                 _raise_bad_tensor(f"fastllm.adamw_step: {name}[{i}]", t, p, i, device)
+    for i, s in enumerate(steps):
+        # Every backend reads a step on the CPU or on the params' device (the GPU kernels take
+        # either: a checkpoint of torch's non-capturable AdamW keeps its steps on the CPU).
+        if not (isinstance(s, torch.Tensor) and s.numel() == 1 and s.layout == torch.strided
+                and s.dtype.is_floating_point and s.device in (device, _CPU)):
+            _raise_bad_step(f"fastllm.adamw_step: steps[{i}]", s, device)
+
+
+def _raise_bad_step(where, s, device):
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{where} is a {type(s).__name__}, not a tensor")
+    if s.numel() != 1 or s.layout != torch.strided:
+        raise ValueError(f"{where} must be a dense one-element tensor, got {s.layout} of shape "
+                         f"{tuple(s.shape)}")
+    if not s.dtype.is_floating_point:
+        raise TypeError(f"{where} has dtype {s.dtype}; step counts are floating point")
+    raise ValueError(f"{where} is on {s.device}; steps must be on params[0]'s device ({device}) "
+                     f"or on the CPU")
+
+
+def _check_step_values(steps):
+    """Refuse a step count < 1 (the bias corrections divide by 1 - beta^step) where reading it
+    is free: CPU tensors. A step on a GPU is not read: that would wait for the device each call
+    (and cannot be captured in a CUDA graph); fastllm.optim.AdamW advances its steps itself."""
+    for i, s in enumerate(steps):
+        if s.device.type == "cpu" and not float(s) >= 1.0:
+            raise ValueError(f"fastllm.adamw_step: steps[{i}] is {float(s)}; step counts must be "
+                             f">= 1 (already incremented)")
 
 
 def _raise_bad_tensor(where, t, p, i, device):
@@ -132,6 +164,9 @@ def _raise_bad_tensor(where, t, p, i, device):
         raise TypeError(f"{where} has dtype {t.dtype}, params[{i}] has {p.dtype}")
     if t.shape != p.shape:
         raise ValueError(f"{where} has shape {tuple(t.shape)}, params[{i}] has {tuple(p.shape)}")
+    if t.is_neg():
+        raise ValueError(f"{where} carries the negative bit (a _neg_view()), which the kernels "
+                         f"cannot write through; call .resolve_neg() first")
     raise ValueError(f"{where} is not contiguous; call .contiguous() first")
 
 
@@ -142,6 +177,14 @@ def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
         check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, lr_tensor=lr_tensor)
+        _check_step_values(steps)
+        # The kernels read raw memory, blind to a negative bit (x._neg_view()): the read-only
+        # lists are resolved here, as torch.ops' fallback does, since the direct call skips it.
+        # (fastllm.optim.AdamW's plan hands over resolved grads and steps.)
+        if any(map(torch.Tensor.is_neg, grads)):
+            grads = [g.resolve_neg() for g in grads]
+        if any(map(torch.Tensor.is_neg, steps)):
+            steps = [s.resolve_neg() for s in steps]
     if not params:
         return
     device_type = params[0].device.type

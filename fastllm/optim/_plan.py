@@ -146,6 +146,9 @@ def check_grad(where, p, grad):
                            f"gradients ({where}); use torch.view_as_real")
     if not p.dtype.is_floating_point:
         raise TypeError(f"fastllm.optim.AdamW: {where} has dtype {p.dtype}")
+    if not torch.compiler.is_compiling() and p.is_neg():  # (a grad's is resolved: Call.tensors)
+        raise RuntimeError(f"fastllm.optim.AdamW: {where} carries the negative bit (a "
+                           f"_neg_view()), which the fused kernels cannot write through")
     if grad.device != p.device:
         raise RuntimeError(f"fastllm.optim.AdamW: the grad of {where} is on {grad.device} but "
                            f"the parameter is on {p.device}")
@@ -225,6 +228,7 @@ class Call:
             m, v, am, av = opt.moments.tensors(state, self.mode)
             extra = local_or_none(_extra(state, self.kind))
             param, grad, master = local(p), local(p.grad), local_or_none(state.get("master_param"))
+            grad = grad.resolve_neg()  # the kernels read raw memory, blind to the negative bit
             if self.mode is None:
                 param, grad, m, v, extra = _dense_views([param, grad, m, v, extra], writebacks)
             elif not param.is_contiguous():
@@ -303,8 +307,8 @@ class Plan:
             call.steps.append(state["step"])
             tensors = (local(p), local(p.grad), local_or_none(state.get("master_param")),
                        *opt.moments.tensors(state, mode), local_or_none(_extra(state, kind)))
-            call.fast = call.fast and not is_dtensor(p) and all(
-                t is None or t.is_contiguous() for t in tensors)
+            call.fast = (call.fast and not is_dtensor(p) and not (cached and tensors[1].is_neg())
+                         and all(t is None or t.is_contiguous() for t in tensors))
             for lst, t in zip((call.grads, call.masters, call.exp_avgs, call.exp_avg_sqs,
                                call.absmax_m, call.absmax_v, call.extras), tensors[1:]):
                 lst.append(t)  # (p itself went into call.params above)
@@ -384,8 +388,8 @@ class Plan:
             if not (grad.dtype == p.dtype and grad.shape == p.shape and grad.device == p.device
                     and grad.layout == torch.strided):
                 check_grad(_LazyName(_slot_name, opt, i, p), p, grad)
-            if call.fast and not grad.is_contiguous():
-                return False
+            if call.fast and (grad.is_neg() or not grad.is_contiguous()):
+                return False  # a slow call resolves a grad's negative bit each step
         for i in changed:
             call, k, gk = self.slot_call[i]
             if call.fast:
@@ -397,18 +401,17 @@ class Plan:
     def _fast_layout_holds(self):
         """Whether the params and grads of the fast calls are still contiguous (`p.data = w` or
         `p.grad.data = g` can change that without changing the tensors' identity)."""
-        return all(map(torch.Tensor.is_contiguous, itertools.chain.from_iterable(
-            self.fast_lists)))
+        return all(map(torch.Tensor.is_contiguous, itertools.chain.from_iterable(self.fast_lists)))
 
-    def run(self, opt, grad_scale, clip_coef, found, plain_scale=None, steps_advanced=False):
-        """The fused ops of every call (everything was checked when the plan was built).
+    def run(self, opt, hyper, grad_scale, clip_coef, found, plain_scale=None, steps_advanced=False):
+        """The fused ops of every call (everything was checked when the plan was built), with
+        `hyper`, check_hyper's answer, asked for before the step changed anything.
 
         grad_scale, clip_coef, found: the scalars the update ops take (None: absent).
         plain_scale: what adamw_step (which divides grads by its grad_scale and takes no
         clip_coef) gets, when the caller has it; else grad_scale / clip_coef, computed here.
         steps_advanced: the flat step buffers were advanced by 1 - found already (the Triton
         step prologue); otherwise this adds 1 before the ops and takes `found` back after."""
-        hyper = self.check_hyper(opt)
         if not steps_advanced:
             for buffer in self.flat_steps.values():
                 buffer.add_(1.0)
@@ -433,8 +436,7 @@ class Plan:
         except BaseException:
             # An op that raised (a kernel this Triton cannot compile, a bad argument) wrote
             # nothing: the calls not done get this step's count back, and when none was done the
-            # optimizer is as before the step. (Not after the Triton step prologue: the flat
-            # counts it advanced stay.)
+            # optimizer is as before the step (not after the Triton prologue: its counts stay).
             if not steps_advanced and not done:
                 for buffer in self.flat_steps.values():
                     buffer.sub_(1.0)

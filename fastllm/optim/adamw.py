@@ -298,6 +298,9 @@ class AdamW(torch.optim.Optimizer):
             state = self.state.get(p)
             if isinstance(state, dict) and state:
                 self.moments.convert_loaded(p, state, self._kind(p), self.kahan_summation)
+                for key, t in state.items():  # (torch keeps a loaded tensor's negative bit,
+                    if isinstance(t, torch.Tensor) and t.is_neg():  # which the kernels ignore)
+                        state[key] = t.resolve_neg()
         self._written_versions.clear()  # a loaded master is the truth, not the param
         self._plan = None
         if extra is not None:
@@ -388,6 +391,10 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         plan = self._step_plan()  # checks everything before anything changes
+        # A cached plan re-checks only the hyperparameters a group changed since (one tuple
+        # compare per group); done here, before the norm pass, the skip count and the
+        # stochastic-rounding counter move, so that a refused step changes nothing.
+        hyper = plan.check_hyper(self)
         refuse_stale_masters_in_capture(self, plan)
 
         grad_scale = getattr(self, "grad_scale", None)
@@ -432,7 +439,7 @@ class AdamW(torch.optim.Optimizer):
                 self.step_skipped.zero_()
             if self.stochastic_rounding:
                 self._sr_calls += 1
-            plan.run(self, grad_scale, clip_coef, found, plain_scale=plain_scale,
+            plan.run(self, hyper, grad_scale, clip_coef, found, plain_scale=plain_scale,
                      steps_advanced=fused)
         if self.loss_scaler is not None:
             if fused:

@@ -163,26 +163,30 @@ class BAdam(torch.optim.Optimizer):
         return self.param_groups[0]["params"]
 
     def _new_inner(self, block):
+        """(a new inner optimizer for `block`, the indices of its groups that keep weight_decay
+        0 when the outer group's is synced into them); changes nothing here (load_state_dict
+        builds one it may refuse)."""
         params = self._params()
         idx = sorted(self.members[block])
         decay = [params[i] for i in idx if i not in self._no_decay]
         plain = [params[i] for i in idx if i in self._no_decay]
         groups = ([{"params": decay}] if decay else []) + \
             ([{"params": plain, "weight_decay": 0.0}] if plain else [])
-        # which inner groups keep weight_decay 0 when the outer group's is synced into them
-        self._inner_no_decay = {len(groups) - 1} if plain else set()
-        return self.optimizer_class(groups, **self.optimizer_kwargs)
+        no_decay = {len(groups) - 1} if plain else set()
+        return self.optimizer_class(groups, **self.optimizer_kwargs), no_decay
 
     def _activate(self, inner=None, record=True):
         """Make the active block trainable (the others frozen, their grads freed) with a new
-        inner optimizer, or `inner` (already built and loaded for that block)."""
+        inner optimizer, or `inner` (_new_inner's pair, already built and loaded for that
+        block)."""
         params = self._params()
         active = set(self.members[self.active_block])
         for i, p in enumerate(params):
             p.requires_grad_(i in active)
             if i not in active:
                 p.grad = None
-        self.inner = inner if inner is not None else self._new_inner(self.active_block)
+        self.inner, self._inner_no_decay = (inner if inner is not None
+                                            else self._new_inner(self.active_block))
         self._sync_hyperparameters()
         if record:
             self.switches.append((self.global_step, self.active_block))
@@ -279,7 +283,7 @@ class BAdam(torch.optim.Optimizer):
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"{where}: the generator state is invalid: {e}") from None
         inner = self._new_inner(order[position])
-        inner.load_state_dict(state_dict["inner"])  # raises here, before anything changed
+        inner[0].load_state_dict(state_dict["inner"])  # raises here, before anything changed
         self.param_groups[0].update(state_dict["hyperparameters"])
         self.global_step = step
         self._order = list(order)

@@ -187,7 +187,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         return (rows < cols) if kind == "std" else (rows >= cols)
 
     def _projected(self, group, p):
-        return "rank" in group and p.dim() == 2
+        # A zero-size matrix has no subspace (rank 0): it is stepped as torch's AdamW steps it,
+        # a no-op on no elements.
+        return "rank" in group and p.dim() == 2 and p.numel() > 0
 
     def _validate(self):
         """Everything a step needs, checked before anything changes."""
@@ -207,6 +209,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
                                        f"match its param's shape, dtype and device")
                 if not p.dtype.is_floating_point:
                     raise TypeError(f"fastllm.optim.GaLoreAdamW: {where} has dtype {p.dtype}")
+                if is_dtensor(p) and self._projected(group, p):
+                    _row_shard(p)  # refuses a layout the projected step cannot shard
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -215,21 +219,26 @@ class GaLoreAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate()
-        factor = self._grad_factor()
-        if factor is None:  # inf/nan: nothing changes
+        norm, factor = self._grad_factor()
+        # Every projector refresh (the range finders) before anything is written, so that one
+        # that fails leaves the optimizer and the params as they were.
+        projectors = {} if factor is None else self._new_projectors()
+        self.grad_norm, self.step_skipped = norm, factor is None
+        if factor is None:  # inf/nan: nothing changes but the skip count
+            self.skipped_steps += 1
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(found_inf=True)
             return loss
-        index = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             plain = {}
             for p in group["params"]:
-                index += 1
                 if p.grad is None:
                     continue
                 if not self._projected(group, p):
                     plain.setdefault((p.device, p.dtype, self._has_master(p)), []).append(p)
                     continue
-                self._projected_step(group, p, index - 1, beta1, beta2, factor)
+                self._projected_step(group, p, projectors.get(p), beta1, beta2, factor)
             for (device, _, master), params in plain.items():
                 states = [self._plain_state(p) for p in params]
                 for s in states:
@@ -275,29 +284,47 @@ class GaLoreAdamW(torch.optim.Optimizer):
             state["master_param"].copy_(local(p).detach())
 
     def _grad_factor(self):
-        """The global grad norm (unscaled, before clipping) into self.grad_norm; returns the
-        factor each grad is multiplied by in the update (1 / loss scale x clip coefficient), or
-        None when the norm is inf/nan: then the step is recorded as skipped (and the loss
-        scaler backs off) before anything changed."""
+        """(the global grad norm, unscaled and before clipping, or None without grads; the
+        factor each grad is multiplied by in the update, 1 / loss scale x clip coefficient, or
+        None when the norm is inf/nan). Records nothing: step() does, once nothing can fail."""
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         scale = self.loss_scaler.get_scale() if self.loss_scaler is not None else 1.0
         if not grads:
-            self.grad_norm, self.step_skipped = None, False
-            return 1.0
+            return None, 1.0
         norm = global_grad_norm(grads) / scale
-        self.grad_norm = norm
         value = float(norm)  # the step already reads the step count back each matrix
-        self.step_skipped = not math.isfinite(value)
-        if self.step_skipped:
-            self.skipped_steps += 1
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(found_inf=True)
-            return None
+        if not math.isfinite(value):
+            return norm, None
         factor = 1.0 / scale
         if self.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_'s coefficient
             factor *= min(1.0, self.max_grad_norm / (value + 1e-6))
-        return factor
+        return norm, factor
+
+    def _new_projectors(self):
+        """param -> its refreshed projector, for every projected param due a refresh this step
+        (every update_proj_gap steps from the first); computed, not stored."""
+        out, index = {}, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is None or not self._projected(group, p):
+                    continue
+                state = self.state.get(p) or {}
+                step = int(state["step"].item()) if "step" in state else 0
+                previous = state.get("projector")
+                if previous is not None and step % group["update_proj_gap"] != 0:
+                    continue
+                # sharded: the same full matrix on every rank, once per refresh
+                grad = p.grad.full_tensor() if is_dtensor(p) else p.grad.contiguous()
+                left = self._left(group, p)
+                generator = None
+                if previous is None:
+                    generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index - 1)
+                opmath = torch.float64 if p.dtype == torch.float64 else torch.float32
+                out[p] = range_finder(grad if left else grad.t(), min(group["rank"], *p.shape),
+                                      previous, self.power_iters, generator).to(opmath).contiguous()
+        return out
 
     def _plain_state(self, p):
         state = self.state[p]
@@ -312,7 +339,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 state["master_param"] = local(p).detach().float().contiguous()
         return state
 
-    def _projected_step(self, group, p, index, beta1, beta2, factor=1.0):
+    def _projected_step(self, group, p, projector, beta1, beta2, factor=1.0):
+        """The step of a projected param; `projector`: its refreshed projector (None: keep)."""
         state = self.state[p]
         rows, cols = p.shape
         left = self._left(group, p)
@@ -321,7 +349,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         sharded = is_dtensor(p)
         if sharded:
             offset, local_rows, process_group = _row_shard(p)
-        grad = p.grad if sharded else p.grad.contiguous()  # sharded: full_tensor() at a refresh
+        grad = p.grad if sharded else p.grad.contiguous()
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             low_shape = (rank, cols) if left else ((local_rows if sharded else rows), rank)
@@ -330,16 +358,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
             if self._has_master(p):
                 state["master_param"] = local(p).detach().float().contiguous()
         step = int(state["step"].item())
-        if "projector" not in state or step % group["update_proj_gap"] == 0:
-            if sharded:
-                grad = grad.full_tensor()  # the same matrix on every rank, once per refresh
-            a = grad if left else grad.t()
-            previous = state.get("projector")
-            generator = None
-            if previous is None:
-                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-            state["projector"] = range_finder(a, rank, previous, self.power_iters,
-                                              generator).to(opmath).contiguous()
+        if projector is not None:
+            state["projector"] = projector
         state["step"] += 1
         master = state.get("master_param")
         if master is not None:
