@@ -67,21 +67,18 @@ class DoRALinear(LoRALinear):
 
     def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False, adapter_dtype=None):
         super().__init__(base, r, alpha, dropout, use_rslora, adapter_dtype)
-        self._weight_sq, self._weight_version = None, None
         self._merge_norm = None
         with torch.no_grad():
             norm = dora_weight_norm(base.weight, self.lora_A, self.lora_B, self.scaling)
         self.lora_magnitude_vector = nn.Parameter(norm.to(self.lora_A.dtype))
 
     def weight_norm(self):
-        """n = ||W + s B A||_row, fp32, detached."""
-        w = self.base_layer.weight
-        if self._weight_sq is None or self._weight_version != (w._version, w.data_ptr()):
-            with torch.no_grad():
-                self._weight_sq = (w.float() ** 2).sum(1)
-            self._weight_version = (w._version, w.data_ptr())
+        """n = ||W + s B A||_row, fp32, detached. ||W||^2 is not cached across calls: a write
+        through `weight.data` moves neither its version nor its address (a cache keyed on them
+        gave stale norms), and its pass over W is one more beside the W A^T product's."""
         with torch.no_grad():
-            return dora_weight_norm(w, self.lora_A, self.lora_B, self.scaling, self._weight_sq)
+            return dora_weight_norm(self.base_layer.weight, self.lora_A, self.lora_B,
+                                    self.scaling)
 
     def forward(self, x):
         if self.merged:

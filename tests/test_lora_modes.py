@@ -1,0 +1,41 @@
+"""LoRA layers take the mode of the layer they replace (an eval model, as from_pretrained returns
+one, keeps LoRA dropout off, as PEFT's PeftModel.from_pretrained does), and a DoRA layer's norm
+follows its base weight through any write, `.data` included."""
+
+import torch
+from torch import nn
+
+import fastllm
+from fastllm.dora import DoRALinear, dora_linear_ref
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def test_injected_layers_take_the_mode_of_the_layer_they_replace():
+    x = torch.randn(4, 16)
+    for training in (False, True):
+        model = _model().train(training)
+        fastllm.lora.inject_lora(model, ["0", "2"], r=4, alpha=8, dropout=0.5)
+        layers = [m for _, m in fastllm.lora.lora_modules(model)]
+        assert len(layers) == 2 and all(m.training == training for m in layers)
+        with torch.no_grad():
+            for m in layers:
+                m.lora_B.normal_()
+            same = torch.equal(model(x), model(x))
+        assert same != training  # dropout only in training
+
+
+def test_dora_norm_follows_a_write_through_data():
+    torch.manual_seed(0)
+    layer = DoRALinear(nn.Linear(16, 8), r=4, alpha=8)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(3, 16)
+    layer(x)  # a norm computed (and, before, cached) for the first weight
+    layer.base_layer.weight.data.mul_(2.0)  # moves neither the version nor the address
+    want = dora_linear_ref(x, layer.base_layer.weight, layer.lora_A, layer.lora_B,
+                           layer.lora_magnitude_vector, layer.scaling, layer.base_layer.bias)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
