@@ -230,9 +230,7 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     for (name, module), (layer_r, layer_alpha) in zip(targets, values):
         extra = {} if adapter_dtype is None else {"adapter_dtype": adapter_dtype}
         layer = layer_cls(module, layer_r, layer_alpha, dropout, use_rslora, **extra)
-        # in the mode of the layer it replaces (an eval model, as from_pretrained returns one,
-        # keeps LoRA dropout off: PEFT's PeftModel.from_pretrained gives an eval model)
-        _replace(model, name, layer.train(module.training))
+        _replace(model, name, layer.train(module.training))  # (eval model: no dropout, as PEFT)
     # save_adapter writes a regex back as the regex: its suffixes would adapt other layers too
     model._fastllm_lora_target_modules = (
         target_modules if isinstance(target_modules, str) else None)

@@ -263,6 +263,14 @@ _DATA_KEYS = ("seed", "data.path", "data.format", "data.seq_len", "data.packing"
               "data.train_on_prompt", "data.eval_fraction", "data.eval_path")
 
 
+def load_state(strategy, model_state, optim_state, path, log):
+    """strategy.load, then this run's group hyperparameters put back over those the checkpoint's
+    param groups brought (lr is set every step from the schedule), each change logged."""
+    configured = group_hyperparams(strategy.optimizer)
+    strategy.load(model_state, optim_state)
+    set_group_hyperparams(strategy.optimizer, configured, path, log)
+
+
 def group_hyperparams(optimizer):
     """[{hyperparameter: value} per param group] of the optimizer as this run built it."""
     return [{k: g[k] for k in _HYPERPARAMS if k in g} for g in optimizer.param_groups]

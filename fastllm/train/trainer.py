@@ -117,8 +117,7 @@ class Trainer:
 
     def _build_model(self):
         cfg = self.cfg
-        # fastllm: low-precision params with fp32 master weights in the optimizer; torch: fp32
-        # params under autocast.
+        # fastllm: low-precision params, fp32 masters in the optimizer; torch: fp32 + autocast
         dtype = _DTYPES[cfg.precision] if cfg.backend == "fastllm" else torch.float32
         model = apply_finetune(build_model(cfg, self.tokenizer.vocab_size, dtype), cfg)
         if cfg.kernels == "fastllm" and cfg.backend == "fastllm" and is_model_dir(cfg.model):
@@ -194,11 +193,7 @@ class Trainer:
             checkpoint_layout.load_adapter(self.module, os.path.join(path, "adapter"), cfg.backend)
         else:
             model_state = ckpt.load_file(os.path.join(path, "model.pt"))
-        configured = checkpoint_layout.group_hyperparams(self.optimizer)
-        self.strategy.load(model_state, optim_state)
-        # the saved param groups bring back the checkpoint's hyperparameters: this run's config
-        # wins (lr is set every step from the schedule)
-        checkpoint_layout.set_group_hyperparams(self.optimizer, configured, path, self.log)
+        checkpoint_layout.load_state(self.strategy, model_state, optim_state, path, self.log)
         self.strategy.scalers.load_state_dict(state)
         if state["data"]["global_batch"] != self.global_batch:
             raise ValueError(f"fastllm train: {path} was trained with global_batch_size="
