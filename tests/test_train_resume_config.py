@@ -113,3 +113,49 @@ def test_tensorboard_events_after_a_resumed_or_rewound_step_are_purged(tmp_path,
     assert opened == [4, 6]
     os.makedirs(tmp_path / "tensorboard")
     assert "tensorboard" in run_dir.previous_run(str(tmp_path))  # overwrite_output_dir clears it
+
+
+def _saved_state():
+    return {"step": 3, "data": {"position": 24, "global_batch": 8}, "rng": {},
+            "counters": {"skipped": 0, "bad_in_a_row": 0, "rollbacks": 0}}
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda s: s.pop("counters"), "counters needs int skipped"),
+    (lambda s: s["data"].update(position="24"), "data needs int position"),
+    (lambda s: s.update(step=-1), "no step count"),
+    (lambda s: s.pop("rng"), "no rng states"),
+])
+def test_a_malformed_trainer_state_is_refused_naming_the_file(edit, says):
+    from fastllm.train import checkpoint_layout
+
+    state = _saved_state()
+    checkpoint_layout.check_trainer_state(state, "ckpt", 8)  # what save_checkpoint writes
+    edit(state)
+    with pytest.raises(ValueError, match=f"ckpt/trainer_state.pt is malformed: {says}"):
+        checkpoint_layout.check_trainer_state(state, "ckpt", 8)
+    with pytest.raises(ValueError, match="is malformed: a list"):
+        checkpoint_layout.check_trainer_state([1], "ckpt", 8)
+    with pytest.raises(ValueError, match="global_batch_size=8, this run has 16"):
+        checkpoint_layout.check_trainer_state(_saved_state(), "ckpt", 16)
+
+
+def test_a_state_that_does_not_fit_is_refused_before_loading(tmp_path):
+    """A ZeRO checkpoint (one param group) into a two-group optimizer is refused by name before
+    anything loads; any other misfit names the files."""
+    from fastllm.train import checkpoint_layout
+
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    loads = []
+    strategy = SimpleNamespace(
+        optimizer=torch.optim.AdamW([{"params": [p]}, {"params": [q], "weight_decay": 0.0}]),
+        load=lambda model, optim: loads.append(optim) or strategy.optimizer.load_state_dict(
+            optim))
+    one_group = {"state": {}, "param_groups": [dict(strategy.optimizer.param_groups[0],
+                                                    params=[0, 1])]}
+    with pytest.raises(ConfigError, match="holds 1 param groups, this run's optimizer 2: .*zero"):
+        checkpoint_layout.load_state(strategy, None, one_group, "ckpt", print)
+    assert loads == []
+    with pytest.raises(ValueError, match="ckpt: optimizer.pt does not fit"):
+        checkpoint_layout.load_state(strategy, None, {"state": 1, "param_groups": [{}, {}]},
+                                     "ckpt", print)

@@ -263,12 +263,55 @@ _DATA_KEYS = ("seed", "data.path", "data.format", "data.seq_len", "data.packing"
               "data.train_on_prompt", "data.eval_fraction", "data.eval_path")
 
 
+def check_trainer_state(state, path, global_batch):
+    """Refuse a trainer_state.pt that is not what save_checkpoint writes (an edited or foreign
+    file that passed the manifest), or another global batch, naming the file, before anything
+    is loaded."""
+    where = os.path.join(path, "trainer_state.pt")
+
+    def need(ok, what):
+        if not ok:
+            raise ValueError(f"fastllm train: {where} is malformed: {what}")
+
+    def ints(d, keys):
+        return isinstance(d, dict) and all(type(d.get(k)) is int for k in keys)
+
+    need(isinstance(state, dict), f"a {type(state).__name__}, not a mapping")
+    need(ints(state, ("step",)) and state["step"] >= 0, "no step count (an int >= 0)")
+    need(ints(state.get("data"), ("position", "global_batch")), "data needs int position and "
+         "global_batch")
+    need(ints(state.get("counters"), ("skipped", "bad_in_a_row", "rollbacks")),
+         "counters needs int skipped, bad_in_a_row and rollbacks")
+    need("rng" in state, "no rng states")
+    if state["data"]["global_batch"] != global_batch:
+        raise ValueError(f"fastllm train: {path} was trained with global_batch_size="
+                         f"{state['data']['global_batch']}, this run has {global_batch}; keep "
+                         f"the global batch to resume")
+
+
 def load_state(strategy, model_state, optim_state, path, log):
     """strategy.load, then this run's group hyperparameters put back over those the checkpoint's
-    param groups brought (lr is set every step from the schedule), each change logged."""
-    configured = group_hyperparams(strategy.optimizer)
-    strategy.load(model_state, optim_state)
-    set_group_hyperparams(strategy.optimizer, configured, path, log)
+    param groups brought (lr is set every step from the schedule), each change logged. A state
+    that does not fit is refused naming the files."""
+    from fastllm.train.config import ConfigError
+
+    optimizer = strategy.optimizer
+    groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
+    if isinstance(groups, list) and len(groups) != len(optimizer.param_groups):
+        # (the one layout that differs: ZeRO's DistributedOptimizer keeps one group)
+        raise ConfigError(f"fastllm train: {path}/optimizer.pt holds {len(groups)} param groups, "
+                          f"this run's optimizer {len(optimizer.param_groups)}: a checkpoint "
+                          f"saved under parallel.strategy=zero1/zero2 (one group, weight decay "
+                          f"on every param) resumes only under ZeRO, and another only outside "
+                          f"it")
+    configured = group_hyperparams(optimizer)
+    try:
+        strategy.load(model_state, optim_state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        files = "optimizer.pt" + ("" if model_state is None else " or model.pt")
+        raise ValueError(f"fastllm train: {path}: {files} does not fit this run's model and "
+                         f"optimizer ({type(exc).__name__}: {exc})") from exc
+    set_group_hyperparams(optimizer, configured, path, log)
 
 
 def group_hyperparams(optimizer):

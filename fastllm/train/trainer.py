@@ -185,6 +185,7 @@ class Trainer:
         """Restore model, optimizer, schedule, scalers, data position, RNG and counters."""
         cfg = self.cfg
         state = ckpt.load_file(os.path.join(path, "trainer_state.pt"))
+        checkpoint_layout.check_trainer_state(state, path, self.global_batch)
         optim_state = checkpoint_layout.convert_moments(
             ckpt.load_file(os.path.join(path, "optimizer.pt")), cfg, self.optimizer, self.log,
             path)
@@ -195,10 +196,6 @@ class Trainer:
             model_state = ckpt.load_file(os.path.join(path, "model.pt"))
         checkpoint_layout.load_state(self.strategy, model_state, optim_state, path, self.log)
         self.strategy.scalers.load_state_dict(state)
-        if state["data"]["global_batch"] != self.global_batch:
-            raise ValueError(f"fastllm train: {path} was trained with global_batch_size="
-                             f"{state['data']['global_batch']}, this run has "
-                             f"{self.global_batch}; keep the global batch to resume")
         self.step = state["step"]
         self.position = state["data"]["position"]
         counters = state["counters"]
