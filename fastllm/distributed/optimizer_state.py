@@ -3,6 +3,9 @@
 fp32), and the per-rank sharded_state_dict / load_sharded_state_dict (names and slices, for
 DCP). A base class of fastllm.distributed.DistributedOptimizer."""
 
+import math
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -13,6 +16,54 @@ from fastllm.optim.adamw8bit import export_state, import_state
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+_WHO = "fastllm.distributed.DistributedOptimizer"
+
+
+def _what(value):
+    """A short description of a refused value for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _check_step(where, step):
+    """A saved `step`: one finite count >= 0 (a number or a one-element tensor), as a float."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
+        value = float(step.item())
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
+        value = float(step)
+    else:
+        raise ValueError(f"{_WHO}: cannot load state 'step' of {where}: it is {_what(step)}, "
+                         f"not one number")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{_WHO}: cannot load state 'step' of {where}: {value} is not a finite "
+                         f"count >= 0")
+    return value
+
+
+def _check_group(where, mine, saved):
+    """Saved hyperparameters of a param group: each of the kinds this group holds (a number, a
+    flag, a tuple of as many values, a string), so that the next step() can use them."""
+    for key, value in saved.items():
+        if key == "params" or key not in mine or mine[key] is None:
+            continue
+        old = mine[key]
+        if isinstance(old, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(old, (int, float, torch.Tensor)):
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                isinstance(value, torch.Tensor) and value.numel() == 1)
+        elif isinstance(old, (tuple, list)):
+            ok = isinstance(value, (tuple, list)) and len(value) == len(old)
+        elif isinstance(old, str):
+            ok = isinstance(value, str)
+        else:
+            ok = True
+        if not ok:
+            raise ValueError(f"{_WHO}: '{key}' of {where} of the state_dict is {value!r}, this "
+                             f"optimizer's {old!r}")
 
 
 class DistributedOptimizerState:
@@ -115,40 +166,40 @@ class DistributedOptimizerState:
     def load_state_dict(self, state_dict):
         """Load a consolidated state (from state_dict() at any world size, or from a
         single-process fastllm/torch AdamW over the same model); every rank calls it and keeps
-        its own slice. Validates everything before changing anything."""
+        its own slice. Validates everything (types, shapes, steps, group hyperparameters, the
+        'fastllm' counters) before changing anything: a refused state leaves it as it was."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"{_WHO}: the state_dict is a {type(state_dict).__name__}, not a dict")
         if "fastllm_lowbyte" in state_dict:  # a single-process AdamW8bit's: per-param blocks
             from fastllm.optim import convert_state
 
             state_dict = convert_state(state_dict, torch.float32)
-        groups = state_dict.get("param_groups", [])
-        saved = state_dict.get("state", {})
+        groups, saved = state_dict.get("param_groups", []), state_dict.get("state", {})
+        if not isinstance(saved, dict) or not isinstance(groups, (list, tuple)) or not all(
+                isinstance(g, dict) and isinstance(g.get("params"), (list, tuple))
+                for g in groups):
+            raise ValueError(f"{_WHO}: the state_dict must hold a 'state' dict and a "
+                             f"'param_groups' list of dicts with 'params' lists")
         want = [len(g) for g in self._group_params]
         if [len(g["params"]) for g in groups] != want:
-            raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state_dict must hold "
-                             f"param groups of {want} params, got "
-                             f"{[len(g['params']) for g in groups]}")
+            raise ValueError(f"{_WHO}: the state_dict must hold param groups of {want} params, "
+                             f"got {[len(g['params']) for g in groups]}")
         pid_of = {id(p): pid for g, params in zip(groups, self._group_params)
                   for pid, p in zip(g["params"], params)}
         replicated = {id(p) for b in self.buckets if b.replicated for p in b.params}
+        steps = {}  # id(param) -> its saved step as a float
         for i, p in enumerate(self.params):
-            if id(p) in replicated:
-                entry = saved.get(pid_of[id(p)], {})
-                if entry and "projector" not in entry:
-                    raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state of "
-                                     f"{self.param_names[i]} has no GaLore projector")
-                continue
+            where = f"param {i} ({self.param_names[i]})"
             entry = saved.get(pid_of[id(p)], {})
-            missing = [k for k in self._required_state if entry and k not in entry]
-            if missing:
-                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the state of "
-                                 f"{self.param_names[i]} lacks {missing}, which "
-                                 f"{type(self.optimizer).__name__} needs (another optimizer's "
-                                 f"state_dict?)")
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.shape != p.shape:
-                    raise ValueError(f"fastllm.distributed.DistributedOptimizer: state '{key}' of "
-                                     f"{self.param_names[i]} has shape {tuple(value.shape)}, the "
-                                     f"parameter {tuple(p.shape)}")
+            if id(p) in replicated:
+                self._check_replicated_entry(where, p, entry)
+            else:
+                self._check_entry(where, p, entry)
+            if entry and "step" in entry:
+                steps[id(p)] = _check_step(where, entry["step"])
+        for gi, (mine, group) in enumerate(zip(self.optimizer.param_groups, groups)):
+            _check_group(f"param group {gi}", mine, group)
+        extra = self._check_extra(state_dict.get("fastllm"))
         self._finish_param_gather()
         for b in self.buckets:
             if b.replicated:
@@ -165,8 +216,7 @@ class DistributedOptimizerState:
             if not any(entries):
                 self.optimizer.state.pop(b.shard_param, None)
                 continue
-            keys = {k for e in entries for k, v in e.items()
-                    if isinstance(v, torch.Tensor) and k != "step"}
+            keys = {k for e in entries for k in e if k != "step"}
             new = {}
             for key in sorted(keys):
                 dtype = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
@@ -184,16 +234,88 @@ class DistributedOptimizerState:
                         continue
                     shard[at:at + c - a].copy_(src)
                 new[key] = shard
-            self._install(b, new, [float(e["step"]) for e in entries if "step" in e])
+            self._install(b, new, [steps[id(p)] for p in b.params if id(p) in steps])
         for mine, group in zip(self.optimizer.param_groups, groups):
             for key, value in group.items():
                 if key != "params":
                     mine[key] = value
-        extra = state_dict.get("fastllm")
         if extra is not None:
-            self.skipped_steps = int(extra.get("skipped_steps", 0))
-            if extra.get("loss_scaler") is not None and self.loss_scaler is not None:
+            self.skipped_steps = extra["skipped_steps"]
+            if extra["loss_scaler"] is not None and self.loss_scaler is not None:
                 self.loss_scaler.load_state_dict(extra["loss_scaler"])
+
+    def _check_entry(self, where, p, entry):
+        """A saved entry of a sharded (flat) param: the keys its optimizer needs, every value
+        but `step` a floating tensor of p's shape (copied element by element into the shard)."""
+        if not isinstance(entry, dict):
+            raise ValueError(f"{_WHO}: the state of {where} is a {type(entry).__name__}, "
+                             f"not a dict")
+        missing = [k for k in self._required_state if entry and k not in entry]
+        if missing:
+            raise ValueError(f"{_WHO}: the state of {where} lacks {missing}, which "
+                             f"{type(self.optimizer).__name__} needs (another optimizer's "
+                             f"state_dict?)")
+        for key, value in entry.items():
+            if key == "step":
+                continue
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise ValueError(f"{_WHO}: state '{key}' of {where} is {_what(value)}, not a "
+                                 f"floating-point tensor")
+            if value.shape != p.shape:
+                raise ValueError(f"{_WHO}: state '{key}' of {where} has shape "
+                                 f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+
+    def _check_replicated_entry(self, where, p, entry):
+        """A saved entry of a GaLore-projected param: its low-rank moments and projector."""
+        if not isinstance(entry, dict):
+            raise ValueError(f"{_WHO}: the state of {where} is a {type(entry).__name__}, "
+                             f"not a dict")
+        if not entry:
+            return
+        if "projector" not in entry:
+            raise ValueError(f"{_WHO}: the state of {where} has no GaLore projector")
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
+        if missing:
+            raise ValueError(f"{_WHO}: the state of {where} lacks {missing}")
+        for key, value in entry.items():
+            if key == "step":
+                continue
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise ValueError(f"{_WHO}: state '{key}' of {where} is {_what(value)}, not a "
+                                 f"floating-point tensor")
+            if key in ("projector", "exp_avg", "exp_avg_sq") and value.dim() != 2:
+                raise ValueError(f"{_WHO}: state '{key}' of {where} has shape "
+                                 f"{tuple(value.shape)}, not a matrix")
+        if entry["exp_avg"].shape != entry["exp_avg_sq"].shape:
+            raise ValueError(f"{_WHO}: states 'exp_avg' and 'exp_avg_sq' of {where} have shapes "
+                             f"{tuple(entry['exp_avg'].shape)} and "
+                             f"{tuple(entry['exp_avg_sq'].shape)}")
+        if "master_param" in entry and entry["master_param"].shape != p.shape:
+            raise ValueError(f"{_WHO}: state 'master_param' of {where} has shape "
+                             f"{tuple(entry['master_param'].shape)}, the parameter "
+                             f"{tuple(p.shape)}")
+
+    def _check_extra(self, extra):
+        """The state_dict's 'fastllm' entry checked, its counters parsed; None when absent."""
+        if extra is None:
+            return None
+        where = f"{_WHO}: the state_dict's 'fastllm' entry"
+        if not isinstance(extra, dict):
+            raise ValueError(f"{where} is a {type(extra).__name__}, not a dict")
+        skipped = extra.get("skipped_steps", 0)
+        try:
+            skipped = operator.index(skipped)
+        except TypeError:
+            raise ValueError(f"{where}: 'skipped_steps' is {_what(skipped)}, not an "
+                             f"int") from None
+        if skipped < 0:
+            raise ValueError(f"{where}: 'skipped_steps' is {skipped}, not >= 0")
+        scaler = extra.get("loss_scaler")
+        if scaler is not None and self.loss_scaler is not None:
+            check = getattr(self.loss_scaler, "check_state_dict", None)
+            if check is not None:
+                check(scaler)  # checked now, loaded only after the optimizer state
+        return {"skipped_steps": skipped, "loss_scaler": scaler}
 
     def _install(self, b, new, steps):
         """Make `new` (state name -> flat shard) bucket b's optimizer state; a missing fp32
@@ -210,29 +332,17 @@ class DistributedOptimizerState:
     def load_sharded_state_dict(self, shards):
         """Load the sharded_state_dict() of every rank of a run at any world size (a list of
         them, or their "state" entries merged into one dict); each rank copies the ranges that
-        overlap its own slice. No collective. Raises, before changing anything, when a range
-        names an unknown parameter or a trainable parameter is not covered."""
+        overlap its own slice. No collective. Validates everything first (range keys, every
+        range's tensors against its length, steps, that the ranges of each trainable parameter
+        cover it exactly once, the group hyperparameters): a refused load changes nothing."""
         self._refuse_sharded_galore("load_sharded_state_dict")
         shards = [shards] if isinstance(shards, dict) else list(shards)
-        ranges = {}
-        for sd in shards:
-            for key, st in sd["state"].items():
-                name, _, span = key.rpartition("[")
-                a, c = (int(v) for v in span.rstrip("]").split(":"))
-                ranges.setdefault(name, []).append((a, c, st))
-        numel = {n: p.numel() for n, p in zip(self.param_names, self.params)}
-        if numel and not ranges:
-            raise ValueError("fastllm.distributed.DistributedOptimizer.load_sharded_state_dict: "
-                             "the shards hold no state (an empty list?)")
-        for name, spans in ranges.items():
-            if name not in numel:
-                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the sharded state "
-                                 f"holds {name!r}, which is not a trainable parameter here")
-        for name, n in numel.items():
-            covered = sum(c - a for a, c, _ in ranges.get(name, []))
-            if ranges and covered != n:
-                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the sharded state "
-                                 f"covers {covered} of the {n} elements of {name}")
+        ranges = self._checked_ranges(shards)
+        group = shards[0].get("param_groups", [{}]) if shards else [{}]
+        if not (isinstance(group, (list, tuple)) and group and isinstance(group[0], dict)):
+            raise ValueError(f"{_WHO}: the shards' 'param_groups' must be a list of dicts")
+        group = group[0]
+        _check_group("param group 0", self.optimizer.param_groups[0], group)
         self._finish_param_gather()
         for b in self.buckets:
             # Every rank installs state for every bucket, a shard that is only padding included
@@ -241,10 +351,9 @@ class DistributedOptimizerState:
             # has one step; where the saved ones differ (another bucket layout, a param whose
             # state started later) the largest is taken, as load_state_dict does, so the ranks
             # agree and the consolidated state_dict() does not depend on who saves it.
-            saved = [st for name in b.names for _, _, st in ranges.get(name, [])]
-            steps = [float(st["step"]) for st in saved if "step" in st]
-            keys = {k for st in saved for k, v in st.items()
-                    if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0}
+            saved = [(st, step) for name in b.names for _, _, st, step in ranges.get(name, [])]
+            steps = [step for _, step in saved if step is not None]
+            keys = {k for st, _ in saved for k in st if k != "step"}
             dtype = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
             new = {}
             for key in sorted(keys):
@@ -257,7 +366,7 @@ class DistributedOptimizerState:
                 if span is None:
                     continue
                 a, c, at = span
-                for sa, sc, st in ranges.get(name, []):
+                for sa, sc, st, _ in ranges.get(name, []):
                     lo, hi = max(a, sa), min(c, sc)
                     if lo >= hi:
                         continue
@@ -266,10 +375,69 @@ class DistributedOptimizerState:
                             new[key][at + lo - a:at + hi - a].copy_(value[lo - sa:hi - sa])
             if keys or steps:  # (a bucket never stepped has no state to install, on any rank)
                 self._install(b, new, steps)
-        group = shards[0].get("param_groups", [{}])[0] if shards else {}
         for key, value in group.items():
             if key != "params":
                 self.optimizer.param_groups[0][key] = value
+
+    def _checked_ranges(self, shards):
+        """{param name: [(first, end, state, step or None)]} of the shards, every range checked:
+        its key "<name>[<first>:<end>]" names a trainable param and a range inside it, its state
+        is a dict whose values are 1-D floating tensors of end - first elements (`step` one
+        number), with the keys the optimizer needs; the ranges of a param tile it exactly."""
+        ranges = {}
+        numel = {n: p.numel() for n, p in zip(self.param_names, self.params)}
+        for si, sd in enumerate(shards):
+            if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict)):
+                raise ValueError(f"{_WHO}.load_sharded_state_dict: shard {si} is not a dict with "
+                                 f"a 'state' dict")
+            for key, st in sd["state"].items():
+                name, _, span = str(key).rpartition("[")
+                try:
+                    a, c = (int(v) for v in span.removesuffix("]").split(":"))
+                except ValueError:
+                    raise ValueError(f"{_WHO}: the sharded state's key {key!r} is not "
+                                     f"'<param name>[<first>:<end>]'") from None
+                if name not in numel:
+                    raise ValueError(f"{_WHO}: the sharded state holds {name!r}, which is not a "
+                                     f"trainable parameter here")
+                where = f"range {key!r}"
+                if not 0 <= a < c <= numel[name]:
+                    raise ValueError(f"{_WHO}: the sharded state's {where} is not inside the "
+                                     f"{numel[name]} elements of {name}")
+                if not isinstance(st, dict):
+                    raise ValueError(f"{_WHO}: the state of {where} is a {type(st).__name__}, "
+                                     f"not a dict")
+                missing = [k for k in self._required_state if st and k not in st]
+                if missing:
+                    raise ValueError(f"{_WHO}: the state of {where} lacks {missing}, which "
+                                     f"{type(self.optimizer).__name__} needs")
+                for k, v in st.items():
+                    if k == "step":
+                        continue
+                    if not (isinstance(v, torch.Tensor) and v.is_floating_point()
+                            and v.dim() == 1):
+                        raise ValueError(f"{_WHO}: state '{k}' of {where} is {_what(v)}, not "
+                                         f"a 1-D floating-point tensor")
+                    if v.numel() != c - a:
+                        raise ValueError(f"{_WHO}: state '{k}' of {where} has {v.numel()} "
+                                         f"elements, the range {c - a}")
+                step = _check_step(where, st["step"]) if "step" in st else None
+                ranges.setdefault(name, []).append((a, c, st, step))
+        if numel and not ranges:
+            raise ValueError(f"{_WHO}.load_sharded_state_dict: the shards hold no state (an "
+                             f"empty list?)")
+        for name, n in numel.items():
+            end = 0
+            for a, c, _, _ in sorted(ranges.get(name, []), key=lambda r: r[:2]):
+                if a != end:
+                    raise ValueError(f"{_WHO}: the sharded state of {name} "
+                                     f"{'misses' if a > end else 'repeats'} elements "
+                                     f"[{min(a, end)}:{max(a, end)}]")
+                end = c
+            if end != n:
+                raise ValueError(f"{_WHO}: the sharded state covers {end} of the {n} elements "
+                                 f"of {name}")
+        return ranges
 
     def _refuse_sharded_galore(self, what):
         if any(b.replicated for b in self.buckets):

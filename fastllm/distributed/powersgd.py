@@ -49,6 +49,9 @@ which is what the refusal protects. All collectives of a bucket run before the h
 already completed future), which is how they are ordered on Gloo anyway.
 """
 
+import math
+import operator
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -132,22 +135,89 @@ class PowerSGD:
         }
 
     def load_state_dict(self, state_dict):
+        """Load a state_dict() saved with the same settings. Everything is checked first (every
+        key present, the generator's state, each bucket's error, P and Q against its saved
+        layout): a refused state_dict changes nothing."""
+        loaded = self._checked(state_dict)
+        self.iter = loaded["iter"]
+        self.rng.set_state(loaded["rng"])
+        self.errors = {k: v.clone() for k, v in loaded["errors"].items()}
+        self.p_memory = {k: v.clone() for k, v in loaded["p_memory"].items()}
+        self.q_memory = {k: v.clone() for k, v in loaded["q_memory"].items()}
+        self._layouts = loaded["layouts"]
+        self.total_numel_before_compression, self.total_numel_after_compression = loaded["numel"]
+
+    def _checked(self, state_dict):
+        """state_dict's entries, checked and parsed (the rng state as numpy's, the layouts'
+        dtypes as torch dtypes); raises ValueError naming the first bad entry."""
+        who = "fastllm.distributed.PowerSGD.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"{who}: the state_dict is a {type(state_dict).__name__}, not a dict")
+        missing = [k for k in self.state_dict() if k not in state_dict]
+        if missing:
+            raise ValueError(f"{who}: the state_dict lacks {missing} (not a PowerSGD state, or "
+                             f"one of another version)")
         config = state_dict["config"]
+        if not isinstance(config, dict):
+            raise ValueError(f"{who}: 'config' is a {type(config).__name__}, not a dict")
         mine = self.state_dict()["config"]
         different = {k: (v, mine[k]) for k, v in config.items() if mine.get(k) != v}
         if different:
             raise ValueError(f"fastllm.distributed.PowerSGD: the state_dict was saved with other "
                              f"settings (saved, this state): {different}")
-        self.iter = int(state_dict["iter"])
-        self.rng.set_state(_rng_state_from_torch(state_dict["rng"]))
-        self.errors = {k: v.clone() for k, v in state_dict["errors"].items()}
-        self.p_memory = {k: v.clone() for k, v in state_dict["p_memory"].items()}
-        self.q_memory = {k: v.clone() for k, v in state_dict["q_memory"].items()}
-        self._layouts = {k: (n, getattr(torch, dtype.split(".")[-1]), tuple(map(tuple, shapes)))
-                         for k, (n, dtype, shapes) in state_dict["layouts"].items()}
-        before, after = state_dict["numel"]
-        self.total_numel_before_compression = before
-        self.total_numel_after_compression = after
+        out = {"iter": _count(who, "iter", state_dict["iter"])}
+        numel = state_dict["numel"]
+        if not (isinstance(numel, (tuple, list)) and len(numel) == 2):
+            raise ValueError(f"{who}: 'numel' must be a pair of counts, got {numel!r}")
+        out["numel"] = tuple(_count(who, f"numel[{i}]", v) for i, v in enumerate(numel))
+        try:
+            rng = _rng_state_from_torch(state_dict["rng"])
+            if rng[1].shape != (624,):  # (MT19937's state; numpy reads past a short one)
+                raise ValueError(f"'keys' has shape {rng[1].shape}, not (624,)")
+            np.random.RandomState(0).set_state(rng)  # (numpy's own checks, on a scratch one)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+            raise ValueError(f"{who}: 'rng' is not a saved generator state: "
+                             f"{type(e).__name__}: {e}") from None
+        out["rng"] = rng
+        layouts = state_dict["layouts"]
+        if not isinstance(layouts, dict):
+            raise ValueError(f"{who}: 'layouts' is a {type(layouts).__name__}, not a dict")
+        out["layouts"] = {k: _layout(who, k, v) for k, v in layouts.items()}
+        for name in ("errors", "p_memory", "q_memory"):
+            memory = state_dict[name]
+            if not isinstance(memory, dict):
+                raise ValueError(f"{who}: '{name}' is a {type(memory).__name__}, not a dict")
+            for key, value in memory.items():
+                if key not in out["layouts"]:
+                    raise ValueError(f"{who}: '{name}' holds bucket {key!r}, which 'layouts' "
+                                     f"does not")
+                n, dtype, shapes = out["layouts"][key]
+                want = n if name == "errors" else self._pq_sizes(shapes)[name == "q_memory"]
+                if not (isinstance(value, torch.Tensor) and value.dtype == dtype
+                        and tuple(value.shape) == (want,)):
+                    got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                           if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+                    raise ValueError(f"{who}: '{name}' of bucket {key!r} is {got}, its layout "
+                                     f"needs a {dtype} tensor of shape ({want},)")
+            out[name] = memory
+        if out["p_memory"].keys() != out["q_memory"].keys():
+            raise ValueError(f"{who}: 'p_memory' holds buckets {sorted(out['p_memory'], key=str)}"
+                             f", 'q_memory' {sorted(out['q_memory'], key=str)}")
+        return out
+
+    def _split(self, shape):
+        """(n, m, r, compressed): a gradient of this shape seen as an n x m matrix, the rank of
+        its approximation, and whether it is compressed."""
+        numel = math.prod(shape)
+        n = shape[0] if len(shape) > 0 else 1
+        m = numel // n if n > 0 else 0
+        r = min(n, m, self.rank)
+        return n, m, r, (n + m) * r * self.min_compression_rate < n * m
+
+    def _pq_sizes(self, shapes):
+        """The elements of a bucket's P and Q memories, for its gradients' shapes."""
+        split = [self._split(s) for s in shapes]
+        return (sum(n * r for n, _, r, c in split if c), sum(m * r for _, m, r, c in split if c))
 
     # ---- the reduction -------------------------------------------------------------------
 
@@ -225,11 +295,9 @@ class PowerSGD:
 
         compress, uncompressed = [], []
         for g, offset in zip(grads, offsets):
-            n = g.shape[0] if g.dim() > 0 else 1
-            m = g.numel() // n if n > 0 else 0
-            r = min(n, m, self.rank)
+            n, m, r, compressed = self._split(g.shape)
             self.total_numel_before_compression += n * m
-            if (n + m) * r * self.min_compression_rate < n * m:
+            if compressed:
                 compress.append((offset, n, m, r))
                 self.total_numel_after_compression += (n + m) * r
             else:
@@ -338,6 +406,34 @@ def _refill_zero_columns_(qs, fillers):
         if key not in fillers:
             fillers[key] = _filler(q.shape, q.device, q.dtype)
         q.copy_(torch.where(zero, fillers[key], q))
+
+
+def _count(who, name, value):
+    """A saved count (an int, or a one-element integer tensor) >= 0."""
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{who}: '{name}' is a {type(value).__name__}, not an int") from None
+    if count < 0:
+        raise ValueError(f"{who}: '{name}' is {count}, not >= 0")
+    return count
+
+
+def _layout(who, key, saved):
+    """A saved bucket layout (elements, dtype name, gradient shapes) as compressed_average_
+    keeps it: (int, torch.dtype, tuple of shape tuples)."""
+    try:
+        n, dtype, shapes = saved
+        n = operator.index(n)
+        torch_dtype = getattr(torch, str(dtype).split(".")[-1], None)
+        shapes = tuple(tuple(operator.index(d) for d in s) for s in shapes)
+    except (TypeError, ValueError):
+        torch_dtype = None
+    if not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point and n >= 0
+            and all(d >= 0 for s in shapes for d in s)):
+        raise ValueError(f"{who}: 'layouts' of bucket {key!r} is {saved!r}, not (elements, "
+                         f"floating dtype name, gradient shapes)")
+    return n, torch_dtype, shapes
 
 
 def _rng_state_to_torch(state):
