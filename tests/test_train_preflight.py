@@ -386,13 +386,14 @@ def test_data_the_tokenizer_can_render_passes_the_chat_check(tmp_path, hf_model,
 def test_a_chat_record_after_other_records_is_refused_when_tokenised_with_the_same_words(
         tmp_path, text):
     """The check reads each file's first record only (not the whole dataset twice); a chat
-    further on is refused when the run tokenises it, in the same words without the line."""
+    further on is refused when the run tokenises it, in the same words, naming its line."""
     from fastllm.train.preflight import check_chat_data
 
     data = _jsonl(tmp_path / "c.jsonl", COMPLETION, CHAT)
     out = tmp_path / "run"
     cfg = TrainConfig.from_args(_args("tiny", data, out, "max_steps=1"))
     check_chat_data(cfg)
-    with pytest.raises(ValueError, match=r"^fastllm train: chat examples need a tokenizer with a "
-                                         r"chat template; byte has none \(data.tokenizer="):
+    with pytest.raises(ValueError, match=r"^fastllm train: .*c\.jsonl line 2: chat examples need "
+                                         r"a tokenizer with a chat template; byte has none "
+                                         r"\(data.tokenizer="):
         Trainer(cfg, log=lambda t: None).train()

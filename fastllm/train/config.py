@@ -312,6 +312,9 @@ class TrainConfig:
     def _validate_sft(self, need):
         need(self.data.format in ("auto", "text", "jsonl"),
              f"data.format must be auto, text or jsonl, got {self.data.format!r}")
+        need(self.data.format != "jsonl" or self.data.path,
+             "data.format=jsonl reads JSONL (SFT) examples from data.path: give data.path (a "
+             ".jsonl/.json file or a folder of them)")
         need(0.0 <= self.data.eval_fraction < 1.0,
              f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         need(not (self.data.eval_path and self.data.eval_fraction),

@@ -75,14 +75,15 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer (a trained byte-level BPE, or a model folder's own)."""
+    """A Hugging Face tokenizer (a trained byte-level BPE, or a model folder's own).
+    eos_token_id: the tokenizer's, None when it has none (fastllm train refuses it:
+    build_tokenizer)."""
 
     def __init__(self, tok, name):
         self.tok = tok
         self.name = name
         self.vocab_size = len(tok)
-        eos = tok.eos_token_id
-        self.eos_token_id = eos if eos is not None else self.vocab_size - 1
+        self.eos_token_id = tok.eos_token_id
         # the ids tok(text) puts before the text's own (Llama's BOS; none for GPT-2's BPE)
         special, plain = (tok("a", add_special_tokens=s)["input_ids"] for s in (True, False))
         self.bos_ids = next((special[:k] for k in range(len(special) - len(plain) + 1)
@@ -93,6 +94,13 @@ class HFTokenizer:
 
     def decode(self, ids):
         return self.tok.decode(ids)
+
+
+def no_eos_message(folder):
+    """The refusal of a tokenizer (folder: its folder or name) without an EOS token."""
+    return (f"fastllm train: the tokenizer {folder} has no EOS token, and fastllm train appends "
+            f"one to each example and document: set \"eos_token\" in its "
+            f"tokenizer_config.json")
 
 
 def _cache_dir(cfg_dir):
@@ -108,10 +116,12 @@ def build_tokenizer(spec, docs, vocab_size, cache_dir, model_dir=None):
 
     if spec not in ("byte", "bpe") or model_dir is not None:
         folder = model_dir if spec == "byte" else spec
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        if tok.eos_token_id is None:
+            raise ValueError(no_eos_message(folder))
         # the caches keyed by the name follow the folder's files, not its path alone (another
         # tokenizer saved into the same folder reused the first one's token cache)
-        return HFTokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True),
-                           f"{folder}-{_files_digest(folder)}")
+        return HFTokenizer(tok, f"{folder}-{_files_digest(folder)}")
     digest = _digest(docs, f"bpe-{vocab_size}")[:16]
     folder = os.path.join(_cache_dir(cache_dir), f"bpe-{digest}")
     path = os.path.join(folder, "tokenizer.json")
@@ -162,6 +172,8 @@ def _digest(docs, salt):
 def tokenize_to_file(docs, tokenizer, cache_dir):
     """Tokenize once into `<cache>/tokens-<hash>.bin` (uint16/uint32, documents separated by EOS);
     later calls with the same text and tokenizer reuse it. Returns the path."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(no_eos_message(tokenizer.name))
     folder = _cache_dir(cache_dir)
     digest = _digest(docs, f"{tokenizer.name}-{tokenizer.vocab_size}")[:24]
     path = os.path.join(folder, f"tokens-{digest}.bin")

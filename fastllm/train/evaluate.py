@@ -156,28 +156,31 @@ def read_prompt_records(prompts, prompts_file):
     .jsonl line {"prompt": ..., "tools": [...], "chat_template_kwargs": {...}} carries TRL's
     per-record chat template inputs (checked as a training record's,
     fastllm.train.sft_records.template_inputs; {} when it has none); `where` names the line."""
-    from fastllm.train.sft_records import template_inputs
+    from fastllm.train.sft_records import decode_utf8, template_inputs
 
     out = [(p, {}, f"eval.prompts[{i}]") for i, p in enumerate(prompts)]
-    if prompts_file:
-        with open(prompts_file, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                where, template = f"{prompts_file} line {n}", {}
-                if prompts_file.endswith(".jsonl"):
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"fastllm train: {where}: not JSON "
-                                         f"({e.msg} at column {e.colno})") from None
-                    if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                        raise ValueError(f"fastllm train: {where}: expected "
-                                         f"{{\"prompt\": a string}}")
-                    # a prompt is rendered as a user turn: a chat, for the template inputs
-                    line, template = rec["prompt"], template_inputs(rec, "chat", where)
-                out.append((line, template, where))
+    if not prompts_file:
+        return out
+    with open(prompts_file, "rb") as f:
+        raw = f.read()
+    # decoded as the training data is: line by line (an error names its line), a byte-order
+    # mark allowed on line 1
+    for n, line in enumerate(raw.splitlines(), 1):
+        where, template = f"{prompts_file} line {n}", {}
+        line = decode_utf8(line, where, bom=n == 1).strip()
+        if not line:
+            continue
+        if prompts_file.endswith(".jsonl"):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"fastllm train: {where}: not JSON "
+                                 f"({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                raise ValueError(f"fastllm train: {where}: expected {{\"prompt\": a string}}")
+            # a prompt is rendered as a user turn: a chat, for the template inputs
+            line, template = rec["prompt"], template_inputs(rec, "chat", where)
+        out.append((line, template, where))
     return out
 
 

@@ -72,11 +72,19 @@ def render_chat(tokenizer, messages, add_generation_prompt=False, template=None)
     """The chat as text (tokenizer: a fastllm HFTokenizer or a transformers one); template: a
     record's TRL inputs ({"tools", "chat_template_kwargs"}), passed as TRL's SFTTrainer passes
     them."""
+    from jinja2.exceptions import TemplateError
+
     template = template or {}
     tok = getattr(tokenizer, "tok", tokenizer)
-    return tok.apply_chat_template(messages, tools=template.get("tools"), tokenize=False,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **template.get("chat_template_kwargs", {}))
+    try:
+        return tok.apply_chat_template(messages, tools=template.get("tools"), tokenize=False,
+                                       add_generation_prompt=add_generation_prompt,
+                                       **template.get("chat_template_kwargs", {}))
+    except TemplateError as e:
+        # a template's raise_exception (Mistral's, refusing a system turn) or a message it
+        # cannot render (UndefinedError): the user's data, not a bug of ours
+        raise ValueError(f"fastllm train: the tokenizer's chat template refused the chat: "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def _chat_pieces(tokenizer, messages, template=None):
@@ -170,6 +178,10 @@ def encode_example(record, tokenizer, train_on_prompt=False):
         head = bos + tokenizer.encode(prompt)
         n, mask = len(head), _prompt_mask(ids, head, train_on_prompt)
     # one EOS at the end; a text or completion that ends with the EOS keeps it (TRL's add_eos)
+    if eos is None:
+        from fastllm.train.data import no_eos_message
+
+        raise ValueError(no_eos_message(tokenizer.name))
     if not (len(ids) > n and ids[-1] == eos):
         ids.append(eos)
         mask.append(1)
@@ -196,8 +208,15 @@ def tokenize_records(records, tokenizer, cache_dir, train_on_prompt=False):
         return path
     os.makedirs(folder, exist_ok=True)
     ids, mask, offsets = [], [], [0]
-    for r in records:
-        i, m = encode_example(r, tokenizer, train_on_prompt)
+    wheres = getattr(records, "wheres", None)  # read_records' (file and line of each)
+    for k, r in enumerate(records):
+        try:
+            i, m = encode_example(r, tokenizer, train_on_prompt)
+        except ValueError as e:
+            if not wheres:
+                raise
+            raise ValueError(f"fastllm train: {wheres[k]}: "
+                             f"{str(e).removeprefix('fastllm train: ')}") from None
         ids += i
         mask += m
         offsets.append(len(ids))

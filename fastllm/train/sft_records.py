@@ -30,7 +30,8 @@ import glob
 import json
 import os
 
-__all__ = ["data_format", "first_records", "read_records", "template_inputs", "text_pieces"]
+__all__ = ["Records", "data_format", "decode_utf8", "first_records", "read_records",
+           "template_inputs", "text_pieces"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 _EXTENSIONS = (".jsonl", ".json")
@@ -166,7 +167,9 @@ def _check_fields(record, where):
                      f"{sorted(record)}")
 
 
-def _decode(raw, where, bom):
+def decode_utf8(raw, where, bom):
+    """raw (bytes) as text, or ValueError naming `where` and the first byte that is not UTF-8;
+    bom: a leading byte-order mark is dropped (a file's first line)."""
     try:
         # utf-8-sig: a byte-order mark (Windows editors write one) is not JSON
         return raw.decode("utf-8-sig" if bom else "utf-8")
@@ -179,7 +182,7 @@ def _json_lines(name, raw):
     """(where, parsed record) of each non-blank line of a JSON Lines file."""
     for n, line in enumerate(raw.split(b"\n"), 1):
         where = f"{name} line {n}"
-        line = _decode(line, where, bom=n == 1)
+        line = decode_utf8(line, where, bom=n == 1)
         if not line.strip():
             continue
         try:
@@ -204,7 +207,7 @@ def _refuse_one_value(name, raw):
 
 def _json_array(name, raw):
     """(where, parsed record) of each item of a file holding one JSON array."""
-    text = _decode(raw, name, bom=True)
+    text = decode_utf8(raw, name, bom=True)
     try:
         items = json.loads(text)
     except ValueError as e:
@@ -233,7 +236,7 @@ def _first_parsed(name):
             f.seek(0)
         for n, line in enumerate(f, 1):
             where = f"{name} line {n}"
-            line = _decode(line, where, bom=n == 1)
+            line = decode_utf8(line, where, bom=n == 1)
             if line.strip():
                 return where, json.loads(line)
     return None
@@ -286,12 +289,21 @@ def first_records(path):
     return out
 
 
+class Records(list):
+    """read_records' examples; wheres[i] names where example i is (its file and line, or its
+    index in a JSON array), for errors found when it is tokenised."""
+
+    def __init__(self):
+        super().__init__()
+        self.wheres = []
+
+
 def read_records(path):
     """Every example of a .jsonl or .json file (or a folder's .jsonl and .json files, in name
-    order), each (kind, fields). A malformed record raises ValueError naming the file, the line
-    (JSON Lines) or the record's index from 0 (a JSON array) and the key, before any is
-    tokenised. Blank lines are skipped."""
-    records = []
+    order), each (kind, fields), as a Records list. A malformed record raises ValueError naming
+    the file, the line (JSON Lines) or the record's index from 0 (a JSON array) and the key,
+    before any is tokenised. Blank lines are skipped."""
+    records = Records()
     for name in _files(path):
         for where, record in _parsed(name):
             record = _check(record, where)
@@ -301,6 +313,7 @@ def read_records(path):
                 raise ValueError(f"fastllm train: {where}: a lone UTF-16 surrogate "
                                  f"({e.object[e.start]!r}) is not text") from None
             records.append(record)
+            records.wheres.append(where)
     if not records:
         raise ValueError(f"fastllm train: {path} holds no examples")
     return records

@@ -1,0 +1,81 @@
+"""SFT inputs fastllm train refuses in one line, naming where: a record the chat template
+rejects, data.format=jsonl without data.path, a tokenizer without an EOS token, an eval prompts
+file that is not UTF-8 (and one with a byte-order mark, accepted). Tiny offline tokenizers,
+CPU."""
+
+import json
+
+import pytest
+
+from fastllm.train.config import ConfigError, TrainConfig
+from fastllm.train.data import ByteTokenizer, HFTokenizer, build_tokenizer
+from fastllm.train.evaluate import read_prompt_records
+from fastllm.train.sft_data import encode_example, read_records, tokenize_records
+
+from _tiny_tokenizer import tiny_bpe
+
+# ChatML as SmolLM2 writes it, and a Mistral-style one refusing roles that do not alternate
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+ALTERNATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+             "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+USER = {"role": "user", "content": "What is"}
+REPLY = {"role": "assistant", "content": "Paris."}
+SYSTEM = {"role": "system", "content": "Be brief."}
+# an assistant turn that only calls a tool (content null), which ChatML's template cannot render
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize("template, refused, says", [
+    (ALTERNATE, [SYSTEM, USER, REPLY], "TemplateError: Conversation roles must alternate"),
+    (CHATML, [USER, CALL, {"role": "tool", "content": "1"}, REPLY], "UndefinedError"),
+], ids=["raise_exception", "undefined"])
+def test_a_record_the_chat_template_refuses_is_named_by_its_line(tmp_path, template, refused,
+                                                                 says):
+    tok = HFTokenizer(tiny_bpe(template), f"refuse-{len(refused)}")
+    path = _write(tmp_path / "chat.jsonl", [{"messages": [USER, REPLY]}, {"messages": refused}])
+    with pytest.raises(ValueError, match=rf"chat\.jsonl line 2: the tokenizer's chat template "
+                                         rf"refused the chat: {says}"):
+        tokenize_records(read_records(path), tok, str(tmp_path / "cache"))
+
+
+def test_jsonl_format_needs_a_data_path():
+    with pytest.raises(ConfigError, match="data.format=jsonl .* give data.path"):
+        TrainConfig.from_args(["data.format=jsonl"])
+    assert TrainConfig.from_args(["data.format=jsonl", "data.path=a.jsonl"]).data.path
+
+
+def test_a_tokenizer_without_eos_is_refused_and_builtin_ones_end_with_eos(tmp_path):
+    folder = str(tmp_path / "noeos")
+    tiny_bpe(eos=None).save_pretrained(folder)
+    with pytest.raises(ValueError, match=rf"tokenizer {folder} has no EOS token.*\"eos_token\" "
+                                         rf"in its tokenizer_config.json"):
+        build_tokenizer(folder, [], 0, str(tmp_path / "cache"))
+    # the last vocabulary id is not made a training target in its place
+    with pytest.raises(ValueError, match="tokenizer noeos has no EOS token"):
+        encode_example(("text", "Paris."), HFTokenizer(tiny_bpe(eos=None), "noeos"))
+    bpe = build_tokenizer("bpe", ["What is the capital of France? Paris."] * 4, 300,
+                          str(tmp_path / "cache"))
+    for tok in (ByteTokenizer(), bpe):
+        ids, mask = encode_example(("completion", ("What is", " Paris.")), tok)
+        assert tok.eos_token_id is not None and ids[-1] == tok.eos_token_id and mask[-1] == 1
+
+
+def test_prompts_file_names_a_line_not_utf8_and_accepts_a_byte_order_mark(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"hi\n\xff\xfe\n")
+    with pytest.raises(ValueError, match=r"bad\.txt line 2: not UTF-8"):
+        read_prompt_records([], str(bad))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\r\n\n{"prompt": "yo"}\n')
+    assert read_prompt_records([], str(bom)) == [("hi", {}, f"{bom} line 1"),
+                                                 ("yo", {}, f"{bom} line 3")]
