@@ -81,7 +81,8 @@ void adamw_chunk(scalar_t* __restrict p_raw, const scalar_t* __restrict g_raw,
     opmath_t v_used = v;
     if constexpr (AMSGRAD) {
       const opmath_t vm = Io::load(vmax_ptr[i]);
-      v_used = vm > v ? vm : v;
+      // torch.maximum's: a nan in either (a loaded state) stays nan, as torch's AdamW keeps it
+      v_used = (vm > v || vm != vm) ? vm : v;
       vmax_ptr[i] = Io::store(v_used);
     }
     const opmath_t denom = std::sqrt(v_used) * s.inv_bc2_sqrt + s.eps;

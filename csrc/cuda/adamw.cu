@@ -127,7 +127,8 @@ struct AdamWFunctor {
       v[k] = v[k] + one_minus_beta2 * g * g;
       opmath_t v_used = v[k];
       if constexpr (AMSGRAD) {
-        v_used = vmax[k] > v[k] ? vmax[k] : v[k];
+        // torch.maximum's: a nan in either stays nan (vm > nan is false, nan > v too)
+        v_used = (vmax[k] > v[k] || vmax[k] != vmax[k]) ? vmax[k] : v[k];
         vmax[k] = v_used;
       }
       const opmath_t denom = div_rn(sqrt_rn(v_used), s.bc2_sqrt) + eps;

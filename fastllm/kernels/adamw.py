@@ -53,7 +53,8 @@ def _update(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr
     v_used = v
     if AMSGRAD:
         v_max = stream_load(max_exp_avg_sq_ptr, offsets, mask, 0.0).to(tl.float32)
-        v_used = tl.maximum(v_max, v)
+        # torch.maximum's: a nan in either stays nan (tl.maximum returns the other operand)
+        v_used = tl.where((v_max > v) | (v_max != v_max), v_max, v)
         store_rounded(max_exp_avg_sq_ptr, offsets, v_used, mask, "evict_first")
     p = adam_param(p, m, v_used, neg_step_size, bc2_sqrt, eps)
     store_rounded(param_ptr, offsets, p, mask, "evict_first")
