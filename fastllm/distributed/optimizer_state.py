@@ -244,9 +244,8 @@ class DistributedOptimizerState:
             if extra["loss_scaler"] is not None and self.loss_scaler is not None:
                 self.loss_scaler.load_state_dict(extra["loss_scaler"])
 
-    def _check_entry(self, where, p, entry):
-        """A saved entry of a sharded (flat) param: the keys its optimizer needs, every value
-        but `step` a floating tensor of p's shape (copied element by element into the shard)."""
+    def _check_keys(self, where, entry):
+        """A saved state entry is a dict holding the keys the optimizer needs (or is empty)."""
         if not isinstance(entry, dict):
             raise ValueError(f"{_WHO}: the state of {where} is a {type(entry).__name__}, "
                              f"not a dict")
@@ -255,6 +254,11 @@ class DistributedOptimizerState:
             raise ValueError(f"{_WHO}: the state of {where} lacks {missing}, which "
                              f"{type(self.optimizer).__name__} needs (another optimizer's "
                              f"state_dict?)")
+
+    def _check_entry(self, where, p, entry):
+        """A saved entry of a sharded (flat) param: the keys its optimizer needs, every value
+        but `step` a floating tensor of p's shape (copied element by element into the shard)."""
+        self._check_keys(where, entry)
         for key, value in entry.items():
             if key == "step":
                 continue
@@ -404,13 +408,7 @@ class DistributedOptimizerState:
                 if not 0 <= a < c <= numel[name]:
                     raise ValueError(f"{_WHO}: the sharded state's {where} is not inside the "
                                      f"{numel[name]} elements of {name}")
-                if not isinstance(st, dict):
-                    raise ValueError(f"{_WHO}: the state of {where} is a {type(st).__name__}, "
-                                     f"not a dict")
-                missing = [k for k in self._required_state if st and k not in st]
-                if missing:
-                    raise ValueError(f"{_WHO}: the state of {where} lacks {missing}, which "
-                                     f"{type(self.optimizer).__name__} needs")
+                self._check_keys(where, st)
                 for k, v in st.items():
                     if k == "step":
                         continue
