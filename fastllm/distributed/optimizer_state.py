@@ -66,6 +66,13 @@ def _check_group(where, mine, saved):
                              f"optimizer's {old!r}")
 
 
+
+def _need_floating(where, key, value):
+    """A saved state tensor (every key but `step`) is a floating-point tensor."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise ValueError(f"{_WHO}: state '{key}' of {where} is {_what(value)}, not a "
+                         f"floating-point tensor")
+
 class DistributedOptimizerState:
     def _gather_flat(self, b, shard):
         full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
@@ -262,9 +269,7 @@ class DistributedOptimizerState:
         for key, value in entry.items():
             if key == "step":
                 continue
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                raise ValueError(f"{_WHO}: state '{key}' of {where} is {_what(value)}, not a "
-                                 f"floating-point tensor")
+            _need_floating(where, key, value)
             if value.shape != p.shape:
                 raise ValueError(f"{_WHO}: state '{key}' of {where} has shape "
                                  f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
@@ -284,9 +289,7 @@ class DistributedOptimizerState:
         for key, value in entry.items():
             if key == "step":
                 continue
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                raise ValueError(f"{_WHO}: state '{key}' of {where} is {_what(value)}, not a "
-                                 f"floating-point tensor")
+            _need_floating(where, key, value)
             if key in ("projector", "exp_avg", "exp_avg_sq") and value.dim() != 2:
                 raise ValueError(f"{_WHO}: state '{key}' of {where} has shape "
                                  f"{tuple(value.shape)}, not a matrix")
