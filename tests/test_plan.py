@@ -461,3 +461,15 @@ def test_memory_estimate_matches_peak_per_layout(layout_peaks, name):
                    runtime=FASTLLM)
     print("layoutmem", name, sum(est["memory"].values()), [r[name] for r in layout_peaks])
     assert sum(est["memory"].values()) == pytest.approx(peak, rel=0.10)
+
+
+def test_lora_memory_is_sharded_by_zero_as_full_fine_tuning_is():
+    """--lora under ZeRO: optimizer state / dp from stage 1, the adapters' grads from stage 2,
+    the frozen weights from stage 3 (with a layer gathered whole); it was priced as no ZeRO."""
+    model, gpu = MODELS["llama2-13b"], GPUS["H100"]
+    mem = {z: estimate(model, Layout(dp=8, zero=z, lora_rank=16), 4096, 64, gpu)["memory"]
+           for z in range(4)}
+    assert mem[1]["optimizer"] == pytest.approx(mem[0]["optimizer"] / 8)
+    assert mem[2]["grads"] == pytest.approx(mem[0]["grads"] / 8)
+    assert mem[3]["weights"] == pytest.approx(mem[0]["weights"] / 8)
+    assert 0 < mem[3]["gathered"] < mem[0]["weights"]

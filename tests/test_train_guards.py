@@ -57,6 +57,12 @@ def metrics(output_dir):
     (["output_dir="], "output_dir is empty"),
     (["seed=99999999999999"], r"seed must be in \[0, 2\*\*32\)"),
     (["max_steps=0"], "max_steps must be >= 1"),
+    # tensor parallel: another strategy was ignored, torch's fused AdamW crashed at the first
+    # step, a LoRA run crashed at its first checkpoint
+    (["parallel.tp=2", "parallel.strategy=zero1"], "parallel.tp > 1 shards data parallel with "
+                                                   "FSDP2: .* got zero1"),
+    (["parallel.tp=2", "backend=torch"], "parallel.tp > 1 runs with backend=fastllm"),
+    (["parallel.tp=2", "finetune=lora"], "finetune=lora with parallel.tp > 1"),
 ])
 def test_config_refuses_before_anything_runs(overrides, says):
     with pytest.raises(ConfigError, match=says):

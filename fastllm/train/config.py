@@ -242,6 +242,17 @@ class TrainConfig:
                  f"finetune={self.finetune} runs on plain (unsharded) parameters: "
                  f"parallel.strategy none/ddp/auto with parallel.tp=1, got "
                  f"strategy={self.parallel.strategy} tp={self.parallel.tp}")
+        if self.parallel.tp > 1:
+            # (tensor parallel shards data parallel with FSDP2, as pp does: another strategy
+            # was ignored; torch's fused AdamW refuses the mix of DTensor and plain params; a
+            # LoRA adapter cannot be saved from tensor-parallel shards yet)
+            need(self.parallel.strategy in ("auto", "fsdp"), f"parallel.tp > 1 shards data "
+                 f"parallel with FSDP2: parallel.strategy must be auto or fsdp, got "
+                 f"{self.parallel.strategy}")
+            need(self.backend == "fastllm", "parallel.tp > 1 runs with backend=fastllm (torch's "
+                 "fused AdamW refuses the mix of sharded and plain params)")
+            need(self.finetune != "lora", "finetune=lora with parallel.tp > 1: its adapter "
+                 "cannot be saved from tensor-parallel shards yet; use parallel.tp=1")
         if self.parallel.pp > 1:
             need(self.finetune == "full", f"parallel.pp > 1 trains finetune=full only, got "
                  f"finetune={self.finetune}")

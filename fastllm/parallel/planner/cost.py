@@ -267,9 +267,10 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         p = stage_params(first, last)
         if lo.lora_rank:
             trainable = layers_stage * _lora_params_per_layer(model, lo.lora_rank) / t
-            weights = p * e
-            grads = trainable * g
-            optim = trainable * (12 if mixed else 8)
+            # ZeRO shards them as it shards full fine-tuning's (the frozen weights at stage 3)
+            weights = p * e / (lo.dp if lo.zero >= 3 else 1)
+            grads = trainable * g / (lo.dp if lo.zero >= 2 else 1)
+            optim = trainable * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
         else:
             trainable = p
             weights = p * e / (lo.dp if lo.zero >= 3 else 1)
@@ -299,14 +300,17 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                 largest = max(largest, model.head_params() / t)
             work += largest * g
         mem["backward_workspace"] = work
-        if fsdp and not lo.lora_rank:
+        if fsdp:
             # FSDP2 gathers each layer whole (the next one prefetched) and keeps the root's
             # parameters (embedding, final norm, head) whole from forward to backward; a
-            # layer's and the root's gradients are whole until their reduce-scatter
+            # layer's and the root's gradients (LoRA: the adapters' alone) are whole until
+            # their reduce-scatter
             root = (model.embedding_params() if first else 0) + \
                 ((model.head_params() + model.hidden) if last else 0)
             layer = model.layer_params() / t
-            mem["gathered"] = (2 * layer + root / t) * e + (layer + root / t) * g
+            whole_grads = (_lora_params_per_layer(model, lo.lora_rank) / t if lo.lora_rank
+                           else layer + root / t)
+            mem["gathered"] = (2 * layer + root / t) * e + whole_grads * g
         total = sum(mem.values())
         if best is None or total > best[0]:
             best = (total, mem)
