@@ -105,14 +105,19 @@ CONSOLIDATED = {
 }
 
 
-@pytest.mark.parametrize("case", CONSOLIDATED)
-def test_refused_load_state_dict_changes_nothing(case):
-    corrupt, match = CONSOLIDATED[case]
+def _refused_load(corrupt, match, state_of, load):
+    """A trained optimizer's state, corrupted, refused by another one, which stays as it was."""
     _, saved = _trained(2, 1)
-    bad = copy.deepcopy(saved.state_dict())
+    bad = copy.deepcopy(state_of(saved))
     corrupt(bad)
     model, opt = _trained(3, 2)
-    _refused(model, opt, lambda: opt.load_state_dict(bad), match)
+    _refused(model, opt, lambda: load(opt, bad), match)
+
+
+@pytest.mark.parametrize("case", CONSOLIDATED)
+def test_refused_load_state_dict_changes_nothing(case):
+    _refused_load(*CONSOLIDATED[case], lambda o: o.state_dict(),
+                  lambda o, bad: o.load_state_dict(bad))
 
 
 def _split_range(sd):
@@ -143,12 +148,8 @@ SHARDED = {
 
 @pytest.mark.parametrize("case", SHARDED)
 def test_refused_load_sharded_state_dict_changes_nothing(case):
-    corrupt, match = SHARDED[case]
-    _, saved = _trained(2, 1)
-    bad = copy.deepcopy(saved.sharded_state_dict())
-    corrupt(bad)
-    model, opt = _trained(3, 2)
-    _refused(model, opt, lambda: opt.load_sharded_state_dict([bad]), match)
+    _refused_load(*SHARDED[case], lambda o: o.sharded_state_dict(),
+                  lambda o, bad: o.load_sharded_state_dict([bad]))
 
 
 def test_good_loads_still_load():

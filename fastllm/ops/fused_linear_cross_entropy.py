@@ -130,8 +130,13 @@ def check_fused_linear_cross_entropy_args(hidden, weight, labels, bias, ignore_i
         raise ValueError(f"{_WHERE}: logit_softcap must be None or > 0, got {logit_softcap}")
 
 
-def _check_labels(flat, ignore_index, vocab):
-    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+def _bad_labels(flat, keep, vocab):
+    """The tokens whose label is kept (not ignore_index) but outside [0, vocab)."""
+    return keep & ((flat < 0) | (flat >= vocab))
+
+
+def _check_labels(flat, ignore_index, vocab, keep=None):
+    bad = _bad_labels(flat, flat != ignore_index if keep is None else keep, vocab)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{_WHERE}: label {int(flat[i])} at token {i} is outside [0, {vocab}) "
@@ -260,13 +265,13 @@ def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_b
     need_grad = need_hidden or need_weight or need_bias
     keep = flat != ignore_index
     if dense:
-        torch._assert_async(~(keep & ((flat < 0) | (flat >= vocab))).any(),
+        torch._assert_async(~_bad_labels(flat, keep, vocab).any(),
                             f"{_WHERE}: a label is outside [0, {vocab}) and is not ignore_index "
                             f"({ignore_index})")
         valid, m = None, n
         count = keep.sum()
     else:
-        _check_labels(flat, ignore_index, vocab)
+        _check_labels(flat, ignore_index, vocab, keep)
         valid = keep.nonzero()[:, 0]
         m = valid.numel()
     loss = hidden2.new_zeros(n, dtype=acc)
