@@ -130,8 +130,7 @@ def check_fused_linear_cross_entropy_args(hidden, weight, labels, bias, ignore_i
         raise ValueError(f"{_WHERE}: logit_softcap must be None or > 0, got {logit_softcap}")
 
 
-def _bad_labels(flat, keep, vocab):
-    """The tokens whose label is kept (not ignore_index) but outside [0, vocab)."""
+def _bad_labels(flat, keep, vocab):  # kept (not ignore_index) but outside [0, vocab)
     return keep & ((flat < 0) | (flat >= vocab))
 
 
@@ -251,12 +250,8 @@ def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_b
     """The cpp kernel's algorithm with torch GEMMs and `row_pass` (ref or triton): the same
     contract as fastllm._C.fused_linear_cross_entropy_cpu.
 
-    dense: keep every token in place instead of gathering the valid ones, so that nothing reads
-    the GPU back (the gather's nonzero and the label check's any() both wait for it, and neither
-    can be captured in a CUDA graph): ignored tokens go through the GEMMs with a negative label
-    (loss 0, grad 0), the label check is a device-side assertion, and the chunks are views of
-    hidden and of the grads. None: dense exactly when a CUDA graph is being captured (eager, the
-    ignored tokens cost no GEMM time)."""
+    dense (None: while a CUDA graph is captured): no GPU read back (no nonzero, no any()):
+    ignored tokens kept with label -1 (loss 0, grad 0), labels checked by device assertion."""
     if dense is None:
         dense = _capturing(hidden2)
     n = hidden2.shape[0]
