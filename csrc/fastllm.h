@@ -176,9 +176,10 @@ void rotary_embedding_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& q_out, const at::Tensor& k_out, bool backward);
 // silu(gate) * up for contiguous gate, up of one shape and dtype.
 at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up);
-// {dgate, dup} of swiglu_cpu, sigmoid(gate) recomputed.
+// {dgate, dup, h} of swiglu_cpu, sigmoid(gate) recomputed; h = swiglu_cpu(gate, up) with need_h
+// (the same pass), else empty.
 std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
-                                            const at::Tensor& up);
+                                            const at::Tensor& up, bool need_h);
 // Causal attention (csrc/cpu/attention.cpp; fastllm/ops/attention.py): q (B, T, Hq, D), k, v
 // (B, T, Hkv, D), one dtype (fp32, bf16, fp16), Hq a multiple of Hkv; query t attends keys
 // doc_start[b, t] <= j <= t (doc_start an empty tensor: 0). Returns {out (B, T, Hq, D) of q's

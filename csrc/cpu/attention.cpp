@@ -229,10 +229,13 @@ inline void zero_outside(float* row, int64_t n, int64_t lo, int64_t hi) {
 // not 1: dV 1.4% off at |scaled score| 2.7e5, where the scale is not a power of two).
 inline Softmax softmax_row(float* row, int64_t n, int64_t lo, int64_t hi, float sc) {
   float mx = -std::numeric_limits<float>::infinity();
+  // a ternary, not std::max: gcc leaves a max reduction written with std::max scalar (its NaN
+  // order is not the vector max's), which made this loop the softmax's slowest part
 #pragma omp simd reduction(max : mx)
   for (int64_t j = lo; j < hi; ++j) {
-    row[j] *= sc;
-    mx = std::max(mx, row[j]);
+    const float x = row[j] * sc;
+    row[j] = x;
+    mx = x > mx ? x : mx;
   }
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)

@@ -1,8 +1,8 @@
 // SwiGLU for CPU tensors: y = silu(gate) * up, silu(g) = g * sigmoid(g). The backward recomputes
 // sigmoid(gate) from gate instead of reading a saved activation, in the same pass:
 //   dgate = dy * up * sig * (1 + gate * (1 - sig)),   dup = dy * gate * sig
-// fp32 arithmetic (fp64 for fp64), one rounding per output; e^x from vec_math.h so the loops
-// vectorise.
+// with need_h also the product h itself (swiglu_linear's weight grad), in that pass too. fp32
+// arithmetic (fp64 for fp64), one rounding per output; e^x from vec_math.h so the loops vectorise.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -42,9 +42,12 @@ void forward_range(const scalar_t* g_raw, const scalar_t* u_raw, scalar_t* y_raw
   }
 }
 
-template <typename scalar_t>
+// kNeedH: h = silu(gate) * up too, rounded as forward_range rounds it (swiglu_linear's weight
+// grad reads it), from the same loads: one pass over gate and up instead of a second one.
+template <typename scalar_t, bool kNeedH>
 void backward_range(const scalar_t* dy_raw, const scalar_t* g_raw, const scalar_t* u_raw,
-                    scalar_t* dg_raw, scalar_t* du_raw, int64_t begin, int64_t end) {
+                    scalar_t* dg_raw, scalar_t* du_raw, scalar_t* h_raw, int64_t begin,
+                    int64_t end) {
   using io = Io<scalar_t>;
   using op_t = typename io::opmath_t;
   using raw_t = typename io::raw_t;
@@ -53,12 +56,14 @@ void backward_range(const scalar_t* dy_raw, const scalar_t* g_raw, const scalar_
   const raw_t* __restrict u = reinterpret_cast<const raw_t*>(u_raw);
   raw_t* __restrict dg = reinterpret_cast<raw_t*>(dg_raw);
   raw_t* __restrict du = reinterpret_cast<raw_t*>(du_raw);
+  raw_t* __restrict h = reinterpret_cast<raw_t*>(h_raw);
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     const op_t gv = io::load(g[i]), uv = io::load(u[i]), d = io::load(dy[i]);
     const op_t sig = vec_math::sigmoid(gv);
     dg[i] = io::store(d * uv * sig * (op_t(1) + gv * (op_t(1) - sig)));
     du[i] = io::store(d * gv * sig);
+    if constexpr (kNeedH) h[i] = io::store(gv * sig * uv);
   }
 }
 
@@ -82,12 +87,13 @@ at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
-                                            const at::Tensor& up) {
+                                            const at::Tensor& up, bool need_h) {
   check(gate, gate, "gate");
   check(up, gate, "up");
   check(grad_out, gate, "grad_out");
   auto dgate = at::empty_like(gate);
   auto dup = at::empty_like(gate);
+  auto h = need_h ? at::empty_like(gate) : gate.new_empty({0});
   const int64_t n = gate.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(),
                                   "fastllm_swiglu_backward_cpu", [&] {
@@ -96,11 +102,16 @@ std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at
     const scalar_t* u = up.const_data_ptr<scalar_t>();
     scalar_t* dg = dgate.mutable_data_ptr<scalar_t>();
     scalar_t* du = dup.mutable_data_ptr<scalar_t>();
+    scalar_t* hp = need_h ? h.mutable_data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      backward_range<scalar_t>(d, g, u, dg, du, begin, end);
+      if (need_h) {
+        backward_range<scalar_t, true>(d, g, u, dg, du, hp, begin, end);
+      } else {
+        backward_range<scalar_t, false>(d, g, u, dg, du, hp, begin, end);
+      }
     });
   });
-  return {dgate, dup};
+  return {dgate, dup, h};
 }
 
 }  // namespace fastllm

@@ -9,7 +9,7 @@ up for its backward; this keeps gate and up):
 
 Ops (schemas in fastllm/_library.py): swiglu(gate, up) -> y, swiglu_backward(dy, gate, up,
 need_h=False) -> (dgate, dup, h): with need_h, h = silu(gate) * up as the forward rounds it (the
-Triton kernel writes it in the same pass; swiglu_linear's weight grad reads it), else empty.
+cpp and Triton kernels write it in the same pass; swiglu_linear's weight grad reads it), else empty.
 Backends: cpp (csrc/cpu/swiglu.cpp), triton (fastllm/kernels/swiglu.py), ref.
 """
 
@@ -68,9 +68,8 @@ def _forward_cpp(gate, up):
 
 
 def _backward_cpp(dy, gate, up, need_h):
-    ext = _extension.extension()
-    dg, du = ext.swiglu_backward_cpu(dy, gate, up)
-    return dg, du, (ext.swiglu_cpu(gate, up) if need_h else None)
+    dg, du, h = _extension.extension().swiglu_backward_cpu(dy, gate, up, need_h)
+    return dg, du, (h if need_h else None)
 
 
 def _forward_triton(gate, up):
