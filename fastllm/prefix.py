@@ -19,10 +19,20 @@ at 0 mark the examples) and no padding; so a packed batch equals its examples on
 too. A forward pre-hook on the model adds them. model.generate() works, with its KV cache: a
 non-empty cache the model is given already holds the prefix and is kept (its rows are then one
 example each: no packing while decoding).
+
+Sliding-window layers (Mistral's sliding_window, Qwen2's use_sliding_window, a config's
+layer_types) see the prefix as PEFT's model does: a token at index i of its example (counting
+leading padding, as transformers does) sees cache entry k, prefix included, only when
+k > T + i - sliding_window; a mix of full and sliding layers gets one mask per layer type.
+Other attention patterns (chunked, linear, ...) are refused at attach time. Gradient
+checkpointing is refused (as PEFT refuses it): a checkpointed transformers layer drops the cache,
+and with it the prefix.
 """
 
 import json
+import numbers
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -69,41 +79,105 @@ def _dims(config):
     return config.num_hidden_layers, kv, head_dim
 
 
-def prefix_mask_ref(position_ids, num_virtual_tokens, attention_mask=None, dtype=torch.float32):
-    """The additive mask (batch, 1, L, T + L): 0 where a token may attend, dtype's min elsewhere.
-    position_ids (batch, L): an example starts where the position does not follow the previous
-    one (transformers' find_packed_sequence_indices); attention_mask (batch, L): 0 = padding."""
-    b, n = position_ids.shape
-    first = position_ids[:, :1] - 1
-    segment = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    i = torch.arange(n, device=position_ids.device)
-    allowed = (segment[:, :, None] == segment[:, None, :]) & (i[None, :, None] >= i[None, None, :])
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, :].bool()
-    allowed = torch.cat([torch.ones(b, n, num_virtual_tokens, dtype=torch.bool,
-                                    device=position_ids.device), allowed], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+def _additive(allowed, dtype):
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
 
-def _decode_mask(past, n, num_virtual_tokens, attention_mask, b, dtype, device):
+def prefix_mask_ref(position_ids, num_virtual_tokens, attention_mask=None, dtype=torch.float32,
+                    sliding_window=None):
+    """The additive mask (batch, 1, L, T + L): 0 where a token may attend, dtype's min elsewhere.
+    position_ids (batch, L): an example starts where the position does not follow the previous
+    one (transformers' find_packed_sequence_indices); attention_mask (batch, L): 0 = padding.
+    sliding_window: None, or W: query index q sees cache index k only when k > q - W
+    (transformers' sliding_window_overlay), indices counted in the query's own example with the
+    prefix at 0..T-1; leading padding belongs to the row's first example, as in PEFT's model."""
+    b, n = position_ids.shape
+    t, device = num_virtual_tokens, position_ids.device
+    first = position_ids[:, :1] - 1
+    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
+    segment = starts.cumsum(-1)
+    i = torch.arange(n, device=device)
+    allowed = (segment[:, :, None] == segment[:, None, :]) & (i[None, :, None] >= i[None, None, :])
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, :].bool()
+    prefix = torch.ones(b, n, t, dtype=torch.bool, device=device)
+    if sliding_window is not None:
+        allowed = allowed & (i[:, None] - i[None, :] < sliding_window)
+        start = torch.where(starts, i, 0).cummax(-1).values  # (b, L): where each example starts
+        if attention_mask is not None:
+            seen = attention_mask.long().cumsum(-1) - attention_mask.long()  # tokens before
+            start = start.masked_fill(seen.gather(1, start) == 0, 0)
+        q = t + i - start  # (b, L): the query's index in its example's cache
+        prefix = q[:, :, None] - torch.arange(t, device=device) < sliding_window
+    return _additive(torch.cat([prefix, allowed], dim=-1), dtype)
+
+
+def _decode_mask(past, n, num_virtual_tokens, attention_mask, b, dtype, device,
+                 sliding_window=None):
     """The additive mask (b, 1, n, T + past + n) of n new tokens after `past` cached ones, each
-    row one example: the prefix, every earlier token but padding, and the token itself.
+    row one example: the prefix, every earlier token but padding, and the token itself (within
+    sliding_window of the query's cache index T + past + i, when given).
     attention_mask (b, past + n), 0 = padding, as generate() passes it; None: no padding."""
     i = torch.arange(n, device=device)
-    j = torch.arange(past + n, device=device)
-    allowed = (j[None, :] <= past + i[:, None]).expand(b, n, past + n)
+    j = torch.arange(num_virtual_tokens + past + n, device=device)
+    q = num_virtual_tokens + past + i
+    allowed = j[None, :] <= q[:, None]
+    if sliding_window is not None:
+        allowed = allowed & (j[None, :] > q[:, None] - sliding_window)
+    allowed = allowed.expand(b, n, j.numel())
     if attention_mask is not None:
         if attention_mask.shape[-1] != past + n:
             raise ValueError(f"fastllm.prefix: attention_mask covers {attention_mask.shape[-1]} "
                              f"tokens; with {past} cached and {n} new it must cover {past + n}")
-        allowed = allowed & attention_mask[:, None, :].bool()
-    allowed = torch.cat([torch.ones(b, n, num_virtual_tokens, dtype=torch.bool, device=device),
-                         allowed], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+        keep = torch.cat([torch.ones(b, num_virtual_tokens, dtype=torch.bool, device=device),
+                          attention_mask.bool()], dim=-1)
+        allowed = allowed & keep[:, None, :]
+    return _additive(allowed, dtype)
+
+
+def _layer_windows(config):
+    """{layer type: its sliding window or None}, keyed as the model's forward looks its masks up;
+    {None: window} when every layer takes the same mask. As transformers' create_masks_for_generate
+    reads a config: layer_types when the config has them, else sliding_window for every layer."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        if getattr(config, "attention_chunk_size", None) is not None:
+            raise ValueError("fastllm.prefix: chunked attention (config.attention_chunk_size) is "
+                             "not supported by prefix tuning")
+        return {None: window}
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"fastllm.prefix: prefix tuning supports full and sliding-window "
+                         f"attention layers; the model has {unknown} (config.layer_types)")
+    windows = {kind: window if kind == "sliding_attention" else None for kind in set(types)}
+    return windows if len(set(windows.values())) > 1 else {None: next(iter(windows.values()))}
+
+
+def _masks(config, build):
+    """build(window) -> mask, once per distinct window: one tensor, or a dict by layer type (what
+    a hybrid model's forward takes in place of its causal_mask_mapping)."""
+    windows = _layer_windows(config)
+    if None in windows:
+        return build(windows[None])
+    return {kind: build(window) for kind, window in windows.items()}
+
+
+def _refuse_checkpointing(model):
+    """Gradient checkpointing (transformers' GradientCheckpointingLayer, which fastllm's
+    checkpoint_ratio switches on, or torch's checkpoint_wrapper) drops or replays the KV cache
+    the prefix rides in; PEFT refuses the combination too."""
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is True or \
+                hasattr(module, "_checkpoint_wrapped_module"):
+            where = f"module {name!r}" if name else type(model).__name__
+            raise ValueError(f"fastllm.prefix: prefix tuning does not work with gradient "
+                             f"(activation) checkpointing, which is on ({where}): a "
+                             f"checkpointed layer drops the KV cache that holds the prefix. "
+                             f"Turn checkpointing off (checkpoint_ratio=0, "
+                             f"gradient_checkpointing_disable()) to train a prefix")
 
 
 def _pre_hook(module, args, kwargs):
@@ -117,6 +191,8 @@ def _pre_hook(module, args, kwargs):
     layers, kv, head_dim = _dims(module.config)
     t = enc.num_virtual_tokens
     dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
+    if module.training and torch.is_grad_enabled():
+        _refuse_checkpointing(module)
     kwargs = dict(kwargs)
     cache = _hf.take_cache(kwargs.pop("cache", None), kwargs)
     pos = kwargs.get("position_ids")
@@ -133,7 +209,8 @@ def _pre_hook(module, args, kwargs):
         past -= t
         pos = (torch.arange(past, past + n, device=device).expand(b, n) if pos is None
                else pos.expand(b, n))
-        kwargs["attention_mask"] = _decode_mask(past, n, t, mask, b, dtype, device)
+        kwargs["attention_mask"] = _masks(module.config, lambda w: _decode_mask(
+            past, n, t, mask, b, dtype, device, w))
     else:
         prefix = enc().to(dtype).view(t, layers * 2, kv, head_dim).permute(1, 2, 0, 3)
         cache = DynamicCache()
@@ -141,7 +218,8 @@ def _pre_hook(module, args, kwargs):
             cache.update(prefix[2 * layer].expand(b, kv, t, head_dim),
                          prefix[2 * layer + 1].expand(b, kv, t, head_dim), layer)
         pos = torch.arange(n, device=device).expand(b, n) if pos is None else pos.expand(b, n)
-        kwargs["attention_mask"] = prefix_mask_ref(pos, t, mask, dtype)
+        kwargs["attention_mask"] = _masks(module.config,
+                                          lambda w: prefix_mask_ref(pos, t, mask, dtype, w))
     kwargs["position_ids"] = pos + t
     kwargs[_hf.cache_keyword(module)] = cache
     kwargs["use_cache"] = True  # the model reads the prefix from its cache
@@ -150,21 +228,36 @@ def _pre_hook(module, args, kwargs):
     return (), kwargs
 
 
+def _positive_int(name, value, optional=False):
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"fastllm.prefix: {name} must be an int >= 1"
+                         f"{' or None' if optional else ''}, got {value!r}")
+    return int(value)
+
+
 def attach_prefix(model, num_virtual_tokens=16, prefix_projection=False,
                   encoder_hidden_size=None):
     """Add a trainable prefix to a transformers causal LM (model.prefix_encoder), freezing the
-    rest. Returns the model."""
+    rest. num_virtual_tokens: int >= 1; prefix_projection: bool; encoder_hidden_size: int >= 1
+    or None (token_dim). Every argument and the model's attention are checked before the model
+    changes. Returns the model."""
     if hasattr(model, "_fastllm_prefix"):
         raise ValueError("fastllm.prefix: the model has a prefix already (remove_prefix first)")
-    if num_virtual_tokens < 1:
-        raise ValueError(f"fastllm.prefix: num_virtual_tokens must be >= 1, got "
-                         f"{num_virtual_tokens}")
+    num_virtual_tokens = _positive_int("num_virtual_tokens", num_virtual_tokens)
+    encoder_hidden_size = _positive_int("encoder_hidden_size", encoder_hidden_size, True)
+    if not isinstance(prefix_projection, bool):
+        raise ValueError(f"fastllm.prefix: prefix_projection must be True or False, got "
+                         f"{prefix_projection!r}")
     layers, kv, head_dim = _dims(model.config)
+    _layer_windows(model.config)
+    _refuse_checkpointing(model)
     w = model.get_input_embeddings().weight
+    encoder = PrefixEncoder(num_virtual_tokens, layers, kv * head_dim, prefix_projection,
+                            encoder_hidden_size, dtype=w.dtype, device=w.device)
     model.requires_grad_(False)
-    model.prefix_encoder = PrefixEncoder(num_virtual_tokens, layers, kv * head_dim,
-                                         prefix_projection, encoder_hidden_size, dtype=w.dtype,
-                                         device=w.device)
+    model.prefix_encoder = encoder
     model._fastllm_prefix = model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
     return model
 
@@ -217,9 +310,9 @@ def load_prefix(model, path):
     """Load a PREFIX_TUNING adapter (PEFT's or save_prefix's) into `model`: a model with a prefix
     of the same shape takes the saved encoder tensors when they are there (a fastllm resume),
     else the prefix rows; a model without one gets a plain prefix of the saved rows. Checked
-    before anything changes. Returns the model."""
-    from safetensors.torch import load_file
-
+    before anything changes. The adapter's prompt_embeddings are the truth: encoder tensors that
+    do not reproduce them (the folder re-saved by PEFT) are ignored with a warning. Returns the
+    model."""
     from fastllm.lora import read_config, read_weights
 
     config = read_config(path)
@@ -247,16 +340,62 @@ def load_prefix(model, path):
         if enc.num_virtual_tokens != t:
             raise ValueError(f"fastllm.load_prefix: the adapter has {t} virtual tokens, the "
                              f"model's prefix {enc.num_virtual_tokens}")
-        if os.path.exists(resume):
-            enc.load_state_dict(load_file(resume))
+        stale = os.path.exists(resume)  # unless _read_resume takes it
+        saved = _read_resume(resume, enc, rows) if stale else None
+        if saved is not None:
+            enc.load_state_dict(saved)
         elif not enc.prefix_projection:
             with torch.no_grad():
                 enc.embedding.weight.copy_(rows)
         else:
-            raise ValueError("fastllm.load_prefix: the model's prefix is reparameterised "
-                             "(prefix_projection) and the adapter holds only the computed rows")
+            why = f" ({RESUME_WEIGHTS} there is stale)" if stale else ""
+            raise ValueError(f"fastllm.load_prefix: the model's prefix is reparameterised "
+                             f"(prefix_projection) and the adapter holds only the computed "
+                             f"rows{why}")
         return model
     attach_prefix(model, t)
     with torch.no_grad():
         model.prefix_encoder.embedding.weight.copy_(rows)
     return model
+
+
+def _read_resume(file, enc, rows):
+    """The encoder tensors of `file` (RESUME_WEIGHTS) when they fit `enc` and reproduce the
+    adapter's prompt_embeddings `rows` (T, layers * 2 * token_dim) to rounding; else None, with a
+    warning: the adapter file is the truth (PEFT re-saves it and leaves this file behind). Tensors
+    that do not fit enc raise ValueError. Nothing of enc changes."""
+    import copy
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        saved = load_file(file)
+    except SafetensorError as e:
+        raise ValueError(f"fastllm.load_prefix: {file} is not a valid safetensors file "
+                         f"(truncated or corrupt?): {e}") from None
+    want = {k: tuple(v.shape) for k, v in enc.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in saved.items()}
+    if got != want:
+        diff = {k: (got.get(k), want.get(k)) for k in sorted(set(got) | set(want))
+                if got.get(k) != want.get(k)}
+        raise ValueError(f"fastllm.load_prefix: {file} does not fit the model's prefix encoder "
+                         f"(prefix_projection={enc.prefix_projection}, encoder_hidden_size="
+                         f"{enc.encoder_hidden_size}); tensor: (in the file, in the model): "
+                         f"{diff}")
+    probe = copy.deepcopy(enc)
+    probe.load_state_dict(saved)
+    with torch.no_grad():
+        again = probe()
+    # rounding of the coarsest dtype involved, over the MLP's sums (bf16: ~0.4%, fp32: ~1e-6)
+    eps = max(torch.finfo(x.dtype).eps for x in (*saved.values(), rows, again)
+              if x.is_floating_point())
+    again = again.float().cpu()
+    scale = rows.float().abs().max().clamp_min(1.0)
+    if (again - rows.float()).abs().max() <= 16 * eps * scale:
+        return saved
+    warnings.warn(f"fastllm.load_prefix: {file} does not reproduce the adapter's "
+                  f"prompt_embeddings (written over by another tool, e.g. PEFT's "
+                  f"save_pretrained?); it is stale and ignored: the prefix is loaded from "
+                  f"{ADAPTER_WEIGHTS}", stacklevel=3)
+    return None

@@ -1,8 +1,10 @@
 """Prefix-tuning (fastllm.prefix) against PEFT's PREFIX_TUNING: logits and grads, adapter files
-both ways (with and without the reparameterisation), packing, generate() with the KV cache, and a
-training run."""
+both ways (with and without the reparameterisation), sliding-window models, packing, generate()
+with the KV cache, a training run, and what is refused (bad arguments, gradient checkpointing,
+resume files that do not fit) before the model changes."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -18,6 +20,20 @@ def _model(attn="sdpa"):
                                         num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2, max_position_embeddings=64,
                                         attn_implementation=attn))
+
+
+def _sliding(kind, attn="sdpa"):
+    """A tiny model with sliding-window attention: Mistral's (every layer, window 3) or Qwen2's
+    (layer 0 full, layer 1 window 3: one mask per layer type)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    dims = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                sliding_window=3, attn_implementation=attn)
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**dims))
+    return Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=1, **dims))
 
 
 def _ids(b=2, n=9):
@@ -150,3 +166,173 @@ def test_generate_with_the_kv_cache_equals_full_forwards(attn, padded):
             got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                  do_sample=False, use_cache=use_cache, pad_token_id=0)
             assert got.tolist() == seq.tolist(), use_cache
+
+
+def test_mask_ref_sliding_window():
+    # window 2, prefix of 2: index q (prefix at 0, 1; the example's tokens from 2) sees k > q - 2;
+    # the second packed example counts from its own start
+    m = prefix_mask_ref(torch.tensor([[0, 1, 2, 0, 1]]), 2, sliding_window=2)
+    allowed = (m[0, 0] == 0).int().tolist()
+    assert allowed == [[0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0],
+                       [0, 1, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 1]]
+    # leading padding counts (as in PEFT's model, whose indices do not skip it)
+    m = prefix_mask_ref(torch.tensor([[1, 0, 1]]), 2, torch.tensor([[0, 1, 1]]), sliding_window=3)
+    assert (m[0, 0] == 0).int().tolist() == [[1, 1, 0, 0, 0], [0, 1, 0, 1, 0], [0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_matches_peft(kind, attn):
+    import peft
+
+    ids = _ids(2, 9)
+    ours = attach_prefix(_sliding(kind, attn), num_virtual_tokens=4)
+    with torch.no_grad():
+        ours.prefix_encoder.embedding.weight.normal_(0, 1)
+    theirs = peft.get_peft_model(_sliding(kind, attn), peft.PrefixTuningConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with torch.no_grad():
+        theirs.prompt_encoder["default"].embedding.weight.copy_(
+            ours.prefix_encoder.embedding.weight)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    for m in (None, mask):
+        got, want = ours(input_ids=ids, attention_mask=m).logits, theirs(
+            input_ids=ids, attention_mask=m).logits
+        real = torch.ones_like(ids, dtype=torch.bool) if m is None else m.bool()
+        torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    got[real].square().mean().backward()
+    want[real].square().mean().backward()
+    torch.testing.assert_close(ours.prefix_encoder.embedding.weight.grad,
+                               theirs.prompt_encoder["default"].embedding.weight.grad,
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_packed_and_generate(kind):
+    model = attach_prefix(_sliding(kind, "eager"), num_virtual_tokens=2).eval()
+    with torch.no_grad():
+        model.prefix_encoder.embedding.weight.normal_(0, 1)
+        a, b = _ids(1, 4), _ids(1, 6)[:, 1:]
+        packed = model(input_ids=torch.cat([a, b], 1),
+                       position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])).logits
+        torch.testing.assert_close(packed[:, :4], model(input_ids=a).logits, rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(packed[:, 4:], model(input_ids=b).logits, rtol=1e-5,
+                                   atol=1e-5)
+    model.generation_config.eos_token_id = None
+    ids, mask = _ids(2, 5), torch.ones(2, 5, dtype=torch.long)
+    mask[0, :2] = 0
+    seq, full = ids, mask
+    with torch.no_grad():
+        for _ in range(5):
+            pos = (full.cumsum(-1) - 1).masked_fill(full == 0, 1)
+            logits = model(input_ids=seq, attention_mask=full, position_ids=pos,
+                           use_cache=False).logits
+            seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
+            full = torch.cat([full, torch.ones_like(full[:, :1])], 1)
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                             do_sample=False, pad_token_id=0)
+    assert got.tolist() == seq.tolist()
+
+
+def _same(model, before):
+    after = dict(model.named_parameters())
+    return before.keys() == after.keys() and all(
+        torch.equal(before[k][0], after[k]) and before[k][1] == after[k].requires_grad
+        for k in before)
+
+
+def _snapshot(model):
+    return {k: (p.detach().clone(), p.requires_grad) for k, p in model.named_parameters()}
+
+
+def test_unsupported_attention_is_refused_before_the_model_changes():
+    model = _sliding("qwen2")
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="chunked_attention"):
+        attach_prefix(model, num_virtual_tokens=2)
+    assert _same(model, before) and not hasattr(model, "prefix_encoder")
+
+
+def test_gradient_checkpointing_is_refused():
+    model = _model()
+    model.gradient_checkpointing_enable()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="gradient .*checkpointing"):
+        attach_prefix(model, num_virtual_tokens=2)
+    assert _same(model, before) and not hasattr(model, "prefix_encoder")
+    # switched on after the prefix: refused at the first training forward, not a size mismatch
+    model = attach_prefix(_model(), num_virtual_tokens=2)
+    model.gradient_checkpointing_enable()
+    model.train()
+    with pytest.raises(ValueError, match="gradient .*checkpointing"):
+        model(input_ids=_ids(), labels=_ids())
+    with torch.no_grad():  # no backward, no recomputation: the layers keep the cache
+        model(input_ids=_ids())
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(num_virtual_tokens=2.5), "num_virtual_tokens must be an int >= 1, got 2.5"),
+    (dict(num_virtual_tokens=True), "num_virtual_tokens must be an int >= 1, got True"),
+    (dict(num_virtual_tokens="4"), "num_virtual_tokens must be an int >= 1, got '4'"),
+    (dict(num_virtual_tokens=0), "num_virtual_tokens must be an int >= 1, got 0"),
+    (dict(encoder_hidden_size=8.0), "encoder_hidden_size must be an int >= 1 or None"),
+    (dict(encoder_hidden_size=0), "encoder_hidden_size must be an int >= 1 or None"),
+    (dict(prefix_projection="yes"), "prefix_projection must be True or False"),
+])
+def test_attach_validates_arguments_before_touching_the_model(kwargs, says):
+    model = _model()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=says):
+        attach_prefix(model, **kwargs)
+    assert _same(model, before) and not hasattr(model, "_fastllm_prefix")
+
+
+def test_load_refuses_a_resume_file_that_does_not_fit_before_changing_the_model(tmp_path):
+    save_prefix(attach_prefix(_model(), 4, prefix_projection=True, encoder_hidden_size=8),
+                str(tmp_path))
+    model = attach_prefix(_model(), 4, prefix_projection=True, encoder_hidden_size=16)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=r"prefix_encoder.safetensors does not fit .*"
+                                         r"encoder_hidden_size=16.*transform.0.weight"):
+        load_prefix(model, str(tmp_path))
+    assert _same(model, before)
+
+
+@pytest.mark.parametrize("projection", [False, True])
+def test_load_takes_the_adapter_rows_over_a_stale_resume_file(tmp_path, projection):
+    import peft
+    from safetensors.torch import load_file
+
+    src = attach_prefix(_model(), 3, prefix_projection=projection, encoder_hidden_size=8)
+    with torch.no_grad():
+        for p in src.prefix_encoder.parameters():
+            p.normal_(0, 0.5)
+    save_prefix(src, str(tmp_path))
+    # a fresh resume is taken as it is (the MLP too), without a warning
+    fresh = attach_prefix(_model(), 3, prefix_projection=projection, encoder_hidden_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_prefix(fresh, str(tmp_path))
+    for k, v in src.prefix_encoder.state_dict().items():
+        assert torch.equal(fresh.prefix_encoder.state_dict()[k], v), k
+    # PEFT trains on and re-saves the adapter, leaving fastllm's resume file behind
+    pm = peft.PeftModel.from_pretrained(_model(), str(tmp_path))
+    with torch.no_grad():
+        for p in pm.prompt_encoder.parameters():
+            p.add_(1.0)
+    pm.save_pretrained(str(tmp_path))
+    rows = load_file(str(tmp_path / "adapter_model.safetensors"))["prompt_embeddings"]
+    model = attach_prefix(_model(), 3, prefix_projection=projection, encoder_hidden_size=8)
+    if not projection:
+        with pytest.warns(UserWarning, match="prefix_encoder.safetensors .* stale and ignored"):
+            load_prefix(model, str(tmp_path))
+        assert torch.equal(model.prefix_encoder().detach(), rows)
+        return
+    # a reparameterised prefix cannot take the rows: refused, unchanged
+    before = _snapshot(model)
+    with pytest.warns(UserWarning, match="stale"), pytest.raises(ValueError, match="stale"):
+        load_prefix(model, str(tmp_path))
+    assert _same(model, before)

@@ -350,6 +350,11 @@ class TrainConfig:
                  "need prefix.num_virtual_tokens >= 1 and prefix.encoder_hidden_size >= 0")
             need(self.backend == "fastllm" and self.parallel.tp == 1 and self.parallel.pp == 1,
                  "finetune=prefix runs with backend=fastllm and parallel.tp = parallel.pp = 1")
+            # a checkpointed transformers layer drops the KV cache the prefix rides in (PEFT
+            # refuses prefix tuning with gradient checkpointing too)
+            need(self.checkpoint_ratio == 0, f"finetune=prefix does not work with activation "
+                 f"checkpointing (checkpoint_ratio={self.checkpoint_ratio}): a checkpointed layer "
+                 f"drops the KV cache that holds the prefix; set checkpoint_ratio=0")
         if self.eval_interval or self.eval.prompts or self.eval.prompts_file:
             need(self.parallel.pp == 1, "evaluation (eval_interval, eval.prompts) does not run "
                  "under parallel.pp > 1")
