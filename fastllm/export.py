@@ -5,8 +5,9 @@ look at what a model says.
     fastllm generate MODEL_OR_RUN "prompt" [--max-new-tokens 64] [--do-sample --temperature 0.7]
 
 export writes transformers' save_pretrained layout (model.safetensors, config.json,
-generation_config.json, the tokenizer files with its chat template) from the run's newest valid
-checkpoint. --merged folds LoRA (and DoRA) into the weights: the folder is a plain model that
+generation_config.json, the tokenizer files with its chat template; for the byte tokenizer, which
+has no files, a transformers tokenizer that gives its ids: byte_tokenizer) from the run's newest
+valid checkpoint. --merged folds LoRA (and DoRA) into the weights: the folder is a plain model that
 AutoModelForCausalLM.from_pretrained and `fastllm train model=OUT_DIR` load as is. Without it an
 adapter run (LoRA, DoRA, prefix-tuning) is written as a PEFT adapter (adapter_config.json +
 adapter_model.safetensors) naming its base model (the run's model folder; a built-in model's
@@ -49,9 +50,7 @@ def run_tokenizer(run_dir, cfg):
     from fastllm.train.data import ByteTokenizer, HFTokenizer
 
     for folder in (os.path.join(run_dir, "tokenizer"), cfg.model, cfg.data.tokenizer):
-        if folder and os.path.isdir(folder) and (
-                os.path.exists(os.path.join(folder, "tokenizer.json"))
-                or os.path.exists(os.path.join(folder, "tokenizer_config.json"))):
+        if _has_tokenizer(folder):
             from transformers import AutoTokenizer
 
             return HFTokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True),
@@ -60,6 +59,49 @@ def run_tokenizer(run_dir, cfg):
         return ByteTokenizer()
     raise FileNotFoundError(f"fastllm export: cannot find the tokenizer of {run_dir} (no "
                             f"{run_dir}/tokenizer folder)")
+
+
+def _has_tokenizer(folder):
+    names = ("tokenizer.json", "tokenizer_config.json")
+    return bool(folder) and os.path.isdir(folder) and any(
+        os.path.exists(os.path.join(folder, n)) for n in names)
+
+
+_BYTE_EOS = "<|endoftext|>"  # the BPE's (fastllm.train.data.build_tokenizer) and GPT-2's
+
+
+def _byte_chars():
+    """{byte: character}: GPT-2's table of bytes as printable characters (openai/gpt-2
+    src/encoder.py, bytes_to_unicode), the alphabet of the tokenizers library's ByteLevel."""
+    # the printable ones as themselves ("!".."~", "¡".."¬", "®".."ÿ"), the others from U+0100
+    keep = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
+
+def byte_tokenizer():
+    """A transformers tokenizer with fastllm.train.data.ByteTokenizer's ids: byte b of the UTF-8
+    text is id b, EOS (<|endoftext|>) 256; a literal "<|endoftext|>" in the text is its bytes, as
+    there (split_special_tokens). An export of a byte-tokenizer run writes it, so AutoTokenizer,
+    fastllm generate and `fastllm train model=OUT_DIR` read the folder with the run's ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: b for b, c in _byte_chars().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token a byte
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=_BYTE_EOS,
+                                   split_special_tokens=True)
+
+
+def _tokenizer_files(tokenizer):
+    """The transformers tokenizer export saves for a run's tokenizer, None for none."""
+    from fastllm.train.data import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return byte_tokenizer()
+    return getattr(tokenizer, "tok", None)
 
 
 def load_run(run_dir):
@@ -113,7 +155,7 @@ def export(run_dir, out_dir, merged=False):
     _check_out_dir(out_dir, adapter=(_has_lora(model) and not merged) or prefix)
     os.makedirs(out_dir, exist_ok=True)
     _finish_config(model, tokenizer)
-    tok = getattr(tokenizer, "tok", None)
+    tok = _tokenizer_files(tokenizer)
     if tok is not None:
         tok.save_pretrained(out_dir)
     if _has_lora(model) and merged:
@@ -196,7 +238,18 @@ def load_model(name):
     if adapter:
         load_adapter(model, name)
     tok_dir = name if os.path.exists(os.path.join(name, "tokenizer_config.json")) else base
-    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    except (ValueError, OSError) as e:
+        if _has_tokenizer(name) or _has_tokenizer(base):
+            raise
+        # transformers' own message asks for sentencepiece or tiktoken
+        raise FileNotFoundError(
+            f"fastllm generate: {name} has no tokenizer files (tokenizer.json or "
+            f"tokenizer_config.json){f', nor has its base model {base}' if adapter else ''}; "
+            "an export of a run trained with the byte tokenizer (data.tokenizer=byte) by a "
+            "fastllm export before it wrote one has none: export the run again, or generate from "
+            "the run folder") from e
     model.eval()
     return model, HFTokenizer(tok, tok_dir)
 
@@ -242,7 +295,7 @@ def _generate(args):
     try:
         model, tokenizer = load_model(args.model)
     except (FileNotFoundError, ValueError, OSError, CheckpointError) as e:
-        sys.exit(f"fastllm generate: {e}")
+        sys.exit(str(e) if str(e).startswith("fastllm generate:") else f"fastllm generate: {e}")
     torch.manual_seed(args.seed)
     text = generate_samples(model, tokenizer, [args.prompt], args.max_new_tokens,
                             do_sample=args.do_sample, temperature=args.temperature,

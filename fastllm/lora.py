@@ -97,21 +97,11 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B)
 
-    @property
-    def in_features(self):
-        return self.base_layer.in_features
-
-    @property
-    def out_features(self):
-        return self.base_layer.out_features
-
-    @property
-    def weight(self):
-        return self.base_layer.weight
-
-    @property
-    def bias(self):
-        return self.base_layer.bias
+    # nn.Linear's attributes, read through to the base layer
+    in_features = property(lambda self: self.base_layer.in_features)
+    out_features = property(lambda self: self.base_layer.out_features)
+    weight = property(lambda self: self.base_layer.weight)
+    bias = property(lambda self: self.base_layer.bias)
 
     def forward(self, x):
         if self.merged:
@@ -199,8 +189,8 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     alpha_pattern map a key to its own r / alpha (PEFT's fields of the same names, matched by
     PEFT's rule: the key is a regex for the name's last dotted components, e.g. "q_proj",
     "(q|v)_proj" or "layers.1.self_attn.q_proj"; the first matching key wins).
-    A model that already has LoRA layers is refused (unload() or merge_and_unload() first).
-    layer_cls: the layer to build (default LoRALinear; fastllm.dora.inject_dora passes
+    Refused, the model unchanged: a model with LoRA layers (unload() first), targets selecting
+    a module but nn.Linear. layer_cls: the layer to build (default LoRALinear; inject_dora passes
     DoRALinear). adapter_dtype: None (each base weight's dtype) or torch.float32 on a bf16/fp16
     model (PEFT's `autocast_adapter_dtype=True`, its default). Returns the model.
     """
@@ -213,10 +203,13 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
         target_modules = all_linear(model)  # full names: the suffix rule selects exactly them
-    linear = {n: m for n, m in model.named_modules() if n and isinstance(m, nn.Linear)}
-    targets = [(n, m) for n, m in linear.items() if matches(n, target_modules)]
+    targets = [(n, m) for n, m in model.named_modules() if n and matches(n, target_modules)]
+    other = [(n, m) for n, m in targets if not isinstance(m, nn.Linear)]
+    if other:
+        raise ValueError(_unadaptable_message(target_modules, other))
     if not targets:
-        raise ValueError(no_match_message("fastllm.inject_lora", target_modules, list(linear)))
+        linear = [n for n, m in model.named_modules() if n and isinstance(m, nn.Linear)]
+        raise ValueError(no_match_message("fastllm.inject_lora", target_modules, linear))
     # every layer's values are checked before the model changes (no half-injected model)
     values = []
     for name, module in targets:
@@ -235,6 +228,18 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     model._fastllm_lora_target_modules = (
         target_modules if isinstance(target_modules, str) else None)
     return model
+
+
+def _unadaptable_message(target_modules, other):
+    """other: the (name, module)s but nn.Linear target_modules select (PEFT refuses them too)."""
+    name, module = other[0]
+    entry = target_modules if isinstance(target_modules, str) else next(
+        t for t in target_modules if matches(name, [t]))
+    more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+    return (f"fastllm.inject_lora: target_modules entry {entry!r} selects {name} "
+            f"({type(module).__name__}){more}; fastllm's LoRA adapts nn.Linear layers only (PEFT "
+            "also adapts nn.Embedding and convolutions, and refuses any other module it selects)."
+            " Nothing was changed: leave that module out of target_modules")
 
 
 def _replace(model, name, module):
@@ -334,41 +339,23 @@ def _unload(model):
 
 
 def _adapter_config(model, layers, task_type):
-    ranks = Counter(m.r for _, m in layers)
-    alphas = Counter(m.alpha for _, m in layers)
-    r = ranks.most_common(1)[0][0]
-    alpha = alphas.most_common(1)[0][0]
+    r = Counter(m.r for _, m in layers).most_common(1)[0][0]
+    alpha = Counter(m.alpha for _, m in layers).most_common(1)[0][0]
     dropouts = {m.dropout for _, m in layers}
     rslora = {m.use_rslora for _, m in layers}
-    if len(dropouts) > 1 or len(rslora) > 1:
-        raise ValueError("fastllm.save_adapter: PEFT's format needs one dropout and one use_rslora "
-                         "for every LoRA layer")
-    name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
-    return {
-        "peft_type": "LORA",
-        "task_type": task_type,
-        "base_model_name_or_path": name_or_path or None,
-        "r": r,
-        "lora_alpha": alpha,
-        "lora_dropout": dropouts.pop(),
-        "use_rslora": rslora.pop(),
-        "target_modules": _saved_target_modules(model, layers),
-        "rank_pattern": {n: m.r for n, m in layers if m.r != r},
-        "alpha_pattern": {n: m.alpha for n, m in layers if m.alpha != alpha},
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "use_dora": _is_dora(layers),
-    }
-
-
-def _is_dora(layers):
     dora = {hasattr(m, "lora_magnitude_vector") for _, m in layers}
-    if len(dora) > 1:
-        raise ValueError("fastllm.save_adapter: PEFT's format needs all layers LoRA or all DoRA")
-    return dora.pop()
+    if len(dropouts) > 1 or len(rslora) > 1 or len(dora) > 1:
+        raise ValueError("fastllm.save_adapter: PEFT's format needs one dropout and one use_rslora "
+                         "for every LoRA layer, and all layers LoRA or all DoRA")
+    name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    return {"peft_type": "LORA", "task_type": task_type,
+            "base_model_name_or_path": name_or_path or None, "r": r, "lora_alpha": alpha,
+            "lora_dropout": dropouts.pop(), "use_rslora": rslora.pop(),
+            "target_modules": _saved_target_modules(model, layers),
+            "rank_pattern": {n: m.r for n, m in layers if m.r != r},
+            "alpha_pattern": {n: m.alpha for n, m in layers if m.alpha != alpha},
+            "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
+            "inference_mode": True, "modules_to_save": None, "use_dora": dora.pop()}
 
 
 def _saved_target_modules(model, layers):
@@ -392,14 +379,15 @@ def save_adapter(model, path, task_type=None):
     `path`/adapter_model.safetensors, keys `base_model.model.<module>.lora_{A,B}.weight`.
 
     task_type: PEFT's task type to record, e.g. "CAUSAL_LM" (None: a plain PeftModel).
-    Weights are saved unmerged even if the model is merged.
+    Weights are saved unmerged even if the model is merged. A refused or failed save leaves the
+    adapter already in `path` as it was.
     """
     from safetensors.torch import save_file
 
     layers = lora_modules(model)
     if not layers:
         raise ValueError("fastllm.save_adapter: the model has no LoRALinear layers")
-    os.makedirs(path, exist_ok=True)
+    config = _adapter_config(model, layers, task_type)  # refused before anything is written
     tensors = {}
     for name, layer in layers:
         tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous()
@@ -407,9 +395,21 @@ def save_adapter(model, path, task_type=None):
         if hasattr(layer, "lora_magnitude_vector"):  # DoRA
             tensors[f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"] = (
                 layer.lora_magnitude_vector.detach().cpu().contiguous())
-    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
-        json.dump(_adapter_config(model, layers, task_type), f, indent=2, sort_keys=True)
+    os.makedirs(path, exist_ok=True)
+    tmp = {n: os.path.join(path, f".{n}.tmp-{os.getpid()}") for n in (ADAPTER_WEIGHTS,
+                                                                       ADAPTER_CONFIG)}
+    try:  # whole files under hidden temporary names, then os.replace'd (as checkpoints are)
+        save_file(tensors, tmp[ADAPTER_WEIGHTS], metadata={"format": "pt"})
+        with open(tmp[ADAPTER_CONFIG], "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        for name, file in tmp.items():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(file, os.path.join(path, name))
+    finally:
+        for file in tmp.values():
+            if os.path.exists(file):
+                os.remove(file)
 
 
 def load_adapter(model, path, layer_cls=None, adapter_dtype=None):

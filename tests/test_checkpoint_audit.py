@@ -3,6 +3,7 @@ refuse bad input with an error naming the file. Faults are injected by monkeypat
 test is deterministic and single-process."""
 
 import errno
+import json
 import os
 import types
 
@@ -168,3 +169,46 @@ def test_corrupt_prefix_adapter_files_are_named(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"peft_type": "PREFIX_TU')
     with pytest.raises(ValueError, match="adapter_config.json is not valid JSON"):
         load_prefix(None, str(tmp_path))
+
+
+def _folder(path):
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+def test_a_refused_save_adapter_leaves_the_adapter_in_the_folder(tmp_path):
+    first = _Tiny()
+    inject_lora(first, r=2)
+    with torch.no_grad():
+        first.q_proj.lora_B.fill_(0.5)
+    save_adapter(first, str(tmp_path))
+    before = _folder(tmp_path)
+    other = _Tiny()
+    inject_lora(other, r=4)
+    other.q_proj.dropout = 0.1  # one dropout per adapter in PEFT's format: refused
+    with pytest.raises(ValueError, match="one dropout"):
+        save_adapter(other, str(tmp_path))
+    assert _folder(tmp_path) == before  # it wrote the weights and emptied the config before
+    fresh = load_adapter(_Tiny(), str(tmp_path))
+    assert torch.equal(fresh.q_proj.lora_B, first.q_proj.lora_B)
+
+
+def test_a_save_adapter_failing_midway_leaves_the_adapter_in_the_folder(tmp_path, monkeypatch):
+    first = _Tiny()
+    inject_lora(first, r=2)
+    save_adapter(first, str(tmp_path))
+    before = _folder(tmp_path)
+
+    def disk_full(obj, f, **kw):  # the config, written after the weights, fills the disk
+        f.write('{"peft_type": "LO')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", disk_full)
+    other = _Tiny()
+    inject_lora(other, r=4)
+    with pytest.raises(OSError, match="No space left"):
+        save_adapter(other, str(tmp_path))
+    assert _folder(tmp_path) == before  # the new weights, written first, did not replace the old
+    monkeypatch.undo()
+    save_adapter(other, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert load_adapter(_Tiny(), str(tmp_path)).q_proj.r == 4

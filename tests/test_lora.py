@@ -226,6 +226,44 @@ def test_inject_freezes_everything_else_and_rejects_no_match():
         inject_lora(_tiny_llama(), target_modules=["nope"])
 
 
+@pytest.mark.parametrize("targets,says", [
+    (["q_proj", "embed_tokens"], r"'embed_tokens' selects model.embed_tokens \(Embedding\)"),
+    (r".*\.(q_proj|embed_tokens)", r"selects model.embed_tokens \(Embedding\)"),
+    (["q_proj", "mlp"], r"'mlp' selects model.layers.0.mlp \(LlamaMLP\) \(and 1 more"),
+    (r".*mlp.*", r"selects model.layers.0.mlp \(LlamaMLP\) \(and 3 more"),
+])
+def test_inject_refuses_a_target_that_selects_a_module_it_cannot_adapt(targets, says):
+    # PEFT adapts embed_tokens (an nn.Embedding): fastllm left it out without a word and saved
+    # target_modules ['q_proj']; PEFT refuses a LlamaMLP, which fastllm skipped
+    model = _tiny_llama()
+    before = {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=f"fastllm.inject_lora: target_modules entry .*{says}.*"
+                                         "nn.Linear layers only"):
+        inject_lora(model, target_modules=targets, r=4, alpha=8)
+    after = dict(model.named_parameters())
+    assert not lora_modules(model) and after.keys() == before.keys()
+    assert all(torch.equal(after[n], w) and after[n].requires_grad == g
+               for n, (w, g) in before.items())
+    if "mlp" in str(targets):
+        with pytest.raises(ValueError, match="(?s)LlamaMLP.* is not supported"):
+            peft.get_peft_model(_tiny_llama(), peft.LoraConfig(target_modules=targets))
+
+
+def test_train_config_target_modules_naming_an_embedding_is_refused(tmp_path):
+    from fastllm.train.config import ConfigError, TrainConfig
+    from fastllm.train.model import apply_finetune, build_model
+    from fastllm.train.preflight import check_lora_targets
+
+    cfg = TrainConfig.from_dict(dict(model="tiny", finetune="lora", output_dir=str(tmp_path),
+                                     lora=dict(target_modules=["q_proj", "embed_tokens"])))
+    with pytest.raises(ConfigError, match="no nn.Linear in the model matches 'embed_tokens'"):
+        check_lora_targets(cfg)  # before the run writes anything
+    model = build_model(cfg, 257, torch.float32)
+    with pytest.raises(ValueError, match=r"selects model.embed_tokens \(Embedding\)"):
+        apply_finetune(model, cfg)  # the trainer's own check, for callers that skip preflight
+    assert not lora_modules(model)
+
+
 def test_tiny_llama_finetune_loss_falls_and_only_lora_changes():
     model = _tiny_llama()
     inject_lora(model, target_modules=["q_proj", "v_proj"], r=8, alpha=16, dropout=0.05)

@@ -176,9 +176,10 @@ def test_load_into_lora_layers_with_the_same_settings(tmp_path):
 
 @pytest.mark.parametrize("targets,saved", [
     (["model.layers.0.self_attn.q_proj"], ["model.layers.0.self_attn.q_proj"]),
-    (r".*mlp.*", ["down_proj", "gate_proj", "up_proj"]),  # the regex also matches LlamaMLP
-    (r"model\.layers\.0\.mlp\..*", ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_proj",
-                                    "model.layers.0.mlp.up_proj"]),
+    # (".*mlp.*" and "model\.layers\.0\.mlp\..*" select LlamaMLP or act_fn: refused by both)
+    (r".*mlp\..*_proj", r".*mlp\..*_proj"),
+    (["layers.0.mlp.down_proj", "layers.0.mlp.up_proj"], ["model.layers.0.mlp.down_proj",
+                                                          "model.layers.0.mlp.up_proj"]),
     (r".*\.layers\.1\.self_attn\.(q|v)_proj", r".*\.layers\.1\.self_attn\.(q|v)_proj"),
     (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
 ])

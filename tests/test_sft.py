@@ -370,6 +370,50 @@ def test_export_merged_and_adapter_load_in_transformers_and_peft(tmp_path, tok_d
     assert capsys.readouterr().out.strip()
 
 
+def test_exports_of_a_byte_tokenizer_run_load_and_generate(tmp_path, capsys):
+    # the byte tokenizer (data.tokenizer's default) has no files: export wrote none, and
+    # load_model / fastllm generate failed on the export asking for sentencepiece or tiktoken
+    from transformers import AutoTokenizer
+
+    from fastllm.cli import main
+    from fastllm.export import export, load_model, load_run
+    from fastllm.train.trainer import Trainer
+
+    data = _write(tmp_path / "d.jsonl", [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"}
+                                         for i in range(8)])
+    cfg = _sft_cfg(tmp_path, "byte", data, finetune="lora", max_steps=1, eval_interval=0,
+                   eval={}, lr=3e-2)
+    cfg.data.eval_fraction = 0.0
+    Trainer(cfg).train()
+    model, tok, _ = load_run(cfg.output_dir)
+    assert isinstance(tok, ByteTokenizer)
+    text = "1 + 1 = <|endoftext|> é ✓ 😀"
+    ids = torch.tensor([tok.encode(text)])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    capsys.readouterr()
+    main(["generate", cfg.output_dir, "7 + 1 =", "--max-new-tokens", "4"])
+    said = capsys.readouterr().out
+    for merged in (True, False):
+        out = export(cfg.output_dir, str(tmp_path / f"out-{merged}"), merged=merged)
+        m, t = load_model(out)
+        assert (t.encode(text), t.eos_token_id, t.vocab_size) == (tok.encode(text), 256, 257)
+        assert t.decode(list(range(256))) == tok.decode(list(range(256)))
+        with torch.no_grad():
+            torch.testing.assert_close(m(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        main(["generate", out, "7 + 1 =", "--max-new-tokens", "4"])
+        got = capsys.readouterr().out
+        assert got == said or merged  # merged: the same up to rounding, which may flip a tie
+        hf = AutoTokenizer.from_pretrained(out)  # and a transformers consumer reads it too
+        assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+    # an export without the files (by an older fastllm) is refused naming the byte tokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(os.path.join(out, name))
+        os.remove(os.path.join(out, "base_model", name))
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer files .*data.tokenizer=byte"):
+        load_model(out)
+
+
 def test_examples_parse():
     import glob
 
