@@ -384,6 +384,8 @@ def save_adapter(model, path, task_type=None):
     """
     from safetensors.torch import save_file
 
+    from fastllm._files import json_writer, write_replacing
+
     layers = lora_modules(model)
     if not layers:
         raise ValueError("fastllm.save_adapter: the model has no LoRALinear layers")
@@ -395,21 +397,9 @@ def save_adapter(model, path, task_type=None):
         if hasattr(layer, "lora_magnitude_vector"):  # DoRA
             tensors[f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"] = (
                 layer.lora_magnitude_vector.detach().cpu().contiguous())
-    os.makedirs(path, exist_ok=True)
-    tmp = {n: os.path.join(path, f".{n}.tmp-{os.getpid()}") for n in (ADAPTER_WEIGHTS,
-                                                                       ADAPTER_CONFIG)}
-    try:  # whole files under hidden temporary names, then os.replace'd (as checkpoints are)
-        save_file(tensors, tmp[ADAPTER_WEIGHTS], metadata={"format": "pt"})
-        with open(tmp[ADAPTER_CONFIG], "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        for name, file in tmp.items():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(file, os.path.join(path, name))
-    finally:
-        for file in tmp.values():
-            if os.path.exists(file):
-                os.remove(file)
+    write_replacing(path, {
+        ADAPTER_WEIGHTS: lambda f: save_file(tensors, f, metadata={"format": "pt"}),
+        ADAPTER_CONFIG: json_writer(config)})
 
 
 def load_adapter(model, path, layer_cls=None, adapter_dtype=None):

@@ -29,7 +29,6 @@ checkpointing is refused (as PEFT refuses it): a checkpointed transformers layer
 and with it the prefix.
 """
 
-import json
 import numbers
 import os
 import warnings
@@ -289,21 +288,22 @@ def _peft_config(model):
 
 def save_prefix(model, path, task_type="CAUSAL_LM"):
     """Write PEFT's PREFIX_TUNING adapter (the computed prefix as 'prompt_embeddings') and, for
-    resuming, the encoder's own tensors (RESUME_WEIGHTS)."""
+    resuming, the encoder's own tensors (RESUME_WEIGHTS); a refused or failed save leaves the
+    adapter already in `path` as it was."""
     from safetensors.torch import save_file
 
-    os.makedirs(path, exist_ok=True)
+    from fastllm._files import json_writer, write_replacing
+
+    config = dict(_peft_config(model), task_type=task_type)  # refused before anything is written
     with torch.no_grad():
         rows = model.prefix_encoder().detach().cpu().contiguous()
-    save_file({"prompt_embeddings": rows}, os.path.join(path, ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
-    save_file({k: v.detach().cpu().contiguous()
-               for k, v in model.prefix_encoder.state_dict().items()},
-              os.path.join(path, RESUME_WEIGHTS), metadata={"format": "pt"})
-    config = _peft_config(model)
-    config["task_type"] = task_type
-    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+    encoder = {k: v.detach().cpu().contiguous()
+               for k, v in model.prefix_encoder.state_dict().items()}
+    write_replacing(path, {
+        ADAPTER_WEIGHTS: lambda f: save_file({"prompt_embeddings": rows}, f,
+                                             metadata={"format": "pt"}),
+        RESUME_WEIGHTS: lambda f: save_file(encoder, f, metadata={"format": "pt"}),
+        ADAPTER_CONFIG: json_writer(config)})
 
 
 def load_prefix(model, path):

@@ -336,3 +336,30 @@ def test_load_takes_the_adapter_rows_over_a_stale_resume_file(tmp_path, projecti
     with pytest.warns(UserWarning, match="stale"), pytest.raises(ValueError, match="stale"):
         load_prefix(model, str(tmp_path))
     assert _same(model, before)
+
+
+def test_a_save_prefix_failing_midway_leaves_the_adapter_in_the_folder(tmp_path, monkeypatch):
+    """Every file under a temporary name first: a save that fails on its last file (the config,
+    a full disk) replaces none of the three already there."""
+    import errno
+    import json
+
+    torch.manual_seed(0)
+    save_prefix(attach_prefix(_model(), 4), str(tmp_path))
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+
+    def disk_full(obj, f, **kw):
+        f.write('{"peft_type": "PRE')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", disk_full)
+    other = attach_prefix(_model(), 4)
+    with pytest.raises(OSError, match="No space left"):
+        save_prefix(other, str(tmp_path))
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+    monkeypatch.undo()
+    save_prefix(other, str(tmp_path))
+    assert len(os.listdir(tmp_path)) == len(before)
+    loaded = load_prefix(attach_prefix(_model(), 4), str(tmp_path))
+    torch.testing.assert_close(loaded.prefix_encoder.embedding.weight,
+                               other.prefix_encoder.embedding.weight, rtol=0, atol=0)
