@@ -4,6 +4,7 @@ a non-contiguous grad) gives what torch.optim.AdamW gives; bad input found at a 
 refused before anything changes; another optimizer's state_dict is refused (issue 16 item 8)."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -122,10 +123,11 @@ def test_another_optimizers_state_is_refused_before_anything_changes(cls):
     opt.step()  # still steps
 
 
-@pytest.mark.parametrize("reset", ["clear", "del", "replace"])
+@pytest.mark.parametrize("reset", ["clear", "del", "replace", "clear_one"])
 def test_state_reset_by_hand_is_initialised_again_as_torch(reset):
     """ReLoRA-style resets (`optimizer.state.clear()`, `del optimizer.state[p]`, a new empty
-    dict) between cached steps: torch starts the state again, so must the plan."""
+    dict, `optimizer.state[p].clear()`) between cached steps: torch starts the state again, so
+    must the plan."""
     model, ref_model = _model(), _model()
     opt = fastllm.optim.AdamW(model.parameters(), lr=1e-2)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
@@ -141,6 +143,8 @@ def test_state_reset_by_hand_is_initialised_again_as_torch(reset):
                     o.state.clear()
                 elif reset == "del":
                     del o.state[first]
+                elif reset == "clear_one":
+                    o.state[first].clear()
                 else:
                     o.state[first] = {}
             o.step()
@@ -214,3 +218,98 @@ def test_master_weights_see_a_param_given_new_memory(write):
     for p in lin.parameters():
         assert p.abs().max().item() < 1e-6
         assert opt.state[p]["master_param"].abs().max().item() < 1e-6
+
+
+def _replan(opt, how, extra):
+    """The optimizer after `how`: one that forgets its cached plan, or a copy of it."""
+    if how == "invalidate":
+        opt.invalidate_plan()
+    elif how == "add_param_group":
+        opt.add_param_group({"params": [extra]})
+    elif how == "deepcopy":
+        return copy.deepcopy(opt)
+    else:
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+    return opt
+
+
+def _master_after(how, write):
+    """The first param's master after two steps (a plan rebuilt at the second: a grad vanished),
+    `how` (None: nothing), a write of 100 to the param under no_grad or none, one step."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 5, generator=gen).bfloat16()) for _ in range(2)]
+    extra = torch.nn.Parameter(torch.randn(3, generator=gen).bfloat16())
+    opt = fastllm.optim.AdamW(params, lr=1e-2, master_weights=True)
+    grads = [[torch.randn(7, 5, generator=gen).bfloat16() for _ in params] for _ in range(3)]
+    for k in range(2):
+        for p, g in zip(params, grads[k]):
+            p.grad = None if (k == 1 and p is params[1]) else g
+        opt.step()
+    if how is not None:
+        opt = _replan(opt, how, extra)
+    params = opt.param_groups[0]["params"]
+    if write:
+        with torch.no_grad():
+            params[0].fill_(100.0)
+    for p, g in zip(params, grads[2]):
+        p.grad = g
+    opt.step()
+    return opt.state[params[0]]["master_param"]
+
+
+@pytest.mark.parametrize("how", ["invalidate", "add_param_group", "deepcopy", "pickle"])
+@pytest.mark.parametrize("write", [False, True], ids=["no_write", "write"])
+def test_master_versions_survive_a_new_plan_or_a_copy(how, write):
+    """After invalidate_plan(), add_param_group() or a copy of the optimizer, a master in sync
+    with its bf16 param keeps its fp32 precision (it is not re-synced from the param), and a
+    write to the param under no_grad is taken (the master is re-synced from it): the same
+    master as without them, bitwise."""
+    master = _master_after(how, write)
+    assert torch.equal(master, _master_after(None, write))
+    if write:
+        assert abs(master.mean().item() - 100.0) < 0.1
+
+
+def test_tensor_betas_with_one_cycle_momentum_step_as_torch():
+    """OneCycleLR(cycle_momentum=True) writes (float, Tensor) betas over Tensor betas: torch
+    checks "both floats or both Tensors" at construction only and steps on; so must fastllm."""
+    model, ref_model = _model(), _model()
+    betas = (torch.tensor(0.9), torch.tensor(0.999))
+    opt = fastllm.optim.AdamW(model.parameters(), lr=1e-2, betas=betas)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, betas=betas, foreach=False)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10)
+              for o in (opt, ref)]
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        x = torch.randn(9, 7, generator=gen)
+        for m, o, s in ((model, opt, scheds[0]), (ref_model, ref, scheds[1])):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+            s.step()
+    assert not isinstance(opt.param_groups[0]["betas"][0], torch.Tensor)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="both floats or both Tensors"):
+        fastllm.optim.AdamW(model.parameters(), betas=(0.9, torch.tensor(0.999)))
+
+
+def test_amsgrad_turned_on_after_steps_is_refused_clearly_and_changes_nothing():
+    """The cached plan holds no max_exp_avg_sq lists: the step must see the change and refuse
+    it with the message an uncached plan gives (torch fails on the missing state too)."""
+    model = _model()
+    opt = fastllm.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 7)).square().mean().backward()
+        opt.step()
+    opt.param_groups[0]["amsgrad"] = True
+    before = _snapshot(opt, model)
+    with pytest.raises(RuntimeError, match="'max_exp_avg_sq' .* is missing"):
+        opt.step()
+    assert _same(before, _snapshot(opt, model))
+    opt.param_groups[0]["amsgrad"] = False
+    opt.step()  # still steps

@@ -277,3 +277,46 @@ def test_load_state_dict_checks_everything_before_changing_anything():
         BAdam(model.named_parameters(), blocks=[])
     with pytest.raises(ValueError, match="blocks must be a non-empty list"):
         BAdam(model.named_parameters(), blocks=["0."])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_steps_on_as_the_original(how):
+    """copy.deepcopy and torch.save/torch.load of BAdam (with its model) carry the inner
+    optimizer and the schedule: the copy's next steps and switches are the original's."""
+    model = _model()
+    opt = BAdam(model.named_parameters(), switch_block_every=2, lr=1e-2, switch_mode="random")
+    _train(model, opt, 3)
+    if how == "deepcopy":
+        import copy
+
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        blob = io.BytesIO()
+        torch.save((model, opt), blob)
+        blob.seek(0)
+        model2, opt2 = torch.load(blob, weights_only=False)
+    _train(model, opt, 5, start=3)
+    _train(model2, opt2, 5, start=3)
+    assert opt2.switches == opt.switches
+    for pa, pb in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_state_dict_hooks_run_as_torch_runs_them():
+    """register_state_dict_pre/post_hook and register_load_state_dict_pre/post_hook: called
+    where torch.optim.Optimizer calls them; what a post-hook or load pre-hook returns is used."""
+    model = _model()
+    opt = BAdam(model.named_parameters(), switch_block_every=2, lr=1e-2)
+    _train(model, opt, 1)
+    log = []
+    opt.register_state_dict_pre_hook(lambda o: log.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: dict(sd, tag="post"))
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: log.append(("load_pre", sd.pop("tag"))) or dict(sd, global_step=7))
+    opt.register_load_state_dict_post_hook(lambda o: log.append(("load_post", o.global_step)))
+    saved = opt.state_dict()
+    assert saved["tag"] == "post"
+    opt.load_state_dict(saved)
+    assert "tag" in saved  # the pre-hooks edit a copy
+    assert log == ["pre", ("load_pre", "post"), ("load_post", 7)]
+    assert opt.global_step == 7

@@ -563,3 +563,67 @@ def test_galore_projector_is_orthonormal_for_a_rank_deficient_gradient():
     opt.step()
     p = opt.state[w]["projector"]
     torch.testing.assert_close(p.t() @ p, torch.eye(4), rtol=0, atol=1e-5)
+
+
+def _copied(obj, how):
+    if how == "deepcopy":
+        import copy
+
+        return copy.deepcopy(obj)
+    blob = io.BytesIO()
+    torch.save(obj, blob)
+    blob.seek(0)
+    return torch.load(blob, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("master", [False, True], ids=["plain", "master"])
+def test_galore_copy_steps_on_as_the_original(how, master):
+    """copy.deepcopy and torch.save/torch.load of the optimizer (with its model) carry its
+    options and state: the copy's next steps are the original's, bitwise."""
+    dtype = torch.bfloat16 if master else torch.float32
+    model = _model().to(dtype)
+    opt = GaLoreAdamW([{"params": [model[0].weight], "rank": 2, "update_proj_gap": 2},
+                       {"params": [model[0].bias]}], lr=1e-2, master_weights=master,
+                      max_grad_norm=1.0)
+    x = torch.randn(4, 32, dtype=dtype)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+    model2, opt2 = _copied((model, opt), how)
+    assert opt2.master_weights == master and opt2.max_grad_norm == 1.0
+    for m, o in ((model, opt), (model2, opt2)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).float().square().mean().backward()
+            o.step()
+    for pa, pb in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_master_weights_switched_on_at_resume_are_created():
+    """A bf16 checkpoint saved without master weights resumes with master_weights=True: the
+    masters are made from the params (as fastllm.optim.AdamW makes them), and every param steps."""
+    model = _model().to(torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+
+    def make(m, master):
+        return GaLoreAdamW([{"params": [m[0].weight], "rank": 2}, {"params": [m[0].bias]}],
+                           lr=1e-2, master_weights=master)
+
+    opt = make(model, False)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+    resumed = make(model, True)
+    resumed.load_state_dict(opt.state_dict())
+    before = [p.detach().clone() for p in (model[0].weight, model[0].bias)]
+    resumed.step()  # the same grads
+    for p, b in zip((model[0].weight, model[0].bias), before):
+        state = resumed.state[p]
+        assert float(state["step"]) == 3 and not torch.equal(p, b)
+        assert state["master_param"].dtype == torch.float32
+        assert state["exp_avg"].dtype == torch.float32
+        assert torch.equal(state["master_param"].bfloat16(), p.detach())

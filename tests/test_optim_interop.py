@@ -155,3 +155,50 @@ def test_step_of_several_elements_is_refused_at_load(make):
     with pytest.raises(RuntimeError, match="'step'"):
         opt.load_state_dict(saved)
     _assert_same_state(before, _state_tensors(opt))
+
+
+@pytest.mark.parametrize("make", [lambda p: AdamW(p, lr=1e-2),
+                                  lambda p: AdamW8bit(p, lr=1e-2, min_8bit_size=16)],
+                         ids=["AdamW", "AdamW8bit"])
+@pytest.mark.parametrize("step", [-5.0, float("nan"), -1])
+def test_negative_or_nan_step_is_refused_at_load(make, step):
+    """torch refuses to step such a state; the fused kernels would write non-finite params."""
+    params = _params(((64, 64), (3,)))
+    opt = make(params)
+    _train(opt, 1)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][1]["step"] = step if isinstance(step, int) else torch.tensor(step)
+    before = _state_tensors(opt)
+    with pytest.raises(RuntimeError, match="'step'.*finite count"):
+        opt.load_state_dict(saved)
+    _assert_same_state(before, _state_tensors(opt))
+
+
+@pytest.mark.parametrize("make", [lambda p: AdamW(p, lr=1e-2, master_weights=True),
+                                  lambda p: AdamW8bit(p, lr=1e-2, min_8bit_size=16,
+                                                      master_weights=True)],
+                         ids=["AdamW", "AdamW8bit"])
+def test_master_cast_to_bf16_by_torch_is_upcast_at_load(make):
+    """A master_weights state_dict loaded into torch.optim.AdamW and saved again holds a bf16
+    master (torch casts state to its param's dtype): it loads as the fp32 master it equals, and
+    the next steps run."""
+    params = _params(((64, 64), (3,)), dtype=torch.bfloat16)
+    opt = make(params)
+    _train(opt, 2)
+    if isinstance(opt, AdamW8bit):  # (torch would cast the 8-bit codes too: cast the masters)
+        saved = copy.deepcopy(opt.state_dict())
+        for state in saved["state"].values():
+            state["master_param"] = state["master_param"].bfloat16()
+    else:
+        through = torch.optim.AdamW(params, lr=1e-2)
+        through.load_state_dict(copy.deepcopy(opt.state_dict()))
+        saved = through.state_dict()
+    assert saved["state"][0]["master_param"].dtype == torch.bfloat16
+    again = make(params)
+    again.load_state_dict(saved)
+    for i, p in enumerate(params):
+        master = again.state[p]["master_param"]
+        assert master.dtype == torch.float32
+        assert torch.equal(master, saved["state"][i]["master_param"].float())
+    _train(again, 2, seed=5)
+    assert all(torch.isfinite(p).all() for p in params)

@@ -10,16 +10,16 @@ none of it changes from step to step in a training loop, so a Plan keeps it:
       capturable=True, where the step tensors must keep their addresses);
     - the checked hyperparameters of every group (re-checked when a value changes).
 `Plan.still_valid` compares the params, their state dicts and grads with the ones the plan was
-built for, by identity (a few tens of nanoseconds per tensor), and the params' layout; grads
-that are new tensors (zero_grad with set_to_none, the default) are checked alone and swapped
-into the lists. Anything else that changed (a param added or given other memory, a grad
-appearing or vanishing, a state created, reset or removed) rebuilds the plan.
+built for, by identity (a few tens of nanoseconds per tensor), whether each state dict is
+empty (`optimizer.state[p].clear()`) and the params' layout; grads that are new tensors
+(zero_grad with set_to_none, the default) are checked alone and swapped into the lists.
+Anything else that changed (a param added or given other memory, a grad appearing or vanishing,
+a state created, reset or removed) rebuilds the plan.
 Params or grads that are not contiguous, and DTensors, are prepared again every step
 (`Call.fast` False), as they were before plans existed.
 """
 
 import itertools
-import math
 import operator
 
 import torch
@@ -28,6 +28,7 @@ from fastllm._dtensor import is_dtensor, local
 from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw8bit import adamw8bit_step
 from fastllm.ops.adamw_master import adamw_master_step
+from fastllm.optim._hyper import check_hyperparameters, scalar
 from fastllm.optim.state_layout import LOW_PRECISION, qmaps
 
 _MASK64 = (1 << 64) - 1
@@ -42,84 +43,6 @@ def mix_seed(*values):
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         z ^= z >> 31
     return z >> 1
-
-
-def scalar(value, name):
-    """A hyperparameter as a Python float; tensors must hold one element."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            # torch.optim's wording first: user tests match on it.
-            raise ValueError(f"fastllm.optim.AdamW: Tensor {name} must be 1-element (got shape "
-                             f"{tuple(value.shape)})")
-        value = value.item()
-    return float(value)
-
-
-def check_hyperparameters(where, lr, betas, eps, weight_decay):
-    """Raise ValueError on a bad hyperparameter; the messages contain torch.optim.AdamW's own
-    wording, which code and tests match on.
-
-    A tensor lr is the one value not read on the host while torch.compile traces a step (its
-    shape and dtype are checked; its value when it is set, as torch does): the kernels read it
-    on the device (fastllm/ops/_lr.py)."""
-    if isinstance(lr, torch.Tensor):
-        check_tensor_lr(where, lr)
-    else:
-        lr_value = scalar(lr, "lr")
-        if not math.isfinite(lr_value) or lr_value < 0.0:
-            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {lr}")
-    if not math.isfinite(eps) or eps < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid epsilon value: {eps}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be a pair, got {betas!r}")
-    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-        raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be either both floats or "
-                         f"both Tensors")
-    for i, beta in enumerate(betas):
-        value = scalar(beta, f"betas[{i}]")
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid beta parameter at index "
-                             f"{i}: {beta}")
-    if not math.isfinite(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid weight_decay value: "
-                         f"{weight_decay}")
-
-
-def check_tensor_lr(where, lr):
-    """A tensor lr: one floating-point element (torch.optim's wording first); its value is read
-    and checked unless a step is being traced by torch.compile."""
-    if lr.numel() != 1:
-        raise ValueError(f"fastllm.optim.AdamW: Tensor lr must be 1-element (got shape "
-                         f"{tuple(lr.shape)})")
-    if not lr.dtype.is_floating_point or lr.layout != torch.strided:
-        raise TypeError(f"fastllm.optim.AdamW: {where}: a Tensor lr must be a dense floating-point "
-                        f"tensor, got {lr.dtype} ({lr.layout})")
-    if not torch.compiler.is_compiling():
-        value = lr.item()
-        if not math.isfinite(value) or value < 0.0:
-            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {value}")
-
-
-def refuse_duplicates(where, param_group, group_index):
-    """Raise ValueError when a param group lists a parameter twice (torch warns that this will
-    become an error; stepping a tensor twice per step is never what was meant)."""
-    if not isinstance(param_group, dict) or isinstance(param_group.get("params"),
-                                                       (torch.Tensor, set, type(None))):
-        return  # torch.optim.Optimizer.add_param_group's own checks answer these
-    params = param_group["params"]
-    if not isinstance(params, list):  # a generator (model.parameters()) is read once, here
-        params = param_group["params"] = list(params)
-    params = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, param) pairs
-    if len(set(map(id, params))) != len(params):
-        seen, first = set(), None
-        for i, p in enumerate(params):
-            if id(p) in seen:
-                first = i
-                break
-            seen.add(id(p))
-        raise ValueError(f"{where}: param group {group_index} lists a parameter twice (the one "
-                         f"at index {first}, shape {tuple(params[first].shape)}); each parameter "
-                         f"may appear once")
 
 
 def describe(group, group_index, param_index, param):
@@ -334,6 +257,8 @@ class Plan:
         # state cleared, removed or replaced by hand must be initialised again, as torch
         # does) and the layout of the params the cached lists hold (`p.data = w` may change it).
         self.states = [opt.state.get(p) for p in params]
+        self.filled = list(map(bool, self.states))
+        self.amsgrad = [g["amsgrad"] for g in opt.param_groups]  # (the calls' state lists)
         fast = [c for calls in self.groups for c in calls if c.fast]
         self.fast_lists = [c.params for c in fast] + [c.grads for c in fast]  # (kept current)
         # param slot -> (its call, its index in the call, its index in all_grads)
@@ -371,7 +296,9 @@ class Plan:
         if (len(params) != len(self.params) or id(opt.state) != self.state_id
                 or _options(opt) != self.options
                 or not all(map(operator.is_, params, self.params))
-                or not all(map(operator.is_, map(opt.state.get, params), self.states))):
+                or not all(map(operator.is_, map(opt.state.get, params), self.states))
+                or list(map(bool, self.states)) != self.filled  # (a state cleared in place)
+                or [g["amsgrad"] for g in opt.param_groups] != self.amsgrad):
             return False
         if all(map(operator.is_, grads, self.grads)):
             return self._fast_layout_holds()
@@ -515,6 +442,19 @@ def written_version(p):
     if torch.compiler.is_compiling():
         return p._version, None
     return p._version, local(p).data_ptr()
+
+
+def versions_in_sync(versions):
+    """For a pickled or deep-copied optimizer, whose params will be new tensors (other version
+    counters and memory): param -> whether its master is in sync with it, from
+    {param: written_version right after the optimizer last wrote it}."""
+    return {p: written_version(p) == version for p, version in versions.items()}
+
+
+def versions_after_copy(in_sync):
+    """versions_in_sync's answer, on the copy, as {param: written_version}: the current one for
+    a master in sync, (-1, None), which no param has, for one to re-sync at the next step."""
+    return {p: written_version(p) if fresh else (-1, None) for p, fresh in in_sync.items()}
 
 
 def _written_versions(call):

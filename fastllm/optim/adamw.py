@@ -34,8 +34,9 @@ import torch
 
 from fastllm import _backend
 from fastllm.amp import LossScaler
-from fastllm.optim._plan import (Plan, check_hyperparameters, describe, kind_of,
-                                 refuse_duplicates, refuse_stale_masters_in_capture)
+from fastllm.optim._hyper import check_hyperparameters, refuse_duplicates
+from fastllm.optim._plan import (Plan, describe, kind_of, refuse_stale_masters_in_capture,
+                                 versions_after_copy, versions_in_sync)
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm, grad_norm_step
 from fastllm.optim.state_layout import Moments
 
@@ -127,6 +128,11 @@ class AdamW(torch.optim.Optimizer):
                  stochastic_rounding=False, kahan_summation=False, max_grad_norm=None,
                  loss_scaler=None, state_dtype=None):
         check_hyperparameters("defaults", lr, betas, eps, weight_decay)
+        # As torch.optim.AdamW, at construction only: OneCycleLR(cycle_momentum=True) later
+        # writes (float, Tensor) betas, which torch steps with.
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError("fastllm.optim.AdamW: defaults: betas must be either both floats "
+                             "or both Tensors")
         betas = tuple(betas)  # as torch.optim.AdamW
         if max_grad_norm is not None:
             max_grad_norm = float(max_grad_norm)
@@ -226,6 +232,9 @@ class AdamW(torch.optim.Optimizer):
     def __getstate__(self):
         state = super().__getstate__()
         state.update({k: getattr(self, k, v) for k, v in self._EXTRA_ATTRS.items()})
+        if self.__dict__.get("_plan") is not None:
+            self._plan.save_versions(self)
+        state["_masters_in_sync"] = versions_in_sync(self._written_versions)
         return state
 
     def __setstate__(self, state):
@@ -234,7 +243,7 @@ class AdamW(torch.optim.Optimizer):
             self.__dict__.setdefault(key, value)
         if self.__dict__.get("moments") is None:
             self.moments = Moments()
-        self.__dict__.setdefault("_written_versions", {})
+        self._written_versions = versions_after_copy(self.__dict__.pop("_masters_in_sync", {}))
         self._plan = None
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -252,12 +261,20 @@ class AdamW(torch.optim.Optimizer):
         """Forget the cached step plan (fastllm/optim/_plan.py): the next step checks every
         param and state tensor again. Needed only after swapping a tensor inside
         `optimizer.state[p]` by hand; load_state_dict and add_param_group do it themselves."""
+        self._drop_plan()
+
+    def _drop_plan(self):
+        """Forget the cached plan, keeping what it knows of the masters' written versions (else
+        the next plan would take a master that is in sync for stale, or miss a user's write)."""
+        plan = self.__dict__.get("_plan")
+        if plan is not None:
+            plan.save_versions(self)
         self._plan = None
 
     def add_param_group(self, param_group):
         refuse_duplicates("fastllm.optim.AdamW", param_group, len(self.param_groups))
         super().add_param_group(param_group)
-        self._plan = None
+        self._drop_plan()
 
     def load_state_dict(self, state_dict):
         """torch.optim.Optimizer.load_state_dict, after checking the whole state_dict.
@@ -368,9 +385,7 @@ class AdamW(torch.optim.Optimizer):
             return Plan(self, params, grads, cached=False)  # traced: no host-side cache
         plan = self._plan
         if plan is None or not plan.still_valid(self, params, grads):
-            if plan is not None:
-                plan.save_versions(self)
-            self._plan = None
+            self._drop_plan()
             plan = self._plan = Plan(self, params, grads, cached=True)
         return plan
 

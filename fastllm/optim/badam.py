@@ -225,6 +225,11 @@ class BAdam(torch.optim.Optimizer):
 
 
 
+    def __getstate__(self):
+        """All attributes (the inner optimizer, the schedule) but torch's hooks (torch's own
+        __getstate__ leaves them behind too): a deep copy or a pickle steps on as it would."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none)
 
@@ -237,7 +242,12 @@ class BAdam(torch.optim.Optimizer):
         pass  # torch.optim.Optimizer.__init__ assigns an empty state; the inner one is used
 
     def state_dict(self):
-        return {
+        """The inner optimizer's state_dict, the schedule and the step count. The state-dict
+        hooks run as torch runs them: the pre-hooks first, the post-hooks on the whole of it
+        (what they return replaces it)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = {
             "inner": self.inner.state_dict(),
             "hyperparameters": {k: v for k, v in self.param_groups[0].items() if k != "params"},
             "global_step": self.global_step,
@@ -250,12 +260,25 @@ class BAdam(torch.optim.Optimizer):
             "switches": list(self.switches),
             "skipped_steps": int(self.skipped_steps),
         }
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict):
         """Restore a state_dict() of a BAdam over the same parameters and blocks. Everything is
         checked first, the inner state by loading it into a new inner optimizer of the block
-        it names; only then do the step count, schedule and requires_grad change."""
+        it names; only then do the step count, schedule and requires_grad change. The
+        load-state-dict hooks run as torch runs them: what the pre-hooks return is what is
+        checked and loaded; the post-hooks run once it is loaded."""
         where = "fastllm.optim.BAdam.load_state_dict"
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # (shallow, as torch's: the pre-hooks may edit it)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         keys = ("inner", "hyperparameters", "global_step", "order", "position", "generator",
                 "blocks", "switch_block_every", "switch_mode", "switches")
         missing = [k for k in keys if not isinstance(state_dict, dict) or k not in state_dict]
@@ -292,3 +315,5 @@ class BAdam(torch.optim.Optimizer):
         self.switches = list(state_dict["switches"])
         self.skipped_steps = skipped
         self._activate(inner, record=False)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

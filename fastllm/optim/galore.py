@@ -60,7 +60,8 @@ from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.ops.galore_adam_step import galore_adam_step, low_rank_adam_update_
 from fastllm.ops.orthogonalize import orthogonalize
-from fastllm.optim._plan import refuse_duplicates, written_version
+from fastllm.optim._hyper import refuse_duplicates
+from fastllm.optim._plan import versions_after_copy, versions_in_sync, written_version
 from fastllm.optim.adamw import held_back
 from fastllm.optim.grad_norm import global_grad_norm
 
@@ -146,6 +147,17 @@ class GaLoreAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
+    def __getstate__(self):
+        """All attributes but torch's hooks (torch's own __getstate__ leaves them behind too),
+        so that a deep copy or a pickle (torch.save) of the optimizer steps on as it would."""
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+        state["_written_versions"] = versions_in_sync(self._written_versions)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._written_versions = versions_after_copy(self._written_versions)
+
     def add_param_group(self, param_group):
         """torch's add_param_group, with a `rank` group's GaLore keys defaulted and checked
         before the group is added (torch.optim.Optimizer.__init__ calls it for every group)."""
@@ -229,6 +241,15 @@ class GaLoreAdamW(torch.optim.Optimizer):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(found_inf=True)
             return loss
+        # Every state (and a master missing from a state saved without master weights) before
+        # the first update, so that nothing is stepped when one cannot be made.
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if self._projected(group, p):
+                        self._projected_state(group, p)
+                    else:
+                        self._plain_state(p)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             plain = {}
@@ -328,35 +349,48 @@ class GaLoreAdamW(torch.optim.Optimizer):
 
     def _plain_state(self, p):
         state = self.state[p]
+        fp32 = self._has_master(p)
         if not state:
-            fp32 = self._has_master(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             zeros = (lambda: torch.zeros_like(local(p), dtype=torch.float32)) if fp32 else (
                 lambda: torch.zeros_like(local(p), memory_format=torch.contiguous_format))
             state["exp_avg"] = zeros()
             state["exp_avg_sq"] = zeros()
-            if fp32:
-                state["master_param"] = local(p).detach().float().contiguous()
+        if fp32:
+            # (a state saved without master weights: its moments become fp32, as in AdamW)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = state[key].float()
+        self._add_master(p, state)
+        return state
+
+    def _add_master(self, p, state):
+        """Give a low-precision param its fp32 master when master weights are on and its state
+        has none (new, or saved without master weights: fastllm.optim.AdamW does the same)."""
+        if self._has_master(p) and "master_param" not in state:
+            state["master_param"] = local(p).detach().float().contiguous()
+
+    def _projected_state(self, group, p):
+        state = self.state[p]
+        if not state:
+            rows, cols = p.shape
+            rank = min(group["rank"], rows, cols)
+            opmath = torch.float64 if p.dtype == torch.float64 else torch.float32
+            local_rows = _row_shard(p)[1] if is_dtensor(p) else rows
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            low_shape = (rank, cols) if self._left(group, p) else (local_rows, rank)
+            state["exp_avg"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
+        self._add_master(p, state)
         return state
 
     def _projected_step(self, group, p, projector, beta1, beta2, factor=1.0):
         """The step of a projected param; `projector`: its refreshed projector (None: keep)."""
-        state = self.state[p]
-        rows, cols = p.shape
+        state = self._projected_state(group, p)
         left = self._left(group, p)
-        rank = min(group["rank"], rows, cols)
-        opmath = torch.float64 if p.dtype == torch.float64 else torch.float32
         sharded = is_dtensor(p)
         if sharded:
             offset, local_rows, process_group = _row_shard(p)
         grad = p.grad if sharded else p.grad.contiguous()
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            low_shape = (rank, cols) if left else ((local_rows if sharded else rows), rank)
-            state["exp_avg"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
-            if self._has_master(p):
-                state["master_param"] = local(p).detach().float().contiguous()
         step = int(state["step"].item())
         if projector is not None:
             state["projector"] = projector

@@ -25,6 +25,8 @@ state_dict()/load_state_dict(); convert_state() turns any of them into another, 
 switch between full and low-byte state at a checkpoint.
 """
 
+import math
+
 import torch
 
 from fastllm._dtensor import is_dtensor, local
@@ -219,8 +221,9 @@ class Moments:
                     f"with {numel} elements, got {t.dtype} with {t.numel()} (a different "
                     f"state_dtype, block_size or parameter? see fastllm.optim.convert_state)")
         master = state.get("master_param")
-        if master is not None and (not isinstance(master, torch.Tensor)
-                                   or master.dtype != torch.float32 or master.shape != p.shape):
+        loading = verb == "cannot load:"  # (convert_loaded upcasts a loaded master)
+        if master is not None and (not isinstance(master, torch.Tensor) or master.shape != p.shape
+                                   or (master.dtype != torch.float32 and not loading)):
             raise RuntimeError(f"fastllm.optim.AdamW: {verb} state 'master_param' of {where} "
                                f"must be an fp32 tensor of shape {tuple(p.shape)}")
 
@@ -263,6 +266,15 @@ class Moments:
             # (the kernels read one count per param; torch's AdamW would fail at its step)
             raise RuntimeError(f"fastllm.optim.AdamW: cannot load state 'step' of {where}: "
                                f"a tensor of shape {tuple(step.shape)}, not one element")
+        count = float(step)
+        if not (math.isfinite(count) and count >= 0):  # (the kernels' bias corrections need it)
+            raise RuntimeError(f"fastllm.optim.AdamW: cannot load state 'step' of {where}: "
+                               f"{count}, not a finite count >= 0")
+        master = state.get("master_param")
+        if master is not None and not (isinstance(master, torch.Tensor)
+                                       and master.is_floating_point()):
+            raise RuntimeError(f"fastllm.optim.AdamW: cannot load state 'master_param' of "
+                               f"{where}: it is not a floating-point tensor")
         m = self.mode(p)
         if m is not None:
             self._check_entries(where, p, state, m, "cannot load:")
@@ -311,7 +323,8 @@ class Moments:
 
         Step counts become fp32 tensors on the param's device. A checkpoint of another mode is
         converted, not refused: into plain mode the master copy and Kahan buffer are dropped and
-        the moments cast to the param's dtype; into master mode a Kahan buffer is folded into the
+        the moments cast to the param's dtype; into master mode a master of another dtype (one
+        that went through torch.optim.AdamW) is upcast to fp32, a Kahan buffer is folded into the
         new master (param + comp is the pure-bf16 run's best value); into pure mode a master is
         turned into the Kahan buffer (master - param) or dropped."""
         step = state.get("step")
@@ -330,6 +343,9 @@ class Moments:
         elif kind == "master":
             if master is None and comp is not None:
                 state["master_param"] = p.detach().float() + comp.float()
+            elif master is not None and master.dtype != torch.float32:
+                # (torch.optim.AdamW casts a master it loads to its bf16 param: the same value)
+                state["master_param"] = master.float().contiguous()
             state.pop("kahan_comp", None)
         else:  # pure
             if kahan and comp is None and master is not None:
