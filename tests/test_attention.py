@@ -336,6 +336,30 @@ def test_opcheck_and_compile():
     assert q.grad is not None and k.grad is not None and v.grad is not None
 
 
+def test_compile_with_symbolic_sizes_and_scale():
+    """dynamic=True: the default scale (head_dim ** -0.5) and a module's float scale are symbolic
+    while traced; the op checks them when it runs (a non-finite one is still refused)."""
+    q, k, v, _, _ = _inputs((1, 7, 4, 2, 8, False), torch.float32)
+
+    class Attn(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, a, b, c):
+            return attention(a, b, c, scale=self.scale)
+
+    for scale in (None, 0.5):
+        torch._dynamo.reset()
+        fn = torch.compile(Attn(scale), fullgraph=True, dynamic=True, backend="aot_eager")
+        for t in (7, 5):  # a second size: the same graph
+            a, b, c = (x[:, :t] for x in (q, k, v))
+            torch.testing.assert_close(fn(a, b, c), attention(a, b, c, scale=scale))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="scale must be finite"):
+        torch.compile(Attn(float("inf")), fullgraph=True, backend="aot_eager")(q, k, v)
+
+
 # --- the GPU's varlen route (PyTorch's variable-length flash attention for packed documents) ---
 
 def test_document_segments():

@@ -380,6 +380,38 @@ def test_compile_fullgraph():
         torch.testing.assert_close(g, w)
 
 
+def test_compile_with_a_symbolic_softcap():
+    """dynamic=True makes a module's float logit_softcap symbolic while traced: the op checks it
+    when it runs."""
+    hidden, weight, _, labels, _ = _inputs((2, 5), 8, 13, {}, torch.float32)
+
+    class Loss(torch.nn.Module):
+        def __init__(self, cap):
+            super().__init__()
+            self.cap = cap
+
+        def forward(self, h, w, y):
+            return fused_linear_cross_entropy(h, w, y, logit_softcap=self.cap)
+
+    torch._dynamo.reset()
+    got = torch.compile(Loss(3.0), fullgraph=True, dynamic=True, backend="aot_eager")(
+        hidden, weight, labels)
+    torch.testing.assert_close(got, Loss(3.0)(hidden, weight, labels))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "ref"])
+def test_hidden_size_zero(backend):
+    """H = 0: every logit is 0 (the bias), the loss log V as F.cross_entropy over F.linear's."""
+    hidden = torch.zeros(3, 0, requires_grad=True)
+    weight = torch.zeros(7, 0, requires_grad=True)
+    labels = torch.tensor([0, 6, 2])
+    with fastllm.use_backend(backend):
+        loss = fused_linear_cross_entropy(hidden, weight, labels)
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(hidden, weight), labels))
+    loss.backward()
+    assert hidden.grad.shape == (3, 0) and weight.grad.shape == (7, 0)
+
+
 # --- vocabulary-parallel form at world 2 (Gloo, one spawn) ---
 
 

@@ -203,8 +203,14 @@ def _select(x):
                                   kernel_dtypes={"cpp": _backend.KERNEL_DTYPES})
 
 
+def check_scale(scale):
+    if not math.isfinite(scale):
+        raise ValueError(f"fastllm.attention: scale must be finite, got {scale}")
+
+
 def _attention_impl(q, k, v, doc_start, scale):
     check_attention_args(q, k, v, doc_start)
+    check_scale(scale)
     with _backend.device_guard(q.device):
         return _FORWARD[_select(q)](q, k, v, doc_start, scale)
 
@@ -265,9 +271,9 @@ def attention(q, k, v, scale=None, doc_start=None, segments=None):
         q, k, v = _lowp.autocast_args(q.device.type, q, k, v)
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # head_dim 0: refused below
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"fastllm.attention: scale must be finite, got {scale}")
+    if not torch.compiler.is_compiling():  # (traced, maybe symbolic: the op checks it)
+        scale = float(scale)
+        check_scale(scale)
     if q.device.type != "cpu":
         # no GPU kernel of fastllm's own: PyTorch's fused attention (varlen flash for packed
         # documents, else flash or memory-efficient), not the reference, which would

@@ -356,7 +356,7 @@ def _select(hidden):
 
 def _run(hidden, weight, labels, bias, token_scale, divide_by_valid, ignore_index,
          label_smoothing, z_loss, cap, grad_mask):
-    hidden2 = hidden.reshape(-1, hidden.shape[-1])
+    hidden2 = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # (H may be 0)
     flat = labels.reshape(-1)
     # no autograd graph inside (the op's grads are its own), and out= GEMMs refuse one
     with torch.no_grad(), _backend.device_guard(hidden.device):
@@ -487,8 +487,8 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
         with torch.autocast(device_type, enabled=False):
             return fused_linear_cross_entropy(hidden, weight, labels, bias, ignore_index,
                                               reduction, label_smoothing, z_loss, logit_softcap)
-    if logit_softcap is not None and not (math.isfinite(logit_softcap) and logit_softcap > 0):
-        # checked here: the op's schema spells "no cap" as 0
+    if logit_softcap is not None and not torch.compiler.is_compiling() and not (
+            math.isfinite(logit_softcap) and logit_softcap > 0):  # (traced: the op checks it)
         raise ValueError(f"{_WHERE}: logit_softcap must be None or > 0, got {logit_softcap}")
     in_forward = torch.is_grad_enabled() and reduction != "none"
     grad_mask = [in_forward and t is not None and t.requires_grad for t in (hidden, weight, bias)]
@@ -510,7 +510,7 @@ class _VocabParallel(torch.autograd.Function):
                 reduction, label_smoothing, z_loss, cap):
         import torch.distributed as dist
 
-        hidden2 = hidden.reshape(-1, hidden.shape[-1])
+        hidden2 = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # (H may be 0)
         flat = labels.reshape(-1)
         n = hidden2.shape[0]
         v_local = weight.shape[0]
