@@ -297,7 +297,32 @@ def world2(rank, world, folder):
         r["mismatch"] = None
     except ValueError as exc:
         r["mismatch"] = str(exc)
+
+    # A param that gets no grad after model.zero_grad() (set_to_none: .grad None, the bucket
+    # untouched) adds nothing to the next steps, as after opt.zero_grad(): both stages.
+    r["zeroing"] = {}
+    for stage in (1, 2):
+        for via_model in (False, True):
+            torch.manual_seed(0)
+            m = _Branchy()
+            o = DistributedOptimizer(m, stage=stage, lr=1e-2, betas=(0.0, 0.999))
+            g = torch.Generator().manual_seed(1)
+            for step in range(3):
+                x = torch.randn(4, 4, generator=g).chunk(world)[rank]
+                m(x, step == 0).square().mean().backward()
+                o.step()
+                (m.zero_grad if via_model else o.zero_grad)()
+            r["zeroing"][stage, via_model] = m.branch.weight.detach().clone()
     return r
+
+
+class _Branchy(nn.Module):  # its branch is used in the first step only
+    def __init__(self):
+        super().__init__()
+        self.fc, self.branch = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, use_branch):
+        return self.fc(x) + self.branch(x) if use_branch else self.fc(x)
 
 
 def resume(rank, world, folder):
@@ -555,6 +580,13 @@ def test_non_finite_grad_on_one_rank_skips_everywhere(runs):
 def test_second_backward_without_no_sync_is_refused(runs):
     for rank_result in runs[2]:
         assert "no_sync" in (rank_result["double_backward"] or "")
+
+
+def test_model_zero_grad_leaves_no_stale_grad_in_the_buckets(runs):
+    for rank_result in runs[2]:
+        for stage in (1, 2):
+            z = rank_result["zeroing"]
+            assert torch.equal(z[stage, True], z[stage, False]), stage
 
 
 def test_mismatched_models_name_the_parameter(runs):

@@ -598,3 +598,17 @@ def test_example_checkpoint_keeps_the_optimizer_entry(tmp_path):
     resumed = train(steps=1, optimizer="fastllm_clip", load_dir=ckpt, start_step=1,
                     distributed=False)
     assert resumed["skipped_steps"] == 7
+
+
+def test_clip_takes_one_tensor_as_torch_does():
+    """torch.nn.utils.clip_grad_norm_ takes a Tensor or an iterable of them; so does this one
+    (one tensor was iterated by rows, which have no .grad: nothing clipped)."""
+    from fastllm.parallel import clip_grad_norm_
+
+    p = torch.ones(3, 4, requires_grad=True)
+    p.grad = torch.full((3, 4), 2.0)
+    q = p.detach().clone().requires_grad_()
+    q.grad = p.grad.clone()
+    torch.testing.assert_close(clip_grad_norm_(p, max_norm=1.0),
+                               torch.nn.utils.clip_grad_norm_(q, max_norm=1.0))
+    torch.testing.assert_close(p.grad, q.grad)

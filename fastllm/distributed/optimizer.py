@@ -431,7 +431,13 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             if b.launched:
                 continue
             for i, p in enumerate(b.params):
-                if p.grad is not None and p.grad.data_ptr() != b.grad_views[i].data_ptr():
+                if p.grad is None:
+                    if i not in b.ready:
+                        # no grad since it was cleared (model.zero_grad() sets .grad to None and
+                        # leaves the bucket): it adds nothing, not the last step's values (a
+                        # packed grad, whose .grad is None too, is ready)
+                        b.grad_views[i].zero_()
+                elif p.grad.data_ptr() != b.grad_views[i].data_ptr():
                     self._pack(b, i, p)
         self._launch_ready(force=True)
         for b in self.buckets:

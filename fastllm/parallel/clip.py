@@ -1,5 +1,7 @@
 """Gradient clipping by the global norm over data, tensor and pipeline parallel ranks."""
 
+import torch
+
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
 
 
@@ -13,6 +15,8 @@ def clip_grad_norm_(parameters, max_norm, pp_group=None, norm_type=2.0):
     """
     if norm_type != 2.0:
         raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
+    if isinstance(parameters, torch.Tensor):  # one tensor, as torch's clip_grad_norm_ takes
+        parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     total = global_grad_norm(grads, groups=[pp_group]).float()
     if max_norm is not None and grads:
