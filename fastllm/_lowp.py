@@ -33,9 +33,15 @@ def _mode():
     return env_choice("FASTLLM_CPU_LOWP_MATMUL", _MODES)
 
 
-@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # a property of the CPU: torch.compile reads it once
 def _native(dtype):
-    """Whether PyTorch has a fast GEMM for `dtype` on this CPU (oneDNN's low-precision path)."""
+    """Whether PyTorch has a fast GEMM for `dtype` on this CPU (oneDNN's low-precision path).
+    (dynamo cannot trace the oneDNN query itself: fullgraph failed on a patched bf16 model.)"""
+    return _native_query(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_query(dtype):
     check = {torch.bfloat16: "_is_mkldnn_bf16_supported",
              torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
     try:

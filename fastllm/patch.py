@@ -109,19 +109,26 @@ def _linear_forward(self, input):
 
 
 def _rms_norm_forward(self, hidden_states):
-    return _rms_norm(self, hidden_states, self.variance_epsilon, 0.0)
+    return _rms_norm(self, hidden_states, self.variance_epsilon, 0.0, False)
 
 
 def _gemma_rms_norm_forward(self, x):
-    return _rms_norm(self, x, self.eps, 1.0)
+    return _rms_norm(self, x, self.eps, 1.0, True)
 
 
-def _rms_norm(module, x, eps, offset):
+def _rms_norm(module, x, eps, offset, keep_dtype):
     from fastllm.ops.rms_norm import rms_norm
 
     weight = module.weight
     if not (is_dtensor(x) or is_dtensor(weight)):
-        return rms_norm(x, weight, eps, offset)
+        if weight.dtype == x.dtype:
+            return rms_norm(x, weight, eps, offset)
+        # Mixed dtypes (an fp32 norm weight on bf16 activations: Qwen3's and Gemma3's q/k norms
+        # under autocast) as HF: computed in the promoted dtype, so the weight's grad keeps its
+        # precision; Llama's norm returns the promoted product, Gemma's x's dtype (type_as).
+        wide = torch.promote_types(x.dtype, weight.dtype)
+        y = rms_norm(x.to(wide), weight.to(wide), eps, offset)
+        return y.to(x.dtype) if keep_dtype else y
     return _dtensor_rms_norm(module, x, weight, eps, offset)
 
 

@@ -402,6 +402,46 @@ def test_gemma_norms_patched_by_what_they_compute(family, cls, patched):
     torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("family,cls", [("qwen3", "Qwen3RMSNorm"), ("gemma3", "Gemma3RMSNorm")])
+def test_norm_with_an_fp32_weight_on_bf16_activations(family, cls):
+    """Qwen3's and Gemma3's q/k norms under autocast get bf16 activations and keep an fp32
+    weight: the output has the unpatched norm's dtype (Qwen3: the promoted fp32; Gemma: x's) and
+    the weight's grad fp32 accuracy (it was rounded to bf16: 1.6e-3 off against fp64)."""
+    import importlib
+
+    norm_cls = getattr(importlib.import_module(
+        f"transformers.models.{family}.modeling_{family}"), cls)
+    torch.manual_seed(0)
+    norm = norm_cls(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(16))
+    x = torch.randn(3, 5, 16).bfloat16()
+    want_dtype = norm(x).dtype
+    dy = torch.randn(3, 5, 16).to(want_dtype).float()  # (a bf16 output's grad arrives in bf16)
+    exact = copy.deepcopy(norm).double()
+    (exact(x.double()) * dy.double()).sum().backward()
+    fastllm.patch(norm)
+    assert fastllm.patched(norm)["rms_norm"] == 1
+    y = norm(x)
+    assert y.dtype == want_dtype
+    (y.float() * dy).sum().backward()
+    assert norm.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(norm.weight.grad.double(), exact.weight.grad, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_low_precision_policy_traces_under_compile(monkeypatch):
+    """The default (auto) policy asks oneDNN whether bf16 GEMMs are native, which dynamo cannot
+    trace: a patched bf16 model failed torch.compile(fullgraph=True); it is read once."""
+    from fastllm import _lowp
+
+    monkeypatch.setenv("FASTLLM_CPU_LOWP_MATMUL", "auto")
+    x = torch.randn(4).bfloat16()
+    fn = torch.compile(lambda t: t * 2 if _lowp.widen(t) else t + 1, fullgraph=True,
+                       backend="eager")
+    torch.testing.assert_close(fn(x), x * 2 if _lowp.widen(x) else x + 1)
+
+
 @pytest.mark.parametrize("family", ["gemma2", "granite", "mixtral"])
 def test_other_causal_lms_keep_their_own_loss(family):
     """Models whose loss is not the plain cross-entropy of lm_head's logits (Gemma2's logit
