@@ -7,6 +7,7 @@ and bf16 (the op's error against fp64 at most twice PyTorch's own bf16 error). S
 
 import socket
 import sys
+import time
 
 import pytest
 import torch
@@ -436,6 +437,15 @@ def _vocab_parallel_worker(rank, world, port, results):
             loss = vocab_parallel_linear_cross_entropy(hidden, w_dt, labels, **kwargs)
             loss.backward()
             out[name] = (loss.detach(), hidden.grad, w_dt.grad.full_tensor())
+        # chunks of a budget that splits the 19 and 18 rows of the two shards into different
+        # numbers of chunks were each rank's own (Gloo aborted on the mismatched all_reduces)
+        module = sys.modules["fastllm.ops.fused_linear_cross_entropy"]  # (not the function)
+        module.CHUNK_BYTES = 4 * 18 * 3  # rows of 2 (19 per row) and 3 (18), 6 and 4 chunks
+        hidden, weight, _, labels, _ = _inputs((3, 7), 16, 37, dict(ignore=True), torch.float32)
+        w_dt = distribute_tensor(weight.detach(), mesh, [Shard(0)]).requires_grad_()
+        loss = vocab_parallel_linear_cross_entropy(hidden, w_dt, labels)
+        loss.backward()
+        out["uneven chunks"] = (loss.detach(), hidden.grad, w_dt.grad.full_tensor())
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -449,9 +459,16 @@ def test_vocab_parallel_world2():
         port = s.getsockname()[1]
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_vocab_parallel_worker, args=(2, port, results), nprocs=2, join=True)
+    ctx = mp.spawn(_vocab_parallel_worker, args=(2, port, results), nprocs=2, join=False)
+    deadline = time.monotonic() + 120  # (a safety net: ~3 s; mismatched collectives hang)
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the ranks did not finish: their collectives no longer match")
     for name, kwargs in (("plain", {}), ("options", dict(label_smoothing=0.1, z_loss=1e-3,
-                                                          logit_softcap=4.0))):
+                                                          logit_softcap=4.0)),
+                         ("uneven chunks", {})):
         hidden, weight, _, labels, _ = _inputs((3, 7), 16, 37, dict(ignore=True), torch.float32)
         ref = fused_linear_cross_entropy_ref(hidden, weight, labels, **kwargs)
         ref_grads = torch.autograd.grad(ref, [hidden, weight])

@@ -512,8 +512,7 @@ class _VocabParallel(torch.autograd.Function):
 
         hidden2 = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # (H may be 0)
         flat = labels.reshape(-1)
-        n = hidden2.shape[0]
-        v_local = weight.shape[0]
+        n, v_local = hidden2.shape[0], weight.shape[0]
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         _check_labels(flat, ignore_index, vocab_size)
         valid = (flat != ignore_index).nonzero()[:, 0]
@@ -526,7 +525,8 @@ class _VocabParallel(torch.autograd.Function):
         gb = torch.zeros(v_local, dtype=acc, device=weight.device) if need[2] else None
         w = (1.0 / m if reduction == "mean" else 1.0) if m else 0.0
         eps = label_smoothing
-        rows = chunk_rows(max(m, 1), v_local, hidden.element_size())
+        shard = -(-vocab_size // dist.get_world_size(group))  # the largest: every rank's chunks
+        rows = chunk_rows(max(m, 1), shard, hidden.element_size())  # (one all_reduce per chunk)
         for c0 in range(0, m, rows):
             idx = valid[c0:c0 + rows]
             x = hidden2[idx]
