@@ -612,3 +612,42 @@ def test_clip_takes_one_tensor_as_torch_does():
     torch.testing.assert_close(clip_grad_norm_(p, max_norm=1.0),
                                torch.nn.utils.clip_grad_norm_(q, max_norm=1.0))
     torch.testing.assert_close(p.grad, q.grad)
+
+
+class _PPMesh:  # what Pipeline and build_pipeline read of mesh["pp"], without a process group
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def get_local_rank(self):
+        return 0
+
+    def get_group(self):
+        return None
+
+    def __getitem__(self, name):
+        return self
+
+
+def test_pipeline_refuses_a_batch_that_does_not_split_before_the_schedule_runs():
+    from fastllm.parallel.pipeline import Pipeline
+
+    class Schedule:
+        def step(self, *args, **kwargs):
+            raise AssertionError("the schedule ran")
+
+    pipe = Pipeline(torch.nn.Identity(), Schedule(), _PPMesh(2), n_microbatches=2, chunks=1)
+    with pytest.raises(ValueError, match="3 rows .* n_microbatches=2"):
+        pipe.step(torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long))
+
+
+def test_interleaved_pipeline_names_the_pp_the_user_set():
+    from types import SimpleNamespace
+
+    from fastllm.parallel.pipeline import build_pipeline
+
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))
+    with pytest.raises(ValueError, match=r"parallel.pp=2 runs 4 stages.*num_hidden_layers=2"):
+        build_pipeline(model, _PPMesh(2), n_microbatches=4, schedule="interleaved")

@@ -257,6 +257,11 @@ class Pipeline:
     def step(self, input_ids, labels):
         """One run of the schedule over the batch (batch, seq), split into the micro-batches.
         Returns the micro-batches' losses on the last stage, [] elsewhere."""
+        for name, t in (("input_ids", input_ids), ("labels", labels)):
+            if t is not None and t.shape[0] % self.n_microbatches:
+                # every rank that holds the batch refuses it before the schedule's first send
+                raise ValueError(f"Pipeline.step: the batch of {t.shape[0]} rows ({name}) does "
+                                 f"not split into n_microbatches={self.n_microbatches}")
         losses = []
         if self.first:
             self.schedule.step(input_ids)
@@ -277,6 +282,11 @@ def build_pipeline(model, mesh, n_microbatches, schedule="1f1b", loss_fn=pipelin
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     chunks = 2 if schedule == "interleaved" else 1
+    layers = model.config.num_hidden_layers
+    if chunks > 1 and layers < pp * chunks:  # (split_layers would name pp * chunks stages)
+        raise ValueError(f"the interleaved schedule at parallel.pp={pp} runs {pp * chunks} "
+                         f"stages of at least one layer each; the model has "
+                         f"num_hidden_layers={layers} (use 1f1b or gpipe)")
     modules, stages = [], []
     for c in range(chunks):
         source = copy.deepcopy(model) if c < chunks - 1 else model
