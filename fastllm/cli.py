@@ -11,7 +11,9 @@ baseline.
 import argparse
 import datetime
 import importlib
+import importlib.util
 import json
+import os
 import shutil
 import sys
 import textwrap
@@ -61,6 +63,16 @@ def bench(args):
     if repeated:
         sys.exit(f"fastllm bench: --ops names {repeated} more than once; each op runs once per "
                  f"table")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):  # known before the benchmarks run, not after
+            sys.exit(f"fastllm bench: {flag} {path}: there is no folder {folder}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        sys.exit("fastllm bench: --plot needs matplotlib (pip install matplotlib)")
+    for op in ops:  # a benchmark's own settings (FASTLLM_BENCH_*), checked before any runs
+        check = getattr(importlib.import_module(OPS[op]), "settings", None)
+        if check is not None:
+            check(args.full)
     progress, done = _progress_printer(sys.stderr)
     rows = []
     for op in ops:

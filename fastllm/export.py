@@ -17,6 +17,7 @@ random-init base is written to OUT_DIR/base_model); other runs are whole models 
     model, tokenizer, cfg = load_run("runs/sft")   # the trained model, as fastllm trains it
 """
 
+import math
 import os
 
 import torch
@@ -111,8 +112,21 @@ def load_run(run_dir):
     from fastllm.train.config import TrainConfig
     from fastllm.train.model import build_model
 
+    import pickle
+
+    import yaml
+
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"no such run folder: {run_dir}")
     path = _checkpoint(run_dir)
-    cfg = TrainConfig.load(os.path.join(path, "config.yaml"))
+    config = os.path.join(path, "config.yaml")
+    try:
+        cfg = TrainConfig.load(config)
+    except (yaml.YAMLError, TypeError, AttributeError) as e:
+        raise ValueError(f"{config} is not a readable training config: {e}") from None
+    if cfg.precision not in _DTYPES:
+        raise ValueError(f"{config} has precision={cfg.precision!r}; one of "
+                         f"{sorted(_DTYPES)} was expected")
     root = run_dir if path != run_dir else os.path.dirname(os.path.abspath(run_dir))
     tokenizer = run_tokenizer(root, cfg)
     dtype = _DTYPES[cfg.precision] if cfg.backend == "fastllm" else torch.float32
@@ -121,7 +135,13 @@ def load_run(run_dir):
     if os.path.isdir(adapter):
         load_adapter(model, adapter)
     else:
-        model.load_state_dict(ckpt.load_file(os.path.join(path, "model.pt")))
+        weights = os.path.join(path, "model.pt")
+        try:
+            model.load_state_dict(ckpt.load_file(weights))
+        except pickle.UnpicklingError:  # (torch's message suggests weights_only=False)
+            raise ValueError(f"{weights} holds objects other than tensors; nothing is "
+                             f"unpickled from a checkpoint (torch.load(weights_only=True)), so "
+                             f"it is refused") from None
     model.eval()
     return model, tokenizer, cfg
 
@@ -190,6 +210,8 @@ _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.jso
 def _check_out_dir(out_dir, adapter):
     """Refuse, before writing anything, an out_dir holding another export's files of the other
     layout (a model over an adapter, or the reverse): the two mixed load as neither."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"fastllm export: {out_dir} is a file, not a folder")
     stale = [n for n in (_MODEL_FILES if adapter else _ADAPTER_FILES)
              if os.path.exists(os.path.join(out_dir, n))]
     if stale:
@@ -234,7 +256,14 @@ def load_model(name):
         if not base or not os.path.isdir(base):
             raise FileNotFoundError(f"fastllm generate: the adapter {name} names base model "
                                     f"{base!r}, which is not a folder here")
-    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    except (OSError, ValueError) as e:
+        if os.path.isdir(base):
+            raise
+        raise FileNotFoundError(f"fastllm generate: {base} is not a folder (a model, a PEFT "
+                                f"adapter or a fastllm run) nor a model in the Hugging Face "
+                                f"cache") from e
     if adapter:
         load_adapter(model, name)
     tok_dir = name if os.path.exists(os.path.join(name, "tokenizer_config.json")) else base
@@ -254,6 +283,21 @@ def load_model(name):
     return model, HFTokenizer(tok, tok_dir)
 
 
+def _checked(kind, ok, what):
+    """An argparse type: `kind` of the text, refused (naming `what`) unless ok(value)."""
+    import argparse
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} must be {what}")
+        return value
+    return parse
+
+
 def add_export_commands(sub):
     p = sub.add_parser("export", help="write a training run as a Hugging Face model folder")
     p.add_argument("run_dir")
@@ -264,10 +308,12 @@ def add_export_commands(sub):
     p = sub.add_parser("generate", help="complete a prompt with a model folder or training run")
     p.add_argument("model", metavar="MODEL_OR_RUN")
     p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=_checked(int, lambda v: v >= 1, ">= 1"), default=64)
     p.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--temperature", type=_checked(float, lambda v: 0 < v < math.inf, "> 0"),
+                   default=0.7)
+    p.add_argument("--top-p", type=_checked(float, lambda v: 0 < v <= 1, "in (0, 1]"),
+                   default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_generate)
 
@@ -280,7 +326,7 @@ def _export(args):
     try:
         out = export(args.run_dir, args.out_dir, merged=args.merged)
     except (FileNotFoundError, ValueError, CheckpointError) as e:
-        sys.exit(str(e))
+        sys.exit(str(e) if str(e).startswith("fastllm export:") else f"fastllm export: {e}")
     kind = "merged model" if args.merged else "model"
     names = sorted(n for n in os.listdir(out) if not n.startswith("."))
     print(f"fastllm export: wrote {kind} {out}: {', '.join(names)}")

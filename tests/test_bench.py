@@ -453,3 +453,43 @@ def test_host_side_grid_arithmetic_matches_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for b in (1, 2, 3, 16, 1024):
             assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+
+
+def test_cli_refuses_bad_settings_before_any_benchmark_runs(monkeypatch, tmp_path):
+    """A typo in FASTLLM_BENCH_* or an unwritable --json was found after the benchmarks had run
+    (minutes), or never: now before the first one starts."""
+    from fastllm import cli
+    from fastllm.bench import bench_model
+
+    ran = []
+    monkeypatch.setattr(bench_model, "run", lambda **kw: ran.append(kw) or [])
+    for env, args, message in (
+            ({"FASTLLM_BENCH_FAMILY": "qwen"}, [], "use smollm2 or qwen3"),
+            ({"FASTLLM_BENCH_LAYERS": "four"}, [], "an integer >= 1"),
+            ({}, ["--json", str(tmp_path / "missing" / "rows.json")], "there is no folder")):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            with pytest.raises(SystemExit, match=message):
+                cli.main(["bench", "--ops", "model", *args])
+    assert ran == []
+
+
+def test_generate_refuses_out_of_range_arguments(capsys):
+    from fastllm import cli
+
+    for args in (["--max-new-tokens", "0"], ["--do-sample", "--temperature", "0"],
+                 ["--top-p", "5"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["generate", "no-such-model", "hi", *args])
+        assert exc.value.code == 2  # argparse's usage error, before any model is loaded
+        assert "must be" in capsys.readouterr().err
+
+
+def test_export_and_generate_name_a_missing_folder(tmp_path):
+    from fastllm import cli
+
+    with pytest.raises(SystemExit, match="no such run folder"):
+        cli.main(["export", str(tmp_path / "nope"), str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="is not a folder"):
+        cli.main(["generate", str(tmp_path / "nope"), "hi"])
