@@ -216,3 +216,84 @@ def test_badam_leaves_biases_and_norm_weights_undecayed(cache_dir, tmp_path):
                 assert group["weight_decay"] == (0.0 if id(p) in norms else 0.5)
         opt._switch()
     assert norms and norms <= seen
+
+
+def _listing(path):
+    return {p: open(os.path.join(path, p), "rb").read() if os.path.isfile(os.path.join(path, p))
+            else None for p in sorted(os.listdir(path))}
+
+
+def test_a_batch_that_does_not_divide_is_refused_before_the_run_folder_is_touched(cache_dir,
+                                                                                 tmp_path):
+    says = r"global_batch_size=6 must be a multiple of micro_batch_size \* data-parallel size"
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ConfigError, match=says):
+        run(cache_dir, str(fresh), "max_steps=1", "global_batch_size=6")
+    assert not fresh.exists()
+    out = str(tmp_path / "old")
+    run(cache_dir, out, "max_steps=1", "checkpoint.interval=1")
+    before = _listing(out)
+    with pytest.raises(ConfigError, match=says):  # overwrite_output_dir must not delete it first
+        run(cache_dir, out, "max_steps=1", "global_batch_size=6", "overwrite_output_dir=true")
+    assert _listing(out) == before
+
+
+@pytest.mark.parametrize("value,says", [("num_attention_heads=3", "not a multiple of the number "
+                                                                  "of attention heads"),
+                                        ("hidden_size=abc", "expected int")])
+def test_a_bad_model_config_value_is_refused_naming_the_key_before_writing(tmp_path, value,
+                                                                           says):
+    out = tmp_path / "run"
+    key = value.partition("=")[0]
+    with pytest.raises(ConfigError, match=f"model_config.{key}=.* {says}"):
+        Trainer(TrainConfig.from_args(["model=tiny", f"model_config.{value}",
+                                       f"output_dir={out}"])).train()
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text,says", [
+    ("max_steps: 2\nlr: 0.01\nmax_steps: 50\n", "key 'max_steps' is given twice .lines 1 and 3"),
+    ("lora:\n  r: 4\nlora:\n  alpha: 8\n", "key 'lora' is given twice .lines 1 and 3"),
+    ("lora:\n  r: 4\n  r: 8\n", "key 'r' is given twice .lines 2 and 3"),
+    ("weight_decay: yes\n", "weight_decay=True is not a valid float"),
+    ("lr: true\n", "lr=True is not a valid float"),
+    ("output_dir:\n", "output_dir=None is not a valid str"),
+    ("output_dir: [a, b]\n", r"output_dir=\['a', 'b'\] is not a valid str"),
+])
+def test_a_config_file_misread_by_yaml_is_refused_naming_the_key(tmp_path, text, says):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=says):
+        TrainConfig.from_args([], str(path))
+
+
+@pytest.mark.parametrize("finetune", ["freeze", "galore", "prefix"])
+def test_compare_hf_refuses_a_mode_hf_lacks_before_training(cache_dir, tmp_path, finetune):
+    from fastllm.cli import main
+
+    out = tmp_path / "c"
+    with pytest.raises(SystemExit, match=f"finetune={finetune} has no HF Trainer counterpart"):
+        main(["train", "--compare", "hf", *tiny(cache_dir, str(out), "max_steps=1",
+                                                 f"finetune={finetune}")])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["before", "after", "both"])
+def test_a_second_config_file_is_refused(tmp_path, where):
+    from fastllm.cli import main
+
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    out = tmp_path / "run"
+    a.write_text(f"max_steps: 1\noutput_dir: {out}\n")
+    b.write_text(f"max_steps: 2\noutput_dir: {out}\n")
+    first, second = ["--config", str(a)], [f"--config={b}"]
+    args = {"before": [*first, *second, "seed=1"], "after": [*first, "seed=1", *second],
+            "both": ["seed=1", *first, *second]}[where]
+    with pytest.raises(SystemExit, match="--config is given twice"):
+        main(["train", *args])
+    assert not out.exists()
+
+
+def test_warmup_longer_than_the_run_is_warned_about(cache_dir, tmp_path):
+    with pytest.warns(UserWarning, match="warmup_steps=100 is longer than max_steps=1"):
+        run(cache_dir, str(tmp_path), "max_steps=1", "warmup_steps=100", "checkpoint.interval=0")

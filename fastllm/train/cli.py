@@ -15,8 +15,8 @@ def add_train_commands(sub):
     p = sub.add_parser("train", help="train a Llama-style model (default: a built-in one on "
                                      "built-in text, about a minute on a CPU)",
                        epilog=_keys_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, metavar="YAML", help="a config file")
-    p.add_argument("--compare", default=None, choices=["torch", "hf"],
+    p.add_argument("--config", default=None, metavar="YAML", action=_Once, help="a config file")
+    p.add_argument("--compare", default=None, choices=["torch", "hf"], action=_Once,
                    help="also run the same model, data and seed with plain PyTorch parts "
                         "(torch: torch.optim.AdamW fused, PEFT LoRA, autocast; hf: Hugging "
                         "Face's Trainer + PEFT) and compare")
@@ -57,6 +57,20 @@ def _keys_epilog():
 _OPTIONS = {"--config": None, "--compare": ("torch", "hf")}
 
 
+def _given_twice(name, first, second):
+    sys.exit(f"fastllm train: {name} is given twice ({first} and {second}); give it once (one "
+             f"config file; override its keys with key=value)")
+
+
+class _Once(argparse.Action):
+    """An option that may be given once: argparse would keep the last silently."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            _given_twice(option_string, getattr(namespace, self.dest), values)
+        setattr(namespace, self.dest, values)
+
+
 def _split_options(args):
     """Take --config/--compare (as `--opt value` or `--opt=value`) out of the overrides, where
     argparse leaves them when they follow a key=value; -h/--help there prints the help."""
@@ -77,6 +91,8 @@ def _split_options(args):
         choices = _OPTIONS[name]
         if choices is not None and value not in choices:
             sys.exit(f"fastllm train: {name} must be one of {', '.join(choices)}, got {value!r}")
+        if getattr(args, name[2:]) is not None:
+            _given_twice(name, getattr(args, name[2:]), value)
         setattr(args, name[2:], value)
     args.overrides = rest
 

@@ -39,6 +39,18 @@ class _Steps(torch.utils.data.Dataset):
         return batch
 
 
+def check(cfg):
+    """Refuse what the HF side cannot run, before either side runs (the fastllm run first would
+    otherwise train, and write its run folder, for nothing)."""
+    from fastllm.train.config import ConfigError
+
+    if cfg.finetune not in ("full", "lora"):
+        raise ConfigError(f"fastllm train --compare hf: finetune={cfg.finetune} has no HF "
+                          f"Trainer counterpart here (full, lora)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("fastllm train --compare hf runs on one process")
+
+
 def run_hf(cfg, log=print):
     """Train cfg with transformers.Trainer on one process; returns a summary dict (tokens_per_s,
     step_time_s, peak_mem_bytes, first_loss, final_loss, eval_loss)."""
@@ -51,11 +63,7 @@ def run_hf(cfg, log=print):
     from fastllm.train.model import apply_finetune, build_model, is_model_dir
     from fastllm.train.trainer import lr_at
 
-    if cfg.finetune not in ("full", "lora"):
-        raise ValueError(f"fastllm train --compare hf: finetune={cfg.finetune} has no HF Trainer "
-                         f"counterpart here (full, lora)")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("fastllm train --compare hf runs on one process")
+    check(cfg)
     model_dir = cfg.model if is_model_dir(cfg.model) else None
     tokenizer, dataset, held = sft_data.build_datasets(cfg, model_dir, 0, 1, lambda: None, log)
     accum = (cfg.global_batch_size // cfg.micro_batch_size if cfg.global_batch_size
@@ -143,6 +151,7 @@ def compare_hf(cfg):
 
     from fastllm.train.trainer import Trainer
 
+    check(cfg)
     c = copy.deepcopy(cfg)
     c.checkpoint.auto_resume, c.checkpoint.interval = False, 0
     c.eval_interval = 0  # evaluate at the end only, as the HF side does

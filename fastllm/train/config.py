@@ -10,6 +10,7 @@ world_size / (parallel.tp * parallel.pp)). Under pipeline parallel those accumul
 micro-batches are the pipeline's micro-batches.
 """
 
+import collections.abc
 import dataclasses
 import math
 import os
@@ -386,7 +387,7 @@ class TrainConfig:
         import yaml
 
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_unique_keys_loader(yaml)) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"fastllm train: {path} must hold a mapping, got "
                               f"{type(data).__name__}")
@@ -429,6 +430,27 @@ class TrainConfig:
             raise ConfigError(f"fastllm train: unknown config key {dotted!r}; known: {known}")
         current = getattr(target, leaf)
         setattr(target, leaf, _convert(dotted, text, current, _field_type(target, leaf)))
+
+
+def _unique_keys_loader(yaml):
+    """A SafeLoader that refuses a key given twice in one mapping (yaml.safe_load keeps the last
+    silently: a second `lora:` section would drop the first), naming the key and its lines."""
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, collections.abc.Hashable):
+                    continue  # SafeLoader's own error names it
+                if key in seen:
+                    raise ConfigError(f"fastllm train: {key_node.start_mark.name}: key {key!r} "
+                                      f"is given twice (lines {seen[key]} and {line})")
+                seen[key] = line
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys
 
 
 _DEVICES = ("auto", "cpu", "cuda")

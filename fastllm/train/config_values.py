@@ -65,8 +65,12 @@ def convert(key, value, current, hint):
                 raise ValueError(value)
             return int(number)
         if hint is float:
+            if isinstance(value, bool):  # YAML's yes/true: not 1.0
+                raise ValueError(value)
             return float(value)
         if hint is str:
+            if value is None or isinstance(value, (list, tuple, dict)):  # not "None", "['a']"
+                raise ValueError(value)
             return str(value)
         if origin in (list, typing.List):
             items = value

@@ -37,6 +37,15 @@ def check_model(cfg):
     if cfg.model not in PRESETS and not is_model_dir(cfg.model):
         raise ConfigError(f"fastllm train: model={cfg.model!r} is neither a built-in "
                           f"({', '.join(PRESETS)}) nor a folder")
+    if cfg.model_config and cfg.model in PRESETS:
+        # LlamaConfig's own validators (types, heads dividing hidden_size), no weights built
+        try:
+            _preset_config(cfg, vocab_size=257)
+        except Exception as e:  # huggingface_hub's StrictDataclassError, TypeError, ValueError
+            given = ", ".join(f"model_config.{k}={v!r}" for k, v in cfg.model_config.items())
+            why = " ".join(str(e).split())
+            raise ConfigError(f"fastllm train: {given} is not a valid LlamaConfig for "
+                              f"model={cfg.model}: {why}") from None
 
 
 def build_model(cfg, vocab_size, dtype):

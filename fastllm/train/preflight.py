@@ -3,8 +3,10 @@ config.yaml, no checkpoint touched), where the config's values alone cannot tell
 
     preflight.check(cfg)   # ConfigError naming the key and the problem
 
-the model (a preset or a folder; a lora.target_modules entry that selects no layer of it, found on
-its meta-device skeleton, so no weights are read), the files (TrainConfig.check_files), chat
+the batch (global_batch_size in whole micro-batches per data-parallel rank, given the layout),
+the model (a preset or a folder; a preset's model_config values, as LlamaConfig validates them;
+a lora.target_modules entry that selects no layer of it, found on its meta-device skeleton, so no
+weights are read), the files (TrainConfig.check_files), chat
 training records with a tokenizer that has no chat template (the first record of each data file,
 not the whole dataset) and the eval prompts (eval.prompts_file's records; tools or
 chat_template_kwargs with a tokenizer that has no chat template). The trainer runs the same checks
@@ -17,17 +19,30 @@ from torch import nn
 from fastllm.train.config import ConfigError
 from fastllm.train.model import check_model, is_model_dir, lora_targets, model_skeleton
 
-__all__ = ["check", "check_chat_data", "check_lora_targets", "check_prompts", "tokenizer_folder"]
+__all__ = ["check", "check_batch", "check_chat_data", "check_lora_targets", "check_prompts",
+           "tokenizer_folder"]
 
 
-def check(cfg):
-    """Every check of this module, the cheap ones first."""
+def check(cfg, layout=None):
+    """Every check of this module, the cheap ones first; layout (a ParallelLayout): also the
+    batch arithmetic (check_batch)."""
+    if layout is not None:
+        check_batch(cfg, layout)
     check_model(cfg)
     cfg.check_files()
     check_lora_targets(cfg)
     check_chat_data(cfg)
     check_prompts(cfg)
     return cfg
+
+
+def check_batch(cfg, layout):
+    """global_batch_size a whole number of micro-batches per data-parallel rank (and enough for
+    the pipeline schedule), as the data loader and the schedule will need."""
+    try:
+        layout.micro_batches(cfg.resolved_global_batch(layout), cfg.micro_batch_size)
+    except ValueError as e:
+        raise ConfigError(f"fastllm train: {e}") from None
 
 
 def _adaptable(backend):

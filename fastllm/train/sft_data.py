@@ -478,5 +478,10 @@ def build_datasets(cfg, model_dir, rank, world, barrier, log=print):
 
 def max_steps(cfg, dataset, global_batch):
     """cfg.max_steps when set (> 0: it overrides num_train_epochs, as in HF), else the steps
-    num_train_epochs take over `dataset`, else config.DEFAULT_MAX_STEPS."""
-    return cfg.resolved_max_steps(dataset.num_sequences, global_batch)
+    num_train_epochs take over `dataset`, else config.DEFAULT_MAX_STEPS. A warmup_steps longer
+    than that is warned about (HF's Trainer accepts it too): the peak lr is never reached."""
+    steps = cfg.resolved_max_steps(dataset.num_sequences, global_batch)
+    if cfg.warmup_steps > steps:
+        warnings.warn(f"fastllm train: warmup_steps={cfg.warmup_steps} is longer than max_steps="
+                      f"{steps}: the lr never reaches its peak lr={cfg.lr}", stacklevel=2)
+    return steps

@@ -80,7 +80,7 @@ class Trainer:
                       else int(os.environ.get("WORLD_SIZE", "1")))
         # the layout's rules first: a run that cannot start writes nothing
         self.layout = ParallelLayout.from_config(cfg.parallel, self.world)
-        preflight.check(cfg)  # the model, files and prompts the config names
+        preflight.check(cfg, self.layout)  # the batch, model, files and prompts
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if want_cuda else "gloo",
                                     timeout=watchdog.pg_timeout(cfg))
