@@ -261,7 +261,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
                     continue
                 self._projected_step(group, p, projectors.get(p), beta1, beta2, factor)
             for (device, _, master), params in plain.items():
-                states = [self._plain_state(p) for p in params]
+                states = [self.state[p] for p in params]  # (made by the loop above)
                 for s in states:
                     s["step"] += 1
                 hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -356,9 +356,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 lambda: torch.zeros_like(local(p), memory_format=torch.contiguous_format))
             state["exp_avg"] = zeros()
             state["exp_avg_sq"] = zeros()
-        if fp32:
-            # (a state saved without master weights: its moments become fp32, as in AdamW)
-            for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if fp32 and state[key].dtype != torch.float32:
+                # (a state saved without master weights: its moments become fp32, as in AdamW)
                 state[key] = state[key].float()
         self._add_master(p, state)
         return state
@@ -384,8 +384,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         return state
 
     def _projected_step(self, group, p, projector, beta1, beta2, factor=1.0):
-        """The step of a projected param; `projector`: its refreshed projector (None: keep)."""
-        state = self._projected_state(group, p)
+        """The step of a projected param; `projector`: its refreshed projector (None: keep). Its
+        state was made by step()'s first loop (_projected_state)."""
+        state = self.state[p]
         left = self._left(group, p)
         sharded = is_dtensor(p)
         if sharded:
