@@ -236,7 +236,7 @@ def _train_step(model, opt, ids):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
 
     return step
 

@@ -349,6 +349,22 @@ def test_nan_lr_set_later_is_refused_before_step():
     _assert_untouched(p, opt, before)
 
 
+def test_nan_filled_into_a_cpu_tensor_lr_is_refused_before_step():
+    """A scheduler writes a tensor lr in place (fill_): a CPU one is re-read every step, so nan
+    there is refused as a float lr is, even after steps that cached the group's values."""
+    p = torch.nn.Parameter(torch.randn(10))
+    lr = torch.tensor(0.1)
+    opt = fastllm.optim.AdamW([p], lr=lr)
+    p.grad = torch.randn(10)
+    opt.step()
+    lr.fill_(float("nan"))
+    before = [p.detach().clone()] + [t.clone() for t in opt.state[p].values()]
+    with pytest.raises(ValueError, match="param group 0: Invalid learning rate: nan"):
+        opt.step()
+    after = [p.detach()] + list(opt.state[p].values())
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
 def test_load_state_dict_shape_mismatch_names_the_param():
     a = torch.nn.Parameter(torch.randn(4, 3))
     src = torch.optim.AdamW([a], lr=1e-2)
@@ -427,3 +443,23 @@ def test_import_without_extension_falls_back_and_warns_once():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+def test_zero_grad_scale_is_ieee_on_every_backend(backend, device):
+    """grad_scale 0: every backend, the reference included (it raised ZeroDivisionError), takes
+    1 / 0 = inf as the C++ and GPU kernels do, so they agree on the non-finite result."""
+    kwargs = dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False,
+                  maximize=False, grad_scale=torch.tensor(0.0))
+    g = torch.tensor([1.0, 0.0, -1.0])
+    state = [torch.ones(3), torch.zeros(3), torch.zeros(3)]
+    want = [t.clone() for t in state]
+    fastllm.ops.adamw_step_ref([want[0]], [g], [want[1]], [want[2]], [], [torch.tensor(1.0)],
+                               **kwargs)
+    assert not want[0].isfinite().any()
+    got = [t.to(device) for t in state]
+    with fastllm.use_backend(backend):
+        fastllm.ops.adamw_step([got[0]], [g.to(device)], [got[1]], [got[2]], [],
+                               [torch.tensor(1.0)], **kwargs)
+    for t, w in zip(got, want):
+        torch.testing.assert_close(t.cpu(), w, rtol=RTOL, atol=ATOL, equal_nan=True)

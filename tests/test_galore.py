@@ -627,3 +627,31 @@ def test_master_weights_switched_on_at_resume_are_created():
         assert state["master_param"].dtype == torch.float32
         assert state["exp_avg"].dtype == torch.float32
         assert torch.equal(state["master_param"].bfloat16(), p.detach())
+
+
+def test_master_weights_switched_off_at_resume_are_dropped():
+    """A bf16 checkpoint saved with master weights resumes with master_weights=False: the masters
+    are dropped (the param is the weight again, as fastllm.optim.AdamW converts such a state), a
+    plain param's moments take its dtype, and the step writes the params themselves."""
+    model = _model().to(torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+
+    def make(m, master):
+        return GaLoreAdamW([{"params": [m[0].weight], "rank": 2}, {"params": [m[0].bias]}],
+                           lr=1e-2, master_weights=master)
+
+    opt = make(model, True)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+    resumed = make(model, False)
+    resumed.load_state_dict(opt.state_dict())
+    for p in (model[0].weight, model[0].bias):
+        assert "master_param" not in resumed.state[p]
+    assert resumed.state[model[0].bias]["exp_avg"].dtype == torch.bfloat16
+    before = [p.detach().clone() for p in (model[0].weight, model[0].bias)]
+    resumed.step()  # the same grads
+    for p, b in zip((model[0].weight, model[0].bias), before):
+        assert float(resumed.state[p]["step"]) == 3 and not torch.equal(p, b)
+    assert all("master_param" not in s for s in resumed.state_dict()["state"].values())

@@ -81,3 +81,17 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fastllm.scaled_copy.default, (dst, src, 0.5, None))
     torch.library.opcheck(torch.ops.fastllm.scaled_copy.default,
                           (dst, src, 0.5, torch.tensor(2.0)))
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+def test_zero_divisor_is_ieee_on_every_backend(backend, device):
+    """A zero divisor (a loss scale that collapsed) gives inf and nan as the C++ and GPU kernels
+    compute them; the reference used to raise ZeroDivisionError instead."""
+    src = [torch.tensor([1.0, -2.0, 0.0], device=device)]
+    want = [torch.empty(3, device=device)]
+    scaled_copy_ref(want, src, 0.5, torch.tensor(0.0))
+    assert want[0][0] == float("inf") and want[0][1] == float("-inf") and want[0][2].isnan()
+    got = [torch.empty(3, device=device)]
+    with fastllm.use_backend(backend):
+        scaled_copy(got, src, 0.5, torch.tensor(0.0))
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)

@@ -12,6 +12,8 @@ Its value is not checked by the ops (that would be a host read of a device tenso
 torch's fused AdamW does not do either); fastllm.optim.AdamW checks it when it is set.
 """
 
+import math
+
 import torch
 
 
@@ -51,3 +53,15 @@ def for_backend(lr, lr_tensor, backend, device):
     if backend in ("triton", "cuda") and lr_tensor.device == device:
         return lr, lr_tensor
     return float(lr_tensor.reshape(()).item()), None
+
+
+def ieee_div(a, b):
+    """a / b in IEEE arithmetic, as the C++ and GPU kernels compute a grad_scale's or divisor's
+    reciprocal: a zero divisor gives a signed inf (nan for 0 / 0) where Python's `/` raises
+    ZeroDivisionError, so the reference backend matches the others."""
+    a, b = float(a), float(b)
+    if b != 0.0 or math.isnan(a):
+        return a / b
+    if a == 0.0:
+        return math.nan
+    return math.copysign(math.inf, a) * math.copysign(1.0, b)

@@ -22,7 +22,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
-from fastllm.ops._lr import check_lr_tensor, for_backend, split_lr
+from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
 # The Triton kernel computes in fp32; fp64 params on a GPU go to the CUDA kernel or the reference.
@@ -39,7 +39,7 @@ def adamw_step_ref(
     if found_inf is not None and bool(found_inf.item()):
         return
     lr = float(lr) if isinstance(lr, torch.Tensor) else lr
-    inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
+    inv_scale = None if grad_scale is None else ieee_div(1.0, grad_scale)
     for i, param in enumerate(params):
         opmath = torch.float64 if param.dtype == torch.float64 else torch.float32
         g = grads[i].to(opmath)

@@ -64,7 +64,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
-from fastllm.ops._lr import check_lr_tensor, for_backend, split_lr
+from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
 from fastllm.ops.adamw_master import stochastic_round_ref
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -197,7 +197,7 @@ def adamw8bit_step_ref(
     lr = float(lr) if isinstance(lr, torch.Tensor) else lr
     mult = 1.0
     if grad_scale is not None:
-        mult /= float(grad_scale)
+        mult = ieee_div(mult, grad_scale)
     if clip_coef is not None:
         mult *= float(clip_coef)
     generator = None

@@ -43,7 +43,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
-from fastllm.ops._lr import check_lr_tensor, for_backend, split_lr
+from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
 
@@ -99,7 +99,7 @@ def adamw_master_step_ref(
     lr = float(lr) if isinstance(lr, torch.Tensor) else lr
     mult = 1.0
     if grad_scale is not None:
-        mult /= float(grad_scale)
+        mult = ieee_div(mult, grad_scale)
     if clip_coef is not None:
         mult *= float(clip_coef)
     generator = None

@@ -17,6 +17,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
+from fastllm.ops._lr import ieee_div
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -26,7 +27,7 @@ def _factor(scale, divisor):
     """scale / divisor as one fp32 value (a Python float holding it exactly)."""
     factor = float(scale)
     if divisor is not None:
-        factor /= float(divisor.item())
+        factor = ieee_div(factor, divisor.item())
     return float(torch.tensor(factor, dtype=torch.float32))
 
 

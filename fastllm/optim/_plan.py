@@ -274,13 +274,16 @@ class Plan:
         """Check each group's hyperparameters when they differ from the last checked ones; what
         the kernels take, per group: floats, and a tensor lr as it is (read on the device, so
         an LR scheduler's in-place `fill_` reaches a compiled or graph-captured step; its value
-        is checked when the tensor is first seen, as torch.optim checks it when it is set)."""
+        is checked when the tensor is first seen, as torch.optim checks it when it is set, and
+        every step when it is a CPU tensor, whose read costs no device synchronisation: a
+        scheduler's in-place `fill_` of nan is refused before the step)."""
         out = []
         for gi, group in enumerate(opt.param_groups):
             lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             key = (lr, *betas, eps, wd)  # (a list edited in place is a new key)
             cached = self.hyper[gi]
             if (cached is None or any(isinstance(v, torch.Tensor) for v in betas)
+                    or (isinstance(lr, torch.Tensor) and lr.device.type == "cpu")
                     or not _same_values(cached[0], key)):
                 check_hyperparameters(f"param group {gi}", lr, betas, eps, wd)
                 values = (lr if isinstance(lr, torch.Tensor) else float(lr),

@@ -471,14 +471,22 @@ class GaLoreAdamW(torch.optim.Optimizer):
             super().load_state_dict(state_dict)
         self._written_versions.clear()  # a loaded master is the truth, not the param
         self.skipped_steps = skipped
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        for pid, (group, p) in zip(saved_ids, params):
             saved = state_dict["state"].get(pid)
             if not saved:
                 continue
+            state = self.state[p]
             for key in _LOW_RANK_KEYS:
                 if key in saved:
-                    self.state[p][key] = saved[key].to(device=p.device, copy=True)
+                    state[key] = saved[key].to(device=p.device, copy=True)
+            if not self._has_master(p) and "master_param" in state:
+                # saved with master weights, loaded without: the param is the weight again and a
+                # plain param's moments take its dtype (fastllm.optim.AdamW converts the same way)
+                del state["master_param"]
+                if not self._projected(group, p):
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = state[key].to(p.dtype)
         for hook in post_hooks.values():  # (they see the state as restored here, as in torch)
             hook(self)
 
