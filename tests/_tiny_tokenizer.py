@@ -6,18 +6,26 @@ WORDS = "user assistant system What is the capital of France? Paris."
 
 
 def tiny_bpe(template=None, specials=CHATML_SPECIALS, words=WORDS, bos=None, eos="<|im_end|>",
-             pad=None):
+             pad=None, metaspace=False):
     """A transformers PreTrainedTokenizerFast: a byte-level BPE of 300 tokens trained on `words`,
     with `specials` as its special tokens and `template` as its chat_template; with `bos`,
-    tok(text) puts it first (as Llama's). A token left None is not set (not saved as null)."""
+    tok(text) puts it first (as Llama's). A token left None is not set (not saved as null).
+    metaspace: a SentencePiece-style BPE instead (spaces as '▁', one put before the text, as
+    Llama's and Mistral's tokenizer.json have it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    if metaspace:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+        alphabet = sorted(set(words.replace(" ", "\u2581")) | {"\u2581"})
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=alphabet)
     tok.train_from_iterator([words] * 4, trainer)
     if bos:
         tok.post_processor = processors.TemplateProcessing(

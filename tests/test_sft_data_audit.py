@@ -321,3 +321,25 @@ def test_tools_and_chat_template_kwargs_are_rendered_as_trl(tmp_path):
     for rec, message in bad:
         with pytest.raises(ValueError, match="t.jsonl line 1: " + message):
             read_records(_write(tmp_path / "t.jsonl", [rec]))
+
+
+def test_a_chat_is_tokenised_whole_by_a_sentencepiece_style_tokenizer():
+    """A Metaspace tokenizer (Llama's, Mistral's) puts a word-start marker before a text: each
+    piece of the chat encoded alone got one (a space the data does not have, trained on). The
+    ids are the whole render's, as apply_chat_template's (and TRL's); the replies are found by
+    their characters' offsets."""
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}"
+                "{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
+    from _tiny_tokenizer import tiny_bpe as make
+
+    fast = make(template, ["<s>", "</s>", "[INST]", "[/INST]"], bos="<s>", eos="</s>",
+                words="What is the capital of France? Paris. And Italy? Rome.", metaspace=True)
+    tok = HFTokenizer(fast, "audit-metaspace")
+    chat = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And Italy?"}, {"role": "assistant", "content": "Rome."}]
+    ids, mask = encode_example(("chat", chat), tok)
+    assert ids == fast.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    assert "".join(fast.decode(t) for t, m in zip(ids, mask) if m) == "Paris.</s>Rome.</s>"
+    assert _targets(tok, ids, mask) == "Paris.</s>Rome.</s>"  # (no '▁' before either reply)

@@ -79,3 +79,27 @@ def test_prompts_file_names_a_line_not_utf8_and_accepts_a_byte_order_mark(tmp_pa
     bom.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\r\n\n{"prompt": "yo"}\n')
     assert read_prompt_records([], str(bom)) == [("hi", {}, f"{bom} line 1"),
                                                  ("yo", {}, f"{bom} line 3")]
+
+
+def test_prompts_json_and_upper_case_extensions_are_read_as_json(tmp_path):
+    """A .json prompts file (an array, or JSON Lines) is read as the training data's .json is
+    (its lines were sent to the model as prompts, braces and all), and a data file or prompts
+    file named .JSONL is JSON Lines (it was trained on as plain text); an empty tools list is no
+    tools, as null is."""
+    from fastllm.train.sft_records import data_format
+
+    array = tmp_path / "prompts.json"
+    array.write_text('[{"prompt": "Capital of Kenya?"}, {"prompt": "Hi", "tools": []}]')
+    assert read_prompt_records([], str(array)) == [
+        ("Capital of Kenya?", {}, f"{array} record 0"), ("Hi", {}, f"{array} record 1")]
+    upper = tmp_path / "P.JSONL"
+    upper.write_text('{"prompt": "yo"}\n')
+    assert read_prompt_records([], str(upper)) == [("yo", {}, f"{upper} line 1")]
+    data = tmp_path / "train.JSONL"
+    data.write_text('{"prompt": "Q", "completion": "A", "tools": []}\n')
+    assert data_format(str(data)) == "jsonl"
+    assert read_records(str(data))[0][:2] == ("completion", ("Q", "A"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "part.Json").write_text('[{"text": "x"}]')
+    assert data_format(str(folder)) == "jsonl" and len(read_records(str(folder))) == 1

@@ -79,7 +79,7 @@ def test_malformed_prompts_jsonl_names_the_line(tmp_path):
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
-    with pytest.raises(ValueError, match=r"prompts.jsonl line 2: not JSON"):
+    with pytest.raises(ValueError, match=r"prompts.jsonl line 2: not valid JSON"):
         read_prompts([], str(path))
 
 

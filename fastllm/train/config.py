@@ -56,7 +56,7 @@ class LoraConfig:
 @dataclass
 class EvalConfig:
     prompts: typing.List[str] = field(default_factory=list)  # generated greedily at each eval
-    prompts_file: typing.Optional[str] = None  # .txt lines or .jsonl {"prompt"[, "tools", ...]}
+    prompts_file: typing.Optional[str] = None  # .txt lines; .jsonl/.json {"prompt"[, "tools", ...]}
     max_new_tokens: int = 64
     batches: int = 0                      # eval batches per evaluation; 0: the whole eval set
     on_start: bool = True                 # also evaluate before the first step

@@ -146,41 +146,38 @@ def read_eval(path):
 
 
 def read_prompts(prompts, prompts_file):
-    """eval.prompts plus the lines of eval.prompts_file (a .txt: one prompt a line; a .jsonl:
-    {"prompt": ...} lines), as text."""
+    """eval.prompts plus the lines of eval.prompts_file (a .txt: one prompt a line; a .jsonl or
+    .json: {"prompt": ...} records, as the training data's), as text."""
     return [text for text, _, _ in read_prompt_records(prompts, prompts_file)]
 
 
 def read_prompt_records(prompts, prompts_file):
     """eval.prompts plus eval.prompts_file's prompts, each (text, template inputs, where): a
-    .jsonl line {"prompt": ..., "tools": [...], "chat_template_kwargs": {...}} carries TRL's
-    per-record chat template inputs (checked as a training record's,
-    fastllm.train.sft_records.template_inputs; {} when it has none); `where` names the line."""
-    from fastllm.train.sft_records import decode_utf8, template_inputs
+    .jsonl or .json record {"prompt": ..., "tools": [...], "chat_template_kwargs": {...}} (JSON
+    Lines, or a .json array, read as the training data is) carries TRL's per-record chat
+    template inputs (checked as a training record's, fastllm.train.sft_records.template_inputs;
+    {} when it has none); `where` names the line or record."""
+    from fastllm.train.sft_records import decode_utf8, is_json_name, parsed, template_inputs
 
     out = [(p, {}, f"eval.prompts[{i}]") for i, p in enumerate(prompts)]
     if not prompts_file:
+        return out
+    if is_json_name(prompts_file):
+        for where, rec in parsed(prompts_file):
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                raise ValueError(f"fastllm train: {where}: expected {{\"prompt\": a string}}")
+            # a prompt is rendered as a user turn: a chat, for the template inputs
+            out.append((rec["prompt"], template_inputs(rec, "chat", where), where))
         return out
     with open(prompts_file, "rb") as f:
         raw = f.read()
     # decoded as the training data is: line by line (an error names its line), a byte-order
     # mark allowed on line 1
     for n, line in enumerate(raw.splitlines(), 1):
-        where, template = f"{prompts_file} line {n}", {}
+        where = f"{prompts_file} line {n}"
         line = decode_utf8(line, where, bom=n == 1).strip()
-        if not line:
-            continue
-        if prompts_file.endswith(".jsonl"):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"fastllm train: {where}: not JSON "
-                                 f"({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise ValueError(f"fastllm train: {where}: expected {{\"prompt\": a string}}")
-            # a prompt is rendered as a user turn: a chat, for the template inputs
-            line, template = rec["prompt"], template_inputs(rec, "chat", where)
-        out.append((line, template, where))
+        if line:
+            out.append((line, {}, where))
     return out
 
 

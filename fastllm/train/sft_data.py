@@ -43,9 +43,10 @@ __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", 
 IGNORE_INDEX = -100
 # what to do when the run's tokenizer has no chat template (byte and bpe have none)
 NO_TEMPLATE_HINT = "(data.tokenizer=<a model folder>, or model=<an HF folder>)"
-# sft-4: records' tools, chat_template_kwargs and messages' tool_calls rendered; sft-3: prompt
-# and completion tokenised together
-_VERSION = "sft-4"
+# sft-5: a chat tokenised whole, its replies found by offsets; sft-4: records' tools,
+# chat_template_kwargs and messages' tool_calls rendered; sft-3: prompt and completion tokenised
+# together
+_VERSION = "sft-5"
 # Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT)
 _ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately "
            "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
@@ -117,6 +118,38 @@ def _chat_pieces(tokenizer, messages, template=None):
     return [(t, a) for t, a in pieces if t]
 
 
+def _encode_chat(tokenizer, pieces, train_on_prompt):
+    """(ids, mask) of a rendered chat's pieces. The whole render is tokenised at once, as TRL's
+    SFTTrainer tokenises it and as the prompt is at inference (a SentencePiece tokenizer encoding
+    each piece alone would put a word-start marker, a space, at the head of each); a token is a
+    target when a character of it is in an assistant reply (transformers'
+    return_assistant_tokens_mask marks the tokens from the reply's first character to its last).
+    A tokenizer without offsets (the byte tokenizer, where pieces join exactly; a slow Hugging
+    Face one) encodes piece by piece."""
+    tok = getattr(tokenizer, "tok", None)
+    if tok is None or not getattr(tok, "is_fast", False):
+        ids, mask = [], []
+        for text, counts in pieces:
+            piece = tokenizer.encode(text)
+            ids += piece
+            mask += [int(counts or train_on_prompt)] * len(piece)
+        return ids, mask
+    enc = tok("".join(t for t, _ in pieces), add_special_tokens=False,
+              return_offsets_mapping=True)
+    spans, at = [], 0
+    for text, counts in pieces:
+        if counts:
+            spans.append((at, at + len(text)))
+        at += len(text)
+
+    def target(start, end):  # the token's characters [start, end) meet a reply (a token of no
+        end = max(end, start + 1)  # characters, as some tokenizers' markers: the one at start)
+        return any(start < b and a < end for a, b in spans)
+
+    return list(enc["input_ids"]), [int(train_on_prompt or target(*o))
+                                    for o in enc["offset_mapping"]]
+
+
 def _prompt_mask(ids, head, train_on_prompt):
     """The loss mask of prompt + completion ids whose prompt alone tokenises to `head`: the first
     len(head) positions are the prompt (TRL's completion_mask), whether or not `head` is a prefix
@@ -150,12 +183,8 @@ def encode_example(record, tokenizer, train_on_prompt=False):
     if kind in ("chat", "chat_completion") and not _template(tokenizer):
         raise ValueError(chat_refusal(None, tokenizer.name))
     if kind == "chat":
-        ids, mask = [], []
-        for text, counts in _chat_pieces(tokenizer, fields, template):
-            piece = tokenizer.encode(text)
-            ids += piece
-            mask += [int(counts or train_on_prompt)] * len(piece)
-        return ids, mask
+        return _encode_chat(tokenizer, _chat_pieces(tokenizer, fields, template),
+                            train_on_prompt)
     if kind == "chat_completion":
         # TRL's SFTTrainer: the prompt rendered with the generation prompt, prompt + completion
         # rendered together; the template ends the turns itself (no EOS added)

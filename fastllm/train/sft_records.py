@@ -51,12 +51,17 @@ def data_format(path, fmt="auto"):
         return "text"
     if os.path.isdir(path):
         return "jsonl" if _folder_files(path) else "text"
-    return "jsonl" if path.endswith(_EXTENSIONS) else "text"
+    return "jsonl" if is_json_name(path) else "text"
+
+
+def is_json_name(name):
+    """Whether a file name ends in .jsonl or .json, in any case (train.JSONL is JSON Lines)."""
+    return name.lower().endswith(_EXTENSIONS)
 
 
 def _folder_files(path):
-    return sorted(name for ext in _EXTENSIONS
-                  for name in glob.glob(os.path.join(path, "**", "*" + ext), recursive=True))
+    return sorted(name for name in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                  if is_json_name(name) and os.path.isfile(name))
 
 
 def _files(path):
@@ -100,7 +105,8 @@ def template_inputs(record, kind, where):
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise ValueError(f"fastllm train: {where}: key 'tools' must be a list of JSON "
                              f"schemas (objects), got {json.dumps(tools)[:80]}")
-        out["tools"] = tools
+        if tools:  # (an empty list is no tools, as null is)
+            out["tools"] = tools
     if kwargs is not None:
         if not isinstance(kwargs, dict):
             raise ValueError(f"fastllm train: {where}: key 'chat_template_kwargs' must be an "
@@ -188,7 +194,7 @@ def _json_lines(name, raw):
         try:
             yield where, json.loads(line)
         except ValueError as e:
-            if name.endswith(".json"):
+            if name.lower().endswith(".json"):
                 _refuse_one_value(name, raw)
             raise ValueError(f"fastllm train: {where}: not valid JSON ({e})") from None
 
@@ -216,20 +222,22 @@ def _json_array(name, raw):
         yield f"{name} record {i}", record
 
 
-def _parsed(name):
+def parsed(name):
+    """(where, parsed record) of each record of a .jsonl or .json file (JSON Lines, or one
+    JSON array in a .json)."""
     with open(name, "rb") as f:
         raw = f.read()
     # a .json file may hold an array of records (datasets' json loader reads both)
-    if name.endswith(".json") and raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+    if name.lower().endswith(".json") and raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
         return _json_array(name, raw)
     return _json_lines(name, raw)
 
 
 def _first_parsed(name):
-    """(where, parsed record) of the first record of a file, named as _parsed names it, reading
+    """(where, parsed record) of the first record of a file, named as parsed names it, reading
     no further than that record; None for a file without one."""
     with open(name, "rb") as f:
-        if name.endswith(".json"):
+        if name.lower().endswith(".json"):
             first = _first_item(f, name)
             if first is not False:
                 return first
@@ -305,7 +313,7 @@ def read_records(path):
     before any is tokenised. Blank lines are skipped."""
     records = Records()
     for name in _files(path):
-        for where, record in _parsed(name):
+        for where, record in parsed(name):
             record = _check(record, where)
             try:  # "\ud800" is valid JSON but no text: refused here, not by the tokenizer
                 json.dumps(record, ensure_ascii=False).encode("utf-8")
