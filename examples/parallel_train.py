@@ -173,7 +173,8 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
             opt.step()
             norm = opt.grad_norm
         else:
-            norm = clip_grad_norm_(params, max_norm, None if pipe is None else pipe.pp_group)
+            norm = clip_grad_norm_(params, max_norm,
+                                   pp_group=None if pipe is None else pipe.pp_group)
             opt.step()
         if dp > 1:
             dist.all_reduce(loss, group=mesh["dp"].get_group())

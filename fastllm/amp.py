@@ -280,13 +280,16 @@ class LossScaler:
 
     def load_state_dict(self, state_dict):
         """Restore a state_dict(); every value is checked (as the constructor checks them)
-        before any is set."""
+        before any is set. `enabled` stays the constructor's, as torch.amp.GradScaler's: a
+        checkpoint does not turn scaling on or off (an fp16 run resumed in bf16 with
+        enabled=False kept getting its loss scaled), and a disabled scaler loads nothing."""
         merged, trackers = self._checked(state_dict)
+        if not self.enabled:
+            return
         for key in ("growth_factor", "backoff_factor", "min_scale"):
             setattr(self, key, float(merged[key]))
         for key in ("growth_interval", "hysteresis"):
             setattr(self, key, int(merged[key]))
-        self.enabled = bool(merged["enabled"])
         self._scale.fill_(float(merged["scale"]))
         self._trackers.copy_(trackers)
         self._pending = None

@@ -19,6 +19,19 @@ def test_state_dict_round_trip():
     assert b.state_dict() == a.state_dict()
 
 
+def test_enabled_is_the_constructors_not_the_checkpoints():
+    """As torch.amp.GradScaler: an fp16 run's scaler state loaded by a disabled scaler (a bf16
+    resume) leaves it disabled, scaling nothing; a disabled run's state does not disable an
+    enabled scaler."""
+    fp16 = LossScaler(init_scale=1024.0)
+    off = LossScaler(enabled=False)
+    off.load_state_dict(fp16.state_dict())
+    assert not off.enabled and off.scale(torch.tensor(1.0)).item() == 1.0
+    on = LossScaler(init_scale=8.0)
+    on.load_state_dict(LossScaler(init_scale=64.0, enabled=False).state_dict())
+    assert on.enabled and on.scale(torch.tensor(1.0)).item() == 64.0
+
+
 @pytest.mark.parametrize("key,value", [("scale", math.nan), ("scale", 0.0), ("scale", -1.0),
                                        ("scale", math.inf), ("scale", "big"),
                                        ("growth_factor", 1.0), ("backoff_factor", 1.5),

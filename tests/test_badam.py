@@ -11,7 +11,7 @@ import torch.nn as nn
 import fastllm
 from fastllm.distributed.launch import spawn
 from fastllm.optim import BAdam
-from fastllm.optim.badam import default_blocks
+from fastllm.optim.badam import _matches, default_blocks
 
 
 def _model(seed=0):
@@ -89,6 +89,15 @@ def test_default_blocks_follow_layer_names():
             "transformer.h.1.attn.c_attn.weight", "transformer.ln_f.weight"]
     assert default_blocks(gpt2) == [["transformer.wte."], ["transformer.h.0."],
                                     ["transformer.h.1."], ["transformer.ln_f."]]
+    # a module holding a param beside submodules (Wav2Vec2's masked_spec_embed, BERT's
+    # cls.predictions.bias): the param alone is the block, which covered every layer before
+    w2v = ["enc.masked_spec_embed", "enc.layers.0.w", "enc.layers.1.w", "cls.predictions.bias",
+           "cls.predictions.transform.dense.weight", "head.weight"]
+    blocks = default_blocks(w2v)
+    assert blocks == [["enc.masked_spec_embed"], ["enc.layers.0."], ["enc.layers.1."],
+                      ["cls.predictions.bias"], ["cls.predictions.transform.dense."], ["head."]]
+    for name in w2v:  # each param in exactly one block
+        assert sum(any(_matches(name, p) for p in b) for b in blocks) == 1, name
 
 
 def test_explicit_blocks_and_bad_arguments():

@@ -614,6 +614,25 @@ def test_clip_takes_one_tensor_as_torch_does():
     torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_clip_takes_torchs_arguments_in_torchs_order():
+    """clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach) as torch's: the
+    third positional argument was pp_group (a float reached the process-group code)."""
+    from fastllm.parallel import clip_grad_norm_
+
+    p = torch.ones(3, requires_grad=True)
+    p.grad = torch.tensor([3.0, 4.0, 12.0])
+    q = p.detach().clone().requires_grad_()
+    q.grad = p.grad.clone()
+    torch.testing.assert_close(clip_grad_norm_([p], 1.0, 2.0, False, True),
+                               torch.nn.utils.clip_grad_norm_([q], 1.0, 2.0, False, True))
+    torch.testing.assert_close(p.grad, q.grad)
+    p.grad = torch.tensor([float("inf"), 1.0, 1.0])
+    before = p.grad.clone()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+    assert torch.equal(p.grad, before)
+
+
 class _PPMesh:  # what Pipeline and build_pipeline read of mesh["pp"], without a process group
     def __init__(self, size):
         self._size = size

@@ -53,12 +53,19 @@ def _matches(name, prefix):
 
 
 def default_blocks(names):
-    """One block (a list of one name prefix) per layer found in `names`, one per other module."""
+    """One block (a list of one name prefix) per layer found in `names`, one per other module;
+    no two blocks share a parameter. A parameter held by a module beside its submodules
+    (Wav2Vec2's masked_spec_embed next to its layers, BERT's cls.predictions.bias next to its
+    transform) is a block of its own: its module's prefix would cover the submodules too."""
+    names = list(names)
     blocks, seen = [], set()
     for name in names:
         m = _LAYER.match(name)
         prefix = (m.group(1) or m.group(2)) if m else (name.rsplit(".", 1)[0] + "."
                                                         if "." in name else name)
+        if not m and prefix.endswith(".") and any(
+                other.startswith(prefix) and "." in other[len(prefix):] for other in names):
+            prefix = name
         if prefix not in seen:
             seen.add(prefix)
             blocks.append([prefix])

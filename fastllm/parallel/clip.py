@@ -5,13 +5,17 @@ import torch
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
 
 
-def clip_grad_norm_(parameters, max_norm, pp_group=None, norm_type=2.0):
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                    foreach=None, *, pp_group=None):
     """Clip in place by the norm of all gradients of the whole model; returns that norm (fp32).
 
-    The norm is fastllm.optim.global_grad_norm's: DTensor gradients (tensor parallel, FSDP2)
-    count their shards once per mesh (Partial ones reduced first), and the squares are summed
-    over pp_group, whose ranks hold different layers. Every rank returns the same norm, equal
-    to the single-process `torch.nn.utils.clip_grad_norm_`.
+    torch.nn.utils.clip_grad_norm_'s arguments, in its order, and `pp_group`. The norm is
+    fastllm.optim.global_grad_norm's: DTensor gradients (tensor parallel, FSDP2) count their
+    shards once per mesh (Partial ones reduced first), and the squares are summed over
+    pp_group, whose ranks hold different layers. Every rank returns the same norm, equal to the
+    single-process `torch.nn.utils.clip_grad_norm_`. Only the 2-norm; `foreach` is accepted for
+    torch's signature (the grads are scaled one by one: a foreach op refuses DTensors on
+    different meshes); error_if_nonfinite reads the norm on the host, as torch's does.
     """
     if norm_type != 2.0:
         raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
@@ -19,6 +23,11 @@ def clip_grad_norm_(parameters, max_norm, pp_group=None, norm_type=2.0):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     total = global_grad_norm(grads, groups=[pp_group]).float()
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
+                           f"`parameters` is non-finite, so it cannot be clipped. To disable "
+                           f"this error and scale the gradients by the non-finite norm anyway, "
+                           f"set `error_if_nonfinite=False`")
     if max_norm is not None and grads:
         coef = clip_coefficient(total, max_norm)
         for g in grads:  # one by one: a foreach op refuses DTensors on different meshes

@@ -109,7 +109,8 @@ def step(optimizer, cfg, scalers, clip_group=None):
             gs.unscale_(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # max_grad_norm=0: the norm is still logged, as HF's Trainer does
-        grad_norm = float(clip_grad_norm_(params, cfg.max_grad_norm or None, clip_group))
+        grad_norm = float(clip_grad_norm_(params, cfg.max_grad_norm or None,
+                                          pp_group=clip_group))
         if gs is not None:
             scale = gs.get_scale()
             gs.step(optimizer)
