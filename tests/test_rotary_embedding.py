@@ -99,6 +99,22 @@ def test_in_place_refuses_autograd():
         rotary_embedding(q, k, cos, sin, inplace=True)
 
 
+def test_cos_and_sin_that_require_grad_get_their_gradient():
+    """A learned rotary table: the op gives cos and sin no gradient, so such a call is the
+    reference maths (cos.grad was None, silently)."""
+    q, k = torch.randn(2, 5, 4, 8, requires_grad=True), torch.randn(2, 5, 2, 8)
+    cos, sin = (t.float().requires_grad_() for t in _tables(5, 8, "cpu"))
+    ids = torch.arange(5)[None]
+    out = rotary_embedding(q, k, cos, sin, ids)
+    want = rotary_embedding_ref(q, k, cos, sin, ids)
+    g = [torch.randn_like(t) for t in out]
+    got_grads = torch.autograd.grad(out, (q, cos, sin), g)
+    want_grads = torch.autograd.grad(want, (q, cos, sin), g)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
+    assert got_grads[1].abs().max() > 0
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_in_place_refuses_aliased_memory(backend, device):
     """An expanded head dim or q and k in the same memory would be rotated once per alias:

@@ -9,7 +9,8 @@ unit last stride (HF's (B, H, S, D) tensors go in as their .transpose(1, 2) view
 them, or a (max_positions, D) table indexed by position_ids (B or 1, S), int64. q, k, cos, sin
 share one dtype (fp32, bf16, fp16, fp64); the products are taken in fp32 (fp64 for fp64) and
 rounded once. The backward is the transposed rotation of dq and dk (nothing saved but cos, sin
-and position_ids); cos and sin get no gradient (HF computes them from a frozen buffer).
+and position_ids); cos and sin get no gradient from the op (HF computes them from a frozen
+buffer): `rotary_embedding` hands cos or sin that require grad to the reference maths.
 
 Ops (schemas in fastllm/_library.py):
     rotary_embedding(q, k, cos, sin, position_ids) -> (q_out, k_out)     out of place, autograd
@@ -245,6 +246,11 @@ def rotary_embedding(q, k, cos, sin, position_ids=None, inplace=False):
             if done is not view:
                 view.copy_(done)
         return q, k
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        # a learned or trained table: the op gives cos and sin no gradient (HF makes them under
+        # no_grad), so this call is the reference maths, which autograd differentiates in full
+        check_rotary_embedding_args(q, k, cos, sin, position_ids)
+        return rotary_embedding_ref(q, k, cos, sin, position_ids)
     return _rotary(q, k, cos, sin, position_ids)
 
 
