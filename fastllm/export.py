@@ -110,7 +110,7 @@ def load_run(run_dir):
     train builds it (fastllm's LoRA/DoRA/prefix modules), on the CPU, in eval mode."""
     from fastllm.train import checkpoint as ckpt
     from fastllm.train.config import TrainConfig
-    from fastllm.train.model import build_model
+    from fastllm.train.model import PRESETS, build_model
 
     import pickle
 
@@ -127,6 +127,11 @@ def load_run(run_dir):
     if cfg.precision not in _DTYPES:
         raise ValueError(f"{config} has precision={cfg.precision!r}; one of "
                          f"{sorted(_DTYPES)} was expected")
+    if cfg.model not in PRESETS and not os.path.isdir(cfg.model):
+        # (runs before 2026-12-05 kept a model folder as typed: relative to where they ran)
+        raise FileNotFoundError(f"{config} names model={cfg.model!r}, which is no folder from "
+                                f"here ({os.getcwd()}): run this command from the folder "
+                                f"fastllm train ran in, or edit the path in {config}")
     root = run_dir if path != run_dir else os.path.dirname(os.path.abspath(run_dir))
     tokenizer = run_tokenizer(root, cfg)
     dtype = _DTYPES[cfg.precision] if cfg.backend == "fastllm" else torch.float32
@@ -152,17 +157,33 @@ def _has_lora(model):
     return bool(lora_modules(model))
 
 
-def _finish_config(model, tokenizer):
+def _finish_config(model, tokenizer, from_folder=False):
     """The model's config and generation config with the run tokenizer's special tokens (a
-    built-in model's LlamaConfig defaults, bos 1 / eos 2, are not the tokenizer's)."""
+    built-in model's LlamaConfig defaults, bos 1 / eos 2, are not the tokenizer's). A model
+    from a folder keeps its own: its stop tokens may be several (Llama-3-Instruct's
+    generation_config lists three), and the tokenizer's EOS is added to them when missing."""
     eos = tokenizer.eos_token_id
     tok = getattr(tokenizer, "tok", None)
     bos = getattr(tok, "bos_token_id", None)
     pad = getattr(tok, "pad_token_id", None)
     for c in (model.config, model.generation_config):
-        c.eos_token_id, c.bos_token_id = eos, bos
-        c.pad_token_id = pad if pad is not None else eos
+        if from_folder and getattr(c, "eos_token_id", None) is not None:
+            stops = stop_ids(c.eos_token_id)
+            if eos is not None and eos not in stops:
+                c.eos_token_id = stops + [eos]
+        else:
+            c.eos_token_id, c.bos_token_id = eos, bos
+        if getattr(c, "pad_token_id", None) is None or not from_folder:
+            c.pad_token_id = pad if pad is not None else eos
     model.config.use_cache = True
+
+
+def stop_ids(eos_token_id):
+    """A config's eos_token_id (None, an int or a list of them) as a list."""
+    if eos_token_id is None:
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(i) for i in
+                                                                     eos_token_id]
 
 
 def export(run_dir, out_dir, merged=False):
@@ -174,7 +195,7 @@ def export(run_dir, out_dir, merged=False):
                          "weights; export it without --merged (a PEFT adapter)")
     _check_out_dir(out_dir, adapter=(_has_lora(model) and not merged) or prefix)
     os.makedirs(out_dir, exist_ok=True)
-    _finish_config(model, tokenizer)
+    _finish_config(model, tokenizer, from_folder=os.path.isdir(cfg.model))
     tok = _tokenizer_files(tokenizer)
     if tok is not None:
         tok.save_pretrained(out_dir)

@@ -368,6 +368,8 @@ def test_fault_spec_is_checked():
         faults.parse("sigkil_after_step=5")
     with pytest.raises(ValueError, match="needs an integer"):
         faults.parse("sigkill_after_step=five")
+    with pytest.raises(ValueError, match="sigkill_after_step is given twice"):
+        faults.parse("sigkill_after_step=3,sigkill_after_step=5")  # was: the last one won
 
 
 def test_crash_while_writing_leaves_the_previous_checkpoint(cache_dir, reference, tmp_path,

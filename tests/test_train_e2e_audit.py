@@ -178,3 +178,82 @@ def test_smollm2_lora_sft_resumes_identically_and_exports_to_peft_and_transforme
         hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
         torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=1e-3, atol=1e-3)
     assert AutoTokenizer.from_pretrained(merged).chat_template == hf_tok.chat_template
+
+
+def test_export_keeps_a_model_folders_stop_tokens():
+    """A model folder's generation_config may list several stop tokens (Llama-3-Instruct: three);
+    the export kept only the tokenizer's EOS, so generate on it ran past the others. A built-in
+    model's LlamaConfig defaults (bos 1 / eos 2) still become the tokenizer's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastllm.export import _finish_config
+
+    class Tok:
+        eos_token_id, tok = 1, None
+
+    def model():
+        m = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, vocab_size=300,
+                                         num_hidden_layers=1, num_attention_heads=2))
+        m.config.eos_token_id = m.generation_config.eos_token_id = [1, 299]
+        return m
+
+    m = model()
+    _finish_config(m, Tok(), from_folder=True)
+    assert m.generation_config.eos_token_id == [1, 299] and m.config.eos_token_id == [1, 299]
+    Tok.eos_token_id = 7
+    _finish_config(m, Tok(), from_folder=True)
+    assert m.generation_config.eos_token_id == [1, 299, 7]
+    m = model()
+    _finish_config(m, Tok(), from_folder=False)
+    assert m.generation_config.eos_token_id == 7 and m.config.bos_token_id is None
+
+
+def _tiny_lm(vocab=257):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, vocab_size=vocab,
+                                        num_hidden_layers=1, num_attention_heads=2)).eval()
+
+
+def test_generation_stops_at_every_stop_token_of_the_generation_config():
+    """A model's generation_config may list stop tokens beside the tokenizer's EOS (Llama-3's
+    <|eot_id|>): model.generate stops at any; fastllm generate passed the tokenizer's alone."""
+    from fastllm.train.data import ByteTokenizer
+    from fastllm.train.evaluate import generate_samples
+
+    model, tok = _tiny_lm(), ByteTokenizer()
+    ids = torch.tensor([tok.encode("hello")])
+    first = int(model(input_ids=ids).logits[0, -1].argmax())
+    assert generate_samples(model, tok, ["hello"], max_new_tokens=4) != [""]
+    model.generation_config.eos_token_id = [first]
+    assert generate_samples(model, tok, ["hello"], max_new_tokens=4) == [""]
+
+
+def test_decoding_without_a_cache_applies_top_p_and_top_k():
+    """The prefix-tuning path decodes without a KV cache: its sampling ignored top_p (and the
+    generation_config's top_k); with top_p tiny every sample is the greedy one."""
+    from fastllm.train.evaluate import _decode_without_cache
+
+    model = _tiny_lm()
+    ids = torch.tensor([[5, 6, 7]])
+    greedy = _decode_without_cache(model, ids, 6, [], False, 1.0)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        assert _decode_without_cache(model, ids, 6, [], True, 1.0, top_p=1e-3) == greedy
+        torch.manual_seed(seed)
+        assert _decode_without_cache(model, ids, 6, [], True, 1.0, top_k=1) == greedy
+
+
+def test_model_and_tokenizer_folders_are_kept_absolute(tmp_path, monkeypatch):
+    """config.yaml names the model folder for fastllm export and generate, which may run from
+    elsewhere: a relative one was looked up from their working directory. A run saved with the
+    relative path still resumes (the same folder)."""
+    from fastllm.train.checkpoint_layout import _same
+
+    (tmp_path / "hf").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig.from_args(["model=hf", "data.tokenizer=hf"]).check_files()
+    assert cfg.model == str(tmp_path / "hf") and cfg.data.tokenizer == str(tmp_path / "hf")
+    assert _same("model", "hf", cfg.model) and not _same("model", "other", cfg.model)
+    assert TrainConfig.from_args(["model=tiny"]).check_files().model == "tiny"

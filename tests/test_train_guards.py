@@ -1,9 +1,11 @@
 """fastllm train refuses or handles what would otherwise train wrongly: optimizer_in_backward with
 accumulation or a non-finite loss, options that do not apply, HF's max_steps over
-num_train_epochs, overwrite_output_dir, a resume with another layout, --compare torch with a
-fastllm-only option, the step-0 evaluation redone after a restart; and options that mean what
-Hugging Face's TrainingArguments of the same name mean (gradient_accumulation_steps under
-pipeline parallel, BAdam's weight decay split) (tiny model, one thread, a few steps each)."""
+num_train_epochs, overwrite_output_dir (a checkpoint set aside by an interrupted save included),
+a resume with another layout (not a LoRA target_modules reordered), --compare torch with a
+fastllm-only option, the step-0 evaluation redone after a restart and the evaluations of steps a
+rollback discarded; and options that mean what Hugging Face's TrainingArguments of the same name
+mean (gradient_accumulation_steps under pipeline parallel, BAdam's weight decay split) (tiny
+model, one thread, a few steps each)."""
 
 import json
 import os
@@ -122,6 +124,29 @@ def test_overwrite_output_dir_starts_fresh_under_auto_resume(cache_dir, tmp_path
     assert [r["step"] for r in recs] == [1, 2] and recs[0]["lr"] == pytest.approx(1e-3)
 
 
+def test_overwrite_output_dir_clears_a_checkpoint_set_aside_by_an_interrupted_save(tmp_path):
+    from fastllm.train import run_dir
+
+    def cfg(auto_resume, overwrite):
+        return SimpleNamespace(output_dir=str(tmp_path), overwrite_output_dir=overwrite,
+                               checkpoint=SimpleNamespace(auto_resume=auto_resume))
+
+    def leave():  # a crash between save()'s two renames, and one inside a write
+        for name in ("checkpoint-8.old-deadbeef", ".tmp-checkpoint-9-cafef00d"):
+            os.makedirs(tmp_path / name, exist_ok=True)
+
+    leave()
+    run_dir.release(run_dir.prepare(cfg(True, False), log=lambda text: None))
+    assert sorted(os.listdir(tmp_path)) == [".lock", "checkpoint-8"]  # a resume puts it back
+    shutil.rmtree(tmp_path / "checkpoint-8")
+    leave()
+    with pytest.raises(run_dir.RunDirError, match=r"holds another run \(checkpoint-8.old-dead"):
+        run_dir.prepare(cfg(False, False), log=lambda text: None)
+    # a fresh run deletes it with the rest of the previous run: put back, it would be resumed
+    run_dir.release(run_dir.prepare(cfg(True, True), log=lambda text: None))
+    assert sorted(os.listdir(tmp_path)) == [".lock"]
+
+
 def test_resume_with_another_layout_names_the_key(cache_dir, tmp_path):
     out = str(tmp_path)
     run(cache_dir, out, "max_steps=1", "checkpoint.interval=0")
@@ -136,6 +161,28 @@ def test_resume_with_another_layout_names_the_key(cache_dir, tmp_path):
     s = run(cache_dir, out, "max_steps=1", "seed=5", log=said.append)
     assert s["resumed_from"].endswith("checkpoint-1")
     assert any("trained with seed=0, this run has seed=5" in line for line in said)
+
+
+def test_a_lora_resume_takes_target_modules_in_any_order(cache_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
+    args = ("max_steps=2", "checkpoint.interval=1", "finetune=lora")
+    run(cache_dir, ref, *args, "lora.target_modules=[q_proj,v_proj]")
+    shutil.copytree(ref, out, ignore=shutil.ignore_patterns(".lock", "checkpoint-2"))
+    with pytest.raises(ConfigError, match=r"lora.target_modules=\['q_proj', 'v_proj'\], this"):
+        run(cache_dir, out, *args, "lora.target_modules=[q_proj]")
+    # the layers are wrapped, and their optimizer state indexed, in model order: step 2 redone
+    # from checkpoint-1 is step 2 of the run that never stopped
+    s = run(cache_dir, out, *args, "lora.target_modules=[v_proj,q_proj]")
+    assert s["resumed_from"].endswith("checkpoint-1")
+    assert [(r["loss"], r["grad_norm"]) for r in metrics(out)] == [
+        (r["loss"], r["grad_norm"]) for r in metrics(ref)]
+    saved = [load_file(os.path.join(d, "checkpoint-2", "adapter", "adapter_model.safetensors"))
+             for d in (ref, out)]
+    assert saved[0].keys() == saved[1].keys()
+    for name, t in saved[0].items():
+        assert torch.equal(saved[1][name], t), name
 
 
 def test_compare_torch_refuses_a_fastllm_only_option_before_training(cache_dir, tmp_path):
@@ -160,6 +207,28 @@ def test_a_restart_before_the_first_checkpoint_writes_step_0_samples_once(cache_
     run(cache_dir, out, *args)
     with open(os.path.join(out, "samples.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [0, 1]
+
+
+def test_a_rollback_drops_the_evaluations_of_the_discarded_steps(cache_dir, tmp_path):
+    from fastllm.train.metrics import MetricsWriter
+
+    out = str(tmp_path / "run")
+    # steps 5 and 6 are non-finite: rolled back to checkpoint-4 after the evaluation of step 6
+    s = run(cache_dir, out, "max_steps=8", "global_batch_size=8", "eval.prompts=[hi]",
+            "eval.max_new_tokens=2", "eval_interval=2", "nan_batches=[4,5]",
+            "max_bad_steps=2", "checkpoint.interval=2")
+    assert s["rollbacks"] == 1
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 2, 4, 6, 8]
+    # metrics.jsonl's evaluation lines (a held-out set's) go with the steps' lines
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 4}, {"eval_step": 4}, {"step": 5}, {"step": 6}, {"eval_step": 6})))
+    writer = MetricsWriter(SimpleNamespace(log_interval=1, report_to="none"), str(tmp_path),
+                           True, 8, 6)
+    writer.rewind(4)
+    writer.close()
+    assert path.read_text().splitlines() == ['{"step": 4}', '{"eval_step": 4}']
 
 
 # --- options mean what Hugging Face's TrainingArguments of the same name mean -------------

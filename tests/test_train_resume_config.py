@@ -116,15 +116,29 @@ def test_tensorboard_events_after_a_resumed_or_rewound_step_are_purged(tmp_path,
 
 
 def _saved_state():
-    return {"step": 3, "data": {"position": 24, "global_batch": 8}, "rng": {},
+    return {"step": 3, "data": {"position": 24, "global_batch": 8},
+            "rng": [{"torch": torch.get_rng_state(), "python": random.getstate()}],
             "counters": {"skipped": 0, "bad_in_a_row": 0, "rollbacks": 0}}
 
 
 @pytest.mark.parametrize("edit,says", [
     (lambda s: s.pop("counters"), "counters needs int skipped"),
     (lambda s: s["data"].update(position="24"), "data needs int position"),
+    (lambda s: s["data"].update(position=-8), "data position -8 < 0"),
     (lambda s: s.update(step=-1), "no step count"),
     (lambda s: s.pop("rng"), "no rng states"),
+    # each was a bare KeyError or RuntimeError at restore_rng, or (a string) taken as the
+    # states of another world size
+    (lambda s: s.update(rng="abc"), "rng is a str, not a list of per-rank states"),
+    (lambda s: s.update(rng=[]), "rng is an empty list"),
+    (lambda s: s.update(rng=[{}]), "rng of rank 0: it has no torch or python state"),
+    (lambda s: s["rng"].append(3), "rng of rank 1: it is a int, not a mapping"),
+    (lambda s: s["rng"][0].update(torch=torch.zeros(5, dtype=torch.uint8)),
+     "rng of rank 0: its torch state cannot be restored .*size"),
+    (lambda s: s["rng"][0].update(torch=torch.get_rng_state().float()),
+     "rng of rank 0: its torch state is not a uint8 tensor"),
+    (lambda s: s["rng"][0].update(python=(3, (1, 2), None)),
+     "rng of rank 0: its python state cannot be restored"),
 ])
 def test_a_malformed_trainer_state_is_refused_naming_the_file(edit, says):
     from fastllm.train import checkpoint_layout
@@ -132,8 +146,11 @@ def test_a_malformed_trainer_state_is_refused_naming_the_file(edit, says):
     state = _saved_state()
     checkpoint_layout.check_trainer_state(state, "ckpt", 8)  # what save_checkpoint writes
     edit(state)
+    before = torch.get_rng_state(), random.getstate()
     with pytest.raises(ValueError, match=f"ckpt/trainer_state.pt is malformed: {says}"):
         checkpoint_layout.check_trainer_state(state, "ckpt", 8)
+    # the states were tried on scratch generators: this process's streams are untouched
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     with pytest.raises(ValueError, match="is malformed: a list"):
         checkpoint_layout.check_trainer_state([1], "ckpt", 8)
     with pytest.raises(ValueError, match="global_batch_size=8, this run has 16"):

@@ -27,6 +27,10 @@ __all__ = ["CheckpointError", "save", "verify", "latest_valid", "list_checkpoint
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+# What save() leaves when interrupted: its temporary folder, and a replaced checkpoint set aside
+# (between its two renames).
+_TMP = ".tmp-checkpoint-"
+_OLD = re.compile(r"^(checkpoint-\d+)\.old-")
 
 
 class CheckpointError(RuntimeError):
@@ -199,6 +203,15 @@ def prune(output_dir, keep_last, keep=None):
     remove_partial(output_dir)
 
 
+def set_aside(output_dir):
+    """The names of the checkpoints save() set aside and never put back (checkpoint-<step>.old-*,
+    which remove_partial would restore), sorted."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir)
+                  if _OLD.match(n) and os.path.isdir(os.path.join(output_dir, n)))
+
+
 def remove_partial(output_dir):
     """Delete leftovers of interrupted writes; a replaced checkpoint whose replacement never
     arrived (a crash between save's two renames) is put back instead."""
@@ -206,10 +219,10 @@ def remove_partial(output_dir):
         return
     for name in sorted(os.listdir(output_dir)):
         full = os.path.join(output_dir, name)
-        old = re.match(r"^(checkpoint-\d+)\.old-", name)
+        old = _OLD.match(name)
         if old and not os.path.lexists(os.path.join(output_dir, old.group(1))):
             os.rename(full, os.path.join(output_dir, old.group(1)))
-        elif name.startswith(".tmp-checkpoint-") or old:
+        elif name.startswith(_TMP) or old:
             shutil.rmtree(full, ignore_errors=True)
 
 

@@ -255,6 +255,10 @@ _MODE_KEYS = {"lora": ("lora.target_modules", "lora.r", "lora.layers", "lora.use
               "freeze": ("freeze.layers",), "badam": ("badam.blocks",),
               # (the projected side and its rank: the shapes of the low-rank moments)
               "galore": ("galore.rank", "galore.proj_type")}
+# Keys whose order does not matter: LoRA wraps the layers target_modules selects in model order
+# (inject_lora walks named_modules; PEFT's target_modules is a set), so the adapter's layers and
+# the optimizer state's indices (param_order) are the same in any order of the entries.
+_UNORDERED_KEYS = ("lora.target_modules",)
 # Param-group hyperparameters that come from the config (weight_decay, AdamW's, GaLore's
 # refresh gap and scale): a checkpoint's optimizer state brings back its own, which a resume with
 # a changed config must not silently keep.
@@ -263,10 +267,39 @@ _DATA_KEYS = ("seed", "data.path", "data.format", "data.seq_len", "data.packing"
               "data.train_on_prompt", "data.eval_fraction", "data.eval_path")
 
 
-def check_trainer_state(state, path, global_batch):
+def _check_rng(rng, device):
+    """Why one rank's entry of rng_states() cannot be restored by restore_rng, or None. Each
+    state is tried on a scratch generator, so a bad one is refused before anything is loaded
+    and the process's own streams are left as they are."""
+    if not isinstance(rng, dict):
+        return f"it is a {type(rng).__name__}, not a mapping"
+    missing = [k for k in ("torch", "python") if k not in rng]
+    if missing:
+        return f"it has no {' or '.join(missing)} state"
+    streams = [("torch", "cpu")]
+    # (the CUDA state is read only when this run is on CUDA: restore_rng skips it elsewhere)
+    if "cuda" in rng and device is not None and device.type == "cuda":
+        streams.append(("cuda", device))
+    for key, where in streams:
+        t = rng[key]
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8):
+            return f"its {key} state is not a uint8 tensor"
+        try:
+            torch.Generator(device=where).set_state(t)
+        except (RuntimeError, TypeError, ValueError) as e:
+            return f"its {key} state cannot be restored ({e})"
+    try:
+        random.Random().setstate(rng["python"])
+    except (TypeError, ValueError) as e:
+        return f"its python state cannot be restored ({e})"
+    return None
+
+
+def check_trainer_state(state, path, global_batch, device=None):
     """Refuse a trainer_state.pt that is not what save_checkpoint writes (an edited or foreign
     file that passed the manifest), or another global batch, naming the file, before anything
-    is loaded."""
+    is loaded. rng must hold one restorable entry per rank of the saving run (rng_states);
+    device: this run's, whose CUDA state is then checked too."""
     where = os.path.join(path, "trainer_state.pt")
 
     def need(ok, what):
@@ -280,9 +313,18 @@ def check_trainer_state(state, path, global_batch):
     need(ints(state, ("step",)) and state["step"] >= 0, "no step count (an int >= 0)")
     need(ints(state.get("data"), ("position", "global_batch")), "data needs int position and "
          "global_batch")
+    need(state["data"]["position"] >= 0, f"data position {state['data']['position']} < 0")
     need(ints(state.get("counters"), ("skipped", "bad_in_a_row", "rollbacks")),
          "counters needs int skipped, bad_in_a_row and rollbacks")
     need("rng" in state, "no rng states")
+    # a list of one entry per rank: its length is the saving run's world size (restore_rng)
+    rngs = state["rng"]
+    need(isinstance(rngs, list), f"rng is a {type(rngs).__name__}, not a list of per-rank "
+         f"states")
+    need(rngs, "rng is an empty list (one state per rank)")
+    for rank, rng in enumerate(rngs):
+        why = _check_rng(rng, device)
+        need(why is None, f"rng of rank {rank}: {why}")
     if state["data"]["global_batch"] != global_batch:
         raise ValueError(f"fastllm train: {path} was trained with global_batch_size="
                          f"{state['data']['global_batch']}, this run has {global_batch}; keep "
@@ -341,6 +383,16 @@ def _get(config, dotted):
     return config
 
 
+def _same(key, old, new):
+    if key in _UNORDERED_KEYS and isinstance(old, list) and isinstance(new, list):
+        return {str(v) for v in old} == {str(v) for v in new}
+    if key in ("model", "data.tokenizer") and isinstance(old, str) and isinstance(new, str) and (
+            os.path.isdir(new)):
+        # a folder, saved as typed (relative) before runs kept it absolute: the same folder
+        return os.path.abspath(old) == os.path.abspath(new)
+    return old == new
+
+
 def check_resume_config(path, cfg, log):
     """Compare checkpoint `path`'s config.yaml with this run's cfg before loading it: a change
     that moves the state's layout raises ConfigError naming the key, a change of the data stream
@@ -363,7 +415,7 @@ def check_resume_config(path, cfg, log):
         vocab = ("data.vocab_size",)  # the trained BPE's size is the embedding's
     for key in _LAYOUT_KEYS + vocab + _MODE_KEYS.get(cfg.finetune, ()):
         old, new = _get(saved, key), _get(now, key)
-        if old != new:
+        if not _same(key, old, new):
             raise ConfigError(f"fastllm train: {path} was trained with {key}={old}, this run has "
                               f"{key}={new}: its model and optimizer state do not fit; keep "
                               f"{key}={old} to resume, or start fresh (another output_dir, or "

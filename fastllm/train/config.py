@@ -294,6 +294,13 @@ class TrainConfig:
         for key, path in (("data.path", self.data.path), ("data.eval_path", self.data.eval_path),
                           ("eval.prompts_file", self.eval.prompts_file)):
             need(path is None or os.path.exists(path), f"{key}={path} does not exist")
+        # model and tokenizer folders kept as absolute paths: the run's config.yaml names them
+        # for fastllm export and generate, run from anywhere (a relative one was looked up from
+        # their working directory, and another folder of that name there would be used)
+        if os.path.isdir(self.model):
+            self.model = os.path.abspath(self.model)
+        if tok not in ("byte", "bpe"):
+            self.data.tokenizer = os.path.abspath(tok)
         return self
 
     def resolved_max_steps(self, num_sequences, global_batch):

@@ -95,6 +95,13 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
     was_training = model.training
     model.eval()
     eos = getattr(tokenizer, "eos_token_id", None)
+    # the stop tokens: the tokenizer's EOS and those the model's generation_config lists
+    # (Llama-3-Instruct's three), as model.generate stops at any of them
+    config = getattr(model, "generation_config", None)
+    own = getattr(config, "eos_token_id", None)
+    stops = ([] if eos is None else [eos]) + [
+        int(i) for i in ([] if own is None else [own] if isinstance(own, int) else own)
+        if int(i) != eos]
     outs = []
     templates = [None] * len(prompts) if templates is None else templates
     try:
@@ -106,32 +113,46 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
             else:  # a checkpoint's own generation_config may ask for sampling
                 kw.update(temperature=None, top_p=None, top_k=None)
             if hasattr(model, "_fastllm_prefix"):  # the prefix rides in the cache itself
-                new = _decode_without_cache(model, ids, max_new_tokens, eos, do_sample,
-                                            temperature)
+                top_k = getattr(config, "top_k", None) if do_sample else None
+                new = _decode_without_cache(model, ids, max_new_tokens, stops, do_sample,
+                                            temperature, top_p, top_k)
             else:
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                      max_new_tokens=max_new_tokens, use_cache=True,
-                                     pad_token_id=eos, eos_token_id=eos, **kw)
+                                     pad_token_id=stops[0] if stops else None,
+                                     eos_token_id=stops or None, **kw)
                 new = out[0, ids.shape[1]:].tolist()
-            if eos is not None and eos in new:
-                new = new[:new.index(eos)]
-            outs.append(tokenizer.decode(new))
+            ends = [i for i, t in enumerate(new) if t in stops]
+            outs.append(tokenizer.decode(new[:ends[0]] if ends else new))
     finally:
         model.train(was_training)
     return outs
 
 
-def _decode_without_cache(model, ids, max_new_tokens, eos, do_sample, temperature):
-    """Token by token, the whole sequence each time (no KV cache): (new ids)."""
+def _decode_without_cache(model, ids, max_new_tokens, stops, do_sample, temperature, top_p=1.0,
+                         top_k=None):
+    """Token by token, the whole sequence each time (no KV cache): (new ids). Sampling filters
+    the logits as model.generate does (temperature, then top-k, then top-p: transformers' own
+    warpers)."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    warpers = [TemperatureLogitsWarper(temperature)] if do_sample else []
+    if do_sample and top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if do_sample and top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
     new = []
     for _ in range(max_new_tokens):
-        logits = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+        logits = model(input_ids=ids, use_cache=False).logits[:, -1].float()
         if do_sample:
-            nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1))
+            for warp in warpers:
+                logits = warp(ids, logits)
+            nxt = int(torch.multinomial(torch.softmax(logits[0], -1), 1))
         else:
-            nxt = int(logits.argmax())
+            nxt = int(logits[0].argmax())
         new.append(nxt)
-        if nxt == eos:
+        if nxt in stops:
             break
         ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
     return new
@@ -182,7 +203,8 @@ def read_prompt_records(prompts, prompts_file):
 
 
 def _truncate(path, key, step):
-    """A resumed run redoes the evaluations after its checkpoint: drop their old lines."""
+    """A resumed or rolled-back run redoes the evaluations after its checkpoint: drop their old
+    lines."""
     if not os.path.exists(path):
         return
     with open(path) as f:
@@ -233,6 +255,12 @@ class Evaluator:
         if redo_start:
             self.run(trainer, 0)
         return self
+
+    def rewind(self, step):
+        """After a rollback to `step` (with MetricsWriter.rewind, which drops metrics.jsonl's
+        evaluation lines): drop the samples of the discarded steps, which will be redone."""
+        if self.rank == 0:
+            _truncate(self.samples_path, "step", step)
 
     def due(self, step):
         interval = self.cfg.eval_interval

@@ -33,7 +33,8 @@ _files_written = 0
 
 
 def parse(text):
-    """{key: int} from FASTLLM_FAULT's text; an unknown key or a non-integer value is refused."""
+    """{key: int} from FASTLLM_FAULT's text; an unknown or repeated key or a non-integer value
+    is refused (a repeated key would fire at one of its values only)."""
     faults = {}
     for item in (text or "").split(","):
         if not item.strip():
@@ -42,6 +43,9 @@ def parse(text):
         key = key.strip()
         if not sep or key not in _KEYS:
             raise ValueError(f"FASTLLM_FAULT: {item!r} is not one of {', '.join(_KEYS)} (=int)")
+        if key in faults:
+            raise ValueError(f"FASTLLM_FAULT: {key} is given twice ({text!r}); give each fault "
+                             f"at most once")
         try:
             faults[key] = int(value)
         except ValueError:

@@ -92,7 +92,9 @@ class MetricsWriter:
         self._tb = SummaryWriter(self._tb_dir, purge_step=step + 1)
 
     def _truncate_after(self, step):
-        """A resumed run rewrites the steps after its checkpoint: drop their old lines."""
+        """A resumed run rewrites the steps after its checkpoint: drop their old lines, the
+        evaluations' ({"eval_step": s}) too (a rollback redoes them; a resume's were dropped
+        already by fastllm.train.evaluate.Evaluator.start)."""
         if not os.path.exists(self.path):
             return
         keep = []
@@ -102,7 +104,7 @@ class MetricsWriter:
                     rec = json.loads(line)
                 except ValueError:
                     continue
-                if rec.get("step", 0) <= step:
+                if max(rec.get("step", 0), rec.get("eval_step", 0)) <= step:
                     keep.append(line if line.endswith("\n") else line + "\n")
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
@@ -110,7 +112,8 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def rewind(self, step):
-        """After a rollback to `step`: drop the lines of the steps that will be redone."""
+        """After a rollback to `step`: drop the lines of the steps (and evaluations) that will
+        be redone; samples.jsonl is the Evaluator's (Evaluator.rewind)."""
         if not self.enabled:
             return
         self._file.close()

@@ -65,10 +65,13 @@ def release(handle):
 
 
 def previous_run(output_dir):
-    """The checkpoint folders and run files another run left in output_dir (names, sorted)."""
+    """The checkpoint folders and run files another run left in output_dir (names, sorted). A
+    checkpoint save() set aside (checkpoint-<step>.old-*) is one of them: remove_partial would
+    put it back, and a fresh run would then resume from it."""
     if not os.path.isdir(output_dir):
         return []
     found = [os.path.basename(p) for _, p in ckpt.list_checkpoints(output_dir)]
+    found += ckpt.set_aside(output_dir)
     found += [n for n in _RUN_FILES if os.path.exists(os.path.join(output_dir, n))]
     return sorted(found)
 
@@ -76,8 +79,9 @@ def previous_run(output_dir):
 def prepare(cfg, log=print):
     """Rank 0 at the start of a run: lock output_dir, refuse (or with overwrite_output_dir
     clear) another run's checkpoints and metrics when this run starts fresh (auto_resume=false
-    or overwrite_output_dir=true), remove leftovers
-    of interrupted checkpoint writes. Returns the lock handle for release()."""
+    or overwrite_output_dir=true), remove leftovers of interrupted checkpoint writes (after a
+    clear, .tmp-checkpoint-* only: the set-aside checkpoints went with the run). Returns the lock
+    handle for release()."""
     handle = lock(cfg.output_dir)
     try:
         # overwrite_output_dir wins over auto_resume (HF's meaning): the trainer starts fresh

@@ -185,7 +185,7 @@ class Trainer:
         """Restore model, optimizer, schedule, scalers, data position, RNG and counters."""
         cfg = self.cfg
         state = ckpt.load_file(os.path.join(path, "trainer_state.pt"))
-        checkpoint_layout.check_trainer_state(state, path, self.global_batch)
+        checkpoint_layout.check_trainer_state(state, path, self.global_batch, self.device)
         optim_state = checkpoint_layout.convert_moments(
             ckpt.load_file(os.path.join(path, "optimizer.pt")), cfg, self.optimizer, self.log,
             path)
@@ -348,6 +348,8 @@ class Trainer:
                     if not finite and self.bad_in_a_row >= cfg.max_bad_steps:
                         self._rollback()
                         writer.rewind(self.step)
+                        if evaluator is not None:
+                            evaluator.rewind(self.step)
                         continue
                     stop = float(flags[1]) > 0
                     due = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
