@@ -102,6 +102,8 @@ def _take(*tensors):
     t = tensors[0]
     if t.dtype != torch.float32 or t.device.type != "cpu" or not enabled():
         return False
+    if torch.compiler.is_compiling():  # traced (a plain autograd.Function's body): torch's GEMM,
+        return False                   # which dynamo sees; the extension call it cannot trace
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         return False  # autograd would not see the call
     # (a negated view goes to torch, which resolves it: the GEMM reads raw memory)

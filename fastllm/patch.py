@@ -179,7 +179,7 @@ def _project(x, layers):
     parts = [_lora_parts(layer) for layer in layers]
     plain = [type(layer) is nn.Linear for layer in layers]
     if sum(p is not None for p in parts) < 2 or not all(
-            p is not None or q for p, q in zip(parts, plain)):
+            p is not None or q for p, q in zip(parts, plain)) or any(map(_hooked, layers)):
         return [layer(x) for layer in layers]
     bases = [layer if p is None else layer.base_layer for layer, p in zip(layers, parts)]
     return lora_linear_multi(
@@ -410,9 +410,17 @@ _REPLACEMENTS = (_linear_forward, _rms_norm_forward, _gemma_rms_norm_forward, _a
 
 
 def _hooked(module):
-    # an accelerate hook (device_map dispatch, cpu_offload) may move or load a module's weights
-    # before its forward: such a module is called, its weights never read around the call
-    return "_hf_hook" in module.__dict__
+    """Whether calling `module` runs more than its forward: such a module is called, its weights
+    never read around the call. An accelerate hook (device_map dispatch, cpu_offload) may move
+    or load its weights; a forward hook or pre-hook of the module, of a LoRA layer's base layer
+    or a global one would be skipped (a user capturing a projection's output got nothing)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m is not None and ("_hf_hook" in m.__dict__ or m._forward_hooks
+                                  or m._forward_pre_hooks)
+               for m in (module, getattr(module, "base_layer", None)))
 
 
 def _is_ours(f, module):

@@ -249,6 +249,37 @@ def test_autocast(dtype):
     assert torch.equal(y, lora_linear(*lp[:4], 0.5, lp[4]))  # autocast only casts the inputs
 
 
+def test_multi_under_autocast_and_compiled_with_onednn_routing(monkeypatch):
+    """lora_linear_multi casts under autocast before its dtype checks, as lora_linear and
+    F.linear do (fp32 x on a bf16 model was refused, crashing a patched model); and it compiles
+    in one graph with fp32 matmuls routed through oneDNN (its autograd.Function body called the
+    extension, which dynamo cannot trace)."""
+    from fastllm import _gemm
+    from fastllm.ops.lora_linear_multi import lora_linear_multi
+
+    x = torch.randn(5, 16)
+    ws = [torch.randn(8, 16), torch.randn(4, 16)]
+    adapters = [torch.randn(2, 16), torch.randn(8, 2)]
+    args = (ws, [adapters[0], None], [adapters[1], None], [0.5, 1.0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = lora_linear_multi(x, *(([t.bfloat16() for t in ws],) + args[1:]))
+    want = lora_linear_multi(x.bfloat16(), [t.bfloat16() for t in ws],
+                             [adapters[0].bfloat16(), None], [adapters[1].bfloat16(), None],
+                             [0.5, 1.0])
+    assert all(y.dtype == torch.bfloat16 and torch.equal(y, w) for y, w in zip(ys, want))
+    if not _gemm._usable():
+        return
+    monkeypatch.setenv(_gemm.ENV, "onednn")
+    xg = x.clone().requires_grad_()
+
+    def f(x):
+        return sum(y.square().sum() for y in lora_linear_multi(x, *args))
+
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(xg), xg)
+    torch.testing.assert_close(got, torch.autograd.grad(f(xg), xg), rtol=1e-5, atol=1e-5)
+
+
 def test_rejects_bad_arguments_without_touching_anything():
     x, w, a, b, _ = _inputs((4,), 8, 6, 2, torch.float32, "cpu", bias=False)
     cases = [

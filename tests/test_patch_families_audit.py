@@ -397,3 +397,31 @@ def test_patch_twice_unpatch_and_save_round_trip(tmp_path):
     loaded = type(model).from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_forward_hooks_on_projections_still_fire_when_patched():
+    """The patch reads q/k/v's and gate/up's weights to project once (lora_linear_multi): a
+    forward hook on one of them was skipped. Such layers are called: the output is the
+    unpatched model's, with the hook's change."""
+    from test_patch import _batch, _model
+
+    model = _model().eval()
+    fastllm.lora.inject_lora(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], r=4)
+    ref = copy.deepcopy(model)
+    calls = []
+
+    def hook(module, args, out):
+        calls.append(module)
+        return out * 2
+
+    for m in (model, ref):
+        attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+        attn.q_proj.register_forward_hook(hook)
+        mlp.up_proj.register_forward_hook(hook)
+    ids, labels = _batch()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        fastllm.patch(model)
+        got = model(input_ids=ids).logits
+    assert len(calls) == 4
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

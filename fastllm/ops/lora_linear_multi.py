@@ -138,6 +138,16 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
     for i in range(n):
         if (lora_as[i] is None) != (lora_bs[i] is None):
             raise ValueError(f"fastllm.lora_linear_multi: projection {i} has only one of A, B")
+    # (before the dtype checks, as F.linear casts before its own: the call checks the cast ones)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in [x, *weights, *biases, *lora_as, *lora_bs]]
+        with torch.autocast(device_type, enabled=False):
+            return lora_linear_multi(cast[0], cast[1:1 + n], cast[1 + 2 * n:1 + 3 * n],
+                                     cast[1 + 3 * n:], scalings, cast[1 + n:1 + 2 * n])
+    for i in range(n):
         if lora_as[i] is not None:
             check_lora_linear_args(x, weights[i], lora_as[i], lora_bs[i], scalings[i], biases[i],
                                    0.0)
@@ -146,14 +156,6 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
             check_linear_args(x, weights[i], biases[i])
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"fastllm.lora_linear_multi: projection {i}: {exc}") from None
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        cast = [None if t is None else t.to(dtype) for t in [x, *weights, *biases, *lora_as,
-                                                              *lora_bs]]
-        with torch.autocast(device_type, enabled=False):
-            return lora_linear_multi(cast[0], cast[1:1 + n], cast[1 + 2 * n:1 + 3 * n],
-                                     cast[1 + 3 * n:], scalings, cast[1 + n:1 + 2 * n])
     if any(a is not None and mixed(x, a) for a in lora_as):
         # fp32 adapters on a bf16/fp16 base: each projection through lora_linear (x read once
         # per adapted projection; the shared read is for one dtype)
