@@ -275,3 +275,64 @@ def test_custom_plan_keeps_frozen_weights_frozen(monkeypatch):
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
     parallelize(model, _Mesh(), plan=plan)
     assert not [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    """The default process group, world 1 (one made here unless one already exists), for a
+    pp=1 mesh."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pipeline_of_one_stage_computes_the_loss(world1, schedule):
+    """pp=1: the one rank is first and last stage, so it feeds the inputs and takes the labels;
+    the micro-batches' losses and the gradients are the plain model's."""
+    from fastllm.parallel.layout import build_mesh
+    from fastllm.parallel.pipeline import build_pipeline, pipeline_loss
+
+    cfg = _config("llama", layers=2)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (4, 7), generator=g)
+    labels = torch.randint(0, 96, (4, 7), generator=g)
+    ref = _model(cfg)
+    want = [pipeline_loss(ref(input_ids=ids[i:i + 2]).logits, labels[i:i + 2]) for i in (0, 2)]
+    (sum(want) / 2).backward()
+    pipe = build_pipeline(_model(cfg), build_mesh(pp=1), n_microbatches=2, schedule=schedule)
+    losses = pipe.step(ids, labels)
+    torch.testing.assert_close(torch.stack(losses).detach(), torch.stack(want).detach())
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    got = dict(pipe.module.named_parameters())
+    assert got.keys() == grads.keys()
+    for name, p in got.items():
+        torch.testing.assert_close(p.grad, grads[name], msg=name)
+
+
+@pytest.mark.parametrize("n", [0, -2, True, 1.5])
+def test_pipeline_refuses_a_micro_batch_count_below_one(world1, n):
+    """Refused by name before the batch is divided by it and before the model is cut up."""
+    import types
+
+    from fastllm.parallel.layout import build_mesh
+    from fastllm.parallel.pipeline import build_pipeline, build_schedule, pipeline_loss
+
+    model = _model(_config("llama", layers=2))
+    layers = model.model.layers
+    for batch_size in (None, 4):
+        with pytest.raises(ValueError, match=rf"n_microbatches must be an int >= 1, got {n!r}"):
+            build_pipeline(model, build_mesh(pp=1), n_microbatches=n, schedule="gpipe",
+                           batch_size=batch_size)
+        assert model.model.layers is layers and len(layers) == 2
+        stage = types.SimpleNamespace(num_stages=1)
+        with pytest.raises(ValueError, match=rf"n_microbatches must be an int >= 1, got {n!r}"):
+            build_schedule(stage, n, pipeline_loss, "gpipe", batch_size)

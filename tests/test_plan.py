@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from fastllm.parallel.layout import ParallelLayout
 from fastllm.parallel.planner import (
     GPUS,
     MODELS,
@@ -142,6 +143,46 @@ def test_layout_errors_name_the_setting():
     with pytest.raises(ValueError, match="needs at least parallel.pp=4 micro-batches per step, "
                                          "got .* = 2"):
         check_layout(m, Layout(dp=8, pp=4, micro_batch=4), 4096, 64)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dp=True), r"parallel.dp must be a positive integer, got True"),
+    (dict(pp=2, tp=False), r"parallel.tp must be a positive integer, got False"),
+    (dict(chunks=1.5), r"parallel.chunks must be a positive integer, got 1.5"),
+    (dict(chunks="2"), r"parallel.chunks must be a positive integer, got '2'"),
+    (dict(chunks=-1, schedule="interleaved"), r"parallel.chunks .* got -1"),
+    (dict(chunks=True, schedule="interleaved"), r"parallel.chunks .* got True"),
+])
+def test_parallel_layout_refuses_bad_sizes(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelLayout(**kw)
+
+
+def test_parallel_layout_chunks_only_with_the_interleaved_schedule():
+    """Several model chunks a rank are the interleaved schedule's: with 1F1B or GPipe the
+    runtime builds one stage a rank, which `stages` would miscount."""
+    for schedule in ("1f1b", "gpipe"):
+        with pytest.raises(ValueError, match=rf"parallel.chunks=2 needs parallel.schedule="
+                                             rf"interleaved, got parallel.schedule={schedule}"):
+            ParallelLayout(pp=2, schedule=schedule, chunks=2)
+        assert ParallelLayout(pp=2, schedule=schedule).stages == 2  # chunks 0: 1 by default
+        assert ParallelLayout(pp=2, schedule=schedule, chunks=1).stages == 2
+    assert ParallelLayout(pp=2, schedule="interleaved").stages == 4
+    assert ParallelLayout(pp=2, schedule="interleaved", chunks=3).stages == 6
+
+
+@pytest.mark.parametrize("global_batch,micro_batch,match", [
+    (0, 2, r"global_batch_size must be a positive integer, got 0"),
+    (-4, 2, r"global_batch_size must be a positive integer, got -4"),
+    (4, 0, r"micro_batch_size must be a positive integer, got 0"),
+    (4, -2, r"micro_batch_size must be a positive integer, got -2"),
+    (4.0, 2, r"global_batch_size must be a positive integer, got 4.0"),
+])
+def test_micro_batches_refuses_empty_batches(global_batch, micro_batch, match):
+    for layout in (ParallelLayout(), ParallelLayout(dp=2, pp=2)):
+        with pytest.raises(ValueError, match=match):
+            layout.micro_batches(global_batch, micro_batch)
+    assert ParallelLayout(dp=2, pp=2).micro_batches(8, 2) == 2
 
 
 def test_recompute_zero_and_lora_lower_memory():

@@ -509,3 +509,39 @@ def test_warm_start_redraws_q_columns_left_zero(backend, device, first):
                 torch.testing.assert_close(buf, want, rtol=1e-4, atol=1e-4 * want.abs().max())
         outs.append(buf)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(rank=True), dict(rank=2.0), dict(start_iter=True), dict(start_iter=-1),
+    dict(min_compression_rate="2"), dict(min_compression_rate=True),
+    dict(min_compression_rate=float("nan")), dict(orthogonalization_epsilon=None),
+    dict(orthogonalization_epsilon=-1e-8), dict(seed=1.5), dict(seed=-1), dict(seed=2 ** 32),
+    dict(seed=True),
+])
+def test_bad_settings_are_refused_by_name(kw):
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=rf"PowerSGD: {name} must be .*got {value!r}"):
+        PowerSGD(**kw)
+
+
+@pytest.mark.parametrize("config", [
+    lambda c: {"rank": c["rank"]},  # the other settings left out: not known to agree
+    lambda c: {**c, "future_option": True},  # one this version does not know
+    lambda c: {k: v for k, v in c.items() if k != "error_feedback"},
+])
+def test_load_state_dict_refuses_a_config_with_other_keys(config):
+    """Compared over the keys of both configs: a missing or unknown setting is refused by name,
+    as a different one is, with nothing loaded."""
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    saved = PowerSGD(rank=2, start_iter=0, process_group=group)
+    buf = torch.randn(64 * 32, generator=torch.Generator().manual_seed(0))
+    saved.reduce_(buf, [buf.view(64, 32)], 0)
+    sd = saved.state_dict()
+    sd["config"] = config(sd["config"])
+    want = set(saved.state_dict()["config"]).symmetric_difference(sd["config"])
+    state = PowerSGD(rank=2, start_iter=100, error_feedback=False, warm_start=False, seed=7,
+                     process_group=group)
+    with pytest.raises(ValueError, match="other settings") as info:
+        state.load_state_dict(sd)
+    assert all(repr(k) in str(info.value) for k in want), (want, info.value)
+    assert state.iter == 0 and not state.errors and not state.p_memory

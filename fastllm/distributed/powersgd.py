@@ -50,6 +50,7 @@ already completed future), which is how they are ordered on Gloo anyway.
 """
 
 import math
+import numbers
 import operator
 
 import numpy as np
@@ -81,18 +82,23 @@ class PowerSGD:
 
     def __init__(self, rank=4, start_iter=10, min_compression_rate=2, error_feedback=True,
                  warm_start=True, orthogonalization_epsilon=0.0, *, process_group=None, seed=0):
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"fastllm.distributed.PowerSGD: rank must be an int >= 1, got "
-                             f"{rank!r}")
-        if not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"fastllm.distributed.PowerSGD: start_iter must be an int >= 0, got "
-                             f"{start_iter!r}")
-        if not min_compression_rate >= 0:
-            raise ValueError(f"fastllm.distributed.PowerSGD: min_compression_rate must be >= 0, "
-                             f"got {min_compression_rate!r}")
-        if not orthogonalization_epsilon >= 0:
-            raise ValueError(f"fastllm.distributed.PowerSGD: orthogonalization_epsilon must be "
-                             f">= 0, got {orthogonalization_epsilon!r}")
+        who = "fastllm.distributed.PowerSGD"
+        # bool is an int to Python, but rank=True or seed=False is a slip, not a setting
+        if not _is_int(rank) or rank < 1:
+            raise ValueError(f"{who}: rank must be an int >= 1, got {rank!r}")
+        if not _is_int(start_iter) or start_iter < 0:
+            raise ValueError(f"{who}: start_iter must be an int >= 0, got {start_iter!r}")
+        for name, value in (("min_compression_rate", min_compression_rate),
+                            ("orthogonalization_epsilon", orthogonalization_epsilon)):
+            # `not value >= 0` also refuses nan; the type is checked first so that a string or
+            # None is named here rather than failing inside the comparison
+            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                    or not value >= 0):
+                raise ValueError(f"{who}: {name} must be a real number >= 0, got {value!r}")
+        # numpy's RandomState takes seeds in [0, 2**32) and refuses others with its own TypeError
+        if not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+                and 0 <= seed < 2 ** 32):
+            raise ValueError(f"{who}: seed must be an int in [0, 2**32), got {seed!r}")
         self.rank = rank
         self.start_iter = start_iter
         self.min_compression_rate = min_compression_rate
@@ -100,7 +106,7 @@ class PowerSGD:
         self.warm_start = bool(warm_start)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.process_group = process_group
-        self.seed = seed
+        self.seed = int(seed)
         self.rng = np.random.RandomState(seed)
         self.iter = 0
         self.errors = {}
@@ -161,10 +167,17 @@ class PowerSGD:
         if not isinstance(config, dict):
             raise ValueError(f"{who}: 'config' is a {type(config).__name__}, not a dict")
         mine = self.state_dict()["config"]
-        different = {k: (v, mine[k]) for k, v in config.items() if mine.get(k) != v}
-        if different:
+        # over both sets of keys: a setting absent from either side is not known to agree (a
+        # config of {"rank": 2} says nothing of error feedback or start_iter), and one this
+        # version lacks may change what the saved state means
+        missing = sorted(k for k in mine if k not in config)
+        extra = sorted((k for k in config if k not in mine), key=str)
+        different = {k: (v, mine[k]) for k, v in config.items() if k in mine and mine[k] != v}
+        wrong = ([f"missing {missing}"] * bool(missing) + [f"unknown {extra}"] * bool(extra)
+                 + [f"different (saved, this state) {different}"] * bool(different))
+        if wrong:
             raise ValueError(f"fastllm.distributed.PowerSGD: the state_dict was saved with other "
-                             f"settings (saved, this state): {different}")
+                             f"settings: {'; '.join(wrong)}")
         out = {"iter": _count(who, "iter", state_dict["iter"])}
         numel = state_dict["numel"]
         if not (isinstance(numel, (tuple, list)) and len(numel) == 2):
@@ -406,6 +419,10 @@ def _refill_zero_columns_(qs, fillers):
         if key not in fillers:
             fillers[key] = _filler(q.shape, q.device, q.dtype)
         q.copy_(torch.where(zero, fillers[key], q))
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _count(who, name, value):

@@ -33,6 +33,9 @@ def check_micro_batches(schedule, pp, n_microbatches, source=""):
     """The pipeline schedule's rules on its micro-batch count: 1F1B and interleaved need at
     least pp (each stage must reach its first backward), interleaved a multiple of pp. source:
     how n_microbatches was derived, for the message."""
+    if not _is_int(n_microbatches) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be an int >= 1, got {n_microbatches!r}"
+                         + (f" ({source})" if source else ""))
     got = f"{source} = {n_microbatches}" if source else f"n_microbatches={n_microbatches}"
     if schedule != "gpipe" and n_microbatches < pp:
         raise ValueError(f"parallel.schedule={schedule} needs at least parallel.pp={pp} "
@@ -41,6 +44,11 @@ def check_micro_batches(schedule, pp, n_microbatches, source=""):
     if schedule == "interleaved" and n_microbatches % pp:
         raise ValueError(f"parallel.schedule=interleaved needs the micro-batches per step "
                          f"({got}) to be a multiple of parallel.pp={pp}")
+
+
+def _is_int(value):
+    # bool is an int to Python, but dp=True is a slip, not a size
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +65,20 @@ class ParallelLayout:
     sequence_parallel: bool = False
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"parallel.schedule must be one of {SCHEDULES}, got "
                              f"{self.schedule!r}")
-        if not self.chunks:
+        if _is_int(self.chunks) and self.chunks == 0:  # (the default: 0 is "by the schedule")
             object.__setattr__(self, "chunks", 2 if self.schedule == "interleaved" else 1)
-        if self.chunks < 1:
-            raise ValueError(f"parallel.chunks must be >= 1, got {self.chunks}")
+        for name in ("dp", "tp", "pp", "chunks"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        # only the interleaved schedule runs several model chunks a rank; with another one,
+        # stages (pp x chunks) would count stages that are never built
+        if self.chunks != 1 and self.schedule != "interleaved":
+            raise ValueError(f"parallel.chunks={self.chunks} needs parallel.schedule=interleaved,"
+                             f" got parallel.schedule={self.schedule}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
 
@@ -76,9 +87,9 @@ class ParallelLayout:
         """The layout of world_size ranks: dp <= 0 means world_size / (tp * pp)."""
         # checked before dp is derived from them, so the message names the setting at fault
         for name, value in (("tp", tp), ("pp", pp)):
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
-        if not isinstance(dp, int):
+        if not _is_int(dp):
             raise ValueError(f"parallel.dp must be an integer (<= 0: world size / (tp * pp)), "
                              f"got {dp!r}")
         inner = tp * pp
@@ -165,6 +176,11 @@ class ParallelLayout:
     def micro_batches(self, global_batch, micro_batch):
         """Micro-batches per data-parallel rank and step (the pipeline's micro-batches, or the
         accumulation steps), checked against the batch and the schedule."""
+        # before the division: 0 divides nothing, and a batch of 0 or fewer rows is no step
+        for name, value in (("global_batch_size", global_batch),
+                            ("micro_batch_size", micro_batch)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         per_replica = micro_batch * self.dp
         if global_batch % per_replica:
             raise ValueError(f"global_batch_size={global_batch} must be a multiple of "

@@ -218,20 +218,25 @@ def build_schedule(stages, n_microbatches, loss_fn, schedule="1f1b", batch_size=
 
     batch_size (the per-pipeline batch), when given, is checked to split evenly.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     stage_list = stages if isinstance(stages, (list, tuple)) else [stages]
     num_stages = stage_list[0].num_stages
-    pp = num_stages // len(stage_list)
-    if batch_size is not None and batch_size % n_microbatches:
-        raise ValueError(f"the per-pipeline batch ({batch_size}) is not divisible by "
-                         f"n_microbatches={n_microbatches}")
-    check_micro_batches(schedule, pp, n_microbatches)
+    _check_schedule(schedule, num_stages // len(stage_list), n_microbatches, batch_size)
     if schedule == "interleaved":
         return ScheduleInterleaved1F1B(list(stage_list), n_microbatches, loss_fn=loss_fn)
     if len(stage_list) != 1:
         raise ValueError(f"{schedule} runs one stage per rank; got {len(stage_list)}")
     return SCHEDULES[schedule](stage_list[0], n_microbatches, loss_fn=loss_fn)
+
+
+def _check_schedule(schedule, pp, n_microbatches, batch_size):
+    """The schedule's name, its rules on n_microbatches, and the batch splitting evenly."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    # first: it also checks that n_microbatches is an int >= 1, which the division needs
+    check_micro_batches(schedule, pp, n_microbatches)
+    if batch_size is not None and batch_size % n_microbatches:
+        raise ValueError(f"the per-pipeline batch ({batch_size}) is not divisible by "
+                         f"n_microbatches={n_microbatches}")
 
 
 def pipeline_loss(logits, labels):
@@ -263,7 +268,10 @@ class Pipeline:
                 raise ValueError(f"Pipeline.step: the batch of {t.shape[0]} rows ({name}) does "
                                  f"not split into n_microbatches={self.n_microbatches}")
         losses = []
-        if self.first:
+        if self.first and self.last:
+            # pp=1: the one rank feeds the inputs and computes the loss
+            self.schedule.step(input_ids, target=labels, losses=losses)
+        elif self.first:
             self.schedule.step(input_ids)
         elif self.last:
             self.schedule.step(target=labels, losses=losses)
@@ -281,6 +289,8 @@ def build_pipeline(model, mesh, n_microbatches, schedule="1f1b", loss_fn=pipelin
     Returns a Pipeline."""
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    # before the model is cut up (consumed), not only once its stages are built
+    _check_schedule(schedule, pp, n_microbatches, batch_size)
     chunks = 2 if schedule == "interleaved" else 1
     layers = model.config.num_hidden_layers
     if chunks > 1 and layers < pp * chunks:  # (split_layers would name pp * chunks stages)
