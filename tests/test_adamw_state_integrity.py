@@ -250,3 +250,65 @@ def test_data_write_reaches_the_master_after_increment_version(make, write, bump
         assert torch.equal(w.detach(), written) and torch.equal(master, written.float())
     else:
         assert torch.equal(w.detach(), stale.to(torch.bfloat16)) and torch.equal(master, stale)
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("change", ["to_bf16", "smaller", "larger", "grad_fp64"])
+def test_a_param_or_grad_changed_under_a_cached_plan_is_refused_before_anything_changes(
+        backend, device, change):
+    """`m.to(torch.bfloat16)`, `p.data = w` of another size or `p.grad.data = g` of another
+    dtype keep the tensors' identity: the cached plan (under which the ops skip their own
+    checks) was reused, and the Triton kernel read fp32 moments as bf16 or past their end."""
+    m = torch.nn.Linear(8, 8, bias=False).to(device)
+    opt = AdamW(m.parameters(), lr=0.1)
+    with fastllm.use_backend(backend):
+        m.weight.grad = torch.randn(8, 8, device=device)
+        opt.step()
+        w = m.weight
+        if change == "to_bf16":
+            m.to(torch.bfloat16)
+        elif change == "grad_fp64":
+            w.grad.data = w.grad.data.double()
+        else:
+            w.data = torch.randn((4, 4) if change == "smaller" else (64, 8), device=device)
+        if change != "grad_fp64":
+            w.grad = torch.randn_like(w)
+        before = [w.detach().clone()] + [t.clone() for t in opt.state[w].values()]
+        with pytest.raises((ValueError, TypeError, RuntimeError), match="param 0 of param group 0"):
+            opt.step()
+    after = [w.detach()] + list(opt.state[w].values())
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_amsgrad_set_on_a_group_is_refused_where_the_constructor_refuses_it():
+    """amsgrad per group (a group dict, add_param_group, a loaded torch state_dict) with master
+    weights or low-byte state: those steps ran without it, silently."""
+    p = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    q = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    opt = AdamW([{"params": [p], "amsgrad": True}], master_weights=True)
+    with pytest.raises(ValueError, match="param group 0 has amsgrad=True"):
+        opt.step()
+    assert not opt.state
+    with pytest.raises(ValueError, match="param group 1 has amsgrad=True.*low-byte"):
+        AdamW8bit([p]).add_param_group({"params": [q], "amsgrad": True})
+
+
+def test_bf16_state_converted_from_a_transposed_params_torch_state_steps():
+    """torch's moments of a transposed param keep its strides; convert_state to bf16 and a
+    load put them in as they were, and every later step refused them as not contiguous. The
+    loaded step count is a copy (it was the live torch optimizer's own tensor, which fastllm's
+    step advanced too)."""
+    from fastllm.optim import convert_state
+
+    p = torch.nn.Parameter(torch.randn(16, 8).t())
+    theirs = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.randn(8, 16)
+    theirs.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = AdamW([q], lr=0.1, state_dtype=torch.bfloat16)
+    opt.load_state_dict(convert_state(theirs.state_dict(), torch.bfloat16))
+    q.grad = p.grad.clone()
+    opt.step()
+    theirs.step()
+    torch.testing.assert_close(q, p, rtol=0, atol=2e-3)

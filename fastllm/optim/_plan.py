@@ -178,6 +178,25 @@ def _extra(state, kind):
     return state.get("master_param", state.get("kahan_comp"))
 
 
+def check_amsgrad(opt, where):
+    """Refuse amsgrad where the constructor refuses it (master weights, stochastic rounding,
+    Kahan summation, low-byte state): a group may set it (in add_param_group, a loaded
+    state_dict, by hand), and those steps would run without it."""
+    if opt.master_weights or opt.stochastic_rounding or opt.kahan_summation:
+        raise ValueError(f"fastllm.optim.AdamW: {where} has amsgrad=True, which is not "
+                         f"supported with master_weights, stochastic_rounding or "
+                         f"kahan_summation")
+    if opt.moments.state_dtype is not None:
+        raise ValueError(f"fastllm.optim.AdamW: {where} has amsgrad=True, which is not "
+                         f"supported with low-byte state (state_dtype="
+                         f"{opt.moments.state_dtype})")
+
+
+def _layouts(tensors):
+    """(dtype, shape) of each tensor (None for None)."""
+    return [None if t is None else (t.dtype, t.shape) for t in tensors]
+
+
 class Plan:
     """Every call of one step (see the module docstring). Built by checking everything first,
     then initialising missing state: raises before anything changes."""
@@ -195,6 +214,8 @@ class Plan:
         index = 0
         checks = []
         for gi, group in enumerate(opt.param_groups):
+            if group["amsgrad"]:
+                check_amsgrad(opt, f"param group {gi}")
             for pi, p in enumerate(group["params"]):
                 grad = grads[index + pi]
                 if grad is None:
@@ -258,6 +279,11 @@ class Plan:
         # does) and the layout of the params the cached lists hold (`p.data = w` may change it).
         self.states = [opt.state.get(p) for p in params]
         self.filled = list(map(bool, self.states))
+        # and each param's and grad's dtype and shape: `m.to(torch.bfloat16)` or `p.data = w`
+        # changes them without changing the tensors' identity, and the plan was checked for
+        # these (the ops' own checks are off under it: a stepped state of another dtype or size
+        # would be read as this one's, or past its end)
+        self.layouts = _layouts(params) + _layouts(grads) if cached else None
         self.amsgrad = [g["amsgrad"] for g in opt.param_groups]  # (the calls' state lists)
         fast = [c for calls in self.groups for c in calls if c.fast]
         self.fast_lists = [c.params for c in fast] + [c.grads for c in fast]  # (kept current)
@@ -304,7 +330,7 @@ class Plan:
                 or [g["amsgrad"] for g in opt.param_groups] != self.amsgrad):
             return False
         if all(map(operator.is_, grads, self.grads)):
-            return self._fast_layout_holds()
+            return self._layouts_hold()
         changed = [i for i, (a, b) in enumerate(zip(grads, self.grads)) if a is not b]
         for i in changed:
             grad, p = grads[i], params[i]
@@ -326,12 +352,15 @@ class Plan:
                 call.grads[k] = grads[i]
             self.all_grads[gk] = grads[i]
             self.grads[i] = grads[i]
-        return self._fast_layout_holds()
+        return self._layouts_hold()
 
-    def _fast_layout_holds(self):
-        """Whether the params and grads of the fast calls are still contiguous (`p.data = w` or
-        `p.grad.data = g` can change that without changing the tensors' identity)."""
-        return all(map(torch.Tensor.is_contiguous, itertools.chain.from_iterable(self.fast_lists)))
+    def _layouts_hold(self):
+        """Whether the params and grads still have the dtypes and shapes the plan was checked
+        for, and those of the fast calls are still contiguous (`p.data = w` or
+        `p.grad.data = g` can change either without changing the tensors' identity)."""
+        return (_layouts(self.params) + _layouts(self.grads) == self.layouts
+                and all(map(torch.Tensor.is_contiguous,
+                            itertools.chain.from_iterable(self.fast_lists))))
 
     def run(self, opt, hyper, grad_scale, clip_coef, found, plain_scale=None, steps_advanced=False):
         """The fused ops of every call (everything was checked when the plan was built), with

@@ -35,8 +35,9 @@ import torch
 from fastllm import _backend
 from fastllm.amp import LossScaler
 from fastllm.optim._hyper import check_hyperparameters, refuse_duplicates
-from fastllm.optim._plan import (Plan, describe, kind_of, refuse_stale_masters_in_capture,
-                                 versions_after_copy, versions_in_sync)
+from fastllm.optim._plan import (Plan, check_amsgrad, describe, kind_of,
+                                 refuse_stale_masters_in_capture, versions_after_copy,
+                                 versions_in_sync)
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm, grad_norm_step
 from fastllm.optim.state_layout import Moments
 
@@ -273,6 +274,9 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         refuse_duplicates("fastllm.optim.AdamW", param_group, len(self.param_groups))
+        if "moments" in self.__dict__ and isinstance(param_group, dict) and param_group.get(
+                "amsgrad", self.defaults["amsgrad"]):  # (after construction; a step checks all)
+            check_amsgrad(self, f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
         self._drop_plan()
 

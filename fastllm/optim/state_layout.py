@@ -314,8 +314,8 @@ class Moments:
                     opt_state[p][key] = value.to(device=p.device, copy=True)
             for key in self._expected(p, m) if m is not None else ():
                 value = saved[key]
-                if m == "bf16":
-                    value = value.view(p.shape)
+                if m == "bf16":  # (contiguous, as made: a torch state's moments of a transposed
+                    value = value.contiguous().view(p.shape)  # param keep its strides)
                 opt_state[p][key] = value.to(device=p.device, copy=True)
 
     def convert_loaded(self, p, state, kind, kahan):
@@ -331,7 +331,9 @@ class Moments:
         if step is not None:
             if not isinstance(step, torch.Tensor):
                 step = torch.tensor(float(step))
-            state["step"] = step.detach().to(device=p.device, dtype=torch.float32)
+            # (a copy: a state_dict of a live optimizer holds its own step tensors, which this
+            # optimizer's steps would advance too)
+            state["step"] = step.detach().to(device=p.device, dtype=torch.float32, copy=True)
         master, comp = state.get("master_param"), state.get("kahan_comp")
         if kind == "plain":
             state.pop("master_param", None)
