@@ -65,6 +65,12 @@ def metrics(output_dir):
                                                    "FSDP2: .* got zero1"),
     (["parallel.tp=2", "backend=torch"], "parallel.tp > 1 runs with backend=fastllm"),
     (["parallel.tp=2", "finetune=lora"], "finetune=lora with parallel.tp > 1"),
+    # an FSDP2 LoRA run crashed at its first checkpoint; ZeRO with torch's AdamW trained each
+    # rank on its own grads (or raised at the first accumulation)
+    (["parallel.strategy=fsdp", "finetune=lora"], "finetune=lora with parallel.strategy=fsdp"),
+    (["parallel.strategy=fsdp", "finetune=prefix"], "finetune=prefix with parallel.strategy"),
+    (["parallel.strategy=zero2", "backend=torch"], "parallel.strategy=zero2 is fastllm's "
+                                                   "DistributedOptimizer"),
     # a checkpointed layer drops the KV cache holding the prefix: a size mismatch at step 1
     (["finetune=prefix", "checkpoint_ratio=0.5"], r"finetune=prefix does not work with "
                                                   r"activation checkpointing \(checkpoint_ratio"),

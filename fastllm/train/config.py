@@ -243,6 +243,17 @@ class TrainConfig:
                  f"finetune={self.finetune} runs on plain (unsharded) parameters: "
                  f"parallel.strategy none/ddp/auto with parallel.tp=1, got "
                  f"strategy={self.parallel.strategy} tp={self.parallel.tp}")
+        # (an adapter is saved whole from rank 0: FSDP2's shards of it would reach the file
+        # as shards; safetensors refused them, after the run had trained to its first save)
+        need(not (self.parallel.strategy == "fsdp" and self.finetune in ("lora", "prefix")),
+             f"finetune={self.finetune} with parallel.strategy=fsdp: its adapter cannot be "
+             f"saved from FSDP2's shards yet; use parallel.strategy=ddp (every rank holds the "
+             f"small adapter whole) or zero2")
+        # (ZeRO is fastllm's DistributedOptimizer, which also reduces the grads: torch's AdamW
+        # in its place trained each rank on its own grads, unsynchronised)
+        need(self.parallel.strategy not in ("zero1", "zero2") or self.backend == "fastllm",
+             f"parallel.strategy={self.parallel.strategy} is fastllm's DistributedOptimizer: it "
+             f"runs with backend=fastllm (backend=torch: parallel.strategy=ddp or fsdp)")
         if self.parallel.tp > 1:
             # (tensor parallel shards data parallel with FSDP2, as pp does: another strategy
             # was ignored; torch's fused AdamW refuses the mix of DTensor and plain params; a
