@@ -68,3 +68,30 @@ def test_fp64_with_dropout_is_fp64_accurate(backend, device):
     y = lora_linear_ref(x, w, a, b, 0.5, bias_t, 0.3, 3)
     for ours, want in zip(got, [y] + list(torch.autograd.grad(y, inputs, g))):
         torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_mixed_precision_dropout_is_applied_in_fp32_as_in_peft(backend, device):
+    """fp32 adapters on a bf16 base with dropout: PEFT casts x to the adapter's dtype and drops
+    out in fp32, as the kernels do; the reference (lora_linear_ref, every test's oracle) dropped
+    out in bf16 first, its scaled values rounded: its fp32 dA ~1e-3 off the kernels'."""
+    from fastllm.ops.lora_linear import lora_linear
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=gen).bfloat16().to(device)
+    w = torch.randn(40, 48, generator=gen).bfloat16().to(device)
+    a0 = (torch.randn(4, 48, generator=gen) * 0.1).to(device)
+    b0 = torch.randn(40, 4, generator=gen).to(device)
+    g = torch.randn(64, 40, generator=gen).bfloat16().to(device)
+
+    def grads(fn):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        fn(x, w, a, b, 2.0, None, 0.3, seed=7).backward(g)
+        return a.grad, b.grad
+
+    want = grads(lora_linear_ref)
+    with fastllm.use_backend(backend):
+        got = grads(lora_linear)
+    for ours, theirs in zip(got, want):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * theirs.abs().max())

@@ -104,11 +104,12 @@ def lora_dropout_ref(x2, p, seed):
 def lora_linear_ref(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, seed=0):
     """Plain-PyTorch LoRA linear, differentiated by autograd: the oracle for every backend.
 
-    fp32 adapters on a bf16/fp16 base (PEFT's autocast_adapter_dtype): the low-rank term in
-    fp32, added to the base output in fp32 and rounded once to x's dtype, as PEFT does."""
+    fp32 adapters on a bf16/fp16 base (PEFT's autocast_adapter_dtype): x widened to fp32 before
+    the dropout (PEFT casts x to the adapter's dtype first), the low-rank term in fp32, added to
+    the base output in fp32 and rounded once to x's dtype, as PEFT does."""
     rows = math.prod(x.shape[:-1])
-    xd = lora_dropout_ref(x.reshape(rows, x.shape[-1]), dropout_p, seed).reshape(x.shape)
-    low = F.linear(F.linear(xd.to(lora_a.dtype), lora_a), lora_b)
+    xd = lora_dropout_ref(x.reshape(rows, x.shape[-1]).to(lora_a.dtype), dropout_p, seed)
+    low = F.linear(F.linear(xd.reshape(*x.shape[:-1], -1), lora_a), lora_b)
     return (F.linear(x, weight, bias) + scaling * low).to(x.dtype)
 
 
