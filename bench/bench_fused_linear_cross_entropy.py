@@ -37,7 +37,7 @@ def _step(loss_fn, hidden, weight, labels):
 
 def _gemms(hidden, weight):
     """The three GEMMs of any method, at full size, on preallocated operands."""
-    grad_logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype)
+    grad_logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
     grad_logits.normal_()
 
     def fn():

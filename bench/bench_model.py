@@ -343,29 +343,33 @@ def _env_int(name, default, least):
     return value
 
 
-def settings(full=False):
+def settings(full=False, device="cpu"):
     """(layers, seq, steps, dtypes, finetunes) from the FASTLLM_BENCH_* variables, every one
-    checked: fastllm bench calls this before any benchmark runs, so a typo costs nothing."""
+    checked, and the device: fastllm bench calls this before any benchmark runs, so a typo
+    costs nothing (not the other benchmarks' results)."""
+    if torch.device(device).type != "cpu":
+        raise SystemExit("fastllm bench --ops model: the CPU benchmark; on a GPU run "
+                         "bench/device_check.sh")
     layers = _env_int("FASTLLM_BENCH_LAYERS", 30 if full else 4, 1)
     seq = _env_int("FASTLLM_BENCH_SEQ", 512 if full else 256, 2)
     steps = _env_int("FASTLLM_BENCH_STEPS", 3 if full else 2, 0)
     _family()
     names = os.environ.get("FASTLLM_BENCH_DTYPES", "fp32,bf16").split(",")
     known = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if not names or any(n not in known for n in names):
+    # (a name twice would run its cases twice into one table, each row against the last
+    # duplicate's baseline)
+    if not names or any(n not in known for n in names) or len(set(names)) < len(names):
         raise SystemExit(f"FASTLLM_BENCH_DTYPES={','.join(names)}: use fp32, bf16 or fp32,bf16")
     finetunes = os.environ.get("FASTLLM_BENCH_FINETUNES", "lora,full").split(",")
-    if not finetunes or any(f not in ("lora", "full") for f in finetunes):
+    if not finetunes or any(f not in ("lora", "full") for f in finetunes) or len(
+            set(finetunes)) < len(finetunes):
         raise SystemExit(f"FASTLLM_BENCH_FINETUNES={','.join(finetunes)}: use lora, full or "
                          "lora,full")
     return layers, seq, steps, [known[n] for n in names], finetunes
 
 
 def run(device="cpu", full=False, progress=print):
-    if torch.device(device).type != "cpu":
-        raise SystemExit("fastllm bench --ops model: the CPU benchmark; on a GPU run "
-                         "bench/device_check.sh")
-    layers, seq, steps, dtypes, finetunes = settings(full)
+    layers, seq, steps, dtypes, finetunes = settings(full, device)
     rows = run_ops(8, 512, dtypes, progress)
     if steps > 0:  # FASTLLM_BENCH_STEPS=0: the ops only
         rows += run_steps(layers, 8, seq, steps, dtypes, finetunes, progress)

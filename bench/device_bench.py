@@ -215,7 +215,7 @@ def master(device, scale, rows):
                bench_adamw_master._params(total, 16, device))}
     counts = {k: _kernels_per_call(f, device) for k, f in fns.items()}
     for name, timing in _time(fns, device).items():
-        rows.append({"op": "adamw_master", "size": f"{total // M}M bf16 params / 16 tensors",
+        rows.append({"op": "adamw_master", "size": f"{total / M:g}M bf16 params / 16 tensors",
                      "provider": name, "time_ms": timing.median_ms, "bytes": 30 * total,
                      "baseline": "torch sequence", "note": _kernel_note(counts[name])})
 

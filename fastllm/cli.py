@@ -72,7 +72,7 @@ def bench(args):
     for op in ops:  # a benchmark's own settings (FASTLLM_BENCH_*), checked before any runs
         check = getattr(importlib.import_module(OPS[op]), "settings", None)
         if check is not None:
-            check(args.full)
+            check(args.full, args.device)
     progress, done = _progress_printer(sys.stderr)
     rows = []
     for op in ops:

@@ -466,13 +466,20 @@ def test_cli_refuses_bad_settings_before_any_benchmark_runs(monkeypatch, tmp_pat
     for env, args, message in (
             ({"FASTLLM_BENCH_FAMILY": "qwen"}, [], "use smollm2 or qwen3"),
             ({"FASTLLM_BENCH_LAYERS": "four"}, [], "an integer >= 1"),
-            ({}, ["--json", str(tmp_path / "missing" / "rows.json")], "there is no folder")):
+            ({}, ["--json", str(tmp_path / "missing" / "rows.json")], "there is no folder"),
+            # a name twice ran its cases twice into one table, each against the last baseline
+            ({"FASTLLM_BENCH_DTYPES": "fp32,fp32"}, [], "use fp32, bf16 or fp32,bf16"),
+            ({"FASTLLM_BENCH_FINETUNES": "full,full"}, [], "use lora, full or lora,full")):
         with monkeypatch.context() as m:
             for k, v in env.items():
                 m.setenv(k, v)
             with pytest.raises(SystemExit, match=message):
                 cli.main(["bench", "--ops", "model", *args])
     assert ran == []
+    # --device cuda: refused by the model benchmark's settings, before the others ran (their
+    # results were thrown away)
+    with pytest.raises(SystemExit, match="the CPU benchmark"):
+        bench_model.settings(False, "cuda")
 
 
 def test_generate_refuses_out_of_range_arguments(capsys):

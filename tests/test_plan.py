@@ -514,3 +514,35 @@ def test_lora_memory_is_sharded_by_zero_as_full_fine_tuning_is():
     assert mem[2]["grads"] == pytest.approx(mem[0]["grads"] / 8)
     assert mem[3]["weights"] == pytest.approx(mem[0]["weights"] / 8)
     assert 0 < mem[3]["gathered"] < mem[0]["weights"]
+
+
+def test_lora_counts_the_mlp_the_model_has_and_zero3_gathers_the_frozen_weights():
+    """A GPT-2-shaped model has two MLP matrices (LoRA counted a gate it has not: 28% more
+    adapter); ZeRO-3 with LoRA gathers the sharded frozen weights every pass (it gathered only
+    the adapters and ranked as the fastest layout)."""
+    import dataclasses
+
+    from fastllm.parallel.planner.cost import _lora_params_per_layer
+
+    llama = MODELS["llama2-7b"]
+    gpt = dataclasses.replace(llama, gated_mlp=False)
+    h, f, q, kv = llama.hidden, llama.ffn, llama.q_dim, llama.kv_dim
+    assert _lora_params_per_layer(gpt, 16) == 16 * (2 * (h + q) + 2 * (h + kv) + 2 * (h + f))
+    assert _lora_params_per_layer(llama, 16) == _lora_params_per_layer(gpt, 16) + 16 * (h + f)
+    gpu = GPUS["H100"]
+    full, lora = (estimate(llama, Layout(dp=8, zero=3, lora_rank=r), 4096, 64, gpu)
+                  for r in (0, 16))
+    assert lora["time_dp"] > 0.5 * full["time_dp"]
+
+
+def test_gpu_file_honours_every_key_and_refuses_unknown_ones():
+    from fastllm.parallel.planner.catalog import gpu_from_dict
+
+    base = {"memory_gb": 80, "peak_tflops": 989, "hbm_gbps": 3350, "intra_node_gbps": 450,
+            "inter_node_gbps": 50}
+    gpu = gpu_from_dict(dict(base, latency=0.01, op_overhead=1e-3, cores=4,
+                             sync_costs=[[2, 1e-4]]))
+    assert (gpu.latency, gpu.op_overhead, gpu.cores, gpu.sync_costs) == (0.01, 1e-3, 4.0,
+                                                                         ((2, 1e-4),))
+    with pytest.raises(ValueError, match=r"unknown GPU keys \['latncy'\]"):
+        gpu_from_dict(dict(base, latncy=0.01))

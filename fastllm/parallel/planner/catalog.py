@@ -195,8 +195,18 @@ GPUS = {
 }
 
 
+_GPU_KEYS = ("name", "memory_gb", "peak_tflops", "hbm_gbps", "intra_node_gbps",
+             "inter_node_gbps", "matmul_efficiency", "comm_efficiency", "reserved_gb",
+             "dtype_bytes", "latency", "op_overhead", "dtensor_overhead", "sync_costs", "cores")
+
+
 def gpu_from_dict(d):
-    """A user-defined GPU: keys of GPUSpec; memory in GB, peak_tflops, bandwidths in GB/s."""
+    """A user-defined GPU: keys of GPUSpec; memory in GB, peak_tflops, bandwidths in GB/s,
+    latency and overheads in seconds, sync_costs [[group size, seconds], ...]. An unknown key
+    is refused (a typo was a silently ignored setting)."""
+    unknown = sorted(k for k in d if k not in _GPU_KEYS)
+    if unknown:
+        raise ValueError(f"unknown GPU keys {unknown}; known: {', '.join(_GPU_KEYS)}")
     return GPUSpec(
         name=d.get("name", "custom"),
         memory=float(d["memory_gb"]) * 1e9,
@@ -208,4 +218,9 @@ def gpu_from_dict(d):
         comm_efficiency=float(d.get("comm_efficiency", 0.75)),
         reserved=float(d.get("reserved_gb", 2.0)) * 1e9,
         dtype_bytes=int(d.get("dtype_bytes", 2)),
+        latency=float(d.get("latency", 5e-6)),
+        op_overhead=float(d.get("op_overhead", 0.0)),
+        dtensor_overhead=float(d.get("dtensor_overhead", 0.0)),
+        sync_costs=tuple((int(n), float(t)) for n, t in d.get("sync_costs", ())),
+        cores=float(d.get("cores", 0)),
     )

@@ -170,7 +170,9 @@ def activation_bytes_per_layer(model, micro_batch, seq_len, dtype_bytes=2, tp=1,
 
 def _lora_params_per_layer(model, rank):
     h, q, kv, f = model.hidden, model.q_dim, model.kv_dim, model.ffn
-    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+    # (a gated MLP's gate, up and down; else fc and proj, as GPT-2's)
+    mlp = [(h, f), (h, f), (f, h)] if model.gated_mlp else [(h, f), (f, h)]
+    shapes = [(h, q), (h, kv), (h, kv), (q, h)] + mlp
     return rank * sum(i + o for i, o in shapes)
 
 
@@ -262,9 +264,10 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     if lo.pp > 2:
         stages.add((1, False, False))
     best = None
-    most_trainable = 0
+    most_trainable = most_params = 0
     for i, first, last in sorted(stages):
         p = stage_params(first, last)
+        most_params = max(most_params, p)
         if lo.lora_rank:
             trainable = layers_stage * _lora_params_per_layer(model, lo.lora_rank) / t
             # ZeRO shards them as it shards full fine-tuning's (the frozen weights at stage 3)
@@ -399,7 +402,8 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             # after the last micro-batch's backward (set_reshard_after_backward /
             # set_requires_gradient_sync), so backward gathers once: m + 1 in all (counted:
             # pp2 x dp2, 2 micro-batches, 3 all-gathers per layer and 1 reduce-scatter)
-            t_dp += coll("all_gather", trainable * e) * (m if lo.pp > 1 else 2 * m - 1)
+            # (the stage's every weight, frozen ones too: LoRA's base is sharded and gathered)
+            t_dp += coll("all_gather", most_params * e) * (m if lo.pp > 1 else 2 * m - 1)
     t_dp_exposed = t_dp * (1 - dp_overlap)
     # the loss and the gradient norm: one tiny all-reduce each, over every rank
     n_small = rt.small_collectives + (lo.pp > 1) + (lo.dp > 1) if rt.small_collectives else 0
