@@ -216,3 +216,35 @@ def test_powersgd_good_load_still_loads():
     state = _powersgd(3, 2)
     state.load_state_dict(copy.deepcopy(saved.state_dict()))
     assert _same(state.state_dict(), saved.state_dict())
+
+
+def test_bf16_weights_loaded_after_construction_are_what_the_step_updates():
+    """model.load_state_dict into bf16 params after the DistributedOptimizer exists (pretrained
+    weights loaded late): the fp32 masters were copied at construction and the step wrote them
+    back over the loaded weights, a fine-tune silently starting from the old ones."""
+    model = _model().bfloat16()
+    opt = DistributedOptimizer(model, stage=2, lr=1e-6, bucket_cap_mb=1e-4)
+    model.load_state_dict({k: torch.full_like(v, 5.0) for k, v in model.state_dict().items()})
+    opt.zero_grad()
+    model(torch.randn(4, 16, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    opt.finish_param_sync()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, torch.full_like(p, 5.0)), name  # (lr 1e-6: below bf16's step)
+
+
+def test_clipping_p_grad_after_backward_is_refused_at_stage_2():
+    """torch.nn.utils.clip_grad_norm_ between backward and step edits p.grad after stage 2 has
+    reduced it into a shard of its own: the update ignored the clipping, silently."""
+    model = _model()
+    opt = DistributedOptimizer(model, stage=2, lr=1.0, bucket_cap_mb=1e-4)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    (100 * model(torch.randn(4, 16))).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.zero_grad()  # and the next step runs as usual
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()

@@ -237,8 +237,11 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
     a grad of their own, packed into the fp32 bucket when it is complete). After the reduction
     the bucket holds the sum over ranks (stage 1, GaLore-projected params) or still the local
     grads (stage 2), or with grad_compression the approximate average (both stages); read
-    `grad_norm` rather than p.grad after step(). Params unused in a step get a zero grad (they are
-    still decayed), as under DDP. After step() the params are being all-gathered: the next
+    `grad_norm` rather than p.grad after step(). Params unused in a step get a zero grad and are
+    still stepped (torch.optim.AdamW skips a None grad). Clip with max_grad_norm (stage 2
+    refuses p.grad edited after backward; bf16 grads are packed, p.grad None). Rank 0's params
+    are broadcast at construction, as by DDP; a bf16 param written through gets its master
+    resynced. After step() the params are being all-gathered: the next
     forward (overlap_param_gather) or model.state_dict() waits for them; call
     finish_param_sync() before reading them any other way.
     """
@@ -288,6 +291,11 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         self._gathers_pending = False
 
         self.buckets = self._make_buckets(named, bucket_cap_mb, galore_ids)
+        # rank 0's values everywhere, as DDP broadcasts them at construction: ranks seeded
+        # differently would each update their own shard of their own model (a splice of both)
+        for b in self.buckets:
+            dist.broadcast(b.param_flat, src=dist.get_global_rank(
+                self.group or dist.group.WORLD, 0), group=self.group)
         self._where = {}  # id(param) -> (bucket, index in bucket)
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -297,6 +305,7 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             shard = b.param_flat[b.lo:b.hi]
             if b.dtype in _LOW_PRECISION:
                 b.shard_param = shard.float()  # the fp32 master of this rank's shard
+                b.versions = [p._version for p in b.params]  # (what _resync_masters compares)
             else:
                 b.shard_param = shard  # a view: the update lands in the params directly
             if not b.replicated:
@@ -413,6 +422,7 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
                                        device=b.grad_flat.device)
             b.work = _reduce_scatter(b.shard_grad, b.grad_flat, group=self.group,
                                                 async_op=True)
+            b.launch_version = b.grad_flat._version  # (edits after this are not reduced)
         b.launched = True
 
     @contextlib.contextmanager
@@ -470,6 +480,8 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
                 loss = closure()
         self._finish_param_gather()
         self.finish_grad_sync()
+        self._refuse_grads_edited_after_reduction()
+        self._resync_masters()
         # every bucket of this step was compressed iff the iteration it ran in compresses
         comp = self.grad_compression
         averaged = comp is not None and comp.compressing
@@ -536,11 +548,40 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         self._reset_buckets()
         return loss
 
+    def _resync_masters(self):
+        """A bf16/fp16 param written through since the last step (model.load_state_dict) gets
+        its fp32 master's share of this shard from it, as fastllm.optim.AdamW resyncs (the step
+        wrote the stale master back over it). Our own writes leave the param's version alone."""
+        for b in self.buckets:
+            if b.dtype not in _LOW_PRECISION or b.replicated:
+                continue
+            for i, p in enumerate(b.params):
+                if p._version == b.versions[i]:
+                    continue
+                b.versions[i] = p._version
+                where = b.overlaps(i)
+                if where is not None:
+                    lo, hi, at = where
+                    b.shard_param[at:at + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+
+    def _refuse_grads_edited_after_reduction(self):
+        """Stage 2 reduces a bucket into a shard of its own once its grads are complete: an
+        in-place edit of p.grad after that (clip_grad_norm_) would never reach the update."""
+        for b in self.buckets:
+            version = getattr(b, "launch_version", None)
+            if version is not None and b.grad_flat._version != version:
+                raise RuntimeError(
+                    "fastllm.distributed.DistributedOptimizer: grads were changed in place after "
+                    "their reduction was launched (torch.nn.utils.clip_grad_norm_ between "
+                    "backward() and step()?), which the update would not see: clip with "
+                    "DistributedOptimizer(max_grad_norm=...) instead")
+
     def _reset_buckets(self):
         for b in self.buckets:
             b.ready.clear()
             b.launched = False
             b.shard_grad = None
+            b.launch_version = None
 
     def zero_grad(self, set_to_none=True):
         """Zero the grad buckets (grads stay views of them; set_to_none is accepted for torch
