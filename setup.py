@@ -22,7 +22,7 @@ Environment switches (read at build time):
 import glob
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -100,9 +100,16 @@ def _recording(build_ext):
         def run(self):
             built_from = source_hash()  # before compiling: sources edited meanwhile count as new
             super().run()
-            with open(os.path.join(ROOT, "fastllm", "_build_info.py"), "w") as f:
-                f.write(f'"""Written by setup.py after building fastllm._C."""\n\n'
-                        f'SOURCE_HASH = "{built_from}"\n')
+            # next to the extension it describes: the checkout's (in place, editable installs)
+            # and the build tree's, which a wheel packs (a wheel built from a checkout rewrote
+            # the checkout's stamp, whose own .so was not rebuilt, and shipped the old one)
+            folders = [os.path.join(ROOT, "fastllm")] if self.inplace else []
+            if os.path.isdir(os.path.join(self.build_lib, "fastllm")):
+                folders.append(os.path.join(self.build_lib, "fastllm"))
+            for folder in folders:
+                with open(os.path.join(folder, "_build_info.py"), "w") as f:
+                    f.write(f'"""Written by setup.py after building fastllm._C."""\n\n'
+                            f'SOURCE_HASH = "{built_from}"\n')
 
     return RecordingBuildExt
 
@@ -116,10 +123,9 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md")).read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["fastllm", "fastllm.ops", "fastllm.optim", "fastllm.kernels", "fastllm.bench",
-              "fastllm.distributed",
-              "fastllm.train",
-              "fastllm.parallel"],
+    # every package under fastllm/ (a listed set missed fastllm.parallel.planner and
+    # fastllm.train.strategies: a non-editable install could not import fastllm.cli)
+    packages=find_packages(include=["fastllm", "fastllm.*"]) + ["fastllm.bench"],
     package_dir={"fastllm.bench": "bench"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -11,7 +11,7 @@
    fastllm/_lowp.py where it widens bf16, else torch's own).
 2. A training step of a SmolLM2-135M-shaped LlamaForCausalLM (hidden 576, 9 / 3 heads, ffn 1536,
    vocab 49152, tied embeddings; random init, or the real weights from FASTLLM_BENCH_MODEL=DIR,
-   a folder made by shared/models/prepare_smollm2.py), LoRA (r=16 on q/v) and full
+   a folder made by examples/prepare_smollm2.py), LoRA (r=16 on q/v) and full
    fine-tuning, fp32 and bf16 (pure bf16 weights):
        fastllm   fastllm.patch + fastllm.lora + fastllm.optim.AdamW
        HF        the unpatched model (+ PEFT for LoRA) + torch.optim.AdamW(fused=True)

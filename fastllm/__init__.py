@@ -17,3 +17,13 @@ __version__ = "0.1.0"
 
 __all__ = ["BACKENDS", "amp", "has_cpp", "has_cuda_kernels", "lora", "ops", "optim", "use_backend",
            "patch", "patch_kinds", "patched", "unpatch"]
+
+_LAZY = ("distributed", "parallel")  # imported on first use: `fastllm.distributed.PowerSGD(...)`
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"fastllm.{name}")
+    raise AttributeError(f"module 'fastllm' has no attribute {name!r}")

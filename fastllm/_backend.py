@@ -62,13 +62,23 @@ def prevalidated():
     return getattr(_local, "validated", False)
 
 
-def direct():
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def direct(*tensor_lists):
     """Whether an op's functional form may call its implementation directly instead of through
     torch.ops (the dispatcher boxes every tensor of every list, a few microseconds per tensor of
     an optimizer step): only in plain eager code under no_grad, where the dispatcher would do
     nothing but route the call. Under torch.compile, a dispatch or function mode (FakeTensor,
-    FlopCounter, ...) or grad mode the op goes through torch.ops as before."""
-    return not torch.is_grad_enabled() and not intercepted()
+    FlopCounter, ...), a functorch transform or grad mode the op goes through torch.ops as
+    before, and so do tensor subclasses (DTensor, a wrapper subclass: the kernels would read
+    their data pointers, which are not their values; one segfaulted) in `tensor_lists`, unless
+    the caller validated them (fastllm.optim's step plan hands the kernels plain tensors)."""
+    if (torch.is_grad_enabled() or intercepted()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    return prevalidated() or all(type(t) in _PLAIN for tensors in tensor_lists
+                                 for t in tensors if t is not None)
 
 
 def intercepted():
@@ -140,6 +150,11 @@ def unavailable_reason(backend, device_type):
         if device_type != "cpu":
             return f"the cpp backend runs on CPU tensors, not {device_type}"
         if not _extension.has_cpp():
+            error = _extension._ERROR
+            if error is not None and not isinstance(error, ModuleNotFoundError):
+                # (built, but it does not load: a truncated file, a symbol of another torch)
+                return (f"fastllm._C does not import ({error}); rebuild it (pip install "
+                        f"--no-build-isolation -e .)")
             return "fastllm._C is not built (pip install --no-build-isolation -e .)"
         return None
     if backend == "cuda":

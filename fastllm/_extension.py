@@ -5,6 +5,7 @@ built, a build without a compiler): the ops fall back to Triton or to the plain-
 and one warning says what is missing and how to build it.
 """
 
+import importlib
 import warnings
 
 _C = None
@@ -12,7 +13,9 @@ _ERROR = None
 _WARNED = False
 
 try:
-    from fastllm import _C  # noqa: F401  (the compiled extension)
+    # (import_module: `from fastllm import _C` during fastllm's own import reports a missing
+    # file as a "partially initialized module ... circular import")
+    _C = importlib.import_module("fastllm._C")
 except ImportError as exc:  # pragma: no cover - depends on how the package was installed
     _ERROR = exc
 

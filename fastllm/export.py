@@ -348,7 +348,8 @@ def _export(args):
         out = export(args.run_dir, args.out_dir, merged=args.merged)
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         sys.exit(str(e) if str(e).startswith("fastllm export:") else f"fastllm export: {e}")
-    kind = "merged model" if args.merged else "model"
+    kind = ("merged model" if args.merged else "adapter" if os.path.isfile(
+        os.path.join(out, "adapter_config.json")) else "model")
     names = sorted(n for n in os.listdir(out) if not n.startswith("."))
     print(f"fastllm export: wrote {kind} {out}: {', '.join(names)}")
 

@@ -36,10 +36,10 @@ def read_config(path):
         with open(file) as f:
             config = json.load(f)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"fastllm.load_adapter: {file} is not valid JSON (truncated or "
+        raise ValueError(f"fastllm.lora.load_adapter: {file} is not valid JSON (truncated or "
                          f"corrupt?): {e}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"fastllm.load_adapter: {file} holds a JSON {type(config).__name__}, "
+        raise ValueError(f"fastllm.lora.load_adapter: {file} holds a JSON {type(config).__name__}, "
                          f"not an object of PEFT's settings")
     return config
 
@@ -54,7 +54,7 @@ def read_weights(path):
     try:
         return load_file(file)
     except SafetensorError as e:
-        raise ValueError(f"fastllm.load_adapter: {file} is not a valid safetensors file "
+        raise ValueError(f"fastllm.lora.load_adapter: {file} is not a valid safetensors file "
                          f"(truncated or corrupt?): {e}") from None
 
 
@@ -197,7 +197,7 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     existing = lora_modules(model)
     if existing:
         raise ValueError(
-            f"fastllm.inject_lora: LoRA is already injected into this model ({len(existing)} "
+            f"fastllm.lora.inject_lora: LoRA is already injected into this model ({len(existing)} "
             f"LoRALinear layers, e.g. {existing[0][0]!r}); call fastllm.lora.unload(model) or "
             "merge_and_unload(model) before injecting again")
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
@@ -215,8 +215,8 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     for name, module in targets:
         layer_r = _pattern_value(name, rank_pattern, r)
         layer_alpha = _pattern_value(name, alpha_pattern, alpha)
-        check_lora_args(f"fastllm.inject_lora: {name}", layer_r, layer_alpha, dropout)
-        check_adapter_dtype(f"fastllm.inject_lora: {name}", module.weight.dtype, adapter_dtype)
+        check_lora_args(f"fastllm.lora.inject_lora: {name}", layer_r, layer_alpha, dropout)
+        check_adapter_dtype(f"fastllm.lora.inject_lora: {name}", module.weight.dtype, adapter_dtype)
         values.append((int(layer_r), layer_alpha))
     model.requires_grad_(False)
     layer_cls = layer_cls or LoRALinear
@@ -236,7 +236,7 @@ def _unadaptable_message(target_modules, other):
     entry = target_modules if isinstance(target_modules, str) else next(
         t for t in target_modules if matches(name, [t]))
     more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
-    return (f"fastllm.inject_lora: target_modules entry {entry!r} selects {name} "
+    return (f"fastllm.lora.inject_lora: target_modules entry {entry!r} selects {name} "
             f"({type(module).__name__}){more}; fastllm's LoRA adapts nn.Linear layers only (PEFT "
             "also adapts nn.Embedding and convolutions, and refuses any other module it selects)."
             " Nothing was changed: leave that module out of target_modules")
@@ -276,7 +276,7 @@ def merge_lora(model):
     _check_untied(model, layers)
     for name, layer in layers:  # check every layer before changing any
         if not torch.isfinite(layer._merged_weight(+1)).all():
-            raise ValueError(f"fastllm.merge_lora: merging {name} gives non-finite weights; "
+            raise ValueError(f"fastllm.lora.merge_lora: merging {name} gives non-finite weights; "
                              "nothing was merged")
     for _, layer in layers:
         layer.base_layer.weight.copy_(layer._merged_weight(+1))
@@ -295,7 +295,7 @@ def _check_untied(model, layers):
             # untying here would not last: config.tie_word_embeddings makes from_pretrained
             # and save_pretrained tie (or drop) the merged weight again
             raise ValueError(
-                f"fastllm.merge_lora: the weight of {name} is shared with {others[0]} (tied "
+                f"fastllm.lora.merge_lora: the weight of {name} is shared with {others[0]} (tied "
                 "weights, e.g. tie_word_embeddings); merging would change that module too. "
                 "Nothing was merged: keep the adapter unmerged (save_adapter), or untie the "
                 "weights and set config.tie_word_embeddings=False before injecting")
@@ -345,8 +345,8 @@ def _adapter_config(model, layers, task_type):
     rslora = {m.use_rslora for _, m in layers}
     dora = {hasattr(m, "lora_magnitude_vector") for _, m in layers}
     if len(dropouts) > 1 or len(rslora) > 1 or len(dora) > 1:
-        raise ValueError("fastllm.save_adapter: PEFT's format needs one dropout and one use_rslora "
-                         "for every LoRA layer, and all layers LoRA or all DoRA")
+        raise ValueError("fastllm.lora.save_adapter: PEFT's format needs one dropout and one "
+                         "use_rslora for every LoRA layer, and all layers LoRA or all DoRA")
     name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
     return {"peft_type": "LORA", "task_type": task_type,
             "base_model_name_or_path": name_or_path or None, "r": r, "lora_alpha": alpha,
@@ -388,7 +388,7 @@ def save_adapter(model, path, task_type=None):
 
     layers = lora_modules(model)
     if not layers:
-        raise ValueError("fastllm.save_adapter: the model has no LoRALinear layers")
+        raise ValueError("fastllm.lora.save_adapter: the model has no LoRALinear layers")
     config = _adapter_config(model, layers, task_type)  # refused before anything is written
     tensors = {}
     for name, layer in layers:
@@ -419,7 +419,7 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
     settings = _check_supported(read_config(path))
     dora = bool(settings["use_dora"])
     if dora != bool(getattr(layer_cls, "is_dora", False)):
-        raise ValueError(f"fastllm.load_adapter: {path} is a {'DoRA' if dora else 'LoRA'} "
+        raise ValueError(f"fastllm.lora.load_adapter: {path} is a {'DoRA' if dora else 'LoRA'} "
                          f"adapter; load it with fastllm.adapters.load_adapter (or "
                          f"fastllm.{'dora' if dora else 'lora'}.load_adapter)")
     state = read_weights(path)
@@ -452,7 +452,7 @@ def _check_layers_agree(layers, settings):
         wrong = [key for key in want if want[key] != have[key]]
         if wrong:
             raise ValueError(
-                f"fastllm.load_adapter: the model's LoRA layer {name} has "
+                f"fastllm.lora.load_adapter: the model's LoRA layer {name} has "
                 f"{', '.join(f'{k}={have[k]!r}' for k in wrong)}, the adapter "
                 f"{', '.join(f'{k}={want[k]!r}' for k in wrong)}; unload(model) first to load "
                 "the adapter as it was saved")
@@ -480,14 +480,14 @@ def _load_state(model, state):
                 copies.append((getattr(layer.base_layer, attr), state[key], key))
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
-        raise ValueError(f"fastllm.load_adapter: adapter and model disagree; missing "
+        raise ValueError(f"fastllm.lora.load_adapter: adapter and model disagree; missing "
                          f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
     for name, layer in layers.items():
         if layer.merged:
-            raise ValueError(f"fastllm.load_adapter: {name} is merged; unmerge_lora first")
+            raise ValueError(f"fastllm.lora.load_adapter: {name} is merged; unmerge_lora first")
     for dst, src, key in copies:
         if src.shape != dst.shape:
-            raise ValueError(f"fastllm.load_adapter: {key[len(_PEFT_PREFIX):]} is "
+            raise ValueError(f"fastllm.lora.load_adapter: {key[len(_PEFT_PREFIX):]} is "
                              f"{tuple(dst.shape)} in the model, {tuple(src.shape)} in the adapter")
     with torch.no_grad():
         for dst, src, _ in copies:
@@ -552,9 +552,10 @@ def _check_supported(config):
     r and lora_alpha default to PEFT's 8; target_modules must name the modules (PEFT's default
     for a missing one, per architecture, is not fastllm's to guess).
     """
-    where = "fastllm.load_adapter: adapter_config.json has"
+    where = "fastllm.lora.load_adapter: adapter_config.json has"
     if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"fastllm.load_adapter: not a LoRA adapter ({config.get('peft_type')})")
+        raise ValueError(f"fastllm.lora.load_adapter: not a LoRA adapter "
+                         f"({config.get('peft_type')})")
     for key, value in config.items():
         if key in _READ or key in _IGNORED:
             continue

@@ -248,3 +248,31 @@ def test_eager_backward_fills_no_zeros_for_non_differentiable_outputs(op):
     filled = [e.name for e in prof.events()
               if e.name in ("aten::zeros", "aten::zero_", "aten::fill_")]
     assert not filled, filled
+
+
+def test_list_ops_take_tensor_subclasses_under_no_grad():
+    """The no_grad fast path of the list ops (l2norm, the AdamW steps) skipped the dispatcher for
+    any tensor: a wrapper subclass (as DTensor is) reached the kernel, which read its data
+    pointer, and segfaulted. Run in a child process, so a crash fails this test only."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from torch.testing._internal.two_tensor import TwoTensor\n"
+        "from fastllm.ops import adamw_step, l2norm\n"
+        "def step(make):\n"
+        "    p, g, m, v = make(0.0), make(1.0), make(1.0), make(1.0)\n"
+        "    adamw_step([p], [g], [m], [v], [], [torch.tensor(1.0)], lr=0.1, beta1=0.9,\n"
+        "               beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False,\n"
+        "               maximize=False)\n"
+        "    return p\n"
+        "with torch.no_grad():\n"
+        "    n = l2norm([TwoTensor(torch.full((4,), 3.0), torch.full((4,), 4.0))])\n"
+        "    two = step(lambda x: TwoTensor(torch.full((4,), x), torch.full((4,), x)))\n"
+        "    plain = step(lambda x: torch.full((4,), x))\n"
+        "assert (float(n.a), float(n.b)) == (6.0, 8.0), n\n"
+        "assert torch.equal(two.a, plain) and torch.equal(two.b, plain), (two, plain)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

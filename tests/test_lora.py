@@ -237,7 +237,7 @@ def test_inject_refuses_a_target_that_selects_a_module_it_cannot_adapt(targets, 
     # target_modules ['q_proj']; PEFT refuses a LlamaMLP, which fastllm skipped
     model = _tiny_llama()
     before = {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=f"fastllm.inject_lora: target_modules entry .*{says}.*"
+    with pytest.raises(ValueError, match=f"fastllm.lora.inject_lora: target_modules entry .*{says}.*"
                                          "nn.Linear layers only"):
         inject_lora(model, target_modules=targets, r=4, alpha=8)
     after = dict(model.named_parameters())

@@ -121,3 +121,29 @@ def test_no_top_level_package_shadows_an_installed_one():
     shadowed = {d: PathFinder.find_spec(d, others).origin for d in ours
                 if PathFinder.find_spec(d, others) is not None}
     assert not shadowed, f"top-level packages of the checkout hide installed ones: {shadowed}"
+
+
+def test_a_non_editable_install_ships_every_package(tmp_path):
+    """setup.py listed its packages by hand and missed fastllm.parallel.planner and
+    fastllm.train.strategies: `pip install .` gave a fastllm whose CLI could not import. Every
+    folder of fastllm/ with an __init__.py is in what build_py copies."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path)],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = {os.path.relpath(d, root) for d, _, files in os.walk(os.path.join(root, "fastllm"))
+            if "__init__.py" in files}
+    got = {os.path.relpath(d, str(tmp_path)) for d, _, files in os.walk(str(tmp_path))
+           if "__init__.py" in files}
+    assert want <= got, sorted(want - got)
+    assert "fastllm/bench" in got
+
+
+def test_distributed_and_parallel_are_reachable_from_import_fastllm():
+    """The README's snippets write fastllm.distributed.PowerSGD(...) after `import fastllm`."""
+    import fastllm
+
+    assert fastllm.distributed.PowerSGD and fastllm.parallel.clip_grad_norm_

@@ -19,7 +19,7 @@ from _tiny_tokenizer import tiny_bpe
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# a SmolLM2-135M-Instruct folder (shared/models/prepare_smollm2.py DIR); the test needing it skips
+# a SmolLM2-135M-Instruct folder (examples/prepare_smollm2.py DIR); the test needing it skips
 # without it
 SMOLLM2 = os.environ.get("FASTLLM_TEST_MODEL", "")
 

@@ -257,3 +257,19 @@ def test_model_and_tokenizer_folders_are_kept_absolute(tmp_path, monkeypatch):
     assert cfg.model == str(tmp_path / "hf") and cfg.data.tokenizer == str(tmp_path / "hf")
     assert _same("model", "hf", cfg.model) and not _same("model", "other", cfg.model)
     assert TrainConfig.from_args(["model=tiny"]).check_files().model == "tiny"
+
+
+def test_a_text_folder_is_read_whatever_its_names(tmp_path):
+    """NOTES.TXT and README.MD were skipped (case-sensitive glob), a folder named data[1] found
+    no files (a glob character class), and a folder named site.md crashed the run."""
+    from fastllm.train.data import load_text
+
+    root = tmp_path / "data[1]"
+    (root / "site.md").mkdir(parents=True)
+    (root / "site.md" / "index.txt").write_text("inner")
+    (root / "NOTES.TXT").write_text("upper")
+    (root / "b.Md").write_text("mixed")
+    (root / "skip.json").write_text("{}")
+    assert sorted(load_text(str(root))) == ["inner", "mixed", "upper"]
+    with pytest.raises(ConfigError, match="data.vocab_size=100 with data.tokenizer=bpe"):
+        TrainConfig.from_args(["data.tokenizer=bpe", "data.vocab_size=100"])

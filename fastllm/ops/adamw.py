@@ -220,7 +220,7 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, 
     if len(params) == 0:
         return
     lr, lr_tensor = split_lr(lr)
-    if _backend.direct():
+    if _backend.direct(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
         _adamw_step_impl(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,

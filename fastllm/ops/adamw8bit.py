@@ -405,7 +405,7 @@ def adamw8bit_step(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmax
     lr, lr_tensor = split_lr(lr)
     if qmaps is None:
         qmaps = build_qmaps(params[0].device)
-    if _backend.direct():  # the torch.ops round trip skipped in plain eager code
+    if _backend.direct(params, grads, masters, exp_avgs, exp_avg_sqs):  # (torch.ops skipped)
         _adamw8bit_step_impl(
             params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes, exp_avg_sq_absmaxes,
             steps, qmaps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,

@@ -266,7 +266,7 @@ def adamw_master_step(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps
     if len(params) == 0:
         return
     lr, lr_tensor = split_lr(lr)
-    if _backend.direct():  # the torch.ops round trip skipped in plain eager code
+    if _backend.direct(params, grads, masters, exp_avgs, exp_avg_sqs):  # (torch.ops skipped)
         _adamw_master_step_impl(
             params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, lr=lr,
             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,

@@ -98,6 +98,6 @@ def l2norm(tensors):
     tensors = list(tensors)
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    if _backend.direct():  # the torch.ops round trip skipped in plain eager code
+    if _backend.direct(tensors):  # the torch.ops round trip skipped in plain eager code
         return _l2norm_impl(tensors)
     return torch.ops.fastllm.l2norm(tensors)

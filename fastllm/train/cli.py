@@ -129,7 +129,7 @@ def _train(args):
 
         try:
             return compare_hf(cfg)
-        except (RunDirError, CheckpointError, ValueError) as e:
+        except clear as e:
             sys.exit(str(e))
     # both configs checked before either trains: an option only fastllm has must not fail
     # after the whole fastllm run

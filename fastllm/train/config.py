@@ -511,6 +511,10 @@ def _validate_values(cfg, need):
     need(cfg.data.cache_dir is None or cfg.data.cache_dir.strip() != "", "data.cache_dir is "
          "empty: give a folder, or null for $FASTLLM_CACHE or ~/.cache/fastllm")
     need(cfg.data.vocab_size >= 2, f"data.vocab_size must be >= 2, got {cfg.data.vocab_size}")
+    # (the trained BPE starts from the 256 bytes and <|endoftext|>: a smaller size was ignored)
+    need(cfg.data.tokenizer != "bpe" or cfg.data.vocab_size >= 257, f"data.vocab_size="
+         f"{cfg.data.vocab_size} with data.tokenizer=bpe: its byte-level alphabet and "
+         f"<|endoftext|> are 257 tokens already; give >= 257")
     need(cfg.data.prefetch >= 0, f"data.prefetch must be >= 0, got {cfg.data.prefetch}")
     g = cfg.galore
     need(g.rank >= 1, f"galore.rank must be >= 1, got {g.rank}")

@@ -35,8 +35,11 @@ def load_text(path):
     if path is None:
         return builtin_corpus()
     if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True)
-                       + glob.glob(os.path.join(path, "**", "*.md"), recursive=True))
+        # files only (a folder named site.md is no text), any case of the extension (NOTES.TXT),
+        # the path taken literally (a folder named data[1] is no character class)
+        files = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "**", "*"),
+                                            recursive=True)
+                       if f.lower().endswith((".txt", ".md")) and os.path.isfile(f))
         if not files:
             raise FileNotFoundError(f"fastllm train: no .txt or .md files under {path}")
     elif os.path.isfile(path):
