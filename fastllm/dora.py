@@ -41,7 +41,8 @@ def dora_weight_norm_ref(weight, lora_A, lora_B, scaling):
 def dora_weight_norm(weight, lora_A, lora_B, scaling, weight_sq=None):
     """dora_weight_norm_ref without the (out, in) sum: fp32 (out_features,). weight_sq: the rows'
     ||W||^2 (fp32, (out,)) if known."""
-    w, a, b = weight.float(), lora_A.float(), lora_B.float()
+    dt = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    w, a, b = weight.to(dt), lora_A.to(dt), lora_B.to(dt)
     if weight_sq is None:
         weight_sq = (w * w).sum(1)
     cross = (b * (w @ a.t())).sum(1)
@@ -80,13 +81,21 @@ class DoRALinear(LoRALinear):
             return dora_weight_norm(self.base_layer.weight, self.lora_A, self.lora_B,
                                     self.scaling)
 
+    def _norm(self):
+        """weight_norm() rounded to the magnitude's dtype (PEFT's norm is in the weight's): a bf16
+        magnitude over the unrounded norm made a fresh layer, and a merge of an untrained
+        adapter, differ from the base by up to one bf16 step."""
+        n = self.weight_norm()
+        return n.to(self.lora_magnitude_vector.dtype).to(n.dtype)
+
     def forward(self, x):
         if self.merged:
             return self.base_layer(x)
         w, bias = self.base_layer.weight, self.base_layer.bias
         if self.lora_A.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             return self._forward_fp32_adapters(x, w, bias)
-        scale = (self.lora_magnitude_vector.float() / self.weight_norm()).to(x.dtype)
+        n = self._norm()
+        scale = (self.lora_magnitude_vector.to(n.dtype) / n).to(x.dtype)
         if self.dropout == 0.0 or not self.training:
             out = lora_linear(x, w, self.lora_A, self.lora_B, self.scaling, None, 0.0,
                               training=self.training) * scale
@@ -124,11 +133,12 @@ class DoRALinear(LoRALinear):
         opmath = torch.float64 if w.dtype == torch.float64 else torch.float32
         delta = self.delta_weight(opmath)
         if sign > 0:
-            norm = self.weight_norm().to(opmath)
+            norm = self._norm().to(opmath)
             self._merge_norm = norm
             factor = self.lora_magnitude_vector.detach().to(opmath) / norm
             return (factor[:, None] * (w.detach().to(opmath) + delta)).to(w.dtype)
-        factor = self.lora_magnitude_vector.detach().to(opmath) / self._merge_norm
+        m = self.lora_magnitude_vector.detach()  # (moved or cast since the merge: follow it)
+        factor = m.to(opmath) / self._merge_norm.to(device=m.device, dtype=opmath)
         return (w.detach().to(opmath) / factor[:, None] - delta).to(w.dtype)
 
     def extra_repr(self):

@@ -289,8 +289,8 @@ def _check_untied(model, layers):
     for n, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(n)
     for name, layer in layers:
-        others = [n for n in owners.get(id(layer.base_layer.weight), [])
-                  if n != f"{name}.base_layer.weight"]
+        own = f"{name}.base_layer.weight" if name else "base_layer.weight"  # (a bare layer)
+        others = [n for n in owners.get(id(layer.base_layer.weight), []) if n != own]
         if others:
             # untying here would not last: config.tie_word_embeddings makes from_pretrained
             # and save_pretrained tie (or drop) the merged weight again

@@ -1,12 +1,14 @@
 """DoRA (fastllm.dora): the weight norm and the layer against their references and PEFT's
 use_dora (logits, grads, adapter files both ways), merge, and a training run."""
 
+import copy
+
 import pytest
 import torch
 
 from fastllm.dora import (DoRALinear, dora_linear_ref, dora_weight_norm, dora_weight_norm_ref,
                           inject_dora, save_adapter)
-from fastllm.lora import lora_modules, merge_and_unload
+from fastllm.lora import lora_modules, merge_and_unload, merge_lora
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (7, 5, 3), (123, 33, 8)])
@@ -114,3 +116,27 @@ def test_tensor_parallel_refuses_dora():
     layer = DoRALinear(torch.nn.Linear(8, 6), r=2)
     with pytest.raises(NotImplementedError, match="tensor parallel of a DoRA layer"):
         _LoRAParallel(colwise=True)._apply(layer, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_fresh_layer_is_its_base_and_merges_to_it(dtype):
+    """bf16 adapters on a bf16 base: the bf16 magnitude over the unrounded fp32 norm gave a fresh
+    layer outputs up to one bf16 step off its base's, and merging an untrained adapter changed
+    the weights (PEFT: exact). fp64 layers computed their norm in fp32 (~1e-7, not ~1e-16). A
+    layer that is the whole model merges (its own weight was taken for a tied one)."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 48, bias=False).to(dtype)  # (a bias is added after the scale)
+    layer = DoRALinear(copy.deepcopy(base), r=4, alpha=8)
+    x = torch.randn(16, 64, dtype=dtype)
+    with torch.no_grad():
+        exact = 0 if dtype == torch.bfloat16 else 1e-12
+        torch.testing.assert_close(layer(x), base(x), rtol=exact, atol=exact)
+    merge_lora(layer)
+    assert torch.equal(layer.base_layer.weight, base.weight)
+
+
+def test_weight_norm_is_fp64_for_fp64_layers():
+    w, a, b = (torch.randn(*s, dtype=torch.float64) for s in ((48, 64), (4, 64), (48, 4)))
+    got = dora_weight_norm(w, a, b, 2.0)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, dora_weight_norm_ref(w, a, b, 2.0), rtol=1e-12, atol=0)

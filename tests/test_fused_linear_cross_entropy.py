@@ -477,3 +477,41 @@ def test_vocab_parallel_world2():
             torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=0)
             torch.testing.assert_close(gh, ref_grads[0], rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(gw, ref_grads[1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+def test_an_empty_batch_of_more_than_two_dims_gets_its_grad(backend, device):
+    """hidden (2, 0, H): the grad came back (0, H), which autograd refused, in every reduction;
+    torch gives nan (mean), 0 (sum), an empty loss (none), each with a (2, 0, H) grad."""
+    for reduction in ("mean", "sum", "none"):
+        h = torch.randn(2, 0, 8, device=device, requires_grad=True)
+        w = torch.randn(11, 8, device=device)
+        with fastllm.use_backend(backend):
+            loss = fused_linear_cross_entropy(h, w, torch.zeros(2, 0, dtype=torch.long,
+                                                                device=device),
+                                              reduction=reduction)
+            loss.sum().backward()
+        assert h.grad.shape == (2, 0, 8), reduction
+
+
+def test_vocab_parallel_loss_with_a_masked_vocabulary(tmp_path):
+    """A bias of -inf over padded vocabulary rows, label_smoothing 0: the vocab-parallel loss was
+    nan (0 times the -inf sum of the logits), where F.cross_entropy and the op are finite."""
+    import torch.distributed as dist
+
+    from fastllm.ops.fused_linear_cross_entropy import vocab_parallel_fused_linear_cross_entropy
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                                world_size=1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        h, w, b = (torch.randn(*s, generator=g) for s in ((5, 8), (37, 8), (37,)))
+        b[30:] = float("-inf")
+        y = torch.tensor([0, 1, 2, -100, 3])
+        got = vocab_parallel_fused_linear_cross_entropy(h, w, y, 0, 37, bias=b)
+        torch.testing.assert_close(got, F.cross_entropy(F.linear(h, w, b), y))
+    finally:
+        if made:
+            dist.destroy_process_group()

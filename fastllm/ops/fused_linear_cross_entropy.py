@@ -18,18 +18,17 @@ How the grads are produced. For "mean" and "sum" the forward computes the loss A
 hidden, weight and bias in the same pass over the chunks (Liger-Kernel's scheme): per chunk of
 tokens the logits (chunk x V) are computed by one GEMM, turned in place into their grad by one
 vectorised pass, and consumed by the two grad GEMMs; the backward only scales the saved grads by
-the incoming grad. That is 3 GEMMs per step, the same as F.cross_entropy over materialised
-logits. Recomputing the logits in the backward instead (cut cross-entropy's scheme) costs a 4th
-GEMM, about +33% on this CPU, where the three GEMMs alone already take as long as the whole
-materialised loss (BENCHMARKS.md), to save holding grad_weight (V x H, the size of the weight)
-from forward to backward. "none" cannot use
-it (the incoming grad weights each token differently inside the dW sum), so its forward computes
-the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads are computed only for the
-inputs that require them (a frozen head skips the dW GEMM), and ignored tokens are dropped before
-any GEMM, but under CUDA graph capture: finding them (and checking the labels) reads the GPU back,
-which a capture refuses, so there the GPU driver keeps every token in place, the ignored ones with
-a loss and grad of 0, and checks the labels by a device-side assertion (`_chunked`'s dense rows;
-the patched model's whole step then captures, tests/test_cuda_graph_step.py).
+the incoming grad. That is 3 GEMMs per step, the same as F.cross_entropy over materialised logits.
+Recomputing the logits in the backward instead (cut cross-entropy's scheme) costs a 4th GEMM, about
++33% on this CPU, where the three GEMMs alone already take as long as the whole materialised loss
+(BENCHMARKS.md), to save holding grad_weight (V x H, the size of the weight) from forward to
+backward. "none" cannot use it (the incoming grad weights each token differently inside the dW
+sum), so its forward computes the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads
+are computed only for the inputs that require them (a frozen head skips the dW GEMM), and ignored
+tokens are dropped before any GEMM, but under CUDA graph capture: finding them (and checking the
+labels) reads the GPU back, which a capture refuses, so there the GPU driver keeps every token in
+place, the ignored ones with a loss and grad of 0, and checks the labels by a device-side assertion
+(`_chunked`'s dense rows; tests/test_cuda_graph_step.py captures a patched step).
 
 Chunk size: CHUNK_BYTES (128 MiB) of logits per chunk (`chunk_rows`), 682 fp32 / 1365 bf16 rows at
 V = 49152, the chunks balanced (`balanced_rows`: no more chunks than an equal split needs, at most
@@ -385,7 +384,7 @@ def _fused_impl(hidden, weight, labels, bias, ignore_index, reduction, label_smo
                                  ignore_index, label_smoothing, z_loss, logit_softcap,
                                  list(grad_mask))
     loss = _reduce(per_token, labels, ignore_index, reduction)
-    return loss, gh.view(hidden.shape) if gh.numel() else gh, gw, gb
+    return loss, gh.view(hidden.shape) if grad_mask[0] else gh, gw, gb  # (an empty batch too)
 
 
 def _backward_impl(grad_loss, hidden, weight, labels, bias, ignore_index, reduction,
@@ -395,7 +394,7 @@ def _backward_impl(grad_loss, hidden, weight, labels, bias, ignore_index, reduct
     token_scale = grad_loss.float().expand(labels.shape).reshape(-1)
     _, gh, gw, gb = _run(hidden, weight, labels, bias, token_scale, reduction == "mean",
                          ignore_index, label_smoothing, z_loss, logit_softcap, list(grad_mask))
-    return gh.view(hidden.shape) if gh.numel() else gh, gw, gb
+    return gh.view(hidden.shape) if grad_mask[0] else gh, gw, gb
 
 
 lib.impl("fused_linear_cross_entropy", _fused_impl, "CPU")
@@ -544,8 +543,9 @@ class _VocabParallel(torch.autograd.Function):
                                  zf.sum(1)], 1)
             dist.all_reduce(stats, group=group)
             lse = gmax + stats[:, 0].log()
-            loss[idx] = (lse - (1.0 - eps) * stats[:, 1] - eps * stats[:, 2] / vocab_size
-                         + z_loss * lse * lse)
+            # (eps 0: no smoothing term, whose 0 * -inf of a -inf-masked vocabulary was nan)
+            smooth = eps * stats[:, 2] / vocab_size if eps else 0.0
+            loss[idx] = lse - (1.0 - eps) * stats[:, 1] - smooth + z_loss * lse * lse
             if not any(need):
                 continue
             g = torch.exp(zf - lse[:, None]) * (w * (1.0 + 2.0 * z_loss * lse))[:, None]
