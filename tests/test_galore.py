@@ -655,3 +655,46 @@ def test_master_weights_switched_off_at_resume_are_dropped():
     for p, b in zip((model[0].weight, model[0].bias), before):
         assert float(resumed.state[p]["step"]) == 3 and not torch.equal(p, b)
     assert all("master_param" not in s for s in resumed.state_dict()["state"].values())
+
+
+def test_fp16_loss_scaled_grads_are_unscaled_in_fp32():
+    """fp16 params without masters, a LossScaler: the projected step unscaled the grad in fp16,
+    where grads too small for fp16 (what loss scaling is for) became 0 and the update was lost;
+    it is now within fp16's rounding of the fp32 run's."""
+    from fastllm.amp import LossScaler
+
+    torch.manual_seed(0)
+    true_grad, w0 = torch.randn(4, 8, dtype=torch.float64) * 1e-8, torch.randn(4, 8)
+
+    def update(dtype, scaler):
+        w = torch.nn.Parameter(w0.to(dtype).clone())
+        opt = GaLoreAdamW([{"params": [w], "rank": 2, "scale": 1.0}], lr=1e-2, eps=1e-12,
+                          loss_scaler=scaler)
+        w.grad = (true_grad * (scaler.get_scale() if scaler else 1.0)).to(dtype)
+        opt.step()
+        return w.detach().double() - w0.to(dtype).double()
+
+    want, got = update(torch.float32, None), update(torch.float16, LossScaler())
+    assert ((got - want).norm() / want.norm()).item() < 0.1
+
+
+def test_bad_group_keys_are_refused_before_a_step_changes_anything():
+    """scale < 0 passed construction, and a key set between steps failed mid-step, after the
+    step count (and other groups) had moved."""
+    model = _model()
+    with pytest.raises(ValueError, match="scale must be a finite number >= 0"):
+        GaLoreAdamW([{"params": [model[0].weight], "rank": 2, "scale": -1.0}])
+    opt = GaLoreAdamW([{"params": [model[0].weight], "rank": 2},
+                       {"params": [model[2].weight], "rank": 2}], lr=1e-2)
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = [float(s["step"]) for s in opt.state.values()]
+    for key, value in (("scale", float("nan")), ("update_proj_gap", 0), ("proj_type", "bogus")):
+        group = opt.param_groups[1]
+        old, group[key] = group[key], value
+        with pytest.raises(ValueError, match=f"param group 1: {key}"):
+            opt.step()
+        group[key] = old
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert [float(s["step"]) for s in opt.state.values()] == steps

@@ -336,3 +336,26 @@ def test_pipeline_refuses_a_micro_batch_count_below_one(world1, n):
         stage = types.SimpleNamespace(num_stages=1)
         with pytest.raises(ValueError, match=rf"n_microbatches must be an int >= 1, got {n!r}"):
             build_schedule(stage, n, pipeline_loss, "gpipe", batch_size)
+
+
+@pytest.mark.parametrize("what", ["merged", "dora"])
+def test_tensor_parallel_refuses_lora_it_cannot_shard_before_sharding_anything(world1, what):
+    """A merged LoRA layer or a DoRA layer was refused by its own style, after the embedding,
+    the head and the layers before it had been sharded: a caller catching the error held a
+    half-sharded model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastllm.dora import inject_dora
+    from fastllm.lora import inject_lora, merge_lora
+    from fastllm.parallel.tensor_parallel import apply_tensor_parallel
+
+    model = _model(_config("llama", layers=2))
+    if what == "dora":
+        inject_dora(model, target_modules=["o_proj"], r=2)
+    else:
+        inject_lora(model, target_modules=["o_proj"], r=2)
+        merge_lora(model)
+    with pytest.raises((ValueError, NotImplementedError), match=what if what == "merged"
+                       else "DoRA"):
+        apply_tensor_parallel(model, init_device_mesh("cpu", (1,)))
+    assert not any(type(p).__name__ == "DTensor" for p in model.parameters())

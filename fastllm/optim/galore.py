@@ -7,16 +7,16 @@ Zhao et al. 2024, arXiv:2403.03507), a drop-in for galore-torch's `GaLoreAdamW`.
     opt = fastllm.optim.GaLoreAdamW(groups, lr=1e-3, weight_decay=0.0)
 
 Param groups with a `rank` key are projected: each 2-D param W (rows, cols) keeps an orthonormal
-projector P and its Adam moments in the projected space, (r, cols) or (rows, r) instead of
-(rows, cols). Every `update_proj_gap` steps (from the first) P is refreshed from the current
-gradient by a randomised range finder: a few power iterations, warm-started from the previous P
-(a Gaussian start the first time, from a generator seeded by `seed` and the param's position, so
-every data-parallel rank draws the same), each orthonormalised by fastllm::orthogonalize. That
-costs a few (rows x cols x r) matmuls instead of a full SVD, and does not fail to converge on
-ill-conditioned or low-precision gradients. The step itself is one fastllm::galore_adam_step per
-matrix: project, Adam in the low-rank space, back-project times `scale`, decoupled weight decay.
-Params of other groups (and non-matrix params of rank groups) get fastllm's AdamW update
-(fastllm::adamw_step) in the same step.
+projector P and its Adam moments in the projected space, (r, cols) or (rows, r) instead of (rows,
+cols). Every `update_proj_gap` steps (from the first) P is refreshed from the current gradient by a
+randomised range finder: a few power iterations, warm-started from the previous P (a Gaussian start
+the first time, from a generator seeded by `seed` and the param's position, so every data-parallel
+rank draws the same), each orthonormalised by fastllm::orthogonalize. That costs a few (rows x cols
+x r) matmuls instead of a full SVD, and does not fail to converge on ill-conditioned or
+low-precision gradients. The step itself is one fastllm::galore_adam_step per matrix: project, Adam
+in the low-rank space, back-project times `scale`, decoupled weight decay. Params of other groups
+(and non-matrix params of rank groups) get fastllm's AdamW update (fastllm::adamw_step) in the same
+step.
 
 proj_type (galore-torch's): "std" projects from the shorter side (left, P (rows, r), when
 rows < cols; else right, P (cols, r)), "reverse_std" the other way, "left"/"right" always that
@@ -29,24 +29,22 @@ State per projected param: `step`, `exp_avg`, `exp_avg_sq` (low-rank, fp32) and 
 
 Under FSDP2 (`fully_shard`: params and grads are DTensors sharded on dim 0 over a 1-D mesh, the
 grads already averaged): a projector refresh all-gathers the gradient (`full_tensor()`, once per
-update_proj_gap steps), so every rank runs the same range finder on the same matrix as one
-process would. Between refreshes, with the rows sharded:
-    - right projection (P (cols, r)): the low-rank grad G_local P, its moments (local rows, r)
-      and the update are all row-local: the fused step on the local shard, no communication;
-    - left projection (P (rows, r)): P^T G = sum over ranks of P_local^T G_local, one all-reduce
-      of (r, cols) per param and step; the moments (r, cols) are replicated, each rank writes
-      its rows P_local N of the update.
-Under fastllm.distributed.DistributedOptimizer, see its docstring (projected params are
-all-reduced and updated whole on every rank).
+update_proj_gap steps), so every rank runs the same range finder on the same matrix as one process
+would. Between refreshes, with the rows sharded, a right projection (P (cols, r)) is row-local (the
+low-rank grad G_local P, its moments (local rows, r) and the update: the fused step on the local
+shard, no communication); a left one (P (rows, r)) all-reduces P^T G, the sum over ranks of
+P_local^T G_local, (r, cols) per param and step, its moments replicated, each rank writing its rows
+P_local N of the update. Under fastllm.distributed.DistributedOptimizer projected params are
+all-reduced and updated whole on every rank (see its docstring).
 
-Every step first takes the global grad norm (one fastllm::l2norm pass; over the mesh for
-DTensor grads). A step whose grads hold an inf or nan changes nothing: no param, moment,
-projector or step count moves, `step_skipped` is True and `skipped_steps` counts it, as
-fastllm.optim.AdamW with its mixed-precision options. The keyword-only options are AdamW's:
-max_grad_norm clips by that norm, loss_scaler (a fastllm.amp.LossScaler) unscales the grads
-inside the step and is updated by it, master_weights keeps an fp32 copy (state 'master_param')
-of every bf16/fp16 param and steps that. torch.amp.GradScaler works as with any optimizer
-(it unscales the grads and skips step() on inf/nan itself).
+Every step first takes the global grad norm (one fastllm::l2norm pass; over the mesh for DTensor
+grads). A step whose grads hold an inf or nan changes nothing: no param, moment, projector or step
+count moves, `step_skipped` is True and `skipped_steps` counts it, as fastllm.optim.AdamW with its
+mixed-precision options. The keyword-only options are AdamW's: max_grad_norm clips by that norm,
+loss_scaler (a fastllm.amp.LossScaler) unscales the grads inside the step and is updated by it,
+master_weights keeps an fp32 copy (state 'master_param') of every bf16/fp16 param and steps that.
+torch.amp.GradScaler works as with any optimizer (it unscales the grads and skips step() on inf/nan
+itself).
 """
 
 import math
@@ -167,19 +165,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             group.setdefault("update_proj_gap", 200)
             group.setdefault("scale", 0.25)
             group.setdefault("proj_type", "std")
-            if not (isinstance(group["rank"], int) and not isinstance(group["rank"], bool)
-                    and group["rank"] >= 1):
-                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: rank must be an "
-                                 f"int >= 1, got {group['rank']!r}")
-            if not (isinstance(group["update_proj_gap"], int) and group["update_proj_gap"] >= 1):
-                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: update_proj_gap "
-                                 f"must be an int >= 1, got {group['update_proj_gap']!r}")
-            if not (isinstance(group["scale"], (int, float)) and math.isfinite(group["scale"])):
-                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: scale must be a "
-                                 f"finite number, got {group['scale']!r}")
-            if group["proj_type"] not in _PROJ_TYPES:
-                raise ValueError(f"fastllm.optim.GaLoreAdamW: param group {gi}: proj_type "
-                                 f"{group['proj_type']!r} is not one of {_PROJ_TYPES}")
+            _check_rank_group(gi, group)
         elif isinstance(param_group, dict):
             stray = [k for k in _GROUP_KEYS if k in param_group]
             if stray:
@@ -192,15 +178,12 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def _left(group, p):
         rows, cols = p.shape
         kind = group["proj_type"]
-        if kind == "left":
-            return True
-        if kind == "right":
-            return False
+        if kind in ("left", "right"):
+            return kind == "left"
         return (rows < cols) if kind == "std" else (rows >= cols)
 
     def _projected(self, group, p):
-        # A zero-size matrix has no subspace (rank 0): it is stepped as torch's AdamW steps it,
-        # a no-op on no elements.
+        # (a zero-size matrix has no subspace: stepped as torch's AdamW, a no-op on no elements)
         return "rank" in group and p.dim() == 2 and p.numel() > 0
 
     def _validate(self):
@@ -208,6 +191,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             _check_hyperparameters(f"param group {gi}", group["lr"], group["betas"],
                                    group["eps"], group["weight_decay"])
+            if "rank" in group:  # (its keys may have been set since add_param_group)
+                _check_rank_group(gi, group)
             for pi, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
@@ -404,13 +389,16 @@ class GaLoreAdamW(torch.optim.Optimizer):
                                    local_rows, process_group, factor, master)
         else:
             target = _contiguous(p) if master is None else master
-            grad = grad.to(target.dtype) if factor == 1.0 else (grad.to(target.dtype) * factor)
-            galore_adam_step(target, grad.contiguous(), state["projector"], state["exp_avg"],
+            # unscaled/clipped in fp32 at least (in fp16 a loss-scaled grad's small entries were 0)
+            work = target if factor == 1.0 or target.dtype.itemsize >= 4 else target.float()
+            grad = grad.to(work.dtype) if factor == 1.0 else (grad.to(work.dtype) * factor)
+            galore_adam_step(work, grad.contiguous(), state["projector"], state["exp_avg"],
                              state["exp_avg_sq"], step=step + 1, left=left, lr=group["lr"],
                              beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"], scale=group["scale"])
-            if target is not p:
-                p.copy_(target)
+            for dst, src in ((target, work), (p, target)):
+                if dst is not src:
+                    dst.copy_(src)
         if master is not None:
             self._written_versions[p] = written_version(p)
 
@@ -538,6 +526,22 @@ class GaLoreAdamW(torch.optim.Optimizer):
                         raise ValueError(f"{where}: state '{key}' of {name} has shape "
                                          f"{tuple(entry[key].shape)}, expected {shape} (the "
                                          f"state of another model?)")
+
+
+def _check_rank_group(gi, group):
+    """A projected group's keys, at add_param_group and before each step (a bad one set since
+    failed mid-step, after the step count and projector had moved)."""
+    where = f"fastllm.optim.GaLoreAdamW: param group {gi}"
+    rank, gap, scale = group["rank"], group["update_proj_gap"], group["scale"]
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+        raise ValueError(f"{where}: rank must be an int >= 1, got {rank!r}")
+    if not (isinstance(gap, int) and not isinstance(gap, bool) and gap >= 1):
+        raise ValueError(f"{where}: update_proj_gap must be an int >= 1, got {gap!r}")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+            and math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"{where}: scale must be a finite number >= 0, got {scale!r}")
+    if group["proj_type"] not in _PROJ_TYPES:
+        raise ValueError(f"{where}: proj_type {group['proj_type']!r} is not one of {_PROJ_TYPES}")
 
 
 def _check_hyperparameters(where, lr, betas, eps, weight_decay):

@@ -156,6 +156,18 @@ class _RowwiseLoRALinear(LoRALinear):
         return y
 
 
+def _check_lora_layers(model):
+    """Refuse the LoRA layers tensor parallel cannot take, before anything is sharded (checked
+    in the style, the embedding and head and earlier layers were sharded already)."""
+    for m in model.modules():
+        if isinstance(m, LoRALinear) and m.merged:
+            raise ValueError("tensor parallel of a merged LoRA layer: unmerge_lora first")
+        if getattr(m, "is_dora", False):
+            raise NotImplementedError(
+                "tensor parallel of a DoRA layer (its magnitude needs the whole weight's row "
+                "norms): not supported; train DoRA with tp=1 (FSDP2 or ZeRO shard it)")
+
+
 class _LoRAParallel(ParallelStyle):
     """Column- or row-parallel for a fastllm.lora.LoRALinear (torch's Colwise/RowwiseParallel
     take only nn.Linear): column-parallel splits W and lora_B on out_features and replicates
@@ -170,12 +182,7 @@ class _LoRAParallel(ParallelStyle):
     def _apply(self, module, device_mesh):
         if not isinstance(module, LoRALinear):
             raise TypeError(f"expected a fastllm.lora.LoRALinear, got {type(module).__name__}")
-        if module.merged:
-            raise ValueError("tensor parallel of a merged LoRA layer: unmerge_lora first")
-        if getattr(module, "is_dora", False):
-            raise NotImplementedError(
-                "tensor parallel of a DoRA layer (its magnitude needs the whole weight's row "
-                "norms): not supported; train DoRA with tp=1 (FSDP2 or ZeRO shard it)")
+        _check_lora_layers(module)
         col = self.colwise
 
         def shard(owner, name, placement):
@@ -350,6 +357,7 @@ def apply_tensor_parallel(model, tp_mesh, vocab_parallel_logits=True, vocab_para
     _torch_support.require("tensor parallel", tp_mesh.device_type)
     tp = tp_mesh.size()
     ParallelLayout(tp=tp).check_model(model.config, vocab_parallel=vocab_parallel)
+    _check_lora_layers(model)
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     inner = model.model
     embed = getattr(inner, "embed_tokens", None)
@@ -436,7 +444,8 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
     q/k_proj are added; every dimension it splits must divide by tp, checked on every layer
     before any is changed).
     param_dtype/reduce_dtype: FSDP2's mixed precision (e.g. torch.bfloat16 / torch.float32).
-    vocab_parallel_logits: see `apply_tensor_parallel` (False inside a pipeline).
+    vocab_parallel_logits: see `apply_tensor_parallel` (False inside a pipeline, and for
+    model.generate, whose sampling reads whole logits).
     sequence_parallel: shard the residual stream and the norms on the sequence between the
     tensor-parallel regions (`llama_tp_plan`; the sequence length must divide by tp; only with
     plan=None and a tp dimension of size > 1). Projections wrapped by fastllm.lora are sharded
@@ -464,6 +473,7 @@ def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param
             # whole, so tied weights and a vocabulary tp does not divide are fine
             ParallelLayout(tp=tp).check_model(model.config, vocab_parallel=False)
             layers = decoder_layers(model)
+            _check_lora_layers(model)
             for layer in layers:  # every layer checked before the first one is changed
                 _check_plan_divides(layer, plan, tp)
             plans = [_lora_aware(layer, _with_head_norms(layer, plan)) for layer in layers]
