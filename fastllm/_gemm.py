@@ -122,6 +122,9 @@ def _mm(a, b):
 
 def _addmm(c, a, b, beta, alpha):
     out = a.new_empty((a.shape[0], b.shape[1]))
+    if torch.broadcast_shapes(c.shape, out.shape) != out.shape:  # (torch refuses it, beta 0 too)
+        raise RuntimeError(f"addmm: the input of shape {tuple(c.shape)} does not broadcast to "
+                           f"the product's {tuple(out.shape)}")
     if beta == 0:
         return _gemm(a, b, out, 0.0, alpha)
     out.copy_(c.expand(out.shape))

@@ -21,6 +21,7 @@ activations, saved tensors and outputs stay low precision. Where PyTorch has the
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from fastllm._backend import env_choice
 from fastllm._library import first_order_only
@@ -30,6 +31,8 @@ _MODES = ("auto", "fp32", "native")
 
 
 def _mode():
+    """FASTLLM_CPU_LOWP_MATMUL, read at each call in eager code; a torch.compile'd function
+    keeps the value it was traced with (a setting of the process, like _native's answer)."""
     return env_choice("FASTLLM_CPU_LOWP_MATMUL", _MODES)
 
 
@@ -178,5 +181,11 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
     """F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=..., scale=...,
     enable_gqa=True) without dropout, for CPU bf16/fp16 tensors that widen() says to compute in
     fp32. q: (B, H, T, D); k, v: (B, H_kv, S, D) with H a multiple of H_kv; attn_mask: None, or
-    boolean (True: attend) / additive, broadcastable to (B, H, T, S)."""
+    boolean (True: attend) / additive, broadcastable to (B, H, T, S). An additive mask that
+    requires grad (a learned bias) goes to F.scaled_dot_product_attention itself: the widened
+    kernel gives the mask no gradient."""
+    if (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
+            and torch.is_grad_enabled()):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
     return _WideAttention.apply(q, k, v, attn_mask, is_causal, scale)

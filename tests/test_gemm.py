@@ -266,3 +266,30 @@ def test_amx_probe_follows_the_cpu():
     assert isinstance(amx, bool)
     if "amx_bf16" not in flags:
         assert not amx
+
+
+@pytest.mark.parametrize("mode", ["aten", "onednn"])
+def test_addmm_refuses_an_input_that_does_not_broadcast_with_beta_0(monkeypatch, mode):
+    """beta=0 ignores the input's values (nan included), not its shape: the oneDNN route took a
+    (3, 4) input for a (7, 9) product, where torch.addmm (and the aten route) refuse it."""
+    if mode == "onednn" and not _gemm._usable():
+        pytest.skip("no oneDNN fp32 GEMM here")
+    monkeypatch.setenv(_gemm.ENV, mode)
+    a, b = torch.randn(7, 13), torch.randn(13, 9)
+    with pytest.raises(RuntimeError):
+        _gemm.addmm(torch.randn(3, 4), a, b, beta=0, alpha=1.0)
+    out = _gemm.addmm(torch.full((1, 9), float("nan")), a, b, beta=0, alpha=1.0)
+    torch.testing.assert_close(out, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_widened_attention_gives_a_learned_mask_its_gradient():
+    """A float mask that requires grad (a learned bias): the widened kernel returned no grad for
+    it, silently; such a call is F.scaled_dot_product_attention's."""
+    from fastllm import _lowp
+
+    q, k, v = (torch.randn(1, 2, 4, 8).half() for _ in range(3))
+    bias = torch.randn(1, 2, 4, 4, requires_grad=True)
+    _lowp.scaled_dot_product_attention(q, k, v, bias.half()).float().sum().backward()
+    want = torch.autograd.grad(F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), bias).sum(), bias)[0]
+    torch.testing.assert_close(bias.grad, want, rtol=2e-2, atol=2e-2)
