@@ -80,6 +80,15 @@ def test_config_refuses_before_anything_runs(overrides, says):
         TrainConfig.from_args(overrides)
 
 
+def test_a_badam_block_matching_nothing_is_refused_before_the_run_folder_is_written(tmp_path):
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_args(["model=tiny", "finetune=badam", "badam.blocks=[[nope]]",
+                                 f"output_dir={out}"])
+    with pytest.raises(ConfigError, match=r"badam.blocks\[0\] \['nope'\] matches no"):
+        Trainer(cfg).train()
+    assert not out.exists()
+
+
 def test_an_unknown_model_is_refused_before_the_run_folder_is_written(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match="model='no-such-model' is neither a built-in"):

@@ -19,8 +19,8 @@ from torch import nn
 from fastllm.train.config import ConfigError
 from fastllm.train.model import check_model, is_model_dir, lora_targets, model_skeleton
 
-__all__ = ["check", "check_batch", "check_chat_data", "check_lora_targets", "check_prompts",
-           "tokenizer_folder"]
+__all__ = ["check", "check_badam_blocks", "check_batch", "check_chat_data", "check_lora_targets",
+           "check_prompts", "tokenizer_folder"]
 
 
 def check(cfg, layout=None):
@@ -31,6 +31,7 @@ def check(cfg, layout=None):
     check_model(cfg)
     cfg.check_files()
     check_lora_targets(cfg)
+    check_badam_blocks(cfg)
     check_chat_data(cfg)
     check_prompts(cfg)
     return cfg
@@ -84,6 +85,20 @@ def check_lora_targets(cfg):
         targets = lora_targets(model, cfg, [entry])
         if not any(matches(n, targets) for n in names):
             raise ConfigError(no_match_message(where, entry, names, kind) + note)
+
+
+def check_badam_blocks(cfg):
+    """finetune=badam with badam.blocks: every block names a parameter of the model, as
+    fastllm.optim.BAdam requires (it refused a typo after the run folder was made)."""
+    if cfg.finetune != "badam" or not cfg.badam.blocks:
+        return
+    from fastllm.optim.badam import _matches
+
+    names = [n for n, _ in model_skeleton(cfg).named_parameters()]
+    for bi, block in enumerate(cfg.badam.blocks):
+        if not any(_matches(n, prefix) for n in names for prefix in block):
+            raise ConfigError(f"fastllm train: badam.blocks[{bi}] {block} matches no parameter "
+                              f"of the model (its names: {', '.join(names[:4])}, ...)")
 
 
 def tokenizer_folder(cfg):
