@@ -95,6 +95,17 @@ def step_scalars(step_ptr, lr_ptr, decay, lr_bits, weight_decay_bits, ln_beta1_b
     return neg_step_size, bc2_sqrt, decay_out
 
 
+def one_multiplier(grad_scale, clip_coef):
+    """(grad_scale, clip_coef) as load_grad takes them: with both, one fp32 multiplier
+    (1 / grad_scale) * clip_coef built in fp64 on the device and passed as clip_coef alone, as
+    the C++/CUDA kernels build theirs (two fp32 products rounded the grad twice: 1 ulp off them
+    on ~20% of elements; fp64 inside the kernel made the master kernel spill on Triton 3.6)."""
+    if grad_scale is None or clip_coef is None:
+        return grad_scale, clip_coef
+    mult = (1.0 / grad_scale.double()) * clip_coef.double()
+    return None, mult.float().reshape(clip_coef.shape)
+
+
 @triton.jit
 def inv_grad_scale(grad_scale_ptr):
     """1 / grad_scale, correctly rounded (the C++/CUDA kernels' 1.0 / scale rounded to fp32)."""
@@ -121,14 +132,9 @@ def load_grad(grad_ptr, offsets, mask, grad_scale_ptr, clip_coef_ptr,
     """The gradient as the update sees it, in fp32: grad / grad_scale * clip_coef, negated when
     maximising (the scalars read on the device; a pointer whose flag is off is never read)."""
     g = stream_load(grad_ptr, offsets, mask, 0.0).to(tl.float32)
-    if HAS_GRAD_SCALE and HAS_CLIP_COEF:
-        # one multiplier, built in fp64 and rounded once, as the C++/CUDA kernels build theirs
-        # (two fp32 products rounded g twice: 1 ulp off them on ~20% of elements)
-        inv = 1.0 / tl.load(grad_scale_ptr).to(tl.float64)
-        g = g * (inv * tl.load(clip_coef_ptr).to(tl.float64)).to(tl.float32)
-    elif HAS_GRAD_SCALE:
+    if HAS_GRAD_SCALE:
         g = g * inv_grad_scale(grad_scale_ptr)
-    elif HAS_CLIP_COEF:
+    if HAS_CLIP_COEF:
         g = g * tl.load(clip_coef_ptr).to(tl.float32)
     if MAXIMIZE:
         g = -g

@@ -35,7 +35,8 @@ import triton.language as tl
 from fastllm._backend import triton_interpreting
 from fastllm.kernels import cdiv, next_power_of_2
 from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, device_step, host_constants,
-                                       load_grad, step_scalars, stream_load, stream_store)
+                                       load_grad, one_multiplier, step_scalars, stream_load,
+                                       stream_store)
 from fastllm.kernels.adamw import _TL_DTYPES
 from fastllm.kernels.rounding import philox_key, round_nearest, round_stochastic
 from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
@@ -351,6 +352,7 @@ def adamw8bit_step_triton(
     grad_scale, clip_coef, found_inf = (
         t.to(device) if t is not None and t.device != device else t
         for t in (grad_scale, clip_coef, found_inf))
+    grad_scale, clip_coef = one_multiplier(grad_scale, clip_coef)
     steps = [device_step(s, device) for s in steps]
     qblock, block_p2, rows, chunk_tiles, num_warps = _tile(block_size, q8)
     arrays = [params, grads, masters or None, exp_avgs, exp_avg_sqs,

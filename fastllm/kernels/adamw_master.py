@@ -23,8 +23,8 @@ import triton.language as tl
 
 from fastllm.kernels import cdiv
 from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param, device_step,
-                                       host_constants, load_grad, step_scalars, stream_load,
-                                       stream_store)
+                                       host_constants, load_grad, one_multiplier, step_scalars,
+                                       stream_load, stream_store)
 from fastllm.kernels.adamw import _TL_DTYPES, _sizes
 from fastllm.kernels.rounding import philox_key, round_nearest, round_stochastic
 from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
@@ -201,6 +201,7 @@ def adamw_master_step_triton(
     grad_scale, clip_coef, found_inf = (
         t.to(device) if t is not None and t.device != device else t
         for t in (grad_scale, clip_coef, found_inf))
+    grad_scale, clip_coef = one_multiplier(grad_scale, clip_coef)
     steps = [device_step(s, device) for s in steps]
     block, chunk_blocks = _sizes()
     arrays = [params, grads, masters or None, exp_avgs, exp_avg_sqs, kahan_comps or None]
