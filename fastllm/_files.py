@@ -1,9 +1,20 @@
 """Files replaced whole or not at all (adapter folders): each written under a hidden temporary
 name in its folder, flushed to disk, then os.replace'd into place, as checkpoints are; a refused
-or failed save leaves the files already there as they were."""
+or failed save leaves the files already there as they were. And the data files under a folder
+(files_under)."""
 
+import glob
 import json
 import os
+
+
+def files_under(folder, extensions):
+    """The files under `folder` (recursively, sorted) whose names end in one of `extensions`, in
+    any case (NOTES.TXT, train.JSONL); the folder's path taken literally (data[1] is no glob
+    character class), folders skipped (a folder named site.md is no file)."""
+    return sorted(f for f in glob.glob(os.path.join(glob.escape(folder), "**", "*"),
+                                       recursive=True)
+                  if f.lower().endswith(extensions) and os.path.isfile(f))
 
 
 def write_replacing(folder, writers):

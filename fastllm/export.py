@@ -162,6 +162,8 @@ def _finish_config(model, tokenizer, from_folder=False):
     built-in model's LlamaConfig defaults, bos 1 / eos 2, are not the tokenizer's). A model
     from a folder keeps its own: its stop tokens may be several (Llama-3-Instruct's
     generation_config lists three), and the tokenizer's EOS is added to them when missing."""
+    from fastllm.train.evaluate import stop_ids
+
     eos = tokenizer.eos_token_id
     tok = getattr(tokenizer, "tok", None)
     bos = getattr(tok, "bos_token_id", None)
@@ -176,14 +178,6 @@ def _finish_config(model, tokenizer, from_folder=False):
         if getattr(c, "pad_token_id", None) is None or not from_folder:
             c.pad_token_id = pad if pad is not None else eos
     model.config.use_cache = True
-
-
-def stop_ids(eos_token_id):
-    """A config's eos_token_id (None, an int or a list of them) as a list."""
-    if eos_token_id is None:
-        return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(i) for i in
-                                                                     eos_token_id]
 
 
 def export(run_dir, out_dir, merged=False):

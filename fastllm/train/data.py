@@ -8,7 +8,6 @@ on when the run was interrupted, nor (as a set) on the world size: a resumed run
 size, sees exactly the sequences the uninterrupted run would have.
 """
 
-import glob
 import hashlib
 import json
 import os
@@ -18,6 +17,8 @@ import time
 
 import numpy as np
 import torch
+
+from fastllm._files import files_under
 
 __all__ = ["builtin_corpus", "load_text", "build_tokenizer", "tokenize_to_file", "PackedDataset",
            "Loader"]
@@ -35,11 +36,7 @@ def load_text(path):
     if path is None:
         return builtin_corpus()
     if os.path.isdir(path):
-        # files only (a folder named site.md is no text), any case of the extension (NOTES.TXT),
-        # the path taken literally (a folder named data[1] is no character class)
-        files = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "**", "*"),
-                                            recursive=True)
-                       if f.lower().endswith((".txt", ".md")) and os.path.isfile(f))
+        files = files_under(path, (".txt", ".md"))
         if not files:
             raise FileNotFoundError(f"fastllm train: no .txt or .md files under {path}")
     elif os.path.isfile(path):

@@ -86,6 +86,14 @@ def chat_prompt_ids(tokenizer, prompt, template=None):
     return tok(prompt)["input_ids"]
 
 
+def stop_ids(eos_token_id):
+    """A config's eos_token_id (None, an int or a list of them) as a list of ints."""
+    if eos_token_id is None:
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(i) for i in
+                                                                     eos_token_id]
+
+
 @torch.no_grad()
 def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
                      do_sample=False, temperature=1.0, top_p=1.0, templates=None):
@@ -98,10 +106,8 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
     # the stop tokens: the tokenizer's EOS and those the model's generation_config lists
     # (Llama-3-Instruct's three), as model.generate stops at any of them
     config = getattr(model, "generation_config", None)
-    own = getattr(config, "eos_token_id", None)
     stops = ([] if eos is None else [eos]) + [
-        int(i) for i in ([] if own is None else [own] if isinstance(own, int) else own)
-        if int(i) != eos]
+        i for i in stop_ids(getattr(config, "eos_token_id", None)) if i != eos]
     outs = []
     templates = [None] * len(prompts) if templates is None else templates
     try:

@@ -26,9 +26,10 @@ the last {"tools": [...], "chat_template_kwargs": {...}} (only the keys it has).
 """
 
 import codecs
-import glob
 import json
 import os
+
+from fastllm._files import files_under
 
 __all__ = ["Records", "data_format", "decode_utf8", "first_records", "read_records",
            "template_inputs", "text_pieces"]
@@ -60,8 +61,7 @@ def is_json_name(name):
 
 
 def _folder_files(path):
-    return sorted(name for name in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                  if is_json_name(name) and os.path.isfile(name))
+    return files_under(path, _EXTENSIONS)
 
 
 def _files(path):
