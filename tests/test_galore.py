@@ -698,3 +698,20 @@ def test_bad_group_keys_are_refused_before_a_step_changes_anything():
         group[key] = old
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         assert [float(s["step"]) for s in opt.state.values()] == steps
+
+
+@pytest.mark.parametrize("key,value", [("proj_type", "reverse_std"), ("rank", 3)])
+def test_rank_or_proj_type_changed_after_state_is_refused_before_anything_moves(key, value):
+    """A proj_type changed between steps failed inside the first matrix's kernel after its step
+    count had moved; a rank changed ran on at the old rank until the next refresh failed."""
+    model = _model()
+    opt = GaLoreAdamW([{"params": [model[0].weight, model[2].weight], "rank": 2}], lr=1e-2)
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = [float(s["step"]) for s in opt.state.values()]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match="cannot change once a param has state"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert [float(s["step"]) for s in opt.state.values()] == steps

@@ -18,46 +18,46 @@ def scalar(value, name):
     return float(value)
 
 
-def check_hyperparameters(where, lr, betas, eps, weight_decay):
+def check_hyperparameters(where, lr, betas, eps, weight_decay, owner="fastllm.optim.AdamW"):
     """Raise ValueError on a bad hyperparameter; the messages contain torch.optim.AdamW's own
-    wording, which code and tests match on.
+    wording, which code and tests match on, after `owner` (the optimizer's name).
 
     A tensor lr is the one value not read on the host while torch.compile traces a step (its
     shape and dtype are checked; its value when it is set, as torch does): the kernels read it
     on the device (fastllm/ops/_lr.py)."""
     if isinstance(lr, torch.Tensor):
-        check_tensor_lr(where, lr)
+        check_tensor_lr(where, lr, owner)
     else:
         lr_value = scalar(lr, "lr")
         if not math.isfinite(lr_value) or lr_value < 0.0:
-            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {lr}")
+            raise ValueError(f"{owner}: {where}: Invalid learning rate: {lr}")
     if not math.isfinite(eps) or eps < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid epsilon value: {eps}")
+        raise ValueError(f"{owner}: {where}: Invalid epsilon value: {eps}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"fastllm.optim.AdamW: {where}: betas must be a pair, got {betas!r}")
+        raise ValueError(f"{owner}: {where}: betas must be a pair, got {betas!r}")
     for i, beta in enumerate(betas):
         value = scalar(beta, f"betas[{i}]")
         if not 0.0 <= value < 1.0:
-            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid beta parameter at index "
+            raise ValueError(f"{owner}: {where}: Invalid beta parameter at index "
                              f"{i}: {beta}")
     if not math.isfinite(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid weight_decay value: "
+        raise ValueError(f"{owner}: {where}: Invalid weight_decay value: "
                          f"{weight_decay}")
 
 
-def check_tensor_lr(where, lr):
+def check_tensor_lr(where, lr, owner="fastllm.optim.AdamW"):
     """A tensor lr: one floating-point element (torch.optim's wording first); its value is read
     and checked unless a step is being traced by torch.compile."""
     if lr.numel() != 1:
-        raise ValueError(f"fastllm.optim.AdamW: Tensor lr must be 1-element (got shape "
+        raise ValueError(f"{owner}: Tensor lr must be 1-element (got shape "
                          f"{tuple(lr.shape)})")
     if not lr.dtype.is_floating_point or lr.layout != torch.strided:
-        raise TypeError(f"fastllm.optim.AdamW: {where}: a Tensor lr must be a dense floating-point "
+        raise TypeError(f"{owner}: {where}: a Tensor lr must be a dense floating-point "
                         f"tensor, got {lr.dtype} ({lr.layout})")
     if not torch.compiler.is_compiling():
         value = lr.item()
         if not math.isfinite(value) or value < 0.0:
-            raise ValueError(f"fastllm.optim.AdamW: {where}: Invalid learning rate: {value}")
+            raise ValueError(f"{owner}: {where}: Invalid learning rate: {value}")
 
 
 def refuse_duplicates(where, param_group, group_index):

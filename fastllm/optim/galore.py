@@ -58,7 +58,7 @@ from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.ops.galore_adam_step import galore_adam_step, low_rank_adam_update_
 from fastllm.ops.orthogonalize import orthogonalize
-from fastllm.optim._hyper import refuse_duplicates
+from fastllm.optim._hyper import check_hyperparameters, refuse_duplicates
 from fastllm.optim._plan import versions_after_copy, versions_in_sync, written_version
 from fastllm.optim.adamw import held_back
 from fastllm.optim.grad_norm import global_grad_norm
@@ -68,6 +68,7 @@ __all__ = ["GaLoreAdamW", "range_finder"]
 _PROJ_TYPES = ("std", "reverse_std", "left", "right")
 _LOW_RANK_KEYS = ("exp_avg", "exp_avg_sq", "projector", "master_param")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_OWNER = "fastllm.optim.GaLoreAdamW"
 _GROUP_KEYS = ("rank", "update_proj_gap", "scale", "proj_type")
 
 
@@ -120,7 +121,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
                  max_grad_norm=None, loss_scaler=None, master_weights=False):
         if not correct_bias:
             raise ValueError("fastllm.optim.GaLoreAdamW: correct_bias=False is not supported")
-        _check_hyperparameters("defaults", lr, betas, eps, weight_decay)
+        check_hyperparameters("defaults", lr, betas, eps, weight_decay, _OWNER)
         if not (isinstance(power_iters, int) and power_iters >= 1):
             raise ValueError(f"fastllm.optim.GaLoreAdamW: power_iters must be an int >= 1, got "
                              f"{power_iters!r}")
@@ -182,6 +183,14 @@ class GaLoreAdamW(torch.optim.Optimizer):
             return kind == "left"
         return (rows < cols) if kind == "std" else (rows >= cols)
 
+    def _low_shape(self, group, p):
+        """The shape of a projected param's low-rank moments under its group's rank and proj_type
+        (the local rows of a row-sharded DTensor)."""
+        rows, cols = p.shape
+        rank = min(group["rank"], rows, cols)
+        return (rank, cols) if self._left(group, p) else (
+            _row_shard(p)[1] if is_dtensor(p) else rows, rank)
+
     def _projected(self, group, p):
         # (a zero-size matrix has no subspace: stepped as torch's AdamW, a no-op on no elements)
         return "rank" in group and p.dim() == 2 and p.numel() > 0
@@ -189,8 +198,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def _validate(self):
         """Everything a step needs, checked before anything changes."""
         for gi, group in enumerate(self.param_groups):
-            _check_hyperparameters(f"param group {gi}", group["lr"], group["betas"],
-                                   group["eps"], group["weight_decay"])
+            check_hyperparameters(f"param group {gi}", group["lr"], group["betas"],
+                                  group["eps"], group["weight_decay"], _OWNER)
             if "rank" in group:  # (its keys may have been set since add_param_group)
                 _check_rank_group(gi, group)
             for pi, p in enumerate(group["params"]):
@@ -206,8 +215,15 @@ class GaLoreAdamW(torch.optim.Optimizer):
                                        f"match its param's shape, dtype and device")
                 if not p.dtype.is_floating_point:
                     raise TypeError(f"fastllm.optim.GaLoreAdamW: {where} has dtype {p.dtype}")
-                if is_dtensor(p) and self._projected(group, p):
-                    _row_shard(p)  # refuses a layout the projected step cannot shard
+                if self._projected(group, p):
+                    # (_row_shard refuses a DTensor layout the projected step cannot shard)
+                    low, shape = self.state.get(p, {}).get("exp_avg"), self._low_shape(group, p)
+                    if low is not None and tuple(low.shape) != shape:
+                        raise ValueError(
+                            f"fastllm.optim.GaLoreAdamW: {where} has low-rank moments of shape "
+                            f"{tuple(low.shape)}; its group's rank {group['rank']} and proj_type "
+                            f"{group['proj_type']!r} now make {shape}: they cannot change once "
+                            f"a param has state (start a new optimizer)")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -357,12 +373,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def _projected_state(self, group, p):
         state = self.state[p]
         if not state:
-            rows, cols = p.shape
-            rank = min(group["rank"], rows, cols)
             opmath = torch.float64 if p.dtype == torch.float64 else torch.float32
-            local_rows = _row_shard(p)[1] if is_dtensor(p) else rows
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            low_shape = (rank, cols) if self._left(group, p) else (local_rows, rank)
+            low_shape = self._low_shape(group, p)
             state["exp_avg"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
             state["exp_avg_sq"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
         self._add_master(p, state)
@@ -542,27 +555,6 @@ def _check_rank_group(gi, group):
         raise ValueError(f"{where}: scale must be a finite number >= 0, got {scale!r}")
     if group["proj_type"] not in _PROJ_TYPES:
         raise ValueError(f"{where}: proj_type {group['proj_type']!r} is not one of {_PROJ_TYPES}")
-
-
-def _check_hyperparameters(where, lr, betas, eps, weight_decay):
-    """Raise ValueError on a bad hyperparameter (at construction and before each step: a
-    scheduler or a user may have set it)."""
-    def number(value):  # a Python number or a one-element tensor, else None
-        if isinstance(value, torch.Tensor):
-            return float(value) if value.numel() == 1 else None
-        return float(value) if isinstance(value, (int, float)) else None
-
-    lr_value = number(lr)
-    if not (lr_value is not None and math.isfinite(lr_value) and lr_value >= 0):
-        raise ValueError(f"fastllm.optim.GaLoreAdamW: {where}: invalid learning rate {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(number(b) is not None and 0 <= number(b) < 1 for b in betas)):
-        raise ValueError(f"fastllm.optim.GaLoreAdamW: {where}: invalid betas {betas!r}")
-    for name, value in (("eps", eps), ("weight_decay", weight_decay)):
-        value = number(value)
-        if not (value is not None and math.isfinite(value) and value >= 0):
-            raise ValueError(f"fastllm.optim.GaLoreAdamW: {where}: {name} must be finite and "
-                             f">= 0, got {value!r}")
 
 
 def _contiguous(t):
