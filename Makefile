@@ -33,8 +33,12 @@ setup: $(VENV)/.deps
 
 # Rebuilt when a file under csrc/, setup.py or the environment changed since the last build, so
 # that targets run side by side (CI: tests and kernel-check) never reinstall under each other.
+# A file added, deleted or renamed under csrc/ changes $(SOURCES), which is rewritten only then.
 # flock: helpers and CI may build concurrently; the in-place extension must be built by one at a time.
-$(BUILT): $(VENV)/.deps setup.py $(shell find csrc -type f)
+SOURCES := build/csrc-files.txt
+$(shell mkdir -p build && find csrc -type f | LC_ALL=C sort > $(SOURCES).new && \
+	(cmp -s $(SOURCES).new $(SOURCES) && rm $(SOURCES).new || mv $(SOURCES).new $(SOURCES)))
+$(BUILT): $(VENV)/.deps setup.py $(SOURCES) $(shell find csrc -type f)
 	CFLAGS="$$CFLAGS $(EXT_CFLAGS)" flock /tmp/fastllm-build.lock \
 		$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 

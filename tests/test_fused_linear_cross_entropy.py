@@ -155,6 +155,38 @@ def test_all_ignored(backend, device, reduction):
         assert torch.equal(g, torch.zeros_like(g))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fp64_grads_are_fp64_accurate(reduction):
+    """fp64 inputs (the ref backend): the token weights (1 / tokens) and the incoming grad were
+    rounded to fp32, so the grads were 3e-8 off where the loss was exact."""
+    hidden = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 3, 4])
+    loss = fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+    want = F.cross_entropy(F.linear(hidden, weight), labels, reduction=reduction)
+    seed = torch.full(loss.shape, 1 / 3, dtype=torch.float64)
+    got, ref = (torch.autograd.grad((x * seed).sum(), [hidden, weight]) for x in (loss, want))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_masked_first_vocabulary_block(backend, device):
+    """A bias of -inf over the first 4096 entries (the Triton row pass's whole first block of
+    fp32 logits): its online softmax computed exp(-inf - -inf), a nan loss and grads."""
+    hidden = torch.randn(2, 4, device=device, requires_grad=True)
+    weight = torch.randn(4100, 4, device=device)
+    bias = torch.zeros(4100, device=device)
+    bias[:4096] = float("-inf")
+    labels = torch.tensor([4097, 4099], device=device)
+    with fastllm.use_backend(backend):
+        loss = fused_linear_cross_entropy(hidden, weight, labels, bias=bias)
+    (grad,) = torch.autograd.grad(loss, [hidden])
+    want = F.cross_entropy(F.linear(hidden, weight, bias), labels)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad, torch.autograd.grad(want, [hidden])[0], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_frozen_weight_and_no_grad(backend, device):
     """Only the grads asked for are computed (a frozen head: no dW); no_grad: loss only."""

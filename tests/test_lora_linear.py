@@ -129,6 +129,8 @@ def test_noncontiguous_and_empty(backend, device):
         (y.sum() + y0.sum()).backward()
     torch.testing.assert_close(y, lora_linear_ref(x, w, a, b, 1.5), rtol=1e-5, atol=1e-6)
     assert y0.shape == (0, 8) and empty.grad.shape == (0, 10)
+    ref0 = lora_linear_ref(empty.detach(), w.detach(), a.detach(), b.detach(), 1.5, dropout_p=0.5)
+    assert ref0.shape == (0, 8)  # (the reference reshaped to -1 columns: no rows, no answer)
     for out_f, in_f in ((0, 10), (8, 0)):  # a layer with no outputs or no inputs, as F.linear
         x0, w0, a0, b0, _ = _inputs((2, 3), in_f, out_f, 3, torch.float32, device, bias=False)
         with fastllm.use_backend(backend):

@@ -75,6 +75,24 @@ def test_bad_input_is_refused_before_writing(backend, device):
     assert not dst[0].any() and not dst[1].any()
 
 
+@pytest.mark.parametrize("backend,device", backend_device_params())
+def test_overlapping_tensors_are_refused(backend, device):
+    """Pairs that share memory other than a dst being exactly its own src (swapped pairs, a
+    shifted view of one buffer) were copied: the cpp kernel's parallel, in-order copy read
+    values it had already written and disagreed with the reference; torch's copy_ refuses."""
+    a, b = torch.arange(4.0, device=device), torch.arange(4.0, device=device) + 10
+    buf = torch.arange(8.0, device=device)
+    with fastllm.use_backend(backend):
+        for dst, src in (([a, b], [b, a]), ([buf[2:6]], [buf[0:4]]), ([buf[:4], buf[2:6]],
+                                                                    [a, b])):
+            before = [t.clone() for t in (a, b, buf)]
+            with pytest.raises(ValueError, match="share memory"):
+                scaled_copy(dst, src, 2.0)
+            assert all(torch.equal(x, y) for x, y in zip(before, (a, b, buf)))
+        scaled_copy([buf[:4], buf[4:]], [a, a[None]], 1.0)  # srcs may share memory
+    assert torch.equal(buf, torch.tensor([0.0, 1, 2, 3] * 2, device=device))
+
+
 def test_opcheck():
     dst = [torch.zeros(7), torch.zeros(3, dtype=torch.bfloat16)]
     src = [torch.randn(7, dtype=torch.float16), torch.randn(3)]

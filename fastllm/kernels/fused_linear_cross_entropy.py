@@ -72,7 +72,10 @@ def _flce_row_kernel(
         sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        # (a block of -inf logits so far, a bias masking vocabulary entries: exp(-inf - -inf)
+        # would be nan; shifted by 0 instead, its terms are 0)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         m = m_new
     lse = m + tl.log(s)
     z_y = tl.load(z_row + y).to(tl.float32)

@@ -282,12 +282,12 @@ def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_b
             w_all = keep * (scale / count.clamp_min(1) if divide_by_valid else scale)
             labels = torch.where(keep, flat, -1)
         else:
-            w_all = torch.full((m,), scale / m if divide_by_valid else scale,
-                               dtype=torch.float32, device=hidden2.device)
+            w_all = torch.full((m,), scale / m if divide_by_valid else scale, dtype=acc,
+                               device=hidden2.device)
             labels = flat[valid]
         if token_scale is not None:
-            w_all = w_all * (token_scale.float() if dense else token_scale.float()[valid])
-        w_all = w_all.float()
+            w_all = w_all * (token_scale.to(acc) if dense else token_scale.to(acc)[valid])
+        w_all = w_all.to(acc)  # (fp64 for fp64 inputs: rounded to fp32, their grads were too)
         for c0 in range(0, m, rows):
             idx = slice(c0, c0 + rows) if dense else valid[c0:c0 + rows]
             x = hidden2[idx]
@@ -391,7 +391,7 @@ def _backward_impl(grad_loss, hidden, weight, labels, bias, ignore_index, reduct
                    label_smoothing, z_loss, logit_softcap, grad_mask):
     """Grads of hidden, weight, bias for an incoming grad_loss (0-d, or labels' shape for
     'none'), recomputing the logits chunk by chunk."""
-    token_scale = grad_loss.float().expand(labels.shape).reshape(-1)
+    token_scale = grad_loss.to(_loss_dtype(hidden)).expand(labels.shape).reshape(-1)
     _, gh, gw, gb = _run(hidden, weight, labels, bias, token_scale, reduction == "mean",
                          ignore_index, label_smoothing, z_loss, logit_softcap, list(grad_mask))
     return gh.view(hidden.shape) if grad_mask[0] else gh, gw, gb
@@ -443,8 +443,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _scaled(grad, grad_loss):
-    # grad_loss is 0-d: the product stays in grad's dtype, computed in fp32
-    return grad * grad_loss.to(torch.float32)
+    # grad_loss is 0-d: the product stays in grad's dtype, computed in fp32 (fp64 for fp64)
+    return grad * grad_loss.to(torch.promote_types(grad.dtype, torch.float32))
 
 
 @first_order_only("fastllm.fused_linear_cross_entropy")

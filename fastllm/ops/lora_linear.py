@@ -109,7 +109,7 @@ def lora_linear_ref(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0
     the base output in fp32 and rounded once to x's dtype, as PEFT does."""
     rows = math.prod(x.shape[:-1])
     xd = lora_dropout_ref(x.reshape(rows, x.shape[-1]).to(lora_a.dtype), dropout_p, seed)
-    low = F.linear(F.linear(xd.reshape(*x.shape[:-1], -1), lora_a), lora_b)
+    low = F.linear(F.linear(xd.reshape(x.shape), lora_a), lora_b)  # (not -1: 0 rows)
     return (F.linear(x, weight, bias) + scaling * low).to(x.dtype)
 
 
