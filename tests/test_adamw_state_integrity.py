@@ -312,3 +312,45 @@ def test_bf16_state_converted_from_a_transposed_params_torch_state_steps():
     opt.step()
     theirs.step()
     torch.testing.assert_close(q, p, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("make", [lambda ps: AdamW8bit(ps, min_8bit_size=1),
+                                  lambda ps: AdamW(ps, state_dtype=torch.bfloat16)],
+                         ids=["8bit", "bf16_state"])
+def test_fp64_param_with_low_byte_state_is_refused_before_anything_changes(make):
+    """The low-byte kernels take fp32/bf16/fp16 params; an fp64 one was refused by the op after
+    the fp32 param's call had run and every step count had moved."""
+    a, b = torch.randn(8, requires_grad=True), torch.randn(8, dtype=torch.float64,
+                                                           requires_grad=True)
+    opt = make([a, b])
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    before = a.detach().clone()
+    with pytest.raises(TypeError, match=r"param 1 of param group 0 .* is torch.float64"):
+        opt.step()
+    assert torch.equal(a, before) and not opt.state
+
+
+def test_a_call_that_never_ran_gets_its_step_count_back(monkeypatch):
+    """An op that raised after an earlier call ran: the flat step counts of the calls after it
+    stayed advanced, so their next bias correction was a step ahead."""
+    a, b = torch.randn(8, requires_grad=True), torch.randn(8, dtype=torch.float64,
+                                                           requires_grad=True)
+    opt = AdamW([a, b], lr=0.1)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    from fastllm.optim import _plan
+
+    real, calls = _plan.adamw_step, []
+
+    def fail_second(*args, **kwargs):
+        calls.append(args[0][0].dtype)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_plan, "adamw_step", fail_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    assert calls == [torch.float32, torch.float64]
+    assert float(opt.state[a]["step"]) == 2.0  # its call ran
+    assert float(opt.state[b]["step"]) == 1.0

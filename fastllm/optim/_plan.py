@@ -26,7 +26,7 @@ import torch
 
 from fastllm._dtensor import is_dtensor, local
 from fastllm.ops.adamw import adamw_step
-from fastllm.ops.adamw8bit import adamw8bit_step
+from fastllm.ops.adamw8bit import PARAM_DTYPES as LOW_BYTE_DTYPES, adamw8bit_step
 from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.optim._hyper import check_hyperparameters, scalar
 from fastllm.optim.state_layout import LOW_PRECISION, qmaps
@@ -228,6 +228,10 @@ class Plan:
                         f"fastllm.optim.AdamW: {where} is float16; training without master "
                         f"weights (stochastic_rounding or kahan_summation alone) is implemented "
                         f"for bfloat16 params only. Use master_weights=True for fp16 params")
+                if opt.moments.mode(p) is not None and p.dtype not in LOW_BYTE_DTYPES:
+                    raise TypeError(f"fastllm.optim.AdamW: {where} is {p.dtype}; low-byte state "
+                                    f"(state_dtype={opt.moments.state_dtype}) takes float32, "
+                                    f"bfloat16 or float16 params")
                 state = opt.state.get(p)
                 if state:
                     opt.moments.check(where, p, state, kind, group["amsgrad"])
@@ -394,14 +398,12 @@ class Plan:
                     done.append(call)
         except BaseException:
             # An op that raised (a kernel this Triton cannot compile, a bad argument) wrote
-            # nothing: the calls not done get this step's count back, and when none was done the
-            # optimizer is as before the step (not after the Triton prologue: its counts stay).
-            if not steps_advanced and not done:
-                for buffer in self.flat_steps.values():
-                    buffer.sub_(1.0)
+            # nothing: the calls not done get this step's count back (flat ones: their views of
+            # the buffer), so that when none was done the optimizer is as before the step (not
+            # after the Triton prologue: the flat counts it advanced stay).
             ran = {id(c) for c in done}
-            undo = [s for calls in self.groups for c in calls if not c.flat and id(c) not in ran
-                    for s in c.steps]
+            undo = [s for calls in self.groups for c in calls
+                    if id(c) not in ran and not (c.flat and steps_advanced) for s in c.steps]
             if undo:
                 torch._foreach_sub_(undo, 1.0)
             raise
