@@ -45,6 +45,9 @@ def test_hf_config_reading(tmp_path):
     assert model_from_hf_config(str(path)).params() == MODELS["llama3-8b"].params()
     with pytest.raises(ValueError, match="vocab_size"):
         model_from_hf_config({"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2})
+    # null, as older or hand-written configs have it: transformers reads the attention heads
+    mha = {"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 10}
+    assert model_from_hf_config({**mha, "num_key_value_heads": None}).kv_heads == 2
 
 
 def test_bubble_and_collectives_by_hand():

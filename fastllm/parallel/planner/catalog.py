@@ -145,7 +145,7 @@ def model_from_hf_config(path_or_dict, name=None):
         layers=get("num_hidden_layers", "n_layer"),
         hidden=hidden,
         heads=heads,
-        kv_heads=get("num_key_value_heads", default=heads),
+        kv_heads=heads if cfg.get("num_key_value_heads") is None else cfg["num_key_value_heads"],
         ffn=get("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden,
         vocab=get("vocab_size"),
         gated_mlp=gated,
