@@ -433,7 +433,7 @@ def test_compare_hf_runs_the_same_batches(tmp_path, capsys):
     cfg = TrainConfig.from_dict(dict(
         model="tiny", finetune="lora", output_dir=str(tmp_path / "run"), num_train_epochs=1,
         lr=1e-2, min_lr=1e-3, warmup_steps=1, micro_batch_size=2, gradient_accumulation_steps=2,
-        track_memory=False,
+        track_memory=False, eval=dict(batches=1),  # (the HF side evaluated every batch)
         data=dict(path=data, seq_len=24, cache_dir=str(tmp_path / "cache"), eval_fraction=0.2,
                   packing=False)))
     (_, mine), (_, theirs) = compare_hf(cfg)

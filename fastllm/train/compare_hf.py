@@ -140,7 +140,8 @@ def run_hf(cfg, log=print):
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision == "bf16"
                     else None)
         out["eval_loss"] = evaluate_loss(hf.model, held, cfg.micro_batch_size,
-                                         torch.device("cpu"), autocast)["eval_loss"]
+                                         torch.device("cpu"), autocast,
+                                         max_batches=cfg.eval.batches)["eval_loss"]
     os.makedirs(args.output_dir, exist_ok=True)
     return out
 
