@@ -181,18 +181,39 @@ def _finish_config(model, tokenizer, from_folder=False):
 
 
 def export(run_dir, out_dir, merged=False):
-    """Write the run's model (see the module docstring). Returns out_dir."""
+    """Write the run's model (see the module docstring). Returns out_dir.
+
+    Everything is written to a staging folder beside out_dir and moved in once all of it is
+    written, so a refused or failed export leaves out_dir as it was; the files of an earlier
+    export that this one does not write (a chat template, weight shards, base_model) are
+    removed: transformers' save_pretrained leaves them, and they would load with this one."""
+    import shutil
+    import tempfile
+
     model, tokenizer, cfg = load_run(run_dir)
     prefix = hasattr(model, "_fastllm_prefix")
     if merged and prefix:
         raise ValueError("fastllm export: a prefix-tuning adapter cannot be merged into the "
                          "weights; export it without --merged (a PEFT adapter)")
     _check_out_dir(out_dir, adapter=(_has_lora(model) and not merged) or prefix)
-    os.makedirs(out_dir, exist_ok=True)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.export-",
+                             dir=parent)
+    try:
+        _write(model, tokenizer, cfg, stage, out_dir, merged, prefix)
+        _publish(stage, out_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out_dir
+
+
+def _write(model, tokenizer, cfg, stage, out_dir, merged, prefix):
+    """export's files, into `stage` (paths inside them name out_dir, where they will be)."""
     _finish_config(model, tokenizer, from_folder=os.path.isdir(cfg.model))
     tok = _tokenizer_files(tokenizer)
     if tok is not None:
-        tok.save_pretrained(out_dir)
+        tok.save_pretrained(stage)
     if _has_lora(model) and merged:
         from fastllm.lora import merge_and_unload
 
@@ -203,15 +224,49 @@ def export(run_dir, out_dir, merged=False):
             base = os.path.join(out_dir, "base_model")
             plain = _base_copy(model, prefix)
             _finish_config(plain, tokenizer)
-            plain.save_pretrained(base)
+            plain.save_pretrained(os.path.join(stage, "base_model"))
             if tok is not None:
-                tok.save_pretrained(base)
+                tok.save_pretrained(os.path.join(stage, "base_model"))
         model.config._name_or_path = os.path.abspath(base)
-        save_adapter(model, out_dir)
-        model.generation_config.save_pretrained(out_dir)
+        save_adapter(model, stage)
+        model.generation_config.save_pretrained(stage)
     else:
-        model.save_pretrained(out_dir)
-    return out_dir
+        model.save_pretrained(stage)
+
+
+# What an export writes (transformers' and PEFT's names): removed from out_dir when this export
+# does not write them. Anything else there (a README, the user's files) is left alone.
+_EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors",
+                 "model.safetensors.index.json", "model-*-of-*.safetensors", "pytorch_model*.bin",
+                 "pytorch_model.bin.index.json", "adapter_config.json",
+                 "adapter_model.safetensors", "adapter_model.bin", "base_model",
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                 "additional_chat_templates", "tokenizer.model", "vocab.json", "merges.txt",
+                 "vocab.txt")
+
+
+def _publish(stage, out_dir):
+    """Move the staged files into out_dir (made if missing), replacing what they replace and
+    removing an earlier export's files this one has not written."""
+    import fnmatch
+    import shutil
+
+    def remove(path):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = set(os.listdir(stage))
+    for name in os.listdir(out_dir):
+        if name not in written and any(fnmatch.fnmatch(name, p) for p in _EXPORT_NAMES):
+            remove(os.path.join(out_dir, name))
+    for name in sorted(written):
+        if os.path.isdir(os.path.join(out_dir, name)):  # (a file is replaced by os.replace)
+            remove(os.path.join(out_dir, name))
+        os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
 
 
 # The files of one layout that make a folder read as the other: transformers' from_pretrained

@@ -132,6 +132,40 @@ def test_export_refuses_an_out_dir_holding_the_other_layout(tmp_path, monkeypatc
     assert sorted(os.listdir(out)) == before
 
 
+def test_export_replaces_an_earlier_exports_files_and_writes_nothing_when_it_fails(
+        tmp_path, monkeypatch):
+    """An earlier export's chat template (save_pretrained leaves files it does not write) came
+    back with the new tokenizer; a refused export (a tied head merged) left a half-written
+    folder. Now the files are staged and moved in at the end, an earlier export's removed."""
+    base = tmp_path / "base"
+    base.mkdir()
+
+    def load_run(run_dir):
+        model = _Tiny()
+        inject_lora(model, r=2)
+        return model, types.SimpleNamespace(eos_token_id=2), types.SimpleNamespace(
+            model=str(base))
+
+    monkeypatch.setattr(export, "load_run", load_run)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("chat_template.jinja", "model-00001-of-00002.safetensors", "README.md"):
+        (out / name).write_text("earlier")
+    export.export("run", str(out), merged=True)
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
+
+    def fail(self, out_dir):
+        open(os.path.join(out_dir, "model.safetensors"), "w").write("half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_Tiny, "save_pretrained", fail)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    with pytest.raises(OSError, match="disk full"):
+        export.export("run", str(out), merged=True)
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert [n for n in os.listdir(tmp_path) if "export" in n] == []  # the stage is gone
+
+
 # ----- adapters.py, lora.py -----
 
 def _truncate(file):
