@@ -20,6 +20,7 @@ from fastllm.train import TrainConfig, Trainer
 from fastllm.train import checkpoint as ckpt
 from fastllm.train.config import ConfigError
 from fastllm.train.metrics import read_metrics
+from fastllm.train.run_dir import RunDirError
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,9 @@ def metrics(output_dir):
     (["output_dir="], "output_dir is empty"),
     (["seed=99999999999999"], r"seed must be in \[0, 2\*\*32\)"),
     (["max_steps=0"], "max_steps must be >= 1"),
+    # the tokenizer's ids index the embedding: a smaller table was an IndexError mid-step
+    (["model_config.vocab_size=100"], "model_config.vocab_size=100: the vocabulary is the "
+                                      "tokenizer's"),
     # tensor parallel: another strategy was ignored, torch's fused AdamW crashed at the first
     # step, a LoRA run crashed at its first checkpoint
     (["parallel.tp=2", "parallel.strategy=zero1"], "parallel.tp > 1 shards data parallel with "
@@ -381,3 +385,62 @@ def test_a_second_config_file_is_refused(tmp_path, where):
 def test_warmup_longer_than_the_run_is_warned_about(cache_dir, tmp_path):
     with pytest.warns(UserWarning, match="warmup_steps=100 is longer than max_steps=1"):
         run(cache_dir, str(tmp_path), "max_steps=1", "warmup_steps=100", "checkpoint.interval=0")
+
+
+def test_overwrite_output_dir_deletes_the_old_runs_samples(cache_dir, tmp_path):
+    out = str(tmp_path)
+    run(cache_dir, out, "max_steps=1", "eval.prompts=[old]", "eval.max_new_tokens=2")
+    run(cache_dir, out, "max_steps=1", "overwrite_output_dir=true")
+    assert not os.path.exists(os.path.join(out, "samples.jsonl"))
+    only = tmp_path / "only"  # a run's samples alone are a run too (auto_resume=false refuses)
+    only.mkdir()
+    (only / "samples.jsonl").write_text('{"step": 0, "prompt": "old", "output": "x"}\n')
+    with pytest.raises(RunDirError, match="holds another run .samples.jsonl."):
+        run(cache_dir, str(only), "max_steps=1", "checkpoint.auto_resume=false")
+
+
+def test_a_restart_at_step_0_without_on_start_keeps_no_step_0_samples(cache_dir, tmp_path):
+    out = str(tmp_path)
+    args = ("max_steps=1", "eval.prompts=[hi]", "eval.max_new_tokens=2")
+    run(cache_dir, out, *args)
+    shutil.rmtree(os.path.join(out, "checkpoint-1"))  # as a kill before it was written
+    run(cache_dir, out, *args, "eval.on_start=false")
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1]
+
+
+def test_compare_torch_checks_the_torch_folder_before_training(cache_dir, tmp_path):
+    from fastllm.cli import main
+
+    out = tmp_path / "c"
+    left = tmp_path / "c-torch"  # a previous compare's torch run
+    left.mkdir()
+    (left / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = _listing(str(left))
+    with pytest.raises(SystemExit, match="c-torch holds another run .metrics.jsonl."):
+        main(["train", "--compare", "torch", *tiny(cache_dir, str(out), "max_steps=1")])
+    assert not out.exists() and _listing(str(left)) == before
+
+
+def test_a_text_files_byte_order_mark_is_not_text(tmp_path):
+    from fastllm.train.data import load_text
+
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"\xef\xbb\xbfHello\n")
+    assert load_text(str(path)) == ["Hello\n"]
+    path.write_bytes(b"\xef\xbb\xbfab\xff")  # the byte named is the file's
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 5: b'\\xff'\)"):
+        load_text(str(path))
+
+
+def test_a_model_config_float_in_yaml_exponent_form_is_a_float(tmp_path):
+    from fastllm.train.model import _preset_config, check_model
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\nmodel_config: {rms_norm_eps: 1e-5}\n")  # YAML 1.1: a str
+    cfg = TrainConfig.from_args([], str(path))
+    check_model(cfg)
+    assert _preset_config(cfg, 257).rms_norm_eps == 1e-5
+    path.write_text("model_config: {rms_norm_eps: small}\n")
+    with pytest.raises(ConfigError, match="model_config.rms_norm_eps='small' is not a valid"):
+        TrainConfig.from_args([], str(path))

@@ -102,6 +102,7 @@ def _train(args):
 
     from fastllm.train.checkpoint import CheckpointError
     from fastllm.train.config import ConfigError, TrainConfig
+    from fastllm.train import run_dir
     from fastllm.train.run_dir import RunDirError
     from fastllm.train.trainer import Trainer
     from fastllm.train.watchdog import CollectiveTimeout
@@ -144,6 +145,14 @@ def _train(args):
             configs.append((backend, c.validate()))
         except ConfigError as e:
             sys.exit(f"{e} (--compare torch runs the same config with backend=torch)")
+    # and both output folders (read only: nothing created or deleted yet), so that a leftover
+    # <output_dir>-torch is refused before the fastllm run trains, not after
+    for _, c in configs:
+        try:
+            run_dir.check(c)
+        except RunDirError as e:
+            sys.exit(f"{e} (--compare torch starts both runs fresh: fastllm in output_dir, "
+                     f"torch in output_dir-torch)")
     runs = []
     for backend, c in configs:
         try:

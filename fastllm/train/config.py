@@ -535,9 +535,18 @@ def _validate_values(cfg, need):
              f"model={cfg.model} is a folder whose config.json is used as it is")
         from transformers import LlamaConfig
 
-        known = set(LlamaConfig().to_dict())
+        known = LlamaConfig().to_dict()
         unknown = sorted(k for k in cfg.model_config if k not in known)
         need(not unknown, f"unknown model_config key(s) {unknown} (not LlamaConfig fields)")
+        # the embedding and head are sized for the tokenizer's ids (a smaller table fails
+        # mid-step with an IndexError, a larger one trains rows no id reaches)
+        need("vocab_size" not in cfg.model_config, f"model_config.vocab_size="
+             f"{cfg.model_config.get('vocab_size')!r}: the vocabulary is the tokenizer's "
+             f"(data.tokenizer; data.vocab_size for bpe); drop the key")
+        for key, value in cfg.model_config.items():
+            # a float field as the top-level ones take it: YAML 1.1 reads 1e-5 as a string
+            if isinstance(known[key], float) and isinstance(value, str):
+                cfg.model_config[key] = _convert(f"model_config.{key}", value, None, float)
 
 # Hugging Face TrainingArguments names -> fastllm's, where the concept is the same
 # (gradient_accumulation_steps and num_train_epochs are fields of their own)

@@ -8,6 +8,7 @@ on when the run was interrupted, nor (as a set) on the world size: a resumed run
 size, sees exactly the sequences the uninterrupted run would have.
 """
 
+import codecs
 import hashlib
 import json
 import os
@@ -47,11 +48,15 @@ def load_text(path):
     for name in files:
         with open(name, "rb") as f:
             raw = f.read()
+        # a byte-order mark (Windows editors) is not text to train on (as utf-8-sig, which
+        # the JSONL and prompts readers use; stripped here so error offsets stay the file's)
+        bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
         try:
-            text = raw.decode("utf-8")
+            text = raw[bom:].decode("utf-8")
         except UnicodeDecodeError as e:
+            at = e.start + bom
             raise ValueError(f"fastllm train: data.path {name} is not UTF-8 text (byte "
-                             f"{e.start}: {raw[e.start:e.start + 4]!r}); a binary file?") from None
+                             f"{at}: {raw[at:at + 4]!r}); a binary file?") from None
         if "\x00" in text:
             raise ValueError(f"fastllm train: data.path {name} holds NUL bytes (at "
                              f"{text.index(chr(0))}): a binary file, not text")

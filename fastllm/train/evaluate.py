@@ -254,8 +254,10 @@ class Evaluator:
         self = cls(cfg, trainer.eval_dataset, trainer.tokenizer, trainer.rank)
         redo_start = trainer.step == 0 and cfg.eval.on_start
         if self.rank == 0:
-            # a restart before the first checkpoint redoes the step-0 evaluation: drop its lines
-            keep = trainer.step - 1 if redo_start else trainer.step
+            # a run that starts at step 0 (fresh, or a restart before the first checkpoint)
+            # keeps no evaluation of an earlier attempt, step 0's included: it redoes step 0's
+            # (eval.on_start) or has none
+            keep = trainer.step if trainer.step else -1
             _truncate(self.metrics_path, "eval_step", keep)
             _truncate(self.samples_path, "step", keep)
         if redo_start:

@@ -22,11 +22,14 @@ import shutil
 
 from fastllm.train import checkpoint as ckpt
 
-__all__ = ["RunDirError", "lock", "prepare", "release", "previous_run"]
+__all__ = ["RunDirError", "check", "lock", "prepare", "release", "previous_run"]
 
 LOCK = ".lock"
-# What a run leaves besides checkpoint-<step>/ folders.
-_RUN_FILES = ("metrics.jsonl", "summary.json", "report.png", "tensorboard")
+# What a run leaves besides checkpoint-<step>/ folders (config.yaml is not one: every run
+# rewrites it, and a user's own config file may sit there). samples.jsonl: eval.prompts'
+# answers; tokenizer/: an HF tokenizer's files (a later run may use another tokenizer or none).
+_RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "report.png", "tensorboard",
+              "tokenizer")
 
 
 class RunDirError(RuntimeError):
@@ -46,11 +49,9 @@ def lock(output_dir):
             f.close()
             raise
         f.seek(0)
-        holder = f.read().strip() or "unknown"
+        holder = f.read().strip()
         f.close()
-        raise RunDirError(f"fastllm train: output_dir {output_dir} is in use by another fastllm "
-                          f"train run (PID {holder}, holding {path}); wait for it to finish or "
-                          f"pick another output_dir") from None
+        _in_use(output_dir, path, holder)
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -76,6 +77,42 @@ def previous_run(output_dir):
     return sorted(found)
 
 
+def check(cfg):
+    """What prepare() would refuse, checked without creating, locking or deleting anything: a
+    running run's lock; another run's files when this run starts fresh without
+    overwrite_output_dir. For a command that runs several runs (`--compare torch`), before the
+    first one trains. Raises RunDirError."""
+    out = cfg.output_dir
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise RunDirError(f"fastllm train: output_dir {out} exists and is not a folder")
+    path = os.path.join(out, LOCK)
+    if os.path.isfile(path):
+        with open(path) as f:
+            try:  # a shared lock, dropped on close: refused only while a run holds it
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                _in_use(out, path, f.read().strip())
+    if not cfg.checkpoint.auto_resume and not cfg.overwrite_output_dir:
+        _refuse_another_run(out, previous_run(out))
+
+
+def _in_use(output_dir, path, holder):
+    raise RunDirError(f"fastllm train: output_dir {output_dir} is in use by another fastllm "
+                      f"train run (PID {holder or 'unknown'}, holding {path}); wait for it to "
+                      f"finish or pick another output_dir") from None
+
+
+def _refuse_another_run(output_dir, old):
+    if old:
+        raise RunDirError(
+            f"fastllm train: output_dir {output_dir} holds another run "
+            f"({', '.join(old[:4])}{', ...' if len(old) > 4 else ''}) and "
+            f"checkpoint.auto_resume=false starts a fresh one: set "
+            f"overwrite_output_dir=true to delete it, or pick another output_dir")
+
+
 def prepare(cfg, log=print):
     """Rank 0 at the start of a run: lock output_dir, refuse (or with overwrite_output_dir
     clear) another run's checkpoints and metrics when this run starts fresh (auto_resume=false
@@ -87,12 +124,8 @@ def prepare(cfg, log=print):
         # overwrite_output_dir wins over auto_resume (HF's meaning): the trainer starts fresh
         if not cfg.checkpoint.auto_resume or cfg.overwrite_output_dir:
             old = previous_run(cfg.output_dir)
-            if old and not cfg.overwrite_output_dir:
-                raise RunDirError(
-                    f"fastllm train: output_dir {cfg.output_dir} holds another run "
-                    f"({', '.join(old[:4])}{', ...' if len(old) > 4 else ''}) and "
-                    f"checkpoint.auto_resume=false starts a fresh one: set "
-                    f"overwrite_output_dir=true to delete it, or pick another output_dir")
+            if not cfg.overwrite_output_dir:
+                _refuse_another_run(cfg.output_dir, old)
             if old:
                 for name in old:
                     full = os.path.join(cfg.output_dir, name)
