@@ -190,6 +190,28 @@ def test_a_prompt_records_tools_and_template_kwargs_reach_the_chat_template(tmp_
                         text, template)
 
 
+def test_a_prompt_without_a_template_is_tokenised_as_training_tokenises_it():
+    """A tokenizer whose post-processor appends EOS (Llama's add_eos_token): tok(prompt) ended
+    the generation prompt with EOS, where training's prompt (BOS + text) has none."""
+    from tokenizers import processors
+
+    from fastllm.train.data import HFTokenizer
+    from fastllm.train.evaluate import chat_prompt_ids
+    from fastllm.train.sft_data import encode_example
+
+    fast = tiny_bpe(None, specials=("<s>", "</s>"), bos="<s>", eos="</s>")
+    ids = {t: fast.backend_tokenizer.token_to_id(t) for t in ("<s>", "</s>")}
+    fast.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=list(ids.items()))
+    tok = HFTokenizer(fast, "eos-appending")
+    prompt = "What is the capital of France?"
+    trained, mask = encode_example(("completion", (prompt, " Paris.")), tok)
+    want = trained[:mask.index(1)]
+    assert want[0] == ids["<s>"] and ids["</s>"] not in want
+    assert chat_prompt_ids(tok, prompt) == want
+    assert chat_prompt_ids(fast, prompt) == want  # a transformers tokenizer itself
+
+
 @pytest.mark.parametrize("record,says", [
     ({"prompt": "a", "tools": {"name": "weather"}}, "line 1: key 'tools' must be a list"),
     ({"prompt": "a", "chat_template_kwargs": [1]}, "line 1: key 'chat_template_kwargs' must be"),

@@ -81,9 +81,13 @@ def chat_prompt_ids(tokenizer, prompt, template=None):
     if template:
         name = getattr(tokenizer, "name", None) or getattr(tok, "name_or_path", "")
         raise ValueError(template_refusal(f"prompt {prompt[:40]!r}", name or type(tok).__name__))
-    if hasattr(tokenizer, "encode") and not hasattr(tokenizer, "tok"):
-        return tokenizer.encode(prompt)
-    return tok(prompt)["input_ids"]
+    if not hasattr(tokenizer, "bos_ids"):  # a transformers tokenizer itself
+        from fastllm.train.data import HFTokenizer
+
+        tokenizer = HFTokenizer(tok, getattr(tok, "name_or_path", ""))
+    # as training tokenises a text or prompt (sft_data): the BOS the tokenizer puts first, not
+    # the EOS some put last (Llama's add_eos_token), which would end the prompt
+    return list(tokenizer.bos_ids) + tokenizer.encode(prompt)
 
 
 def stop_ids(eos_token_id):
