@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastllm
-from fastllm.ops import adamw_step
+from fastllm.ops import adamw8bit_step, adamw_master_step, adamw_step
 from fastllm.optim import AdamW, AdamW8bit, BAdam, GaLoreAdamW
 from fastllm.optim import galore as galore_module
 
@@ -53,15 +53,18 @@ def _lists():
     return ps, gs, [torch.zeros(5), torch.zeros(3)], [torch.zeros(5), torch.zeros(3)]
 
 
-@pytest.mark.parametrize("backend", ["cpp", "ref"])
-@pytest.mark.parametrize("grad_mode", [False, True])  # direct call / through torch.ops
-@pytest.mark.parametrize("steps,error,match", [
+BAD_STEPS = [
     ([torch.tensor(1.0), torch.ones(2)], ValueError, r"steps\[1\] must be a dense one-element"),
     ([torch.tensor(1.0), torch.tensor(0.0)], ValueError, r"steps\[1\] is 0.0"),
     ([torch.tensor(-2.0), torch.tensor(1.0)], ValueError, r"steps\[0\] is -2.0"),
     ([torch.tensor(1.0), torch.tensor(1)], TypeError, r"steps\[1\] has dtype torch.int64"),
     ([torch.tensor(1.0), torch.tensor(1.0, device="meta")], ValueError, r"steps\[1\] is on meta"),
-])
+]
+
+
+@pytest.mark.parametrize("backend", ["cpp", "ref"])
+@pytest.mark.parametrize("grad_mode", [False, True])  # direct call / through torch.ops
+@pytest.mark.parametrize("steps,error,match", BAD_STEPS)
 def test_adamw_step_refuses_bad_steps_before_changing_anything(backend, grad_mode, steps, error,
                                                                match):
     ps, gs, ms, vs = _lists()
@@ -70,6 +73,75 @@ def test_adamw_step_refuses_bad_steps_before_changing_anything(backend, grad_mod
         with pytest.raises(error, match=match):
             adamw_step(ps, gs, ms, vs, [], steps, **HYPER)
     assert all(torch.equal(a, b) for a, b in zip(before, ps + ms + vs))
+
+
+def _master_call(steps):
+    """adamw_master_step on bf16 params with fp32 masters: the call, and every tensor it may
+    write (params, masters, moments, steps)."""
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randn(5, generator=g).bfloat16(), torch.randn(3, generator=g).bfloat16()]
+    gs = [torch.randn_like(p, dtype=torch.float32).bfloat16() for p in ps]
+    masters = [p.float() for p in ps]
+    ms, vs = [torch.full(p.shape, 0.1) for p in ps], [torch.full(p.shape, 0.2) for p in ps]
+
+    def call():
+        adamw_master_step(ps, gs, masters, ms, vs, [], steps, **HYPER)
+
+    return call, ps + masters + ms + vs + steps
+
+
+def _8bit_call(steps):
+    """adamw8bit_step on bf16 params, fp32 masters and 8-bit moments: as _master_call."""
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randn(5, generator=g).bfloat16(), torch.randn(3, generator=g).bfloat16()]
+    gs = [torch.randn_like(p, dtype=torch.float32).bfloat16() for p in ps]
+    masters = [p.float() for p in ps]
+    ms = [torch.full(p.shape, 140, dtype=torch.uint8) for p in ps]
+    vs = [torch.full(p.shape, 30, dtype=torch.uint8) for p in ps]
+    ams, avs = [torch.full((1,), 0.5) for _ in ps], [torch.full((1,), 0.25) for _ in ps]
+
+    def call():
+        adamw8bit_step(ps, gs, masters, ms, vs, ams, avs, steps, **HYPER)
+
+    return call, ps + masters + ms + vs + ams + avs + steps
+
+
+def _cpu_backends(*names):
+    return [pytest.param(b, marks=pytest.mark.skipif(
+        bool(fastllm._backend.unavailable_reason(b, "cpu")), reason=f"no {b} on the CPU"))
+        for b in names]
+
+
+_CALLS = {"adamw_master_step": _master_call, "adamw8bit_step": _8bit_call}
+
+
+@pytest.mark.parametrize("op", list(_CALLS))
+@pytest.mark.parametrize("backend", _cpu_backends("cpp", "ref", "triton"))
+@pytest.mark.parametrize("grad_mode", [False, True])  # direct call / through torch.ops
+@pytest.mark.parametrize("steps,error,match", BAD_STEPS)
+def test_master_and_8bit_steps_refuse_bad_steps_before_changing_anything(
+        op, backend, grad_mode, steps, error, match):
+    """As adamw_step: a step count < 1 wrote nan (ZeroDivisionError on ref), a two-element one
+    was read as its first element (triton), an integer one was taken."""
+    call, written = _CALLS[op]([s.clone() for s in steps])
+    written = [t for t in written if t.device.type == "cpu"]
+    before = [t.clone() for t in written]
+    with torch.set_grad_enabled(grad_mode), fastllm.use_backend(backend):
+        with pytest.raises(error, match=rf"fastllm\.{op}: {match}"):
+            call()
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(before, written))
+
+
+@pytest.mark.parametrize("op", list(_CALLS))
+def test_master_and_8bit_step_values_are_not_read_in_the_optimizers_plan(op):
+    """As adamw_step's: fastllm.optim's plan made (and advances) its steps; inside it
+    (_backend.validated) the ops read none of them, which is no host cost per step."""
+    call, written = _CALLS[op]([torch.tensor(1.0), torch.tensor(0.0)])
+    with pytest.raises(ValueError, match=r"steps\[1\] is 0.0"):
+        call()
+    with fastllm._backend.validated(), fastllm.use_backend("cpp"):
+        call()  # (not refused: here step 0 writes nan, as the kernels' maths do)
+    assert written[1].isnan().all()
 
 
 # --- GaLoreAdamW: zero-size params and a failing refresh --------------------------------------

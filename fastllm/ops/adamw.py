@@ -123,12 +123,18 @@ def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                     and t.dtype.is_floating_point and t.shape == p.shape and t.is_contiguous()
                     and (name == "grads" or not t.is_neg())):
                 _raise_bad_tensor(f"fastllm.adamw_step: {name}[{i}]", t, p, i, device)
+    check_steps("fastllm.adamw_step", steps, device)
+
+
+def check_steps(op, steps, device):
+    """The step counts' checks every AdamW op (`op`: its name in messages) makes with its other
+    argument checks, in its fake (torch.compile) too: one-element floating-point tensors."""
     for i, s in enumerate(steps):
         # Every backend reads a step on the CPU or on the params' device (the GPU kernels take
         # either: a checkpoint of torch's non-capturable AdamW keeps its steps on the CPU).
         if not (isinstance(s, torch.Tensor) and s.numel() == 1 and s.layout == torch.strided
                 and s.dtype.is_floating_point and s.device in (device, _CPU)):
-            _raise_bad_step(f"fastllm.adamw_step: steps[{i}]", s, device)
+            _raise_bad_step(f"{op}: steps[{i}]", s, device)
 
 
 def _raise_bad_step(where, s, device):
@@ -143,14 +149,16 @@ def _raise_bad_step(where, s, device):
                      f"or on the CPU")
 
 
-def _check_step_values(steps):
+def check_step_values(op, steps):
     """Refuse a step count < 1 (the bias corrections divide by 1 - beta^step) where reading it
     is free: CPU tensors. A step on a GPU is not read: that would wait for the device each call
-    (and cannot be captured in a CUDA graph); fastllm.optim.AdamW advances its steps itself."""
+    (and cannot be captured in a CUDA graph); fastllm.optim.AdamW advances its steps itself.
+    Every AdamW op calls it after check_steps, outside the optimizer's plan (prevalidated), where
+    a fake tensor (torch.compile) is not seen."""
     for i, s in enumerate(steps):
         if s.device.type == "cpu" and not float(s) >= 1.0:
-            raise ValueError(f"fastllm.adamw_step: steps[{i}] is {float(s)}; step counts must be "
-                             f">= 1 (already incremented)")
+            raise ValueError(f"{op}: steps[{i}] is {float(s)}; step counts must be >= 1 (already "
+                             f"incremented)")
 
 
 def _raise_bad_tensor(where, t, p, i, device):
@@ -177,7 +185,7 @@ def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
         check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, lr_tensor=lr_tensor)
-        _check_step_values(steps)
+        check_step_values("fastllm.adamw_step", steps)
         # The kernels read raw memory, blind to a negative bit (x._neg_view()): the read-only
         # lists are resolved here, as torch.ops' fallback does, since the direct call skips it.
         # (fastllm.optim.AdamW's plan hands over resolved grads and steps.)

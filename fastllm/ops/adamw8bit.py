@@ -65,6 +65,7 @@ import torch
 from fastllm import _backend, _extension
 from fastllm._library import lib
 from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
+from fastllm.ops.adamw import check_step_values, check_steps
 from fastllm.ops.adamw_master import stochastic_round_ref
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -274,11 +275,15 @@ _IMPLS = {
 }
 
 
+_WHERE = "fastllm.adamw8bit_step"
+
+
 def check_adamw8bit_args(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, *, lr, beta1, beta2, eps,
                          weight_decay, block_size, lr_tensor=None):
-    """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
-    where = "fastllm.adamw8bit_step"
+    """Raise ValueError/TypeError naming the first bad argument; touches nothing. (The step
+    counts' own checks, adamw.check_steps, follow it where they are made.)"""
+    where = _WHERE
     check_lr_tensor(where, lr_tensor, params[0].device if params else None)
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not math.isfinite(value) or value < 0:
@@ -360,6 +365,11 @@ def _adamw8bit_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_
                          lr_tensor=lr_tensor)
     if not params:
         return
+    if not _backend.prevalidated():
+        # The step counts as adamw_step checks them, and as there not in fastllm.optim's step
+        # plan (which made them): no per-tensor host cost in the optimizer's step.
+        check_steps(_WHERE, steps, params[0].device)
+        check_step_values(_WHERE, steps)
     device_type = params[0].device.type
     backend = _backend.select("adamw8bit_step", device_type,
                               _PREFERENCE.get(device_type, ("ref",)))
@@ -391,6 +401,8 @@ def _adamw8bit_step_fake(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_
                          exp_avg_sq_absmaxes, steps, qmaps, lr=lr, beta1=beta1, beta2=beta2,
                          eps=eps, weight_decay=weight_decay, block_size=block_size,
                          lr_tensor=lr_tensor)
+    if params:
+        check_steps(_WHERE, steps, params[0].device)
 
 
 def adamw8bit_step(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,

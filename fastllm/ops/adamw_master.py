@@ -44,6 +44,7 @@ import torch
 from fastllm import _backend, _extension
 from fastllm._library import lib
 from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
+from fastllm.ops.adamw import check_step_values, check_steps
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
 
@@ -219,6 +220,7 @@ def check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
                                  f"{tuple(p.shape)}")
             if not t.is_contiguous():
                 raise ValueError(f"{at} is not contiguous; call .contiguous() first")
+    check_steps(where, steps, device)
 
 
 def _adamw_master_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *,
@@ -229,6 +231,7 @@ def _adamw_master_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
         check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps,
                                 steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=weight_decay, lr_tensor=lr_tensor)
+        check_step_values("fastllm.adamw_master_step", steps)
     if not params:
         return
     device_type = params[0].device.type
@@ -256,6 +259,8 @@ def _adamw_master_step_fake(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
                             found_inf=None, lr_tensor=None):
     check_lr_tensor("fastllm.adamw_master_step", lr_tensor,
                     params[0].device if params else None)
+    if params:  # (as adamw_step's fake: a step on the meta device dispatches here)
+        check_steps("fastllm.adamw_master_step", steps, params[0].device)
 
 
 def adamw_master_step(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *, lr,
