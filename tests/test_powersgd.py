@@ -138,6 +138,21 @@ def test_orthogonalize_nearly_dependent_columns_come_out_orthogonal(backend, dev
 
 
 @pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
+@pytest.mark.parametrize("scale", [1e-25, 1e21])
+def test_orthogonalize_of_tiny_or_huge_columns(backend, device, scale):
+    """Squared norms summed in fp32 (ref, triton) were 0 for a column of 1e-25 and inf for one
+    of 1e21: every column was zeroed as dependent (and GaLore's range finder, fed a grad of
+    1e-24, made a nan projector and nan weights). The C++ kernel sums in fp64."""
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)).to(device)
+    want = x.clone()
+    orthogonalize_ref([want])  # (at scale 1: its sums are fine either way)
+    x = x * scale
+    with fastllm.use_backend(backend):
+        orthogonalize([x])
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("with_errors", [True, False])
 def test_decompress_matches_reference(backend, device, dtype, with_errors):

@@ -48,17 +48,18 @@ def _orthogonalize_kernel(
 ):
     cols = tl.arange(0, BLOCK_R)
     col_mask = cols < n_cols
-    sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # Squared norms summed in fp64, as the C++ kernel's: fp32 squares of a column of 1e-25 are
+    # 0 (and the column was zeroed as dependent), of 1e21 inf. fp64 square roots are IEEE.
+    sq = tl.zeros([BLOCK_R], dtype=tl.float64)
     for start in range(0, n_rows, BLOCK_N):
         ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
-        sq += tl.sum(tile * tile, axis=0)
-    # IEEE-rounded sqrt and reciprocal as the C++ kernel's (tl.sqrt and / are approximate
-    # on GPUs and exact in the interpreter, so the tests would not see the difference).
-    limit = tol * tl.sqrt_rn(sq)
+        wide = tile.to(tl.float64)
+        sq += tl.sum(wide * wide, axis=0)
+    limit = tol * tl.sqrt(sq)
     first = sq
     norm2 = tl.sum(tl.where(cols == 0, sq, 0.0), axis=0)
     for i in range(0, n_cols):
-        keep = tl.sqrt_rn(norm2) > tl.sum(tl.where(cols == i, limit, 0.0), axis=0)
+        keep = tl.sqrt(norm2) > tl.sum(tl.where(cols == i, limit, 0.0), axis=0)
         first_i = tl.sum(tl.where(cols == i, first, 0.0), axis=0)
         if keep & (i > 0) & (norm2 < again_below * first_i):
             c = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -67,20 +68,18 @@ def _orthogonalize_kernel(
                 x_i = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
                 c += tl.sum(tile * x_i[:, None], axis=0)
             c = tl.where(cols < i, c, 0.0)
-            sq_i = tl.zeros([BLOCK_N], dtype=tl.float32)
+            sq_i = tl.zeros([BLOCK_N], dtype=tl.float64)
             for start in range(0, n_rows, BLOCK_N):
                 ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
                 x_i = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
                 x_i -= tl.sum(tile * c[None, :], axis=1)
                 tl.store(ptrs, tl.broadcast_to(x_i[:, None], tile.shape),
                          mask=mask & (cols[None, :] == i))
-                sq_i += x_i * x_i
+                sq_i += x_i.to(tl.float64) * x_i.to(tl.float64)
             norm2 = tl.sum(sq_i, axis=0)
-        norm = tl.sqrt_rn(norm2)
-        # A dependent column gets inv = 0. (tl.where, not tl.maximum(norm + eps, 1e-38): below
-        # fp32's normal range Triton 3.6 types the constant fp64, and tl.div_rn takes fp32 only)
-        safe = tl.where(keep, norm + eps, 1.0)
-        inv = tl.where(keep, tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe), 0.0)
+        # A dependent column gets inv = 0; 1 / (norm + eps) in fp64 (IEEE), then rounded
+        safe = tl.where(keep, tl.sqrt(norm2) + eps, 1.0)
+        inv = tl.where(keep, 1.0 / safe, 0.0).to(tl.float32)
         dots = tl.zeros([BLOCK_R], dtype=tl.float32)
         for start in range(0, n_rows, BLOCK_N):
             ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
@@ -90,13 +89,14 @@ def _orthogonalize_kernel(
                      mask=mask & (cols[None, :] == i))
         coef = tl.where(cols > i, dots, 0.0)
         if i + 1 < n_cols:
-            sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+            sq = tl.zeros([BLOCK_R], dtype=tl.float64)
             for start in range(0, n_rows, BLOCK_N):
                 ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
                 q = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
                 out = tile - q[:, None] * coef[None, :]
                 tl.store(ptrs, out, mask=mask & (cols[None, :] > i))
-                sq += tl.sum(out * out, axis=0)
+                wide = out.to(tl.float64)
+                sq += tl.sum(wide * wide, axis=0)
             norm2 = tl.sum(tl.where(cols == i + 1, sq, 0.0), axis=0)
 
 

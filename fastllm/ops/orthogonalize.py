@@ -59,18 +59,23 @@ def dependence_tol(r, dtype):
 
 
 def orthogonalize_ref(matrices, epsilon=0.0):
-    """Plain-PyTorch modified Gram-Schmidt, in place, in each matrix's dtype."""
+    """Plain-PyTorch modified Gram-Schmidt, in place, in each matrix's dtype (norms in fp64)."""
     for x in matrices:
         if x.dim() != 2 or x.numel() == 0:
             continue
         r = x.shape[1]
         # Norms as sums of squares: torch's sum is a cascade (error ~ eps), its norm of a strided
-        # column one sequential sum (squared, 6.6e-5 off for 16384 equal fp32 values).
-        first = (x * x).sum(dim=0)
+        # column one sequential sum (squared, 6.6e-5 off for 16384 equal fp32 values). In fp64,
+        # as the C++ kernel's: fp32 squares of a column of 1e-25 are 0, of 1e21 inf.
+        def squares(t, dim=None):
+            t = t.double()
+            return (t * t).sum() if dim is None else (t * t).sum(dim=dim)
+
+        first = squares(x, 0)
         limit = first.sqrt() * dependence_tol(r, x.dtype)
         for i in range(r):
             col = x[:, i:i + 1]
-            norm2 = (col * col).sum()
+            norm2 = squares(col)
             keep = norm2.sqrt() > limit[i]
             if i > 0:
                 # the second pass (module docstring), as masked arithmetic rather than an `if`
@@ -79,9 +84,9 @@ def orthogonalize_ref(matrices, epsilon=0.0):
                 again = keep & (norm2 < REORTHOGONALIZE * first[i])
                 proj = (prev * (prev * col).sum(dim=0, keepdim=True)).sum(dim=1, keepdim=True)
                 col -= torch.where(again, proj, torch.zeros_like(proj))
-                norm2 = torch.where(again, (col * col).sum(), norm2)
+                norm2 = torch.where(again, squares(col), norm2)
             norm = norm2.sqrt()
-            scale = torch.where(keep, 1.0 / (norm + epsilon), torch.zeros_like(norm))
+            scale = torch.where(keep, 1.0 / (norm + epsilon), torch.zeros_like(norm)).to(x.dtype)
             col.mul_(scale)  # (x 0, not zero_(): a nan or inf stays visible)
             if i + 1 < r:
                 rest = x[:, i + 1:]
