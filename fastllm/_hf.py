@@ -65,6 +65,18 @@ def per_item(loss, num_items_in_batch):
     return torch.where(none, torch.full_like(loss, float("nan")), loss / torch.where(none, 1, n))
 
 
+def default_loss(model):
+    """Whether `model`'s training loss is transformers' causal-LM cross-entropy, which the fused
+    loss computes: not a `model.loss_function = fn` of the user's nor another loss_type (the
+    patched forward steps aside for those; it trained on the default one while evaluation, the
+    original forward, reported the user's)."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # (a transformers before its loss table: the loss was the default)
+        return True
+    return getattr(model, "loss_function", None) is LOSS_MAPPING.get("ForCausalLM")
+
+
 def _update_takes_cache_kwargs(cls):
     if cls not in _UPDATE_TAKES_CACHE_KWARGS:
         _UPDATE_TAKES_CACHE_KWARGS[cls] = "cache_kwargs" in inspect.signature(cls.update).parameters

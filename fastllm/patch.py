@@ -311,7 +311,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     # alone (labels shaped to them), and so few logits are cheap to make
     keeps = torch.is_tensor(logits_to_keep) or logits_to_keep != 0
     if labels is None or not skip_logits or keeps or type(head) is not nn.Linear or _hooked(
-            head) or (is_dtensor(head.weight) and head.bias is not None):
+            head) or (is_dtensor(head.weight) and head.bias is not None) or not _hf.default_loss(
+            self):
         return original(self, input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=position_ids, **_hf.cache_kwargs(self, cache),
                         inputs_embeds=inputs_embeds,

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fastllm
 from fastllm import _hf
@@ -462,6 +463,27 @@ def test_other_causal_lms_keep_their_own_loss(family):
     theirs = _loss_and_grads(model, ids, labels)
     fastllm.patch(model)
     assert fastllm.patched(model)["cross_entropy"] == 0
+    _assert_same(_loss_and_grads(model, ids, labels), theirs)
+
+
+@pytest.mark.parametrize("how", ["loss_function", "loss_type"])
+def test_a_models_own_loss_function_is_kept(how):
+    """`model.loss_function = fn` (transformers' setter) or another loss_type: the patched
+    training forward computed the default cross-entropy anyway, while evaluation (the original
+    forward) used the model's."""
+    model = _model().train()
+    if how == "loss_function":
+        def smoothed(logits, labels, vocab_size, **kwargs):
+            shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+            return F.cross_entropy(logits.float().view(-1, vocab_size), shifted.reshape(-1),
+                                   label_smoothing=0.2)
+
+        model.loss_function = smoothed
+    else:
+        model.loss_type = "ForMaskedLM"
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    fastllm.patch(model)
     _assert_same(_loss_and_grads(model, ids, labels), theirs)
 
 
