@@ -122,7 +122,7 @@ setup(
     description="Fused Triton, C++ and CUDA kernels for LLM training, behind a PyTorch API",
     long_description=open(os.path.join(ROOT, "README.md")).read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # (zip(strict=True))
     # every package under fastllm/ (a listed set missed fastllm.parallel.planner and
     # fastllm.train.strategies: a non-editable install could not import fastllm.cli)
     packages=find_packages(include=["fastllm", "fastllm.*"]) + ["fastllm.bench"],

@@ -45,6 +45,14 @@ LAYOUTS = {
 }
 
 
+def settings(full=False, device="cpu"):
+    """Checked by fastllm bench before any benchmark runs: the layouts train with the source
+    tree's examples/parallel_train.py (not in a wheel)."""
+    from fastllm.bench.harness import example_folder
+
+    example_folder("parallel_train")
+
+
 def _train(mesh, kwargs, steps):
     from fastllm.bench.harness import example
 

@@ -285,16 +285,24 @@ def plot(rows, path, title):
     plt.close(fig)
 
 
+def example_folder(name):
+    """The source tree's examples/ folder, holding <name>.py; SystemExit when it is not there (a
+    wheel install ships no examples/): benchmarks that need one check it in settings(), before
+    any benchmark runs."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if not os.path.isfile(os.path.join(folder, f"{name}.py")):
+        raise SystemExit(f"fastllm bench: needs examples/{name}.py from fastllm's source tree "
+                         f"(an editable install: pip install -e .), not found in {folder}")
+    return folder
+
+
 def example(name):
     """The module examples/<name>.py of the source tree (the benchmarks of training loops run
     the examples' loops); its folder joins sys.path so spawned ranks import it too."""
     import importlib
     import sys
 
-    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-    if not os.path.isfile(os.path.join(folder, f"{name}.py")):
-        raise RuntimeError(f"fastllm bench: needs examples/{name}.py from fastllm's source tree "
-                           f"(an editable install: pip install -e .), not found in {folder}")
+    folder = example_folder(name)
     if folder not in sys.path:
         sys.path.insert(0, folder)
     return importlib.import_module(name)

@@ -67,6 +67,8 @@ def bench(args):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):  # known before the benchmarks run, not after
             sys.exit(f"fastllm bench: {flag} {path}: there is no folder {folder}")
+        if path and os.path.isdir(path):
+            sys.exit(f"fastllm bench: {flag} {path} is a folder; give a file name in it")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         sys.exit("fastllm bench: --plot needs matplotlib (pip install matplotlib)")
     for op in ops:  # a benchmark's own settings (FASTLLM_BENCH_*), checked before any runs

@@ -395,7 +395,8 @@ def _export(args):
 
     try:
         out = export(args.run_dir, args.out_dir, merged=args.merged)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+    except (FileNotFoundError, NotADirectoryError, FileExistsError, ValueError,
+            CheckpointError) as e:  # (the last two: an OUT_DIR under a file)
         sys.exit(str(e) if str(e).startswith("fastllm export:") else f"fastllm export: {e}")
     kind = ("merged model" if args.merged else "adapter" if os.path.isfile(
         os.path.join(out, "adapter_config.json")) else "model")

@@ -258,6 +258,30 @@ def test_bench_refuses_an_op_named_twice(monkeypatch):
     assert "['adamw'] more than once" in str(exit_info.value.code)
 
 
+def test_bench_refuses_a_json_path_that_is_a_folder_before_running(monkeypatch, tmp_path):
+    """--json DIR passed the up-front check (its parent exists), ran every benchmark, then
+    failed to open DIR for writing: the results were lost."""
+    from fastllm import cli
+
+    monkeypatch.setattr(bench_adamw, "run", lambda **kw: pytest.fail("an op ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--ops", "adamw", "--json", str(tmp_path)])
+    assert "is a folder" in str(exit_info.value.code)
+
+
+def test_bench_parallel_needs_the_source_trees_example_before_anything_runs(monkeypatch):
+    """A wheel install has no examples/: `--ops all` ran four benchmarks, then failed at
+    parallel's example and lost their rows."""
+    from fastllm import cli
+    from fastllm.bench import harness
+
+    monkeypatch.setattr(bench_adamw, "run", lambda **kw: pytest.fail("an op ran"))
+    monkeypatch.setattr(harness.os.path, "isfile", lambda path: False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--ops", "adamw,parallel"])
+    assert "examples/parallel_train.py" in str(exit_info.value.code)
+
+
 # Run in a fresh interpreter in which pytest cannot be imported, as after
 # `pip install fastllm[bench]`: every module in OPS imports, and `fastllm bench` runs end to end
 # (at tiny sizes) for the ops this file knows how to shrink.

@@ -142,6 +142,29 @@ def test_a_non_editable_install_ships_every_package(tmp_path):
     assert "fastllm/bench" in got
 
 
+def test_the_sdist_holds_what_a_build_needs(tmp_path):
+    """Without MANIFEST.in the sdist held the .cpp files setup.py lists and none of the headers
+    they include (nor the CUDA sources, nor examples/): `pip install fastllm-*.tar.gz` failed
+    at csrc/cpu/adamw.cpp's #include "cpu/model_io.h"."""
+    import subprocess
+    import sys
+    import tarfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "-e", str(tmp_path),
+                          "sdist", "-d", str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (archive,) = [n for n in os.listdir(tmp_path) if n.endswith(".tar.gz")]
+    with tarfile.open(tmp_path / archive) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    want = {os.path.relpath(os.path.join(d, f), root)
+            for top in ("csrc", "examples") for d, _, files in os.walk(os.path.join(root, top))
+            for f in files if not f.endswith((".pyc", ".so"))}
+    assert want <= names, sorted(want - names)
+    assert "fastllm/_build_info.py" not in names  # (the checkout's stamp, not the build's)
+
+
 def test_distributed_and_parallel_are_reachable_from_import_fastllm():
     """The README's snippets write fastllm.distributed.PowerSGD(...) after `import fastllm`."""
     import fastllm

@@ -444,3 +444,14 @@ def test_a_model_config_float_in_yaml_exponent_form_is_a_float(tmp_path):
     path.write_text("model_config: {rms_norm_eps: small}\n")
     with pytest.raises(ConfigError, match="model_config.rms_norm_eps='small' is not a valid"):
         TrainConfig.from_args([], str(path))
+
+
+def test_an_output_dir_under_a_file_is_a_clear_error(tmp_path):
+    """os.makedirs raised FileExistsError / NotADirectoryError: a traceback, not the one-line
+    error fastllm train gives for its other output_dir problems."""
+    from fastllm.train import run_dir
+
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(run_dir.RunDirError, match="it or a folder above it is a file"):
+            run_dir.lock(str(out))

@@ -176,5 +176,5 @@ def _report(args):
 
     try:
         report(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:  # (--out under a file)
         sys.exit(f"fastllm report: {e}")

@@ -39,7 +39,11 @@ class RunDirError(RuntimeError):
 def lock(output_dir):
     """Take the exclusive lock on output_dir/.lock and write this PID into it; returns the open
     file (keep it open for the run). Raises RunDirError naming the holder's PID if it is taken."""
-    os.makedirs(output_dir, exist_ok=True)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # it, or a folder above it, is a file
+        raise RunDirError(f"fastllm train: output_dir {output_dir} cannot be a folder: it or a "
+                          f"folder above it is a file") from None
     path = os.path.join(output_dir, LOCK)
     f = open(path, "a+")
     try:
