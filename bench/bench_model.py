@@ -130,13 +130,13 @@ def _fwd_bwd(fn, grad_inputs, other):
     return step
 
 
-def _peak_mib(step, *tracked):
-    from fastllm.train.memory import PeakMemory
-
+def _peak_mib(step):
+    """Peak MiB the CPU allocator held beyond the start (the profiler's allocation events):
+    not a TorchDispatchMode, under which a torch.compile'd function runs its aten ops one by
+    one as eager does (its row read eager's peak), and which misses a C++ kernel's own
+    allocations."""
     gc.collect()
-    with PeakMemory(*tracked) as mem:
-        step()
-    return mem.peak_new / 2**20
+    return harness.allocator_peak_bytes(step) / 2**20
 
 
 def run_ops(b, s, dtypes, progress):
@@ -152,7 +152,7 @@ def run_ops(b, s, dtypes, progress):
             progress(f"model/{op} {size}: {', '.join(fns)} (interleaved)")
             timings = harness.measure_many(fns, min_reps=5, min_time_s=1.0)
             for provider, fn in fns.items():
-                peak = _peak_mib(fn, grad_inputs, other)
+                peak = _peak_mib(fn)
                 rows.append(dict(op=f"model/{op}", size=f"{size}, fwd+bwd", provider=provider,
                                  time_ms=timings[provider].median_ms, **work,
                                  baseline="torch eager", peak_mib=peak,

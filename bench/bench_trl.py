@@ -162,8 +162,10 @@ def main(argv=None):
     print(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
           f"{os.getloadavg()[0]:.1f}; {args.batch} x {args.length} tokens/step max, "
           f"{args.steps} timed steps after 1 warm-up, {args.rounds} rounds")
-    print("\n| case | provider | median step s | tokens/s | x unpatched | peak RSS MiB "
-          "| first loss | last loss | max rel. loss diff |\n|---|---|---|---|---|---|---|---|---|")
+    # (the ratio and the loss difference are against the first provider, whichever it is)
+    print(f"\n| case | provider | median step s | tokens/s | x {providers[0]} | peak RSS MiB "
+          f"| first loss | last loss | max rel. loss diff vs {providers[0]} |"
+          f"\n|---|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
         runs = {name: [] for name in providers}
         for _ in range(args.rounds):

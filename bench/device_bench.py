@@ -797,7 +797,9 @@ def packed(device, scale, rows):
     segments = document_segments(doc_start)
     mask = _mask(doc_start, t, device)
     lengths = torch.diff(segments.cu_seqlens).double()
-    flops = 3 * 2 * 2 * hq * d * float((lengths * (lengths + 1) / 2).sum())  # causal, 2 GEMMs
+    # causal (L(L+1)/2 products per document); forward 2 GEMMs, backward 5 (S recomputed):
+    # bench_model.py's convention (flash attention's), 3.5x the forward's 2 * 2 * H * d * pairs
+    flops = 7 * 2 * hq * d * float((lengths * (lengths + 1) / 2).sum())
 
     def make_set():
         q = torch.randn(b, t, hq, d, device=device, dtype=dtype, requires_grad=True)
