@@ -343,3 +343,51 @@ def test_a_chat_is_tokenised_whole_by_a_sentencepiece_style_tokenizer():
     assert ids == fast.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
     assert "".join(fast.decode(t) for t, m in zip(ids, mask) if m) == "Paris.</s>Rome.</s>"
     assert _targets(tok, ids, mask) == "Paris.</s>Rome.</s>"  # (no '▁' before either reply)
+
+
+# Qwen3's way (abridged): an assistant turn before the last one loses its <think> block, so a
+# chat's rendering up to an earlier reply is no prefix of the whole chat's; THINK_MARKED marks
+# the replies with transformers' {% generation %} (what TRL's assistant_only_loss reads)
+_THINK = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% set c = m['content'] %}"
+          "{% if m['role'] == 'assistant' and not loop.last %}"
+          "{% set c = c.split('</think>')[-1].lstrip('\n') %}{% endif %}")
+THINK = _THINK + ("{{ c }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+THINK_MARKED = _THINK + ("{% if m['role'] == 'assistant' %}{% generation %}{{ c }}<|im_end|>\n"
+                         "{% endgeneration %}{% else %}{{ c }}<|im_end|>\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+THINK_CHAT = [{"role": "user", "content": "What is"},
+              {"role": "assistant", "content": "<think>the capital</think>Paris."},
+              {"role": "user", "content": "France?"},
+              {"role": "assistant", "content": "<think>of France</think>Paris."}]
+
+
+def test_a_template_rendering_earlier_turns_anew_trains_on_the_whole_chat_with_train_on_prompt():
+    """With data.train_on_prompt=true every token counts, as TRL's SFTTrainer trains on a
+    conversational record by default: the whole render, no turn boundaries needed. Without it,
+    the replies cannot be found: refused, saying what to do."""
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], eos="<|im_end|>", template=THINK)
+    whole = tok.tok.apply_chat_template(THINK_CHAT, tokenize=True, return_dict=True)["input_ids"]
+    ids, mask = encode_example(("chat", THINK_CHAT), tok, train_on_prompt=True)
+    assert ids == whole and mask == [1] * len(ids)
+    assert "<think>the capital</think>" not in tok.decode(ids)
+    with pytest.raises(ValueError, match=r"data.train_on_prompt=true .*\{% generation %\}"):
+        encode_example(("chat", THINK_CHAT), tok)
+    # a template rendering chats as prefixes: the same ids either way
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], eos="<|im_end|>", template=SMOL)
+    ids, mask = encode_example(("chat", THINK_CHAT), tok, train_on_prompt=True)
+    assert ids == encode_example(("chat", THINK_CHAT), tok)[0] and all(mask)
+
+
+def test_generation_markers_find_the_replies_of_such_a_template():
+    """A template with {% generation %} markers: the replies are its assistant mask
+    (apply_chat_template's return_assistant_tokens_mask, as TRL's assistant_only_loss)."""
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], eos="<|im_end|>", template=THINK_MARKED)
+    out = tok.tok.apply_chat_template(THINK_CHAT, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    ids, mask = encode_example(("chat", THINK_CHAT), tok)
+    assert (ids, mask) == (out["input_ids"], out["assistant_masks"])
+    assert _targets(tok, ids, mask) == ("Paris.<|im_end|>\n<think>of France</think>Paris."
+                                        "<|im_end|>\n")
+    ids, mask = encode_example(("chat", THINK_CHAT), tok, train_on_prompt=True)
+    assert ids == out["input_ids"] and all(mask)

@@ -1,7 +1,7 @@
 """SFT inputs fastllm train refuses in one line, naming where: a record the chat template
 rejects, data.format=jsonl without data.path, a tokenizer without an EOS token, an eval prompts
-file that is not UTF-8 (and one with a byte-order mark, accepted). Tiny offline tokenizers,
-CPU."""
+file that is not UTF-8 (and one with a byte-order mark, accepted), a data folder mixing records
+and text. Tiny offline tokenizers, CPU."""
 
 import json
 
@@ -103,3 +103,27 @@ def test_prompts_json_and_upper_case_extensions_are_read_as_json(tmp_path):
     folder.mkdir()
     (folder / "part.Json").write_text('[{"text": "x"}]')
     assert data_format(str(folder)) == "jsonl" and len(read_records(str(folder))) == 1
+
+
+def test_a_folder_of_records_and_text_is_refused_naming_one_of_each(tmp_path):
+    """A folder holding .jsonl/.json records and .txt/.md text left one kind unread (a text
+    corpus with a stray meta/info.json was read as JSONL); data.format picks one, and a
+    README.md (a dataset card) is no text to train on."""
+    from fastllm.train.sft_records import data_format
+
+    folder = tmp_path / "mixed"
+    (folder / "meta").mkdir(parents=True)
+    (folder / "corpus.txt").write_text("a text document\n")
+    (folder / "meta" / "info.json").write_text('{"source": "x"}')
+    with pytest.raises(ValueError, match=r"both JSON Lines / JSON records \(.*info.json\) and "
+                                         r"text \(.*corpus.txt\): give data.format=jsonl"):
+        data_format(str(folder))
+    with pytest.raises(ValueError, match="data.format=text"):
+        TrainConfig.from_args([f"data.path={folder}", "data.eval_fraction=0.1"])
+    assert data_format(str(folder), "text") == "text"
+    assert data_format(str(folder), "jsonl") == "jsonl"
+    cards = tmp_path / "dataset"
+    cards.mkdir()
+    (cards / "README.md").write_text("# a dataset card\n")
+    (cards / "train.jsonl").write_text('{"text": "x"}\n')
+    assert data_format(str(cards)) == "jsonl"

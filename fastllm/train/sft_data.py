@@ -5,14 +5,16 @@ memory-mapped cache (tokenised once) -> packed or length-grouped batches.
 Chats are rendered with the tokenizer's own chat template (apply_chat_template, given a record's
 tools and chat_template_kwargs as TRL gives them), and so are Alpaca records when the tokenizer
 has one (as a user turn and an assistant turn); without a template an Alpaca record takes
-Stanford Alpaca's prompt. data.train_on_prompt=true counts every
-token. A rendered chat is tokenised piece by piece (the text before each assistant reply, the
-reply), so each reply starts on a token boundary as it does when the model generates it after
-add_generation_prompt. A prompt and its completion are tokenised as TRL's SFTTrainer does: the
-two together (strings joined; messages rendered together), the prompt being as many tokens as it
-tokenises to alone (a conversational prompt rendered with add_generation_prompt). Text, prompts
-and Alpaca prompts without a template start with what the tokenizer puts before a text (Llama's
-BOS, GPT-2's nothing) and end with one EOS, as in TRL.
+Stanford Alpaca's prompt. data.train_on_prompt=true counts every token (of a chat, its whole
+render: what TRL's SFTTrainer trains on for a conversational record by default). A chat's
+replies are found by rendering it up to each, and their tokens are those with a character in a
+reply; a template that renders earlier turns differently once later ones follow (Qwen3's) needs
+{% generation %} markers (the assistant mask of TRL's assistant_only_loss) or is refused. A
+prompt and its completion are tokenised as TRL's SFTTrainer does: the two together (strings
+joined; messages rendered together), the prompt being as many tokens as it tokenises to alone (a
+conversational prompt rendered with add_generation_prompt). Text, prompts and Alpaca prompts
+without a template start with what the tokenizer puts before a text (Llama's BOS, GPT-2's
+nothing) and end with one EOS, as in TRL.
 
 Batches are dicts of (batch, length) int64 tensors: input_ids, labels (-100 where the loss does
 not count: prompts, padding and each example's first token) and position_ids. With packing
@@ -27,6 +29,7 @@ LengthGroupedSampler: sorted within mega-batches) and are padded to the longest.
 import hashlib
 import json
 import os
+import re
 import warnings
 
 import numpy as np
@@ -47,6 +50,15 @@ NO_TEMPLATE_HINT = "(data.tokenizer=<a model folder>, or model=<an HF folder>)"
 # chat_template_kwargs and messages' tool_calls rendered; sft-3: prompt and completion tokenised
 # together
 _VERSION = "sft-5"
+# transformers' marker of a chat template's assistant text (return_assistant_tokens_mask)
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_NO_REPLIES = ("fastllm train: the tokenizer's chat template renders a chat's earlier turns "
+               "differently once later turns follow (a chat is no prefix of its longer chats), "
+               "so the assistant turns to train on cannot be found: set "
+               "data.train_on_prompt=true (train on the whole chat, TRL's default for "
+               "conversational data), use a chat template with {% generation %} markers or one "
+               "that renders chats as prefixes, or give the chat as a prompt and a completion "
+               "(message lists: the completion's turns count)")
 # Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT)
 _ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately "
            "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
@@ -73,13 +85,18 @@ def render_chat(tokenizer, messages, add_generation_prompt=False, template=None)
     """The chat as text (tokenizer: a fastllm HFTokenizer or a transformers one); template: a
     record's TRL inputs ({"tools", "chat_template_kwargs"}), passed as TRL's SFTTrainer passes
     them."""
+    return _apply_template(tokenizer, messages, template, tokenize=False,
+                           add_generation_prompt=add_generation_prompt)
+
+
+def _apply_template(tokenizer, messages, template, **kwargs):
+    """apply_chat_template(messages, **kwargs) with a record's tools and template kwargs."""
     from jinja2.exceptions import TemplateError
 
     template = template or {}
     tok = getattr(tokenizer, "tok", tokenizer)
     try:
-        return tok.apply_chat_template(messages, tools=template.get("tools"), tokenize=False,
-                                       add_generation_prompt=add_generation_prompt,
+        return tok.apply_chat_template(messages, tools=template.get("tools"), **kwargs,
                                        **template.get("chat_template_kwargs", {}))
     except TemplateError as e:
         # a template's raise_exception (Mistral's, refusing a system turn) or a message it
@@ -91,7 +108,9 @@ def render_chat(tokenizer, messages, add_generation_prompt=False, template=None)
 def _chat_pieces(tokenizer, messages, template=None):
     """The rendered chat as (text, is_assistant_reply) pieces: each assistant reply (its content
     and the template's end-of-turn text) is the rendering of the chat up to it minus the
-    rendering before it with the generation prompt."""
+    rendering before it with the generation prompt. None when the template renders an earlier
+    turn differently once later turns follow (Qwen3 drops earlier replies' <think> blocks, Phi-3
+    puts its EOS at the end only, Mistral v0.3 the system prompt in the last user turn)."""
     full = render_chat(tokenizer, messages, template=template)
     pieces, done = [], 0
     for i, m in enumerate(messages):
@@ -109,13 +128,24 @@ def _chat_pieces(tokenizer, messages, template=None):
             before = os.path.commonprefix([a, b])
         upto = render_chat(tokenizer, messages[:i + 1], template=template)
         if not (full.startswith(upto) and upto.startswith(before) and len(before) >= done):
-            raise ValueError("fastllm train: the tokenizer's chat template does not render a "
-                             "chat as a prefix of its longer chats; cannot find the assistant "
-                             "turns to train on")
+            return None
         pieces += [(full[done:len(before)], False), (upto[len(before):], True)]
         done = len(upto)
     pieces.append((full[done:], False))
     return [(t, a) for t, a in pieces if t]
+
+
+def _marked_chat(tokenizer, messages, template=None):
+    """(ids, mask) of a chat whose template marks the replies with {% generation %}:
+    apply_chat_template's assistant mask (what TRL's assistant_only_loss trains on); None when
+    the template has no markers or the tokenizer no offsets (a slow one)."""
+    tok, source = getattr(tokenizer, "tok", None), _template(tokenizer)
+    source = "".join(source.values()) if isinstance(source, dict) else source or ""
+    if not (getattr(tok, "is_fast", False) and _GENERATION.search(source)):
+        return None
+    out = _apply_template(tokenizer, messages, template, tokenize=True, return_dict=True,
+                          return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
 
 
 def _encode_chat(tokenizer, pieces, train_on_prompt):
@@ -183,8 +213,19 @@ def encode_example(record, tokenizer, train_on_prompt=False):
     if kind in ("chat", "chat_completion") and not _template(tokenizer):
         raise ValueError(chat_refusal(None, tokenizer.name))
     if kind == "chat":
-        return _encode_chat(tokenizer, _chat_pieces(tokenizer, fields, template),
-                            train_on_prompt)
+        # with train_on_prompt every token counts (TRL's default for a conversational record):
+        # the whole render, tokenised at once (a tokenizer without offsets: by its pieces when
+        # the template has them); else the replies by prefixes, or by {% generation %} markers
+        whole = train_on_prompt and getattr(getattr(tokenizer, "tok", None), "is_fast", False)
+        pieces = None if whole else _chat_pieces(tokenizer, fields, template)
+        if pieces is None and train_on_prompt:
+            pieces = [(render_chat(tokenizer, fields, template=template), False)]
+        elif pieces is None:
+            marked = _marked_chat(tokenizer, fields, template)
+            if marked is None:
+                raise ValueError(_NO_REPLIES)
+            return marked
+        return _encode_chat(tokenizer, pieces, train_on_prompt)
     if kind == "chat_completion":
         # TRL's SFTTrainer: the prompt rendered with the generation prompt, prompt + completion
         # rendered together; the template ends the turns itself (no EOS added)

@@ -30,12 +30,14 @@ import json
 import os
 
 from fastllm._files import files_under
+from fastllm.train.config_values import ConfigError
 
 __all__ = ["Records", "data_format", "decode_utf8", "first_records", "read_records",
            "template_inputs", "text_pieces"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 _EXTENSIONS = (".jsonl", ".json")
+_TEXT = (".txt", ".md")  # a text folder's files (fastllm.train.data.load_text)
 # apply_chat_template's own arguments: fastllm sets them, a record's chat_template_kwargs may not
 _RESERVED = ("conversation", "tools", "documents", "add_generation_prompt",
              "continue_final_message", "tokenize", "padding", "truncation", "max_length",
@@ -45,13 +47,22 @@ _RESERVED = ("conversation", "tools", "documents", "add_generation_prompt",
 
 def data_format(path, fmt="auto"):
     """text or jsonl: `fmt` when given, else from the extension (.jsonl/.json: jsonl); a folder is
-    jsonl when it holds .jsonl or .json files."""
+    jsonl when it holds .jsonl or .json files, and refused when it also holds text (.txt, .md
+    other than a README.md: a dataset card), of which one kind would be left unread."""
     if fmt != "auto":
         return fmt
     if path is None:
         return "text"
     if os.path.isdir(path):
-        return "jsonl" if _folder_files(path) else "text"
+        records = _folder_files(path)
+        text = [f for f in files_under(path, _TEXT)
+                if os.path.basename(f).lower() != "readme.md"]
+        if records and text:  # (a ConfigError: fastllm train's config check reports it too)
+            raise ConfigError(f"fastllm train: data folder {path} holds both JSON Lines / JSON "
+                              f"records ({records[0]}) and text ({text[0]}): give "
+                              f"data.format=jsonl to read only the .jsonl/.json files or "
+                              f"data.format=text for the .txt/.md ones, or keep one kind there")
+        return "jsonl" if records else "text"
     return "jsonl" if is_json_name(path) else "text"
 
 
