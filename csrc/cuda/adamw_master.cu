@@ -59,7 +59,7 @@ struct AdamWMasterFunctor {
   float beta2;
   float one_minus_beta2;  // 1 - beta2
   float eps;
-  float host_grad_mult;   // clip_coef / grad_scale from CPU scalars (1 when absent)
+  double host_grad_mult;  // clip_coef / grad_scale from CPU scalars (1 when absent)
   double lr, beta1_d, beta2_d;  // for the bias corrections of step counts on the GPU
   double weight_decay_d;        // for the decay of a learning rate read on the GPU
   const void* lr_ptr;           // the learning rate, fp32 or fp64 on the GPU, or nullptr (lr)
@@ -72,9 +72,12 @@ struct AdamWMasterFunctor {
   __device__ __forceinline__ void operator()(const Metadata& tl, int tensor, int64_t start,
                                              int n) const {
     if (found_inf != nullptr && *found_inf != 0.0f) return;
-    float mult = host_grad_mult;
-    if (grad_scale != nullptr) mult = mult / *grad_scale;
-    if (clip_coef != nullptr) mult = mult * *clip_coef;
+    // (1 / grad_scale) * clip_coef in fp64, rounded once, as the C++, Triton and ref backends
+    // build it (two fp32 roundings were 1 ulp off for a scale that is not a power of two)
+    double mult_d = host_grad_mult;
+    if (grad_scale != nullptr) mult_d = mult_d / double(*grad_scale);
+    if (clip_coef != nullptr) mult_d = mult_d * double(*clip_coef);
+    const float mult = float(mult_d);
     MasterTensorMeta meta = tl.meta[tensor];
     double lr_d = lr;
     float decay_c = decay;
@@ -347,7 +350,7 @@ void adamw_master_step_cuda(const std::vector<at::Tensor>& params,
     op.beta2 = float(beta2);
     op.one_minus_beta2 = float(1.0 - beta2);
     op.eps = float(eps);
-    op.host_grad_mult = float(host_mult);
+    op.host_grad_mult = host_mult;
     op.lr = lr;
     op.weight_decay_d = weight_decay;
     op.lr_ptr = lr_ptr;
