@@ -767,3 +767,11 @@ def test_adapters_initialised_from_the_seed(mode):
     assert a and a.keys() == b.keys() == c.keys()
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert any(not torch.equal(a[n], c[n]) for n in a)
+
+
+@pytest.mark.parametrize("optim", ["adamw8bit", "adamw_bf16"])
+def test_low_byte_optimizers_train_prefix_tuning(cache_dir, tmp_path, optim):
+    """finetune=prefix takes the same AdamW as the other modes: optim=adamw8bit/adamw_bf16 were
+    refused as if it brought its own optimizer."""
+    out = run(cache_dir, str(tmp_path), "finetune=prefix", f"optim={optim}", "max_steps=2")
+    assert out["steps"] == 2 and math.isfinite(out["final_loss"])

@@ -223,8 +223,8 @@ class TrainConfig:
         if self.optim != "adamw":
             need(self.backend == "fastllm", f"optim={self.optim} is fastllm's optimizer; "
                  f"backend=torch runs torch.optim.AdamW(fused=True) (use optim=adamw)")
-            need(self.finetune in ("full", "freeze", "lora"), f"optim={self.optim} does not "
-                 f"apply to finetune={self.finetune} (it brings its own optimizer)")
+            need(self.finetune in ("full", "freeze", "lora", "prefix"), f"optim={self.optim} "
+                 f"does not apply to finetune={self.finetune} (it brings its own optimizer)")
             need(not self.optimizer_in_backward, f"optim={self.optim} is not supported with "
                  f"optimizer_in_backward")
             # The runtime's sharded layouts (FSDP2/DTensor full-state checkpoints, ZeRO's flat
