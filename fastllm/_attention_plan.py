@@ -75,12 +75,19 @@ def attention_plan(model, inputs, attention_mask, position_ids, cache):
         position_ids.expand(inputs.shape[0], -1).to(device)))
 
 
+def wants_attentions(module, kwargs):
+    """Whether the caller asked for attention weights: the argument, or the model's config
+    (transformers 5 records the weights with hooks and passes neither down to the layers)."""
+    return bool(kwargs.get("output_attentions") or getattr(module.config, "output_attentions",
+                                                           False))
+
+
 def fastllm_attention_applies(module, dropout, kwargs):
     # the device, dtype and length are checked by the layer (_attention_forward) on its own q
     config = module.config
     return (dropout == 0.0 and getattr(module, "is_causal", True)
             and kwargs.get("is_causal", True) is not False
-            and not kwargs.get("output_attentions", False)
+            and not wants_attentions(module, kwargs)
             # Qwen2 sets sliding_window per layer (None: full attention); Mistral in its config
             and (module.sliding_window if hasattr(module, "sliding_window")
                  else getattr(config, "sliding_window", None)) is None

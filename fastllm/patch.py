@@ -68,7 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm import _gemm, _hf, _lowp
-from fastllm._attention_plan import ATTENTION_PLAN, attention_plan, fastllm_attention_applies
+from fastllm._attention_plan import (ATTENTION_PLAN, attention_plan, fastllm_attention_applies,
+                                     wants_attentions)
 from fastllm._dtensor import is_dtensor
 
 _PATCHED = "_fastllm_patched"
@@ -240,7 +241,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if cache is not None:
         k, v = _hf.cache_update(cache, k, v, self.layer_idx, kwargs, cos, sin)
     if (_lowp.widen(q) and self.config._attn_implementation == "sdpa" and dropout == 0.0
-            and q.shape[2] == k.shape[2] and not kwargs.get("output_attentions", False)):
+            and q.shape[2] == k.shape[2] and not wants_attentions(self, kwargs)):
         # bf16/fp16 on a CPU without native low-precision GEMMs: PyTorch's flash attention in
         # fp32 on widened q, k, v (its bf16 backward is ~5x slower there; fastllm/_lowp.py)
         # a caller's is_causal=False (bidirectional) wins, as in sdpa_attention_forward

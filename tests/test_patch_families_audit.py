@@ -348,6 +348,18 @@ def test_output_attentions(train):
     assert len(ours) == len(theirs) == 0
 
 
+def test_output_attentions_from_the_config():
+    """config.output_attentions=True and no argument: transformers 5 records the weights with
+    hooks and tells the layers nothing, so the patched layers ran fastllm's attention, which
+    has none to give (an empty tuple where the unpatched model gave every layer's)."""
+    model, ref = _pair(_model(attn_implementation="eager", output_attentions=True).train())
+    ids, labels = _batch()
+    ours, theirs = _run(model, input_ids=ids, labels=labels), _run(ref, input_ids=ids,
+                                                                    labels=labels)
+    _assert_same(ours, theirs)
+    assert len(ours[0].attentions) == len(theirs[0].attentions) == 2
+
+
 def _gpt2():
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
