@@ -73,7 +73,9 @@ def test_rms_norm(dtype, rows, h):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,t,hq,hkv,packed", [(1, 300, 2, 1, False), (1, 300, 3, 1, True),
                                                (2, 261, 6, 3, False), (1, 100, 3, 1, False),
-                                               (17, 130, 2, 1, True)])
+                                               (17, 130, 2, 1, True),
+                                               # one task of one part: on the calling thread
+                                               (1, 64, 64, 1, False)])
 def test_attention(dtype, b, t, hq, hkv, packed):
     d = 8
     q = torch.randn(b, t, hq, d).to(dtype)

@@ -36,6 +36,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/GradMode.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -286,6 +287,25 @@ struct Part {
   int64_t bg, t0, t1;
 };
 
+// One part runs on the calling thread, outside any parallel region, where its GEMMs (oneDNN's,
+// OpenMP) would take every thread and split their sums by the thread count: dK, dV of one row
+// with one kv head differed in the last bits between 1 and 2 threads. A task's GEMMs run on one
+// thread wherever they run. (OpenMP's thread count is per thread: only the caller's changes.)
+class OneThreadedGemms {
+ public:
+  explicit OneThreadedGemms(bool on) : saved_(on ? omp_get_max_threads() : 0) {
+    if (on) omp_set_num_threads(1);
+  }
+  ~OneThreadedGemms() {
+    if (saved_ > 0) omp_set_num_threads(saved_);
+  }
+  OneThreadedGemms(const OneThreadedGemms&) = delete;
+  OneThreadedGemms& operator=(const OneThreadedGemms&) = delete;
+
+ private:
+  int saved_;
+};
+
 std::vector<Part> parts_of(const Shape& s) {
   const int64_t tasks = s.batch * s.kv_heads, T = s.tokens;
   const int64_t blocks = (T + kBlock - 1) / kBlock;
@@ -332,6 +352,7 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
   // the caller's thread-local state (inference mode, grad mode) in the pool's threads too: their
   // copies write tensors the caller made (an inference tensor under torch.inference_mode)
   const at::ThreadLocalState caller;
+  const OneThreadedGemms one_threaded(parts.size() == 1);
   at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
@@ -411,6 +432,7 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
     dv_parts = at::empty({offset.back(), D}, f32);
   }
   const at::ThreadLocalState caller;
+  const OneThreadedGemms one_threaded(parts.size() == 1);
   at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard same_state(caller);
     c10::NoGradGuard no_grad;
