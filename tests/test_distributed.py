@@ -630,3 +630,15 @@ def test_failing_rank_is_named_within_the_timeout(runs):
         message, seconds = results[rank]
         assert "rank 1" in message and "boom in the data loader" in message, message
         assert seconds < 30
+
+
+def _returns_a_lambda(rank, world_size):
+    return lambda: rank
+
+
+def test_spawn_reports_a_result_that_cannot_be_returned():
+    """A rank whose result does not pickle failed outside the handler that reports errors:
+    spawn said only 'exited with code 1 and no result', the PicklingError nowhere."""
+    with pytest.raises(RuntimeError, match="rank 0 raised the result of rank 0 cannot be "
+                                           "returned: .*pickle"):
+        spawn(_returns_a_lambda, 1, timeout=SPAWN_TIMEOUT)

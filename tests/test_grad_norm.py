@@ -191,3 +191,20 @@ def test_fused_prologue_raises_when_the_scale_collapses():
         assert opt.loss_scaler.get_scale() == 1.0 and int(opt.skipped_steps) == 2
         with pytest.raises(LossScaleCollapsedError, match="min_scale"):
             opt.step()
+
+
+def test_parallel_clip_of_fp64_grads_is_torchs_in_fp64():
+    """fastllm.parallel.clip_grad_norm_ rounded the fp64 norm to fp32 and clipped with it: the
+    clipped grads were 3e-8 off torch's, the norm's precision instead of fp64's."""
+    from fastllm.parallel import clip_grad_norm_
+
+    ours = [torch.nn.Parameter(torch.randn(7, 5, dtype=torch.float64)) for _ in range(3)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn_like(a)
+        b.grad = a.grad.clone()
+    got, want = clip_grad_norm_(ours, 1.0), torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-14, atol=0)

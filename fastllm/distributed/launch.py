@@ -13,6 +13,7 @@ import datetime
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -36,16 +37,32 @@ def _entry(rank, fn, world_size, args, folder, backend, pg_timeout):
         with failure_guard():
             result = fn(rank, world_size, *args)
         payload = ("ok", result)
-    except BaseException as exc:
-        payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    except BaseException:
+        payload = ("error", _describe())
+    try:
+        data = pickle.dumps(payload)
+    except BaseException:  # a result that does not pickle (a lambda): its error instead
+        payload = ("error", f"the result of rank {rank} cannot be returned: {_describe()}")
+        data = pickle.dumps(payload)
     with open(out + ".tmp", "wb") as f:
-        pickle.dump(payload, f)
+        f.write(data)
     os.replace(out + ".tmp", out)
     if payload[0] == "error":
         open(os.path.join(folder, f"rank{rank}.error"), "w").close()
     # No destroy_process_group or interpreter teardown: after a peer failed, either can block on
     # the broken Gloo pairs; the result is already on disk.
     os._exit(0)
+
+
+def _describe():
+    """The exception being handled, as 'Type: message' and its traceback (the message itself
+    may fail to format: then its type alone)."""
+    kind, exc, _ = sys.exc_info()
+    try:
+        text = str(exc)
+    except BaseException:
+        text = "<its message could not be formatted>"
+    return f"{kind.__name__}: {text}\n{traceback.format_exc()}"
 
 
 def _any_failed(folder, procs):

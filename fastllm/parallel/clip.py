@@ -7,7 +7,8 @@ from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                     foreach=None, *, pp_group=None):
-    """Clip in place by the norm of all gradients of the whole model; returns that norm (fp32).
+    """Clip in place by the norm of all gradients of the whole model; returns that norm (fp32;
+    fp64 when a grad is fp64, as torch's, whose clipping is then fp64 too).
 
     torch.nn.utils.clip_grad_norm_'s arguments, in its order, and `pp_group`. The norm is
     fastllm.optim.global_grad_norm's: DTensor gradients (tensor parallel, FSDP2) count their
@@ -22,7 +23,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if isinstance(parameters, torch.Tensor):  # one tensor, as torch's clip_grad_norm_ takes
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = global_grad_norm(grads, groups=[pp_group]).float()
+    total = global_grad_norm(grads, groups=[pp_group])
+    if total.dtype != torch.float64:
+        total = total.float()
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
                            f"`parameters` is non-finite, so it cannot be clipped. To disable "
