@@ -111,8 +111,8 @@ class _Tiny(torch.nn.Module):
         open(os.path.join(out_dir, "config.json"), "w").write("{}")
 
 
-@pytest.mark.parametrize("first_merged", [False, True])
-def test_export_refuses_an_out_dir_holding_the_other_layout(tmp_path, monkeypatch, first_merged):
+def _fake_run(tmp_path, monkeypatch):
+    """export.load_run made to give a _Tiny with LoRA, its base a folder (no tokenizer files)."""
     base = tmp_path / "base"
     base.mkdir()
 
@@ -123,6 +123,11 @@ def test_export_refuses_an_out_dir_holding_the_other_layout(tmp_path, monkeypatc
             model=str(base))
 
     monkeypatch.setattr(export, "load_run", load_run)
+
+
+@pytest.mark.parametrize("first_merged", [False, True])
+def test_export_refuses_an_out_dir_holding_the_other_layout(tmp_path, monkeypatch, first_merged):
+    _fake_run(tmp_path, monkeypatch)
     out = str(tmp_path / "out")
     export.export("run", out, merged=first_merged)
     before = sorted(os.listdir(out))
@@ -137,16 +142,7 @@ def test_export_replaces_an_earlier_exports_files_and_writes_nothing_when_it_fai
     """An earlier export's chat template (save_pretrained leaves files it does not write) came
     back with the new tokenizer; a refused export (a tied head merged) left a half-written
     folder. Now the files are staged and moved in at the end, an earlier export's removed."""
-    base = tmp_path / "base"
-    base.mkdir()
-
-    def load_run(run_dir):
-        model = _Tiny()
-        inject_lora(model, r=2)
-        return model, types.SimpleNamespace(eos_token_id=2), types.SimpleNamespace(
-            model=str(base))
-
-    monkeypatch.setattr(export, "load_run", load_run)
+    _fake_run(tmp_path, monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     for name in ("chat_template.jinja", "model-00001-of-00002.safetensors", "README.md"):
