@@ -528,3 +528,29 @@ def test_training_matches_fp32_state():
           f"bf16 {bf16:.4f} ({(bf16 / fp32 - 1) * 100:+.2f}%)")
     assert abs(eight / fp32 - 1) < 0.01
     assert abs(bf16 / fp32 - 1) < 0.01
+
+
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
+def test_a_block_of_subnormal_moments_keeps_its_codes(backend, device):
+    """A block whose absmax is below 2^-128 (grads of 1e-38: m ~ 1e-39, subnormal): 1 / absmax
+    overflowed fp32, and every code came out the top one (each m dequantised to +-absmax). The
+    codes are the reference's; those of fp32 v's few subnormal bits within one code."""
+    qmaps = q8.build_qmaps().to(device)
+    g = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name in (backend, "ref"):
+        codes = []
+        for scale in (1e-38, 1e-20):  # m subnormal; v = 0.001 g^2 subnormal
+            m, v = (torch.zeros(16, dtype=torch.uint8, device=device) for _ in range(2))
+            am, av = torch.zeros(1, device=device), torch.zeros(1, device=device)
+            step = (q8.adamw8bit_step_ref if name == "ref" else q8.adamw8bit_step)
+            with fastllm.use_backend(name):
+                step([torch.zeros(16, device=device)], [(g * scale).to(device)], [], [m], [v],
+                     [am], [av], [torch.tensor(1.0, device=device)], qmaps, lr=1e-3, beta1=0.9,
+                     beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=16)
+            codes.append((m.cpu().long(), v.cpu().long()))
+        out[name] = codes
+    (m_got, _), (_, v_got) = out[backend]
+    (m_want, _), (_, v_want) = out["ref"]
+    assert torch.equal(m_got, m_want)
+    assert (v_got - v_want).abs().max() <= 1 and (v_got == 255).sum() == 1

@@ -116,6 +116,19 @@ inline int32_t encode_magnitude(const Code& c, float a) {
 // finite garbage in the state where torch.optim.AdamW has a NaN.
 inline uint32_t abs_bits(float x) { return float_to_bits(x) & 0x7fffffffu; }
 
+// A block's encode scale: its values times `up`, then times `inv` = 1 / (absmax * up). up is
+// 2^64 for an absmax below 2^-64, else 1 (a power of two: exact): 1 / absmax alone overflows fp32
+// below 2^-128 (subnormal moments: tiny grads, or decay without gradient), and every code of
+// such a block came out the top one.
+struct BlockScale {
+  float up, inv;
+};
+
+inline BlockScale block_scale(float absmax) {
+  const float up = absmax < 0x1p-64f ? 0x1p64f : 1.0f;
+  return {up, absmax > 0.0f ? 1.0f / (absmax * up) : 0.0f};
+}
+
 inline uint8_t encode_signed(const Code& c, float x, float inv_absmax) {
   const float a = std::min(std::fabs(x) * inv_absmax, 1.0f);
   const int32_t idx = a == a ? encode_magnitude(c, a) : 255;
@@ -212,13 +225,12 @@ void block_scalar(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
   }
   if constexpr (Q8) {
     const float am = bits_to_float(max_m), av = bits_to_float(max_v);
-    const float inv_m = am > 0.0f ? 1.0f / am : 0.0f;
-    const float inv_v = av > 0.0f ? 1.0f / av : 0.0f;
+    const BlockScale sm = block_scale(am), sv = block_scale(av);
     uint8_t* mq = static_cast<uint8_t*>(t.m) + begin;
     uint8_t* vq = static_cast<uint8_t*>(t.v) + begin;
     for (int64_t i = 0; i < len; ++i) {
-      mq[i] = encode_signed(cm, mbuf[i], inv_m);
-      vq[i] = encode_unsigned(cv, vbuf[i], inv_v);
+      mq[i] = encode_signed(cm, mbuf[i] * sm.up, sm.inv);
+      vq[i] = encode_unsigned(cv, vbuf[i] * sv.up, sv.inv);
     }
     t.absmax_m[block] = am;
     t.absmax_v[block] = av;
@@ -529,22 +541,29 @@ void block_avx512(const TensorPtrs& t, int64_t begin, int64_t len, int64_t block
     }
     const float am = bits_to_float(uint32_t(_mm512_reduce_max_epu32(max_m)));
     const float av = bits_to_float(uint32_t(_mm512_reduce_max_epu32(max_v)));
-    const __m512 inv_m = _mm512_set1_ps(am > 0.0f ? 1.0f / am : 0.0f);
-    const __m512 inv_v = _mm512_set1_ps(av > 0.0f ? 1.0f / av : 0.0f);
+    const BlockScale sm = block_scale(am), sv = block_scale(av);
+    const __m512 up_m = _mm512_set1_ps(sm.up), inv_m = _mm512_set1_ps(sm.inv);
+    const __m512 up_v = _mm512_set1_ps(sv.up), inv_v = _mm512_set1_ps(sv.inv);
+    const auto scaled_m = [&](int64_t at) {
+      return _mm512_mul_ps(_mm512_load_ps(mbuf + at), up_m);
+    };
+    const auto scaled_v = [&](int64_t at) {
+      return _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(vbuf + at), up_v), inv_v);
+    };
     i = 0;
     for (; i + 64 <= len; i += 64) {
       __m512i ci[4], vi[4];
       for (int u = 0; u < 4; ++u) {
-        ci[u] = encode_signed_vec(cm, _mm512_load_ps(mbuf + i + 16 * u), inv_m);
-        vi[u] = encode_magnitude_vec(cv, _mm512_mul_ps(_mm512_load_ps(vbuf + i + 16 * u), inv_v));
+        ci[u] = encode_signed_vec(cm, scaled_m(i + 16 * u), inv_m);
+        vi[u] = encode_magnitude_vec(cv, scaled_v(i + 16 * u));
       }
       _mm512_storeu_si512(mq + i, pack_low_bytes(ci[0], ci[1], ci[2], ci[3]));
       _mm512_storeu_si512(vq + i, pack_low_bytes(vi[0], vi[1], vi[2], vi[3]));
     }
     for (; i < len; i += 16) {
       const __mmask16 k = tail_mask(len - i);
-      const __m512i ci = encode_signed_vec(cm, _mm512_load_ps(mbuf + i), inv_m);
-      const __m512i vi = encode_magnitude_vec(cv, _mm512_mul_ps(_mm512_load_ps(vbuf + i), inv_v));
+      const __m512i ci = encode_signed_vec(cm, scaled_m(i), inv_m);
+      const __m512i vi = encode_magnitude_vec(cv, scaled_v(i));
       _mm_mask_storeu_epi8(mq + i, k, _mm512_cvtepi32_epi8(ci));
       _mm_mask_storeu_epi8(vq + i, k, _mm512_cvtepi32_epi8(vi));
     }

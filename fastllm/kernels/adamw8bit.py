@@ -156,14 +156,18 @@ def _update(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, absmax
         new_absmax_m = _absmax(m, mask)
         new_absmax_v = _absmax(v, mask)
         # Correctly rounded reciprocals, as the C++ kernel's 1.0f / absmax: `/` is approximate on
-        # GPUs, and one ulp of the scale can move a value across a code boundary.
-        safe_m = tl.where(new_absmax_m > 0, new_absmax_m, 1.0)
-        safe_v = tl.where(new_absmax_v > 0, new_absmax_v, 1.0)
+        # GPUs, and one ulp of the scale can move a value across a code boundary. A block whose
+        # absmax is below 2^-64 is scaled up by 2^64 first (exact), as there: 1 / absmax
+        # overflows fp32 below 2^-128 (subnormal moments), which made every code the top one.
+        up_m = tl.where(new_absmax_m < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+        up_v = tl.where(new_absmax_v < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+        safe_m = tl.where(new_absmax_m > 0, new_absmax_m * up_m, 1.0)
+        safe_v = tl.where(new_absmax_v > 0, new_absmax_v * up_v, 1.0)
         one = tl.full(safe_m.shape, 1.0, tl.float32)
         inv_m = tl.where(new_absmax_m > 0, tl.div_rn(one, safe_m), 0.0)
         inv_v = tl.where(new_absmax_v > 0, tl.div_rn(one, safe_v), 0.0)
-        m_idx = _encode(m, inv_m[:, None], map_m, True)
-        v_idx = _encode(v, inv_v[:, None], map_v, False)
+        m_idx = _encode(m * up_m[:, None], inv_m[:, None], map_m, True)
+        v_idx = _encode(v * up_v[:, None], inv_v[:, None], map_v, False)
         stream_store(exp_avg_ptr, offsets, m_idx.to(tl.uint8), mask)
         stream_store(exp_avg_sq_ptr, offsets, v_idx.to(tl.uint8), mask)
         tl.store(absmax_m_ptr + rows, new_absmax_m, mask=row_mask)
