@@ -132,6 +132,31 @@ def test_master_and_8bit_steps_refuse_bad_steps_before_changing_anything(
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(before, written))
 
 
+@pytest.mark.parametrize("op", ["adamw_step", "adamw_master_step", "adamw8bit_step"])
+@pytest.mark.parametrize("backend", _cpu_backends("cpp", "triton"))
+def test_moments_that_share_memory_are_refused(op, backend):
+    """exp_avgs and exp_avg_sqs the same tensors: the cpp kernels (whose pointers are declared
+    unaliased) wrote nan params where the reference did not; torch's in-place ops refuse."""
+    p = torch.randn(6, generator=torch.Generator().manual_seed(0))
+    g, step = torch.randn(6, generator=torch.Generator().manual_seed(1)), torch.tensor(1.0)
+    if op == "adamw_step":
+        m = torch.zeros(6)
+        call = lambda: adamw_step([p], [g], [m], [m], [], [step], **HYPER)  # noqa: E731
+    elif op == "adamw_master_step":
+        p, g, m = p.bfloat16(), g.bfloat16(), torch.zeros(6)
+        call = lambda: adamw_master_step([p], [g], [p.float()], [m], [m], [],  # noqa: E731
+                                         [step], **HYPER)
+    else:
+        p, g, m = p.bfloat16(), g.bfloat16(), torch.full((6,), 127, dtype=torch.uint8)
+        am = torch.zeros(1)
+        call = lambda: adamw8bit_step([p], [g], [p.float()], [m], [m], [am], [am],  # noqa: E731
+                                      [step], **HYPER)
+    before = p.clone()
+    with fastllm.use_backend(backend), pytest.raises(ValueError, match="share memory"):
+        call()
+    assert torch.equal(p, before)
+
+
 @pytest.mark.parametrize("op", list(_CALLS))
 def test_master_and_8bit_step_values_are_not_read_in_the_optimizers_plan(op):
     """As adamw_step's: fastllm.optim's plan made (and advances) its steps; inside it

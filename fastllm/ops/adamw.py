@@ -22,6 +22,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
+from fastllm.ops._overlap import labelled, refuse_overlap
 from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
@@ -186,6 +187,9 @@ def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, lr_tensor=lr_tensor)
         check_step_values("fastllm.adamw_step", steps)
+        refuse_overlap("fastllm.adamw_step", labelled(
+            params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=max_exp_avg_sqs), labelled(grads=grads, steps=steps))
         # The kernels read raw memory, blind to a negative bit (x._neg_view()): the read-only
         # lists are resolved here, as torch.ops' fallback does, since the direct call skips it.
         # (fastllm.optim.AdamW's plan hands over resolved grads and steps.)

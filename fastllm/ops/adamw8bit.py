@@ -64,6 +64,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
+from fastllm.ops._overlap import labelled, refuse_overlap
 from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
 from fastllm.ops.adamw import check_step_values, check_steps
 from fastllm.ops.adamw_master import stochastic_round_ref
@@ -370,6 +371,10 @@ def _adamw8bit_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_
         # plan (which made them): no per-tensor host cost in the optimizer's step.
         check_steps(_WHERE, steps, params[0].device)
         check_step_values(_WHERE, steps)
+        refuse_overlap(_WHERE, labelled(
+            params=params, masters=masters, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+            exp_avg_absmaxes=exp_avg_absmaxes, exp_avg_sq_absmaxes=exp_avg_sq_absmaxes),
+            labelled(grads=grads, steps=steps, qmaps=[qmaps]))
     device_type = params[0].device.type
     backend = _backend.select("adamw8bit_step", device_type,
                               _PREFERENCE.get(device_type, ("ref",)))

@@ -43,6 +43,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
+from fastllm.ops._overlap import labelled, refuse_overlap
 from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
 from fastllm.ops.adamw import check_step_values, check_steps
 
@@ -232,6 +233,9 @@ def _adamw_master_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
                                 steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=weight_decay, lr_tensor=lr_tensor)
         check_step_values("fastllm.adamw_master_step", steps)
+        refuse_overlap("fastllm.adamw_master_step", labelled(
+            params=params, masters=masters, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+            kahan_comps=kahan_comps), labelled(grads=grads, steps=steps))
     if not params:
         return
     device_type = params[0].device.type

@@ -17,6 +17,7 @@ import torch
 
 from fastllm import _backend, _extension
 from fastllm._library import lib
+from fastllm.ops._overlap import refuse_overlap
 from fastllm.ops._lr import ieee_div
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -85,24 +86,13 @@ def check_scaled_copy_args(dst, src, scale, divisor):
 def check_no_overlap(dst, src):
     """Raise ValueError when a dst shares memory with another dst or with a src other than its
     own pair's identical tensor (an in-place scale); torch's copy_ refuses the same. The backends
-    write pairs in parallel, so such a copy would read values already written. Real tensors only
-    (data pointers): not in the fake."""
-    spans = []
-    for kind, tensors in (("dst", dst), ("src", src)):
-        for i, t in enumerate(tensors):
-            start = t.data_ptr()
-            if kind == "src" and start == dst[i].data_ptr() and t.dtype == dst[i].dtype:
-                continue  # (equal numel: the same elements, scaled in place)
-            if t.numel():
-                spans.append((start, start + t.numel() * t.element_size(), kind, i))
-    spans.sort()
-    ends = {"dst": (0, None), "src": (0, None)}  # the furthest end so far and whose
-    for start, end, kind, i in spans:
-        for other in ("dst", "src") if kind == "dst" else ("dst",):
-            if start < ends[other][0]:
-                raise ValueError(f"fastllm.scaled_copy: {kind}[{i}] and {other}[{ends[other][1]}] "
-                                 f"share memory; a dst may overlap only its own src, exactly")
-        ends[kind] = max(ends[kind], (end, i))
+    write pairs in parallel, so such a copy would read values already written."""
+    def in_place(i, s):  # (equal numel: the same elements, scaled in place)
+        return s.data_ptr() == dst[i].data_ptr() and s.dtype == dst[i].dtype
+
+    refuse_overlap("fastllm.scaled_copy", ((f"dst[{i}]", d) for i, d in enumerate(dst)),
+                   ((f"src[{i}]", s) for i, s in enumerate(src) if not in_place(i, s)),
+                   hint="a dst may overlap only its own src, exactly")
 
 
 def _scaled_copy_impl(dst, src, scale, divisor=None):
