@@ -319,10 +319,9 @@ def load_model(name):
     adapter = os.path.exists(os.path.join(name, "adapter_config.json"))
     base = name
     if adapter:
-        import json
+        from fastllm.adapter_files import read_config  # load_adapter's reader: ValueError
 
-        with open(os.path.join(name, "adapter_config.json")) as f:
-            base = json.load(f).get("base_model_name_or_path")
+        base = read_config(name).get("base_model_name_or_path")
         if not base or not os.path.isdir(base):
             raise FileNotFoundError(f"fastllm generate: the adapter {name} names base model "
                                     f"{base!r}, which is not a folder here")

@@ -13,49 +13,18 @@ parameter names and initialisation follow PEFT (lora_A kaiming-uniform, lora_B z
 alpha / r, or alpha / sqrt(r) with use_rslora), so a fresh layer is exactly its base layer.
 """
 
-import json
+import contextlib
 import math
-import os
 import re
 from collections import Counter
 
 import torch
 from torch import nn
 
+from fastllm.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from fastllm.adapter_files import check_lora_config as _check_supported
+from fastllm.adapter_files import read_config, read_weights  # noqa: F401  (prefix, export)
 from fastllm.ops.lora_linear import lora_linear
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-def read_config(path):
-    """A folder's adapter_config.json as a dict. A truncated or corrupt file, or JSON that is
-    not an object, raises ValueError naming the file (json's own error names neither)."""
-    file = os.path.join(path, ADAPTER_CONFIG)
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"fastllm.lora.load_adapter: {file} is not valid JSON (truncated or "
-                         f"corrupt?): {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"fastllm.lora.load_adapter: {file} holds a JSON {type(config).__name__}, "
-                         f"not an object of PEFT's settings")
-    return config
-
-
-def read_weights(path):
-    """A folder's adapter_model.safetensors as {key: tensor}; a truncated or corrupt file raises
-    ValueError naming it (safetensors' own error does not)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    file = os.path.join(path, ADAPTER_WEIGHTS)
-    try:
-        return load_file(file)
-    except SafetensorError as e:
-        raise ValueError(f"fastllm.lora.load_adapter: {file} is not a valid safetensors file "
-                         f"(truncated or corrupt?): {e}") from None
 
 
 _PEFT_PREFIX = "base_model.model."
@@ -201,9 +170,7 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
             f"LoRALinear layers, e.g. {existing[0][0]!r}); call fastllm.lora.unload(model) or "
             "merge_and_unload(model) before injecting again")
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
-    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
-        target_modules = all_linear(model)  # full names: the suffix rule selects exactly them
-    targets = [(n, m) for n, m in model.named_modules() if n and matches(n, target_modules)]
+    target_modules, targets = _targets(model, target_modules)
     other = [(n, m) for n, m in targets if not isinstance(m, nn.Linear)]
     if other:
         raise ValueError(_unadaptable_message(target_modules, other))
@@ -218,16 +185,39 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
         check_lora_args(f"fastllm.lora.inject_lora: {name}", layer_r, layer_alpha, dropout)
         check_adapter_dtype(f"fastllm.lora.inject_lora: {name}", module.weight.dtype, adapter_dtype)
         values.append((int(layer_r), layer_alpha))
-    model.requires_grad_(False)
     layer_cls = layer_cls or LoRALinear
-    for (name, module), (layer_r, layer_alpha) in zip(targets, values):
-        extra = {} if adapter_dtype is None else {"adapter_dtype": adapter_dtype}
-        layer = layer_cls(module, layer_r, layer_alpha, dropout, use_rslora, **extra)
-        _replace(model, name, layer.train(module.training))  # (eval model: no dropout, as PEFT)
+    with _undone_on_error(model):  # a layer failing to build (out of memory) undoes the others
+        model.requires_grad_(False)
+        for (name, module), (layer_r, layer_alpha) in zip(targets, values):
+            extra = {} if adapter_dtype is None else {"adapter_dtype": adapter_dtype}
+            layer = layer_cls(module, layer_r, layer_alpha, dropout, use_rslora, **extra)
+            _replace(model, name, layer.train(module.training))  # (eval: no dropout, as PEFT)
     # save_adapter writes a regex back as the regex: its suffixes would adapt other layers too
     model._fastllm_lora_target_modules = (
         target_modules if isinstance(target_modules, str) else None)
     return model
+
+
+def _targets(model, target_modules):
+    """(target_modules, [(name, module)] it selects), "all-linear" expanded to the names."""
+    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
+        target_modules = all_linear(model)  # full names: the suffix rule selects exactly them
+    return target_modules, [(n, m) for n, m in model.named_modules()
+                            if n and matches(n, target_modules)]
+
+
+@contextlib.contextmanager
+def _undone_on_error(model):
+    """Whatever the body raises (a refused adapter, a failed allocation, an interrupt), the
+    model comes back without LoRA layers (it had none) and with each parameter's requires_grad."""
+    trainable = {p: p.requires_grad for p in model.parameters()}
+    try:
+        yield
+    except BaseException:
+        _unload(model)
+        for p, requires_grad in trainable.items():
+            p.requires_grad_(requires_grad)
+        raise
 
 
 def _unadaptable_message(target_modules, other):
@@ -427,19 +417,35 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
     if existing:
         _check_layers_agree(existing, settings)
         return _load_state(model, state)
-    trainable = {p: p.requires_grad for p in model.parameters()}
-    inject_lora(model, target_modules=settings["target_modules"], r=settings["r"],
-                alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
-                use_rslora=settings["use_rslora"], rank_pattern=settings["rank_pattern"],
-                alpha_pattern=settings["alpha_pattern"], layer_cls=layer_cls,
-                adapter_dtype=adapter_dtype)
-    try:
+    _check_planned_shapes(model, settings, state)  # a corrupt r must not allocate first
+    with _undone_on_error(model):  # a refused adapter leaves the model as it came
+        inject_lora(model, target_modules=settings["target_modules"], r=settings["r"],
+                    alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
+                    use_rslora=settings["use_rslora"], rank_pattern=settings["rank_pattern"],
+                    alpha_pattern=settings["alpha_pattern"], layer_cls=layer_cls,
+                    adapter_dtype=adapter_dtype)
         return _load_state(model, state)
-    except ValueError:
-        _unload(model)  # a refused adapter leaves the model as it came
-        for p, requires_grad in trainable.items():
-            p.requires_grad_(requires_grad)
-        raise
+
+
+def _check_planned_shapes(model, settings, state):
+    """Before inject_lora builds a layer: each nn.Linear the config adapts must find lora_A
+    (r, in_features) and lora_B (out_features, r) in the adapter, r the config's for it (r or
+    rank_pattern); else ValueError naming the key. Other refusals are inject_lora's."""
+    for name, module in _targets(model, settings["target_modules"])[1]:
+        r = _pattern_value(name, settings["rank_pattern"], settings["r"])
+        alpha = _pattern_value(name, settings["alpha_pattern"], settings["lora_alpha"])
+        if not isinstance(module, nn.Linear):
+            continue
+        check_lora_args(f"fastllm.lora.load_adapter: {name}", r, alpha, settings["lora_dropout"])
+        want = {"lora_A": (int(r), module.in_features), "lora_B": (module.out_features, int(r))}
+        for attr, shape in want.items():
+            key = f"{_PEFT_PREFIX}{name}.{attr}.weight"
+            have = tuple(state[key].shape) if key in state else None
+            if have != shape:
+                raise ValueError(
+                    f"fastllm.lora.load_adapter: adapter and model disagree: adapter_config.json "
+                    f"gives {name} r={r!r}, so {key} should be {shape}; it is "
+                    f"{'missing' if have is None else have} in the adapter ({ADAPTER_WEIGHTS})")
 
 
 def _check_layers_agree(layers, settings):
@@ -493,99 +499,3 @@ def _load_state(model, state):
         for dst, src, _ in copies:
             dst.copy_(src)
     return model
-
-
-# adapter_config.json, field by field, against PEFT 0.21.2's LoraConfig and PeftConfig.
-# Read by fastllm, with PEFT's default for a field the file leaves out:
-_READ = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False,
-         "target_modules": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False,
-         "init_lora_weights": True}
-# No effect on what a loaded adapter computes: metadata; the settings of an init method (the
-# method itself is checked); options read only beside an option refused below; and
-# ensure_weight_tying, whose only effect (adapters on tied embeddings) is in the weights, which
-# _load_state refuses.
-_IGNORED = {"task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-            "inference_mode", "runtime_config", "loftq_config", "eva_config", "corda_config",
-            "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying"}
-# Not implemented by fastllm: refused unless at PEFT's default, with what each one does.
-_REFUSED = {
-    "exclude_modules": (None, "leaves matching modules out"),
-    "fan_in_fan_out": (False, "stores the weights transposed (Conv1D)"),
-    "bias": ("none", "trains the biases"),
-    "modules_to_save": (None, "saves whole modules beside the adapter"),
-    "layers_to_transform": (None, "adapts only some layers"),
-    "layers_pattern": (None, "adapts only some layers"),
-    "megatron_config": (None, "adapts Megatron's parallel layers"),
-    "trainable_token_indices": (None, "trains some embedding rows"),
-    "velora_config": (None, "changes the adapter's backward (VeLoRA)"),
-    "alora_invocation_tokens": (None, "applies the adapter only after the invocation tokens "
-                                      "(activated LoRA)"),
-    "use_qalora": (False, "pools the adapter's input (QALoRA)"),
-    "monteclora_config": (None, "samples the adapter (MonteCLoRA)"),
-    "layer_replication": (None, "repeats base layers"),
-    "lora_bias": (False, "adds a bias to lora_B"),
-    "target_parameters": (None, "adapts parameters, not modules"),
-    "use_bdlora": (None, "makes A or B block-diagonal (BD-LoRA)"),
-    "arrow_config": (None, "routes between adapters (Arrow)"),
-    "kasa_config": (None, "truncates the base weight's SVD (KaSA)"),
-}
-# init_lora_weights: the values that only draw A and B, which the saved tensors then replace;
-# and those that also rewrite the base weight (W - scaling B0 A0, or a quantised W), which PEFT
-# redoes whenever it loads the adapter.
-_PLAIN_INITS = ("gaussian", "orthogonal", "mica", "eva")
-_BASE_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
-
-
-def _empty(value):
-    return value is None or value is False or (isinstance(value, (str, list, dict)) and not value)
-
-
-def _check_supported(config):
-    """Refuse, naming the field and its value, an adapter_config.json fastllm would load into
-    something else than PEFT computes; return the LoRA settings it reads.
-
-    Every field of PEFT's LoraConfig is read (_READ), or has no effect on the loaded adapter's
-    computation (_IGNORED), or is refused unless at PEFT's default (_REFUSED). init_lora_weights
-    may be True, False or one of _PLAIN_INITS (mica trains only A in PEFT: here B trains too).
-    A field fastllm does not know (a newer PEFT's) is refused unless its value is None, False or
-    empty: new PEFT options are off that way, and on may change what the adapter computes.
-    r and lora_alpha default to PEFT's 8; target_modules must name the modules (PEFT's default
-    for a missing one, per architecture, is not fastllm's to guess).
-    """
-    where = "fastllm.lora.load_adapter: adapter_config.json has"
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"fastllm.lora.load_adapter: not a LoRA adapter "
-                         f"({config.get('peft_type')})")
-    for key, value in config.items():
-        if key in _READ or key in _IGNORED:
-            continue
-        if key in _REFUSED:
-            default, does = _REFUSED[key]
-            if value != default and not _empty(value):
-                raise ValueError(f"{where} {key}={value!r}, which {does}; fastllm does not "
-                                 "support it")
-        elif not _empty(value):
-            raise ValueError(f"{where} {key}={value!r}, a field fastllm does not know (a newer "
-                             "PEFT's?); it may change what the adapter computes, so it is refused")
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower().startswith(_BASE_INITS):
-        raise ValueError(
-            f"{where} init_lora_weights={init!r}, which moves part of the base weights into the "
-            "adapter; PEFT redoes that on loading, fastllm does not. Save it from PEFT with "
-            "save_pretrained(..., path_initial_model_for_weight_conversion=...) for a plain LoRA "
-            "adapter")
-    if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() in _PLAIN_INITS)):
-        raise ValueError(f"{where} init_lora_weights={init!r}, an initialisation fastllm does "
-                         "not know; it may change the base weights, so it is refused")
-    targets = config.get("target_modules")
-    if targets is None:
-        raise ValueError(f"{where} no target_modules; name the adapted modules (PEFT would take "
-                         "its default for the architecture, which fastllm does not know)")
-    if isinstance(targets, str) and targets.lower() == "all-linear":
-        raise ValueError(f"{where} target_modules='all-linear', PEFT's shorthand, which it expands "
-                         "when it creates an adapter; list the module names instead")
-    if not (isinstance(targets, str) or (isinstance(targets, list)
-                                         and all(isinstance(t, str) for t in targets))):
-        raise ValueError(f"{where} target_modules={targets!r}; need a regex or a list of names")
-    get = {key: config.get(key) for key in _READ}
-    return {key: _READ[key] if value is None else value for key, value in get.items()}

@@ -313,19 +313,25 @@ def load_prefix(model, path):
     before anything changes. The adapter's prompt_embeddings are the truth: encoder tensors that
     do not reproduce them (the folder re-saved by PEFT) are ignored with a warning. Returns the
     model."""
-    from fastllm.lora import read_config, read_weights
+    from fastllm.adapter_files import read_config, read_weights
 
     config = read_config(path)
     if config.get("peft_type") != "PREFIX_TUNING":
         raise ValueError(f"fastllm.load_prefix: not a prefix-tuning adapter "
                          f"({config.get('peft_type')})")
+    for key in ("num_virtual_tokens", "num_layers", "token_dim"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"fastllm.load_prefix: {os.path.join(path, ADAPTER_CONFIG)} has "
+                             f"{key}={value!r}" + (" (missing)" if key not in config else "")
+                             + "; PEFT's PREFIX_TUNING config needs an int >= 1")
     layers, kv, head_dim = _dims(model.config)
     if (config["num_layers"], config["token_dim"]) != (layers, kv * head_dim) or \
             config.get("num_transformer_submodules", 1) != 1:
         raise ValueError(f"fastllm.load_prefix: the adapter is for {config['num_layers']} layers "
                          f"of token_dim {config['token_dim']}; the model has {layers} of "
                          f"{kv * head_dim}")
-    weights = read_weights(path)
+    weights = read_weights(path, where="fastllm.load_prefix")
     if "prompt_embeddings" not in weights:
         raise ValueError(f"fastllm.load_prefix: {os.path.join(path, ADAPTER_WEIGHTS)} holds no "
                          f"prompt_embeddings (keys: {sorted(weights)[:5]})")
@@ -366,14 +372,9 @@ def _read_resume(file, enc, rows):
     that do not fit enc raise ValueError. Nothing of enc changes."""
     import copy
 
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from fastllm.adapter_files import read_weights
 
-    try:
-        saved = load_file(file)
-    except SafetensorError as e:
-        raise ValueError(f"fastllm.load_prefix: {file} is not a valid safetensors file "
-                         f"(truncated or corrupt?): {e}") from None
+    saved = read_weights(*os.path.split(file), where="fastllm.load_prefix")
     want = {k: tuple(v.shape) for k, v in enc.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in saved.items()}
     if got != want:

@@ -162,6 +162,62 @@ def test_export_replaces_an_earlier_exports_files_and_writes_nothing_when_it_fai
     assert [n for n in os.listdir(tmp_path) if "export" in n] == []  # the stage is gone
 
 
+def _files(*names):
+    """A checkpoint writer of a folder holding `names`."""
+    def write(path):
+        os.makedirs(path)
+        for name in names:
+            open(os.path.join(path, name), "w").write("{}")
+    return write
+
+
+def test_a_file_the_loader_reads_must_be_listed(tmp_path):
+    """load_prefix reads adapter/prefix_encoder.safetensors whenever it is there: one the
+    manifest does not list (added, or its entry dropped) is not checksummed, so a truncated one
+    passed verify() and crashed the resume."""
+    from fastllm.prefix import RESUME_WEIGHTS
+
+    assert ckpt.READ_IF_PRESENT == (f"adapter/{RESUME_WEIGHTS}",)
+    out = str(tmp_path)
+    _save(out, 3)
+    newest = ckpt.save(out, 6, {
+        "trainer_state.pt": lambda path: ckpt.save_file({"step": 6}, path),
+        "optimizer.pt": lambda path: ckpt.save_file({}, path),
+        "adapter": _files("adapter_config.json", "adapter_model.safetensors", RESUME_WEIGHTS)})
+    manifest = os.path.join(newest, ckpt.MANIFEST)
+    data = json.load(open(manifest))
+    del data["files"][f"adapter/{RESUME_WEIGHTS}"]
+    json.dump(data, open(manifest, "w"))
+    with pytest.raises(ckpt.CheckpointError, match=f"{RESUME_WEIGHTS} is there but not in"):
+        ckpt.verify(newest)
+    assert ckpt.latest_valid(out, log=lambda m: None)[0] == 3
+
+
+@pytest.mark.parametrize("link", ["trainer_state.pt", "folder"])
+def test_a_checkpoint_file_linked_from_outside_is_refused(tmp_path, link):
+    """os.path.isfile follows symlinks: a checkpoint whose files (or folders) link elsewhere
+    passed verify() while '..' in a manifest name is refused as outside the checkpoint."""
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    outside.mkdir()
+    path = ckpt.save(str(out), 3, {
+        "trainer_state.pt": lambda p: ckpt.save_file({"step": 3}, p),
+        "optimizer.pt": lambda p: ckpt.save_file({}, p),
+        "sub": _files("model.pt"),
+        "model.pt": lambda p: ckpt.save_file({"w": torch.ones(2)}, p)})
+    ckpt.verify(path)
+    name = "trainer_state.pt" if link == "trainer_state.pt" else "sub"
+    os.rename(os.path.join(path, name), outside / name)
+    os.symlink(outside / name, os.path.join(path, name))
+    with pytest.raises(ckpt.CheckpointError, match="outside the checkpoint"):
+        ckpt.verify(path)
+
+
+def test_load_model_names_an_adapter_config_that_is_not_an_object(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="adapter_config.json holds a JSON list"):
+        export.load_model(str(tmp_path))
+
+
 # ----- adapters.py, lora.py -----
 
 def _truncate(file):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fastllm import lora
+from fastllm import adapter_files, lora
 from fastllm.lora import inject_lora, load_adapter, lora_modules, merge_and_unload, merge_lora
 from fastllm.lora import save_adapter
 
@@ -61,7 +61,7 @@ def _assert_same_logits(ours, theirs):
 
 
 def test_every_peft_lora_field_is_read_ignored_or_refused():
-    known = lora._READ.keys() | lora._IGNORED | lora._REFUSED.keys()
+    known = adapter_files._READ.keys() | adapter_files._IGNORED | adapter_files._REFUSED.keys()
     assert {f.name for f in dataclasses.fields(peft.LoraConfig)} <= known
 
 
@@ -214,3 +214,122 @@ def test_merge_refuses_a_tied_lm_head():
             merge(model)
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
         assert not any(m.merged for _, m in lora_modules(model))
+
+
+# ----- a config or tensors that disagree, refused before the model changes (review s12) -----
+
+def _own_adapter(path, **inject):
+    model = inject_lora(_tiny_llama(), **dict(dict(target_modules=["q_proj", "v_proj"], r=4,
+                                                    alpha=8), **inject))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    save_adapter(model, str(path))
+    return model
+
+
+def _state(model):
+    return ([(n, type(m).__name__) for n, m in model.named_modules()],
+            {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()})
+
+
+def _unchanged(model, before):
+    modules, params = _state(model)
+    return modules == before[0] and params.keys() == before[1].keys() and all(
+        torch.equal(params[k][0], before[1][k][0]) and params[k][1] == before[1][k][1]
+        for k in params)
+
+
+@pytest.mark.parametrize("change", [dict(r=10**12),
+                                    dict(rank_pattern={"layers.1.self_attn.v_proj": 10**12}),
+                                    dict(target_modules=["q_proj", "v_proj", "k_proj"])])
+def test_a_config_disagreeing_with_the_tensors_is_refused_before_injecting(tmp_path, change):
+    """A corrupt r allocated (r, in) matrices first: a RuntimeError and a half-injected, frozen
+    model. The shapes are checked against the file before any layer is built."""
+    _own_adapter(tmp_path)
+    _edit(tmp_path, **change)
+    model = _tiny_llama().train()
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"disagree.*lora_A\.weight should be"):
+        load_adapter(model, str(tmp_path))
+    assert _unchanged(model, before)
+
+
+def test_any_exception_while_loading_restores_the_model(tmp_path, monkeypatch):
+    _own_adapter(tmp_path)
+    model = _tiny_llama().train()
+    before = _state(model)
+
+    def fails(model, state):
+        raise RuntimeError("simulated out of memory")
+
+    monkeypatch.setattr(lora, "_load_state", fails)
+    with pytest.raises(RuntimeError, match="simulated"):
+        load_adapter(model, str(tmp_path))
+    assert _unchanged(model, before)
+
+
+def test_inject_failing_midway_restores_the_model():
+    built = []
+
+    class FailsSecond(lora.LoRALinear):
+        def __init__(self, *args, **kwargs):
+            if built:
+                raise RuntimeError("simulated out of memory")
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    model = _tiny_llama().train()
+    before = _state(model)
+    with pytest.raises(RuntimeError, match="simulated"):
+        inject_lora(model, target_modules=["q_proj"], layer_cls=FailsSecond)
+    assert built and _unchanged(model, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.uint8, torch.complex64,
+                                   torch.float8_e4m3fn])
+@pytest.mark.parametrize("into", ["plain", "lora", "dora"])
+def test_tensors_of_a_non_float_dtype_are_refused(tmp_path, dtype, into):
+    """copy_ cast them silently (int64 lora_B rounded, complex dropped its imaginary part)."""
+    from safetensors.torch import load_file, save_file
+
+    from fastllm import dora
+
+    src = _own_adapter(tmp_path, layer_cls=dora.DoRALinear if into == "dora" else None)
+    file = str(tmp_path / "adapter_model.safetensors")
+    tensors = load_file(file)
+    key = sorted(tensors)[-1]  # the last: the others are copied first
+    good = tensors[key]
+    tensors[key] = good.to(dtype)
+    save_file(tensors, file)
+    model = _tiny_llama()
+    if into != "plain":
+        inject_lora(model, target_modules=["q_proj", "v_proj"], r=4, alpha=8,
+                    layer_cls=dora.DoRALinear if into == "dora" else None)
+    before = _state(model)
+    loader = dora.load_adapter if into == "dora" else load_adapter
+    with pytest.raises(ValueError, match=f"holds {key} as {dtype}"):
+        loader(model, str(tmp_path))
+    assert _unchanged(model, before)
+    tensors[key] = good.to(torch.float16)  # a float dtype loads, cast as PEFT does
+    save_file(tensors, file)
+    loaded = loader(_tiny_llama(), str(tmp_path))
+    assert dict(loaded.named_parameters()).keys() == dict(src.named_parameters()).keys()
+
+
+@pytest.mark.parametrize("change,says", [
+    (dict(rank_pattern=["q_proj"]), r"rank_pattern=\['q_proj'\]; need an object"),
+    (dict(alpha_pattern="q_proj"), "alpha_pattern='q_proj'; need an object"),
+    (dict(rank_pattern={"(q": 2}), r"rank_pattern key '\(q', which is not a valid regex"),
+    (dict(target_modules="(q"), r"target_modules '\(q', which is not a valid regex"),
+    (dict(use_rslora="false"), "use_rslora='false'; need true or false"),
+])
+def test_ill_typed_config_fields_are_refused_by_name(tmp_path, change, says):
+    _own_adapter(tmp_path)
+    _edit(tmp_path, **change)
+    model = _tiny_llama()
+    before = _state(model)
+    with pytest.raises(ValueError, match="adapter_config.json has " + says):
+        load_adapter(model, str(tmp_path))
+    assert _unchanged(model, before)

@@ -363,3 +363,51 @@ def test_a_save_prefix_failing_midway_leaves_the_adapter_in_the_folder(tmp_path,
     loaded = load_prefix(attach_prefix(_model(), 4), str(tmp_path))
     torch.testing.assert_close(loaded.prefix_encoder.embedding.weight,
                                other.prefix_encoder.embedding.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change,says", [
+    (dict(num_layers=None), "num_layers=None \\(missing\\)"),
+    (dict(num_virtual_tokens="4"), "num_virtual_tokens='4'"),
+    (dict(token_dim=1.5), "token_dim=1.5"),
+])
+def test_load_refuses_a_config_missing_or_mistyping_a_size(tmp_path, change, says):
+    """A missing num_layers was a KeyError; a str num_virtual_tokens a shape message."""
+    import json
+
+    save_prefix(attach_prefix(_model(), 4), str(tmp_path))
+    file = tmp_path / "adapter_config.json"
+    config = json.loads(file.read_text())
+    for key, value in change.items():
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    file.write_text(json.dumps(config))
+    model = _model()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="adapter_config.json has " + says):
+        load_prefix(model, str(tmp_path))
+    assert _same(model, before) and not hasattr(model, "prefix_encoder")
+
+
+@pytest.mark.parametrize("name,key", [("adapter_model.safetensors", "prompt_embeddings"),
+                                      ("prefix_encoder.safetensors", "embedding.weight")])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64, torch.float8_e4m3fn])
+def test_load_refuses_prefix_tensors_of_a_non_float_dtype(tmp_path, name, key, dtype):
+    """embedding.weight.copy_(rows) cast them silently."""
+    from safetensors.torch import load_file, save_file
+
+    save_prefix(attach_prefix(_model(), 4), str(tmp_path))
+    file = str(tmp_path / name)
+    tensors = load_file(file)
+    tensors[key] = tensors[key].to(dtype)
+    save_file(tensors, file)
+    for model in (_model(), attach_prefix(_model(), 4)):
+        before = _snapshot(model)
+        had = hasattr(model, "prefix_encoder")
+        if name == "prefix_encoder.safetensors" and not had:
+            load_prefix(model, str(tmp_path))  # (a fresh model does not read the resume file)
+            continue
+        with pytest.raises(ValueError, match=f"{name} holds {key} as {dtype}"):
+            load_prefix(model, str(tmp_path))
+        assert _same(model, before) and hasattr(model, "prefix_encoder") == had

@@ -5,8 +5,9 @@ A crash while writing leaves a `.tmp-checkpoint-*` folder that is never read (an
 the next run, which puts back a checkpoint of the same step it was replacing); a checkpoint
 whose files do not match its manifest is refused with the reason, and the next older one is
 used. The manifest must list every file the loader reads (trainer_state.pt,
-optimizer.pt, and model.pt or the adapter's two files) with its size and sha256; a manifest of
-any other shape is an invalid checkpoint, never a crash. Every .pt file is read with
+optimizer.pt, and model.pt or the adapter's two files, and READ_IF_PRESENT where there) with its
+size and sha256, inside the checkpoint (no symlink out of it); a manifest of any other shape is
+an invalid checkpoint, never a crash. Every .pt file is read with
 torch.load(weights_only=True): a checkpoint holds tensors and plain containers, no code.
 """
 
@@ -114,6 +115,8 @@ def save(output_dir, step, writers):
 # The files load_checkpoint reads: all of REQUIRED and one of the model alternatives.
 REQUIRED = ("trainer_state.pt", "optimizer.pt")
 MODEL_FILES = (("model.pt",), ("adapter/adapter_model.safetensors", "adapter/adapter_config.json"))
+# Files the loader reads whenever they exist: listed if there (fastllm.prefix.RESUME_WEIGHTS)
+READ_IF_PRESENT = ("adapter/prefix_encoder.safetensors",)
 
 
 def _read_manifest(path):
@@ -151,8 +154,17 @@ def verify(path):
     """Raise CheckpointError (saying what is wrong) unless the manifest is well formed, lists
     every file the loader reads, and every listed file matches its size and sha256."""
     entries = _read_manifest(path)
+    for rel in READ_IF_PRESENT:
+        if rel not in entries and os.path.lexists(os.path.join(path, rel)):
+            raise CheckpointError(f"{path}: {rel} is there but not in {MANIFEST}, and the loader "
+                                  f"reads it (every file read must be checksummed)")
+    root = os.path.realpath(path)
     for rel, meta in entries.items():
         full = os.path.join(path, rel)
+        real = os.path.realpath(full)
+        if os.path.commonpath([root, real]) != root:  # a symlink (of it or a folder) leads out
+            raise CheckpointError(f"{path}/{MANIFEST} names {rel!r}, outside the checkpoint "
+                                  f"(a symlink to {real})")
         if not os.path.isfile(full):
             raise CheckpointError(f"{path}: {rel} is missing")
         try:

@@ -1,0 +1,166 @@
+"""Reading a PEFT adapter folder's two files (adapter_config.json, adapter_model.safetensors)
+for fastllm.lora, fastllm.dora and fastllm.prefix: a truncated, corrupt or ill-typed file is a
+ValueError naming the file (and the key), raised before any model changes."""
+
+import json
+import os
+import re
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# What an adapter tensor may be: real floating dtypes torch computes in (a copy_ into a float
+# parameter would silently cast an int, bool, complex or float8 tensor)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def read_config(path):
+    """A folder's adapter_config.json as a dict. A truncated or corrupt file, or JSON that is
+    not an object, raises ValueError naming the file (json's own error names neither)."""
+    file = os.path.join(path, ADAPTER_CONFIG)
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"fastllm.lora.load_adapter: {file} is not valid JSON (truncated or "
+                         f"corrupt?): {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"fastllm.lora.load_adapter: {file} holds a JSON {type(config).__name__}, "
+                         f"not an object of PEFT's settings")
+    return config
+
+
+def read_weights(path, name=ADAPTER_WEIGHTS, where="fastllm.lora.load_adapter"):
+    """A folder's adapter_model.safetensors (or `name`) as {key: tensor}; a truncated or corrupt
+    file, or a tensor of a dtype but FLOAT_DTYPES, raises ValueError naming it (safetensors' own
+    error does not)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = os.path.join(path, name)
+    try:
+        tensors = load_file(file)
+    except SafetensorError as e:
+        raise ValueError(f"{where}: {file} is not a valid safetensors file "
+                         f"(truncated or corrupt?): {e}") from None
+    for key, tensor in tensors.items():
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{where}: {file} holds {key} as {tensor.dtype}; adapter tensors "
+                             f"must be float16, bfloat16, float32 or float64")
+    return tensors
+
+
+# adapter_config.json, field by field, against PEFT 0.21.2's LoraConfig and PeftConfig.
+# Read by fastllm, with PEFT's default for a field the file leaves out:
+_READ = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False,
+         "target_modules": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False,
+         "init_lora_weights": True}
+# No effect on what a loaded adapter computes: metadata; the settings of an init method (the
+# method itself is checked); options read only beside an option refused below; and
+# ensure_weight_tying, whose only effect (adapters on tied embeddings) is in the weights, which
+# _load_state refuses.
+_IGNORED = {"task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+            "inference_mode", "runtime_config", "loftq_config", "eva_config", "corda_config",
+            "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying"}
+# Not implemented by fastllm: refused unless at PEFT's default, with what each one does.
+_REFUSED = {
+    "exclude_modules": (None, "leaves matching modules out"),
+    "fan_in_fan_out": (False, "stores the weights transposed (Conv1D)"),
+    "bias": ("none", "trains the biases"),
+    "modules_to_save": (None, "saves whole modules beside the adapter"),
+    "layers_to_transform": (None, "adapts only some layers"),
+    "layers_pattern": (None, "adapts only some layers"),
+    "megatron_config": (None, "adapts Megatron's parallel layers"),
+    "trainable_token_indices": (None, "trains some embedding rows"),
+    "velora_config": (None, "changes the adapter's backward (VeLoRA)"),
+    "alora_invocation_tokens": (None, "applies the adapter only after the invocation tokens "
+                                      "(activated LoRA)"),
+    "use_qalora": (False, "pools the adapter's input (QALoRA)"),
+    "monteclora_config": (None, "samples the adapter (MonteCLoRA)"),
+    "layer_replication": (None, "repeats base layers"),
+    "lora_bias": (False, "adds a bias to lora_B"),
+    "target_parameters": (None, "adapts parameters, not modules"),
+    "use_bdlora": (None, "makes A or B block-diagonal (BD-LoRA)"),
+    "arrow_config": (None, "routes between adapters (Arrow)"),
+    "kasa_config": (None, "truncates the base weight's SVD (KaSA)"),
+}
+# init_lora_weights: the values that only draw A and B, which the saved tensors then replace;
+# and those that also rewrite the base weight (W - scaling B0 A0, or a quantised W), which PEFT
+# redoes whenever it loads the adapter.
+_PLAIN_INITS = ("gaussian", "orthogonal", "mica", "eva")
+_BASE_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
+def _empty(value):
+    return value is None or value is False or (isinstance(value, (str, list, dict)) and not value)
+
+
+def check_lora_config(config):
+    """Refuse, naming the field and its value, an adapter_config.json fastllm would load into
+    something else than PEFT computes; return the LoRA settings it reads.
+
+    Every field of PEFT's LoraConfig is read (_READ), or has no effect on the loaded adapter's
+    computation (_IGNORED), or is refused unless at PEFT's default (_REFUSED). init_lora_weights
+    may be True, False or one of _PLAIN_INITS (mica trains only A in PEFT: here B trains too).
+    A field fastllm does not know (a newer PEFT's) is refused unless its value is None, False or
+    empty: new PEFT options are off that way, and on may change what the adapter computes.
+    r and lora_alpha default to PEFT's 8; target_modules must name the modules (PEFT's default
+    for a missing one, per architecture, is not fastllm's to guess).
+    """
+    where = "fastllm.lora.load_adapter: adapter_config.json has"
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"fastllm.lora.load_adapter: not a LoRA adapter "
+                         f"({config.get('peft_type')})")
+    for key, value in config.items():
+        if key in _READ or key in _IGNORED:
+            continue
+        if key in _REFUSED:
+            default, does = _REFUSED[key]
+            if value != default and not _empty(value):
+                raise ValueError(f"{where} {key}={value!r}, which {does}; fastllm does not "
+                                 "support it")
+        elif not _empty(value):
+            raise ValueError(f"{where} {key}={value!r}, a field fastllm does not know (a newer "
+                             "PEFT's?); it may change what the adapter computes, so it is refused")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_INITS):
+        raise ValueError(
+            f"{where} init_lora_weights={init!r}, which moves part of the base weights into the "
+            "adapter; PEFT redoes that on loading, fastllm does not. Save it from PEFT with "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=...) for a plain LoRA "
+            "adapter")
+    if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() in _PLAIN_INITS)):
+        raise ValueError(f"{where} init_lora_weights={init!r}, an initialisation fastllm does "
+                         "not know; it may change the base weights, so it is refused")
+    targets = config.get("target_modules")
+    if targets is None:
+        raise ValueError(f"{where} no target_modules; name the adapted modules (PEFT would take "
+                         "its default for the architecture, which fastllm does not know)")
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        raise ValueError(f"{where} target_modules='all-linear', PEFT's shorthand, which it expands "
+                         "when it creates an adapter; list the module names instead")
+    if not (isinstance(targets, str) or (isinstance(targets, list)
+                                         and all(isinstance(t, str) for t in targets))):
+        raise ValueError(f"{where} target_modules={targets!r}; need a regex or a list of names")
+    for field in ("use_rslora", "use_dora"):  # bool("false") would switch it on
+        if config.get(field) is not None and not isinstance(config[field], bool):
+            raise ValueError(f"{where} {field}={config[field]!r}; need true or false")
+    if isinstance(targets, str):
+        _check_regex(where, "target_modules", targets, targets)
+    for field in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(field)
+        if pattern is not None and not isinstance(pattern, dict):
+            raise ValueError(f"{where} {field}={pattern!r}; need an object mapping module-name "
+                             f"regexes to values, as PEFT writes it")
+        for key in pattern or {}:  # (JSON keys are strings) as fastllm.lora._pattern_value uses it
+            _check_regex(where, f"{field} key", key, rf"(.*\.)?({key})$")
+    get = {key: config.get(key) for key in _READ}
+    return {key: _READ[key] if value is None else value for key, value in get.items()}
+
+
+def _check_regex(where, field, value, regex):
+    try:
+        re.compile(regex)
+    except re.error as e:
+        raise ValueError(f"{where} {field} {value!r}, which is not a valid regex: {e}") from None
