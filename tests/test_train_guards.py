@@ -455,3 +455,54 @@ def test_an_output_dir_under_a_file_is_a_clear_error(tmp_path):
     for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
         with pytest.raises(run_dir.RunDirError, match="it or a folder above it is a file"):
             run_dir.lock(str(out))
+
+
+def test_summary_json_is_json_when_the_losses_are_nan(tmp_path):
+    """Every step's loss nan (skipped): summary.json held NaN, which is not JSON (jq and
+    JSON.parse refuse it); a nan or inf there is null."""
+    from fastllm.train.metrics import FIELDS, write_summary
+
+    record = dict({name: 0.0 for name in FIELDS}, step=1, loss=float("nan"), skipped=True)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    write_summary(str(tmp_path), "done", 1, grad=float("inf"), nested={"x": [float("nan")]})
+    text = (tmp_path / "summary.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    summary = json.loads(text)
+    assert summary["grad"] is None and summary["nested"] == {"x": [None]}
+
+
+def test_peak_memory_counts_what_the_step_allocates():
+    """A view of, or an in-place op on, a tensor made before the step (not tracked) was counted
+    as a new allocation of its whole storage; a tracked DTensor raised (its wrapper has no
+    storage). Views and in-place ops allocate nothing; a DTensor counts by its local shard."""
+    from fastllm.train.memory import PeakMemory
+
+    x = torch.zeros(1 << 20)  # 4 MiB, made before
+    with PeakMemory() as mem:
+        x.view(-1)[:10].add_(1)
+        x.add_(1)
+    assert mem.peak_new == 0
+    with PeakMemory() as mem:
+        y = x * 2  # a new 4 MiB
+        del y
+    assert mem.peak_new == 4 << 20
+
+
+def _dtensor_peak(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fastllm.train.memory import PeakMemory
+
+    w = distribute_tensor(torch.zeros(2 * world, 1 << 17), init_device_mesh("cpu", (world,)),
+                          [Shard(0)])  # 1 MiB a rank
+    with PeakMemory(w) as mem:
+        w.add_(1)
+        (w * 2).to_local()
+    return mem.baseline, mem.peak_new
+
+
+def test_peak_memory_tracks_a_dtensor_by_its_shard():
+    from fastllm.distributed.launch import spawn
+
+    assert spawn(_dtensor_peak, 1, timeout=120) == [(1 << 20, 1 << 20)]

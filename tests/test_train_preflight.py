@@ -419,3 +419,18 @@ def test_a_chat_record_after_other_records_is_refused_when_tokenised_with_the_sa
                                          r"a tokenizer with a chat template; byte has none "
                                          r"\(data.tokenizer="):
         Trainer(cfg, log=lambda t: None).train()
+
+
+@pytest.mark.parametrize("value,says", [("cpu", "FASTLLM_BACKEND='cpu' is not one of"),
+                                        ("cuda", "FASTLLM_BACKEND=cuda cannot run here")])
+def test_a_forced_backend_that_cannot_run_is_refused_before_the_run_folder(
+        tmp_path, monkeypatch, value, says):
+    """FASTLLM_BACKEND was read at the first op: a typo, or a backend this device has not, failed
+    a run that had already written its folder."""
+    monkeypatch.setenv("FASTLLM_BACKEND", value)
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_args(["model=tiny", "max_steps=1", "device=cpu",
+                                 f"output_dir={out}"])
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        Trainer(cfg).train()
+    assert not out.exists()

@@ -29,7 +29,7 @@ class PeakMemory(TorchDispatchMode):
         self.baseline = 0
         for obj in tracked:
             for t in _tensors(obj):
-                st = t.untyped_storage()
+                st = _local(t).untyped_storage()
                 if st.data_ptr() not in self._known:
                     self._known.add(st.data_ptr())
                     self.baseline += st.nbytes()
@@ -46,9 +46,9 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = None  # the storages of the op's inputs: a view's or an in-place op's output
         for t in tree_flatten(out)[0]:
-            if _DTensor is not None and isinstance(t, _DTensor):
-                t = t._local_tensor
+            t = _local(t)
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
@@ -58,11 +58,30 @@ class PeakMemory(TorchDispatchMode):
                 continue
             if st in self._live or st.data_ptr() in self._known or st.nbytes() == 0:
                 continue
+            if inputs is None:
+                inputs = {_storage_ptr(a) for a in tree_flatten((args, kwargs))[0]}
+            if st.data_ptr() in inputs:  # one of theirs (a tensor made before the step)
+                continue
             self._live[st] = st.nbytes()
             weakref.finalize(st, self._release, st.nbytes())
             self.current += st.nbytes()
             self.peak_new = max(self.peak_new, self.current)
         return out
+
+
+def _local(t):
+    """A DTensor's local shard (what this rank holds), anything else as it is."""
+    return t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t
+
+
+def _storage_ptr(t):
+    t = _local(t)
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _tensors(obj):

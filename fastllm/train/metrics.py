@@ -243,6 +243,17 @@ def format_summary(s, title="run summary"):
     return "\n".join(lines)
 
 
+def _finite_or_none(value):
+    """value with every nan or infinite float in it (dicts and lists walked) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
 def write_summary(output_dir, status, step, **run):
     """The run summary (summarize over output_dir/metrics.jsonl, plus status and `run`'s
     fields) written to output_dir/summary.json and printed. Returns it, with the losses."""
@@ -251,7 +262,10 @@ def write_summary(output_dir, status, step, **run):
     summary.update(status=status, output_dir=output_dir, **run,
                    losses=[r["loss"] for r in records])
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
-        json.dump({k: v for k, v in summary.items() if k != "losses"}, f, indent=1)
+        # null for a nan or inf (no loss: every step skipped): NaN is not JSON, and this file is
+        # for other tools (metrics.jsonl keeps NaN, which Python's json reads back)
+        json.dump(_finite_or_none({k: v for k, v in summary.items() if k != "losses"}), f,
+                  indent=1, allow_nan=False)
     print(format_summary(summary, f"fastllm train: {status} at step {step} ({output_dir})"),
           flush=True)
     return summary

@@ -19,8 +19,8 @@ from torch import nn
 from fastllm.train.config import ConfigError
 from fastllm.train.model import check_model, is_model_dir, lora_targets, model_skeleton
 
-__all__ = ["check", "check_badam_blocks", "check_batch", "check_chat_data", "check_lora_targets",
-           "check_prompts", "tokenizer_folder"]
+__all__ = ["check", "check_backend_env", "check_badam_blocks", "check_batch", "check_chat_data",
+           "check_lora_targets", "check_prompts", "tokenizer_folder"]
 
 
 def check(cfg, layout=None):
@@ -28,6 +28,7 @@ def check(cfg, layout=None):
     batch arithmetic (check_batch)."""
     if layout is not None:
         check_batch(cfg, layout)
+    check_backend_env(cfg)
     check_model(cfg)
     cfg.check_files()
     check_lora_targets(cfg)
@@ -35,6 +36,26 @@ def check(cfg, layout=None):
     check_chat_data(cfg)
     check_prompts(cfg)
     return cfg
+
+
+def check_backend_env(cfg):
+    """FASTLLM_BACKEND (a backend forced on every op): one of fastllm's names, and one that can
+    run on the run's device (triton on a CPU needs TRITON_INTERPRET=1); it was read at the
+    first op, after the run folder was written."""
+    import torch
+
+    from fastllm import _backend
+
+    try:
+        name = _backend.forced_backend()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if name is None:
+        return
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    why = _backend.unavailable_reason(name, "cuda" if cuda else "cpu")
+    if why is not None:
+        raise ConfigError(f"fastllm train: FASTLLM_BACKEND={name} cannot run here: {why}")
 
 
 def check_batch(cfg, layout):
