@@ -183,10 +183,11 @@ def _finish_config(model, tokenizer, from_folder=False):
 def export(run_dir, out_dir, merged=False):
     """Write the run's model (see the module docstring). Returns out_dir.
 
-    Everything is written to a staging folder beside out_dir and moved in once all of it is
-    written, so a refused or failed export leaves out_dir as it was; the files of an earlier
-    export that this one does not write (a chat template, weight shards, base_model) are
-    removed: transformers' save_pretrained leaves them, and they would load with this one."""
+    Everything is written to a hidden staging folder inside out_dir (the same filesystem, and
+    writable where out_dir is) and moved in once all of it is written, so a refused or failed
+    export leaves out_dir as it was (a folder it had to make is removed again); then the files of
+    an earlier export that this one does not write (a chat template, weight shards, base_model)
+    are removed: transformers' save_pretrained leaves them, and they would load with this one."""
     import shutil
     import tempfile
 
@@ -196,15 +197,20 @@ def export(run_dir, out_dir, merged=False):
         raise ValueError("fastllm export: a prefix-tuning adapter cannot be merged into the "
                          "weights; export it without --merged (a PEFT adapter)")
     _check_out_dir(out_dir, adapter=(_has_lora(model) and not merged) or prefix)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.export-",
-                             dir=parent)
+    made = not os.path.exists(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    stage = None
     try:
+        stage = tempfile.mkdtemp(prefix=".fastllm-export-", dir=out_dir)
         _write(model, tokenizer, cfg, stage, out_dir, merged, prefix)
         _publish(stage, out_dir)
+    except BaseException:
+        if made:  # (nothing of ours was moved in: the publish's moves come last)
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
     return out_dir
 
 
@@ -247,26 +253,26 @@ _EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors",
 
 
 def _publish(stage, out_dir):
-    """Move the staged files into out_dir (made if missing), replacing what they replace and
-    removing an earlier export's files this one has not written."""
+    """Move the staged files into out_dir (the stage is inside it: os.replace, one filesystem),
+    replacing what they replace; then remove an earlier export's files this one has not written.
+    A folder being replaced is first moved aside into the stage, removed with it."""
     import fnmatch
     import shutil
 
-    def remove(path):
+    written = sorted(os.listdir(stage))
+    for name in written:
+        target = os.path.join(out_dir, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            os.replace(target, os.path.join(stage, f".old-{name}"))
+        os.replace(os.path.join(stage, name), target)
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if name in written or not any(fnmatch.fnmatch(name, p) for p in _EXPORT_NAMES):
+            continue
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
-        elif os.path.lexists(path):
+        else:
             os.remove(path)
-
-    os.makedirs(out_dir, exist_ok=True)
-    written = set(os.listdir(stage))
-    for name in os.listdir(out_dir):
-        if name not in written and any(fnmatch.fnmatch(name, p) for p in _EXPORT_NAMES):
-            remove(os.path.join(out_dir, name))
-    for name in sorted(written):
-        if os.path.isdir(os.path.join(out_dir, name)):  # (a file is replaced by os.replace)
-            remove(os.path.join(out_dir, name))
-        os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
 
 
 # The files of one layout that make a folder read as the other: transformers' from_pretrained
@@ -394,8 +400,8 @@ def _export(args):
 
     try:
         out = export(args.run_dir, args.out_dir, merged=args.merged)
-    except (FileNotFoundError, NotADirectoryError, FileExistsError, ValueError,
-            CheckpointError) as e:  # (the last two: an OUT_DIR under a file)
+    except (FileNotFoundError, NotADirectoryError, FileExistsError, PermissionError,
+            ValueError, CheckpointError) as e:  # (OSErrors: an OUT_DIR under a file, unwritable)
         sys.exit(str(e) if str(e).startswith("fastllm export:") else f"fastllm export: {e}")
     kind = ("merged model" if args.merged else "adapter" if os.path.isfile(
         os.path.join(out, "adapter_config.json")) else "model")

@@ -218,6 +218,40 @@ def test_load_model_names_an_adapter_config_that_is_not_an_object(tmp_path):
         export.load_model(str(tmp_path))
 
 
+def test_export_into_a_link_to_another_filesystem_and_an_unwritable_parent(tmp_path,
+                                                                           monkeypatch):
+    """The stage sat beside OUT_DIR: a link to another filesystem failed at os.replace (after
+    the earlier export's files were removed), and a folder whose parent is not writable (the
+    current folder, a home folder) could not be exported into. It is inside OUT_DIR now."""
+    import tempfile
+
+    _fake_run(tmp_path, monkeypatch)
+    elsewhere = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    try:
+        if elsewhere is not None:  # (tmpfs: another filesystem than tmp_path's, usually)
+            (tmp_path / "link").symlink_to(elsewhere)
+            export.export("run", str(tmp_path / "link"), merged=True)
+            assert sorted(os.listdir(elsewhere)) == ["config.json", "model.safetensors"]
+        made = []
+        real_mkdtemp = tempfile.mkdtemp
+
+        def only_inside(prefix=None, dir=None, **kw):  # the parent refuses writes
+            assert os.path.abspath(dir).startswith(str(tmp_path / "out")), dir
+            made.append(real_mkdtemp(prefix=prefix, dir=dir, **kw))
+            return made[-1]
+
+        monkeypatch.setattr(tempfile, "mkdtemp", only_inside)
+        (tmp_path / "out").mkdir()
+        export.export("run", str(tmp_path / "out"), merged=True)
+        assert made and sorted(os.listdir(tmp_path / "out")) == ["config.json",
+                                                                 "model.safetensors"]
+    finally:
+        if elsewhere is not None:
+            import shutil
+
+            shutil.rmtree(elsewhere)
+
+
 # ----- adapters.py, lora.py -----
 
 def _truncate(file):
