@@ -486,6 +486,11 @@ def test_peak_memory_counts_what_the_step_allocates():
         y = x * 2  # a new 4 MiB
         del y
     assert mem.peak_new == 4 << 20
+    for grow in (lambda: torch.mul(x, 2, out=torch.empty(0)),  # noqa: E731
+                 lambda: torch.empty(0).resize_(1 << 20)):
+        with PeakMemory() as mem:  # an empty buffer given its bytes by the op: allocated
+            grow()
+        assert mem.peak_new == 4 << 20
 
 
 def _dtensor_peak(rank, world):

@@ -45,8 +45,10 @@ class PeakMemory(TorchDispatchMode):
         self.current -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # where the inputs' storages are before the op: an output there is a view of one or an
+        # in-place op's (no allocation); one that moved was (re)allocated (out=, resize_)
+        inputs = {_storage_ptr(a) for a in tree_flatten((args, kwargs))[0]}
         out = func(*args, **(kwargs or {}))
-        inputs = None  # the storages of the op's inputs: a view's or an in-place op's output
         for t in tree_flatten(out)[0]:
             t = _local(t)
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -56,12 +58,10 @@ class PeakMemory(TorchDispatchMode):
                 st.data_ptr()
             except RuntimeError:  # resized away (FSDP2 frees an unsharded parameter so)
                 continue
-            if st in self._live or st.data_ptr() in self._known or st.nbytes() == 0:
+            if st in self._live or st.data_ptr() in self._known:
                 continue
-            if inputs is None:
-                inputs = {_storage_ptr(a) for a in tree_flatten((args, kwargs))[0]}
-            if st.data_ptr() in inputs:  # one of theirs (a tensor made before the step)
-                continue
+            if st.nbytes() == 0 or st.data_ptr() in inputs:
+                continue  # (an input's: a tensor made before the step, viewed or written)
             self._live[st] = st.nbytes()
             weakref.finalize(st, self._release, st.nbytes())
             self.current += st.nbytes()
