@@ -715,3 +715,21 @@ def test_rank_or_proj_type_changed_after_state_is_refused_before_anything_moves(
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert [float(s["step"]) for s in opt.state.values()] == steps
+
+
+def test_a_side_change_of_a_square_full_rank_param_is_refused():
+    """8 x 8 at rank 8: both sides' moments are (8, 8), so the shape check let a proj_type
+    change through, and the step read the left-projected state as right-projected."""
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    opt = GaLoreAdamW([{"params": [w], "rank": 8, "proj_type": "left"}], lr=1e-2)
+    w.grad = torch.randn(8, 8)
+    opt.step()
+    before = w.detach().clone()
+    opt.param_groups[0]["proj_type"] = "right"
+    with pytest.raises(ValueError, match="cannot change once a param has state"):
+        opt.step()
+    assert torch.equal(w, before)
+    opt.param_groups[0]["proj_type"] = "left"
+    copy = GaLoreAdamW([{"params": [w], "rank": 8, "proj_type": "right"}], lr=1e-2)
+    copy.load_state_dict(opt.state_dict())  # the saved group's side comes with its state
+    copy.step()

@@ -143,6 +143,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         self.skipped_steps = 0
         # param -> _plan.written_version right after this optimizer last wrote it from its master
         self._written_versions = {}
+        self._sides = {}  # projected param -> left, as its low-rank state was made or loaded
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -218,7 +219,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 if self._projected(group, p):
                     # (_row_shard refuses a DTensor layout the projected step cannot shard)
                     low, shape = self.state.get(p, {}).get("exp_avg"), self._low_shape(group, p)
-                    if low is not None and tuple(low.shape) != shape:
+                    side = self._sides.get(p, self._left(group, p))  # (a square one's shapes
+                    if low is not None and (tuple(low.shape) != shape  # agree on both sides)
+                                            or side != self._left(group, p)):
                         raise ValueError(
                             f"fastllm.optim.GaLoreAdamW: {where} has low-rank moments of shape "
                             f"{tuple(low.shape)}; its group's rank {group['rank']} and proj_type "
@@ -376,6 +379,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             opmath = torch.float64 if p.dtype == torch.float64 else torch.float32
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             low_shape = self._low_shape(group, p)
+            self._sides[p] = self._left(group, p)
             state["exp_avg"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
             state["exp_avg_sq"] = torch.zeros(low_shape, dtype=opmath, device=p.device)
         self._add_master(p, state)
@@ -471,6 +475,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
                        "_optimizer_load_state_dict_post_hooks") as (_, post_hooks):
             super().load_state_dict(state_dict)
         self._written_versions.clear()  # a loaded master is the truth, not the param
+        self._sides = {p: self._left(g, p) for g in self.param_groups for p in g["params"]
+                       if self._projected(g, p) and "exp_avg" in self.state.get(p, {})}
         self.skipped_steps = skipped
         params = [(g, p) for g in self.param_groups for p in g["params"]]
         for pid, (group, p) in zip(saved_ids, params):
