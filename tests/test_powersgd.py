@@ -153,6 +153,28 @@ def test_orthogonalize_of_tiny_or_huge_columns(backend, device, scale):
 
 
 @pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
+def test_orthogonalize_of_subnormal_columns(backend, device):
+    """A column of norm below 1/FLT_MAX (~2.9e-39: fp32-subnormal values) is kept (its norm is
+    fp64), but its 1 / norm is inf in fp32: every backend made it inf and nan (and GaLore's range
+    finder, fed a grad of 1e-40, a nan projector). The normaliser is now applied in two steps."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 4, generator=g, dtype=torch.float64) * 1e-40).float()
+    assert x.abs().max() < torch.finfo(torch.float32).tiny  # all subnormal
+    want = x.double()
+    orthogonalize_ref([want])  # the same (rounded) input in fp64: nothing subnormal there
+    x = x.to(device)
+    # the smallest subnormal, one per column (norm 1.4e-45, 1 / norm 7e44): the unit vectors
+    lone = torch.zeros(4, 2, device=device)
+    lone[0, 0] = lone[1, 1] = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
+    with fastllm.use_backend(backend):
+        orthogonalize([x, lone])
+    assert torch.isfinite(x).all() and torch.isfinite(lone).all()
+    # the removals run on subnormals (absolute rounding 2^-150 against norms of ~8e-40)
+    torch.testing.assert_close(x.cpu(), want.float(), rtol=0, atol=2e-5)
+    assert torch.equal(lone.cpu(), torch.eye(4, 2))
+
+
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("with_errors", [True, False])
 def test_decompress_matches_reference(backend, device, dtype, with_errors):

@@ -18,6 +18,8 @@
 // runs along memory. Sums are accumulated in double, kBlock rows at a time and the blocks' sums
 // added up: (kBlock + n / kBlock) roundings per sum instead of n, which matters for double input
 // (16384 equal values summed one by one: 2.5e-14 relative, 110 epsilon).
+// Norms are double, so a kept float column may have a norm below 1/FLT_MAX (subnormal values)
+// whose normaliser is inf as a float: it is applied in two exact steps (kSplit below).
 // Matrices are independent: they are split across the ATen thread pool.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,6 +39,8 @@ namespace {
 constexpr double kDependence = 16.0;
 constexpr double kReorthogonalize = 0.5;
 constexpr int64_t kBlock = 64;
+// As SPLIT there: a normaliser above it is applied as kSplit times inv / kSplit (2^64, exact).
+constexpr double kSplit = 18446744073709551616.0;
 
 // The second pass over column i of x (n, r): x_i -= sum_{k < i} (q_k . x_i) q_k, the dot
 // products and each row's sum in double. Returns the new ||x_i||^2.
@@ -90,13 +94,20 @@ void orthogonalize_one(T* __restrict x, int64_t n, int64_t r, double eps) {
       norm2 = project_again(x, n, r, i, c, part);
     }
     const double norm = std::sqrt(norm2);
-    const T inv = T(keep ? 1.0 / (norm + eps) : 0.0);
+    // A column of norm below 1/FLT_MAX (subnormal fp32 values) has an inv that is inf as a T:
+    // when inv > 2^64 (every |x| <= norm < 2^-64) the column is scaled by 2^64 first (exact)
+    // and by T(inv / 2^64) then; a column with a finite, normal T(inv) comes out bitwise as
+    // x * T(inv) (the same real product rounded once), any other is multiplied by 1 first.
+    const double inv_d = keep ? 1.0 / (norm + eps) : 0.0;
+    const bool big = inv_d > kSplit;
+    const T pre = T(big ? kSplit : 1.0);
+    const T inv = T(big ? inv_d / kSplit : inv_d);
     std::fill(acc.begin() + i + 1, acc.end(), 0.0);
     for (int64_t b = 0; b < n; b += kBlock) {
       std::fill(part.begin() + i + 1, part.end(), 0.0);
       for (int64_t row = b; row < std::min(n, b + kBlock); ++row) {
         T* xr = x + row * r;
-        const T q = xr[i] * inv;
+        const T q = (xr[i] * pre) * inv;
         xr[i] = q;
         for (int64_t j = i + 1; j < r; ++j) part[j] += double(q) * double(xr[j]);
       }

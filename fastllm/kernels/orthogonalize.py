@@ -9,6 +9,8 @@ the earlier ones: what is left of it is rounding residue, zeroed (times 0: a nan
 of normalised. A kept column whose norm fell below 1/sqrt(2) of its first one is projected a
 second time against q_0 .. q_{i-1} (c = Q^T x_i, x_i -= Q c: two more passes) before it is
 normalised, so that it comes out orthogonal to them (twice is enough; the ops module's docstring).
+A normaliser above 2^64 (a column of norm below 1/FLT_MAX, fp32-subnormal values: inf in fp32) is
+applied as 2^64 (exact) times inv / 2^64, so it cannot overflow (that docstring, SPLIT).
 One program per matrix. A first pass over row blocks takes every column's squared norm; then per
 column one pass normalises x_i and accumulates every q_i . x_j at once, a second removes q_i from
 the later columns and accumulates ||x_{i+1}||^2. The whole row (r <= BLOCK_R columns) is one
@@ -23,6 +25,7 @@ from fastllm.kernels import next_power_of_2
 
 _DEPENDENCE_C = 16  # as DEPENDENCE_C in fastllm/ops/orthogonalize.py
 _REORTHOGONALIZE = 0.5  # as REORTHOGONALIZE there
+_SPLIT = 2.0 ** 64  # as SPLIT there
 _EPS = torch.finfo(torch.float32).eps
 
 
@@ -43,6 +46,7 @@ def _orthogonalize_kernel(
     eps,  # added to every column norm before dividing
     tol,  # a column whose norm falls to tol * its first norm or below is set to zero
     again_below,  # a kept column whose squared norm falls below this * its first is projected twice
+    split,  # a normaliser above this is applied as split times inv / split (2^64; no overflow)
     BLOCK_N: tl.constexpr,  # rows per tile
     BLOCK_R: tl.constexpr,  # n_cols rounded up to a power of two
 ):
@@ -77,13 +81,18 @@ def _orthogonalize_kernel(
                          mask=mask & (cols[None, :] == i))
                 sq_i += x_i.to(tl.float64) * x_i.to(tl.float64)
             norm2 = tl.sum(sq_i, axis=0)
-        # A dependent column gets inv = 0; 1 / (norm + eps) in fp64 (IEEE), then rounded
+        # A dependent column gets inv = 0; 1 / (norm + eps) in fp64 (IEEE), then rounded. Above
+        # split (2^64; norm below 1/FLT_MAX: inf in fp32) the column is scaled up by split first
+        # (exact) and then by inv / split; any other column by 1 first (bitwise as x * inv)
         safe = tl.where(keep, tl.sqrt(norm2) + eps, 1.0)
-        inv = tl.where(keep, 1.0 / safe, 0.0).to(tl.float32)
+        inv64 = tl.where(keep, 1.0 / safe, 0.0)
+        big = inv64 > split
+        pre = tl.where(big, split, 1.0).to(tl.float32)
+        inv = tl.where(big, inv64 / split, inv64).to(tl.float32)
         dots = tl.zeros([BLOCK_R], dtype=tl.float32)
         for start in range(0, n_rows, BLOCK_N):
             ptrs, mask, tile = _row_tile(x_ptr, start, n_rows, n_cols, cols, col_mask, BLOCK_N)
-            q = tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1) * inv
+            q = (tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1) * pre) * inv
             dots += tl.sum(q[:, None] * tile, axis=0)
             tl.store(ptrs, tl.broadcast_to(q[:, None], tile.shape),
                      mask=mask & (cols[None, :] == i))
@@ -110,4 +119,4 @@ def orthogonalize_triton(matrices, epsilon=0.0):
         # 16 elements a thread per tile (4 warps): with 32 the kernel spilled under Triton 3.6
         block_n = max(16, min(128, 2048 // block_r))
         _orthogonalize_kernel[(1,)](x, n, r, float(epsilon), _DEPENDENCE_C * r * _EPS,
-                                    _REORTHOGONALIZE, BLOCK_N=block_n, BLOCK_R=block_r)
+                                    _REORTHOGONALIZE, _SPLIT, BLOCK_N=block_n, BLOCK_R=block_r)

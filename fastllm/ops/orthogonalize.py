@@ -36,6 +36,14 @@ precision (Kahan's "twice is enough", Parlett, The Symmetric Eigenvalue Problem,
 Giraud, Langou, Rozloznik, Comput. Math. Appl. 50, 2005). Whether a column is dependent is still
 decided by its norm after the first pass, so a dependent column still comes out exactly zero.
 
+Normalising cannot overflow: the norms are fp64, so a kept fp32 column can have a norm below
+1/FLT_MAX (~2.9e-39: subnormal values, e.g. a gradient of 1e-40) whose 1 / (norm + epsilon) is
+inf in fp32 (the column came out inf and nan). When inv = 1 / (norm + epsilon) exceeds SPLIT =
+2^64 (so every |x| <= norm < 2^-64) the column is multiplied first by 2^64 (exact: no overflow,
+subnormals scale up exactly) and then by fp32(inv / 2^64) (finite: inv <= 2^149). For a column
+whose fp32(inv) is finite and normal the product is the same real number rounded once, so its
+result is bitwise what x * fp32(inv) gives; every other column is multiplied by 1 first (exact).
+
 Backends: cpp (CPU), triton (GPU, fp32; CPU under TRITON_INTERPRET=1), `orthogonalize_ref`; the
 same sums in another order.
 """
@@ -49,6 +57,8 @@ DEPENDENCE_C = 16  # see the module docstring; as csrc/cpu/ and kernels/orthogon
 # A kept column whose squared norm after the removals is below this fraction of its first one
 # (its norm below 1/sqrt(2) of it) is projected a second time (module docstring)
 REORTHOGONALIZE = 0.5
+# An inv above this is applied as this times inv / this (module docstring): 2^64, exact
+SPLIT = 2.0 ** 64
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 _PREFERENCE_FP64 = {"cpu": ("cpp", "ref"), "cuda": ("ref",)}
 
@@ -86,8 +96,13 @@ def orthogonalize_ref(matrices, epsilon=0.0):
                 col -= torch.where(again, proj, torch.zeros_like(proj))
                 norm2 = torch.where(again, squares(col), norm2)
             norm = norm2.sqrt()
-            scale = torch.where(keep, 1.0 / (norm + epsilon), torch.zeros_like(norm)).to(x.dtype)
-            col.mul_(scale)  # (x 0, not zero_(): a nan or inf stays visible)
+            inv = torch.where(keep, 1.0 / (norm + epsilon), torch.zeros_like(norm))
+            # (x 0, not zero_(): a nan or inf stays visible.) A column of norm below 1/FLT_MAX
+            # (subnormal fp32 values) has an inv that is inf in fp32: such a column (any of norm
+            # below 2^-64) is first scaled up by 2^64, exactly (module docstring)
+            big = inv > SPLIT
+            col.mul_(torch.where(big, SPLIT, 1.0).to(x.dtype))
+            col.mul_(torch.where(big, inv * (1.0 / SPLIT), inv).to(x.dtype))
             if i + 1 < r:
                 rest = x[:, i + 1:]
                 rest -= (col * rest).sum(dim=0, keepdim=True) * col
