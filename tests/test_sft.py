@@ -440,5 +440,7 @@ def test_compare_hf_runs_the_same_batches(tmp_path, capsys):
     # 16 training examples, one a row, 4 a step
     assert mine["steps"] == theirs["steps"] == 4
     assert math.isclose(mine["first_loss"], theirs["first_loss"], rel_tol=1e-5)
-    assert math.isclose(mine["eval_loss"], theirs["eval_loss"], rel_tol=1e-3)
+    # the same adapters to start from (PEFT drew its lora_A from the seed in another order)
+    assert math.isclose(mine["final_loss"], theirs["final_loss"], rel_tol=1e-4)
+    assert math.isclose(mine["eval_loss"], theirs["eval_loss"], rel_tol=1e-4)
     assert "fastllm / hf: tokens/s" in capsys.readouterr().out
