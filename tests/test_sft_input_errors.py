@@ -37,7 +37,8 @@ def _write(path, records):
 
 @pytest.mark.parametrize("template, refused, says", [
     (ALTERNATE, [SYSTEM, USER, REPLY], "TemplateError: Conversation roles must alternate"),
-    (CHATML, [USER, CALL, {"role": "tool", "content": "1"}, REPLY], "UndefinedError"),
+    # (transformers 5.17 renders the None content itself: '...' + None, a TypeError)
+    (CHATML, [USER, CALL, {"role": "tool", "content": "1"}, REPLY], "(UndefinedError|TypeError)"),
 ], ids=["raise_exception", "undefined"])
 def test_a_record_the_chat_template_refuses_is_named_by_its_line(tmp_path, template, refused,
                                                                  says):

@@ -282,7 +282,7 @@ class Plan:
         # state cleared, removed or replaced by hand must be initialised again, as torch
         # does) and the layout of the params the cached lists hold (`p.data = w` may change it).
         self.states = [opt.state.get(p) for p in params]
-        self.filled = list(map(bool, self.states))
+        self.filled = [s is not None and len(s) > 0 for s in self.states]  # (dynamo: no bool(dict))
         # and each param's and grad's dtype and shape: `m.to(torch.bfloat16)` or `p.data = w`
         # changes them without changing the tensors' identity, and the plan was checked for
         # these (the ops' own checks are off under it: a stepped state of another dtype or size

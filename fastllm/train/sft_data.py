@@ -98,9 +98,10 @@ def _apply_template(tokenizer, messages, template, **kwargs):
     try:
         return tok.apply_chat_template(messages, tools=template.get("tools"), **kwargs,
                                        **template.get("chat_template_kwargs", {}))
-    except TemplateError as e:
+    except (TemplateError, TypeError) as e:
         # a template's raise_exception (Mistral's, refusing a system turn) or a message it
-        # cannot render (UndefinedError): the user's data, not a bug of ours
+        # cannot render (UndefinedError; transformers 5.17 hands jinja a None content, whose
+        # '...' + None is a TypeError): the user's data, not a bug of ours
         raise ValueError(f"fastllm train: the tokenizer's chat template refused the chat: "
                          f"{type(e).__name__}: {e}") from None
 
