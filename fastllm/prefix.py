@@ -190,8 +190,8 @@ def _pre_hook(module, args, kwargs):
     layers, kv, head_dim = _dims(module.config)
     t = enc.num_virtual_tokens
     dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
-    if module.training and torch.is_grad_enabled():
-        _refuse_checkpointing(module)
+    if module.training:  # (under no_grad too: transformers 5.17's checkpointed layers drop
+        _refuse_checkpointing(module)  # the cache in training mode whatever the grad mode)
     kwargs = dict(kwargs)
     cache = _hf.take_cache(kwargs.pop("cache", None), kwargs)
     pos = kwargs.get("position_ids")
