@@ -291,6 +291,11 @@ def build_pipeline(model, mesh, n_microbatches, schedule="1f1b", loss_fn=pipelin
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     # before the model is cut up (consumed), not only once its stages are built
     _check_schedule(schedule, pp, n_microbatches, batch_size)
+    if schedule == "interleaved" and pp == 1:
+        # one rank, no other stage to interleave with: 1F1B is the same maths (torch 2.11's
+        # interleaved schedule sent between the rank's own two stages over Gloo, which has no
+        # pair to itself)
+        schedule = "1f1b"
     chunks = 2 if schedule == "interleaved" else 1
     layers = model.config.num_hidden_layers
     if chunks > 1 and layers < pp * chunks:  # (split_layers would name pp * chunks stages)
