@@ -380,6 +380,15 @@ def save_adapter(model, path, task_type=None):
     if not layers:
         raise ValueError("fastllm.lora.save_adapter: the model has no LoRALinear layers")
     config = _adapter_config(model, layers, task_type)  # refused before anything is written
+    tensors = peft_tensors(layers)
+    write_replacing(path, {
+        ADAPTER_WEIGHTS: lambda f: save_file(tensors, f, metadata={"format": "pt"}),
+        ADAPTER_CONFIG: json_writer(config)})
+
+
+def peft_tensors(layers):
+    """The adapter tensors of lora_modules' (name, layer) pairs under PEFT's state_dict keys
+    (`base_model.model.<module>.lora_{A,B}.weight`, DoRA's `lora_magnitude_vector`), on the CPU."""
     tensors = {}
     for name, layer in layers:
         tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous()
@@ -387,9 +396,7 @@ def save_adapter(model, path, task_type=None):
         if hasattr(layer, "lora_magnitude_vector"):  # DoRA
             tensors[f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"] = (
                 layer.lora_magnitude_vector.detach().cpu().contiguous())
-    write_replacing(path, {
-        ADAPTER_WEIGHTS: lambda f: save_file(tensors, f, metadata={"format": "pt"}),
-        ADAPTER_CONFIG: json_writer(config)})
+    return tensors
 
 
 def load_adapter(model, path, layer_cls=None, adapter_dtype=None):

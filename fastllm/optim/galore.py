@@ -219,9 +219,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 if self._projected(group, p):
                     # (_row_shard refuses a DTensor layout the projected step cannot shard)
                     low, shape = self.state.get(p, {}).get("exp_avg"), self._low_shape(group, p)
-                    side = self._sides.get(p, self._left(group, p))  # (a square one's shapes
-                    if low is not None and (tuple(low.shape) != shape  # agree on both sides)
-                                            or side != self._left(group, p)):
+                    left = self._left(group, p)  # (the side too: a square one's shapes agree)
+                    if low is not None and (tuple(low.shape) != shape
+                                            or self._sides.get(p, left) != left):
                         raise ValueError(
                             f"fastllm.optim.GaLoreAdamW: {where} has low-rank moments of shape "
                             f"{tuple(low.shape)}; its group's rank {group['rank']} and proj_type "

@@ -55,17 +55,11 @@ def _same_adapters(peft_model, ours):
     """PEFT's adapters set to the ones fastllm's run starts from (ours: its model, built from the
     same seed): PEFT draws lora_A from that seed in another order (its nn.Linear layers draw
     first), so every lora_A differed and the two runs started apart."""
-    import tempfile
-
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    from fastllm.adapters import save_adapter
+    from fastllm.lora import lora_modules, peft_tensors
 
-    with tempfile.TemporaryDirectory() as folder:
-        save_adapter(ours, folder)
-        state = load_file(os.path.join(folder, "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(peft_model, state)
+    result = set_peft_model_state_dict(peft_model, peft_tensors(lora_modules(ours)))
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
         raise RuntimeError(f"fastllm train --compare hf: PEFT's model has no {unexpected[:3]}")

@@ -289,6 +289,12 @@ class TrainConfig:
                  f" micro_batch_size={self.micro_batch_size})")
         return self
 
+    def uses_cuda(self):
+        """Whether the run trains on a GPU: device=cuda, or auto with one available."""
+        import torch
+
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
     def check_files(self):
         """Refuse a data.tokenizer, data.path, data.eval_path or eval.prompts_file naming no file
         or folder here (a typo), and a trained BPE on a pretrained model, before the run writes

@@ -42,8 +42,6 @@ def check_backend_env(cfg):
     """FASTLLM_BACKEND (a backend forced on every op): one of fastllm's names, and one that can
     run on the run's device (triton on a CPU needs TRITON_INTERPRET=1); it was read at the
     first op, after the run folder was written."""
-    import torch
-
     from fastllm import _backend
 
     try:
@@ -52,8 +50,7 @@ def check_backend_env(cfg):
         raise ConfigError(str(e)) from None
     if name is None:
         return
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    why = _backend.unavailable_reason(name, "cuda" if cuda else "cpu")
+    why = _backend.unavailable_reason(name, "cuda" if cfg.uses_cuda() else "cpu")
     if why is not None:
         raise ConfigError(f"fastllm train: FASTLLM_BACKEND={name} cannot run here: {why}")
 

@@ -47,11 +47,11 @@ def lock(output_dir):
     path = os.path.join(output_dir, LOCK)
     f = open(path, "a+")
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            f.close()
-            raise
+        taken = _taken(f, fcntl.LOCK_EX)
+    except OSError:
+        f.close()
+        raise
+    if taken:
         f.seek(0)
         holder = f.read().strip()
         f.close()
@@ -91,15 +91,23 @@ def check(cfg):
         raise RunDirError(f"fastllm train: output_dir {out} exists and is not a folder")
     path = os.path.join(out, LOCK)
     if os.path.isfile(path):
-        with open(path) as f:
-            try:  # a shared lock, dropped on close: refused only while a run holds it
-                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise
+        with open(path) as f:  # a shared lock, dropped on close: refused while a run holds it
+            if _taken(f, fcntl.LOCK_SH):
                 _in_use(out, path, f.read().strip())
     if not cfg.checkpoint.auto_resume and not cfg.overwrite_output_dir:
         _refuse_another_run(out, previous_run(out))
+
+
+def _taken(f, how):
+    """Whether another process holds a lock on f that `how` (fcntl.LOCK_EX / LOCK_SH) conflicts
+    with; else takes it (without waiting)."""
+    try:
+        fcntl.flock(f.fileno(), how | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        return True
+    return False
 
 
 def _in_use(output_dir, path, holder):

@@ -75,7 +75,7 @@ class Trainer:
     def train(self):
         """Run to cfg.max_steps (or a stop signal). Returns the run summary (a dict)."""
         cfg = self.cfg
-        want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        want_cuda = cfg.uses_cuda()
         self.world = (dist.get_world_size() if dist.is_initialized()
                       else int(os.environ.get("WORLD_SIZE", "1")))
         # the layout's rules first: a run that cannot start writes nothing
