@@ -304,6 +304,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     original = type(self).forward
     head = self.lm_head
     skip_logits = kwargs.pop("skip_logits", None)
+    if skip_logits and labels is None:  # (Liger's check: the logits would be made after all)
+        raise ValueError("fastllm.patch: skip_logits=True needs labels (the loss replaces the "
+                         "logits); without labels the forward returns the logits")
     if skip_logits is None:
         # Liger-Kernel's rule, and only with grad: evaluation (Trainer.evaluate's
         # compute_metrics, return_dict=False's (loss, logits, ...)) needs the logits

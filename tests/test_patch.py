@@ -513,6 +513,8 @@ def test_logits_in_eval_and_under_no_grad(monkeypatch):
         m.train()
     ours, theirs = (m(input_ids=ids, labels=labels, return_dict=False) for m in (model, ref))
     assert len(ours) == len(theirs) and ours[1] is None  # the fused loss: no logits
+    with pytest.raises(ValueError, match="skip_logits=True needs labels"):
+        model(input_ids=ids, skip_logits=True)  # (Liger refuses it too: no silent logits)
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=0)
     assert model(input_ids=ids, labels=labels, skip_logits=False).logits is not None
     said = []  # transformers 5.2x warns (once a process) on reading output.past_key_values
