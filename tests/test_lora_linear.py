@@ -251,6 +251,21 @@ def test_autocast(dtype):
     assert torch.equal(y, lora_linear(*lp[:4], 0.5, lp[4]))  # autocast only casts the inputs
 
 
+def test_autocast_leaves_fp64_alone():
+    """Autocast never casts fp64 (ATen's is_eligible): F.linear keeps fp64 inputs fp64 under
+    bf16 autocast, and so do lora_linear and lora_linear_multi (they cast to bf16)."""
+    from fastllm.ops.lora_linear_multi import lora_linear_multi
+
+    x, w, a, b, bias_t = _inputs((3,), 8, 6, 2, torch.float64, "cpu", bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.nn.functional.linear(x, w).dtype == torch.float64
+        y = lora_linear(x, w, a, b, 0.5, bias_t)
+        ys = lora_linear_multi(x, [w], [a], [b], [0.5], [bias_t])
+    want = lora_linear(x, w, a, b, 0.5, bias_t)
+    assert y.dtype == ys[0].dtype == torch.float64
+    assert torch.equal(y, want) and torch.equal(ys[0], want)
+
+
 def test_multi_under_autocast_and_compiled_with_onednn_routing(monkeypatch):
     """lora_linear_multi casts under autocast before its dtype checks, as lora_linear and
     F.linear do (fp32 x on a bf16 model was refused, crashing a patched model); and it compiles

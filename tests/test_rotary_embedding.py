@@ -89,6 +89,13 @@ def test_hf_layout_and_in_place(backend):
         assert out[0] is qi
         torch.testing.assert_close(qi.transpose(1, 2), want_q, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ki.transpose(1, 2), want_k, rtol=1e-5, atol=1e-6)
+        # the kernels' writes are recorded (as by mul_): a q saved before them is refused by
+        # autograd instead of its rotation being used (cpp and Triton wrote silently)
+        w = torch.ones(d, requires_grad=True)
+        y = (qi * w).sum()
+        rotary_embedding(qi, ki, cos, sin, inplace=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
 
 
 def test_in_place_refuses_autograd():
@@ -171,6 +178,8 @@ def test_bad_input_is_refused(case, error, match):
     with pytest.raises(error, match=match):
         torch.ops.fastllm.rotary_embedding_(q, k, cos, sin, case.get("pos"))
     assert torch.equal(q, q0)
+    with pytest.raises(error, match=match):  # (the backward op is public too: it read past)
+        torch.ops.fastllm.rotary_embedding_backward(q, k, cos, sin, case.get("pos"))
 
 
 def test_opcheck_and_compile():
@@ -189,3 +198,9 @@ def test_opcheck_and_compile():
                                                                                 pos)))
     fn(q, k).backward()
     assert q.grad is not None and k.grad is not None
+    # a learned table takes the reference maths, whose position check reads values: compiled,
+    # it must not guard on them
+    learned = cos.clone().requires_grad_()
+    fn = torch.compile(lambda q, c: rotary_embedding(q, k, c, sin, pos)[0].sum(),
+                       fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(fn(q, learned), rotary_embedding(q, k, learned, sin, pos)[0].sum())

@@ -483,10 +483,10 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
     """
     p = float(dropout_p) if training else 0.0
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x, weight, lora_a, lora_b = (t.to(dtype) for t in (x, weight, lora_a, lora_b))
-        bias = None if bias is None else bias.to(dtype)
+    if _lowp.autocast_enabled(device_type):
+        # (as autocast casts F.linear's: not fp64, integer or other devices' tensors)
+        x, weight, lora_a, lora_b, bias = _lowp.autocast_args(device_type, x, weight, lora_a,
+                                                              lora_b, bias)
         with torch.autocast(device_type, enabled=False):
             return lora_linear(x, weight, lora_a, lora_b, scaling, bias, p, True, seed)
     if seed is None:

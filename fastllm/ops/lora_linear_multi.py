@@ -140,10 +140,8 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
             raise ValueError(f"fastllm.lora_linear_multi: projection {i} has only one of A, B")
     # (before the dtype checks, as F.linear casts before its own: the call checks the cast ones)
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                for t in [x, *weights, *biases, *lora_as, *lora_bs]]
+    if _lowp.autocast_enabled(device_type):
+        cast = _lowp.autocast_args(device_type, x, *weights, *biases, *lora_as, *lora_bs)
         with torch.autocast(device_type, enabled=False):
             return lora_linear_multi(cast[0], cast[1:1 + n], cast[1 + 2 * n:1 + 3 * n],
                                      cast[1 + 3 * n:], scalings, cast[1 + n:1 + 2 * n])

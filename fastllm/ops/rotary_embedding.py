@@ -150,6 +150,8 @@ def _rotary_impl(q, k, cos, sin, position_ids=None):
 def _rotary_backward_impl(grad_q, grad_k, cos, sin, position_ids=None):
     grad_q = grad_q if grad_q.stride(-1) == 1 else grad_q.contiguous()
     grad_k = grad_k if grad_k.stride(-1) == 1 else grad_k.contiguous()
+    # (the op is public through torch.ops: its arguments are checked as the forward's are)
+    check_rotary_embedding_args(grad_q, grad_k, cos, sin, position_ids)
     dq, dk = torch.empty_like(grad_q), torch.empty_like(grad_k)
     _run(grad_q, grad_k, cos, sin, position_ids, dq, dk, True)
     return dq, dk
@@ -159,6 +161,9 @@ def _rotary_inplace_impl(q, k, cos, sin, position_ids=None):
     check_rotary_embedding_args(q, k, cos, sin, position_ids)
     _check_no_overlap(q, k)
     _run(q, k, cos, sin, position_ids, q, k, False)
+    # the kernels write through pointers: record the writes as ATen's in-place ops do, so that
+    # autograd refuses a q or k saved before them instead of using the rotated values
+    torch.autograd.graph.increment_version((q, k))
 
 
 def _check_no_overlap(q, k):
@@ -249,7 +254,9 @@ def rotary_embedding(q, k, cos, sin, position_ids=None, inplace=False):
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         # a learned or trained table: the op gives cos and sin no gradient (HF makes them under
         # no_grad), so this call is the reference maths, which autograd differentiates in full
-        check_rotary_embedding_args(q, k, cos, sin, position_ids)
+        # (the values' check reads position_ids, which a compiled graph cannot guard on)
+        check_rotary_embedding_args(q, k, cos, sin, position_ids,
+                                    values=not torch.compiler.is_compiling())
         return rotary_embedding_ref(q, k, cos, sin, position_ids)
     return _rotary(q, k, cos, sin, position_ids)
 
