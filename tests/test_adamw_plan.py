@@ -313,3 +313,32 @@ def test_amsgrad_turned_on_after_steps_is_refused_clearly_and_changes_nothing():
     assert _same(before, _snapshot(opt, model))
     opt.param_groups[0]["amsgrad"] = False
     opt.step()  # still steps
+
+
+@pytest.mark.parametrize("key,start,new", [("weight_decay", 0.0, 0.5), ("eps", 1e-8, 1.0)])
+def test_tensor_eps_and_weight_decay_changed_in_place_are_seen(key, start, new):
+    """The plan cached a tensor eps or weight_decay's float by the tensor's identity: a
+    schedule's in-place `fill_` was ignored (torch.optim.AdamW reads it every step), and a
+    `fill_` of nan was not refused."""
+    model, ref_model = _model(), _model()
+    opt = fastllm.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    for o in (opt, ref):
+        o.param_groups[0][key] = torch.tensor(start)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        if step == 2:
+            for o in (opt, ref):
+                o.param_groups[0][key].fill_(new)
+        x = torch.randn(4, 7, generator=gen)
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    opt.param_groups[0][key].fill_(float("nan"))
+    before = _snapshot(opt, model)
+    with pytest.raises(ValueError, match="Invalid (epsilon|weight_decay) value"):
+        opt.step()
+    assert _same(before, _snapshot(opt, model))

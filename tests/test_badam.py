@@ -329,3 +329,16 @@ def test_state_dict_hooks_run_as_torch_runs_them():
     assert "tag" in saved  # the pre-hooks edit a copy
     assert log == ["pre", ("load_pre", "post"), ("load_post", 7)]
     assert opt.global_step == 7
+
+
+def test_add_param_group_after_construction_is_refused():
+    """BAdam takes its blocks from the named parameters at construction: a group added later
+    was accepted and its params never trained."""
+    model = _model()
+    opt = BAdam(model.named_parameters(), switch_block_every=1, lr=1e-2)
+    assert len(opt.param_groups) == 1  # (torch's __init__ adds the first group through it)
+    with pytest.raises(RuntimeError, match="BAdam does not support add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "lr": 0.1})
+    assert len(opt.param_groups) == 1
+    _loss(model, 0).backward()
+    opt.step()

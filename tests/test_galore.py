@@ -733,3 +733,76 @@ def test_a_side_change_of_a_square_full_rank_param_is_refused():
     copy = GaLoreAdamW([{"params": [w], "rank": 8, "proj_type": "right"}], lr=1e-2)
     copy.load_state_dict(opt.state_dict())  # the saved group's side comes with its state
     copy.step()
+
+
+@pytest.mark.parametrize("change,key,group", [("resize", "exp_avg", 1), ("bf16", "exp_avg", 1),
+                                              ("fp64", "exp_avg", 0)])
+def test_a_state_that_no_longer_fits_its_param_is_refused_before_anything_moves(change, key,
+                                                                                group):
+    """A param resized or cast (model.to) after its state was made: the plain step's kernel
+    refused it only after the step counts and the projected params had moved."""
+    w, b = nn.Parameter(torch.randn(6, 8)), nn.Parameter(torch.randn(8))
+    opt = GaLoreAdamW([{"params": [w], "rank": 2}, {"params": [b]}], lr=1e-2)
+    w.grad, b.grad = torch.randn(6, 8), torch.randn(8)
+    opt.step()
+    if change == "resize":
+        b.data = torch.zeros(10)
+    elif change == "bf16":
+        b.data = b.data.bfloat16()
+    else:
+        w.data = w.data.double()
+    w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+    before = [p.detach().clone() for p in (w, b)]
+    with pytest.raises(RuntimeError, match=f"GaLoreAdamW: state '{key}' of param 0 of param "
+                                           f"group {group}"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip((w, b), before))
+    assert [float(s["step"]) for s in opt.state.values()] == [1.0, 1.0]
+
+
+def test_plain_moments_loaded_into_bf16_params_take_their_dtype():
+    """A state saved in fp32 and loaded into a bf16 model: torch casts a plain param's moments
+    to bf16, and GaLoreAdamW put them back in fp32 (its next step then failed mid-step);
+    projected params keep their fp32 low-rank state."""
+    w, b = nn.Parameter(torch.randn(6, 8)), nn.Parameter(torch.randn(8))
+    opt = GaLoreAdamW([{"params": [w], "rank": 2}, {"params": [b]}], lr=1e-2)
+    w.grad, b.grad = torch.randn(6, 8), torch.randn(8)
+    opt.step()
+    wb, bb = (nn.Parameter(p.detach().bfloat16()) for p in (w, b))
+    resumed = GaLoreAdamW([{"params": [wb], "rank": 2}, {"params": [bb]}], lr=1e-2)
+    resumed.load_state_dict(opt.state_dict())
+    assert resumed.state[bb]["exp_avg"].dtype == torch.bfloat16
+    assert resumed.state[bb]["exp_avg_sq"].dtype == torch.bfloat16
+    assert resumed.state[wb]["exp_avg"].dtype == torch.float32
+    assert resumed.state[wb]["projector"].dtype == torch.float32
+    wb.grad, bb.grad = w.grad.bfloat16(), b.grad.bfloat16()
+    resumed.step()
+    assert [float(s["step"]) for s in resumed.state.values()] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad"])
+def test_maximize_and_amsgrad_are_refused_before_anything_moves(flag):
+    """GaLoreAdamW ignored them (in a group, or loaded from torch.optim.AdamW's state_dict) and
+    minimised without amsgrad."""
+    w = nn.Parameter(torch.randn(6, 8))
+    with pytest.raises(ValueError, match=f"param group 0 sets {flag}=True"):
+        GaLoreAdamW([{"params": [w], flag: True}])
+    opt = GaLoreAdamW([w], lr=1e-2)
+    with pytest.raises(ValueError, match=f"param group 1 sets {flag}=True"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], flag: True})
+    assert len(opt.param_groups) == 1
+    w.grad = torch.randn(6, 8)
+    opt.step()
+    before, steps = w.detach().clone(), float(opt.state[w]["step"])
+    opt.param_groups[0][flag] = True
+    with pytest.raises(ValueError, match=f"param group 0 sets {flag}=True"):
+        opt.step()
+    assert torch.equal(w, before) and float(opt.state[w]["step"]) == steps
+    opt.param_groups[0][flag] = False
+    ref = torch.optim.AdamW([nn.Parameter(w.detach().clone())], **{flag: True})
+    ref.param_groups[0]["params"][0].grad = torch.randn(6, 8)
+    ref.step()
+    with pytest.raises(ValueError, match=f"load_state_dict: the state_dict's param group 0 "
+                                         f"sets {flag}=True"):
+        opt.load_state_dict(ref.state_dict())
+    assert not opt.param_groups[0][flag] and float(opt.state[w]["step"]) == steps

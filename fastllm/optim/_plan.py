@@ -207,7 +207,7 @@ class Plan:
         # trace id() of the state's defaultdict)
         self.state_id = id(opt.state) if cached else None
         self.options = _options(opt)
-        self.hyper = [None] * len(opt.param_groups)  # per group: (values, their floats)
+        self.hyper = [None] * len(opt.param_groups)  # per group: (values, their floats, re-read)
         self.groups = []
         self.all_grads = []
         self.check_hyper(opt)
@@ -306,20 +306,25 @@ class Plan:
         an LR scheduler's in-place `fill_` reaches a compiled or graph-captured step; its value
         is checked when the tensor is first seen, as torch.optim checks it when it is set, and
         every step when it is a CPU tensor, whose read costs no device synchronisation: a
-        scheduler's in-place `fill_` of nan is refused before the step)."""
+        scheduler's in-place `fill_` of nan is refused before the step). Tensor betas, eps and
+        weight_decay, which the kernels take as floats, are read and checked every step (an
+        in-place `fill_` is seen, as torch.optim.AdamW sees it); a group of plain floats costs
+        one comparison with the cached values."""
         out = []
         for gi, group in enumerate(opt.param_groups):
             lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             key = (lr, *betas, eps, wd)  # (a list edited in place is a new key)
             cached = self.hyper[gi]
-            if (cached is None or any(isinstance(v, torch.Tensor) for v in betas)
+            if (cached is None or cached[2]
                     or (isinstance(lr, torch.Tensor) and lr.device.type == "cpu")
                     or not _same_values(cached[0], key)):
                 check_hyperparameters(f"param group {gi}", lr, betas, eps, wd)
                 values = (lr if isinstance(lr, torch.Tensor) else float(lr),
-                          scalar(betas[0], "beta"), scalar(betas[1], "beta"), float(eps),
-                          float(wd))
-                cached = self.hyper[gi] = (key, values)
+                          scalar(betas[0], "beta"), scalar(betas[1], "beta"),
+                          scalar(eps, "eps"), scalar(wd, "weight_decay"))
+                # (whether a value read here can change in place: a tensor other than lr)
+                reread = any(isinstance(v, torch.Tensor) for v in key[1:])
+                cached = self.hyper[gi] = (key, values, reread)
             out.append(cached[1])
         return out
 

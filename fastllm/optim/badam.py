@@ -230,7 +230,16 @@ class BAdam(torch.optim.Optimizer):
             self._switch()
         return loss
 
-
+    def add_param_group(self, param_group):
+        """torch.optim.Optimizer.__init__ adds the one group of every named parameter through
+        this; any group after that is refused: the blocks, and the params each trains, were
+        taken from the named parameters at construction, so a group's params would never
+        train."""
+        if getattr(self, "param_groups", None):
+            raise RuntimeError("fastllm.optim.BAdam does not support add_param_group: its blocks "
+                               "are taken from the named parameters given at construction; "
+                               "build a new BAdam over all the parameters to train")
+        super().add_param_group(param_group)
 
     def __getstate__(self):
         """All attributes (the inner optimizer, the schedule) but torch's hooks (torch's own

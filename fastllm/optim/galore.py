@@ -58,6 +58,8 @@ from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw_master import adamw_master_step
 from fastllm.ops.galore_adam_step import galore_adam_step, low_rank_adam_update_
 from fastllm.ops.orthogonalize import orthogonalize
+from fastllm.optim._galore_state import (check_loaded, check_step_state, refuse_unsupported,
+                                          restore_loaded, saved_skips)
 from fastllm.optim._hyper import check_hyperparameters, refuse_duplicates
 from fastllm.optim._plan import versions_after_copy, versions_in_sync, written_version
 from fastllm.optim.adamw import held_back
@@ -66,7 +68,6 @@ from fastllm.optim.grad_norm import global_grad_norm
 __all__ = ["GaLoreAdamW", "range_finder"]
 
 _PROJ_TYPES = ("std", "reverse_std", "left", "right")
-_LOW_RANK_KEYS = ("exp_avg", "exp_avg_sq", "projector", "master_param")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _OWNER = "fastllm.optim.GaLoreAdamW"
 _GROUP_KEYS = ("rank", "update_proj_gap", "scale", "proj_type")
@@ -114,6 +115,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
     galore-torch: eps 1e-6, weight_decay 0); correct_bias must stay True (galore-torch's flag);
     power_iters: power iterations per projector refresh; seed: seeds the first projectors;
     max_grad_norm, loss_scaler, master_weights: as fastllm.optim.AdamW (module docstring).
+    torch.optim.AdamW's maximize and amsgrad are not supported: a group (or a loaded
+    state_dict's) that sets either is refused.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
@@ -162,6 +165,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         """torch's add_param_group, with a `rank` group's GaLore keys defaulted and checked
         before the group is added (torch.optim.Optimizer.__init__ calls it for every group)."""
         gi = len(self.param_groups)
+        refuse_unsupported(f"{_OWNER}: param group {gi}", param_group)
         if isinstance(param_group, dict) and "rank" in param_group:
             group = param_group
             group.setdefault("update_proj_gap", 200)
@@ -201,6 +205,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             check_hyperparameters(f"param group {gi}", group["lr"], group["betas"],
                                   group["eps"], group["weight_decay"], _OWNER)
+            refuse_unsupported(f"{_OWNER}: param group {gi}", group)
             if "rank" in group:  # (its keys may have been set since add_param_group)
                 _check_rank_group(gi, group)
             for pi, p in enumerate(group["params"]):
@@ -227,6 +232,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
                             f"{tuple(low.shape)}; its group's rank {group['rank']} and proj_type "
                             f"{group['proj_type']!r} now make {shape}: they cannot change once "
                             f"a param has state (start a new optimizer)")
+                check_step_state(self, group, where, p)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -458,18 +464,20 @@ class GaLoreAdamW(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict):
-        """torch.optim.Optimizer.load_state_dict, keeping the low-rank state and fp32 masters as
-        saved (torch casts every floating state tensor to its param's dtype). Every entry is
-        checked against this optimizer's params first (keys, low-rank and full shapes): a state
-        of another model or optimizer is refused before anything changes. The load-state-dict
-        hooks run where torch runs them (fastllm.optim.AdamW.load_state_dict)."""
+        """torch.optim.Optimizer.load_state_dict, keeping the low-rank state, fp32 masters and
+        their moments as saved (torch casts every floating state tensor to its param's dtype;
+        other params' moments keep that cast, as torch.optim.AdamW's). Every entry is checked
+        against this optimizer's params first (keys, low-rank and full shapes; maximize and
+        amsgrad, which GaLoreAdamW does not do, are refused): a state of another model or
+        optimizer is refused before anything changes. The load-state-dict hooks run where torch
+        runs them (fastllm.optim.AdamW.load_state_dict)."""
         state_dict = state_dict.copy()  # (shallow, as torch's: the pre-hooks may edit it)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._check_state(state_dict)
-        skipped = _saved_skips(state_dict.get("fastllm"))
+        check_loaded(self, state_dict)
+        skipped = saved_skips(state_dict.get("fastllm"))
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         with held_back(self, "_optimizer_load_state_dict_pre_hooks",
                        "_optimizer_load_state_dict_post_hooks") as (_, post_hooks):
@@ -478,73 +486,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         self._sides = {p: self._left(g, p) for g in self.param_groups for p in g["params"]
                        if self._projected(g, p) and "exp_avg" in self.state.get(p, {})}
         self.skipped_steps = skipped
-        params = [(g, p) for g in self.param_groups for p in g["params"]]
-        for pid, (group, p) in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if not saved:
-                continue
-            state = self.state[p]
-            for key in _LOW_RANK_KEYS:
-                if key in saved:
-                    state[key] = saved[key].to(device=p.device, copy=True)
-            if not self._has_master(p) and "master_param" in state:
-                # saved with master weights, loaded without: the param is the weight again and a
-                # plain param's moments take its dtype (fastllm.optim.AdamW converts the same way)
-                del state["master_param"]
-                if not self._projected(group, p):
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        state[key] = state[key].to(p.dtype)
+        restore_loaded(self, state_dict, saved_ids)
         for hook in post_hooks.values():  # (they see the state as restored here, as in torch)
             hook(self)
-
-    def _check_state(self, state_dict):
-        where = "fastllm.optim.GaLoreAdamW.load_state_dict"
-        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
-                and isinstance(state_dict.get("param_groups"), list)):
-            raise ValueError(f"{where}: expected a dict with 'state' and 'param_groups'")
-        groups = state_dict["param_groups"]
-        if [len(g.get("params", ())) for g in groups] != [len(g["params"])
-                                                          for g in self.param_groups]:
-            raise ValueError(f"{where}: the state_dict's param groups have "
-                             f"{[len(g.get('params', ())) for g in groups]} params, this "
-                             f"optimizer's {[len(g['params']) for g in self.param_groups]}")
-        for gi, (saved_group, group) in enumerate(zip(groups, self.param_groups)):
-            if ("rank" in saved_group) != ("rank" in group):
-                raise ValueError(f"{where}: param group {gi} is projected in one of the "
-                                 f"state_dict and this optimizer only")
-            for pi, (pid, p) in enumerate(zip(saved_group["params"], group["params"])):
-                entry = state_dict["state"].get(pid)
-                if not entry:
-                    continue
-                name = f"param {pi} of param group {gi} (shape {tuple(p.shape)})"
-                projected = self._projected(group, p)
-                need = ("step", "exp_avg", "exp_avg_sq") + (("projector",) if projected else ())
-                missing = [k for k in need if not isinstance(entry.get(k), torch.Tensor)]
-                if missing:
-                    raise ValueError(f"{where}: the state of {name} lacks {missing}")
-                full = tuple(local(p).shape)
-                if not projected:
-                    shapes = {"exp_avg": full, "exp_avg_sq": full}
-                else:
-                    rows, cols = p.shape
-                    rank = entry["projector"].shape[-1]
-                    left = self._left(group, p)
-                    shapes = {"projector": (rows if left else cols, rank)}
-                    low = entry["exp_avg"].shape
-                    if not (rank <= min(rows, cols) and (
-                            (left and tuple(low) == (rank, cols))
-                            or (not left and tuple(low) == (full[0], rank)))):
-                        raise ValueError(f"{where}: the low-rank moments of {name} have shape "
-                                         f"{tuple(low)}, which no rank-{rank} "
-                                         f"{'left' if left else 'right'} projection of it has")
-                    shapes["exp_avg_sq"] = tuple(low)
-                if "master_param" in entry:
-                    shapes["master_param"] = full
-                for key, shape in shapes.items():
-                    if tuple(entry[key].shape) != shape:
-                        raise ValueError(f"{where}: state '{key}' of {name} has shape "
-                                         f"{tuple(entry[key].shape)}, expected {shape} (the "
-                                         f"state of another model?)")
 
 
 def _check_rank_group(gi, group):
@@ -582,16 +526,3 @@ def _row_shard(p):
     chunk = -(-rows // p.device_mesh.size())
     offset = min(p.device_mesh.get_local_rank(0) * chunk, rows)
     return offset, p.to_local().shape[0], p.device_mesh.get_group(0)
-
-
-def _saved_skips(extra):
-    """The skip count of a state_dict's 'fastllm' entry (0 without one: saved before it was
-    kept, or by torch's AdamW); ValueError when it is not a count."""
-    if extra is None:
-        return 0
-    skipped = extra.get("skipped_steps", 0) if isinstance(extra, dict) else None
-    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-        raise ValueError(f"fastllm.optim.GaLoreAdamW.load_state_dict: the state_dict's 'fastllm' "
-                         f"entry must be a dict whose skipped_steps is an int >= 0, got "
-                         f"{extra!r}")
-    return skipped
