@@ -140,23 +140,40 @@ def check_lora_config(config):
     if isinstance(targets, str) and targets.lower() == "all-linear":
         raise ValueError(f"{where} target_modules='all-linear', PEFT's shorthand, which it expands "
                          "when it creates an adapter; list the module names instead")
-    if not (isinstance(targets, str) or (isinstance(targets, list)
-                                         and all(isinstance(t, str) for t in targets))):
-        raise ValueError(f"{where} target_modules={targets!r}; need a regex or a list of names")
-    for field in ("use_rslora", "use_dora"):  # bool("false") would switch it on
-        if config.get(field) is not None and not isinstance(config[field], bool):
-            raise ValueError(f"{where} {field}={config[field]!r}; need true or false")
-    if isinstance(targets, str):
-        _check_regex(where, "target_modules", targets, targets)
-    for field in ("rank_pattern", "alpha_pattern"):
-        pattern = config.get(field)
-        if pattern is not None and not isinstance(pattern, dict):
-            raise ValueError(f"{where} {field}={pattern!r}; need an object mapping module-name "
-                             f"regexes to values, as PEFT writes it")
-        for key in pattern or {}:  # (JSON keys are strings) as fastllm.lora._pattern_value uses it
-            _check_regex(where, f"{field} key", key, rf"(.*\.)?({key})$")
+    flags = {field: config[field] for field in ("use_rslora", "use_dora")
+             if config.get(field) is not None}
+    check_lora_settings(where, targets, config.get("rank_pattern"), config.get("alpha_pattern"),
+                        **flags)
     get = {key: config.get(key) for key in _READ}
     return {key: _READ[key] if value is None else value for key, value in get.items()}
+
+
+def check_lora_settings(where, target_modules, rank_pattern=None, alpha_pattern=None, **flags):
+    """Refuse, naming the argument, settings fastllm.lora would misread: target_modules neither
+    a string (compiled here as the regex it is) nor a list/tuple/set of strings; a flag (use_rslora,
+    use_dora) but a bool (bool("false") is True); rank_pattern / alpha_pattern neither None nor a
+    dict whose keys are strings that compile as fastllm.lora._pattern_value uses them. `where`
+    starts each message (e.g. "fastllm.lora.inject_lora:"). The same checks for an
+    adapter_config.json (check_lora_config) and for inject_lora's arguments."""
+    if not (isinstance(target_modules, str) or (
+            isinstance(target_modules, (list, tuple, set, frozenset))
+            and all(isinstance(t, str) for t in target_modules))):
+        raise ValueError(f"{where} target_modules={target_modules!r}; need a regex or a list of "
+                         "names")
+    for field, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} {field}={value!r}; need true or false (a bool)")
+    if isinstance(target_modules, str):
+        _check_regex(where, "target_modules", target_modules, target_modules)
+    for field, pattern in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        if pattern is not None and not isinstance(pattern, dict):
+            raise ValueError(f"{where} {field}={pattern!r}; need an object (a dict) mapping "
+                             "module-name regexes to values, as PEFT writes it")
+        for key in pattern or {}:
+            if not isinstance(key, str):
+                raise ValueError(f"{where} {field} key {key!r}; keys are module-name regexes "
+                                 "(strings)")
+            _check_regex(where, f"{field} key", key, rf"(.*\.)?({key})$")
 
 
 def _check_regex(where, field, value, regex):

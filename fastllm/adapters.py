@@ -36,7 +36,9 @@ def load_adapter(model, path, adapter_dtype=None):
 
 
 def save_adapter(model, path, task_type="CAUSAL_LM"):
-    """Write the model's adapter (prefix, else LoRA/DoRA layers) in PEFT's format."""
+    """Write the model's adapter (prefix, else LoRA/DoRA layers) in PEFT's format. A model
+    carrying both is refused (save_prefix and fastllm.lora.save_adapter refuse it), nothing
+    written: PEFT has no single adapter file holding both."""
     if hasattr(model, "_fastllm_prefix"):
         from fastllm.prefix import save_prefix
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from fastllm.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from fastllm.adapter_files import check_lora_config as _check_supported
+from fastllm.adapter_files import check_lora_settings
 from fastllm.adapter_files import read_config, read_weights  # noqa: F401  (prefix, export)
 from fastllm.ops.lora_linear import lora_linear
 
@@ -43,13 +44,13 @@ class LoRALinear(nn.Module):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"fastllm.lora.LoRALinear wraps nn.Linear, got {type(base).__name__}")
-        check_lora_args("fastllm.lora.LoRALinear", r, alpha, dropout)
+        check_lora_args("fastllm.lora.LoRALinear", r, alpha, dropout, use_rslora)
         check_adapter_dtype("fastllm.lora.LoRALinear", base.weight.dtype, adapter_dtype)
         self.base_layer = base
         self.r = int(r)
         self.alpha = alpha
         self.dropout = float(dropout)
-        self.use_rslora = bool(use_rslora)
+        self.use_rslora = use_rslora
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.merged = False
         w = base.weight
@@ -103,9 +104,10 @@ def check_adapter_dtype(where, base_dtype, adapter_dtype):
                          f"{base_dtype}")
 
 
-def check_lora_args(where, r, alpha, dropout):
+def check_lora_args(where, r, alpha, dropout, use_rslora=False):
     """Refuse a LoRA rank that is not a positive integer, an alpha that is not finite and > 0,
-    a dropout outside [0, 1), naming the value (before any layer is built)."""
+    a dropout outside [0, 1), a use_rslora but a bool, naming the value (before any layer is
+    built)."""
     if (isinstance(r, bool) or not isinstance(r, (int, float))
             or (isinstance(r, float) and not r.is_integer()) or r < 1):
         raise ValueError(f"{where}: r must be an integer >= 1, got {r!r}")
@@ -115,6 +117,8 @@ def check_lora_args(where, r, alpha, dropout):
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
             0.0 <= dropout < 1.0):
         raise ValueError(f"{where}: dropout must be in [0, 1), got {dropout!r}")
+    if not isinstance(use_rslora, bool):  # bool("false") is True: rsLoRA would switch on
+        raise ValueError(f"{where}: use_rslora must be True or False, got {use_rslora!r}")
 
 
 def matches(name, target_modules):
@@ -158,10 +162,12 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     alpha_pattern map a key to its own r / alpha (PEFT's fields of the same names, matched by
     PEFT's rule: the key is a regex for the name's last dotted components, e.g. "q_proj",
     "(q|v)_proj" or "layers.1.self_attn.q_proj"; the first matching key wins).
-    Refused, the model unchanged: a model with LoRA layers (unload() first), targets selecting
-    a module but nn.Linear. layer_cls: the layer to build (default LoRALinear; inject_dora passes
-    DoRALinear). adapter_dtype: None (each base weight's dtype) or torch.float32 on a bf16/fp16
-    model (PEFT's `autocast_adapter_dtype=True`, its default). Returns the model.
+    Refused, the model unchanged: a model with LoRA layers (unload() first) or a fastllm prefix,
+    ill-typed arguments (check_lora_settings: target_modules, use_rslora, the patterns' keys,
+    regexes that do not compile), targets selecting a module but nn.Linear. layer_cls: the layer
+    to build (default LoRALinear; inject_dora passes DoRALinear). adapter_dtype: None (each base
+    weight's dtype) or torch.float32 on a bf16/fp16 model (PEFT's `autocast_adapter_dtype=True`,
+    its default). Returns the model.
     """
     existing = lora_modules(model)
     if existing:
@@ -169,6 +175,9 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
             f"fastllm.lora.inject_lora: LoRA is already injected into this model ({len(existing)} "
             f"LoRALinear layers, e.g. {existing[0][0]!r}); call fastllm.lora.unload(model) or "
             "merge_and_unload(model) before injecting again")
+    _refuse_prefix(model, "fastllm.lora.inject_lora", "Nothing was changed")
+    check_lora_settings("fastllm.lora.inject_lora:", target_modules, rank_pattern, alpha_pattern,
+                        use_rslora=use_rslora)
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
     target_modules, targets = _targets(model, target_modules)
     other = [(n, m) for n, m in targets if not isinstance(m, nn.Linear)]
@@ -196,6 +205,18 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
     model._fastllm_lora_target_modules = (
         target_modules if isinstance(target_modules, str) else None)
     return model
+
+
+def _refuse_prefix(model, where, outcome):
+    """A model with a fastllm prefix (fastllm.prefix.attach_prefix) takes no LoRA layers: PEFT has
+    no one adapter file for both (save_adapter would drop one), and "all-linear" would wrap the
+    prefix encoder's MLP."""
+    if hasattr(model, "_fastllm_prefix"):
+        raise ValueError(
+            f"{where}: the model has a fastllm prefix (fastllm.prefix.attach_prefix); a prefix "
+            "and LoRA/DoRA layers on one model are not supported (PEFT has no single adapter file "
+            f"holding both). {outcome}: fastllm.prefix.remove_prefix(model) first, or use "
+            "another model")
 
 
 def _targets(model, target_modules):
@@ -379,6 +400,7 @@ def save_adapter(model, path, task_type=None):
     layers = lora_modules(model)
     if not layers:
         raise ValueError("fastllm.lora.save_adapter: the model has no LoRALinear layers")
+    _refuse_prefix(model, "fastllm.lora.save_adapter", "Nothing was written")
     config = _adapter_config(model, layers, task_type)  # refused before anything is written
     tensors = peft_tensors(layers)
     write_replacing(path, {
@@ -411,8 +433,9 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
     does. A refused adapter leaves the model unchanged. layer_cls: as inject_lora's (a DoRA
     adapter needs fastllm.dora.load_adapter, which passes DoRALinear); adapter_dtype: as
     inject_lora's, for layers it creates (torch.float32 on a bf16 model: PEFT's default).
-    Returns the model.
+    Returns the model. A model with a fastllm prefix is refused (as by inject_lora).
     """
+    _refuse_prefix(model, "fastllm.lora.load_adapter", "Nothing was changed")
     settings = _check_supported(read_config(path))
     dora = bool(settings["use_dora"])
     if dora != bool(getattr(layer_cls, "is_dora", False)):

@@ -241,9 +241,10 @@ def attach_prefix(model, num_virtual_tokens=16, prefix_projection=False,
     """Add a trainable prefix to a transformers causal LM (model.prefix_encoder), freezing the
     rest. num_virtual_tokens: int >= 1; prefix_projection: bool; encoder_hidden_size: int >= 1
     or None (token_dim). Every argument and the model's attention are checked before the model
-    changes. Returns the model."""
+    changes; a model with fastllm LoRA/DoRA layers is refused. Returns the model."""
     if hasattr(model, "_fastllm_prefix"):
         raise ValueError("fastllm.prefix: the model has a prefix already (remove_prefix first)")
+    _refuse_lora(model, "Nothing was changed")
     num_virtual_tokens = _positive_int("num_virtual_tokens", num_virtual_tokens)
     encoder_hidden_size = _positive_int("encoder_hidden_size", encoder_hidden_size, True)
     if not isinstance(prefix_projection, bool):
@@ -259,6 +260,20 @@ def attach_prefix(model, num_virtual_tokens=16, prefix_projection=False,
     model.prefix_encoder = encoder
     model._fastllm_prefix = model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
     return model
+
+
+def _refuse_lora(model, outcome):
+    """A model with fastllm LoRA/DoRA layers takes no prefix: PEFT has no one adapter file for
+    both (save_adapter would drop one), and freezing the model would freeze the LoRA weights."""
+    from fastllm.lora import lora_modules
+
+    layers = lora_modules(model)
+    if layers:
+        raise ValueError(
+            f"fastllm.prefix: the model has fastllm LoRA/DoRA layers ({len(layers)}, e.g. "
+            f"{layers[0][0]!r}); a prefix and LoRA on one model are not supported (PEFT has no "
+            f"single adapter file holding both). {outcome}: fastllm.lora.unload(model) or "
+            "merge_and_unload(model) first, or use another model")
 
 
 def remove_prefix(model):
@@ -289,11 +304,12 @@ def _peft_config(model):
 def save_prefix(model, path, task_type="CAUSAL_LM"):
     """Write PEFT's PREFIX_TUNING adapter (the computed prefix as 'prompt_embeddings') and, for
     resuming, the encoder's own tensors (RESUME_WEIGHTS); a refused or failed save leaves the
-    adapter already in `path` as it was."""
+    adapter already in `path` as it was. A model with LoRA/DoRA layers too is refused."""
     from safetensors.torch import save_file
 
     from fastllm._files import json_writer, write_replacing
 
+    _refuse_lora(model, "Nothing was written")
     config = dict(_peft_config(model), task_type=task_type)  # refused before anything is written
     with torch.no_grad():
         rows = model.prefix_encoder().detach().cpu().contiguous()

@@ -552,3 +552,23 @@ def test_all_linear_targets_what_peft_targets():
     cfg = TrainConfig.from_args(["model=tiny", "finetune=lora", "lora.target_modules=[all-linear]"])
     trained = apply_finetune(_tiny_llama(), cfg)
     assert sorted(n for n, _ in lora_modules(trained)) == want
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(target_modules=None), "target_modules=None; need a regex or a list of names"),
+    (dict(target_modules=["q_proj", 5]), r"target_modules=\['q_proj', 5\]; need a regex"),
+    (dict(target_modules="(q"), r"target_modules '\(q', which is not a valid regex"),
+    (dict(rank_pattern=["q_proj"]), r"rank_pattern=\['q_proj'\]; need an object"),
+    (dict(rank_pattern={"(q": 2}), r"rank_pattern key '\(q', which is not a valid regex"),
+    (dict(use_rslora="false"), "use_rslora='false'; need true or false"),
+])
+def test_inject_refuses_ill_typed_arguments_by_name(kwargs, says):
+    """Before: a bare TypeError or re.error naming no argument, or use_rslora="false" turning
+    rsLoRA on (and saved as true)."""
+    model = _tiny_llama()
+    with pytest.raises(ValueError, match="fastllm.lora.inject_lora: " + says):
+        inject_lora(model, **{"target_modules": ["q_proj"], **kwargs})
+    assert not lora_modules(model) and all(p.requires_grad for p in model.parameters())
+    if "use_rslora" in kwargs:
+        with pytest.raises(ValueError, match="use_rslora must be True or False, got 'false'"):
+            LoRALinear(nn.Linear(4, 4), use_rslora="false")

@@ -413,3 +413,33 @@ def test_load_refuses_prefix_tensors_of_a_non_float_dtype(tmp_path, name, key, d
         with pytest.raises(ValueError, match=f"{name} holds {key} as {dtype}"):
             load_prefix(model, str(tmp_path))
         assert _same(model, before) and hasattr(model, "prefix_encoder") == had
+
+
+def test_a_prefix_and_lora_on_one_model_are_refused_before_anything_changes(tmp_path):
+    """PEFT has no one adapter file for both. Before: attach_prefix froze the LoRA weights,
+    inject_lora("all-linear") wrapped the prefix encoder's MLP, and fastllm.adapters.save_adapter
+    wrote the prefix alone, dropping the LoRA weights without a word."""
+    from fastllm import adapters, lora
+    from fastllm.dora import inject_dora
+
+    for inject in (lora.inject_lora, inject_dora):
+        model = inject(_model(), target_modules=["q_proj"], r=2)
+        before = _snapshot(model)
+        with pytest.raises(ValueError, match="LoRA/DoRA layers .* not supported"):
+            attach_prefix(model, 2)
+        assert _same(model, before) and not hasattr(model, "_fastllm_prefix")
+        adapters.save_adapter(model, str(tmp_path / inject.__name__))
+    model = attach_prefix(_model(), 2, prefix_projection=True)
+    before = _snapshot(model)
+    for call in (lambda: lora.inject_lora(model, target_modules="all-linear"),
+                 lambda: adapters.load_adapter(model, str(tmp_path / "inject_lora")),
+                 lambda: adapters.load_adapter(model, str(tmp_path / "inject_dora"))):
+        with pytest.raises(ValueError, match="has a fastllm prefix"):
+            call()
+        assert _same(model, before) and not lora.lora_modules(model)
+    attn = model.model.layers[0].self_attn  # both, built past the refusals: nothing is written
+    attn.q_proj = lora.LoRALinear(attn.q_proj, r=2)
+    for save in (adapters.save_adapter, save_prefix, lora.save_adapter):
+        with pytest.raises(ValueError, match="not supported"):
+            save(model, str(tmp_path / "both"))
+        assert not (tmp_path / "both").exists()
