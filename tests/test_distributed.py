@@ -313,6 +313,69 @@ def world2(rank, world, folder):
                 o.step()
                 (m.zero_grad if via_model else o.zero_grad)()
             r["zeroing"][stage, via_model] = m.branch.weight.detach().clone()
+    r.update(fp64_buffers_and_edits(rank, world))
+    return r
+
+
+class _Buffered(nn.Module):  # buffers drawn at random, as a fixed projection or a mask
+    def __init__(self, odd=False):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("proj", torch.randn(4, 3).t())  # not contiguous
+        self.register_buffer("mask", torch.rand(5) > 0.5)
+        self.register_buffer("count", torch.randint(0, 1000, (2,)))
+        self.register_buffer("scratch", torch.randn(4 if odd else 3), persistent=False)
+
+
+def fp64_buffers_and_edits(rank, world):
+    """fp64 training against DDP + torch.optim.AdamW in fp64; buffers broadcast at
+    construction; grads clipped after stage 1 launched their all-reduce."""
+    r = {"fp64": {}}
+    for which in ("ddp", 1, 2):
+        model = Net(torch.float64)
+        if which == "ddp":
+            ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        else:
+            ddp = model
+            opt = DistributedOptimizer(model, torch.optim.AdamW, stage=which, lr=LR,
+                                       weight_decay=0.1, max_grad_norm=0.5, timeout=60,
+                                       bucket_cap_mb=400 * 8 / 2**20)
+        for step in range(3):
+            x, y = batch(step, torch.float64)
+            opt.zero_grad()
+            loss_fn(ddp, local(x, rank, world), local(y, rank, world)).backward()
+            if which == "ddp":
+                model.unused.grad = torch.zeros_like(model.unused)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        if which != "ddp":
+            opt.finish_param_sync()
+        r["fp64"][which] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        r["fp64"][which, "dtype"] = {p.dtype for p in model.parameters()}
+
+    torch.manual_seed(rank)  # each rank draws its own
+    model = _Buffered()
+    DistributedOptimizer(model, lr=LR, timeout=60)
+    r["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+    try:
+        DistributedOptimizer(_Buffered(odd=rank == 1), lr=LR, timeout=60)
+        r["buffer_mismatch"] = None
+    except ValueError as exc:
+        r["buffer_mismatch"] = str(exc)
+
+    # in a 400-element bucket of its own, [gain, fc2, fc1.bias] is reduced during backward
+    model = Net()
+    opt = DistributedOptimizer(model, stage=1, lr=LR, timeout=60, bucket_cap_mb=400 * 4 / 2**20)
+    x, y = batch(0)
+    loss_fn(model, local(x, rank, world), local(y, rank, world)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    try:
+        opt.step()
+        r["stage1_clip"] = None
+    except RuntimeError as exc:
+        r["stage1_clip"] = str(exc)
+    opt.zero_grad()
     return r
 
 
@@ -587,6 +650,35 @@ def test_model_zero_grad_leaves_no_stale_grad_in_the_buckets(runs):
         for stage in (1, 2):
             z = rank_result["zeroing"]
             assert torch.equal(z[stage, True], z[stage, False]), stage
+
+
+def test_fp64_matches_ddp_and_torch_adamw(runs):
+    """fp64 params were accepted at construction, then step() failed in fastllm.scaled_copy."""
+    for rank_result in runs[2]:
+        got = rank_result["fp64"]
+        for stage in (1, 2):
+            assert got[stage, "dtype"] == {torch.float64}
+            for name, want in got["ddp"].items():
+                torch.testing.assert_close(got[stage][name], want, rtol=1e-12, atol=1e-14,
+                                           msg=name)
+
+
+def test_buffers_are_broadcast_from_rank_0_at_construction(runs):
+    """Only the params were broadcast: a buffer drawn at random differed across ranks."""
+    torch.manual_seed(0)
+    want = dict(_Buffered().named_buffers())
+    for rank_result in runs[2]:
+        got = rank_result["buffers"]
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name])
+        assert "scratch" in (rank_result["buffer_mismatch"] or "")
+
+
+def test_stage1_refuses_grads_clipped_after_their_all_reduce_started(runs):
+    """Stage 1 recorded no version at launch: the clip raced with the all-reduce."""
+    for rank_result in runs[2]:
+        assert "max_grad_norm" in (rank_result["stage1_clip"] or ""), rank_result["stage1_clip"]
 
 
 def test_mismatched_models_name_the_parameter(runs):

@@ -233,18 +233,142 @@ def test_bf16_weights_loaded_after_construction_are_what_the_step_updates():
         assert torch.equal(p, torch.full_like(p, 5.0)), name  # (lr 1e-6: below bf16's step)
 
 
-def test_clipping_p_grad_after_backward_is_refused_at_stage_2():
-    """torch.nn.utils.clip_grad_norm_ between backward and step edits p.grad after stage 2 has
-    reduced it into a shard of its own: the update ignored the clipping, silently."""
-    model = _model()
-    opt = DistributedOptimizer(model, stage=2, lr=1.0, bucket_cap_mb=1e-4)
+def _edit_grads(model, edit):
+    if edit == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    elif edit == "replace":
+        for p in model.parameters():
+            p.grad = p.grad.clamp(-1e-3, 1e-3)
+    elif edit == "replace_packed":  # bf16 params: p.grad is None once packed into fp32 buckets
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    else:  # set_to_none: the buckets keep the grads
+        for p in model.parameters():
+            p.grad = None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("edit, dtype, match", [
+    ("clip", torch.float32, r"grads of bucket 0 \(2.bias\) were changed in place.*max_grad_norm"),
+    ("replace", torch.float32, r"grad of 2.bias was replaced.*max_grad_norm"),
+    ("replace_packed", torch.bfloat16, r"grad of 2.bias was replaced.*max_grad_norm")])
+def test_grads_edited_after_their_reduction_are_refused(stage, edit, dtype, match):
+    """torch.nn.utils.clip_grad_norm_ or p.grad = p.grad.clamp(...) between backward and step,
+    once a bucket's reduction was launched from backward: stage 1 took in-place edits only as
+    far as they raced with the all-reduce, and both stages ignored replaced grads, silently.
+    Refused before anything changes; the next step runs as usual."""
+    model = _model().to(dtype)
+    opt = DistributedOptimizer(model, stage=stage, lr=1.0, bucket_cap_mb=1e-4)
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
-    (100 * model(torch.randn(4, 16))).sum().backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    with pytest.raises(RuntimeError, match="max_grad_norm"):
+    (100 * model(torch.randn(4, 16, dtype=dtype))).float().sum().backward()
+    _edit_grads(model, edit)
+    with pytest.raises(RuntimeError, match=match):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    opt.zero_grad()  # and the next step runs as usual
-    model(torch.randn(4, 16)).sum().backward()
+    opt.zero_grad()
+    model(torch.randn(4, 16, dtype=dtype)).float().sum().backward()
     opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("edit", ["clip", "replace", "set_to_none"])
+def test_grads_edited_before_their_reduction_or_set_to_none_are_used(stage, edit):
+    """Edits before the reduction is launched (overlap_grad_reduce=False: launched in step())
+    reach the update; p.grad = None after backward leaves the bucket's grads, not refused. At
+    world 1: equal to torch.optim.AdamW with the same edit (no edit for set_to_none)."""
+    results = []
+    for overlap in (None, edit == "set_to_none", False):
+        model = _model()
+        if overlap is None:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        else:
+            opt = DistributedOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2,
+                                       bucket_cap_mb=1e-4, overlap_grad_reduce=overlap)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 16, generator=g)).square().sum().backward()
+            if overlap is not None or edit != "set_to_none":
+                _edit_grads(model, edit)
+            opt.step()
+        if overlap is not None:
+            opt.finish_param_sync()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_load_state_dict_after_step_waits_for_the_param_gather():
+    """overlap_param_gather: model.load_state_dict() right after step() (restoring a checkpoint,
+    swapping EMA weights in) raced with the all-gather still in flight, which then wrote the
+    step's params over the loaded ones."""
+    model = _model()
+    opt = DistributedOptimizer(model, stage=2, lr=1e-2, bucket_cap_mb=1e-4,
+                               overlap_param_gather=True)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        assert opt._gathers_pending
+        model.load_state_dict(saved)
+        assert not opt._gathers_pending  # the gathers finished before the load
+        with torch.no_grad():
+            model(torch.randn(1, 16))
+        assert _same(model.state_dict(), saved)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("optimizer_class", [None, torch.optim.AdamW])
+def test_fp64_params_train_as_torch_adamw_in_fp64(stage, optimizer_class):
+    """fp64 models were accepted at construction, then step() failed inside fastllm.scaled_copy
+    (fp32/bf16/fp16 only). Now their buckets stay fp64: equal to torch.optim.AdamW in fp64 with
+    clip_grad_norm_ to fp64 rounding, clipping active."""
+    results = []
+    for distributed in (False, True):
+        model = _model().double()
+        if distributed:
+            opt = DistributedOptimizer(model, optimizer_class, stage=stage, lr=1e-2,
+                                       weight_decay=0.1, bucket_cap_mb=1e-4, max_grad_norm=0.05)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 16, generator=g, dtype=torch.float64)).square().sum().backward()
+            if not distributed:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+        if distributed:
+            opt.finish_param_sync()
+            assert opt.grad_norm.dtype == torch.float64
+            torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-13, atol=0)
+        assert norm > 0.05
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e4m3fn])
+def test_unsupported_param_dtypes_are_refused_at_construction(dtype):
+    model = _model()
+    model.extra = torch.nn.Parameter(torch.zeros(3).to(dtype))
+    with pytest.raises(TypeError, match=rf"parameter extra is {dtype}"):
+        DistributedOptimizer(model, lr=1e-2)
+
+
+def test_sharded_state_dict_saved_before_the_first_step_loads_as_no_state():
+    """A step-0 sharded_state_dict() (a DCP checkpoint before training) was refused ("the shards
+    hold no state") while the consolidated state_dict() of the same moment loaded."""
+    fresh = DistributedOptimizer(_model(), stage=2, lr=0.5, bucket_cap_mb=1e-4)
+    saved = fresh.sharded_state_dict()
+    assert saved["state"] == {}
+    _, opt = _trained(3, 2)
+    opt.load_sharded_state_dict([copy.deepcopy(saved)])
+    assert not opt.state and opt.param_groups[0]["lr"] == 0.5
+    assert _same(opt.state_dict()["state"], {})
+    with pytest.raises(ValueError, match="no state"):
+        opt.load_sharded_state_dict([])

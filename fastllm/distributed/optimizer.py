@@ -19,12 +19,14 @@ Layout (Megatron-LM's distributed optimizer, written here for torch.distributed)
     - The optimizer (optimizer_class, default fastllm.optim.AdamW) runs over one flat shard per
       bucket: one fused pass each. For bf16/fp16 params the shard it updates is an fp32 master
       copy and grads are reduced in fp32; the params are rewritten from the masters by
-      fastllm::scaled_copy. Updated shards are all-gathered bucket by bucket, either at once or
-      (overlap_param_gather) waited for by the forward pre-hook of the module that owns them
-      (fastllm/distributed/param_gather.py says exactly which forward reads are current).
+      fastllm::scaled_copy. fp64 params keep fp64 buckets, scaled by plain torch ops (params of
+      other dtypes are refused at construction). Updated shards are all-gathered bucket by
+      bucket, either at once or (overlap_param_gather) waited for by the forward pre-hook of the
+      module that owns them (fastllm/distributed/param_gather.py says exactly which forward
+      reads are current).
 
 Where a grad cannot be a view of its bucket (fp32 reduction of bf16 grads, or a grad that a user
-replaced), it is packed into the bucket by fastllm::scaled_copy when its hook fires.
+replaced before its hook fired), it is packed into the bucket by fastllm::scaled_copy then.
 
 grad_compression (a fastllm.distributed.PowerSGD, the same state the DDP hook takes): from its
 start_iter on, each complete bucket is averaged by PowerSGD.compressed_average_ (the matrices of
@@ -48,13 +50,16 @@ import torch
 import torch.distributed as dist
 
 from fastllm.distributed import failure
+from fastllm.distributed.optimizer_args import (_check_arguments, _check_param_dtypes,
+                                                _galore_options, _galore_param_ids)
 from fastllm.distributed.optimizer_state import _LOW_PRECISION, DistributedOptimizerState
 from fastllm.distributed.param_gather import DistributedParamGather
-from fastllm.distributed.powersgd import PowerSGD
 from fastllm.ops.scaled_copy import scaled_copy
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
 
 __all__ = ["DistributedOptimizer"]
+
+_WHO = "fastllm.distributed.DistributedOptimizer"
 
 # torch 2.13 renamed the flat collectives; older versions only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -62,6 +67,30 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # Every param of a bucket and every rank's shard starts at a multiple of this many elements: 16
 # bytes of bf16/fp16 params, 32 of fp32 ones and of fp32 grads and masters.
 ALIGN = 8
+
+
+def _scaled_copy(dst, src, factor, divisor=None):
+    """dst = src * factor / divisor: fastllm::scaled_copy (one fp32 factor) for its dtypes, and
+    for fp64 buckets plain torch ops in fp64 (factor 1/W is exact for W a power of two)."""
+    if dst.dtype != torch.float64:
+        scaled_copy([dst], [src], factor, divisor)
+        return
+    torch.mul(src.reshape(dst.shape), factor, out=dst)
+    if divisor is not None:
+        dst.div_(divisor.to(device=dst.device, dtype=dst.dtype))
+
+
+def _divisor(scale, coef, dtype):
+    """The loss scale over the clip coefficient as a one-element `dtype` tensor on the CPU
+    (None when neither applies): what a bucket of grads of `dtype` is divided by."""
+    if scale is None and coef is None:
+        return None
+    divisor = torch.ones((), dtype=dtype)
+    if scale is not None:
+        divisor = divisor * scale.to(dtype).cpu()
+    if coef is not None:
+        divisor = divisor / coef.to(dtype).cpu()
+    return divisor
 
 
 class _Bucket:
@@ -99,6 +128,7 @@ class _Bucket:
         self.launched = False
         self.gather_work = None
         self.shard_grad = None  # the reduced (summed) grad of this rank's shard once launched
+        self.launch_version = None  # grad_flat's version when its reduction was launched
 
     def overlaps(self, i):
         """(param index i's element range inside this rank's shard) as (lo, hi) in param
@@ -108,86 +138,6 @@ class _Bucket:
         if a >= b:
             return None
         return a - off, b - off, a - self.lo
-
-
-def _galore_options(optimizer_class, optimizer_kwargs):
-    """GaLore's projection options, taken out of optimizer_kwargs (None unless optimizer_class
-    is GaLoreAdamW): they form the projected group, not the inner optimizer's defaults."""
-    from fastllm.optim.galore import GaLoreAdamW
-
-    if isinstance(optimizer_class, type) and issubclass(optimizer_class, GaLoreAdamW):
-        galore = {k: optimizer_kwargs.pop(k) for k in ("rank", "update_proj_gap", "scale",
-                                                        "proj_type", "galore_params")
-                  if k in optimizer_kwargs}
-        if "rank" not in galore:
-            raise ValueError("fastllm.distributed.DistributedOptimizer: "
-                             "optimizer_class=GaLoreAdamW needs rank=<projection rank>")
-        return galore
-    if "galore_params" in optimizer_kwargs:
-        raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params needs "
-                         f"optimizer_class=fastllm.optim.GaLoreAdamW, got "
-                         f"{getattr(optimizer_class, '__name__', optimizer_class)}")
-    return None
-
-
-def _check_arguments(model, stage, process_group, bucket_cap_mb, grad_compression,
-                     optimizer_kwargs):
-    """Refuse what DistributedOptimizer cannot do, before anything is built."""
-    if grad_compression is not None:
-        if not isinstance(grad_compression, PowerSGD):
-            raise TypeError(f"fastllm.distributed.DistributedOptimizer: grad_compression "
-                            f"must be a fastllm.distributed.PowerSGD, got "
-                            f"{type(grad_compression).__name__}")
-        if optimizer_kwargs.get("loss_scaler") is not None:
-            raise NotImplementedError(
-                "fastllm.distributed.DistributedOptimizer: grad_compression with a "
-                "loss_scaler is not supported (the error feedback would mix loss scales "
-                "and keep inf/nan); use bf16, which needs no loss scaling")
-        mine = process_group if process_group is not None else dist.group.WORLD
-        if grad_compression.group is not mine:
-            raise ValueError("fastllm.distributed.DistributedOptimizer: grad_compression's "
-                             "process_group is not this optimizer's process_group")
-    if stage not in (1, 2):
-        raise ValueError(f"fastllm.distributed.DistributedOptimizer: stage must be 1 or 2, "
-                         f"got {stage!r}")
-    if not (bucket_cap_mb > 0):
-        raise ValueError(f"fastllm.distributed.DistributedOptimizer: bucket_cap_mb must be "
-                         f"> 0, got {bucket_cap_mb}")
-    if not dist.is_initialized():
-        raise RuntimeError("fastllm.distributed.DistributedOptimizer: call "
-                           "torch.distributed.init_process_group first")
-    if optimizer_kwargs.get("master_weights") is False and any(
-            p.dtype in _LOW_PRECISION for p in model.parameters()):
-        raise ValueError("fastllm.distributed.DistributedOptimizer: bf16/fp16 params always "
-                         "get fp32 master weights here; master_weights=False is not supported")
-    for key in ("stochastic_rounding", "kahan_summation"):
-        if optimizer_kwargs.get(key):
-            raise NotImplementedError(f"fastllm.distributed.DistributedOptimizer: {key} is "
-                                      f"not supported (shards keep fp32 master weights)")
-
-
-def _galore_param_ids(galore, named):
-    """ids of the params GaLore projects (galore["galore_params"], default every 2-D param),
-    checked: trainable params of the model, 2-D, fp32."""
-    chosen = galore.pop("galore_params", None)
-    if chosen is None:
-        chosen = [p for _, p in named if p.dim() == 2]
-    chosen = list(chosen)
-    known = {id(p): n for n, p in named}
-    for p in chosen:
-        if id(p) not in known:
-            raise ValueError("fastllm.distributed.DistributedOptimizer: galore_params "
-                             "holds a tensor that is not a trainable parameter of model")
-        if p.dim() != 2:
-            raise ValueError(f"fastllm.distributed.DistributedOptimizer: galore_params: "
-                             f"{known[id(p)]} has shape {tuple(p.shape)}; GaLore "
-                             f"projects 2-D params only")
-        if p.dtype != torch.float32:
-            raise NotImplementedError(
-                f"fastllm.distributed.DistributedOptimizer: galore_params: "
-                f"{known[id(p)]} is {p.dtype}; GaLore under DistributedOptimizer "
-                f"supports fp32 params")
-    return {id(p) for p in chosen}
 
 
 class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
@@ -210,8 +160,10 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             forward never ran (waited for at model's forward start); read before its own
             module runs in the same forward, or in any way outside model's forward (e.g.
             model.parameters() for an EMA or a metric), it may be the previous step's, or half
-            updated, until finish_param_sync() or model.state_dict(). False: step() returns
-            with every param updated.
+            updated, until finish_param_sync() or model.state_dict(); writing them directly
+            (p.data.copy_, swapping EMA weights in) also needs finish_param_sync() first, or the
+            gather lands over what was written (model.load_state_dict() waits itself). False:
+            step() returns with every param updated.
         timeout: seconds or timedelta; a collective that does not finish in time raises
             fastllm.distributed.DistributedFailure naming the rank that failed.
         grad_compression: a fastllm.distributed.PowerSGD (None: exact reduction). Its
@@ -238,12 +190,14 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
     the bucket holds the sum over ranks (stage 1, GaLore-projected params) or still the local
     grads (stage 2), or with grad_compression the approximate average (both stages); read
     `grad_norm` rather than p.grad after step(). Params unused in a step get a zero grad and are
-    still stepped (torch.optim.AdamW skips a None grad). Clip with max_grad_norm (stage 2
-    refuses p.grad edited after backward; bf16 grads are packed, p.grad None). Rank 0's params
-    are broadcast at construction, as by DDP; a bf16 param written through gets its master
-    resynced. After step() the params are being all-gathered: the next
-    forward (overlap_param_gather) or model.state_dict() waits for them; call
-    finish_param_sync() before reading them any other way.
+    still stepped (torch.optim.AdamW skips a None grad). Clip with max_grad_norm: step() refuses
+    (both stages) grads edited in place or replaced (p.grad = ...) after their bucket's
+    reduction was launched in backward (bf16 grads are packed, p.grad None). Rank 0's params and
+    buffers are broadcast at construction, as by DDP (buffers are not re-broadcast at every
+    forward, unlike DDP's default broadcast_buffers=True); a bf16 param written through gets
+    its master resynced. After step() the params are being all-gathered: the next forward
+    (overlap_param_gather), model.state_dict() or model.load_state_dict() waits for them; call
+    finish_param_sync() before reading or writing them any other way.
     """
 
     def __init__(self, model, optimizer_class=None, stage=2, process_group=None,
@@ -274,7 +228,8 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         if not named:
             raise ValueError("fastllm.distributed.DistributedOptimizer: the model has no "
                              "parameters that require grad")
-        self._check_same_model(named)
+        _check_param_dtypes(named)
+        self._check_same_model(named, list(model.named_buffers()))
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         galore_ids = set() if galore is None else _galore_param_ids(galore, named)
@@ -293,9 +248,17 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         self.buckets = self._make_buckets(named, bucket_cap_mb, galore_ids)
         # rank 0's values everywhere, as DDP broadcasts them at construction: ranks seeded
         # differently would each update their own shard of their own model (a splice of both)
+        src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
         for b in self.buckets:
-            dist.broadcast(b.param_flat, src=dist.get_global_rank(
-                self.group or dist.group.WORLD, 0), group=self.group)
+            dist.broadcast(b.param_flat, src=src, group=self.group)
+        # and its buffers, as DDP at construction (not again at every forward, as DDP's
+        # broadcast_buffers=True does): a buffer drawn at random would differ across ranks
+        with torch.no_grad():
+            for buf in model.buffers():
+                flat = buf if buf.is_contiguous() else buf.contiguous()
+                dist.broadcast(flat, src=src, group=self.group)
+                if flat is not buf:
+                    buf.copy_(flat)
         self._where = {}  # id(param) -> (bucket, index in bucket)
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -322,6 +285,14 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         # Reading the params (state_dict) must not race with an all-gather still in flight.
         self._state_dict_hook = model.register_state_dict_pre_hook(
             lambda *args, **kwargs: self.finish_param_sync())
+        # Nor writing them (model.load_state_dict): the gather would land over the loaded values.
+        # (public since torch 2.5; the private form takes the same hook with with_module=True)
+        def sync(*args, **kwargs):
+            self.finish_param_sync()
+
+        register = getattr(model, "register_load_state_dict_pre_hook", None)
+        self._load_state_dict_hook = (register(sync) if register is not None else
+                                      model._register_load_state_dict_pre_hook(sync, True))
         self._register_gather_waits(model)
 
     @property
@@ -333,11 +304,19 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         return ()
 
     # construction ------------------------------------------------------------------------------
-    def _check_same_model(self, named):
+    def _check_same_model(self, named, buffers):
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        mine_buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in buffers]
         everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.group)
-        for r, theirs in enumerate(everyone):
+        dist.all_gather_object(everyone, (mine, mine_buffers), group=self.group)
+        for r, (theirs, theirs_buffers) in enumerate(everyone):
+            if theirs == mine and theirs_buffers != mine_buffers:
+                # (they are broadcast next: differing buffers would fail or hang there)
+                a, b = next(((a, b) for a, b in zip(mine_buffers, theirs_buffers) if a != b),
+                            (f"{len(mine_buffers)} buffers", f"{len(theirs_buffers)} buffers"))
+                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the models' "
+                                 f"buffers differ across ranks: {a} on rank {self.rank}, {b} "
+                                 f"on rank {r}")
             if theirs == mine:
                 continue
             for i, (a, b) in enumerate(zip(mine, theirs)):
@@ -421,8 +400,12 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             b.shard_grad = torch.empty(b.shard_size, dtype=b.grad_flat.dtype,
                                        device=b.grad_flat.device)
             b.work = _reduce_scatter(b.shard_grad, b.grad_flat, group=self.group,
-                                                async_op=True)
-            b.launch_version = b.grad_flat._version  # (edits after this are not reduced)
+                                     async_op=True)
+        # Edits of the grads after this are not reduced, or race with the reduction: taken
+        # after the call, so that whatever the collective itself counts is included (Gloo's
+        # all_reduce and reduce-scatter leave the version as it is; PowerSGD's synchronous
+        # average writes the bucket in place).
+        b.launch_version = b.grad_flat._version
         b.launched = True
 
     @contextlib.contextmanager
@@ -458,7 +441,7 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
     def _pack(self, b, i, p):
         """A grad that is not a view of its bucket (fp32 reduction of a bf16 grad, or a .grad
         someone replaced) is copied in; the bucket view becomes the grad where dtypes allow."""
-        scaled_copy([b.grad_views[i]], [p.grad.detach().contiguous()], 1.0)
+        _scaled_copy(b.grad_views[i], p.grad.detach().contiguous(), 1.0)
         p.grad = b.grad_views[i] if b.views_are_grads else None
 
     # step --------------------------------------------------------------------------------------
@@ -479,8 +462,8 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             with torch.enable_grad():
                 loss = closure()
         self._finish_param_gather()
-        self.finish_grad_sync()
         self._refuse_grads_edited_after_reduction()
+        self.finish_grad_sync()
         self._resync_masters()
         # every bucket of this step was compressed iff the iteration it ran in compresses
         comp = self.grad_compression
@@ -498,8 +481,9 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             # global norm, so clipping and the inf/nan skip are decided identically everywhere.
             try:
                 group = self.group if self.group is not None else dist.group.WORLD
+                # (fp32, fp64 when every shard is: an fp64 model clips as in fp64)
                 norm = global_grad_norm(flat_shards=[b.shard_grad for b in self.buckets],
-                                        flat_group=group).float() * factor
+                                        flat_group=group) * factor
             except RuntimeError as exc:  # a peer failed: say which
                 raise failure.collective_error("grad-norm all-reduce", exc) from exc
             if scale is not None:
@@ -515,23 +499,19 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             if self.max_grad_norm is not None:
                 coef = clip_coefficient(norm, self.max_grad_norm)
         self.step_skipped = False
-        divisor = None
-        if scale is not None or coef is not None:
-            divisor = torch.ones((), dtype=torch.float32)
-            if scale is not None:
-                divisor = divisor * scale.float().cpu()
-            if coef is not None:
-                divisor = divisor / coef.float().cpu()
+        divisors = {dtype: _divisor(scale, coef, dtype)
+                    for dtype in {b.grad_flat.dtype for b in self.buckets}}
         for b in self.buckets:
+            divisor = divisors[b.grad_flat.dtype]
             if b.replicated:
                 # The whole averaged grad, in place: its params' grads are views of it.
-                scaled_copy([b.grad_flat], [b.grad_flat], factor, divisor)
+                _scaled_copy(b.grad_flat, b.grad_flat, factor, divisor)
                 continue
             # The 1/W average, unscale and clip in one pass, into the grad the optimizer reads.
             grad = b.shard_grad
             if grad.dtype != b.shard_param.dtype:
                 grad = torch.empty_like(b.shard_param)
-            scaled_copy([grad], [b.shard_grad], factor, divisor)
+            _scaled_copy(grad, b.shard_grad, factor, divisor)
             b.shard_param.grad = grad
         self.optimizer.step()
         for b in self.buckets:
@@ -565,16 +545,29 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
                     b.shard_param[at:at + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
 
     def _refuse_grads_edited_after_reduction(self):
-        """Stage 2 reduces a bucket into a shard of its own once its grads are complete: an
-        in-place edit of p.grad after that (clip_grad_norm_) would never reach the update."""
+        """A bucket's reduction starts once its grads are complete, during backward: an edit of
+        p.grad after that (clip_grad_norm_, p.grad = p.grad.clamp(...)) would never reach the
+        update (stage 2 reduces into a shard of its own), or race with the all-reduce writing
+        the bucket (stage 1). Refused before step() changes anything."""
         for b in self.buckets:
-            version = getattr(b, "launch_version", None)
-            if version is not None and b.grad_flat._version != version:
+            if not b.launched:
+                continue
+            if b.grad_flat._version != b.launch_version:
                 raise RuntimeError(
-                    "fastllm.distributed.DistributedOptimizer: grads were changed in place after "
-                    "their reduction was launched (torch.nn.utils.clip_grad_norm_ between "
-                    "backward() and step()?), which the update would not see: clip with "
-                    "DistributedOptimizer(max_grad_norm=...) instead")
+                    f"{_WHO}: grads of bucket {b.index} ({', '.join(b.names[:3])}"
+                    f"{', ...' if len(b.names) > 3 else ''}) were changed in place after their "
+                    f"reduction was launched (torch.nn.utils.clip_grad_norm_ "
+                    f"between backward() and step()?), which the update would not see: clip "
+                    f"with DistributedOptimizer(max_grad_norm=...) instead")
+            for p, view, name in zip(b.params, b.grad_views, b.names):
+                if p.grad is None or p.numel() == 0:
+                    continue
+                # (bf16/fp16 params: their grads were packed into the fp32 bucket, p.grad None)
+                if not b.views_are_grads or p.grad.data_ptr() != view.data_ptr():
+                    raise RuntimeError(
+                        f"{_WHO}: the grad of {name} was replaced (p.grad = ...) after its "
+                        f"bucket's reduction was launched in backward(), which the update would "
+                        f"not see: clip with DistributedOptimizer(max_grad_norm=...) instead")
 
     def _reset_buckets(self):
         for b in self.buckets:

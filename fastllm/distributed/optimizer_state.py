@@ -341,7 +341,8 @@ class DistributedOptimizerState:
         them, or their "state" entries merged into one dict); each rank copies the ranges that
         overlap its own slice. No collective. Validates everything first (range keys, every
         range's tensors against its length, steps, that the ranges of each trainable parameter
-        cover it exactly once, the group hyperparameters): a refused load changes nothing."""
+        cover it exactly once, the group hyperparameters): a refused load changes nothing.
+        Shards that all hold no state (saved before the first step) load as no state yet."""
         self._refuse_sharded_galore("load_sharded_state_dict")
         shards = [shards] if isinstance(shards, dict) else list(shards)
         ranges = self._checked_ranges(shards)
@@ -382,6 +383,8 @@ class DistributedOptimizerState:
                             new[key][at + lo - a:at + hi - a].copy_(value[lo - sa:hi - sa])
             if keys or steps:  # (a bucket never stepped has no state to install, on any rank)
                 self._install(b, new, steps)
+            elif not ranges:  # shards saved before the first step: none here either
+                self.optimizer.state.pop(b.shard_param, None)
         for key, value in group.items():
             if key != "params":
                 self.optimizer.param_groups[0][key] = value
@@ -424,9 +427,11 @@ class DistributedOptimizerState:
                                          f"elements, the range {c - a}")
                 step = _check_step(where, st["step"]) if "step" in st else None
                 ranges.setdefault(name, []).append((a, c, st, step))
-        if numel and not ranges:
-            raise ValueError(f"{_WHO}.load_sharded_state_dict: the shards hold no state (an "
-                             f"empty list?)")
+        if not shards:
+            raise ValueError(f"{_WHO}.load_sharded_state_dict: no shards, so no state (an empty "
+                             f"list?)")
+        if not ranges:  # saved before the first step: no state yet, nothing to tile
+            return ranges
         for name, n in numel.items():
             end = 0
             for a, c, _, _ in sorted(ranges.get(name, []), key=lambda r: r[:2]):

@@ -14,6 +14,9 @@ Which forward waits for which bucket, with overlap_param_gather:
 Still stale: a param read before its own module has run in the same forward, by a module that
 was seen to run before, or through a forward that does not start at the root (a submodule
 called directly). Call finish_param_sync() before such reads, or leave overlap_param_gather off.
+Writes too: model.state_dict() and model.load_state_dict() wait for the gathers themselves, but a
+param written directly while its gather is in flight (p.data.copy_, swapping EMA weights in) is
+overwritten by the gather: call finish_param_sync() first.
 """
 
 from fastllm.distributed import failure
@@ -66,8 +69,9 @@ class DistributedParamGather:
             b.gather_work = None
 
     def finish_param_sync(self):
-        """Wait for the params' all-gather after step() (forward and model.state_dict() do this
-        themselves; call it before reading params any other way)."""
+        """Wait for the params' all-gather after step() (forward, model.state_dict() and
+        model.load_state_dict() do this themselves; call it before reading or writing params any
+        other way)."""
         self._finish_param_gather()
 
     def _finish_param_gather(self):
