@@ -128,3 +128,55 @@ def test_a_folder_of_records_and_text_is_refused_naming_one_of_each(tmp_path):
     (cards / "README.md").write_text("# a dataset card\n")
     (cards / "train.jsonl").write_text('{"text": "x"}\n')
     assert data_format(str(cards)) == "jsonl"
+
+
+def test_a_training_folder_holding_another_splits_files_is_refused(tmp_path):
+    """A folder laid out for Hugging Face datasets (train.jsonl beside test.jsonl, sharded
+    data/validation-*.jsonl, my_eval.json, a dev/ folder) had its test and validation records
+    trained on; names are split at datasets' non-word characters (devices.jsonl is no dev
+    split). An eval_path folder may hold them."""
+    from fastllm.train import preflight
+    from fastllm.train.data import load_text
+
+    def folder_of(name, *files):
+        for f in files:
+            (tmp_path / name / f).parent.mkdir(parents=True, exist_ok=True)
+            _write(tmp_path / name / f, [{"text": f}])
+        return str(tmp_path / name)
+
+    for k, other in enumerate(["test.jsonl", "data/validation-00000-of-00001.jsonl",
+                               "my_eval.json", "dev/part.jsonl", "TEST.JSONL"]):
+        folder = folder_of(f"split{k}", "train.jsonl", other)
+        with pytest.raises(ValueError, match=rf"holds files of another split than train "
+                                             rf"\({other}\).*point data.path at the train "
+                                             rf"file\(s\) and data.eval_path at the eval file"):
+            read_records(folder)
+    with pytest.raises(ConfigError, match="another split"):  # before the run
+        preflight.check_chat_data(TrainConfig.from_args([f"data.path={folder}"]))
+    assert len(read_records(folder, train=False)) == 2
+    fine = folder_of("fine", "train-00000-of-00002.jsonl", "devices.jsonl",
+                     "training_interval.json")
+    assert len(read_records(fine)) == 3
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "train.txt").write_text("a")
+    (text / "valid.txt").write_text("b")
+    with pytest.raises(ValueError, match=r"another split than train \(valid.txt\)"):
+        load_text(str(text))
+
+
+@pytest.mark.parametrize("name", ["train.csv", "train.TSV", "train.parquet", "train.jsonl.gz",
+                                  "data.zip"])
+def test_a_table_or_archive_is_refused_unless_format_text_is_given(tmp_path, name):
+    """A .csv (what load_dataset("csv") reads) was trained on as raw text, header and commas."""
+    from fastllm.train import preflight
+    from fastllm.train.sft_records import data_format
+
+    path = tmp_path / name
+    path.write_text('prompt,completion\n"What is 2+2?"," 4"\n')
+    with pytest.raises(ConfigError, match=rf"{name} is a table or archive .*JSON Lines / JSON "
+                                          rf"records .* or give data.format=text"):
+        preflight.check_chat_data(TrainConfig.from_args([f"data.path={path}"]))
+    with pytest.raises(ConfigError, match="table or archive"):
+        data_format(str(path), "jsonl")
+    assert data_format(str(path), "text") == "text"

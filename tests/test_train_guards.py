@@ -1,11 +1,12 @@
 """fastllm train refuses or handles what would otherwise train wrongly: optimizer_in_backward with
 accumulation or a non-finite loss, options that do not apply, HF's max_steps over
-num_train_epochs, overwrite_output_dir (a checkpoint set aside by an interrupted save included),
-a resume with another layout (not a LoRA target_modules reordered), --compare torch with a
-fastllm-only option, the step-0 evaluation redone after a restart and the evaluations of steps a
-rollback discarded; and options that mean what Hugging Face's TrainingArguments of the same name
-mean (gradient_accumulation_steps under pipeline parallel, BAdam's weight decay split) (tiny
-model, one thread, a few steps each)."""
+num_train_epochs, data of fewer rows than a global batch, bad data refused before
+overwrite_output_dir deletes anything, overwrite_output_dir (a checkpoint set aside by an
+interrupted save included), a resume with another layout (not a LoRA target_modules
+reordered), --compare torch with a fastllm-only option, the step-0 evaluation redone after a
+restart and the evaluations of steps a rollback discarded; and options that mean what Hugging
+Face's TrainingArguments of the same name mean (gradient_accumulation_steps under pipeline
+parallel, BAdam's weight decay split) (tiny model, one thread, a few steps each)."""
 
 import json
 import os
@@ -113,6 +114,24 @@ def test_max_steps_overrides_num_train_epochs_as_in_hf():
     assert steps("num_train_epochs=1") == 5
     assert steps("max_steps=7") == 7
     assert steps() == DEFAULT_MAX_STEPS == 300  # README: `make train` runs 300 steps
+
+
+def test_data_of_fewer_rows_than_one_global_batch_is_refused():
+    """Every step takes a global batch of rows: 16 short examples packed into 2 rows at a global
+    batch of 8 trained each row 4 times in one step."""
+    from fastllm.train.sft_data import max_steps
+
+    cfg = TrainConfig.from_args(["num_train_epochs=1", "micro_batch_size=2", "warmup_steps=0",
+                                 "gradient_accumulation_steps=2"])
+    packed = SimpleNamespace(num_sequences=2, spans=[(0, 4)] * 16, packing=True)
+    with pytest.raises(ValueError, match=r"16 examples in 2 rows of data.seq_len=128 tokens "
+                                         r"\(packed\), fewer than the global batch of 8 rows "
+                                         r"\(micro_batch_size=2 x 2 accumulation x 2 data "
+                                         r"parallel\).* at most 2 rows a step"):
+        max_steps(cfg, packed, 8, dp=2)
+    with pytest.raises(ValueError, match="3 windows of data.seq_len=128 tokens, fewer than"):
+        max_steps(cfg, SimpleNamespace(num_sequences=3), 4)
+    assert max_steps(cfg, SimpleNamespace(num_sequences=8), 8, dp=2) == 1
 
 
 def test_optimizer_in_backward_nan_loss_leaves_the_weights_and_checkpoints_finite(cache_dir,
@@ -324,6 +343,37 @@ def test_a_batch_that_does_not_divide_is_refused_before_the_run_folder_is_touche
     with pytest.raises(ConfigError, match=says):  # overwrite_output_dir must not delete it first
         run(cache_dir, out, "max_steps=1", "global_batch_size=6", "overwrite_output_dir=true")
     assert _listing(out) == before
+
+
+def test_bad_data_is_refused_before_the_run_folder_is_touched(cache_dir, tmp_path):
+    """The data is read and tokenised before run_dir.prepare: a refused record (or too few rows
+    for a batch) makes no folder, and overwrite_output_dir=true leaves the previous run as it
+    was (it had deleted it first); a run that starts saves its tokenizer after the clear."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "q", "completion": " a"}\n{"prompt": "q", "completion": 5}\n')
+    says = r"bad\.jsonl line 2: key 'completion' must be a string"
+    fresh = tmp_path / "fresh"
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "caf\xe9", "completion": " a"}\n')
+    for data, why in ((bad, says), (latin, r"latin\.jsonl line 1: not UTF-8")):
+        with pytest.raises(ValueError, match=why):
+            run(cache_dir, str(fresh), "max_steps=1", f"data.path={data}")
+    few = tmp_path / "few.jsonl"
+    few.write_text('{"prompt": "q", "completion": " a"}\n' * 3)
+    with pytest.raises(ValueError, match="fewer than the global batch of 4 rows"):
+        run(cache_dir, str(fresh), "max_steps=1", f"data.path={few}", "data.packing=false")
+    assert not fresh.exists()
+    text = tmp_path / "text.txt"
+    text.write_text("the capital of France is Paris. " * 40)
+    out, bpe = str(tmp_path / "old"), ("data.tokenizer=bpe", "data.vocab_size=300")
+    run(cache_dir, out, "max_steps=1", f"data.path={text}", *bpe)
+    before = _listing(out)
+    assert "tokenizer" in before and "checkpoint-1" in before
+    with pytest.raises(ValueError, match=says):
+        run(cache_dir, out, "max_steps=1", f"data.path={bad}", "overwrite_output_dir=true")
+    assert _listing(out) == before
+    run(cache_dir, out, "max_steps=1", f"data.path={text}", "overwrite_output_dir=true", *bpe)
+    assert os.path.isfile(os.path.join(out, "tokenizer", "tokenizer.json"))
 
 
 @pytest.mark.parametrize("value,says", [("num_attention_heads=3", "not a multiple of the number "

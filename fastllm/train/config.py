@@ -322,7 +322,10 @@ class TrainConfig:
 
     def resolved_max_steps(self, num_sequences, global_batch):
         """max_steps when set (> 0: it overrides num_train_epochs, as HF's does), else the steps
-        num_train_epochs take over num_sequences, else DEFAULT_MAX_STEPS."""
+        num_train_epochs take over num_sequences, else DEFAULT_MAX_STEPS. Every step is a whole
+        global batch: an epoch whose rows do not fill its last step takes the next epoch's
+        first rows there (torch's DistributedSampler pads so); data of fewer rows than one
+        global batch is refused (fastllm.train.sft_data.check_rows)."""
         if self.max_steps > 0:
             return self.max_steps
         if not self.num_train_epochs:

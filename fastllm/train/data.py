@@ -33,13 +33,17 @@ def builtin_corpus():
 
 
 def load_text(path):
-    """Documents from a text file, a folder of .txt/.md files, or (path None) the built-in corpus."""
+    """Documents from a text file, a folder of .txt/.md files (none named for another split than
+    train: sft_records.check_splits), or (path None) the built-in corpus."""
     if path is None:
         return builtin_corpus()
     if os.path.isdir(path):
+        from fastllm.train.sft_records import check_splits
+
         files = files_under(path, (".txt", ".md"))
         if not files:
             raise FileNotFoundError(f"fastllm train: no .txt or .md files under {path}")
+        check_splits(path, files)  # (test.txt beside train.txt: another split, not training text)
     elif os.path.isfile(path):
         files = [path]
     else:

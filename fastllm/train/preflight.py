@@ -144,15 +144,17 @@ def check_chat_data(cfg):
     first record is a chat ('messages', or TRL's 'prompt' and 'completion' message lists) when
     the run's tokenizer has no chat template, naming the file and the line (the message the
     tokenising gives, fastllm.train.sft_data.chat_refusal). Alpaca records need none (without
-    one they take Stanford Alpaca's prompt)."""
+    one they take Stanford Alpaca's prompt). Also refused here (by the readers): a table or
+    archive data.path, and a data.path folder holding another split's files
+    (fastllm.train.sft_records.data_format, check_splits)."""
     from fastllm.train.sft_data import chat_refusal, data_format
     from fastllm.train.sft_records import first_records
 
     data = cfg.data
     if data_format(data.path, data.format) != "jsonl":
         return
-    chats = [where for path in (data.path, data.eval_path) if path
-             for where, kind in first_records(path) if kind in ("chat", "chat_completion")]
+    chats = [where for path, train in ((data.path, True), (data.eval_path, False)) if path
+             for where, kind in first_records(path, train) if kind in ("chat", "chat_completion")]
     if chats and not _has_chat_template(cfg):
         raise ConfigError(chat_refusal(chats[0], tokenizer_folder(cfg) or data.tokenizer))
 

@@ -1,7 +1,8 @@
 """The run folder (output_dir) of one `fastllm train` run: an exclusive lock, and the rules for
 a fresh run into a folder that already holds one.
 
-    lock = run_dir.prepare(cfg, log)   # rank 0, before anything is written
+    run_dir.check(cfg)                 # rank 0, read only: before the data is built
+    lock = run_dir.prepare(cfg, log, tokenizer)   # rank 0, after: before anything is written
     ...
     run_dir.release(lock)
 
@@ -125,12 +126,14 @@ def _refuse_another_run(output_dir, old):
             f"overwrite_output_dir=true to delete it, or pick another output_dir")
 
 
-def prepare(cfg, log=print):
-    """Rank 0 at the start of a run: lock output_dir, refuse (or with overwrite_output_dir
-    clear) another run's checkpoints and metrics when this run starts fresh (auto_resume=false
-    or overwrite_output_dir=true), remove leftovers of interrupted checkpoint writes (after a
-    clear, .tmp-checkpoint-* only: the set-aside checkpoints went with the run). Returns the lock
-    handle for release()."""
+def prepare(cfg, log=print, tokenizer=None):
+    """Rank 0 at the start of a run, once its data is read and tokenised (a refused record leaves
+    output_dir as it was: no folder made, nothing cleared): lock output_dir, refuse (or with
+    overwrite_output_dir clear) another run's checkpoints and metrics when this run starts fresh
+    (auto_resume=false or overwrite_output_dir=true), remove leftovers of interrupted checkpoint
+    writes (after a clear, .tmp-checkpoint-* only: the set-aside checkpoints went with the run),
+    and save tokenizer (a fastllm.train.data.HFTokenizer; byte and None save nothing) to
+    output_dir/tokenizer for fastllm export / generate. Returns the lock handle for release()."""
     handle = lock(cfg.output_dir)
     try:
         # overwrite_output_dir wins over auto_resume (HF's meaning): the trainer starts fresh
@@ -148,6 +151,8 @@ def prepare(cfg, log=print):
                 log(f"fastllm train: overwrite_output_dir=true: removed {len(old)} entries of "
                     f"the previous run in {cfg.output_dir}")
         ckpt.remove_partial(cfg.output_dir)
+        if hasattr(tokenizer, "tok"):
+            tokenizer.tok.save_pretrained(os.path.join(cfg.output_dir, "tokenizer"))
     except BaseException:
         release(handle)
         raise

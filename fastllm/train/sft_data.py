@@ -36,12 +36,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fastllm.train.config_values import ConfigError
 from fastllm.train.sft_records import data_format, read_records, text_pieces
 
 __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", "SFTDataset",
            "split_examples", "build_sft_data", "build_datasets", "Batch", "prepare_step",
            "model_inputs", "max_steps", "text_pieces", "dp_sum", "gather_samples",
-           "render_chat", "chat_refusal", "IGNORE_INDEX", "NO_TEMPLATE_HINT"]
+           "render_chat", "chat_refusal", "check_rows", "IGNORE_INDEX", "NO_TEMPLATE_HINT"]
 
 IGNORE_INDEX = -100
 # what to do when the run's tokenizer has no chat template (byte and bpe have none)
@@ -426,7 +427,7 @@ def build_sft_data(cfg, tokenizer, records=None, log=print):
     is given."""
     data = cfg.data
     records = read_records(data.path) if records is None else records
-    eval_records = read_records(data.eval_path) if data.eval_path else None
+    eval_records = read_records(data.eval_path, train=False) if data.eval_path else None
     path = tokenize_records(records, tokenizer, data.cache_dir, data.train_on_prompt)
     pad = getattr(getattr(tokenizer, "tok", None), "pad_token_id", None)
     pad = tokenizer.eos_token_id if pad is None else pad
@@ -520,8 +521,9 @@ def model_inputs(batch):
 def build_datasets(cfg, model_dir, rank, world, barrier, log=print):
     """(tokenizer, train dataset, eval dataset or None) of cfg.data: JSONL examples (SFTDataset)
     or text (fastllm.train.data.PackedDataset). Rank 0 tokenises (and trains a BPE) first, the
-    other ranks then find the cache; rank 0 saves an HF tokenizer to output_dir/tokenizer (for
-    fastllm export / generate)."""
+    other ranks then find the cache. Nothing is written to output_dir (a record refused here must
+    leave an earlier run there as it was): fastllm.train.run_dir.prepare saves an HF tokenizer
+    to output_dir/tokenizer afterwards."""
     from fastllm.train.data import PackedDataset, build_tokenizer, load_text, tokenize_to_file
 
     data = cfg.data
@@ -542,17 +544,41 @@ def build_datasets(cfg, model_dir, rank, world, barrier, log=print):
         barrier()
     if not sft:
         train = PackedDataset(path, data.seq_len, cfg.seed)
-    if rank == 0 and hasattr(tok, "tok"):
-        tok.tok.save_pretrained(os.path.join(cfg.output_dir, "tokenizer"))
     return tok, train, held
 
 
-def max_steps(cfg, dataset, global_batch):
+def max_steps(cfg, dataset, global_batch, dp=1):
     """cfg.max_steps when set (> 0: it overrides num_train_epochs, as in HF), else the steps
     num_train_epochs take over `dataset`, else config.DEFAULT_MAX_STEPS. A warmup_steps longer
-    than that is warned about (HF's Trainer accepts it too): the peak lr is never reached."""
+    than that is warned about (HF's Trainer accepts it too): the peak lr is never reached. Data
+    of fewer rows than one global batch (of dp data-parallel ranks) is refused (check_rows)."""
+    check_rows(cfg, dataset, global_batch, dp)
     steps = cfg.resolved_max_steps(dataset.num_sequences, global_batch)
     if cfg.warmup_steps > steps:
         warnings.warn(f"fastllm train: warmup_steps={cfg.warmup_steps} is longer than max_steps="
                       f"{steps}: the lr never reaches its peak lr={cfg.lr}", stacklevel=2)
     return steps
+
+
+def check_rows(cfg, dataset, global_batch, dp=1):
+    """Refuse data of fewer rows (packed rows of SFT examples, or text windows) than one global
+    batch: every step takes global_batch rows, so one step would hold the same row more than
+    once. (A step at an epoch's end that takes the next epoch's first rows, when the rows are
+    no multiple of the batch, is torch's DistributedSampler padding, and allowed.)"""
+    rows = dataset.num_sequences
+    if rows >= global_batch:
+        return
+    spans = getattr(dataset, "spans", None)
+    what = (f"{len(spans)} examples in {rows} rows of data.seq_len={cfg.data.seq_len} tokens"
+            f"{' (packed)' if dataset.packing else ''}" if spans is not None else
+            f"{rows} windows of data.seq_len={cfg.data.seq_len} tokens")
+    accum = global_batch // max(1, cfg.micro_batch_size * dp)
+    packed = (f" (or data.packing=false: a row per example, {len(spans)} rows)"
+              if spans is not None and dataset.packing else "")
+    raise ConfigError(f"fastllm train: the data holds {what}, fewer than the global batch of "
+                      f"{global_batch} rows (micro_batch_size={cfg.micro_batch_size} x "
+                      f"{accum} accumulation x {dp} data parallel): every step would train on "
+                      f"the same rows more than once. Lower micro_batch_size, "
+                      f"gradient_accumulation_steps or global_batch_size (or the data-parallel "
+                      f"size) to at most {rows} rows a step, or give more data"
+                      f"{packed}")

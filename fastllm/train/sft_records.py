@@ -1,6 +1,8 @@
 """Supervised fine-tuning examples read from files: JSON Lines (.jsonl: one record a line) or JSON
 (.json: a top-level array of records, or JSON Lines, as datasets.load_dataset("json") reads both);
-a folder's .jsonl and .json files in name order.
+a folder's .jsonl and .json files in name order. A training folder holding files named for
+another split (test.jsonl, data/validation-00000-of-00001.jsonl) is refused, and so are table
+and archive files (.csv, .parquet, .gz, ...) unless data.format=text reads them as text.
 
 A record is one example, in one of these shapes (the names of HF TRL and Alpaca):
 
@@ -28,16 +30,23 @@ the last {"tools": [...], "chat_template_kwargs": {...}} (only the keys it has).
 import codecs
 import json
 import os
+import re
 
 from fastllm._files import files_under
 from fastllm.train.config_values import ConfigError
 
-__all__ = ["Records", "data_format", "decode_utf8", "first_records", "read_records",
-           "template_inputs", "text_pieces"]
+__all__ = ["Records", "check_splits", "data_format", "decode_utf8", "first_records",
+           "read_records", "template_inputs", "text_pieces"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 _EXTENSIONS = (".jsonl", ".json")
 _TEXT = (".txt", ".md")  # a text folder's files (fastllm.train.data.load_text)
+# tables and archives: neither JSON nor text (read as text, a CSV's header and commas were
+# trained on)
+_NOT_TEXT = (".csv", ".tsv", ".parquet", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst")
+# the other splits' keywords of Hugging Face datasets (data_files.py SPLIT_KEYWORDS), a name part
+# between its non-word characters "-._ 0-9" (NON_WORDS_CHARS) or "/"
+_OTHER_SPLITS = {"validation", "valid", "dev", "val", "test", "testing", "eval", "evaluation"}
 # apply_chat_template's own arguments: fastllm sets them, a record's chat_template_kwargs may not
 _RESERVED = ("conversation", "tools", "documents", "add_generation_prompt",
              "continue_final_message", "tokenize", "padding", "truncation", "max_length",
@@ -48,7 +57,15 @@ _RESERVED = ("conversation", "tools", "documents", "add_generation_prompt",
 def data_format(path, fmt="auto"):
     """text or jsonl: `fmt` when given, else from the extension (.jsonl/.json: jsonl); a folder is
     jsonl when it holds .jsonl or .json files, and refused when it also holds text (.txt, .md
-    other than a README.md: a dataset card), of which one kind would be left unread."""
+    other than a README.md: a dataset card), of which one kind would be left unread. A table or
+    archive file (.csv, .parquet, .gz, ...) is refused unless fmt is text."""
+    if (fmt != "text" and path is not None and path.lower().endswith(_NOT_TEXT)
+            and not os.path.isdir(path)):
+        raise ConfigError(f"fastllm train: data.path {path} is a table or archive "
+                          f"({os.path.splitext(path)[1]}): fastllm train reads JSON Lines / JSON "
+                          f"records (.jsonl, .json) or text; convert it (e.g. datasets' "
+                          f"load_dataset(...).to_json('train.jsonl')), or give data.format=text "
+                          f"to train on its raw text")
     if fmt != "auto":
         return fmt
     if path is None:
@@ -75,11 +92,29 @@ def _folder_files(path):
     return files_under(path, _EXTENSIONS)
 
 
-def _files(path):
+def check_splits(folder, files):
+    """Refuse a training folder's `files` named for another split as Hugging Face datasets names
+    them (test.jsonl, data/validation-00000-of-00001.jsonl, my_eval.json, dev/part.txt): read
+    with the rest, they were trained on. A ConfigError listing them."""
+    other = [f for f in files
+             if _OTHER_SPLITS & set(re.split(r"[-._ 0-9/\\]+",
+                                             os.path.relpath(f, folder).lower()))]
+    if other:
+        names = ", ".join(os.path.relpath(f, folder) for f in other[:6])
+        raise ConfigError(f"fastllm train: data folder {folder} holds files of another split than "
+                          f"train ({names}{', ...' if len(other) > 6 else ''}), which would be "
+                          f"trained on: point data.path at the train file(s) and data.eval_path "
+                          f"at the eval file")
+
+
+def _files(path, train=True):
+    """The files of a data path; a folder's (train: refused when some are another split's)."""
     if os.path.isdir(path):
         files = _folder_files(path)
         if not files:
             raise FileNotFoundError(f"fastllm train: no .jsonl or .json files under {path}")
+        if train:
+            check_splits(path, files)
         return files
     if not os.path.isfile(path):
         raise FileNotFoundError(f"fastllm train: data path {path} does not exist")
@@ -288,14 +323,15 @@ def _first_item(f, name):
                 return None
 
 
-def first_records(path):
+def first_records(path, train=True):
     """(where, kind) of the first record of each file of a JSONL data path (a file, or a folder's
     files as read_records reads them), reading each file no further than that record: what a
     check before the run can afford. A file that is missing, empty or whose first record is
-    malformed is left out (read_records refuses it, naming where)."""
+    malformed is left out (read_records refuses it, naming where); a training folder holding
+    another split's files is refused (check_splits)."""
     out = []
     try:
-        names = _files(path)
+        names = _files(path, train)
     except FileNotFoundError:
         return out
     for name in names:
@@ -317,13 +353,14 @@ class Records(list):
         self.wheres = []
 
 
-def read_records(path):
+def read_records(path, train=True):
     """Every example of a .jsonl or .json file (or a folder's .jsonl and .json files, in name
     order), each (kind, fields), as a Records list. A malformed record raises ValueError naming
     the file, the line (JSON Lines) or the record's index from 0 (a JSON array) and the key,
-    before any is tokenised. Blank lines are skipped."""
+    before any is tokenised. Blank lines are skipped. train: the training data, whose folder may
+    hold no other split's files (check_splits); false for data.eval_path."""
     records = Records()
-    for name in _files(path):
+    for name in _files(path, train):
         for where, record in parsed(name):
             record = _check(record, where)
             try:  # "\ud800" is valid JSON but no text: refused here, not by the tokenizer

@@ -107,12 +107,14 @@ class Trainer:
 
     def _build_data(self):
         cfg = self.cfg
+        if self.rank == 0:  # (read only) an output_dir in use or holding another run
+            run_dir.check(cfg)
         model_dir = cfg.model if is_model_dir(cfg.model) else None
         # text or JSONL (SFT) examples; rank 0 tokenizes (and trains a BPE) first
         self.tokenizer, self.dataset, self.eval_dataset = sft_data.build_datasets(
             cfg, model_dir, self.rank, self.world, self._barrier, self.log)
         self.global_batch = cfg.resolved_global_batch(self.layout)
-        cfg.max_steps = sft_data.max_steps(cfg, self.dataset, self.global_batch)
+        cfg.max_steps = sft_data.max_steps(cfg, self.dataset, self.global_batch, self.layout.dp)
         self._dp_sum = sft_data.dp_sum(self.layout, self.device, self.world)
 
     def _build_model(self):
@@ -187,8 +189,7 @@ class Trainer:
         state = ckpt.load_file(os.path.join(path, "trainer_state.pt"))
         checkpoint_layout.check_trainer_state(state, path, self.global_batch, self.device)
         optim_state = checkpoint_layout.convert_moments(
-            ckpt.load_file(os.path.join(path, "optimizer.pt")), cfg, self.optimizer, self.log,
-            path)
+            ckpt.load_file(os.path.join(path, "optimizer.pt")), cfg, self.optimizer, self.log, path)
         model_state = None
         if cfg.finetune in ("lora", "prefix"):
             checkpoint_layout.load_adapter(self.module, os.path.join(path, "adapter"), cfg.backend)
@@ -225,10 +226,10 @@ class Trainer:
 
     def _train(self):
         cfg = self.cfg
+        self._build_data()  # first: a refused record or batch leaves output_dir as it was
         if self.rank == 0:
-            self._run_lock = run_dir.prepare(cfg, self.log)
+            self._run_lock = run_dir.prepare(cfg, self.log, self.tokenizer)
         self._barrier()
-        self._build_data()
         self._build_model()
         torch.manual_seed(cfg.seed * 7919 + self.rank)
         random.seed(cfg.seed + self.rank)
