@@ -170,6 +170,19 @@ def test_fp64_grads_are_fp64_accurate(reduction):
         torch.testing.assert_close(g, r, rtol=1e-13, atol=1e-15)
 
 
+def test_autocast_leaves_fp64_alone():
+    """Autocast never casts fp64 (F.linear and F.cross_entropy stay fp64 under it): the fused
+    loss cast fp64 inputs to bf16 (a 1e-2 error in the loss)."""
+    hidden = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 4, dtype=torch.float64)
+    labels = torch.tensor([0, 3, 4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hidden, weight, labels)
+    want = F.cross_entropy(F.linear(hidden, weight), labels)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, want, rtol=1e-13, atol=0)
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_masked_first_vocabulary_block(backend, device):
     """A bias of -inf over the first 4096 entries (the Triton row pass's whole first block of
@@ -544,6 +557,10 @@ def test_vocab_parallel_loss_with_a_masked_vocabulary(tmp_path):
         y = torch.tensor([0, 1, 2, -100, 3])
         got = vocab_parallel_fused_linear_cross_entropy(h, w, y, 0, 37, bias=b)
         torch.testing.assert_close(got, F.cross_entropy(F.linear(h, w, b), y))
+        # a shard outside the vocabulary gathered other rows' logits (a wrong loss), silently
+        for start, size in ((5, 37), (-4, 37), (0, 7)):
+            with pytest.raises(ValueError, match="not inside the vocabulary"):
+                vocab_parallel_fused_linear_cross_entropy(h, w, y, start, size, bias=b)
     finally:
         if made:
             dist.destroy_process_group()

@@ -476,13 +476,10 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
                                logit_softcap=None):
     """Cross-entropy of `hidden weight^T + bias` against labels without materialising the logits
     (see the module docstring for shapes, dtypes and the maths). Returns the fp32 loss: 0-d for
-    "mean"/"sum", labels' shape for "none". Under autocast hidden, weight and bias are cast to the
-    autocast dtype, as F.linear's are."""
+    "mean"/"sum", labels' shape for "none". Under autocast the inputs are cast as F.linear's."""
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+    if _lowp.autocast_enabled(device_type):  # (fp64 stays fp64, as autocast leaves it)
+        hidden, weight, bias = _lowp.autocast_args(device_type, hidden, weight, bias)
         with torch.autocast(device_type, enabled=False):
             return fused_linear_cross_entropy(hidden, weight, labels, bias, ignore_index,
                                               reduction, label_smoothing, z_loss, logit_softcap)
@@ -595,6 +592,9 @@ def vocab_parallel_fused_linear_cross_entropy(hidden, weight, labels, vocab_star
                                           label_smoothing, z_loss, logit_softcap)
     if reduction == "none":
         raise ValueError(f"{_WHERE}: the vocabulary-parallel form supports 'mean' and 'sum'")
+    if not 0 <= int(vocab_start) <= int(vocab_size) - weight.shape[0]:  # (no collective)
+        raise ValueError(f"{_WHERE}: this rank's rows [{vocab_start}, {vocab_start} + "
+                         f"{weight.shape[0]}) are not inside the vocabulary of {vocab_size}")
     return _VocabParallel.apply(hidden, weight, bias, labels, int(vocab_start), int(vocab_size),
                                 group, int(ignore_index), reduction, float(label_smoothing),
                                 float(z_loss), logit_softcap)
