@@ -143,7 +143,7 @@ def test_packing_and_padding(tmp_path):
     assert b["position_ids"][1].tolist() == list(range(12))
     assert b["labels"][0, 0] == -100 and b["labels"][0, 4] == -100  # each example's first
     assert (b["labels"][0, 1:4] == b["input_ids"][0, 1:4]).all()
-    ds = SFTDataset(path, range(5), seq_len=12, seed=0, packing=False, micro_batch=2)
+    ds = SFTDataset(path, range(5), seq_len=12, seed=0, packing=False)
     b = ds.batch([0, 1])
     lens = [ds._lengths[ds.row(0)], ds._lengths[ds.row(1)]]
     assert lens[0] >= lens[1] and b["input_ids"].shape == (2, lens[0])  # longest first

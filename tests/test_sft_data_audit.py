@@ -122,7 +122,7 @@ def test_targets_stay_inside_their_example_and_a_resume_keeps_the_order(tmp_path
     recs = [("completion", ("q" * (1 + i % 4), "a" * (1 + i % 5))) for i in range(13)]
     recs += [("text", "é" * 9), ("completion", ("p", ""))]  # multi-byte; an empty completion
     path = tokenize_records(recs, ByteTokenizer(), str(tmp_path))
-    ds = SFTDataset(path, range(len(recs)), seq_len=12, seed=1, packing=packing, micro_batch=2)
+    ds = SFTDataset(path, range(len(recs)), seq_len=12, seed=1, packing=packing)
     seen = []
     for samples in ([0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]):
         b = ds.batch(samples)

@@ -2,11 +2,12 @@
 accumulation or a non-finite loss, options that do not apply, HF's max_steps over
 num_train_epochs, data of fewer rows than a global batch, bad data refused before
 overwrite_output_dir deletes anything, overwrite_output_dir (a checkpoint set aside by an
-interrupted save included), a resume with another layout (not a LoRA target_modules
-reordered), --compare torch with a fastllm-only option, the step-0 evaluation redone after a
-restart and the evaluations of steps a rollback discarded; and options that mean what Hugging
-Face's TrainingArguments of the same name mean (gradient_accumulation_steps under pipeline
-parallel, BAdam's weight decay split) (tiny model, one thread, a few steps each)."""
+interrupted save included), a resume with another layout or precision (not a LoRA
+target_modules reordered), a failed summary.json write, --compare torch with a fastllm-only
+option, the step-0 evaluation redone after a restart and the evaluations of steps a rollback
+discarded; and options that mean what Hugging Face's TrainingArguments of the same name mean
+(gradient_accumulation_steps under pipeline parallel, BAdam's weight decay split) (tiny model,
+one thread, a few steps each)."""
 
 import json
 import os
@@ -192,7 +193,11 @@ def test_resume_with_another_layout_names_the_key(cache_dir, tmp_path):
                                             "finetune=lora"),
                         (["model=mini"], "trained with model=tiny, this run has model=mini"),
                         (["optimizer_in_backward=true", "max_grad_norm=0"],
-                         "optimizer_in_backward=False, this run has optimizer_in_backward=True")):
+                         "optimizer_in_backward=False, this run has optimizer_in_backward=True"),
+                        # bf16 weights train through fp32 masters in optimizer.pt, which fp32
+                        # dropped (and fp16's loss scale failed naming no key)
+                        (["precision=bf16"], "trained with precision=fp32, this run has "
+                                             "precision=bf16: .*fp32 master weights")):
         with pytest.raises(ConfigError, match=says):
             run(cache_dir, out, "max_steps=1", *extra)
     said = []
@@ -519,6 +524,20 @@ def test_summary_json_is_json_when_the_losses_are_nan(tmp_path):
     assert "NaN" not in text and "Infinity" not in text
     summary = json.loads(text)
     assert summary["grad"] is None and summary["nested"] == {"x": [None]}
+
+
+def test_a_failed_summary_write_leaves_the_previous_summary(tmp_path):
+    """summary.json was written in place: a write failing midway left it truncated."""
+    from fastllm.train.metrics import FIELDS, write_summary
+
+    record = dict({name: 0.0 for name in FIELDS}, step=1, loss=1.0, skipped=False)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    write_summary(str(tmp_path), "done", 1)
+    before = (tmp_path / "summary.json").read_text()
+    with pytest.raises(TypeError):
+        write_summary(str(tmp_path), "done", 1, bad=object())
+    assert (tmp_path / "summary.json").read_text() == before
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "summary.json"]
 
 
 def test_peak_memory_counts_what_the_step_allocates():

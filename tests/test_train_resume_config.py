@@ -3,8 +3,11 @@ with exponents are whole or refused, list items are trimmed and prompts keep the
 resume applies this run's optimizer hyperparameters (the checkpoint's param groups brought back
 their own) and refuses another GaLore rank before anything is written; a tokenizer folder's
 token cache follows its files, not its path; TensorBoard's events are purged after a resume's or
-a rollback's step, as metrics.jsonl's lines are (tiny model, one thread, a few steps)."""
+a rollback's step, as metrics.jsonl's lines are; the length-grouped order is the same at any
+micro_batch_size; train() leaves the caller's config as given, and config.yaml keeps its
+max_steps (tiny model, one thread, a few steps)."""
 
+import json
 import os
 import random
 import sys
@@ -176,3 +179,42 @@ def test_a_state_that_does_not_fit_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="ckpt: optimizer.pt does not fit"):
         checkpoint_layout.load_state(strategy, None, {"state": 1, "param_groups": [{}, {}]},
                                      "ckpt", print)
+
+
+def test_the_length_grouped_order_is_the_same_at_any_micro_batch_size(tmp_path):
+    """data.packing=false groups rows by length in mega-batches, which were micro_batch_size x 32
+    rows: a resume with another micro_batch_size (same global batch, allowed) indexed another
+    order, so the rest of the epoch repeated some examples and skipped others."""
+    from fastllm.train.data import ByteTokenizer
+    from fastllm.train.sft_data import build_sft_data
+
+    records = [("text", "x" * (1 + (i * 7) % 23)) for i in range(80)]
+    orders = []
+    for micro in (2, 4):
+        cfg = TrainConfig.from_args(["data.packing=false", "data.seq_len=32", "global_batch_size=8",
+                                     f"micro_batch_size={micro}", f"data.cache_dir={tmp_path}"])
+        ds, _ = build_sft_data(cfg, ByteTokenizer(), records, log=lambda text: None)
+        orders.append([ds.row(s) for s in range(2 * ds.num_sequences)])  # two epochs
+    assert orders[0] == orders[1]
+    assert sorted(orders[0][:80]) == list(range(80))
+
+
+def test_train_leaves_the_callers_config_and_records_max_steps_as_given(tmp_path):
+    """train() set the caller's cfg.max_steps to the steps num_train_epochs gave, and config.yaml
+    kept that number: the same config with num_train_epochs=2 still ran one epoch."""
+    data, out = tmp_path / "d.jsonl", str(tmp_path / "run")
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}", "completion": " A"}) + "\n"
+                            for i in range(8)))
+    cfg = TrainConfig.from_args(["model=tiny", "data.seq_len=32", "micro_batch_size=4",
+                                 "global_batch_size=8", "threads=1", "track_memory=false",
+                                 "num_train_epochs=1", "data.packing=false", f"data.path={data}",
+                                 f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"])
+    given = cfg.to_dict()
+    assert Trainer(cfg, log=lambda text: None).train()["steps"] == 1
+    assert cfg.to_dict() == given
+    for folder in (out, os.path.join(out, "checkpoint-1")):
+        with open(os.path.join(folder, "config.yaml")) as f:
+            assert yaml.safe_load(f)["max_steps"] == -1
+    again = TrainConfig.from_args(["num_train_epochs=2"], os.path.join(out, "config.yaml"))
+    s = Trainer(again, log=lambda text: None).train()
+    assert s["steps"] == 2 and s["resumed_from"].endswith("checkpoint-1")

@@ -245,7 +245,12 @@ def load_adapter(module, path, backend):
 # Keys whose change makes a checkpoint's tensors not fit this run's (per finetune mode: the
 # sections that shape its trainable parameters), and keys whose change only moves the data
 # stream (the saved position would index another order or window size).
-_LAYOUT_KEYS = ("model", "model_config", "finetune", "optimizer_in_backward", "data.tokenizer")
+_LAYOUT_KEYS = ("model", "model_config", "finetune", "optimizer_in_backward", "data.tokenizer",
+                "precision")
+# why a change of these keys does not fit (the others: the tensors' shapes)
+_WHY = {"precision": "bf16/fp16 weights are trained through fp32 master weights in optimizer.pt "
+                     "(backend=fastllm) and fp16 through a loss scale, which another precision "
+                     "drops or lacks"}
 # (lora.alpha and lora.dropout: the saved adapter_config.json's, which fastllm's load_adapter
 # requires of the layers it loads into)
 _MODE_KEYS = {"lora": ("lora.target_modules", "lora.r", "lora.layers", "lora.use_dora",
@@ -416,10 +421,10 @@ def check_resume_config(path, cfg, log):
     for key in _LAYOUT_KEYS + vocab + _MODE_KEYS.get(cfg.finetune, ()):
         old, new = _get(saved, key), _get(now, key)
         if not _same(key, old, new):
+            why = _WHY.get(key, "its model and optimizer state do not fit")
             raise ConfigError(f"fastllm train: {path} was trained with {key}={old}, this run has "
-                              f"{key}={new}: its model and optimizer state do not fit; keep "
-                              f"{key}={old} to resume, or start fresh (another output_dir, or "
-                              f"overwrite_output_dir=true)")
+                              f"{key}={new}: {why}; keep {key}={old} to resume, or start fresh "
+                              f"(another output_dir, or overwrite_output_dir=true)")
     for key in _DATA_KEYS:
         old, new = _get(saved, key), _get(now, key)
         if old != new:

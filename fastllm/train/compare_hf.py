@@ -178,7 +178,7 @@ def compare_hf(cfg):
     rows = [("fastllm", mine), ("hf", theirs)]
     print(f"\nfastllm train --compare hf ({cfg.model}, finetune={cfg.finetune}"
           f"{' (DoRA)' if cfg.lora.use_dora and cfg.finetune == 'lora' else ''}, "
-          f"precision={cfg.precision}, {c.max_steps} steps, same data, masking and seed):")
+          f"precision={cfg.precision}, {mine['steps']} steps, same data, masking and seed):")
     print(f"  {'':8} {'tokens/s':>10} {'ms/step':>9} {'peak MiB':>9} {'first loss':>11} "
           f"{'final loss':>11} {'eval loss':>10}")
     for name, s in rows:

@@ -8,6 +8,7 @@ A DTensor counts by its local shard (the mode sees a DTensor op's output, not th
 it); a storage already freed by resizing (FSDP2's unsharded parameters) is not counted.
 """
 
+import resource
 import weakref
 
 import torch
@@ -19,7 +20,17 @@ try:
 except ImportError:  # torch built without distributed
     _DTensor = None
 
-__all__ = ["PeakMemory"]
+__all__ = ["PeakMemory", "step_peak"]
+
+
+def step_peak(device, tracked_peak):
+    """A step's peak_mem_bytes: on CUDA max_memory_allocated since its reset; else the first
+    step's PeakMemory peak (tracked_peak) where one was tracked; else the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if tracked_peak is not None:
+        return tracked_peak
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 class PeakMemory(TorchDispatchMode):

@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+from fastllm._files import write_replacing
+
 __all__ = ["FIELDS", "MetricsWriter", "read_metrics", "summarize", "format_summary",
            "write_summary"]
 
@@ -261,11 +263,15 @@ def write_summary(output_dir, status, step, **run):
     summary = summarize(records)
     summary.update(status=status, output_dir=output_dir, **run,
                    losses=[r["loss"] for r in records])
-    with open(os.path.join(output_dir, "summary.json"), "w") as f:
-        # null for a nan or inf (no loss: every step skipped): NaN is not JSON, and this file is
-        # for other tools (metrics.jsonl keeps NaN, which Python's json reads back)
-        json.dump(_finite_or_none({k: v for k, v in summary.items() if k != "losses"}), f,
-                  indent=1, allow_nan=False)
+    # null for a nan or inf (no loss: every step skipped): NaN is not JSON, and this file is for
+    # other tools (metrics.jsonl keeps NaN, which Python's json reads back)
+    fields = _finite_or_none({k: v for k, v in summary.items() if k != "losses"})
+
+    def write(file):
+        with open(file, "w") as f:
+            json.dump(fields, f, indent=1, allow_nan=False)
+    # replaced whole: a failed write leaves the previous run's summary as it was
+    write_replacing(output_dir, {"summary.json": write})
     print(format_summary(summary, f"fastllm train: {status} at step {step} ({output_dir})"),
           flush=True)
     return summary

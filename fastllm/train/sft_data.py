@@ -309,6 +309,13 @@ def tokenize_records(records, tokenizer, cache_dir, train_on_prompt=False):
     return path
 
 
+# Rows of one length-grouped mega-batch (data.packing=false): a fixed count, so an epoch's order
+# is the same at any micro_batch_size, which a resume may change (to fit memory) while the saved
+# data position indexes that order. HF's LengthGroupedSampler uses 50 batches (of per-device x
+# accumulation rows); 512 is that for batches of about 10 rows.
+MEGA_BATCH = 512
+
+
 def split_examples(n, eval_fraction, seed):
     """(train indices, eval indices) of n examples: a seeded eval_fraction held out (at least one
     when the fraction is > 0, and at least one left to train on)."""
@@ -329,10 +336,11 @@ class SFTDataset:
     (num_sequences, batch(samples)) so fastllm.train.data.Loader serves it.
 
     packing: rows are bins of whole examples (best-fit decreasing, computed once), padded to the
-    longest row of the micro-batch; else one example per row, micro-batches of similar length.
+    longest row of the micro-batch; else one example per row, micro-batches of similar length
+    (length-grouped in mega-batches of MEGA_BATCH rows).
     """
 
-    def __init__(self, path, indices, seq_len, seed, packing=True, micro_batch=1, pad_id=0):
+    def __init__(self, path, indices, seq_len, seed, packing=True, pad_id=0):
         with open(path + ".json") as f:
             meta = json.load(f)
         self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
@@ -344,7 +352,7 @@ class SFTDataset:
             raise ValueError("fastllm train: no examples to train on")
         self.truncated = sum(int(offsets[i + 1] - offsets[i]) > seq_len for i in indices)
         self.seq_len, self.seed, self.packing = seq_len, seed, packing
-        self.micro_batch, self.pad_id = max(1, micro_batch), pad_id
+        self.pad_id = pad_id
         lengths = [e - s for s, e in self.spans]
         self.rows = _pack(lengths, seq_len) if packing else [[i] for i in range(len(lengths))]
         self.num_sequences = len(self.rows)
@@ -357,9 +365,8 @@ class SFTDataset:
         if self.packing:
             return perm
         # length-grouped (HF's LengthGroupedSampler): longest first within each mega-batch
-        mega = self.micro_batch * 32
-        return [i for k in range(0, len(perm), mega)
-                for i in sorted(perm[k:k + mega], key=lambda j: -self._lengths[j])]
+        return [i for k in range(0, len(perm), MEGA_BATCH)
+                for i in sorted(perm[k:k + MEGA_BATCH], key=lambda j: -self._lengths[j])]
 
     def row(self, sample):
         epoch, i = divmod(sample, self.num_sequences)
@@ -431,8 +438,7 @@ def build_sft_data(cfg, tokenizer, records=None, log=print):
     path = tokenize_records(records, tokenizer, data.cache_dir, data.train_on_prompt)
     pad = getattr(getattr(tokenizer, "tok", None), "pad_token_id", None)
     pad = tokenizer.eos_token_id if pad is None else pad
-    kw = dict(seq_len=data.seq_len, seed=cfg.seed, packing=data.packing,
-              micro_batch=cfg.micro_batch_size, pad_id=pad)
+    kw = dict(seq_len=data.seq_len, seed=cfg.seed, packing=data.packing, pad_id=pad)
     if eval_records is not None:
         train = SFTDataset(path, range(len(records)), **kw)
         epath = tokenize_records(eval_records, tokenizer, data.cache_dir, data.train_on_prompt)

@@ -10,10 +10,10 @@ model runs is its strategy's (fastllm.train.strategies); a checkpoint is one pro
 """
 
 import contextlib
+import copy
 import math
 import os
 import random
-import resource
 import sys
 import time
 
@@ -29,7 +29,7 @@ from fastllm.train import (checkpoint_layout, faults, preflight, run_dir, sft_da
 from fastllm.train.config import DEFAULT_MAX_STEPS, TrainConfig
 from fastllm.train.data import Loader
 from fastllm.train.evaluate import Evaluator
-from fastllm.train.memory import PeakMemory
+from fastllm.train.memory import PeakMemory, step_peak
 from fastllm.train.metrics import MetricsWriter, write_summary
 from fastllm.train.signals import StopSignals
 from fastllm.train.model import apply_finetune, build_model, is_model_dir
@@ -52,7 +52,10 @@ def lr_at(cfg, step):
 
 class Trainer:
     def __init__(self, cfg=None, log=None):
-        self.cfg = (cfg or TrainConfig()).validate()
+        # its own copy: train() resolves max_steps in it, the caller's config is left as given,
+        # and config.yaml records given_cfg (max_steps=-1 under num_train_epochs stays -1)
+        self.cfg = copy.deepcopy(cfg or TrainConfig()).validate()
+        self.given_cfg = copy.deepcopy(self.cfg)
         self._log = log
         self._owns_pg = False
         self._poisoned = False
@@ -114,7 +117,8 @@ class Trainer:
         self.tokenizer, self.dataset, self.eval_dataset = sft_data.build_datasets(
             cfg, model_dir, self.rank, self.world, self._barrier, self.log)
         self.global_batch = cfg.resolved_global_batch(self.layout)
-        cfg.max_steps = sft_data.max_steps(cfg, self.dataset, self.global_batch, self.layout.dp)
+        cfg.max_steps = sft_data.max_steps(self.given_cfg, self.dataset, self.global_batch,
+                                           self.layout.dp)
         self._dp_sum = sft_data.dp_sum(self.layout, self.device, self.world)
 
     def _build_model(self):
@@ -170,7 +174,8 @@ class Trainer:
             writers = {
                 "trainer_state.pt": lambda p: ckpt.save_file(state, p),
                 "optimizer.pt": lambda p: ckpt.save_file(optim_state, p),
-                "config.yaml": lambda p: cfg.save(os.path.dirname(p), os.path.basename(p)),
+                "config.yaml": lambda p: self.given_cfg.save(os.path.dirname(p),
+                                                             os.path.basename(p)),
             }
             if cfg.finetune in ("lora", "prefix"):
                 writers["adapter"] = lambda p: checkpoint_layout.save_adapter(self.module, p,
@@ -253,7 +258,7 @@ class Trainer:
                              f"{cfg.max_steps}; raise max_steps or pick another output_dir to "
                              f"train more")
         if self.rank == 0:  # (after the resume checks: a refused resume leaves the old one)
-            cfg.save(cfg.output_dir)
+            self.given_cfg.save(cfg.output_dir)
         # the ranks of one tensor-parallel group, and the stages of one pipeline, read the same
         # batch: the data is split over dp only
         lay, strategy = self.layout, self.strategy
@@ -327,7 +332,7 @@ class Trainer:
                         "fwd_bwd_s": (t_comm - t_fb) - exposed + (0.0 if self.world > 1
                                                                    else t_opt - t_comm),
                         "comm_s": comm, "optim_s": t_end - t_opt,
-                        "peak_mem_bytes": self._peak_memory(tracked_peak),
+                        "peak_mem_bytes": step_peak(self.device, tracked_peak),
                     }
                     if strategy.bubble is not None:
                         # the schedule's idle share (planner.bubble_fraction), taken out of compute
@@ -390,10 +395,3 @@ class Trainer:
                  f"batch {self.global_batch} = {cfg.micro_batch_size} x "
                  f"{self.loader.accumulation} accumulation x {lay.dp} data parallel; "
                  f"{self.n_checkpointed}/{self.n_layers} layers recomputed{strategy.describe()}")
-
-    def _peak_memory(self, tracked_peak):
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        if tracked_peak is not None:
-            return tracked_peak
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
