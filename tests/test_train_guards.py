@@ -350,7 +350,7 @@ def test_a_batch_that_does_not_divide_is_refused_before_the_run_folder_is_touche
     assert _listing(out) == before
 
 
-def test_bad_data_is_refused_before_the_run_folder_is_touched(cache_dir, tmp_path):
+def test_bad_data_is_refused_before_the_run_folder_is_touched(cache_dir, tmp_path, monkeypatch):
     """The data is read and tokenised before run_dir.prepare: a refused record (or too few rows
     for a batch) makes no folder, and overwrite_output_dir=true leaves the previous run as it
     was (it had deleted it first); a run that starts saves its tokenizer after the clear."""
@@ -376,6 +376,16 @@ def test_bad_data_is_refused_before_the_run_folder_is_touched(cache_dir, tmp_pat
     assert "tokenizer" in before and "checkpoint-1" in before
     with pytest.raises(ValueError, match=says):
         run(cache_dir, out, "max_steps=1", f"data.path={bad}", "overwrite_output_dir=true")
+    assert _listing(out) == before
+
+    def refused(*args):  # what a layout the model does not fit raises in strategy.wrap
+        raise ValueError("parallel.tp=2 does not divide num_key_value_heads=1")
+
+    with monkeypatch.context() as m:  # (the model is built before the run folder is cleared)
+        m.setattr("fastllm.train.strategies.make", refused)
+        with pytest.raises(ValueError, match="does not divide"):
+            run(cache_dir, out, "max_steps=1", f"data.path={text}", "overwrite_output_dir=true",
+                *bpe)
     assert _listing(out) == before
     run(cache_dir, out, "max_steps=1", f"data.path={text}", "overwrite_output_dir=true", *bpe)
     assert os.path.isfile(os.path.join(out, "tokenizer", "tokenizer.json"))

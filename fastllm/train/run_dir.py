@@ -127,7 +127,7 @@ def _refuse_another_run(output_dir, old):
 
 
 def prepare(cfg, log=print, tokenizer=None):
-    """Rank 0 at the start of a run, once its data is read and tokenised (a refused record leaves
+    """Rank 0 at the start of a run, once its data and model are built (a refused record leaves
     output_dir as it was: no folder made, nothing cleared): lock output_dir, refuse (or with
     overwrite_output_dir clear) another run's checkpoints and metrics when this run starts fresh
     (auto_resume=false or overwrite_output_dir=true), remove leftovers of interrupted checkpoint

@@ -231,11 +231,12 @@ class Trainer:
 
     def _train(self):
         cfg = self.cfg
-        self._build_data()  # first: a refused record or batch leaves output_dir as it was
+        # first: a refused record, batch, model or layout leaves output_dir as it was
+        self._build_data()
+        self._build_model()
         if self.rank == 0:
             self._run_lock = run_dir.prepare(cfg, self.log, self.tokenizer)
         self._barrier()
-        self._build_model()
         torch.manual_seed(cfg.seed * 7919 + self.rank)
         random.seed(cfg.seed + self.rank)
         self.step, self.position = 0, 0
