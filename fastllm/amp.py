@@ -33,6 +33,7 @@ would need a scale below min_scale raises LossScaleCollapsedError.
 import collections
 import math
 import numbers
+import sys
 
 import torch
 
@@ -190,11 +191,12 @@ class LossScaler:
                                  "pass a flag (a bool or a tensor with at least one element)")
             flag = found_inf.reshape(()) if found_inf.numel() == 1 else found_inf.any()
             found = flag.to(device=device, dtype=torch.bool)
-        elif isinstance(found_inf, numbers.Real):
+        elif isinstance(found_inf, numbers.Real) or _numpy_bool(found_inf):
             found = torch.full((), bool(found_inf), dtype=torch.bool, device=device)
         else:
+            kind = type(found_inf)
             raise TypeError(f"fastllm.amp.LossScaler.update: found_inf must be a bool or a "
-                            f"tensor, got {type(found_inf).__name__}")
+                            f"tensor, got {kind.__module__}.{kind.__qualname__}")
         self._advance(found)
         self.poll()
 
@@ -298,3 +300,10 @@ class LossScaler:
         growth, left, _, _ = self._trackers.tolist()
         return (f"LossScaler(scale={self.get_scale():g}, growth_tracker={growth}, "
                 f"hysteresis_tracker={left}, enabled={self.enabled})")
+
+
+def _numpy_bool(x):
+    """Whether x is numpy's bool (np.isnan's result), which is not a numbers.Real; numpy is not
+    imported for this: such a flag exists only once something imported it."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.bool_)

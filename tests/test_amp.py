@@ -74,7 +74,8 @@ def _policy_run(flags, **policy):
     lambda v: torch.full((1, 1), v, dtype=torch.bool),
     lambda v: torch.tensor([0.0, float(v), 0.0]),  # per-device flags: any one overflowed
     lambda v: torch.full((2, 2), v, dtype=torch.int32),
-], ids=["fp32(1,)", "bool(1,1)", "fp32(3,)-any", "int32(2,2)"])
+    lambda v: __import__("numpy").isnan(float("nan") if v else 0.0),  # a numpy bool
+], ids=["fp32(1,)", "bool(1,1)", "fp32(3,)-any", "int32(2,2)", "numpy-bool"])
 def test_update_takes_a_flag_of_any_shape(make):
     flags = [False, True, True, False, False, False]
     policy = dict(init_scale=64.0, hysteresis=2, growth_interval=2)
@@ -82,6 +83,7 @@ def test_update_takes_a_flag_of_any_shape(make):
     s = LossScaler()
     s.update(make(True))
     assert s.scale_tensor().shape == () and s._trackers.shape == (4,)
+    assert repr(s) != repr(LossScaler())  # (the flag was read: the hysteresis counted it)
 
 
 @pytest.mark.parametrize("flag,error", [(torch.zeros(0), ValueError), ("yes", TypeError),

@@ -8,7 +8,8 @@ from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                     foreach=None, *, pp_group=None):
     """Clip in place by the norm of all gradients of the whole model; returns that norm (fp32;
-    fp64 when a grad is fp64, as torch's, whose clipping is then fp64 too).
+    fp64 when every grad is fp64, as torch's, whose clipping is then fp64 too; a mix of fp64 and
+    other grads gets global_grad_norm's fp32 norm, where torch's would be fp64).
 
     torch.nn.utils.clip_grad_norm_'s arguments, in its order, and `pp_group`. The norm is
     fastllm.optim.global_grad_norm's: DTensor gradients (tensor parallel, FSDP2) count their
