@@ -85,6 +85,36 @@ def test_stage_reads_layer_kinds_before_layers_are_wrapped():
     torch.testing.assert_close(stage(ids), want)
 
 
+@pytest.mark.parametrize("kind", ["granite", "gemma", "llama_subclass"])
+def test_pipeline_stage_refuses_a_forward_it_does_not_reproduce(kind):
+    """Granite multiplies its embeddings and divides its logits, Gemma scales its embeddings, a
+    subclass may compute more: Llama's forward on their stages trained to other losses, with
+    no error. Refused by model type before the model is cut; the families it runs pass."""
+    from fastllm.parallel.pipeline import build_pipeline_stage, check_pipeline_model
+
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    if kind == "granite":
+        model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+            **shape, embedding_multiplier=12.0, logits_scaling=8.0))
+    elif kind == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape, head_dim=8))
+    else:
+        class Scaled(transformers.LlamaForCausalLM):
+            def forward(self, *args, **kwargs):
+                return super().forward(*args, **kwargs) * 2
+
+        model = Scaled(transformers.LlamaConfig(**shape))
+    layers = model.model.layers
+    name = {"granite": "'granite'", "gemma": "'gemma'", "llama_subclass": "'llama', a forward"}
+    with pytest.raises(ValueError, match=f"pipeline parallel .* {type(model).__name__} "
+                                         f"\\(model_type {name[kind]}"):
+        build_pipeline_stage(model, 0, 2)
+    assert model.model.layers is layers
+    for family in ("llama", "mistral", "qwen2", "qwen3"):
+        check_pipeline_model(_model(_config(family, layers=1)))
+
+
 def test_full_attention_under_sdpa_builds_no_mask():
     """Llama (no window) and sequences within the window keep SDPA's own causal flag: no
     (seq x seq) mask is materialised."""

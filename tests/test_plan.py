@@ -4,6 +4,7 @@ count against what autograd really saves, and the `fastllm plan` command."""
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -97,6 +98,31 @@ def test_pipeline_memory_by_hand():
     assert ours["backward_workspace"] == 64 * 128 * 4  # an MLP matrix beats the 100 x 64 head
     one = estimate(m, Layout(micro_batch=8), 32, 8, CPU, runtime=FASTLLM)["memory"]
     assert one["backward_workspace"] == 0  # one micro-batch: nothing accumulates
+
+
+def test_plan_keeps_fastllm_rules_on_the_vocabulary():
+    """`fastllm plan` priced pipelines of a tied model (fastllm train refuses them) and split a
+    tied or undivided embedding, head and logits over tp (fastllm keeps them whole on every tp
+    rank, ParallelLayout.vocab_parallel): it recommended layouts that could not run or fit.
+    estimate() without the rules prices Megatron-LM's layouts as before."""
+    tied, gpu, seq = MODELS["qwen3-0.6b"], GPUS["A100"], 256
+    assert all(r["layout"].pp == 1 for r in plan(tied, seq, 16, gpu, 16)[1])
+    with pytest.raises(ValueError, match=r"parallel.pp=2 needs untied embeddings"):
+        check_layout(tied, Layout(dp=8, pp=2), seq, 16, fastllm_rules=True)
+    check_layout(tied, Layout(dp=8, pp=2), seq, 16)
+    for m in (tied, ModelSpec("odd", 2, 4096, 32, 32, 11008, 32001)):  # tp2 divides no 32001
+        ours, megatron = (estimate(m, Layout(tp=2), seq, 1, gpu, fastllm_rules=r)["memory"]
+                          for r in (True, False))
+        half = (m.embedding_params() + m.head_params()) / 2
+        assert ours["weights"] - megatron["weights"] == pytest.approx(2 * half)
+        logits = seq * m.vocab * (2 + 4 + 4)  # bf16 logits, their fp32 copy, log-softmax
+        assert ours["activations"] - megatron["activations"] == pytest.approx(logits / 2)
+    # untied and divided: split as before, but a pipeline's last stage gathers the logits whole
+    ours, megatron = (estimate(ModelSpec("t", 4, 64, 4, 2, 128, 4096), Layout(tp=2, pp=2), 32,
+                               4, CPU, fastllm_rules=r)["memory"]  # (the last stage peaks)
+                      for r in (True, False))
+    assert ours["weights"] == megatron["weights"]
+    assert ours["activations"] - megatron["activations"] == 32 * 4096 * (4 + 4) / 2
 
 
 def test_pipeline_memory_prices_the_middle_stage():
@@ -367,6 +393,18 @@ def test_plan_cli_refuses_bad_arguments_and_files(tmp_path):
         gpu.write_text(json.dumps(data))
         with pytest.raises(SystemExit, match=says):
             main(base + ["--gpu", str(gpu)])
+    # a negative wait priced negative step times; 2.7 bytes ran as 2; true GB as 1
+    spec = dict.fromkeys(("memory_gb", "peak_tflops", "hbm_gbps", "intra_node_gbps",
+                          "inter_node_gbps"), 50)
+    entry = r"sync_costs entries must be \[group size \(an integer >= 1\), seconds"
+    for extra, says in (({"sync_costs": [[2, -1.0]]}, entry + r".*got \[2, -1.0\]"),
+                        ({"sync_costs": [[2.5, 1]]}, entry), ({"sync_costs": [[0, 0]]}, entry),
+                        ({"sync_costs": [[True, 1]]}, entry), ({"sync_costs": 3}, "sync_cost"),
+                        ({"dtype_bytes": 2.7}, "dtype_bytes must be an integer .*got 2.7"),
+                        ({"memory_gb": True}, "memory_gb must be a number, got True")):
+        gpu.write_text(json.dumps({**spec, **extra}))
+        with pytest.raises(SystemExit, match=re.escape(f"--gpu {gpu}: ") + says):
+            main(base + ["--gpu", str(gpu)])
     gpu.write_text("{not json")
     with pytest.raises(SystemExit, match="cannot read it as JSON"):
         main(base + ["--gpu", str(gpu)])
@@ -378,6 +416,12 @@ def test_plan_cli_refuses_bad_arguments_and_files(tmp_path):
                          "vocab_size": 100}, "do not divide")):
         model.write_text(json.dumps(data))
         with pytest.raises(SystemExit, match=says):
+            main(["plan", "--model", str(model)] + base[3:])
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 1}
+    for key, value in (("num_hidden_layers", True), ("num_hidden_layers", 2.5), ("head_dim", 8.0)):
+        model.write_text(json.dumps({**shape, key: value}))
+        with pytest.raises(SystemExit, match=re.escape(f"--model {model}: {key} must be an "
+                                                       f"integer, got {value!r}")):
             main(["plan", "--model", str(model)] + base[3:])
 
 

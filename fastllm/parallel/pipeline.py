@@ -20,11 +20,19 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from fastllm import _hf
 from fastllm.parallel import _torch_support
 from fastllm.parallel.layout import bubble_fraction, check_micro_batches
 from fastllm.parallel.loss import vocab_parallel_cross_entropy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+# config.model_type of the causal LMs whose forward a LlamaStage reproduces: embed_tokens, the
+# decoder layers, norm, lm_head and nothing else (checked in transformers 5.25's modeling_*.py;
+# none of their configs has a field that scales the embeddings or the logits). Others compute
+# more: Granite multiplies the embeddings and divides the logits, Gemma scales the embeddings
+# by sqrt(hidden) and soft-caps the logits.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def split_layers(layer_costs, num_stages, first_cost=0.0, last_cost=0.0):
@@ -161,6 +169,24 @@ class LlamaStage(nn.Module):
         return h
 
 
+def check_pipeline_model(model):
+    """Raise ValueError naming the model type unless `model` is one of MODEL_TYPES' causal LMs
+    running transformers' own forward (a subclass's forward may compute more), whose maths a
+    LlamaStage reproduces: another model's stages would train to other losses, silently."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    inner = getattr(model, "model", None)
+    if (kind in MODEL_TYPES and _hf.stock_forward(model, MODEL_TYPES)
+            and inner is not None and _hf.stock_forward(inner, MODEL_TYPES)):
+        return
+    why = (f"{type(model).__name__} (model_type {kind!r})" if kind not in MODEL_TYPES else
+           f"{type(model).__name__} (model_type {kind!r}, a forward of its own)")
+    raise ValueError(f"pipeline parallel runs the forward of {', '.join(MODEL_TYPES)} causal "
+                     f"LMs (embedding, decoder layers, final norm, head), not of {why}: its "
+                     f"stages would compute other logits (e.g. an embedding or logit scaling "
+                     f"left out); train it with parallel.pp=1")
+
+
 def merge_stages(stages):
     """One module holding the parameters of several LlamaStages of a rank (interleaved
     schedules), under the full model's names: for optimizers and DCP state dicts."""
@@ -191,6 +217,7 @@ def build_pipeline_stage(model, stage_index, num_stages, group=None, device="cpu
     group: the pipeline process group (mesh["pp"].get_group()).
     """
     _torch_support.require("pipeline parallel", torch.device(device).type)
+    check_pipeline_model(model)
     if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1:
         raise ValueError("pipeline parallel needs untied embeddings (tie_word_embeddings=False): "
                          "the embedding and the head live on different stages")
@@ -302,6 +329,7 @@ def build_pipeline(model, mesh, n_microbatches, schedule="1f1b", loss_fn=pipelin
         raise ValueError(f"the interleaved schedule at parallel.pp={pp} runs {pp * chunks} "
                          f"stages of at least one layer each; the model has "
                          f"num_hidden_layers={layers} (use 1f1b or gpipe)")
+    check_pipeline_model(model)  # (before a copy is made for the interleaved schedule)
     modules, stages = [], []
     for c in range(chunks):
         source = copy.deepcopy(model) if c < chunks - 1 else model

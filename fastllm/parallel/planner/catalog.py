@@ -3,9 +3,19 @@ accelerators (GPUSpec, GPUS, a user's JSON)."""
 
 import dataclasses
 import json
+import math
 import os
 
 GiB = 1024**3
+
+
+def _is_int(value):
+    # bool is an int to Python, but "num_hidden_layers": true is a slip, not a size
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # --- model shapes ---------------------------------------------------------------------------
@@ -119,10 +129,16 @@ def model_from_hf_config(path_or_dict, name=None):
     def get(*keys, default=None):
         for k in keys:
             if k in cfg:
-                return cfg[k]
+                return integer(k)
         if default is None:
             raise ValueError(f"config has none of {keys}: cannot size the model")
         return default
+
+    def integer(key):
+        # (not truncated: 2.5 layers is a broken file, true is not 1)
+        if cfg[key] is not None and not _is_int(cfg[key]):
+            raise ValueError(f"{key} must be an integer, got {cfg[key]!r}")
+        return cfg[key]
 
     hidden = get("hidden_size", "n_embd", "d_model")
     heads = get("num_attention_heads", "n_head")
@@ -137,7 +153,7 @@ def model_from_hf_config(path_or_dict, name=None):
         name=name or cfg.get("model_type", "model"),
         # Qwen3 sets head_dim apart from hidden / heads; Llama writes it (equal), Qwen2 omits it
         # (0: hidden // heads)
-        head_dim=cfg.get("head_dim") or 0,
+        head_dim=("head_dim" in cfg and integer("head_dim")) or 0,
         qk_norm=kind == "qwen3",
         qkv_bias=attention_bias or kind == "qwen2",
         o_bias=attention_bias,
@@ -145,7 +161,8 @@ def model_from_hf_config(path_or_dict, name=None):
         layers=get("num_hidden_layers", "n_layer"),
         hidden=hidden,
         heads=heads,
-        kv_heads=heads if cfg.get("num_key_value_heads") is None else cfg["num_key_value_heads"],
+        kv_heads=(heads if cfg.get("num_key_value_heads") is None
+                  else integer("num_key_value_heads")),
         ffn=get("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden,
         vocab=get("vocab_size"),
         gated_mlp=gated,
@@ -200,27 +217,54 @@ _GPU_KEYS = ("name", "memory_gb", "peak_tflops", "hbm_gbps", "intra_node_gbps",
              "dtype_bytes", "latency", "op_overhead", "dtensor_overhead", "sync_costs", "cores")
 
 
+def _sync_costs(costs):
+    """sync_costs checked: [[group size (an int >= 1), seconds (finite, >= 0)], ...]."""
+    if not isinstance(costs, (list, tuple)):
+        raise ValueError(f"sync_costs must be a list of [group size, seconds] pairs, got "
+                         f"{costs!r}")
+    for pair in costs:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and _is_int(pair[0])
+                and pair[0] >= 1 and _is_number(pair[1]) and math.isfinite(pair[1])
+                and pair[1] >= 0):
+            raise ValueError(f"sync_costs entries must be [group size (an integer >= 1), "
+                             f"seconds (a finite number >= 0)], got {pair!r}")
+    return tuple((n, float(t)) for n, t in costs)
+
+
 def gpu_from_dict(d):
     """A user-defined GPU: keys of GPUSpec; memory in GB, peak_tflops, bandwidths in GB/s,
     latency and overheads in seconds, sync_costs [[group size, seconds], ...]. An unknown key
-    is refused (a typo was a silently ignored setting)."""
+    is refused (a typo was a silently ignored setting), and so is a value that is not a
+    number (true, "80"), a dtype_bytes that is not an integer (not truncated) and a bad
+    sync_costs entry; `fastllm plan` checks the ranges."""
     unknown = sorted(k for k in d if k not in _GPU_KEYS)
     if unknown:
         raise ValueError(f"unknown GPU keys {unknown}; known: {', '.join(_GPU_KEYS)}")
+
+    def num(key, default=None):
+        value = d[key] if default is None else d.get(key, default)
+        if not _is_number(value):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+
+    dtype_bytes = d.get("dtype_bytes", 2)
+    if not _is_int(dtype_bytes):
+        raise ValueError(f"dtype_bytes must be an integer (bytes per element), got "
+                         f"{dtype_bytes!r}")
     return GPUSpec(
         name=d.get("name", "custom"),
-        memory=float(d["memory_gb"]) * 1e9,
-        peak_flops=float(d["peak_tflops"]) * 1e12,
-        hbm_bandwidth=float(d["hbm_gbps"]) * 1e9,
-        intra_node_bandwidth=float(d["intra_node_gbps"]) * 1e9,
-        inter_node_bandwidth=float(d["inter_node_gbps"]) * 1e9,
-        matmul_efficiency=float(d.get("matmul_efficiency", 0.7)),
-        comm_efficiency=float(d.get("comm_efficiency", 0.75)),
-        reserved=float(d.get("reserved_gb", 2.0)) * 1e9,
-        dtype_bytes=int(d.get("dtype_bytes", 2)),
-        latency=float(d.get("latency", 5e-6)),
-        op_overhead=float(d.get("op_overhead", 0.0)),
-        dtensor_overhead=float(d.get("dtensor_overhead", 0.0)),
-        sync_costs=tuple((int(n), float(t)) for n, t in d.get("sync_costs", ())),
-        cores=float(d.get("cores", 0)),
+        memory=num("memory_gb") * 1e9,
+        peak_flops=num("peak_tflops") * 1e12,
+        hbm_bandwidth=num("hbm_gbps") * 1e9,
+        intra_node_bandwidth=num("intra_node_gbps") * 1e9,
+        inter_node_bandwidth=num("inter_node_gbps") * 1e9,
+        matmul_efficiency=num("matmul_efficiency", 0.7),
+        comm_efficiency=num("comm_efficiency", 0.75),
+        reserved=num("reserved_gb", 2.0) * 1e9,
+        dtype_bytes=dtype_bytes,
+        latency=num("latency", 5e-6),
+        op_overhead=num("op_overhead", 0.0),
+        dtensor_overhead=num("dtensor_overhead", 0.0),
+        sync_costs=_sync_costs(d.get("sync_costs", ())),
+        cores=num("cores", 0),
     )

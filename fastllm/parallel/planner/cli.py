@@ -59,11 +59,14 @@ def load_json_spec(path, option, build):
         raise SystemExit(f"fastllm plan: {option} {path}: {e}")
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
-        if field.name == "name" or isinstance(value, (bool, tuple)):
+        if field.type in (str, bool, tuple):  # (flags; sync_costs: gpu_from_dict checks it)
             continue
-        if not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SystemExit(f"fastllm plan: {option} {path}: {field.name} must be a number, "
                              f"got {value!r}")
+        if field.type is int and not isinstance(value, int):
+            raise SystemExit(f"fastllm plan: {option} {path}: {field.name} must be an "
+                             f"integer, got {value!r}")
         ok = math.isfinite(value) and (value > 0 or (value == 0 and field.name in (
             "reserved", "latency", "op_overhead", "dtensor_overhead", "cores")))
         if not ok:

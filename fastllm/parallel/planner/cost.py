@@ -115,10 +115,20 @@ FASTLLM = RuntimeSpec("fastllm.parallel", tp_allreduces=(2, 5), tp_allreduces_ou
                       ops_param=8, small_collectives=1, pipeline_buffers=True)
 
 
-def check_layout(model, layout, seq_len, global_batch):
+def _shape(model):
+    """What fastllm.parallel.ParallelLayout reads of a transformers config."""
+    return types.SimpleNamespace(num_attention_heads=model.heads,
+                                 num_key_value_heads=model.kv_heads, intermediate_size=model.ffn,
+                                 num_hidden_layers=model.layers, vocab_size=model.vocab,
+                                 tie_word_embeddings=model.tied_embeddings)
+
+
+def check_layout(model, layout, seq_len, global_batch, fastllm_rules=False):
     """Raise ValueError naming the setting when the layout cannot run this model and batch:
     the runtime's rules (fastllm.parallel.ParallelLayout), with stages of equal layer counts
-    (the cost model prices one stage for all)."""
+    (the cost model prices one stage for all). fastllm_rules: also fastllm's rule that a
+    pipeline needs untied embeddings (build_pipeline_stage; Megatron-LM pipelines tied ones,
+    all-reducing the embedding's gradient between the first and last stages)."""
     lo = layout
     if lo.micro_batch < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {lo.micro_batch}")
@@ -128,10 +138,10 @@ def check_layout(model, layout, seq_len, global_batch):
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     par = ParallelLayout(dp=lo.dp, tp=lo.tp, pp=lo.pp, schedule=lo.schedule, chunks=lo.chunks,
                          sequence_parallel=lo.sequence_parallel)
-    shape = types.SimpleNamespace(num_attention_heads=model.heads,
-                                  num_key_value_heads=model.kv_heads, intermediate_size=model.ffn,
-                                  num_hidden_layers=model.layers, vocab_size=model.vocab)
-    par.check_model(shape, even_stages=True)
+    par.check_model(_shape(model), even_stages=True)
+    if fastllm_rules and model.tied_embeddings and lo.pp > 1:
+        raise ValueError(f"parallel.pp={lo.pp} needs untied embeddings (tie_word_embeddings="
+                         f"False): the embedding and the head live on different stages")
     par.micro_batches(global_batch, lo.micro_batch)
 
 
@@ -185,17 +195,25 @@ def _collective_time(kind, nbytes, n, bandwidth, latency=5e-6):
 
 
 def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
-             dp_overlap=0.5, grad_bytes=None, check=True, runtime=None):
+             dp_overlap=0.5, grad_bytes=None, check=True, runtime=None, fastllm_rules=None):
     """Price one layout. Returns a dict of bytes (per GPU) and seconds (per optimizer step).
 
     dp_overlap: the fraction of data-parallel communication hidden behind backward compute.
     grad_bytes: bytes per gradient element (default: the training dtype's).
     runtime: a RuntimeSpec (default MEGATRON: fused projections, no host cost); FASTLLM for
     fastllm.parallel's layouts, whose op and collective counts matter on a host-bound machine.
+    fastllm_rules: price the layout as fastllm's runtime lays it out (default: when runtime is
+    FASTLLM; plan() always does): pipelines only with untied embeddings, the embedding and the
+    head whole on every tp rank when tied or when tp does not divide the vocabulary
+    (ParallelLayout.vocab_parallel), the logits gathered whole on a pipeline's last stage.
+    Without them all three are split over tp, as Megatron-LM splits them (padding the vocabulary).
     """
     lo = layout
+    rt = runtime or MEGATRON
+    if fastllm_rules is None:
+        fastllm_rules = rt.name == FASTLLM.name
     if check:
-        check_layout(model, lo, seq_len, global_batch)
+        check_layout(model, lo, seq_len, global_batch, fastllm_rules)
     e = gpu.dtype_bytes
     g = grad_bytes or e
     mixed = e < 4
@@ -204,17 +222,22 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     b, s, t = lo.micro_batch, seq_len, lo.tp
     v = lo.chunks if lo.schedule == "interleaved" else 1
     layers_stage = model.layers // lo.pp
+    # the embedding's and head's share of each tp rank (1: whole), and the logits'
+    tv = t
+    if fastllm_rules and not ParallelLayout(tp=t).vocab_parallel(_shape(model)):
+        tv = 1
+    tl = 1 if fastllm_rules and lo.pp > 1 else tv  # (vocab_parallel_logits=False in a stage)
 
     # memory per stage kind: the first (embedding), a middle one, the last (head + logits);
     # report the largest
     def stage_params(first, last):
         p = layers_stage * model.layer_params() / t
         if first:
-            p += model.embedding_params() / t
+            p += model.embedding_params() / tv
         if last:
-            p += (model.head_params() + model.hidden) / t
+            p += model.head_params() / tv + model.hidden / t
             if model.tied_embeddings and not first:
-                p += model.embedding_params() / t
+                p += model.embedding_params() / tv
         return p
 
     act_layer = activation_bytes_per_layer(model, b, s, e, t, lo.sequence_parallel, flash)
@@ -245,7 +268,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         return layers_stage * act_layer * in_flight(i)
 
     # logits, their fp32 copy (none when already fp32), the log-softmax the loss keeps
-    logits = b * s * model.vocab / t * (e + (4 if e < 4 else 0) + 4)
+    logits = b * s * model.vocab / tl * (e + (4 if e < 4 else 0) + 4)
     # torch.distributed.pipelining keeps, until the step ends, a receive buffer per micro-batch
     # (and chunk) for each boundary tensor a stage receives: the activation from the previous
     # stage, the gradient from the next (PipelineStage args_recv_info / grad_recv_info); and
@@ -257,7 +280,6 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     # the log-softmax the loss frees: one process measures no net growth there.)
     largest_layer_param = max(model.hidden * model.ffn, model.hidden * model.q_dim) / t
 
-    rt = runtime or MEGATRON
     # (rank, holds the embedding, holds the head): rank 1 has the most micro-batches in flight
     # of the middle ranks, which otherwise hold the same
     stages = {(0, True, lo.pp == 1), (lo.pp - 1, lo.pp == 1, True)}
@@ -287,7 +309,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         if last:
             a += logits * (m if gpipe else 1)
             if lo.pp > 1 and not gpipe and rt.pipeline_buffers:
-                a += (m - 1) * b * s * model.vocab / t * e  # the other micro-batches' outputs
+                a += (m - 1) * b * s * model.vocab / tl * e  # the other micro-batches' outputs
         mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": a}
         if lo.pp > 1 and rt.pipeline_buffers:
             # each of the rank's v chunks receives an activation and a gradient, but the
@@ -298,9 +320,9 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         if accumulating and not lo.lora_rank:
             largest = largest_layer_param
             if first:
-                largest = max(largest, model.embedding_params() / t)
+                largest = max(largest, model.embedding_params() / tv)
             if last:
-                largest = max(largest, model.head_params() / t)
+                largest = max(largest, model.head_params() / tv)
             work += largest * g
         mem["backward_workspace"] = work
         if fsdp:
@@ -308,12 +330,13 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             # parameters (embedding, final norm, head) whole from forward to backward; a
             # layer's and the root's gradients (LoRA: the adapters' alone) are whole until
             # their reduce-scatter
-            root = (model.embedding_params() if first else 0) + \
-                ((model.head_params() + model.hidden) if last else 0)
+            # (this tp rank's share of them)
+            root = ((model.embedding_params() / tv if first else 0)
+                    + ((model.head_params() / tv + model.hidden / t) if last else 0))
             layer = model.layer_params() / t
             whole_grads = (_lora_params_per_layer(model, lo.lora_rank) / t if lo.lora_rank
-                           else layer + root / t)
-            mem["gathered"] = (2 * layer + root / t) * e + whole_grads * g
+                           else layer + root)
+            mem["gathered"] = (2 * layer + root) * e + whole_grads * g
         total = sum(mem.values())
         if best is None or total > best[0]:
             best = (total, mem)
@@ -335,7 +358,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     passes = 1 + bwd_factor + (1 if lo.recompute else 0)
     # the last stage carries the head too, and the pipeline runs at its pace
     layers_flops = layers_stage * layer_fwd * passes / t
-    head_flops_micro = head_fwd * (1 + bwd_factor) / t
+    head_flops_micro = head_fwd * (1 + bwd_factor) / tv
     rate = gpu.peak_flops * gpu.matmul_efficiency
     # elementwise work (norms, rotary, activation functions, softmax without flash) is
     # memory-bound: about one activation-sized read and write per pass
@@ -358,8 +381,9 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         bw_tp = gpu.inter_node_bandwidth * gpu.comm_efficiency
     tp_bytes = tokens * model.hidden * e
     n_fwd, n_bwd = rt.tp_allreduces
+    # (a whole embedding and head on every tp rank need none)
     tp_count = layers_stage * (n_fwd * (2 if lo.recompute else 1) + n_bwd) \
-        + rt.tp_allreduces_outside
+        + (rt.tp_allreduces_outside if tv > 1 else 0)
     t_tp_micro = 0.0
     if t > 1:
         t_tp_micro = tp_count * (_collective_time("all_reduce", tp_bytes, t, bw_tp, gpu.latency)
@@ -507,12 +531,13 @@ def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_ran
                         schedule=sched, chunks=v, sequence_parallel=sequence_parallel and tp > 1,
                         lora_rank=lora_rank)
             try:
-                check_layout(model, lo, seq_len, global_batch)
+                # the layouts `fastllm train` can run: fastllm's rules
+                check_layout(model, lo, seq_len, global_batch, fastllm_rules=True)
             except ValueError as e:
                 refused.setdefault(f"dp{dp} tp{tp} pp{pp}", str(e))
                 continue
             results.append(estimate(model, lo, seq_len, global_batch, gpu, node_size, flash,
-                                    dp_overlap, check=False))
+                                    dp_overlap, check=False, fastllm_rules=True))
     if not results:
         # no memory remedy helps here: say which split rule each dp x tp x pp broke
         raise ValueError(
