@@ -59,6 +59,17 @@ def loss_fn(model, x, y):
     return (model(x).float() - y.float()).square().mean()
 
 
+NO_DECAY = ["unused", "fc1.bias", "fc2.bias", "gain"]  # Net's 1-D params
+
+
+def two_groups(model):
+    """[matrices, vectors (NO_DECAY) with weight_decay 0], each in model order: the groups of
+    fastllm's other strategies, and DistributedOptimizer's with no_decay=NO_DECAY."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n not in NO_DECAY]},
+            {"params": [p for n, p in named if n in NO_DECAY], "weight_decay": 0.0}]
+
+
 def params_of(model, opt=None):
     if opt is not None:
         opt.finish_param_sync()
@@ -66,11 +77,12 @@ def params_of(model, opt=None):
 
 
 # --- single-process references ----------------------------------------------------------------
-def reference(dtype=torch.float32, steps=STEPS, zero_unused=True, **kwargs):
+def reference(dtype=torch.float32, steps=STEPS, zero_unused=True, no_decay=False, **kwargs):
     """fastllm.optim.AdamW on the full batch; unused params get zero grads (as data parallel
-    gives them). Returns (params after `steps`, losses per step)."""
+    gives them); no_decay: two_groups. Returns (params after `steps`, losses per step)."""
     model = Net(dtype)
-    opt = fastllm.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **kwargs)
+    opt = fastllm.optim.AdamW(two_groups(model) if no_decay else model.parameters(), lr=LR,
+                              weight_decay=0.1, **kwargs)
     losses = []
     for step in range(steps):
         x, y = batch(step, dtype)
@@ -85,12 +97,14 @@ def reference(dtype=torch.float32, steps=STEPS, zero_unused=True, **kwargs):
 
 
 # --- what the ranks run -----------------------------------------------------------------------
-def run_ddp(rank, world, dtype, comm_hook=None, **kwargs):
+def run_ddp(rank, world, dtype, comm_hook=None, optimizer_class=fastllm.optim.AdamW,
+            no_decay=False, **kwargs):
     model = Net(dtype)
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     if comm_hook is not None:
         ddp.register_comm_hook(None, comm_hook)
-    opt = fastllm.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **kwargs)
+    opt = optimizer_class(two_groups(model) if no_decay else model.parameters(), lr=LR,
+                          weight_decay=0.1, **kwargs)
     for step in range(STEPS):
         x, y = batch(step, dtype)
         opt.zero_grad()
@@ -213,6 +227,18 @@ def world2(rank, world, folder):
                                  overlap_param_gather=False)
     r["zero1_no_overlap"] = params_of(model, opt)
 
+    # no_decay: the vectors' buckets and group without weight decay, as DDP + torch.optim.AdamW
+    # with two_groups; fp32 and bf16 params (fp32 masters), both stages.
+    r["ddp_no_decay"] = run_ddp(rank, world, torch.float32, optimizer_class=torch.optim.AdamW,
+                                no_decay=True)
+    for stage in (1, 2):
+        for dtype in (torch.float32, torch.bfloat16):
+            model, opt, _ = run_dist_opt(rank, world, dtype, stage=stage, no_decay=NO_DECAY)
+            r[f"no_decay_{stage}_{dtype}"] = params_of(model, opt)
+    r["no_decay_groups"] = [g["weight_decay"] for g in opt.param_groups]
+    r["no_decay_pure_buckets"] = all(len({n in NO_DECAY for n in b.names}) == 1
+                                     for b in opt.buckets)
+
     # Hooks: one backward, grads compared with the default fp32 all-reduce.
     r["grads_default"] = grads_with_hook(rank, world, None)
     r["grads_local"] = local_grads(rank, world)
@@ -251,6 +277,18 @@ def world2(rank, world, folder):
     sharded = opt.sharded_state_dict()
     r["zero_shard_state"] = sorted(sharded["state"])
     save_atomic(sharded, os.path.join(folder, f"zero_shard{rank}.pt"))
+    # and with no_decay's two groups: torch.optim.AdamW with two_groups loads it
+    model, opt, _ = run_dist_opt(rank, world, torch.float32, stage=2, steps=HALF,
+                                 no_decay=NO_DECAY)
+    sd = opt.state_dict()
+    if rank == 0:
+        save_atomic({"model": model.state_dict(), "optim": sd},
+                    os.path.join(folder, "zero_no_decay.pt"))
+        plain = torch.optim.AdamW(two_groups(Net()), lr=LR, weight_decay=0.1)
+        plain.load_state_dict(sd)
+        r["no_decay_sd"] = ([(g["weight_decay"], g["params"]) for g in sd["param_groups"]],
+                            float(plain.state[plain.param_groups[1]["params"][0]]["step"]))
+    save_atomic(opt.sharded_state_dict(), os.path.join(folder, f"zero_no_decay{rank}.pt"))
     model = fsdp_model()
     opt = fastllm.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     run_fsdp(rank, world, model, opt, 0, HALF)
@@ -418,6 +456,23 @@ def resume(rank, world, folder):
                                           opt=opt, start=HALF)
     r["zero_params"] = params_of(model, opt)
     r["refused"] = refused_states(ckpt["optim"])
+
+    # The no_decay checkpoint (two groups), consolidated and resharded, trains on here.
+    model, other = Net(), Net()
+    ckpt = load(os.path.join(folder, "zero_no_decay.pt"))
+    opts = []
+    for m, cap in ((model, 400), (other, 100)):
+        m.load_state_dict(ckpt["model"])
+        opts.append(DistributedOptimizer(m, stage=stage, bucket_cap_mb=cap * 4 / 2**20, lr=LR,
+                                         weight_decay=0.1, timeout=60, no_decay=NO_DECAY))
+    opts[0].load_state_dict(ckpt["optim"])
+    opts[1].load_sharded_state_dict(
+        [load(os.path.join(folder, f"zero_no_decay{k}.pt")) for k in range(2)])
+    a, b = opts[0].state_dict(), opts[1].state_dict()
+    r["no_decay_sharded_equals_consolidated"] = a["param_groups"] == b["param_groups"] and all(
+        torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+    run_dist_opt(rank, world, torch.float32, stage, model=model, opt=opts[0], start=HALF)
+    r["no_decay_params"] = params_of(model, opts[0])
 
     model = fsdp_model() if world > 1 else Net()
     opt = fastllm.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -625,6 +680,35 @@ def test_sharded_state_dict_reshards(runs, world):
     for rank_result in runs[world]:
         assert rank_result["sharded_equals_consolidated"]
         assert rank_result["sharded_steps"] == [HALF] * 5  # padding-only shards have state too
+
+
+def test_no_decay_matches_ddp_with_two_param_groups(runs):
+    """no_decay=NO_DECAY: weight decay on the matrices only, as DDP + torch.optim.AdamW with
+    two_groups and one process; bf16 params (fp32 masters) to bf16 training's own error."""
+    want, _ = reference(no_decay=True)
+    one_group, _ = reference()
+    assert not torch.allclose(want["fc1.bias"], one_group["fc1.bias"], rtol=1e-4)
+    for rank_result in runs[2]:
+        assert_params_close(rank_result["ddp_no_decay"], want)
+        for stage in (1, 2):
+            assert_params_close(rank_result[f"no_decay_{stage}_{torch.float32}"], want)
+            assert_params_close(rank_result[f"no_decay_{stage}_{torch.float32}"],
+                                rank_result["ddp_no_decay"])
+            assert_bf16_error_within_2x_single_process(
+                rank_result[f"no_decay_{stage}_{torch.bfloat16}"], no_decay=True)
+        assert rank_result["no_decay_groups"] == [0.1, 0.0]
+        assert rank_result["no_decay_pure_buckets"]
+    # numbered as torch numbers two groups' params (group order; each group in model order:
+    # a module's own params first): fc1.weight, fc2.weight; unused, gain, fc1.bias, fc2.bias
+    assert runs[2][0]["no_decay_sd"] == ([(0.1, [0, 1]), (0.0, [2, 3, 4, 5])], HALF)
+
+
+@pytest.mark.parametrize("world", [3, 1])
+def test_no_decay_checkpoint_resumes_at_other_world_size(runs, world):
+    want, _ = reference(no_decay=True)
+    for rank_result in runs[world]:
+        assert rank_result["no_decay_sharded_equals_consolidated"]
+        assert_params_close(rank_result["no_decay_params"], want)
 
 
 def test_first_half_losses_match(runs):

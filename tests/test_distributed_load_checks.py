@@ -372,3 +372,107 @@ def test_sharded_state_dict_saved_before_the_first_step_loads_as_no_state():
     assert _same(opt.state_dict()["state"], {})
     with pytest.raises(ValueError, match="no state"):
         opt.load_sharded_state_dict([])
+
+
+# --- no_decay: a group of its own with weight_decay 0 -----------------------------------------
+NO_DECAY = ["0.bias", "2.bias"]  # _model()'s 1-D params: the biases
+
+
+def _two_groups(model):
+    """[matrices, vectors with weight_decay 0] in model order: the other strategies' groups."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n not in NO_DECAY]},
+            {"params": [p for n, p in named if n in NO_DECAY], "weight_decay": 0.0}]
+
+
+def _steps(model, opt, seed, steps=3):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 16, generator=g)).square().mean().backward()
+        opt.step()
+    if hasattr(opt, "finish_param_sync"):
+        opt.finish_param_sync()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("optimizer_class", [None, torch.optim.AdamW])
+def test_no_decay_trains_and_saves_as_torch_adamw_with_two_groups(stage, optimizer_class):
+    """no_decay's params get weight_decay 0 in a group of their own, as torch.optim.AdamW with
+    groups [matrices, vectors (weight_decay 0)], whose state_dicts load both ways; a checkpoint
+    of the other group layout is refused, by both loads, changing nothing."""
+    def dist_opt(model, **kwargs):
+        return DistributedOptimizer(model, optimizer_class, stage=stage, lr=1e-2,
+                                    weight_decay=0.1, bucket_cap_mb=1e-4, **kwargs)
+
+    model, ref_model = _model(), _model()
+    opt = dist_opt(model, no_decay=NO_DECAY)
+    ref = torch.optim.AdamW(_two_groups(ref_model), lr=1e-2, weight_decay=0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert all(len({n in NO_DECAY for n in b.names}) == 1 for b in opt.buckets)
+    for got, want in zip(_steps(model, opt, 5), _steps(ref_model, ref, 5)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # weight decay matters here: one group (decay on the biases too) trains other biases
+    one_model = _model()
+    one = _steps(one_model, dist_opt(one_model), 5)
+    assert not torch.allclose(one[1], _steps(_model(), dist_opt(_model(), no_decay=NO_DECAY),
+                                              5)[1], rtol=1e-5, atol=1e-6)
+
+    saved = opt.state_dict()
+    # numbered as torch numbers a two-group optimizer's params (in group order): the indices of
+    # fastllm train's optimizer.pt under every strategy
+    assert [(g["weight_decay"], g["params"]) for g in saved["param_groups"]] == [
+        (g["weight_decay"], g["params"]) for g in ref.state_dict()["param_groups"]] == [
+        (0.1, [0, 1]), (0.0, [2, 3])]
+    # each loads the other's state and then steps as it: (loader, its model, saver, its model)
+    for direction, build, source, source_model in (
+            ("into torch", lambda m: torch.optim.AdamW(_two_groups(m), lr=1e-2), opt, model),
+            ("from torch", lambda m: dist_opt(m, no_decay=NO_DECAY), ref, ref_model)):
+        b = _model()
+        b.load_state_dict(source_model.state_dict())
+        loaded = build(b)
+        loaded.load_state_dict(copy.deepcopy(source.state_dict()))
+        assert [g["weight_decay"] for g in loaded.param_groups] == [0.1, 0.0]
+        for got, want in zip(_steps(b, loaded, 6, 2), _steps(source_model, source, 6, 2)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=direction)
+    one_group = dist_opt(_model())
+    for load, state in (("load_state_dict", saved),
+                        ("load_sharded_state_dict", [opt.sharded_state_dict()])):
+        before = copy.deepcopy(one_group.state_dict())
+        with pytest.raises(ValueError, match=r"param groups of .*no_decay"):
+            getattr(one_group, load)(copy.deepcopy(state))
+        assert _same(one_group.state_dict(), before)
+    with pytest.raises(ValueError, match=r"param groups of .*no_decay"):
+        dist_opt(_model(), no_decay=NO_DECAY).load_state_dict(one_group.state_dict())
+    # the sharded state of the two groups reloads as it was saved
+    fresh = dist_opt(_model(), no_decay=NO_DECAY)
+    fresh.load_sharded_state_dict([copy.deepcopy(opt.sharded_state_dict())])
+    assert _same(fresh.state_dict(), opt.state_dict())
+
+
+def test_no_decay_with_galore_matches_single_process_groups():
+    """GaLoreAdamW with no_decay: groups [projected, flat decayed, flat no_decay], the same
+    updates as a single-process GaLoreAdamW with those groups."""
+    from fastllm.optim import GaLoreAdamW
+
+    model, ref_model = _model(), _model()
+    opt = DistributedOptimizer(model, GaLoreAdamW, stage=2, lr=1e-2, weight_decay=0.1,
+                               bucket_cap_mb=1e-4, rank=2, galore_params=[model[0].weight],
+                               no_decay=NO_DECAY)
+    ref = GaLoreAdamW([dict(params=[ref_model[0].weight], rank=2),
+                       {"params": [ref_model[2].weight]},
+                       {"params": [ref_model[0].bias, ref_model[2].bias], "weight_decay": 0.0}],
+                      lr=1e-2, weight_decay=0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]
+    for got, want in zip(_steps(model, opt, 7), _steps(ref_model, ref, 7)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert [g["params"] for g in opt.state_dict()["param_groups"]] == [
+        g["params"] for g in ref.state_dict()["param_groups"]] == [[0], [1], [2, 3]]
+
+
+def test_bad_no_decay_is_refused():
+    with pytest.raises(ValueError, match=r"not trainable parameters of model: \['fc.bias'\]"):
+        DistributedOptimizer(_model(), lr=1e-2, no_decay=["0.bias", "fc.bias"])
+    with pytest.raises(TypeError, match="iterable of parameter names"):
+        DistributedOptimizer(_model(), lr=1e-2, no_decay="0.bias")

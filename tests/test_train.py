@@ -736,6 +736,10 @@ def test_zero2_two_processes_trains(cache_dir, tmp_path):
     ls = losses(out)
     assert len(ls) == 8 and ls[-1] < ls[0] - 0.5, ls
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [8, 4]
+    # ZeRO's optimizer keeps every strategy's two groups (no decay on norms and biases): its
+    # checkpoint resumes in one process (one group, decay on every param, was refused)
+    run(cache_dir, out, "max_steps=10")
+    assert len(losses(out)) == 10
 
 
 def test_badam_under_ddp_trains_as_one_process(cache_dir, tmp_path):

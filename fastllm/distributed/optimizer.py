@@ -51,7 +51,9 @@ import torch.distributed as dist
 
 from fastllm.distributed import failure
 from fastllm.distributed.optimizer_args import (_check_arguments, _check_param_dtypes,
-                                                _galore_options, _galore_param_ids)
+                                                _check_same_model, _galore_options,
+                                                _galore_param_ids, _group_layout,
+                                                _no_decay_ids)
 from fastllm.distributed.optimizer_state import _LOW_PRECISION, DistributedOptimizerState
 from fastllm.distributed.param_gather import DistributedParamGather
 from fastllm.ops.scaled_copy import scaled_copy
@@ -97,10 +99,11 @@ class _Bucket:
     """One flat bucket: params (views into `param_flat`), their grads, this rank's shard."""
 
     def __init__(self, index, params, names, dtype, grad_dtype, world, rank, device,
-                 replicated=False):
+                 replicated=False, decayed=True):
         self.index = index
         # Replicated (GaLore-projected params): all-reduced and updated whole on every rank.
         self.replicated = replicated
+        self.decayed = decayed  # False: its params are no_decay's (weight_decay 0)
         self.params = params
         self.names = names
         self.dtype = dtype
@@ -169,6 +172,10 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         grad_compression: a fastllm.distributed.PowerSGD (None: exact reduction). Its
             process_group must be this one; not with loss_scaler (the error feedback would mix
             loss scales and keep inf/nan).
+        no_decay: names of trainable parameters trained without weight decay (biases and norm
+            weights, as Hugging Face's Trainer and fastllm.optim.BAdam's no_decay; the same on
+            every rank): their buckets hold no decayed params, and their shards form an inner
+            param group of their own with weight_decay 0.
         **optimizer_kwargs: passed to optimizer_class (lr, betas, weight_decay, ...), except
             max_grad_norm (clip by the global norm over all ranks), loss_scaler (a
             fastllm.amp.LossScaler: grads are unscaled and inf/nan steps skipped on every rank
@@ -179,11 +186,14 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             GaLoreAdamW's; the other params are sharded and get its plain AdamW update. The
             inner optimizer is then one GaLoreAdamW with groups [galore_params, flat shards]:
             the same projectors and updates as a single-process GaLoreAdamW with groups
-            [galore_params, the other params] (model order in both).
+            [galore_params, the other params] (model order in both; with no_decay, each of the
+            two split into its decayed params, then its no_decay ones).
 
     `optimizer.grad_norm`, `step_skipped`, `skipped_steps` are as in fastllm.optim.AdamW; the
-    inner optimizer is `self.optimizer` (wrap it in an LR scheduler). One param group (two with
-    GaLoreAdamW): every trainable param gets the same hyperparameters.
+    inner optimizer is `self.optimizer` (wrap it in an LR scheduler). Its param groups, each only
+    if it has params: [GaLore-projected decayed, projected no_decay, decayed, no_decay] (one
+    group without GaLore and no_decay); state_dict() has the same groups, each with its params
+    in model order, as a single-process optimizer built with those groups saves it.
 
     Grads: between zero_grad() and step() each p.grad is a view of its bucket (bf16/fp16 params:
     a grad of their own, packed into the fp32 bucket when it is complete). After the reduction
@@ -202,7 +212,7 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
 
     def __init__(self, model, optimizer_class=None, stage=2, process_group=None,
                  bucket_cap_mb=25, overlap_grad_reduce=True, overlap_param_gather=False,
-                 timeout=None, grad_compression=None, **optimizer_kwargs):
+                 timeout=None, grad_compression=None, no_decay=(), **optimizer_kwargs):
         if optimizer_class is None:
             from fastllm.optim import AdamW as optimizer_class
         galore = _galore_options(optimizer_class, optimizer_kwargs)
@@ -229,23 +239,23 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             raise ValueError("fastllm.distributed.DistributedOptimizer: the model has no "
                              "parameters that require grad")
         _check_param_dtypes(named)
-        self._check_same_model(named, list(model.named_buffers()))
+        no_decay_ids = _no_decay_ids(no_decay, named)
+        _check_same_model(named, list(model.named_buffers()), self.world, self.rank,
+                          self.group, no_decay_ids)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         galore_ids = set() if galore is None else _galore_param_ids(galore, named)
-        # The params of each inner param group, in model order (state_dict's group layout):
-        # with GaLore the projected ones, then the others (each group only if it has params).
-        galore_list = [p for p in self.params if id(p) in galore_ids]
-        self._group_params = ([g for g in (galore_list, [p for p in self.params
-                                                         if id(p) not in galore_ids]) if g]
-                              if galore is not None else [self.params])
+        # The inner param groups as (params in model order, projected, decayed): the params of
+        # each are state_dict's group layout.
+        layout = _group_layout(self.params, galore_ids, no_decay_ids)
+        self._group_params = [params for params, _, _ in layout]
         self.grad_norm = None
         self.step_skipped = False
         self.skipped_steps = 0
         self._sync = True
         self._gathers_pending = False
 
-        self.buckets = self._make_buckets(named, bucket_cap_mb, galore_ids)
+        self.buckets = self._make_buckets(named, bucket_cap_mb, galore_ids, no_decay_ids)
         # rank 0's values everywhere, as DDP broadcasts them at construction: ranks seeded
         # differently would each update their own shard of their own model (a splice of both)
         src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
@@ -263,7 +273,7 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-        shard_params = []
+        shard_params = {True: [], False: []}  # decayed -> the flat shards, in bucket order
         for b in self.buckets:
             shard = b.param_flat[b.lo:b.hi]
             if b.dtype in _LOW_PRECISION:
@@ -272,12 +282,17 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
             else:
                 b.shard_param = shard  # a view: the update lands in the params directly
             if not b.replicated:
-                shard_params.append(b.shard_param)
-        if galore is None:
-            self.optimizer = optimizer_class(shard_params, **optimizer_kwargs)
+                shard_params[b.decayed].append(b.shard_param)
+        if len(layout) == 1 and layout[0][1:] == (False, True):  # one plain group: a list
+            self.optimizer = optimizer_class(shard_params[True], **optimizer_kwargs)
         else:
-            groups = (([dict(params=galore_list, **galore)] if galore_list else [])
-                      + ([{"params": shard_params}] if shard_params else []))
+            groups = []
+            for params, projected, decayed in layout:
+                group = (dict(params=params, **galore) if projected
+                         else {"params": shard_params[decayed]})
+                if not decayed:
+                    group["weight_decay"] = 0.0
+                groups.append(group)
             self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self._attach_grads()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -304,38 +319,12 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         return ()
 
     # construction ------------------------------------------------------------------------------
-    def _check_same_model(self, named, buffers):
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        mine_buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in buffers]
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, (mine, mine_buffers), group=self.group)
-        for r, (theirs, theirs_buffers) in enumerate(everyone):
-            if theirs == mine and theirs_buffers != mine_buffers:
-                # (they are broadcast next: differing buffers would fail or hang there)
-                a, b = next(((a, b) for a, b in zip(mine_buffers, theirs_buffers) if a != b),
-                            (f"{len(mine_buffers)} buffers", f"{len(theirs_buffers)} buffers"))
-                raise ValueError(f"fastllm.distributed.DistributedOptimizer: the models' "
-                                 f"buffers differ across ranks: {a} on rank {self.rank}, {b} "
-                                 f"on rank {r}")
-            if theirs == mine:
-                continue
-            for i, (a, b) in enumerate(zip(mine, theirs)):
-                if a != b:
-                    raise ValueError(
-                        f"fastllm.distributed.DistributedOptimizer: the models differ across "
-                        f"ranks: parameter {i} is {a[0]} {a[1]} {a[2]} on rank {self.rank} but "
-                        f"{b[0]} {b[1]} {b[2]} on rank {r}")
-            longer = mine if len(mine) > len(theirs) else theirs
-            extra = longer[min(len(mine), len(theirs))][0]
-            raise ValueError(f"fastllm.distributed.DistributedOptimizer: the models differ "
-                             f"across ranks: rank {self.rank} has {len(mine)} trainable "
-                             f"parameters, rank {r} has {len(theirs)} (first extra: {extra})")
-
-    def _make_buckets(self, named, bucket_cap_mb, replicated_ids=()):
+    def _make_buckets(self, named, bucket_cap_mb, replicated_ids=(), no_decay_ids=()):
         cap_bytes = bucket_cap_mb * 1024 * 1024
         open_buckets, done = {}, []
         for name, p in reversed(named):
-            key = (p.dtype, p.device, id(p) in replicated_ids)
+            # (one decay flag per bucket: its flat shard belongs to one inner param group)
+            key = (p.dtype, p.device, id(p) in replicated_ids, id(p) not in no_decay_ids)
             cur = open_buckets.setdefault(key, ([], [], 0))
             size = p.numel() * p.element_size()
             if cur[0] and cur[2] + size > cap_bytes:
@@ -350,10 +339,10 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         order = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         done.sort(key=lambda kv: order[id(kv[1][0][0])])
         buckets = []
-        for i, ((dtype, device, replicated), (params, names, _)) in enumerate(done):
+        for i, ((dtype, device, replicated, decayed), (params, names, _)) in enumerate(done):
             grad_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
             buckets.append(_Bucket(i, params, names, dtype, grad_dtype, self.world, self.rank,
-                                   device, replicated))
+                                   device, replicated, decayed))
         return buckets
 
     def _attach_grads(self):

@@ -1,6 +1,7 @@
 """DistributedOptimizer's constructor arguments checked before anything is built: the
 GaLore options taken out of optimizer_kwargs, what the optimizer refuses (stage, bucket size,
-grad_compression, master_weights=False, ...), the params' dtypes, and GaLore's param choice."""
+grad_compression, master_weights=False, ...), the params' dtypes, GaLore's param choice, the
+no_decay names and the inner optimizer's group layout, and that the ranks' models agree."""
 
 import torch
 import torch.distributed as dist
@@ -101,3 +102,67 @@ def _galore_param_ids(galore, named):
                 f"{known[id(p)]} is {p.dtype}; GaLore under DistributedOptimizer "
                 f"supports fp32 params")
     return {id(p) for p in chosen}
+
+
+def _no_decay_ids(no_decay, named):
+    """ids of the params named in no_decay (trained with weight_decay 0), checked: names of
+    trainable params of the model, as fastllm.optim.BAdam's no_decay."""
+    if isinstance(no_decay, str):
+        raise TypeError(f"fastllm.distributed.DistributedOptimizer: no_decay must be an "
+                        f"iterable of parameter names, got the string {no_decay!r}")
+    no_decay = set(no_decay)
+    unknown = sorted(n for n in no_decay if n not in {name for name, _ in named})
+    if unknown:
+        raise ValueError(f"fastllm.distributed.DistributedOptimizer: no_decay names parameters "
+                         f"that are not trainable parameters of model: {unknown[:5]}")
+    return {id(p) for n, p in named if n in no_decay}
+
+
+def _group_layout(params, projected_ids, no_decay_ids):
+    """The inner optimizer's param groups as (params in model order, projected, decayed) each:
+    GaLore-projected and decayed, projected and not, flat and decayed, flat and not; only the
+    groups that have params (one group of every param without GaLore and no_decay)."""
+    layout = []
+    for projected in (True, False):
+        for decayed in (True, False):
+            group = [p for p in params if (id(p) in projected_ids) == projected
+                     and (id(p) not in no_decay_ids) == decayed]
+            if group:
+                layout.append((group, projected, decayed))
+    return layout
+
+
+def _check_same_model(named, buffers, world, rank, group, no_decay_ids=()):
+    """Refuse models whose trainable params (names, shapes, dtypes) or buffers, or no_decay
+    choices, differ across the ranks of `group`, naming the first difference (collective)."""
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+    mine_buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in buffers]
+    plain = [n for n, p in named if id(p) in no_decay_ids]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (mine, mine_buffers, plain), group=group)
+    for r, (theirs, theirs_buffers, theirs_plain) in enumerate(everyone):
+        if theirs == mine and theirs_plain != plain:
+            # (another bucket layout: the ranks' collectives would not match)
+            raise ValueError(f"fastllm.distributed.DistributedOptimizer: no_decay differs "
+                             f"across ranks: {plain[:5]} on rank {rank}, {theirs_plain[:5]} "
+                             f"on rank {r}")
+        if theirs == mine and theirs_buffers != mine_buffers:
+            # (they are broadcast next: differing buffers would fail or hang there)
+            a, b = next(((a, b) for a, b in zip(mine_buffers, theirs_buffers) if a != b),
+                        (f"{len(mine_buffers)} buffers", f"{len(theirs_buffers)} buffers"))
+            raise ValueError(f"fastllm.distributed.DistributedOptimizer: the models' "
+                             f"buffers differ across ranks: {a} on rank {rank}, {b} "
+                             f"on rank {r}")
+        if theirs == mine:
+            continue
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                raise ValueError(
+                    f"fastllm.distributed.DistributedOptimizer: the models differ across "
+                    f"ranks: parameter {i} is {a[0]} {a[1]} {a[2]} on rank {rank} but "
+                    f"{b[0]} {b[1]} {b[2]} on rank {r}")
+        longer = mine if len(mine) > len(theirs) else theirs
+        extra = longer[min(len(mine), len(theirs))][0]
+        raise ValueError(f"fastllm.distributed.DistributedOptimizer: the models differ "
+                         f"across ranks: rank {rank} has {len(mine)} trainable "
+                         f"parameters, rank {r} has {len(theirs)} (first extra: {extra})")

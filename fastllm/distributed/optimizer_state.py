@@ -117,13 +117,16 @@ class DistributedOptimizerState:
 
     def state_dict(self):
         """The consolidated state in single-process fastllm.optim.AdamW layout (collective: every
-        rank calls it and gets the same dict). Param index i is the i-th trainable param of
-        model.named_parameters(); bf16/fp16 params carry fp32 'master_param' as in
-        AdamW(master_weights=True). torch.optim.AdamW loads it too. With GaLoreAdamW: two param
-        groups, [galore_params, the others], and the projected params' low-rank state, as a
-        single-process GaLoreAdamW with those groups saves it."""
+        rank calls it and gets the same dict). bf16/fp16 params carry fp32 'master_param' as in
+        AdamW(master_weights=True). torch.optim.AdamW loads it too. The param groups are the
+        inner optimizer's (see DistributedOptimizer: with no_decay [decayed, no_decay], with
+        GaLoreAdamW [galore_params, the others] and the projected params' low-rank state), each
+        listing its params in model order, and the params are numbered as torch.optim numbers
+        them, in group order (one group: index i is the i-th trainable param of
+        model.named_parameters()): the state_dict a single-process optimizer with those groups
+        saves."""
         self._finish_param_gather()
-        index = {id(p): i for i, p in enumerate(self.params)}
+        index = {id(p): i for i, p in enumerate(p for ps in self._group_params for p in ps)}
         state = {}
         for b, (flat, small) in zip(self.buckets, self._agreed_layout()):
             if b.replicated:
@@ -190,7 +193,8 @@ class DistributedOptimizerState:
         want = [len(g) for g in self._group_params]
         if [len(g["params"]) for g in groups] != want:
             raise ValueError(f"{_WHO}: the state_dict must hold param groups of {want} params, "
-                             f"got {[len(g['params']) for g in groups]}")
+                             f"got {[len(g['params']) for g in groups]} (another group layout: "
+                             f"saved with another no_decay or galore_params?)")
         pid_of = {id(p): pid for g, params in zip(groups, self._group_params)
                   for pid, p in zip(g["params"], params)}
         replicated = {id(p) for b in self.buckets if b.replicated for p in b.params}
@@ -346,11 +350,7 @@ class DistributedOptimizerState:
         self._refuse_sharded_galore("load_sharded_state_dict")
         shards = [shards] if isinstance(shards, dict) else list(shards)
         ranges = self._checked_ranges(shards)
-        group = shards[0].get("param_groups", [{}]) if shards else [{}]
-        if not (isinstance(group, (list, tuple)) and group and isinstance(group[0], dict)):
-            raise ValueError(f"{_WHO}: the shards' 'param_groups' must be a list of dicts")
-        group = group[0]
-        _check_group("param group 0", self.optimizer.param_groups[0], group)
+        groups = self._checked_sharded_groups(shards)
         self._finish_param_gather()
         for b in self.buckets:
             # Every rank installs state for every bucket, a shard that is only padding included
@@ -385,9 +385,30 @@ class DistributedOptimizerState:
                 self._install(b, new, steps)
             elif not ranges:  # shards saved before the first step: none here either
                 self.optimizer.state.pop(b.shard_param, None)
-        for key, value in group.items():
-            if key != "params":
-                self.optimizer.param_groups[0][key] = value
+        for mine, group in zip(self.optimizer.param_groups, groups):
+            for key, value in group.items():
+                if key != "params":
+                    mine[key] = value
+
+    def _checked_sharded_groups(self, shards):
+        """The shards' param groups (the first shard's), checked: as many as the inner
+        optimizer's, each listing (where it lists any) the names of this group's params, each
+        hyperparameter of the kind this optimizer's holds."""
+        groups = shards[0].get("param_groups", [{}]) if shards else [{}]
+        if not (isinstance(groups, (list, tuple)) and groups
+                and all(isinstance(g, dict) for g in groups)):
+            raise ValueError(f"{_WHO}: the shards' 'param_groups' must be a list of dicts")
+        names = {id(p): n for n, p in zip(self.param_names, self.params)}
+        want = [[names[id(p)] for p in params] for params in self._group_params]
+        if len(groups) != len(want) or any(
+                "params" in g and list(g["params"]) != w for g, w in zip(groups, want)):
+            raise ValueError(f"{_WHO}: the shards hold param groups of "
+                             f"{[len(g.get('params', ())) for g in groups]} params, this "
+                             f"optimizer {[len(w) for w in want]} (another group layout: saved "
+                             f"with another no_decay?)")
+        for gi, (mine, group) in enumerate(zip(self.optimizer.param_groups, groups)):
+            _check_group(f"param group {gi}", mine, group)
+        return groups
 
     def _checked_ranges(self, shards):
         """{param name: [(first, end, state, step or None)]} of the shards, every range checked:
@@ -452,7 +473,9 @@ class DistributedOptimizerState:
 
     def sharded_state_dict(self):
         """This rank's slice only, keyed "<param name>[<first>:<end>]" (flat element range of that
-        param): {"state": {key: {state name: 1-D tensor}}, "param_groups": [...]}. No collective."""
+        param): {"state": {key: {state name: 1-D tensor}}, "param_groups": [...]} (the inner
+        optimizer's groups, each with "params": its param names in model order). No
+        collective."""
         self._refuse_sharded_galore("sharded_state_dict")
         out = {}
         for b in self.buckets:
@@ -468,6 +491,9 @@ class DistributedOptimizerState:
                     k: (v[at:at + c - a].clone() if isinstance(v, torch.Tensor) and v.dim() > 0
                         else v.clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in inner.items()}
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return {"state": out, "param_groups": [group]}
+        names = {id(p): n for n, p in zip(self.param_names, self.params)}
+        groups = [dict({k: v for k, v in g.items() if k != "params"},
+                       params=[names[id(p)] for p in params])
+                  for g, params in zip(self.optimizer.param_groups, self._group_params)]
+        return {"state": out, "param_groups": groups}
 

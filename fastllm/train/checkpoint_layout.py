@@ -345,12 +345,13 @@ def load_state(strategy, model_state, optim_state, path, log):
     optimizer = strategy.optimizer
     groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
     if isinstance(groups, list) and len(groups) != len(optimizer.param_groups):
-        # (the one layout that differs: ZeRO's DistributedOptimizer keeps one group)
+        # (every strategy's optimizer has [decayed, not decayed]; ZeRO's had one group before
+        # DistributedOptimizer took no_decay, and keeps only groups that have params)
         raise ConfigError(f"fastllm train: {path}/optimizer.pt holds {len(groups)} param groups, "
-                          f"this run's optimizer {len(optimizer.param_groups)}: a checkpoint "
-                          f"saved under parallel.strategy=zero1/zero2 (one group, weight decay "
-                          f"on every param) resumes only under ZeRO, and another only outside "
-                          f"it")
+                          f"this run's optimizer {len(optimizer.param_groups)}: saved with "
+                          f"another group layout (a parallel.strategy=zero1/zero2 checkpoint "
+                          f"of one group, weight decay on every param, from before ZeRO's "
+                          f"optimizer kept norms and biases undecayed?)")
     configured = group_hyperparams(optimizer)
     try:
         strategy.load(model_state, optim_state)

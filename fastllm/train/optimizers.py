@@ -81,12 +81,14 @@ def build(cfg, module, device_type="cpu", zero_stage=0, clip_inside=True):
     if zero_stage:
         from fastllm.distributed import DistributedOptimizer
 
-        # One param group (weight decay on every param): DistributedOptimizer's layout. The
-        # loop reads params only in forward and state_dict, which wait: overlap is safe.
+        # The other strategies' two groups (no decay on vectors: norms, biases), numbered as
+        # theirs in optimizer.pt. The loop reads params only in forward and state_dict, which
+        # wait: overlap is safe.
         opt_kw.pop("master_weights")
+        _, plain = param_order(module)
         return DistributedOptimizer(module, optimizer_class=AdamW, stage=zero_stage,
                                     weight_decay=cfg.weight_decay, overlap_param_gather=True,
-                                    **opt_kw), scalers
+                                    no_decay=[n for n, _ in plain], **opt_kw), scalers
     if cfg.optimizer_in_backward:
         return InBackwardOptimizer(groups, opt_kw), scalers
     adamw = AdamW8bit if cfg.optim == "adamw8bit" else AdamW
