@@ -1,6 +1,10 @@
 """Kernel benchmarks (installed as fastllm.bench): one bench_<op>.py per op on harness.py.
 
-Each module exposes `run(device, full, progress) -> list[dict]` (rows: see harness.py).
+Each module exposes `run(device, full, progress) -> list[dict]` (rows: see harness.py), and
+may expose `settings(full, device)` (checked for every op before any runs; SystemExit for a bad
+FASTLLM_BENCH_* or device) and `DEVICES` (the device types it runs on, by default cpu and cuda:
+`--ops all` leaves out the others). A skipped provider is reported with
+harness.note(progress, message), which stays on screen and is listed under the table.
 `fastllm bench` runs the modules in OPS, so they must import without pytest (the bench extra
 does not install it): pytest-benchmark tests go in test_benchmarks.py
 (`pytest bench --benchmark-only`).

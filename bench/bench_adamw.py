@@ -108,7 +108,7 @@ def run(device="cpu", full=False, progress=print):
             try:
                 opt = make(params)
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
-                progress(f"  skipped {name}: {exc}")
+                harness.note(progress, f"adamw {size}: skipped {name}: {exc}")
                 continue
 
             def step(opt=opt, backend=backend):

@@ -126,7 +126,8 @@ def run(device="cpu", full=False, progress=print):
                 with fastllm.use_backend(backend):
                     opt.step()  # allocates the state (and compiles torchao's step)
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
-                progress(f"  skipped {name}: {type(exc).__name__}: {exc}"[:200])
+                harness.note(progress, f"adamw8bit {size}: skipped {name}: "
+                                       f"{type(exc).__name__}: {exc}"[:200])
                 continue
 
             def step(opt=opt, backend=backend):

@@ -32,10 +32,13 @@ import torch
 
 import fastllm
 from fastllm.bench import harness
+from fastllm.bench.bench_distributed import wire_bytes
 
 HOOK_ROWS, HOOK_COLS, HOOK_RANK, WORLD = 4096, 4096, 4, 2
 # One layer: galore-torch's first step is a full SVD (tens of seconds on a busy 2-core machine).
 GALORE_WIDTH, GALORE_LAYERS, GALORE_RANK = 2048, 1, 128
+# Gloo worlds and the CPU kernels: `fastllm bench --ops all --device cuda` leaves it out
+DEVICES = ("cpu",)
 
 
 # --- PowerSGD -------------------------------------------------------------------------------
@@ -151,20 +154,30 @@ def _powersgd_rows(full, progress):
     size = (f"PowerSGD rank {HOOK_RANK}: {HOOK_ROWS}x{HOOK_COLS} grad + bias, world {WORLD}, "
             f"gloo")
     rows = []
+    dense = result["numel"]
     for name, times in result["times"].items():
-        sent = result["numel"] if name == "dense all-reduce" else result["sent"]
-        note = (f"sends {sent * 4 / 2**10:.0f} KiB/rank/step "
-                f"({result['numel'] / sent:.0f}x fewer than dense)")
+        # every hook averages with all-reduces: of the whole grad, or of P, Q and the bias
+        sent = dense if name == "dense all-reduce" else result["sent"]
+        if name == "dense all-reduce":
+            than = "the dense reference"
+        elif sent < dense:
+            than = f"{dense / sent:.{0 if dense >= 10 * sent else 1}f}x fewer than dense"
+        else:
+            than = "as much as dense: not compressed"
+        kib = wire_bytes("all_reduce", sent * 4, WORLD) / 2**10
+        note = f"sends {kib:.0f} KiB/rank/step ({than})"
         rows.append(dict(op="compression", size=size, provider=name,
                          time_ms=statistics.median(times), baseline="torch powerSGD_hook",
                          note=note))
     exact = "fastllm DistributedOptimizer ZeRO-2"
     for name, times in result["distopt_times"].items():
-        sent = result["numel"] if name == exact else result["distopt_sent"]
+        # exact: one reduce-scatter of the grads; compressed: all-reduces of P, Q and the bias
+        wire = (wire_bytes("reduce_scatter", dense * 4, WORLD) if name == exact
+                else wire_bytes("all_reduce", result["distopt_sent"] * 4, WORLD))
         rows.append(dict(op="compression", size=f"{size}: whole optimizer step", provider=name,
                          time_ms=statistics.median(times), baseline=exact,
-                         note=f"grad reduction sends {sent * 4 / 2**10:.0f} KiB/rank/step; "
-                              f"the param all-gather is the same"))
+                         note=f"grad reduction sends {wire / 2**10:.0f} KiB/rank/step (ring "
+                              f"accounting); the param all-gather is the same"))
     return rows
 
 
@@ -344,7 +357,8 @@ def _badam_rows(full, progress):
         try:
             made[k] = make(k)
         except Exception as exc:  # an optional peer that fails here is reported, not fatal
-            progress(f"compression: {k} failed ({type(exc).__name__}: {exc}); left out")
+            harness.note(progress, f"compression: {k} failed ({type(exc).__name__}: {exc}); "
+                                   "left out")
     progress(f"compression: {size}: optimizer steps (interleaved)")
     timings = harness.measure_many({k: v[0] for k, v in made.items()}, min_reps=5,
                                    min_time_s=1.0)
@@ -361,8 +375,8 @@ def _badam_rows(full, progress):
 
 def run(device="cpu", full=False, progress=print):
     if torch.device(device).type != "cpu":
-        progress("compression: runs on the CPU (Gloo world 2 and the CPU kernels); skipped on "
-                 f"{device}")
+        harness.note(progress, "compression: runs on the CPU (Gloo world 2 and the CPU "
+                               f"kernels); skipped on {device}")
         return []
     with fastllm.use_backend("cpp"):
         return _powersgd_rows(full, progress) + _galore_rows(full, progress) + _badam_rows(

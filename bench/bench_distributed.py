@@ -22,8 +22,12 @@ import time
 
 import torch
 
+from fastllm.bench import harness
+
 LAYERS, WIDTH, BATCH, WORLD = 50, 640, 16, 2
 BASELINE = "DDP + torch AdamW (fused)"
+# a Gloo world on the CPU: `fastllm bench --ops all --device cuda` leaves it out
+DEVICES = ("cpu",)
 
 
 def _model():
@@ -112,24 +116,38 @@ def _worker(rank, world, rounds, warmup):
     return dict(times=times, exposed=exposed, state=state, unsharded=unsharded, numel=numel)
 
 
+# Bytes one rank sends per byte of the buffer with ring algorithms (the standard accounting;
+# Gloo's own algorithms differ in detail), world W: an all-reduce is a reduce-scatter and an
+# all-gather, each sending (W-1)/W of the buffer.
+_RING_SHARE = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+
+
+def wire_bytes(collective, nbytes, world=WORLD):
+    """Bytes one rank sends for one `collective` ("all_reduce", "reduce_scatter", "all_gather")
+    of an `nbytes` buffer across `world` ranks, ring accounting: 2 (W-1)/W of the buffer for an
+    all-reduce, (W-1)/W for the others."""
+    return _RING_SHARE[collective] * (world - 1) / world * nbytes
+
+
 def _wire_bytes(name, numel):
-    """Bytes one rank sends per step with ring algorithms (the standard accounting; Gloo's own
-    algorithms differ in detail): all-reduce 2 (W-1)/W of the buffer, reduce-scatter and
-    all-gather (W-1)/W each."""
-    share = (WORLD - 1) / WORLD
+    """Bytes one rank sends per step for the provider `name` (fp32 grads, numel of them)."""
     if "bf16 hook" in name or "fp16 hook" in name:
-        return 2 * share * numel * 2
+        return wire_bytes("all_reduce", numel * 2)
     if "ZeroRedundancy" in name or "stage 1" in name:
-        return 3 * share * numel * 4  # all-reduce, then broadcast / all-gather of the params
-    return 2 * share * numel * 4  # DDP's all-reduce; stage 2's reduce-scatter + all-gather
+        # all-reduce, then broadcast / all-gather of the params
+        return wire_bytes("all_reduce", numel * 4) + wire_bytes("all_gather", numel * 4)
+    if "stage 2" in name:
+        return wire_bytes("reduce_scatter", numel * 4) + wire_bytes("all_gather", numel * 4)
+    return wire_bytes("all_reduce", numel * 4)  # DDP
 
 
 def run(device="cpu", full=False, progress=print):
     from fastllm.distributed.launch import spawn
 
     if torch.device(device).type != "cpu":
-        progress("distributed: the benchmark runs on the CPU with Gloo (world 2); skipped on "
-                 f"{device} (bench/device_check.sh runs the single-GPU checks)")
+        harness.note(progress, "distributed: the benchmark runs on the CPU with Gloo (world 2); "
+                               f"skipped on {device} (bench/device_check.sh runs the single-GPU "
+                               "checks)")
         return []
     rounds = 10 if full else 5
     progress(f"distributed: spawning {WORLD} ranks (Gloo, 1 thread each), {len(range(rounds))} "

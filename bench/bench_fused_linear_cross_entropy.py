@@ -76,7 +76,8 @@ def run(device="cpu", full=False, progress=print, compile_peer=True):
                 _step(compiled, hidden, weight, labels)()
                 fns["torch.compile (materialised)"] = _step(compiled, hidden, weight, labels)
             except Exception as exc:  # a CPU without a working C++ toolchain for inductor
-                progress(f"torch.compile peer skipped: {type(exc).__name__}: {exc}")
+                harness.note(progress, f"fused_linear_cross_entropy {size}: torch.compile peer "
+                                       f"skipped: {type(exc).__name__}: {exc}")
         fns["3 GEMMs alone (floor)"] = _gemms(hidden.detach(), weight.detach())
         peaks = {name: harness.allocator_peak_bytes(fn) if dev == "cpu" else None
                  for name, fn in fns.items()}

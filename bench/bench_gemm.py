@@ -25,6 +25,8 @@ import torch
 from fastllm import _gemm
 from fastllm.bench import harness
 
+# fastllm's GPU matmuls are cuBLAS's: `fastllm bench --ops all --device cuda` leaves it out
+DEVICES = ("cpu",)
 # (label, m, n, k, transposed a): a is (k, m) read transposed when set (dW = dY^T X)
 SHAPES = [
     ("MLP x W^T", 4096, 1536, 576, False),
@@ -47,11 +49,12 @@ BF16_SHAPES = [
 
 def run(device="cpu", full=False, progress=print):
     if torch.device(device).type != "cpu":
-        progress("gemm: CPU only (fastllm's GPU matmuls are cuBLAS's); skipped")
+        harness.note(progress, "gemm: CPU only (fastllm's GPU matmuls are cuBLAS's); skipped")
         return []
     rows = _bf16f32(full, progress)
     if not _gemm._usable():
-        progress("gemm: no oneDNN matmul in this PyTorch (or fastllm._C not built); skipped")
+        harness.note(progress, "gemm: no oneDNN matmul in this PyTorch (or fastllm._C not "
+                                "built); skipped")
         return rows
     g = torch.Generator().manual_seed(0)
     with mock.patch.dict(os.environ, {_gemm.ENV: "onednn"}):
@@ -79,7 +82,8 @@ def _bf16f32(full, progress):
 
     ext = _extension.extension()
     if ext is None or not ext.gemm_bf16f32_available():
-        progress("gemm: fastllm._C has no bf16 x bf16 -> fp32 GEMM (no AVX512-BF16); skipped")
+        harness.note(progress, "gemm: fastllm._C has no bf16 x bf16 -> fp32 GEMM (no "
+                                "AVX512-BF16); skipped")
         return []
     rows = []
     g = torch.Generator().manual_seed(0)

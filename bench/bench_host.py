@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import fastllm
 from fastllm.bench import harness
 
+# CPU tensors by design: `fastllm bench --ops all --device cuda` leaves it out
+DEVICES = ("cpu",)
 NUMEL = 16
 QUICK = [64]
 FULL = [16, 64, 256]
@@ -207,9 +209,16 @@ def _gpu_path_rows(progress):
     return json.loads(done.stdout)
 
 
+def settings(full=False, device="cpu"):
+    """Checked by fastllm bench before any benchmark runs: the device."""
+    if torch.device(device).type not in DEVICES:
+        raise SystemExit("fastllm bench --ops host: a host-cost measurement on CPU tensors (its "
+                         "GPU path is measured with Triton's launches stubbed); run it with "
+                         "--device cpu")
+
+
 def run(device="cpu", full=False, progress=print):
-    if torch.device(device).type != "cpu":
-        return []  # a host-cost measurement: CPU tensors by design
+    settings(full, device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows = []

@@ -21,13 +21,17 @@
 The quick run uses 4 layers, 8 x 256 tokens, 2 timed steps; --full (or FASTLLM_BENCH_LAYERS,
 FASTLLM_BENCH_SEQ, FASTLLM_BENCH_STEPS) the whole 30 layers at 8 x 512; FASTLLM_BENCH_DTYPES=fp32
 (or bf16) runs one precision, FASTLLM_BENCH_FINETUNES=full (or lora) one kind of fine-tuning,
-FASTLLM_BENCH_STEPS=0 the ops only. FASTLLM_BENCH_FAMILY=qwen3 steps
+FASTLLM_BENCH_STEPS=0 the ops only. With FASTLLM_BENCH_MODEL the step runs the folder's first
+layers (at most as many as it has) and the table names the folder and its shape.
+FASTLLM_BENCH_FAMILY=qwen3 (not with FASTLLM_BENCH_MODEL) steps
 a Qwen3-0.6B-shaped Qwen3ForCausalLM instead (hidden 1024, 16 / 8 heads of 128, q/k norms, ffn
 3072, vocab 151936, tied embeddings; random init): the vocabulary where the logits weigh most.
 """
 
 import copy
 import gc
+import json
+import math
 import os
 import time
 
@@ -39,6 +43,8 @@ from fastllm.bench import harness
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 576, 9, 3, 1536, 49152
 HEAD_DIM = HIDDEN // HEADS
+# the CPU benchmark (bench/device_bench.py is the GPU one): `--ops all --device cuda` leaves it out
+DEVICES = ("cpu",)
 
 
 # --- 1. the ops -------------------------------------------------------------------------------
@@ -172,7 +178,36 @@ def _family():
     return family
 
 
+def _model_folder(layers):
+    """(folder, its config.json as a dict) named by FASTLLM_BENCH_MODEL, or (None, None); checked:
+    a folder of Hugging Face weights with at least `layers` layers, and not with
+    FASTLLM_BENCH_FAMILY=qwen3 (whose step is a random-init Qwen3-0.6B shape)."""
+    path = os.environ.get("FASTLLM_BENCH_MODEL")
+    if not path:
+        return None, None
+    if _family() == "qwen3":
+        raise SystemExit(f"FASTLLM_BENCH_FAMILY=qwen3 and FASTLLM_BENCH_MODEL={path}: the qwen3 "
+                         "step is a random-init Qwen3-0.6B shape; set one of them, not both")
+    if not os.path.isdir(path):
+        raise SystemExit(f"FASTLLM_BENCH_MODEL={path}: there is no such folder (make one with "
+                         "examples/prepare_smollm2.py)")
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise SystemExit(f"FASTLLM_BENCH_MODEL={path}: a folder of Hugging Face weights with a "
+                         f"readable config.json is expected ({why})") from None
+    have = config.get("num_hidden_layers")
+    if isinstance(have, int) and layers > have:
+        raise SystemExit(f"FASTLLM_BENCH_MODEL={path} has {have} layers, {layers} asked "
+                         f"(FASTLLM_BENCH_LAYERS, else 4, or 30 with --full): set "
+                         f"FASTLLM_BENCH_LAYERS={have} or fewer")
+    return path, config
+
+
 def _model(layers, dtype):
+    """(model, what it is: shape, weights and layers, for the table's size)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if _family() == "qwen3":
@@ -183,26 +218,34 @@ def _model(layers, dtype):
                              num_hidden_layers=layers, num_attention_heads=16,
                              num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                              tie_word_embeddings=True, attn_implementation="sdpa")
-        return Qwen3ForCausalLM(config).to(dtype), "random init"
-    path = os.environ.get("FASTLLM_BENCH_MODEL")
+        return (Qwen3ForCausalLM(config).to(dtype),
+                f"Qwen3-0.6B shape (random init), {layers} layers")
+    path, config = _model_folder(layers)
     if path:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                      attn_implementation="sdpa")
+        have = len(model.model.layers)
         model.model.layers = model.model.layers[:layers]
-        model.config.num_hidden_layers = layers
-        return model.to(dtype), "SmolLM2-135M weights"
+        model.config.num_hidden_layers = len(model.model.layers)
+        c = model.config
+        shape = (f"hidden {c.hidden_size}, {c.num_attention_heads}/"
+                 f"{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads} heads, "
+                 f"ffn {c.intermediate_size}, vocab {c.vocab_size}")
+        return (model.to(dtype), f"{os.path.basename(os.path.normpath(path))} weights ({shape}), "
+                                 f"{len(model.model.layers)} of {have} layers")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
                          num_hidden_layers=layers, num_attention_heads=HEADS,
                          num_key_value_heads=KV_HEADS, max_position_embeddings=2048,
                          rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0,
                          attn_implementation="sdpa")
-    return LlamaForCausalLM(config).to(dtype), "random init"
+    return (LlamaForCausalLM(config).to(dtype),
+            f"SmolLM2-135M shape (random init), {layers} layers")
 
 
 def _setups(layers, dtype, finetune):
     """{provider: (model, optimizer)}: the same weights on both sides."""
-    base, source = _model(layers, dtype)
+    base, what = _model(layers, dtype)
     base.train()
     hf = copy.deepcopy(base)
     ours = base
@@ -227,7 +270,7 @@ def _setups(layers, dtype, finetune):
         "fastllm (patched)": (ours, fastllm.optim.AdamW(trainable(ours), lr=1e-5)),
         "HF + torch AdamW(fused)" if finetune == "full" else "HF + PEFT + torch AdamW(fused)":
             (hf, torch.optim.AdamW(trainable(hf), lr=1e-5, fused=True)),
-    }, source
+    }, what
 
 
 def _train_step(model, opt, ids):
@@ -255,11 +298,31 @@ def _profile_top(step, n=6):
 # A provider whose step takes longer than this is not profiled (one more step), and a case where
 # any provider's warm-up step took longer is timed over one step: Hugging Face's bf16 step on a
 # CPU without native bf16 GEMMs takes many minutes (fastllm/_lowp.py).
-PROFILE_MAX_S = float(os.environ.get("FASTLLM_BENCH_PROFILE_MAX_S", 120))
+# FASTLLM_BENCH_PROFILE_MAX_S overrides it.
+PROFILE_MAX_S = 120.0
 # A provider whose warm-up step took longer than this is not stepped again: that step's time is
 # its time (the first step's one-off costs, optimizer state allocation, are milliseconds next to
 # it), and the other providers are timed on their own. Saves ~20 min per bf16 case of HF there.
-SLOW_S = float(os.environ.get("FASTLLM_BENCH_SLOW_S", 600))
+# FASTLLM_BENCH_SLOW_S overrides it.
+SLOW_S = 600.0
+
+
+def _time_limits():
+    """(profile_max_s, slow_s): PROFILE_MAX_S and SLOW_S or their FASTLLM_BENCH_* overrides,
+    each a finite number of seconds >= 0 (0: profile none, time every provider by its warm-up
+    step)."""
+    out = []
+    for name, default in (("FASTLLM_BENCH_PROFILE_MAX_S", PROFILE_MAX_S),
+                          ("FASTLLM_BENCH_SLOW_S", SLOW_S)):
+        text = os.environ.get(name)
+        try:
+            value = default if text is None else float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise SystemExit(f"{name}={text}: a finite number of seconds >= 0 is expected")
+        out.append(value)
+    return tuple(out)
 
 
 def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
@@ -268,16 +331,17 @@ def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
     timed steps interleaved across providers (one when a warm-up step took over PROFILE_MAX_S),
     then one profiled step."""
     rows = []
+    profile_max_s, slow_s = _time_limits()
     torch.manual_seed(0)
-    qwen3 = _family() == "qwen3"
-    ids = torch.randint(0, QWEN3_VOCAB if qwen3 else VOCAB, (b, s))
+    config = _model_folder(layers)[1]
+    vocab = (QWEN3_VOCAB if _family() == "qwen3" else
+             config.get("vocab_size", VOCAB) if config else VOCAB)
+    ids = torch.randint(0, vocab, (b, s))
     for dtype in dtypes:
         for finetune in finetunes:
             dt = str(dtype).split(".")[-1]
-            setups, source = _setups(layers, dtype, finetune)
-            size = (f"{'Qwen3-0.6B' if qwen3 else 'SmolLM2-135M'} shape ({source}), "
-                    f"{layers} layers, {b}x{s} tokens, "
-                    f"{finetune}, {dt}")
+            setups, what = _setups(layers, dtype, finetune)
+            size = f"{what}, {b}x{s} tokens, {finetune}, {dt}"
             fns = {name: _train_step(m, o, ids) for name, (m, o) in setups.items()}
             losses, peaks, warmup_s = {}, {}, {}
             for name, fn in fns.items():
@@ -291,9 +355,9 @@ def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
                     losses[name] = float(fn())
                 warmup_s[name] = time.perf_counter() - start
                 peaks[name] = mem.peak / 2**20
-            slow = {n for n, t in warmup_s.items() if t > SLOW_S}
+            slow = {n for n, t in warmup_s.items() if t > slow_s}
             timed = {n: f for n, f in fns.items() if n not in slow}
-            reps = (steps if max((warmup_s[n] for n in timed), default=0) <= PROFILE_MAX_S
+            reps = (steps if max((warmup_s[n] for n in timed), default=0) <= profile_max_s
                     else 1)
             load = os.getloadavg()[0]
             timings = {}
@@ -305,12 +369,12 @@ def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
             for name, fn in fns.items():
                 ms = (warmup_s[name] * 1e3 if name in slow else timings[name].median_ms)
                 how = ("its one step (the warm-up; a step takes over "
-                       f"{SLOW_S:.0f} s)" if name in slow else f"median of {reps} steps")
-                if ms / 1e3 <= PROFILE_MAX_S:
+                       f"{slow_s:.0f} s)" if name in slow else f"median of {reps} steps")
+                if ms / 1e3 <= profile_max_s:
                     progress(f"model step {size}: {name}: profile")
                     top = _profile_top(fn)
                 else:
-                    top = f"not profiled (a step takes {ms / 1e3:.0f} s > {PROFILE_MAX_S:.0f} s)"
+                    top = f"not profiled (a step takes {ms / 1e3:.0f} s > {profile_max_s:.0f} s)"
                 peak = peaks[name]
                 rows.append(dict(op="model step", size=size, provider=name, time_ms=ms,
                                  tokens_per_s=b * s / ms * 1e3, peak_mib=peak,
@@ -354,6 +418,8 @@ def settings(full=False, device="cpu"):
     seq = _env_int("FASTLLM_BENCH_SEQ", 512 if full else 256, 2)
     steps = _env_int("FASTLLM_BENCH_STEPS", 3 if full else 2, 0)
     _family()
+    _model_folder(layers)
+    _time_limits()
     names = os.environ.get("FASTLLM_BENCH_DTYPES", "fp32,bf16").split(",")
     known = {"fp32": torch.float32, "bf16": torch.bfloat16}
     # (a name twice would run its cases twice into one table, each row against the last

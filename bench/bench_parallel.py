@@ -25,6 +25,8 @@ import statistics
 
 import torch
 
+# Gloo worlds of CPU processes: `fastllm bench --ops all --device cuda` leaves it out
+DEVICES = ("cpu",)
 WORLD = 4
 STEPS = 8          # the first WARMUP are not timed
 WARMUP = 3
@@ -46,10 +48,14 @@ LAYOUTS = {
 
 
 def settings(full=False, device="cpu"):
-    """Checked by fastllm bench before any benchmark runs: the layouts train with the source
-    tree's examples/parallel_train.py (not in a wheel)."""
+    """Checked by fastllm bench before any benchmark runs: the device (Gloo worlds of CPU
+    processes), and the layouts train with the source tree's examples/parallel_train.py (not in
+    a wheel)."""
     from fastllm.bench.harness import example_folder
 
+    if torch.device(device).type not in DEVICES:
+        raise SystemExit("fastllm bench --ops parallel: CPU processes in a Gloo world; run it "
+                         "with --device cpu")
     example_folder("parallel_train")
 
 
@@ -161,8 +167,7 @@ def run(device="cpu", full=False, progress=print):
     from fastllm.distributed.launch import spawn
     from fastllm.bench.probes import machine_spec, measure_host, measure_peak_memory
 
-    if device != "cpu":
-        return []
+    settings(full, device)
     progress("parallel: measuring this machine (matmul, copy, op overheads, a layer) alone")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -373,13 +373,15 @@ def _nbytes(tensors):
 
 def _input_sets(make_set, device):
     """[make_set() ...]: enough sets (2 to 8) to touch ROTATE_BYTES between two uses of one on
-    the GPU, 2 elsewhere. make_set() -> (grad_inputs, others, grad_outputs)."""
-    first = make_set()
-    count = 2
+    the GPU, 2 elsewhere. make_set() -> (grad_inputs, others, grad_outputs). A tensor every set
+    shares (a weight, a rope table) is not rotated: only a set's own tensors count."""
+    sets = [make_set(), make_set()]
     if torch.device(device).type == "cuda":
-        per_set = _nbytes([t for part in first for t in part])
-        count = min(8, max(2, math.ceil(ROTATE_BYTES / per_set)))
-    return [first] + [make_set() for _ in range(count - 1)]
+        shared = {id(t) for part in sets[1] for t in part}
+        per_set = _nbytes([t for part in sets[0] for t in part if id(t) not in shared])
+        count = min(8, max(2, math.ceil(ROTATE_BYTES / max(per_set, 1))))
+        sets += [make_set() for _ in range(count - 2)]
+    return sets
 
 
 def _fwd_bwd(fn, sets):

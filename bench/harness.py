@@ -259,17 +259,30 @@ def format_table(rows, width=120):
     return "\n".join(out)
 
 
+def note(progress, message):
+    """Report `message` (a provider skipped, a peer that failed, an op that does not run on this
+    device) so that it stays: `fastllm bench`'s progress.note ends the line on a terminal, where
+    progress lines are rewritten in place, and lists it under the table; any other progress
+    callable (print, a list's append) just gets the message."""
+    getattr(progress, "note", progress)(message)
+
+
 def plot(rows, path, title):
-    """A bar chart of time per provider for each (op, size), saved as PNG."""
+    """A bar chart of time per provider for each (op, size), saved as PNG at `path` (whatever
+    its suffix). Rows without a time (a memory figure, a failed provider) are left out, and so
+    are cases with none. Returns the number of cases drawn; with none, nothing is written."""
+    timed = [r for r in rows if r.get("time_ms") is not None]
+    if not timed:
+        return 0
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = list(dict.fromkeys((r["op"], r["size"]) for r in rows))
-    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 1.2 + 0.45 * len(rows)), squeeze=False)
+    cases = list(dict.fromkeys((r["op"], r["size"]) for r in timed))
+    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 1.2 + 0.45 * len(timed)), squeeze=False)
     for ax, (op, size) in zip(axes[:, 0], cases):
-        sub = [r for r in rows if (r["op"], r["size"]) == (op, size)]
+        sub = [r for r in timed if (r["op"], r["size"]) == (op, size)]
         labels = [r["provider"] for r in sub]
         times = [r["time_ms"] for r in sub]
         bars = ax.barh(labels, times, color=["tab:green" if l.startswith("fastllm") else "tab:gray"
@@ -281,8 +294,10 @@ def plot(rows, path, title):
         ax.set_xlabel("time per call (ms, lower is better)", fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
-    fig.savefig(path, dpi=110)
+    # format given: the file is `path` itself (without it, a name with no suffix gets ".png")
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
+    return len(cases)
 
 
 def example_folder(name):
