@@ -52,10 +52,15 @@ struct BF16 {
     const uint32_t rounded = (u + 0x7fffU + ((u >> 16) & 1U)) >> 16;
     return f != f ? uint16_t(0x7fc0) : uint16_t(rounded);
   }
+  // Stochastic rounding: 16 random bits added below bf16's last bit, then truncation. A finite
+  // f above bf16's largest value can be carried up to inf where round_nearest gives that largest
+  // value: a result of inf (and nan) keeps round_nearest's result instead.
   static FASTLLM_HOST_DEVICE uint16_t round_stochastic(float f, uint32_t random) {
     const uint32_t u = float_to_bits(f);
     const uint32_t rounded = (u + (random & 0xffffU)) >> 16;
-    return f != f ? uint16_t(0x7fc0) : uint16_t(rounded);
+    const uint32_t nearest = (u + 0x7fffU + ((u >> 16) & 1U)) >> 16;
+    const uint32_t to_inf = uint32_t((rounded & 0x7fffU) == 0x7f80U);
+    return f != f ? uint16_t(0x7fc0) : uint16_t(rounded + to_inf * (nearest - rounded));
   }
 };
 

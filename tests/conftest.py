@@ -42,6 +42,22 @@ def backend_device_params(without=()):
     return out
 
 
+# Bad one-element scalar arguments of the fused optimizer ops (grad_scale, clip_coef, found_inf),
+# each with the error and message the op must raise before it writes anything:
+# (name, make, error, match), ids in BAD_SCALAR_IDS. An op without clip_coef skips those cases.
+BAD_SCALARS = [
+    ("found_inf", lambda: torch.tensor([0.0, 1.0]), ValueError, "found_inf must have one element"),
+    ("found_inf", lambda: torch.zeros(0), ValueError, "found_inf must have one element, has 0"),
+    ("grad_scale", lambda: torch.zeros(0), ValueError, "grad_scale must have one element"),
+    ("clip_coef", lambda: torch.tensor([0.5, 2.0]), ValueError, "clip_coef must have one element"),
+    ("grad_scale", lambda: torch.tensor(4), TypeError, "grad_scale has dtype torch.int64"),
+    ("found_inf", lambda: torch.tensor([1], dtype=torch.int32), TypeError, "found_inf has dtype"),
+    ("clip_coef", lambda: torch.tensor(0.5, device="meta"), ValueError, "clip_coef is on meta"),
+    ("grad_scale", lambda: torch.tensor(4.0, device="meta"), ValueError, "grad_scale is on meta"),
+]
+BAD_SCALAR_IDS = ["fi2", "fi0", "gs0", "cc2", "gs_int", "fi_int", "cc_meta", "gs_meta"]
+
+
 @contextlib.contextmanager
 def gemm_bf16f32(on):
     """fastllm._C's bf16 x bf16 -> fp32 GEMM forced on (True) or off (False) for the block, then

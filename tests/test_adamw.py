@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastllm
-from conftest import backend_device_params
+from conftest import BAD_SCALAR_IDS, BAD_SCALARS, backend_device_params
 
 RTOL, ATOL = 1e-5, 1e-6
 SMALL_SHAPES = [(0,), (1,), (7,), (4097,), (123, 45)]
@@ -463,3 +463,21 @@ def test_zero_grad_scale_is_ieee_on_every_backend(backend, device):
                                [torch.tensor(1.0)], **kwargs)
     for t, w in zip(got, want):
         torch.testing.assert_close(t.cpu(), w, rtol=RTOL, atol=ATOL, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("name,make,error,match",
+                         [c for c in BAD_SCALARS if c[0] != "clip_coef"],
+                         ids=[i for i in BAD_SCALAR_IDS if not i.startswith("cc")])
+def test_op_refuses_a_bad_scalar_before_writing(backend, device, name, make, error, match):
+    """grad_scale and found_inf hold one floating-point value (found_inf: or bool) on the params'
+    device or the CPU: the Triton kernel read the first of a two-element found_inf (an overflow
+    flagged in the second was stepped through) and read an empty one out of bounds."""
+    p, g, m, v = (torch.randn(33, device=device) for _ in range(4))
+    v = v.abs()
+    before = [t.clone() for t in (p, m, v)]
+    with fastllm.use_backend(backend), pytest.raises(error, match=match):
+        fastllm.ops.adamw_step([p], [g], [m], [v], [], [torch.tensor(1.0)], lr=0.1, beta1=0.9,
+                               beta2=0.999, eps=1e-8, weight_decay=0.1, **{name: make()})
+    for t, b in zip((p, m, v), before):
+        assert torch.equal(t, b)

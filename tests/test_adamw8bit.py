@@ -13,7 +13,7 @@ import torch
 import fastllm
 from fastllm.ops import adamw8bit as q8
 from fastllm.optim import AdamW, AdamW8bit, convert_state
-from conftest import backend_device_params
+from conftest import BAD_SCALAR_IDS, BAD_SCALARS, backend_device_params
 
 # the op has no CUDA kernel: its GPU path is Triton
 NO_CUDA_KERNEL = backend_device_params(without=("cuda",))
@@ -554,3 +554,44 @@ def test_a_block_of_subnormal_moments_keeps_its_codes(backend, device):
     (m_want, _), (_, v_want) = out["ref"]
     assert torch.equal(m_got, m_want)
     assert (v_got - v_want).abs().max() <= 1 and (v_got == 255).sum() == 1
+
+
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
+def test_stochastic_rounding_never_overflows_a_finite_round_to_nearest(backend, device):
+    """bf16 masters within half an ulp above bf16's largest value round to it under
+    round-to-nearest; stochastic rounding keeps that result (its random bits carried about a
+    fifth of them up to inf; the cpp kernel's AVX-512 store had its own copy of the rounding)."""
+    n, block = 4096, 256
+    info = torch.finfo(torch.bfloat16)
+    ulp = 2.0 ** math.floor(math.log2(info.max)) * info.eps
+    frac = torch.rand(n, generator=torch.Generator().manual_seed(0)) * 0.49
+    sign = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)
+    master = (sign * (info.max + frac.double() * ulp)).float().to(device)
+    want = master.cpu().to(torch.bfloat16)
+    assert bool(want.isfinite().all())
+    m, v, am, av = _make_state(n, torch.uint8, block, device)
+    p = torch.zeros(n, dtype=torch.bfloat16, device=device)
+    with fastllm.use_backend(backend):
+        q8.adamw8bit_step([p], [torch.zeros_like(p)], [master], [m], [v], [am], [av],
+                          [torch.tensor(1.0)], block_size=block, **dict(HYPER, lr=0.0),
+                          stochastic_rounding=True, seed=5)
+    assert torch.equal(p.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("backend,device", NO_CUDA_KERNEL)
+@pytest.mark.parametrize("name,make,error,match", BAD_SCALARS, ids=BAD_SCALAR_IDS)
+def test_op_refuses_a_bad_scalar_before_writing(backend, device, name, make, error, match):
+    """grad_scale, clip_coef and found_inf hold one floating-point value (found_inf: or bool) on
+    the params' device or the CPU: the Triton kernel read the first of a two-element found_inf
+    (an overflow flagged in the second was stepped through) and read an empty one out of
+    bounds."""
+    n, block = 300, 256
+    m, v, am, av = _make_state(n, torch.uint8, block, device)
+    p, g = torch.randn(n, device=device), torch.randn(n, device=device)
+    state = [p, m, v, am, av]
+    before = [t.clone() for t in state]
+    with fastllm.use_backend(backend), pytest.raises(error, match=match):
+        q8.adamw8bit_step([p], [g], [], [m], [v], [am], [av], [torch.tensor(1.0)],
+                          block_size=block, **HYPER, **{name: make()})
+    for t, b in zip(state, before):
+        assert torch.equal(t, b)

@@ -15,14 +15,16 @@ Accuracy contract, on every backend that runs here (cpp, triton through the inte
 """
 
 import copy
+import math
 
 import pytest
 import torch
 
 import fastllm
+from conftest import BAD_SCALAR_IDS, BAD_SCALARS
 from conftest import backend_device_params as _all_backend_device_params
 from fastllm.amp import LossScaleCollapsedError, LossScaler
-from fastllm.ops import adamw_master_step, adamw_master_step_ref, l2norm
+from fastllm.ops import adamw_master_step, adamw_master_step_ref
 
 
 def backend_device_params():
@@ -690,3 +692,52 @@ def test_stochastic_rounding_picks_a_neighbour_in_every_range(backend, device, d
         exact = rn.double() == values.double()
         assert bool(same[exact].all())
         assert bool(same[rn.isinf()].all())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+def test_stochastic_rounding_never_overflows_a_finite_round_to_nearest(backend, device, dtype):
+    """Masters within half an ulp above the largest finite value round to it under
+    round-to-nearest; stochastic rounding keeps that result (bf16's added random bits carried
+    about a fifth of them up to inf)."""
+    info = torch.finfo(dtype)
+    ulp = 2.0 ** math.floor(math.log2(info.max)) * info.eps  # the spacing at the largest value
+    frac = torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 0.49
+    sign = torch.where(torch.arange(4096) % 2 == 0, 1.0, -1.0)
+    values = (sign * (info.max + frac.double() * ulp)).float()
+    rn = values.to(dtype)
+    assert bool(rn.isfinite().all())
+    args = make_state(dtype, device, "master", shapes=[values.shape])
+    args[2] = [values.to(device)]
+    with fastllm.use_backend(backend):
+        adamw_master_step(*args, **dict(HP, lr=0.0), stochastic_rounding=True, seed=5)
+    assert same_bits(args[0][0].cpu(), rn)
+
+
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+@pytest.mark.parametrize("name,make,error,match", BAD_SCALARS, ids=BAD_SCALAR_IDS)
+def test_op_refuses_a_bad_scalar_before_writing(backend, device, name, make, error, match):
+    """grad_scale, clip_coef and found_inf hold one floating-point value on the params' device or
+    the CPU: the Triton kernel read the first of a two-element found_inf (an overflow flagged in
+    the second was stepped through) and read an empty one out of bounds."""
+    args = make_state(torch.bfloat16, device, "master", shapes=[(33,)])
+    before = clone_args(args)
+    with fastllm.use_backend(backend), pytest.raises(error, match=match):
+        adamw_master_step(*args, **HP, **{name: make()})
+    for lst, old in zip(args, before):
+        for t, o in zip(lst, old):
+            assert same_bits(t, o)
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params())
+def test_a_bool_found_inf_skips_the_step(backend, device):
+    args = make_state(torch.bfloat16, device, "master", shapes=[(33,)])
+    before = clone_args(args)
+    with fastllm.use_backend(backend):
+        adamw_master_step(*args, **HP, found_inf=torch.tensor(True, device=device))
+    for lst, old in zip(args, before):
+        for t, o in zip(lst, old):
+            assert same_bits(t, o)

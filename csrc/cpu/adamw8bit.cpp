@@ -255,11 +255,16 @@ inline __m512 load_vec(const typename Fmt::T* ptr, __mmask16 k) {
   }
 }
 
-inline __m256i bf16_round_nearest_vec(__m512 x) {
+// bf16 round-to-nearest-even bits of x, one per 32-bit lane (nan not handled)
+inline __m512i bf16_nearest_bits(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(
+  return _mm512_srli_epi32(
       _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+}
+
+inline __m256i bf16_round_nearest_vec(__m512 x) {
+  __m512i r = bf16_nearest_bits(x);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(r);
@@ -284,6 +289,11 @@ inline void store_vec(typename Fmt::T* ptr, __mmask16 k, __m512 x, uint32_t stre
           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
       const __m512i noise = _mm512_and_si512(hash32_vec(idx), _mm512_set1_epi32(0xffff));
       __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), noise), 16);
+      // carried up to +-inf: round_nearest's result instead (lowp::BF16::round_stochastic's rule:
+      // a finite value above bf16's largest keeps the largest where nearest gives it)
+      const __mmask16 to_inf = _mm512_cmpeq_epi32_mask(
+          _mm512_and_si512(r, _mm512_set1_epi32(0x7fff)), _mm512_set1_epi32(0x7f80));
+      r = _mm512_mask_mov_epi32(r, to_inf, bf16_nearest_bits(x));
       const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
       r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
       _mm256_mask_storeu_epi16(ptr, k, _mm512_cvtepi32_epi16(r));

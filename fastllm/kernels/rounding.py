@@ -56,7 +56,12 @@ def round_stochastic(x, random, dtype: tl.constexpr):
     # are as random); uint64 arithmetic below would not bitcast back to fp32.
     random = random.to(tl.uint32)
     if dtype == tl.bfloat16:
-        bits = (x.to(tl.uint32, bitcast=True) + (random & 0xFFFF)) & 0xFFFF0000
+        u = x.to(tl.uint32, bitcast=True)
+        bits = (u + (random & 0xFFFF)) & 0xFFFF0000
+        # A finite x above bf16's largest value can be carried up to inf where rounding to
+        # nearest gives that largest value: an inf result takes round-to-nearest's instead.
+        nearest = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+        bits = tl.where((bits & 0x7FFFFFFF) == 0x7F800000, nearest, bits)
         out = tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(dtype)
     else:
         rn = x.to(tl.float16)

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from fastllm.ops._scalar_args import check_scalar_tensor
+
 
 def split_lr(lr):
     """(float lr, lr_tensor) of the functional API's `lr`, a float or a one-element tensor."""
@@ -27,21 +29,8 @@ def split_lr(lr):
 def check_lr_tensor(where, lr_tensor, device):
     """Raise naming the problem when lr_tensor is not a one-element floating-point tensor on the
     params' device or the CPU; touches nothing."""
-    if lr_tensor is None:
-        return
-    if not isinstance(lr_tensor, torch.Tensor):
-        raise TypeError(f"{where}: lr_tensor must be a Tensor, got {type(lr_tensor).__name__}")
-    if lr_tensor.layout != torch.strided:
-        raise TypeError(f"{where}: lr_tensor is {lr_tensor.layout}; it must be a dense tensor")
-    if lr_tensor.numel() != 1:
-        raise ValueError(f"{where}: lr_tensor must have one element, has {lr_tensor.numel()} "
-                         f"(shape {tuple(lr_tensor.shape)})")
-    if not lr_tensor.dtype.is_floating_point:
-        raise TypeError(f"{where}: lr_tensor has dtype {lr_tensor.dtype}; it must be floating "
-                        f"point")
-    if device is not None and lr_tensor.device != device and lr_tensor.device.type != "cpu":
-        raise ValueError(f"{where}: lr_tensor is on {lr_tensor.device}; it must be on the "
-                         f"params' device ({device}) or the CPU")
+    if lr_tensor is not None:
+        check_scalar_tensor(where, "lr_tensor", lr_tensor, device)
 
 
 def for_backend(lr, lr_tensor, backend, device):

@@ -6,8 +6,10 @@
 params, exp_avgs, exp_avg_sqs (and max_exp_avg_sqs when amsgrad) are updated in place. All tensors
 at one index share shape, dtype and device, are dense and contiguous. grads are read, divided by
 `grad_scale` when given; nothing changes when `found_inf` is nonzero (torch.amp.GradScaler's
-fused-optimizer protocol). `steps` holds each parameter's step count, already incremented (>= 1):
-one-element floating-point tensors on the params' device or the CPU. A grad or step carrying
+fused-optimizer protocol). grad_scale and found_inf: one-element floating-point tensors
+(found_inf may be bool) on the params' device or the CPU (fastllm/ops/_scalar_args.py).
+`steps` holds each parameter's step count, already incremented (>= 1): one-element
+floating-point tensors on the params' device or the CPU. A grad or step carrying
 the negative bit (x._neg_view()) is read by value; a written tensor carrying it is refused.
 `lr` is a float or a one-element tensor, which the GPU kernels read on the device (the op's
 `lr_tensor` argument; see fastllm/ops/_lr.py).
@@ -24,6 +26,7 @@ from fastllm import _backend, _extension
 from fastllm._library import lib
 from fastllm.ops._overlap import labelled, refuse_overlap
 from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
+from fastllm.ops._scalar_args import check_scalar_args
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
 # The Triton kernel computes in fp32; fp64 params on a GPU go to the CUDA kernel or the reference.
@@ -97,9 +100,13 @@ _IMPLS = {
 
 
 def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
-                     lr, beta1, beta2, eps, weight_decay, amsgrad, lr_tensor=None):
+                     lr, beta1, beta2, eps, weight_decay, amsgrad, lr_tensor=None,
+                     grad_scale=None, found_inf=None):
     """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
-    check_lr_tensor("fastllm.adamw_step", lr_tensor, params[0].device if params else None)
+    scalar_device = params[0].device if params else None
+    check_lr_tensor("fastllm.adamw_step", lr_tensor, scalar_device)
+    check_scalar_args("fastllm.adamw_step", scalar_device, grad_scale=grad_scale,
+                      found_inf=found_inf)
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"fastllm.adamw_step: {name} must be finite and >= 0, got {value}")
@@ -185,7 +192,8 @@ def _adamw_step_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     if not _backend.prevalidated():
         check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, lr_tensor=lr_tensor)
+                         amsgrad=amsgrad, lr_tensor=lr_tensor, grad_scale=grad_scale,
+                         found_inf=found_inf)
         check_step_values("fastllm.adamw_step", steps)
         refuse_overlap("fastllm.adamw_step", labelled(
             params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
@@ -222,7 +230,8 @@ def _adamw_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                      grad_scale=None, found_inf=None, lr_tensor=None):
     check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                     amsgrad=amsgrad, lr_tensor=lr_tensor)
+                     amsgrad=amsgrad, lr_tensor=lr_tensor, grad_scale=grad_scale,
+                     found_inf=found_inf)
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,

@@ -50,7 +50,8 @@ per call); masters[i] (empty list, or fp32, one per bf16/fp16 param) share the p
 exp_avgs[i], exp_avg_sqs[i] are uint8 or bf16 with the param's numel; absmaxes[i] are fp32 of
 ceil(numel / block_size) elements (8-bit only). Everything dense, contiguous, on one device.
 steps[i] is the step count, already incremented. grad_scale, clip_coef and found_inf are
-one-element tensors; nothing changes when found_inf is nonzero. Stochastic rounding applies to
+one-element floating-point tensors (found_inf may be bool) on the params' device or the CPU;
+nothing changes when found_inf is nonzero. Stochastic rounding applies to
 the write-back of bf16/fp16 params.
 
 Backends: cpp (CPU, AVX-512 vectorised), triton (GPU; CPU under TRITON_INTERPRET=1), and
@@ -66,6 +67,7 @@ from fastllm import _backend, _extension
 from fastllm._library import lib
 from fastllm.ops._overlap import labelled, refuse_overlap
 from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
+from fastllm.ops._scalar_args import check_scalar_args
 from fastllm.ops.adamw import check_step_values, check_steps
 from fastllm.ops.adamw_master import stochastic_round_ref
 
@@ -281,11 +283,14 @@ _WHERE = "fastllm.adamw8bit_step"
 
 def check_adamw8bit_args(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, *, lr, beta1, beta2, eps,
-                         weight_decay, block_size, lr_tensor=None):
+                         weight_decay, block_size, lr_tensor=None, grad_scale=None,
+                         clip_coef=None, found_inf=None):
     """Raise ValueError/TypeError naming the first bad argument; touches nothing. (The step
     counts' own checks, adamw.check_steps, follow it where they are made.)"""
     where = _WHERE
     check_lr_tensor(where, lr_tensor, params[0].device if params else None)
+    check_scalar_args(where, params[0].device if params else None, grad_scale=grad_scale,
+                      clip_coef=clip_coef, found_inf=found_inf)
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{where}: {name} must be finite and >= 0, got {value}")
@@ -360,10 +365,14 @@ def _adamw8bit_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_
                          weight_decay, block_size=256, maximize=False, stochastic_rounding=False,
                          seed=0, grad_scale=None, clip_coef=None, found_inf=None,
                          lr_tensor=None):
+    # fastllm.optim's step plan made its scalars itself (one element each, on the device): no
+    # per-step host cost re-checking them there.
+    scalars = ({} if _backend.prevalidated() else
+               dict(grad_scale=grad_scale, clip_coef=clip_coef, found_inf=found_inf))
     check_adamw8bit_args(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, lr=lr, beta1=beta1, beta2=beta2,
                          eps=eps, weight_decay=weight_decay, block_size=block_size,
-                         lr_tensor=lr_tensor)
+                         lr_tensor=lr_tensor, **scalars)
     if not params:
         return
     if not _backend.prevalidated():
@@ -405,7 +414,8 @@ def _adamw8bit_step_fake(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_
     check_adamw8bit_args(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_absmaxes,
                          exp_avg_sq_absmaxes, steps, qmaps, lr=lr, beta1=beta1, beta2=beta2,
                          eps=eps, weight_decay=weight_decay, block_size=block_size,
-                         lr_tensor=lr_tensor)
+                         lr_tensor=lr_tensor, grad_scale=grad_scale, clip_coef=clip_coef,
+                         found_inf=found_inf)
     if params:
         check_steps(_WHERE, steps, params[0].device)
 

@@ -30,8 +30,9 @@ Shapes and dtypes: at every index i, params[i] and grads[i] are bf16 or fp16 (on
 call); masters[i] (empty list, or one per param) and exp_avgs[i], exp_avg_sqs[i] are fp32;
 kahan_comps[i] (empty list, or one per param, only without masters) has the params' dtype; all
 share numel, device, and are dense and contiguous. steps[i] is the step count, already
-incremented. grad_scale, clip_coef and found_inf are one-element tensors read on the device;
-nothing changes when found_inf is nonzero.
+incremented. grad_scale, clip_coef and found_inf are one-element floating-point tensors
+(found_inf may be bool) on the params' device (read there) or the CPU; nothing changes when
+found_inf is nonzero.
 
 Backends: cpp (CPU), cuda and triton (GPU; triton on CPU under TRITON_INTERPRET=1), and
 `adamw_master_step_ref`, plain PyTorch.
@@ -45,6 +46,7 @@ from fastllm import _backend, _extension
 from fastllm._library import lib
 from fastllm.ops._overlap import labelled, refuse_overlap
 from fastllm.ops._lr import check_lr_tensor, for_backend, ieee_div, split_lr
+from fastllm.ops._scalar_args import check_scalar_args
 from fastllm.ops.adamw import check_step_values, check_steps
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("cuda", "triton", "ref")}
@@ -66,7 +68,8 @@ def stochastic_round_ref(x, dtype, generator):
         noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device,
                               generator=generator)
         rounded = ((bits + noise) & -65536).view(torch.float32)
-        return torch.where(torch.isnan(x), x, rounded).to(dtype)
+        # An inf (from a finite x above bf16's largest value) and nan: round to nearest instead.
+        return torch.where(torch.isinf(rounded) | torch.isnan(x), x, rounded).to(dtype)
     if dtype != torch.float16:
         raise NotImplementedError(f"fastllm: stochastic rounding to {dtype} is not implemented")
     rn = x.to(torch.float16)
@@ -173,10 +176,13 @@ _IMPLS = {
 
 
 def check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, *,
-                            lr, beta1, beta2, eps, weight_decay, lr_tensor=None):
+                            lr, beta1, beta2, eps, weight_decay, lr_tensor=None,
+                            grad_scale=None, clip_coef=None, found_inf=None):
     """Raise ValueError/TypeError naming the first bad argument; touches nothing."""
     where = "fastllm.adamw_master_step"
     check_lr_tensor(where, lr_tensor, params[0].device if params else None)
+    check_scalar_args(where, params[0].device if params else None, grad_scale=grad_scale,
+                      clip_coef=clip_coef, found_inf=found_inf)
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{where}: {name} must be finite and >= 0, got {value}")
@@ -231,7 +237,8 @@ def _adamw_master_step_impl(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
     if not _backend.prevalidated():
         check_adamw_master_args(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps,
                                 steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                weight_decay=weight_decay, lr_tensor=lr_tensor)
+                                weight_decay=weight_decay, lr_tensor=lr_tensor,
+                                grad_scale=grad_scale, clip_coef=clip_coef, found_inf=found_inf)
         check_step_values("fastllm.adamw_master_step", steps)
         refuse_overlap("fastllm.adamw_master_step", labelled(
             params=params, masters=masters, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
@@ -263,6 +270,8 @@ def _adamw_master_step_fake(params, grads, masters, exp_avgs, exp_avg_sqs, kahan
                             found_inf=None, lr_tensor=None):
     check_lr_tensor("fastllm.adamw_master_step", lr_tensor,
                     params[0].device if params else None)
+    check_scalar_args("fastllm.adamw_master_step", params[0].device if params else None,
+                      grad_scale=grad_scale, clip_coef=clip_coef, found_inf=found_inf)
     if params:  # (as adamw_step's fake: a step on the meta device dispatches here)
         check_steps("fastllm.adamw_master_step", steps, params[0].device)
 

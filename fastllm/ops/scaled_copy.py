@@ -5,7 +5,8 @@
 dst[i] = src[i] * (scale / divisor), the product computed in fp32 and rounded to nearest even
 into dst[i]'s dtype. dst[i] and src[i] are contiguous, on one device, with equal numel (shapes may
 differ, so a tensor can be copied into a flat slice of a bucket and back). Dtypes: fp32, bf16,
-fp16 in any combination. divisor: an optional one-element tensor (a loss scale), read once.
+fp16 in any combination. divisor: an optional one-element floating-point tensor (a loss scale),
+on any device, read once.
 
 It is the pack/unpack step of fastllm.distributed's flat gradient buckets and the cast of its
 low-precision DDP comm hooks (1/world-size and the loss-scale unscale folded into the cast).
@@ -19,6 +20,7 @@ from fastllm import _backend, _extension
 from fastllm._library import lib
 from fastllm.ops._overlap import refuse_overlap
 from fastllm.ops._lr import ieee_div
+from fastllm.ops._scalar_args import check_scalar_tensor
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -60,9 +62,8 @@ def check_scaled_copy_args(dst, src, scale, divisor):
     """Raise TypeError/ValueError naming the first bad tensor; touches nothing."""
     if len(dst) != len(src):
         raise ValueError(f"fastllm.scaled_copy: dst has {len(dst)} tensors, src has {len(src)}")
-    if divisor is not None and divisor.numel() != 1:
-        raise ValueError(f"fastllm.scaled_copy: divisor must have one element, got shape "
-                         f"{tuple(divisor.shape)}")
+    if divisor is not None:  # (read on the host by every backend: any device)
+        check_scalar_tensor("fastllm.scaled_copy", "divisor", divisor)
     if not dst:
         return
     device = dst[0].device
