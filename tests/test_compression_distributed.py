@@ -4,7 +4,10 @@ DistributedOptimizer, at rank 4 step by step against DDP + powersgd_hook + the s
 state round trip, the refused combinations, one inf/nan on one rank skipping only its step;
 GaLoreAdamW under DistributedOptimizer (stage 1 and 2) and under FSDP2 (`fully_shard`) against
 one process. Also here, as it shares this launch (tests/test_distributed.py is full):
-overlap_param_gather with a param read outside its own module's forward.
+overlap_param_gather with a param read outside its own module's forward, and DDP +
+powersgd_hook keeping each weight's state through DDP's bucket rebuild and a resume. In one
+process: the state following each param when a bucket is reordered, the name check of
+state_dict(), failure.wait's message and spawn's world_size check.
 
 Tolerances: fp32, 1e-5 relative. Against DDP the same kernels run on the same bucket contents, so
 the only differences are the order of a few sums. At full rank P P^T M equals M up to the
@@ -341,13 +344,70 @@ def _galore_fsdp2(rank, world):
     return worst, lefts, refused_cleanly, refused
 
 
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16, bias=False)
+        self.b = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _check_ddp_rebuild(rank, world):
+    """DDP's one bucket holds [a, b] at the first iteration, [b, a] after its rebuild: error
+    feedback must keep each weight's mass, sum_t out_t + mean(error_T) == sum_t mean(grad_t),
+    at start_iter 0 and across a resume from state_dict() into a fresh DDP (with module=).
+    Worst relative residual over the weights, per case."""
+    out = {}
+    for case in ("start_iter_0", "resume"):
+        torch.manual_seed(0)
+        plain = _TwoLayers()
+        out_sum = {n: torch.zeros(16, 16) for n in ("a.weight", "b.weight")}
+        true_sum = {n: torch.zeros(16, 16) for n in ("a.weight", "b.weight")}
+        g, state = torch.Generator().manual_seed(rank), None
+        for step in range(5):
+            if step == 0 or (case == "resume" and step == 3):
+                saved = None if step == 0 else io.BytesIO()
+                if saved is not None:
+                    torch.save(state.state_dict(), saved)
+                    saved.seek(0)
+                torch.manual_seed(0)
+                model = _TwoLayers()
+                if saved is not None:
+                    model.load_state_dict(plain.state_dict())
+                ddp = nn.parallel.DistributedDataParallel(model)
+                state = PowerSGD(rank=1, start_iter=0, module=ddp if case == "resume" else None)
+                if saved is not None:
+                    state.load_state_dict(torch.load(saved, weights_only=True))
+                ddp.register_comm_hook(state, powersgd_hook)
+            x = torch.randn(8, 16, generator=g)
+            model.zero_grad()
+            plain.zero_grad()
+            ddp(x).square().sum().backward()
+            plain(x).square().sum().backward()
+            for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+                out_sum[n] += p.grad
+                t = q.grad.clone()
+                dist.all_reduce(t)
+                true_sum[n] += t / world
+        err = state.errors[0].clone()
+        dist.all_reduce(err)
+        order = state._owners[0][0] if case == "resume" else ("b.weight", "a.weight")
+        out[case] = max(((out_sum[n] + err[i * 256:(i + 1) * 256].view(16, 16) / world
+                          - true_sum[n]).abs().max() / true_sum[n].abs().max()).item()
+                        for i, n in enumerate(order))
+    return out
+
+
 def _all_checks(rank, world):
     return {"full_rank": _full_rank(rank, world), "ddp": _against_ddp(rank, world),
             "round_trip": _round_trip(rank, world), "refusals": _refusals(rank, world),
             "galore_distopt": _galore_distopt(rank, world),
             "galore_fsdp2": _galore_fsdp2(rank, world),
             "non_finite_once": _non_finite_once(rank, world),
-            "overlap_functional_read": _overlap_functional_read(rank, world)}
+            "overlap_functional_read": _overlap_functional_read(rank, world),
+            "ddp_rebuild": _check_ddp_rebuild(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -415,3 +475,87 @@ def test_powersgd_non_finite_step_on_one_rank_skips_only_that_step(world2):
 def test_overlap_param_gather_covers_a_param_read_outside_its_module(world2):
     for result in world2:
         assert result["overlap_functional_read"]
+
+
+def test_each_weight_keeps_its_own_state_when_ddp_reorders_a_bucket(world2):
+    """Before, state went by bucket index and shapes: a.weight's error was added to b.weight's
+    gradient after DDP's rebuild (start_iter 0) and after a resume (residuals 0.3-0.4)."""
+    for result in world2:
+        assert result["ddp_rebuild"]["start_iter_0"] < 1e-5, result["ddp_rebuild"]
+        assert result["ddp_rebuild"]["resume"] < 1e-5, result["ddp_rebuild"]
+
+
+
+@pytest.mark.parametrize("module", [False, True])
+def test_state_follows_each_param_when_a_bucket_is_reordered(module):
+    """One process (a world-1 group): the same two params, their order in the bucket swapped
+    on alternate steps. Each param's mass is kept: sum_t out_t + error_T == sum_t grad_t."""
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False))
+    params = {n: p for n, p in net.named_parameters()}
+    state = PowerSGD(rank=2, start_iter=0, process_group=group,
+                     module=net if module else None)
+    out_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+    true_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+    for step in range(6):
+        # the two weights hold 2048 elements each, of shapes (64, 32) and (32, 64)
+        order = ["0.weight", "1.weight"][::1 if step % 2 == 0 else -1]
+        shapes = [tuple(params[n].shape) for n in order]
+        buf = torch.randn(4096, generator=torch.Generator().manual_seed(step))
+        grads = [buf[:2048].view(shapes[0]), buf[2048:].view(shapes[1])]
+        for n, g in zip(order, grads):
+            true_sum[n] += g
+        state.reduce_(buf, grads, 0, params=[params[n] for n in order])
+        for n, g in zip(order, grads):
+            out_sum[n] += g
+    error = state.errors[0]
+    for i, n in enumerate(order):
+        e = error[i * 2048:(i + 1) * 2048].view(params[n].shape)
+        torch.testing.assert_close(out_sum[n] + e, true_sum[n], rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_without_names_is_refused_by_a_state_with_module():
+    """Saved without module= (or before names were saved): loadable only by bucket index."""
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    net = nn.Linear(32, 64, bias=False)
+    saved = PowerSGD(rank=2, start_iter=0, process_group=group)
+    buf = torch.randn(64 * 32, generator=torch.Generator().manual_seed(0))
+    saved.reduce_(buf, [buf.view(64, 32)], 0, params=[net.weight])
+    sd = saved.state_dict()
+    assert sd["params"] is None
+    old = {k: v for k, v in sd.items() if k != "params"}  # as saved before 'params' existed
+    for state_dict in (sd, old):
+        state = PowerSGD(rank=2, start_iter=0, process_group=group, module=net)
+        with pytest.raises(ValueError, match="no parameter names"):
+            state.load_state_dict(state_dict)
+        assert state.iter == 0 and not state.errors
+        plain = PowerSGD(rank=2, start_iter=0, process_group=group)
+        plain.load_state_dict(state_dict)
+        assert torch.equal(plain.errors[0], saved.errors[0])
+    named = PowerSGD(rank=2, start_iter=0, process_group=group, module=net)
+    named.reduce_(buf, [buf.view(64, 32)], 0, params=[net.weight])
+    assert named.state_dict()["params"] == {0: {"names": ["weight"], "offsets": [0]}}
+
+
+class _FailedWork:
+    """An async collective that has already failed."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_collective_that_raised_is_not_reported_as_timed_out():
+    from fastllm.distributed import failure
+    with pytest.raises(failure.DistributedFailure) as info:
+        failure.wait(_FailedWork(), "test all-reduce", timeout=30)
+    assert "after" not in str(info.value) and "Connection closed" in str(info.value)
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.0, True])
+def test_spawn_refuses_a_world_size_below_one(world_size):
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        spawn(_model, world_size)

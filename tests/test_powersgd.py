@@ -552,7 +552,8 @@ def test_warm_start_redraws_q_columns_left_zero(backend, device, first):
     dict(rank=True), dict(rank=2.0), dict(start_iter=True), dict(start_iter=-1),
     dict(min_compression_rate="2"), dict(min_compression_rate=True),
     dict(min_compression_rate=float("nan")), dict(orthogonalization_epsilon=None),
-    dict(orthogonalization_epsilon=-1e-8), dict(seed=1.5), dict(seed=-1), dict(seed=2 ** 32),
+    dict(orthogonalization_epsilon=-1e-8), dict(orthogonalization_epsilon=float("inf")),
+    dict(seed=1.5), dict(seed=-1), dict(seed=2 ** 32),
     dict(seed=True),
 ])
 def test_bad_settings_are_refused_by_name(kw):
@@ -582,3 +583,9 @@ def test_load_state_dict_refuses_a_config_with_other_keys(config):
         state.load_state_dict(sd)
     assert all(repr(k) in str(info.value) for k in want), (want, info.value)
     assert state.iter == 0 and not state.errors and not state.p_memory
+
+
+def test_orthogonalize_refuses_an_infinite_epsilon():
+    x = torch.randn(8, 2)
+    with pytest.raises(ValueError, match="epsilon must be finite"):
+        orthogonalize([x], float("inf"))

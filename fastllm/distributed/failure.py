@@ -80,7 +80,8 @@ def failure_guard():
 
 
 def collective_error(what, exc=None, timeout=None):
-    """The DistributedFailure to raise when collective `what` failed (exc) or timed out."""
+    """The DistributedFailure to raise when collective `what` failed (exc) or timed out; give
+    timeout only when the deadline passed (the message then says "after N s")."""
     rank = dist.get_rank() if dist.is_initialized() else -1
     reason = reported_failure()
     after = f" after {as_timedelta(timeout).total_seconds():g} s" if timeout is not None else ""
@@ -107,7 +108,7 @@ def wait(work, what, timeout=None):
         try:
             work.wait()
         except Exception as exc:
-            raise collective_error(what, exc, timeout) from exc
+            raise collective_error(what, exc) from exc
         return
     done, errors = threading.Event(), []
 
@@ -127,4 +128,4 @@ def wait(work, what, timeout=None):
         if time.monotonic() >= deadline:
             raise collective_error(what, None, timeout)
     if errors:
-        raise collective_error(what, errors[0], timeout) from errors[0]
+        raise collective_error(what, errors[0]) from errors[0]

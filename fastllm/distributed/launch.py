@@ -83,6 +83,10 @@ def spawn(fn, world_size, args=(), timeout=300, backend="gloo", pg_timeout=None,
     pg_timeout: the process group's own timeout in seconds (default: timeout).
     grace: seconds the other ranks get to finish once one has raised, before they are killed.
     """
+    # 0 or fewer processes would return [] as if fn had run; bool is an int to Python
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"fastllm.distributed.launch.spawn: world_size must be an int >= 1, "
+                         f"got {world_size!r}")
     folder = tempfile.mkdtemp(prefix="fastllm-dist-")
     ctx = mp.start_processes(
         _entry, args=(fn, world_size, args, folder, backend, pg_timeout or timeout),

@@ -44,14 +44,15 @@ stay zero for good, that direction never sent again while the error grows (torch
 orthogonalises by Gram-Schmidt (rank <= 2, half precision), gives nan there with epsilon 0 and
 stays stuck with epsilon > 0; its QR, used otherwise, makes unit columns of zero ones);
 start_iter may be 0 or 1 (torch refuses that with error feedback or warm start because DDP
-rebuilds its buckets after the first iteration): a bucket whose layout changed gets fresh state,
-which is what the refusal protects. All collectives of a bucket run before the hook returns (an
-already completed future), which is how they are ordered on Gloo anyway.
+rebuilds its buckets after the first iteration): the hook passes each bucket's parameters, whose
+error and Q follow them into their new buckets. All collectives of a bucket run before the hook
+returns (an already completed future), which is how they are ordered on Gloo anyway.
 """
 
 import math
 import numbers
 import operator
+import weakref
 
 import numpy as np
 import torch
@@ -78,10 +79,13 @@ class PowerSGD:
         orthogonalization_epsilon: added to column norms in the orthogonalisation.
         process_group: the group to average over (default: the world).
         seed (random_seed): seeds the first Q, the same on every rank.
+        module: the model (or its DDP) of the hook's buckets: state_dict() saves their parameter
+            names, by which a resumed run matches saved states to parameters (see state_dict()).
     """
 
     def __init__(self, rank=4, start_iter=10, min_compression_rate=2, error_feedback=True,
-                 warm_start=True, orthogonalization_epsilon=0.0, *, process_group=None, seed=0):
+                 warm_start=True, orthogonalization_epsilon=0.0, *, process_group=None, seed=0,
+                 module=None):
         who = "fastllm.distributed.PowerSGD"
         # bool is an int to Python, but rank=True or seed=False is a slip, not a setting
         if not _is_int(rank) or rank < 1:
@@ -91,14 +95,20 @@ class PowerSGD:
         for name, value in (("min_compression_rate", min_compression_rate),
                             ("orthogonalization_epsilon", orthogonalization_epsilon)):
             # `not value >= 0` also refuses nan; the type is checked first so that a string or
-            # None is named here rather than failing inside the comparison
+            # None is named here rather than failing inside the comparison; inf zeroes all
             if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-                    or not value >= 0):
-                raise ValueError(f"{who}: {name} must be a real number >= 0, got {value!r}")
+                    or not value >= 0 or not math.isfinite(value)):
+                raise ValueError(f"{who}: {name} must be a finite real number >= 0, got {value!r}")
         # numpy's RandomState takes seeds in [0, 2**32) and refuses others with its own TypeError
         if not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
                 and 0 <= seed < 2 ** 32):
             raise ValueError(f"{who}: seed must be an int in [0, 2**32), got {seed!r}")
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module  # its names, without DDP's "module." prefix
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise ValueError(f"{who}: module must be an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self._name_of = {}  # id(param) -> (weak reference to it, its name in module)
         self.rank = rank
         self.start_iter = start_iter
         self.min_compression_rate = min_compression_rate
@@ -114,6 +124,10 @@ class PowerSGD:
         self.q_memory = {}
         self._fillers = {}  # (shape, device, dtype) -> _filler's matrix, made once
         self._layouts = {}
+        # key -> (its params' names or id()s, their offsets, weak references to them or None)
+        self._owners = {}
+        self._orphans = []  # states displaced this iteration, kept for their params' new buckets
+        self._touched = set()  # keys the hook's buckets used this iteration
         # Elements before and after compression, summed over every bucket and step (torch's
         # PowerSGDState counts the same), and the elements the last reduce sent per rank.
         self.total_numel_before_compression = 0
@@ -123,7 +137,13 @@ class PowerSGD:
     # ---- checkpointing -------------------------------------------------------------------
 
     def state_dict(self):
-        """Everything the next step depends on: iteration, errors, P and Q, the generator."""
+        """Everything the next step depends on: iteration, errors, P and Q, the generator.
+
+        States are kept per bucket index; a fresh DDP's first buckets are in another order than
+        its later ones. With `module`, 'params' holds each bucket's parameter names and offsets,
+        and a loaded state goes to the parameters of those names wherever they are. Without
+        ('params' None), as torch's PowerSGDState, a loaded state applies to the bucket of the
+        same index and layout: another parameter's state where DDP's order changed."""
         return {
             "config": dict(rank=self.rank, start_iter=self.start_iter,
                            min_compression_rate=self.min_compression_rate,
@@ -138,6 +158,9 @@ class PowerSGD:
             "layouts": {k: (n, str(dtype), shapes) for k, (n, dtype, shapes)
                         in self._layouts.items()},
             "numel": (self.total_numel_before_compression, self.total_numel_after_compression),
+            "params": None if self.module is None else {
+                k: {"names": list(t), "offsets": list(o)} for k, (t, o, refs)
+                in self._owners.items() if refs is None},
         }
 
     def load_state_dict(self, state_dict):
@@ -151,6 +174,9 @@ class PowerSGD:
         self.p_memory = {k: v.clone() for k, v in loaded["p_memory"].items()}
         self.q_memory = {k: v.clone() for k, v in loaded["q_memory"].items()}
         self._layouts = loaded["layouts"]
+        self._owners = {k: (tuple(v["names"]), tuple(v["offsets"]), None)
+                        for k, v in (loaded["params"] or {}).items() if self.module is not None}
+        self._orphans, self._touched = [], set()
         self.total_numel_before_compression, self.total_numel_after_compression = loaded["numel"]
 
     def _checked(self, state_dict):
@@ -159,7 +185,8 @@ class PowerSGD:
         who = "fastllm.distributed.PowerSGD.load_state_dict"
         if not isinstance(state_dict, dict):
             raise ValueError(f"{who}: the state_dict is a {type(state_dict).__name__}, not a dict")
-        missing = [k for k in self.state_dict() if k not in state_dict]
+        # 'params' is new: states saved before it load as they did, unless names are needed
+        missing = [k for k in self.state_dict() if k not in state_dict and k != "params"]
         if missing:
             raise ValueError(f"{who}: the state_dict lacks {missing} (not a PowerSGD state, or "
                              f"one of another version)")
@@ -216,7 +243,31 @@ class PowerSGD:
         if out["p_memory"].keys() != out["q_memory"].keys():
             raise ValueError(f"{who}: 'p_memory' holds buckets {sorted(out['p_memory'], key=str)}"
                              f", 'q_memory' {sorted(out['q_memory'], key=str)}")
+        out["params"] = self._checked_params(who, state_dict.get("params"), out["layouts"])
         return out
+
+    def _checked_params(self, who, params, layouts):
+        """'params' (None: saved without names), checked against the layouts."""
+        if params is None and self.module is not None and layouts:
+            raise ValueError(f"{who}: the state_dict has no parameter names (saved without "
+                             f"module=, or by an older fastllm): its bucket states cannot be "
+                             f"matched to this module's parameters once DDP's buckets change; "
+                             f"load it without module= (by bucket index, as torch) or start anew")
+        if not isinstance(params, (dict, type(None))):
+            raise ValueError(f"{who}: 'params' is a {type(params).__name__}, not a dict")
+        for key, value in (params or {}).items():
+            try:
+                n, _, shapes = layouts[key]
+                offsets = [operator.index(o) for o in value["offsets"]]
+                ok = (len(value["names"]) == len(offsets) == len(shapes)
+                      and all(isinstance(name, str) for name in value["names"])
+                      and all(0 <= o <= n - math.prod(s) for o, s in zip(offsets, shapes)))
+            except (TypeError, KeyError):
+                ok = False
+            if not ok:
+                raise ValueError(f"{who}: 'params' of bucket {key!r} is not the names and "
+                                 f"offsets of the gradients its 'layouts' entry holds")
+        return params
 
     def _split(self, shape):
         """(n, m, r, compressed): a gradient of this shape seen as an n x m matrix, the rank of
@@ -243,17 +294,22 @@ class PowerSGD:
         """Count one iteration: what a DistributedOptimizer step calls after the buckets of a
         step were reduced with compressed_average_ (which counts none)."""
         self.iter += 1
+        # DDP reduces every bucket each iteration: the hook's buckets not seen are gone
+        for key in [k for k in self._owners if self._touched and k not in self._touched]:
+            self._drop(key), self._owners.pop(key), self._layouts.pop(key, None)
+        self._touched, self._orphans = set(), []
 
-    def reduce_(self, buffer, grads, key, is_last=True):
+    def reduce_(self, buffer, grads, key, is_last=True, params=None):
         """Average `buffer` across the group in place (compressed once start_iter is reached).
 
         buffer: flat 1-D gradient buffer (fp32, fp64, bf16 or fp16); grads: views into it, one
         per parameter, in buffer order (a DDP bucket's `gradients()`); key: the bucket's index,
-        which names its state; is_last: counts an iteration after the last bucket of a step.
-        Returns buffer.
+        which names its state; is_last: counts an iteration after the last bucket of a step;
+        params: the bucket's parameters, in grads' order (a DDP bucket's `parameters()`), whose
+        state follows them when the buckets change (None: the bucket never changes). Returns buffer.
         """
         if self.compressing:
-            self.compressed_average_(buffer, grads, key)
+            self.compressed_average_(buffer, grads, key, params)
         else:
             group = self.group
             buffer.div_(dist.get_world_size(group))
@@ -282,7 +338,83 @@ class PowerSGD:
         """Whether this iteration is compressed (start_iter reached)."""
         return self.iter >= self.start_iter
 
-    def compressed_average_(self, buffer, grads, key):
+    def _drop(self, key):
+        for memory in (self.errors, self.p_memory, self.q_memory):
+            memory.pop(key, None)
+
+    def _owner(self, params):
+        """(tokens, refs): a bucket's params by name in `module` (alike in every process), else
+        by id(): DDP's rebuild re-buckets the same Parameter objects; data_ptr() would not tell
+        empty params apart nor follow a new .data. refs tell a dead param (its id may recur)."""
+        if self.module is None:
+            return tuple(id(p) for p in params), tuple(weakref.ref(p) for p in params)
+        if not all(self._name_of.get(id(p), (lambda: None,))[0]() is p for p in params):
+            self._name_of = {id(q): (weakref.ref(q), name)
+                             for name, q in self.module.named_parameters()}
+        if not all(id(p) in self._name_of for p in params):
+            raise ValueError("fastllm.distributed.PowerSGD: a bucket holds a parameter that is "
+                             "not in the module given")
+        return tuple(self._name_of[id(p)][1] for p in params), None
+
+    def _claim(self, key, layout, offsets, params, device):
+        """Make the state under `key` this bucket's: kept if its layout and params are the same,
+        else each param's error and Q taken from where they are now; zero for the others (their
+        Q refilled by _refill_zero_columns_), a first Q drawn as torch's where none is found."""
+        same, old = self._layouts.get(key) == layout, self._owners.get(key)
+        if params is not None:
+            tokens, refs = self._owner(params)
+            self._touched.add(key)
+            self._owners[key] = (tokens, tuple(offsets), refs)
+        # without params (fixed buckets) or loaded without names: by index and layout
+        if same and (params is None or old is None
+                     or (old[0] == tokens and all(r() is not None for r in old[2] or ()))):
+            return
+        # sources: (owner, layout, error, Q); this key's own old state first
+        displaced = (old, self._layouts.get(key), self.errors.get(key), self.q_memory.get(key))
+        self._drop(key)
+        self._layouts[key] = layout
+        if params is None:
+            return
+        sources = [displaced] + self._orphans + [
+            (self._owners[k], self._layouts[k], self.errors.get(k), self.q_memory.get(k))
+            for k in self._owners if k != key]
+        self._orphans.append(displaced)
+        where = {t: (src, j) for src in reversed(sources)  # (the first source wins)
+                 if src[0] is not None and src[1] is not None
+                 and all(r() is not None for r in src[0][2] or ())
+                 for j, t in enumerate(src[0][0])}
+        n, dtype, shapes = layout
+        if self.error_feedback:
+            self.errors[key] = torch.zeros(n, device=device, dtype=dtype)
+        q, slots = None, self._q_slots(shapes)
+        for i, t in enumerate(tokens):
+            if t not in where:
+                continue
+            ((_, at, _), (_, src_dtype, src_shapes), src_error, src_q), j = where[t]
+            if src_dtype != dtype or src_shapes[j] != shapes[i]:
+                continue
+            size, slot = math.prod(shapes[i]), self._q_slots(src_shapes)[j]
+            if key in self.errors and src_error is not None:
+                self.errors[key][offsets[i]:offsets[i] + size].copy_(src_error[at[j]:at[j] + size])
+            if q is None and self.warm_start:
+                p_size, q_size = self._pq_sizes(shapes)
+                self.p_memory[key] = torch.empty(p_size, device=device, dtype=dtype)
+                q = self.q_memory[key] = torch.zeros(q_size, device=device, dtype=dtype)
+            if slot is not None and src_q is not None and q is not None:
+                size = slot[1] * slot[2]
+                q[slots[i][0]:slots[i][0] + size].copy_(src_q[slot[0]:slot[0] + size])
+
+    def _q_slots(self, shapes):
+        """(start, m, r) of each gradient's Q in its bucket's Q memory (None: not compressed)."""
+        split, first, slots, start = [self._split(s) for s in shapes], {}, [None] * len(shapes), 0
+        for i, (n, m, r, _) in enumerate(split):
+            first.setdefault((n, m, r), i)
+        for i in sorted((i for i, c in enumerate(split) if c[3]),
+                        key=lambda i: first[split[i][:3]]):
+            slots[i], start = (start, split[i][1], split[i][2]), start + split[i][1] * split[i][2]
+        return slots
+
+    def compressed_average_(self, buffer, grads, key, params=None):
         """The compressed average of `buffer` across the group, in place, whatever the
         iteration and without counting one (reduce_ after start_iter; what
         fastllm.distributed.DistributedOptimizer calls per bucket). Elements of `buffer` outside
@@ -292,12 +424,7 @@ class PowerSGD:
         offsets = self._offsets(buffer, grads)
         work = buffer if buffer.dtype in _WORK_DTYPES else buffer.float()
         layout = (work.numel(), work.dtype, tuple(tuple(g.shape) for g in grads))
-        if self._layouts.get(key) != layout:
-            # A new bucket, or DDP rebuilt its buckets: state of another layout does not apply.
-            self._layouts[key] = layout
-            self.errors.pop(key, None)
-            self.p_memory.pop(key, None)
-            self.q_memory.pop(key, None)
+        self._claim(key, layout, offsets, params, work.device)
         error = None
         if self.error_feedback:
             error = self.errors.get(key)
@@ -306,23 +433,16 @@ class PowerSGD:
             else:
                 work.add_(error)
 
-        compress, uncompressed = [], []
-        for g, offset in zip(grads, offsets):
-            n, m, r, compressed = self._split(g.shape)
-            self.total_numel_before_compression += n * m
-            if compressed:
-                compress.append((offset, n, m, r))
-                self.total_numel_after_compression += (n + m) * r
-            else:
-                uncompressed.append((offset, g.numel()))
-                self.total_numel_after_compression += n * m
-
-        # Batched by shape, in order of first appearance: the layout of torch's P and Q memory,
-        # so that the seeded first Q is the same matrix as torch's.
-        by_shape = {}
-        for item in compress:
-            by_shape.setdefault(item[1:], []).append(item)
-        ordered = [item for items in by_shape.values() for item in items]
+        split = [self._split(g.shape) for g in grads]
+        uncompressed = [(o, g.numel()) for o, g, c in zip(offsets, grads, split) if not c[3]]
+        self.total_numel_before_compression += sum(n * m for n, m, _, _ in split)
+        self.total_numel_after_compression += sum((n + m) * r if c else n * m
+                                                  for n, m, r, c in split)
+        # Batched by shape, in order of first appearance (_q_slots): the layout of torch's P and
+        # Q memory, so that the seeded first Q is the same matrix as torch's.
+        slots = self._q_slots(layout[2])
+        ordered = [(offsets[i],) + split[i][:3] for i in sorted(
+            (i for i, slot in enumerate(slots) if slot), key=lambda i: slots[i][0])]
         mats = [work[o:o + n * m].view(n, m) for o, n, m, _ in ordered]
         p_size = sum(n * r for _, n, _, r in ordered)
         q_size = sum(m * r for _, _, m, r in ordered)
@@ -385,9 +505,7 @@ class PowerSGD:
             # P and Q are all-reduced, so every rank reaches the same verdict without another
             # collective; kept, a non-finite error or warm start would spoil every later step.
             if not bool(torch.isfinite(p_mem).all() & torch.isfinite(q_mem).all()):
-                self.errors.pop(key, None)
-                self.p_memory.pop(key, None)
-                self.q_memory.pop(key, None)
+                self._drop(key)
         self.last_numel_sent = flat.numel() + p_size + q_size
         if work is not buffer:
             buffer.copy_(work)
@@ -475,7 +593,8 @@ def powersgd_hook(state, bucket):
         raise TypeError(f"fastllm.distributed.powersgd_hook: state must be a "
                         f"fastllm.distributed.PowerSGD, got {type(state).__name__}")
     buffer = bucket.buffer()
-    state.reduce_(buffer, bucket.gradients(), bucket.index(), bucket.is_last())
+    state.reduce_(buffer, bucket.gradients(), bucket.index(), bucket.is_last(),
+                  bucket.parameters())
     fut = torch.futures.Future()
     fut.set_result(buffer)
     return fut

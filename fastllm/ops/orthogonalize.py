@@ -48,6 +48,8 @@ Backends: cpp (CPU), triton (GPU, fp32; CPU under TRITON_INTERPRET=1), `orthogon
 same sums in another order.
 """
 
+import math
+
 import torch
 
 from fastllm import _backend, _extension
@@ -123,8 +125,9 @@ _IMPLS = {"ref": orthogonalize_ref, "cpp": _cpp, "triton": _triton}
 
 def check_orthogonalize_args(matrices, epsilon):
     """Raise TypeError/ValueError naming the first bad matrix; touches nothing."""
-    if not epsilon >= 0:
-        raise ValueError(f"fastllm.orthogonalize: epsilon must be >= 0, got {epsilon}")
+    # inf passes `>= 0` but makes every 1 / (norm + epsilon) zero: each column comes out zero
+    if not (epsilon >= 0 and math.isfinite(epsilon)):
+        raise ValueError(f"fastllm.orthogonalize: epsilon must be finite and >= 0, got {epsilon}")
     if not matrices:
         return
     device, dtype = matrices[0].device, matrices[0].dtype
