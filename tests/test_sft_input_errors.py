@@ -161,8 +161,13 @@ def test_a_training_folder_holding_another_splits_files_is_refused(tmp_path):
     text.mkdir()
     (text / "train.txt").write_text("a")
     (text / "valid.txt").write_text("b")
-    with pytest.raises(ValueError, match=r"another split than train \(valid.txt\)"):
+    with pytest.raises(ValueError, match=r"another split than train \(valid.txt\).*file\(s\)$"):
         load_text(str(text))
+    # text without a train file: a corpus's dev/ folder or testing.md is training text
+    (text / "train.txt").unlink()
+    (text / "dev").mkdir()
+    (text / "dev" / "setup.md").write_text("c")
+    assert sorted(load_text(str(text))) == ["b", "c"]
 
 
 @pytest.mark.parametrize("name", ["train.csv", "train.TSV", "train.parquet", "train.jsonl.gz",

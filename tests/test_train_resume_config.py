@@ -7,6 +7,7 @@ a rollback's step, as metrics.jsonl's lines are; the length-grouped order is the
 micro_batch_size; train() leaves the caller's config as given, and config.yaml keeps its
 max_steps (tiny model, one thread, a few steps)."""
 
+import copy
 import json
 import os
 import random
@@ -179,6 +180,18 @@ def test_a_state_that_does_not_fit_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="ckpt: optimizer.pt does not fit"):
         checkpoint_layout.load_state(strategy, None, {"state": 1, "param_groups": [{}, {}]},
                                      "ckpt", print)
+    # groups that differ only by an empty one pair up (ZeRO keeps only groups with params: a LoRA
+    # run's [decayed] against the other strategies' [decayed, []]), both ways
+    two = torch.optim.AdamW([{"params": [p]}, {"params": [], "weight_decay": 0.0}])
+    one = torch.optim.AdamW([p])
+    for saver, loader in ((one, two), (two, one)):
+        p.grad = torch.ones(3)
+        saver.step()
+        strategy.optimizer, loads[:] = loader, []
+        checkpoint_layout.load_state(strategy, None, copy.deepcopy(saver.state_dict()), "ckpt",
+                                     print)
+        assert len(loads) == 1
+        assert torch.equal(loader.state[p]["exp_avg"], saver.state[p]["exp_avg"])
 
 
 def test_the_length_grouped_order_is_the_same_at_any_micro_batch_size(tmp_path):
@@ -199,22 +212,47 @@ def test_the_length_grouped_order_is_the_same_at_any_micro_batch_size(tmp_path):
     assert sorted(orders[0][:80]) == list(range(80))
 
 
-def test_train_leaves_the_callers_config_and_records_max_steps_as_given(tmp_path):
+def test_train_leaves_the_callers_config_and_records_max_steps_as_given(tmp_path, monkeypatch):
     """train() set the caller's cfg.max_steps to the steps num_train_epochs gave, and config.yaml
-    kept that number: the same config with num_train_epochs=2 still ran one epoch."""
+    kept that number: the same config with num_train_epochs=2 still ran one epoch. config.yaml
+    names the tokenizer folder by its absolute path (for export and generate from anywhere),
+    though the run was given a relative one."""
+    from _tiny_tokenizer import tiny_bpe
+
+    tiny_bpe(pad="<|im_end|>").save_pretrained(str(tmp_path / "tok"))
+    monkeypatch.chdir(tmp_path)
     data, out = tmp_path / "d.jsonl", str(tmp_path / "run")
     data.write_text("".join(json.dumps({"prompt": f"Q{i}", "completion": " A"}) + "\n"
                             for i in range(8)))
     cfg = TrainConfig.from_args(["model=tiny", "data.seq_len=32", "micro_batch_size=4",
                                  "global_batch_size=8", "threads=1", "track_memory=false",
                                  "num_train_epochs=1", "data.packing=false", f"data.path={data}",
-                                 f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"])
+                                 "data.tokenizer=tok", f"data.cache_dir={tmp_path / 'cache'}",
+                                 f"output_dir={out}"])
     given = cfg.to_dict()
     assert Trainer(cfg, log=lambda text: None).train()["steps"] == 1
     assert cfg.to_dict() == given
     for folder in (out, os.path.join(out, "checkpoint-1")):
         with open(os.path.join(folder, "config.yaml")) as f:
-            assert yaml.safe_load(f)["max_steps"] == -1
+            saved = yaml.safe_load(f)
+        assert saved["max_steps"] == -1 and saved["data"]["tokenizer"] == str(tmp_path / "tok")
     again = TrainConfig.from_args(["num_train_epochs=2"], os.path.join(out, "config.yaml"))
     s = Trainer(again, log=lambda text: None).train()
     assert s["steps"] == 2 and s["resumed_from"].endswith("checkpoint-1")
+
+
+def test_a_precision_change_is_refused_where_the_state_depends_on_it(tmp_path):
+    """backend=fastllm keeps fp32 masters for bf16/fp16 weights, fp16 a loss scale: a resume at
+    another precision is refused by name; backend=torch trains fp32 params under autocast, so
+    bf16 <-> fp32 resumes there (it was refused too)."""
+    from fastllm.train import checkpoint_layout
+
+    def resume(saved, now):
+        TrainConfig.from_args(saved).save(str(tmp_path))
+        checkpoint_layout.check_resume_config(str(tmp_path), TrainConfig.from_args(now), print)
+
+    resume(["backend=torch", "precision=bf16"], ["backend=torch", "precision=fp32"])
+    for saved, now in ((["precision=bf16"], ["precision=fp32"]),
+                       (["backend=torch", "precision=fp16"], ["backend=torch", "precision=bf16"])):
+        with pytest.raises(ConfigError, match="trained with precision=.*fp32 master weights"):
+            resume(saved, now)

@@ -345,8 +345,11 @@ def load_state(strategy, model_state, optim_state, path, log):
     optimizer = strategy.optimizer
     groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
     if isinstance(groups, list) and len(groups) != len(optimizer.param_groups):
+        optim_state = _fit_empty_groups(optim_state, optimizer)
+        groups = optim_state["param_groups"]
+    if isinstance(groups, list) and len(groups) != len(optimizer.param_groups):
         # (every strategy's optimizer has [decayed, not decayed]; ZeRO's had one group before
-        # DistributedOptimizer took no_decay, and keeps only groups that have params)
+        # DistributedOptimizer took no_decay)
         raise ConfigError(f"fastllm train: {path}/optimizer.pt holds {len(groups)} param groups, "
                           f"this run's optimizer {len(optimizer.param_groups)}: saved with "
                           f"another group layout (a parallel.strategy=zero1/zero2 checkpoint "
@@ -360,6 +363,21 @@ def load_state(strategy, model_state, optim_state, path, log):
         raise ValueError(f"fastllm train: {path}: {files} does not fit this run's model and "
                          f"optimizer ({type(exc).__name__}: {exc})") from exc
     set_group_hyperparams(optimizer, configured, path, log)
+
+
+def _fit_empty_groups(optim_state, optimizer):
+    """optim_state with its param groups matched to the optimizer's where the two differ only
+    in empty groups: ZeRO's DistributedOptimizer keeps only the groups that have params (a LoRA
+    run has no undecayed vectors), the other strategies' optimizers always [decayed, not
+    decayed]. Unchanged when the non-empty groups do not pair up (then refused by count)."""
+    saved = [g for g in optim_state["param_groups"] if isinstance(g, dict) and g.get("params")]
+    if len(saved) != sum(1 for g in optimizer.param_groups if g["params"]):
+        return optim_state
+    it = iter(saved)
+    groups = [next(it) if g["params"] else dict({k: v for k, v in g.items() if k != "params"},
+                                                 params=[])
+              for g in optimizer.param_groups]
+    return dict(optim_state, param_groups=groups)
 
 
 def group_hyperparams(optimizer):
@@ -421,6 +439,9 @@ def check_resume_config(path, cfg, log):
         vocab = ("data.vocab_size",)  # the trained BPE's size is the embedding's
     for key in _LAYOUT_KEYS + vocab + _MODE_KEYS.get(cfg.finetune, ()):
         old, new = _get(saved, key), _get(now, key)
+        if key == "precision" and _get(saved, "backend") == cfg.backend == "torch" and \
+                "fp16" not in (old, new):
+            continue  # (torch's: fp32 params under autocast, no masters, no loss scale)
         if not _same(key, old, new):
             why = _WHY.get(key, "its model and optimizer state do not fit")
             raise ConfigError(f"fastllm train: {path} was trained with {key}={old}, this run has "

@@ -43,7 +43,7 @@ def load_text(path):
         files = files_under(path, (".txt", ".md"))
         if not files:
             raise FileNotFoundError(f"fastllm train: no .txt or .md files under {path}")
-        check_splits(path, files)  # (test.txt beside train.txt: another split, not training text)
+        check_splits(path, files, text=True)  # (valid.txt beside train.txt: another split)
     elif os.path.isfile(path):
         files = [path]
     else:

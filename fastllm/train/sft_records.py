@@ -92,19 +92,24 @@ def _folder_files(path):
     return files_under(path, _EXTENSIONS)
 
 
-def check_splits(folder, files):
+def check_splits(folder, files, text=False):
     """Refuse a training folder's `files` named for another split as Hugging Face datasets names
-    them (test.jsonl, data/validation-00000-of-00001.jsonl, my_eval.json, dev/part.txt): read
-    with the rest, they were trained on. A ConfigError listing them."""
-    other = [f for f in files
-             if _OTHER_SPLITS & set(re.split(r"[-._ 0-9/\\]+",
-                                             os.path.relpath(f, folder).lower()))]
+    them (test.jsonl, data/validation-00000-of-00001.jsonl, my_eval.json, dev/part.jsonl): read
+    with the rest, they were trained on. A ConfigError listing them. text: a folder of text
+    files, refused only when a file named for the train split is there too (valid.txt beside
+    train.txt; a documentation corpus may well have a dev/ folder or a testing.md)."""
+    def parts(f):
+        return set(re.split(r"[-._ 0-9/\\]+", os.path.relpath(f, folder).lower()))
+
+    other = [f for f in files if _OTHER_SPLITS & parts(f)]
+    if other and text and not any("train" in parts(f) for f in files):
+        return
     if other:
         names = ", ".join(os.path.relpath(f, folder) for f in other[:6])
+        where = "" if text else " and data.eval_path at the eval file"
         raise ConfigError(f"fastllm train: data folder {folder} holds files of another split than "
                           f"train ({names}{', ...' if len(other) > 6 else ''}), which would be "
-                          f"trained on: point data.path at the train file(s) and data.eval_path "
-                          f"at the eval file")
+                          f"trained on: point data.path at the train file(s){where}")
 
 
 def _files(path, train=True):

@@ -52,10 +52,8 @@ def lr_at(cfg, step):
 
 class Trainer:
     def __init__(self, cfg=None, log=None):
-        # its own copy: train() resolves max_steps in it, the caller's config is left as given,
-        # and config.yaml records given_cfg (max_steps=-1 under num_train_epochs stays -1)
+        # its own copy: train() resolves max_steps in it, the caller's config is left as given
         self.cfg = copy.deepcopy(cfg or TrainConfig()).validate()
-        self.given_cfg = copy.deepcopy(self.cfg)
         self._log = log
         self._owns_pg = False
         self._poisoned = False
@@ -84,6 +82,8 @@ class Trainer:
         # the layout's rules first: a run that cannot start writes nothing
         self.layout = ParallelLayout.from_config(cfg.parallel, self.world)
         preflight.check(cfg, self.layout)  # the batch, model, files and prompts
+        # what config.yaml records: the paths made absolute by the check, max_steps as given
+        self.given_cfg = copy.deepcopy(cfg)  # (-1 under num_train_epochs stays -1)
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if want_cuda else "gloo",
                                     timeout=watchdog.pg_timeout(cfg))
