@@ -95,7 +95,7 @@ def env_choice(name, choices):
     """The value of environment variable `name`, one of `choices` ("auto", the first, when unset):
     the CPU policy switches (FASTLLM_CPU_LOWP_MATMUL, FASTLLM_CPU_FP32_MATMUL,
     FASTLLM_CPU_ATTENTION); anything else is refused by name."""
-    value = os.environ.get(name, choices[0])
+    value = os.environ.get(name) or choices[0]  # (an empty value is unset, as FASTLLM_BACKEND's)
     if value not in choices:
         raise ValueError(f"fastllm: {name}={value!r} is not one of {tuple(choices)}")
     return value
@@ -133,6 +133,12 @@ def triton_interpreting():
     return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
 
 
+# (import fastllm imports torch._dynamo, which imports triton.language: its functions are made
+# for the GPU unless TRITON_INTERPRET was set before; set later, Triton failed on CPU tensors with
+# "Cannot call @triton.jit'd outside of the scope of a kernel")
+_INTERPRETING_AT_IMPORT = triton_interpreting()
+
+
 @functools.lru_cache(maxsize=None)
 def triton_available():
     try:
@@ -166,8 +172,10 @@ def unavailable_reason(backend, device_type):
     if backend == "triton":
         if not triton_available():
             return "triton is not installed"
-        if device_type == "cpu" and not triton_interpreting():
-            return "Triton runs on CPU tensors only with TRITON_INTERPRET=1 set before import"
+        if device_type == "cpu" and not (triton_interpreting() and _INTERPRETING_AT_IMPORT):
+            late = " (it was set after import)" if triton_interpreting() else ""
+            return (f"Triton runs on CPU tensors only with TRITON_INTERPRET=1 set before import"
+                    f"{late}")
         if device_type not in ("cpu", "cuda"):
             return f"Triton kernels here target CUDA tensors, not {device_type}"
         return None

@@ -132,3 +132,26 @@ def test_triton_interpret_spelled_as_triton_reads_it(monkeypatch, value):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not _backend.triton_interpreting()
     assert "TRITON_INTERPRET" in _backend.unavailable_reason("triton", "cpu")
+
+
+def test_triton_interpret_set_after_import_is_named(monkeypatch):
+    """TRITON_INTERPRET set after `import fastllm` (which imports triton.language through
+    torch._dynamo, its functions then made for the GPU): Triton failed on CPU tensors with
+    "Cannot call @triton.jit'd outside of the scope of a kernel"; it is refused saying why."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(_backend, "_INTERPRETING_AT_IMPORT", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "set after import" in _backend.unavailable_reason("triton", "cpu")
+
+
+def test_empty_policy_variables_are_unset_and_linear_checks_the_backend_name(monkeypatch):
+    """An empty FASTLLM_CPU_* value (a bare `ENV X=` line) is unset, as an empty FASTLLM_BACKEND
+    is (it was refused); fastllm.ops.linear, one implementation for every backend, still refuses
+    a misspelt FASTLLM_BACKEND as the other ops do (it ran on)."""
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    for name in ("FASTLLM_CPU_FP32_MATMUL", "FASTLLM_CPU_LOWP_MATMUL", "FASTLLM_CPU_ATTENTION"):
+        monkeypatch.setenv(name, "")
+    torch.testing.assert_close(linear(x, w), x @ w.t())
+    monkeypatch.setenv("FASTLLM_BACKEND", "CPP")
+    with pytest.raises(ValueError, match="FASTLLM_BACKEND='CPP' is not one of"):
+        linear(x, w)

@@ -229,8 +229,13 @@ def test_train_leaves_the_callers_config_and_records_max_steps_as_given(tmp_path
                                  "num_train_epochs=1", "data.packing=false", f"data.path={data}",
                                  "data.tokenizer=tok", f"data.cache_dir={tmp_path / 'cache'}",
                                  f"output_dir={out}"])
-    given = cfg.to_dict()
-    assert Trainer(cfg, log=lambda text: None).train()["steps"] == 1
+    given, threads = cfg.to_dict(), torch.get_num_threads()
+    torch.set_num_threads(2)  # (threads=1 in the config: the caller's count comes back)
+    try:
+        assert Trainer(cfg, log=lambda text: None).train()["steps"] == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     assert cfg.to_dict() == given
     for folder in (out, os.path.join(out, "checkpoint-1")):
         with open(os.path.join(folder, "config.yaml")) as f:

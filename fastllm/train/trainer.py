@@ -93,16 +93,15 @@ class Trainer:
         if want_cuda:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        self._run_lock = None
+        threads, self._run_lock = torch.get_num_threads(), None
+        torch.set_num_threads(cfg.threads or threads)  # (the caller's count restored after)
         try:
             return self._train()
         finally:
+            torch.set_num_threads(threads)
             run_dir.release(self._run_lock)
-            loader = getattr(self, "loader", None)
-            if loader is not None:
-                loader.close()
+            if getattr(self, "loader", None) is not None:
+                self.loader.close()
             if self._owns_pg and dist.is_initialized():
                 dist.destroy_process_group()
 
