@@ -148,7 +148,11 @@ def test_prefixes_match_at_a_name_boundary():
 
 
 @pytest.mark.parametrize("mode", ["ascending", "random"])
-def test_resume_switches_at_the_same_steps(mode):
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_resume_switches_at_the_same_steps(mode, where):
+    """Also from a state loaded onto the GPU (torch.load's map_location, accelerate's prepare:
+    the schedule's generator state was refused there, a CPU generator takes a CPU tensor)."""
     a = _model()
     opt_a = BAdam(a.named_parameters(), switch_block_every=3, switch_mode=mode, lr=1e-2)
     _train(a, opt_a, 7)
@@ -156,7 +160,7 @@ def test_resume_switches_at_the_same_steps(mode):
     blob = io.BytesIO()
     torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, blob)
     blob.seek(0)
-    saved = torch.load(blob)
+    saved = torch.load(blob, map_location=where)
     b = _model(seed=1)
     b.load_state_dict(saved["model"])
     opt_b = BAdam(b.named_parameters(), switch_block_every=3, switch_mode=mode, lr=1e-2)

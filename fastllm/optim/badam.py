@@ -316,9 +316,13 @@ class BAdam(torch.optim.Optimizer):
         skipped = state_dict.get("skipped_steps", 0)  # (absent from states saved before it)
         if not (isinstance(skipped, int) and skipped >= 0):
             raise ValueError(f"{where}: skipped_steps {skipped!r} is not an int >= 0")
+        rng = state_dict["generator"]
+        # (accelerate's prepare and a GPU map_location move the state's tensors to the device;
+        # a CPU generator takes a CPU byte tensor)
+        rng = rng.cpu() if isinstance(rng, torch.Tensor) else rng
         generator = torch.Generator()
         try:
-            generator.set_state(state_dict["generator"])
+            generator.set_state(rng)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"{where}: the generator state is invalid: {e}") from None
         inner = self._new_inner(order[position])
@@ -327,7 +331,7 @@ class BAdam(torch.optim.Optimizer):
         self.global_step = step
         self._order = list(order)
         self._position = position
-        self.generator.set_state(state_dict["generator"])
+        self.generator.set_state(rng)
         self.switches = list(state_dict["switches"])
         self.skipped_steps = skipped
         self._activate(inner, record=False)
