@@ -177,7 +177,9 @@ def _finish_config(model, tokenizer, from_folder=False):
             c.eos_token_id, c.bos_token_id = eos, bos
         if getattr(c, "pad_token_id", None) is None or not from_folder:
             c.pad_token_id = pad if pad is not None else eos
-    model.config.use_cache = True
+    # (a built-in model trains without a cache; its generation_config kept use_cache=False, so
+    # transformers' generate fed the whole sequence at every step)
+    model.config.use_cache = model.generation_config.use_cache = True
 
 
 def export(run_dir, out_dir, merged=False):

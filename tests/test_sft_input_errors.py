@@ -80,6 +80,10 @@ def test_prompts_file_names_a_line_not_utf8_and_accepts_a_byte_order_mark(tmp_pa
     bom.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\r\n\n{"prompt": "yo"}\n')
     assert read_prompt_records([], str(bom)) == [("hi", {}, f"{bom} line 1"),
                                                  ("yo", {}, f"{bom} line 3")]
+    for name, text in (("blank.txt", "\n  \n"), ("empty.jsonl", "")):
+        (tmp_path / name).write_text(text)  # (samples asked for were silently never written)
+        with pytest.raises(ValueError, match="holds no prompts"):
+            read_prompt_records(["given"], str(tmp_path / name))
 
 
 def test_prompts_json_and_upper_case_extensions_are_read_as_json(tmp_path):

@@ -204,8 +204,20 @@ def test_export_keeps_a_model_folders_stop_tokens():
     _finish_config(m, Tok(), from_folder=True)
     assert m.generation_config.eos_token_id == [1, 299, 7]
     m = model()
+    m.generation_config.use_cache = False  # (a built-in model's: it trains without a cache)
     _finish_config(m, Tok(), from_folder=False)
     assert m.generation_config.eos_token_id == 7 and m.config.bos_token_id is None
+    assert m.generation_config.use_cache  # (transformers' generate fed the whole sequence)
+
+
+def test_a_built_in_model_has_no_special_token_ids_of_its_own():
+    """A built-in model took LlamaConfig's bos 1 / eos 2, which generate_samples added to the
+    tokenizer's stop tokens: a sample stopped at token 2 (`"` of a trained BPE)."""
+    from fastllm.train.model import build_model
+
+    m = build_model(TrainConfig.from_args(["model=tiny"]), 300, torch.float32)
+    assert m.config.eos_token_id is None and m.generation_config.eos_token_id is None
+    assert m.config.bos_token_id is None
 
 
 def _tiny_lm(vocab=257):

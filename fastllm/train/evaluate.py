@@ -193,22 +193,25 @@ def read_prompt_records(prompts, prompts_file):
     out = [(p, {}, f"eval.prompts[{i}]") for i, p in enumerate(prompts)]
     if not prompts_file:
         return out
+    given = len(out)
     if is_json_name(prompts_file):
         for where, rec in parsed(prompts_file):
             if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                 raise ValueError(f"fastllm train: {where}: expected {{\"prompt\": a string}}")
             # a prompt is rendered as a user turn: a chat, for the template inputs
             out.append((rec["prompt"], template_inputs(rec, "chat", where), where))
-        return out
-    with open(prompts_file, "rb") as f:
-        raw = f.read()
-    # decoded as the training data is: line by line (an error names its line), a byte-order
-    # mark allowed on line 1
-    for n, line in enumerate(raw.splitlines(), 1):
-        where = f"{prompts_file} line {n}"
-        line = decode_utf8(line, where, bom=n == 1).strip()
-        if line:
-            out.append((line, {}, where))
+    else:
+        with open(prompts_file, "rb") as f:
+            raw = f.read()
+        # decoded as the training data is: line by line (an error names its line), a byte-order
+        # mark allowed on line 1
+        for n, line in enumerate(raw.splitlines(), 1):
+            where = f"{prompts_file} line {n}"
+            line = decode_utf8(line, where, bom=n == 1).strip()
+            if line:
+                out.append((line, {}, where))
+    if len(out) == given:  # (the samples asked for would silently never be written)
+        raise ValueError(f"fastllm train: eval.prompts_file {prompts_file} holds no prompts")
     return out
 
 

@@ -70,8 +70,11 @@ def _preset_config(cfg, vocab_size):
         raise ValueError(f"fastllm train: model={cfg.model!r} is neither a built-in "
                          f"({', '.join(PRESETS)}) nor a folder")
     kwargs = dict(PRESETS[cfg.model])
+    # no special token ids of LlamaConfig's own (bos 1, eos 2): the run's tokenizer has its
+    # own, and a sample's generation stopped at token 2 (`"` of a trained BPE); export sets them
     kwargs.update(vocab_size=vocab_size, max_position_embeddings=max(256, cfg.data.seq_len),
-                  tie_word_embeddings=False, use_cache=False)
+                  tie_word_embeddings=False, use_cache=False, bos_token_id=None,
+                  eos_token_id=None)
     kwargs.update(cfg.model_config)
     return LlamaConfig(**kwargs)
 
