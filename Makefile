@@ -36,8 +36,10 @@ setup: $(VENV)/.deps
 # A file added, deleted or renamed under csrc/ changes $(SOURCES), which is rewritten only then.
 # flock: helpers and CI may build concurrently; the in-place extension must be built by one at a time.
 SOURCES := build/csrc-files.txt
-$(shell mkdir -p build && find csrc -type f | LC_ALL=C sort > $(SOURCES).new && \
-	(cmp -s $(SOURCES).new $(SOURCES) && rm $(SOURCES).new || mv $(SOURCES).new $(SOURCES)))
+# (each make writes a file of its own and renames it: two makes started side by side raced on
+# one .new file, and one said "mv: cannot stat")
+$(shell mkdir -p build && t=$(SOURCES).$$$$ && find csrc -type f | LC_ALL=C sort > $$t && \
+	(cmp -s $$t $(SOURCES) && rm $$t || mv $$t $(SOURCES)))
 $(BUILT): $(VENV)/.deps setup.py $(SOURCES) $(shell find csrc -type f)
 	CFLAGS="$$CFLAGS $(EXT_CFLAGS)" flock /tmp/fastllm-build.lock \
 		$(PY) -m pip install -q --no-build-isolation --no-deps -e .
