@@ -54,6 +54,7 @@ class Trainer:
     def __init__(self, cfg=None, log=None):
         # its own copy: train() resolves max_steps in it, the caller's config is left as given
         self.cfg = copy.deepcopy(cfg or TrainConfig()).validate()
+        self.given_cfg = copy.deepcopy(self.cfg)  # (taken again in train(), after its checks)
         self._log = log
         self._owns_pg = False
         self._poisoned = False
