@@ -297,17 +297,13 @@ class DistributedOptimizer(DistributedOptimizerState, DistributedParamGather):
         self._attach_grads()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self.params]
-        # Reading the params (state_dict) must not race with an all-gather still in flight.
-        self._state_dict_hook = model.register_state_dict_pre_hook(
-            lambda *args, **kwargs: self.finish_param_sync())
-        # Nor writing them (model.load_state_dict): the gather would land over the loaded values.
-        # (public since torch 2.5; the private form takes the same hook with with_module=True)
+        # Reading the params (state_dict) must not race with an all-gather still in flight, nor
+        # writing them (model.load_state_dict): the gather would land over the loaded values.
         def sync(*args, **kwargs):
             self.finish_param_sync()
 
-        register = getattr(model, "register_load_state_dict_pre_hook", None)
-        self._load_state_dict_hook = (register(sync) if register is not None else
-                                      model._register_load_state_dict_pre_hook(sync, True))
+        self._state_dict_hook = model.register_state_dict_pre_hook(sync)
+        self._load_state_dict_hook = model.register_load_state_dict_pre_hook(sync)
         self._register_gather_waits(model)
 
     @property

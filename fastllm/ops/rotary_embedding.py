@@ -21,6 +21,8 @@ backward, so the pre-rotation q (a projection's output nobody else keeps) is fre
 Backends: cpp (csrc/cpu/rotary_embedding.cpp), triton (fastllm/kernels/rotary_embedding.py), ref.
 """
 
+import functools
+
 import torch
 
 from fastllm import _backend, _extension
@@ -147,11 +149,13 @@ def _rotary_impl(q, k, cos, sin, position_ids=None):
     return q_out, k_out
 
 
-def _rotary_backward_impl(grad_q, grad_k, cos, sin, position_ids=None):
+def _rotary_backward_impl(grad_q, grad_k, cos, sin, position_ids=None, check=True):
     grad_q = grad_q if grad_q.stride(-1) == 1 else grad_q.contiguous()
     grad_k = grad_k if grad_k.stride(-1) == 1 else grad_k.contiguous()
-    # (the op is public through torch.ops: its arguments are checked as the forward's are)
-    check_rotary_embedding_args(grad_q, grad_k, cos, sin, position_ids)
+    # (the op is public through torch.ops: its arguments are checked as the forward's are; the
+    # autograd backward's saved cos, sin and position_ids were checked by its forward)
+    if check:
+        check_rotary_embedding_args(grad_q, grad_k, cos, sin, position_ids)
     dq, dk = torch.empty_like(grad_q), torch.empty_like(grad_k)
     _run(grad_q, grad_k, cos, sin, position_ids, dq, dk, True)
     return dq, dk
@@ -193,7 +197,8 @@ lib.impl("rotary_embedding", _rotary_impl, "CPU")
 lib.impl("rotary_embedding", _rotary_impl, "CUDA")
 lib.impl("rotary_embedding_backward", _rotary_backward_impl, "CPU")
 lib.impl("rotary_embedding_backward", _rotary_backward_impl, "CUDA")
-_rotary_backward = direct_op("rotary_embedding_backward", _rotary_backward_impl)
+_rotary_backward = direct_op("rotary_embedding_backward",
+                             functools.partial(_rotary_backward_impl, check=False))
 lib.impl("rotary_embedding_", _rotary_inplace_impl, "CPU")
 lib.impl("rotary_embedding_", _rotary_inplace_impl, "CUDA")
 
