@@ -443,3 +443,36 @@ def test_a_prefix_and_lora_on_one_model_are_refused_before_anything_changes(tmp_
         with pytest.raises(ValueError, match="not supported"):
             save(model, str(tmp_path / "both"))
         assert not (tmp_path / "both").exists()
+
+
+class _IdTokenizer:
+    """Token ids as text ("5 6 7"), decoded back to a list of ids."""
+    bos_ids, eos_token_id = (), None
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return list(ids)
+
+
+def test_samples_of_a_prefix_model_follow_its_generation_config():
+    """fastllm train's samples of a prefix-tuned model were decoded by full forward passes that
+    knew temperature/top-k/top-p alone: the generation_config's repetition_penalty,
+    no_repeat_ngram_size, ... were ignored. They come from model.generate now, as for any model."""
+    from fastllm.train.evaluate import generate_samples
+
+    model = attach_prefix(_model("eager"), num_virtual_tokens=3).eval()
+    with torch.no_grad():
+        model.prefix_encoder.embedding.weight.normal_(0, 0.5)
+    model.generation_config.eos_token_id = None
+    prompt, n = [5, 6, 7], 12
+    plain = generate_samples(model, _IdTokenizer(), ["5 6 7"], max_new_tokens=n)[0]
+    assert len(set(prompt + plain)) < len(prompt) + n  # greedy repeats itself here ...
+    model.generation_config.no_repeat_ngram_size = 1
+    got = generate_samples(model, _IdTokenizer(), ["5 6 7"], max_new_tokens=n)[0]
+    assert len(set(prompt + got)) == len(prompt) + n  # ... and not with the setting
+    with torch.no_grad():
+        want = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == want

@@ -242,21 +242,6 @@ def test_generation_stops_at_every_stop_token_of_the_generation_config():
     assert generate_samples(model, tok, ["hello"], max_new_tokens=4) == [""]
 
 
-def test_decoding_without_a_cache_applies_top_p_and_top_k():
-    """The prefix-tuning path decodes without a KV cache: its sampling ignored top_p (and the
-    generation_config's top_k); with top_p tiny every sample is the greedy one."""
-    from fastllm.train.evaluate import _decode_without_cache
-
-    model = _tiny_lm()
-    ids = torch.tensor([[5, 6, 7]])
-    greedy = _decode_without_cache(model, ids, 6, [], False, 1.0)
-    for seed in range(3):
-        torch.manual_seed(seed)
-        assert _decode_without_cache(model, ids, 6, [], True, 1.0, top_p=1e-3) == greedy
-        torch.manual_seed(seed)
-        assert _decode_without_cache(model, ids, 6, [], True, 1.0, top_k=1) == greedy
-
-
 def test_model_and_tokenizer_folders_are_kept_absolute(tmp_path, monkeypatch):
     """config.yaml names the model folder for fastllm export and generate, which may run from
     elsewhere: a relative one was looked up from their working directory. A run saved with the

@@ -122,50 +122,19 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
                 kw.update(temperature=temperature, top_p=top_p)
             else:  # a checkpoint's own generation_config may ask for sampling
                 kw.update(temperature=None, top_p=None, top_k=None)
-            if hasattr(model, "_fastllm_prefix"):  # the prefix rides in the cache itself
-                top_k = getattr(config, "top_k", None) if do_sample else None
-                new = _decode_without_cache(model, ids, max_new_tokens, stops, do_sample,
-                                            temperature, top_p, top_k)
-            else:
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=max_new_tokens, use_cache=True,
-                                     pad_token_id=stops[0] if stops else None,
-                                     eos_token_id=stops or None, **kw)
-                new = out[0, ids.shape[1]:].tolist()
+            # (a prefix-tuned model too: its prefix rides in the KV cache generate() keeps, and
+            # generate() applies the generation_config's processors, repetition_penalty and
+            # no_repeat_ngram_size among them, on every path)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new_tokens, use_cache=True,
+                                 pad_token_id=stops[0] if stops else None,
+                                 eos_token_id=stops or None, **kw)
+            new = out[0, ids.shape[1]:].tolist()
             ends = [i for i, t in enumerate(new) if t in stops]
             outs.append(tokenizer.decode(new[:ends[0]] if ends else new))
     finally:
         model.train(was_training)
     return outs
-
-
-def _decode_without_cache(model, ids, max_new_tokens, stops, do_sample, temperature, top_p=1.0,
-                         top_k=None):
-    """Token by token, the whole sequence each time (no KV cache): (new ids). Sampling filters
-    the logits as model.generate does (temperature, then top-k, then top-p: transformers' own
-    warpers)."""
-    from transformers.generation.logits_process import (TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
-
-    warpers = [TemperatureLogitsWarper(temperature)] if do_sample else []
-    if do_sample and top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if do_sample and top_p is not None and top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    new = []
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=ids, use_cache=False).logits[:, -1].float()
-        if do_sample:
-            for warp in warpers:
-                logits = warp(ids, logits)
-            nxt = int(torch.multinomial(torch.softmax(logits[0], -1), 1))
-        else:
-            nxt = int(logits[0].argmax())
-        new.append(nxt)
-        if nxt in stops:
-            break
-        ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
-    return new
 
 
 def read_eval(path):
