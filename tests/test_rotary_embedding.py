@@ -66,6 +66,26 @@ def test_matches_ref_and_hf(backend, device, dtype, shape, gather):
         check_close(name, a, t, o, dtype)
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("shape", [(2, 0, 4, 2, 8), (0, 3, 4, 2, 8), (2, 3, 0, 2, 8)],
+                         ids=["no_tokens", "no_rows", "no_q_heads"])
+def test_empty_inputs_have_a_backward(backend, device, shape):
+    """out.sum().backward() hands an empty output's grad as a zero-stride expand, which
+    .contiguous() keeps: the C++ kernel refused it ("unit last stride")."""
+    b, s, hq, hk, d = shape
+    q = torch.randn(b, s, hq, d, device=device, requires_grad=True)
+    k = torch.randn(b, s, hk, d, device=device, requires_grad=True)
+    cos, sin = (t[None].float() for t in _tables(s, d, device))
+    with fastllm.use_backend(backend):
+        qo, ko = rotary_embedding(q, k, cos, sin)
+        (qo.sum() + ko.sum()).backward()
+    qr, kr = (t.detach().double().requires_grad_() for t in (q, k))
+    qo, ko = rotary_embedding_ref(qr, kr, cos.double(), sin.double())
+    (qo.sum() + ko.sum()).backward()
+    torch.testing.assert_close(q.grad.double(), qr.grad)
+    torch.testing.assert_close(k.grad.double(), kr.grad)
+
+
 @pytest.mark.parametrize("backend", ["cpp", "triton", "ref"])
 def test_hf_layout_and_in_place(backend):
     """HF's (B, H, S, D) tensors (strided views), the in-place form, and the HF-signature

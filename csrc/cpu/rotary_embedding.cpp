@@ -111,14 +111,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const 
 void rotary_embedding_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& position_ids,
                           const at::Tensor& q_out, const at::Tensor& k_out, bool backward) {
+  // (an empty tensor's strides say nothing: autograd hands an empty output's grad as a
+  // zero-stride expand, which .contiguous() keeps)
   for (const auto* t : {&q, &k, &q_out, &k_out}) {
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1 &&
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && (t->numel() == 0 || t->stride(3) == 1) &&
                     t->scalar_type() == q.scalar_type(),
                 "fastllm.rotary_embedding: q, k and outputs must be 4-D (B, S, H, D) CPU tensors "
                 "of one dtype with unit last stride");
   }
   TORCH_CHECK(cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
-                  cos.stride(-1) == 1 && sin.stride(-1) == 1,
+                  (cos.numel() == 0 || cos.stride(-1) == 1) &&
+                  (sin.numel() == 0 || sin.stride(-1) == 1),
               "fastllm.rotary_embedding: cos and sin must have q's dtype and unit last stride");
   TORCH_CHECK(position_ids.numel() == 0 || (position_ids.scalar_type() == at::kLong &&
                                             position_ids.dim() == 2),
