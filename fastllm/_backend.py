@@ -77,6 +77,12 @@ def direct(*tensor_lists):
     if (torch.is_grad_enabled() or intercepted()
             or torch._C._are_functorch_transforms_active()):
         return False
+    # Meta tensors (a model built under torch.device("meta")) have no values: through torch.ops
+    # their fake kernels run, as torch.optim.AdamW's step on them only makes state. (The first
+    # tensor tells: an op refuses tensors on more than one device.)
+    first = next((t for tensors in tensor_lists for t in tensors if t is not None), None)
+    if first is not None and first.is_meta:
+        return False
     return prevalidated() or all(type(t) in _PLAIN for tensors in tensor_lists
                                  for t in tensors if t is not None)
 

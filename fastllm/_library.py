@@ -164,8 +164,9 @@ def plain_eager(args):
     if _backend.intercepted() or torch._C._are_functorch_transforms_active():
         return False
     # a negated or conjugated view (x._neg_view(), z.conj().imag) goes through torch.ops too:
-    # the dispatcher's fallbacks hand the kernels its values, which read raw memory
-    return all(type(a) in _PLAIN and not (a.is_neg() or a.is_conj())
+    # the dispatcher's fallbacks hand the kernels its values, which read raw memory; and a meta
+    # tensor (a model built under torch.device("meta")), which has none: its fake kernel runs
+    return all(type(a) in _PLAIN and not (a.is_neg() or a.is_conj() or a.is_meta)
                for a in args if isinstance(a, torch.Tensor))
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import lora
+from fastllm import _lowp, lora
 from fastllm.lora import LoRALinear, save_adapter  # noqa: F401  (save_adapter: one for both)
 from fastllm.ops.linear import linear
 from fastllm.ops.lora_linear import lora_linear
@@ -92,7 +92,7 @@ class DoRALinear(LoRALinear):
         if self.merged:
             return self.base_layer(x)
         w, bias = self.base_layer.weight, self.base_layer.bias
-        if self.lora_A.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+        if self.lora_A.dtype != w.dtype and not _lowp.autocast_enabled(x.device.type):
             return self._forward_fp32_adapters(x, w, bias)
         n = self._norm()
         scale = (self.lora_magnitude_vector.to(n.dtype) / n).to(x.dtype)

@@ -290,7 +290,7 @@ def _mlp_forward(self, x):
     # a row-parallel down_proj (DTensor weight) runs as itself: its hooks reduce the output; so
     # does one under an accelerate hook, which may first bring its weight (offload, device_map)
     if (type(down) is nn.Linear and not is_dtensor(down.weight) and not _hooked(down)
-            and not torch.is_autocast_enabled(x.device.type)):
+            and not _lowp.autocast_enabled(x.device.type)):
         # silu(gate) * up, as large as gate, is recomputed for down_proj's weight grad instead
         # of kept: one elementwise pass for (tokens x ffn) of activation memory per layer
         return swiglu_linear(gate, up, down.weight, down.bias)

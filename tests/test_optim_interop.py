@@ -202,3 +202,45 @@ def test_master_cast_to_bf16_by_torch_is_upcast_at_load(make):
         assert torch.equal(master, saved["state"][i]["master_param"].float())
     _train(again, 2, seed=5)
     assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("make,dtype", [
+    (lambda ps: AdamW(ps), torch.float32),
+    (lambda ps: AdamW(ps, master_weights=True), torch.bfloat16),
+    (lambda ps: AdamW(ps, max_grad_norm=1.0), torch.float32),
+    (lambda ps: AdamW8bit(ps), torch.float32),
+], ids=["adamw", "master_bf16", "clipped", "8bit"])
+def test_params_on_the_meta_device_step_as_torch_does(make, dtype):
+    """torch.optim.AdamW steps a model built under torch.device("meta") (no values: it makes the
+    state there); fastllm's direct kernel call read a step count on the host ("Tensor.item()
+    cannot be called on meta tensors")."""
+    def model():
+        with torch.device("meta"):
+            m = torch.nn.Linear(8, 4).to(dtype)
+        m(torch.empty(2, 8, device="meta", dtype=dtype)).sum().backward()
+        return m
+
+    ours, theirs = model(), model()
+    opt, ref = make(ours.parameters()), torch.optim.AdamW(theirs.parameters())
+    for _ in range(2):
+        opt.step()
+        ref.step()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert p.is_meta and p.shape == q.shape
+        state = opt.state[p]
+        assert state and all(t.is_meta for t in state.values() if torch.is_tensor(t))
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in ref.state[q] and state[key].dtype == ref.state[q][key].dtype:
+                assert state[key].shape == ref.state[q][key].shape
+
+
+def test_galore_refuses_params_on_the_meta_device_by_name():
+    """GaLore's projection needs values (a range finder over the grad): a meta param is refused
+    before anything is made, not failed on a host read ("Tensor.item() cannot be called")."""
+    with torch.device("meta"):
+        m = torch.nn.Linear(8, 4)
+    m(torch.empty(2, 8, device="meta")).sum().backward()
+    opt = GaLoreAdamW([{"params": [m.weight], "rank": 2}, {"params": [m.bias]}])
+    with pytest.raises(RuntimeError, match=r"param 0 of param group 0 .* is on the meta device"):
+        opt.step()
+    assert not opt.state

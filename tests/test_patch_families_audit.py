@@ -437,3 +437,35 @@ def test_forward_hooks_on_projections_still_fire_when_patched():
         got = model(input_ids=ids).logits
     assert len(calls) == 4
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_patched_model_on_the_meta_device_trains_as_the_unpatched_one(dtype):
+    """A model built under torch.device("meta") (shapes only, as for planning memory or before
+    FSDP's to_empty) runs forward and backward unpatched; patched, the direct kernel calls read
+    labels on the host ("Tensor.item() cannot be called on meta tensors"), and the MLP asked
+    autocast about the meta device. Now the ops' fake kernels run, LoRA and AdamW included."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def model():
+        with torch.device("meta"):
+            return LlamaForCausalLM(LlamaConfig(
+                hidden_size=32, intermediate_size=48, vocab_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)).to(dtype)
+
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    theirs, ours = model(), fastllm.patch(model())
+    for m in (theirs, ours):
+        fastllm.lora.inject_lora(m, r=2, target_modules=["q_proj", "v_proj"])
+        out = m(input_ids=ids, labels=ids)
+        assert out.loss.is_meta and out.loss.shape == ()
+        out.loss.backward()
+    named = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        q = named[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert p.grad.is_meta and p.grad.shape == q.grad.shape and p.grad.dtype == q.grad.dtype
+    opt = fastllm.optim.AdamW([p for p in ours.parameters() if p.requires_grad])
+    opt.step()
+    assert all(t.is_meta for s in opt.state.values() for t in s.values() if torch.is_tensor(t))

@@ -221,6 +221,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
                                        f"match its param's shape, dtype and device")
                 if not p.dtype.is_floating_point:
                     raise TypeError(f"fastllm.optim.GaLoreAdamW: {where} has dtype {p.dtype}")
+                if p.is_meta:  # (fastllm.optim.AdamW steps them, as torch.optim.AdamW does)
+                    raise RuntimeError(f"fastllm.optim.GaLoreAdamW: {where} is on the meta "
+                                       f"device: no values to project (materialise the model, "
+                                       f"e.g. model.to_empty(device=...), first)")
                 if self._projected(group, p):
                     # (_row_shard refuses a DTensor layout the projected step cannot shard)
                     low, shape = self.state.get(p, {}).get("exp_avg"), self._low_shape(group, p)
