@@ -422,7 +422,10 @@ def _generate(args):
     except (FileNotFoundError, ValueError, OSError, CheckpointError) as e:
         sys.exit(str(e) if str(e).startswith("fastllm generate:") else f"fastllm generate: {e}")
     torch.manual_seed(args.seed)
-    text = generate_samples(model, tokenizer, [args.prompt], args.max_new_tokens,
-                            do_sample=args.do_sample, temperature=args.temperature,
-                            top_p=args.top_p)[0]
+    try:
+        text = generate_samples(model, tokenizer, [args.prompt], args.max_new_tokens,
+                                do_sample=args.do_sample, temperature=args.temperature,
+                                top_p=args.top_p)[0]
+    except ValueError as e:  # (an empty prompt, a template input the tokenizer cannot render)
+        sys.exit(f"fastllm generate: {e}")
     print(text)

@@ -189,3 +189,24 @@ def test_a_table_or_archive_is_refused_unless_format_text_is_given(tmp_path, nam
     with pytest.raises(ConfigError, match="table or archive"):
         data_format(str(path), "jsonl")
     assert data_format(str(path), "text") == "text"
+
+
+def test_an_empty_prompt_is_refused_by_name(tmp_path):
+    """An empty eval prompt was read, and with a tokenizer that adds no BOS (the byte tokenizer
+    of the built-in runs) generate() failed on torch.tensor([[]]), a float tensor, after the run
+    folder was written; `fastllm generate RUN ""` the same."""
+    from fastllm.train.evaluate import generate_samples
+
+    with pytest.raises(ValueError, match=r"eval.prompts\[1\] is empty"):
+        read_prompt_records(["hi", ""], None)
+    records = tmp_path / "p.jsonl"
+    records.write_text('{"prompt": "hi"}\n{"prompt": ""}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl line 2: the prompt is empty"):
+        read_prompt_records([], str(records))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, vocab_size=257,
+                                         num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="is no tokens .*nothing to continue"):
+        generate_samples(model, ByteTokenizer(), [""], max_new_tokens=2)
+    assert len(generate_samples(model, ByteTokenizer(), ["a"], max_new_tokens=2)) == 1

@@ -116,7 +116,11 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
     templates = [None] * len(prompts) if templates is None else templates
     try:
         for prompt, template in zip(prompts, templates, strict=True):
-            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt, template)], device=device)
+            ids = chat_prompt_ids(tokenizer, prompt, template)
+            if not ids:  # (torch.tensor([[]]) is a float tensor generate() fails on)
+                raise ValueError(f"the prompt {prompt!r} is no tokens (the tokenizer adds no "
+                                 f"BOS): there is nothing to continue")
+            ids = torch.tensor([ids], dtype=torch.long, device=device)
             kw = dict(do_sample=do_sample)
             if do_sample:
                 kw.update(temperature=temperature, top_p=top_p)
@@ -160,6 +164,9 @@ def read_prompt_records(prompts, prompts_file):
     from fastllm.train.sft_records import decode_utf8, is_json_name, parsed, template_inputs
 
     out = [(p, {}, f"eval.prompts[{i}]") for i, p in enumerate(prompts)]
+    for p, _, where in out:
+        if not p:
+            raise ValueError(f"fastllm train: {where} is empty: a prompt to continue is expected")
     if not prompts_file:
         return out
     given = len(out)
@@ -167,6 +174,8 @@ def read_prompt_records(prompts, prompts_file):
         for where, rec in parsed(prompts_file):
             if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                 raise ValueError(f"fastllm train: {where}: expected {{\"prompt\": a string}}")
+            if not rec["prompt"]:
+                raise ValueError(f"fastllm train: {where}: the prompt is empty")
             # a prompt is rendered as a user turn: a chat, for the template inputs
             out.append((rec["prompt"], template_inputs(rec, "chat", where), where))
     else:
