@@ -3,7 +3,8 @@ file is refused by name before the run folder is written, `--help` works after t
 lists every config key, a resume with another LoRA alpha or dropout names the key; and (with
 FASTLLM_TEST_MODEL=<a SmolLM2 folder>) LoRA SFT on chat JSONL resumed mid-run gives the
 uninterrupted run's losses, and its PEFT adapter and merged export give the trained model's
-logits in peft and transformers."""
+logits in peft and transformers; a bf16/fp16 built-in model gives its exported folder's
+logits (RoPE's inv_freq kept fp32)."""
 
 import dataclasses
 import json
@@ -218,6 +219,27 @@ def test_a_built_in_model_has_no_special_token_ids_of_its_own():
     m = build_model(TrainConfig.from_args(["model=tiny"]), 300, torch.float32)
     assert m.config.eos_token_id is None and m.generation_config.eos_token_id is None
     assert m.config.bos_token_id is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_built_in_model_gives_its_exported_folders_logits(tmp_path, dtype):
+    """build_model's cast to bf16/fp16 also cast RoPE's inv_freq, which transformers keeps fp32
+    when it loads a folder: the run and its export gave other logits (bf16: 0.0078 apart)."""
+    from transformers import AutoModelForCausalLM
+
+    from fastllm.train.model import build_model
+
+    cfg = TrainConfig.from_args(["model=tiny"])
+    model = build_model(cfg, 300, dtype).eval()
+    rope, exact = model.model.rotary_emb, build_model(cfg, 300, torch.float32).model.rotary_emb
+    for name in ("inv_freq", "original_inv_freq"):
+        assert torch.equal(getattr(rope, name), getattr(exact, name))  # fp32, not re-widened
+    assert model.model.embed_tokens.weight.dtype == dtype
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    ids = torch.randint(0, 300, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
 
 
 def _tiny_lm(vocab=257):

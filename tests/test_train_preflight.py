@@ -4,7 +4,8 @@ skeleton (no weights read) with the names there are; eval.prompts_file records c
 per-record `tools` and `chat_template_kwargs` into the chat template of the generation prompt,
 and are refused where the tokenizer has no chat template (built-in model, a tiny HF folder), as
 chat training records are (the first record of each data file is read, for train and eval
-files, JSON Lines and arrays, folders and data.format=jsonl)."""
+files, JSON Lines and arrays, folders and data.format=jsonl). A PEFT adapter folder given as
+model= and freeze.layers / lora.layers above the model's layer count are refused too."""
 
 import json
 import os
@@ -434,3 +435,53 @@ def test_a_forced_backend_that_cannot_run_is_refused_before_the_run_folder(
     with pytest.raises(ConfigError, match=re.escape(says)):
         Trainer(cfg).train()
     assert not out.exists()
+
+
+# ----- the model folder and its layer count -----
+
+def test_a_peft_adapter_folder_as_the_model_is_refused_before_the_run_folder(tmp_path, hf_model,
+                                                                             text):
+    """transformers' from_pretrained loads the base an adapter_config.json names and applies the
+    adapter on top: finetune=full trained base and adapter weights both, and the run's export
+    failed. Refused naming the base model and --merged, in the preflight and when built."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from fastllm.train.model import build_model
+
+    adapter = tmp_path / "adapter"
+    base = AutoModelForCausalLM.from_pretrained(hf_model)
+    peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        adapter)
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_args(_args(adapter, text, out, "max_steps=1"))
+    says = (f"model={adapter} is a PEFT adapter folder (adapter_config.json), not a model: train "
+            f"the base model its adapter_config.json names ({hf_model}), or a merged folder "
+            f"(`fastllm export RUN_DIR OUT_DIR --merged`")
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        Trainer(cfg, log=lambda t: None).train()
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        build_model(cfg, 300, torch.float32)
+
+
+@pytest.mark.parametrize("option", ["finetune=freeze freeze.layers", "finetune=lora lora.layers"])
+@pytest.mark.parametrize("model", ["tiny", "hf"])
+def test_more_last_layers_than_the_model_has_are_refused_before_the_run_folder(
+        tmp_path, hf_model, text, option, model):
+    """freeze.layers / lora.layers above the decoder layer count were clamped: freeze.layers=5
+    on 2 layers trained every layer. Both models have 2; 2 is all of them and passes."""
+    from fastllm.train.model import apply_finetune, build_model, check_model
+
+    mode, key = option.split()
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_args(_args(hf_model if model == "hf" else "tiny", text, out, mode,
+                                      f"{key}=3", "max_steps=1"))
+    says = f"fastllm train: {key}=3 is more than the model's 2 decoder layers; give at most 2"
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        Trainer(cfg, log=lambda t: None).train()
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=re.escape(says)):  # a caller that skips the preflight
+        apply_finetune(build_model(cfg, 300, torch.float32), cfg)
+    cfg.set(key, "2")
+    check_model(cfg)

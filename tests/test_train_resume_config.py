@@ -5,7 +5,8 @@ their own) and refuses another GaLore rank before anything is written; a tokeniz
 token cache follows its files, not its path; TensorBoard's events are purged after a resume's or
 a rollback's step, as metrics.jsonl's lines are; the length-grouped order is the same at any
 micro_batch_size; train() leaves the caller's config as given, and config.yaml keeps its
-max_steps (tiny model, one thread, a few steps)."""
+max_steps; model_config takes what LlamaConfig takes (rope_theta) (tiny model, one thread, a few
+steps)."""
 
 import copy
 import json
@@ -261,3 +262,19 @@ def test_a_precision_change_is_refused_where_the_state_depends_on_it(tmp_path):
                        (["backend=torch", "precision=fp16"], ["backend=torch", "precision=bf16"])):
         with pytest.raises(ConfigError, match="trained with precision=.*fp32 master weights"):
             resume(saved, now)
+
+
+def test_model_config_takes_the_llama_arguments_construction_moves(tmp_path):
+    """transformers 5 keeps rope_theta in rope_parameters; LlamaConfig(rope_theta=...) still
+    takes it, and model_config refused it as not a LlamaConfig field. A typo is refused."""
+    from fastllm.train.model import _preset_config, check_model
+
+    cfg = TrainConfig.from_args(["model=tiny", "model_config.rope_theta=50000"])
+    check_model(cfg)
+    assert _preset_config(cfg, 257).rope_parameters["rope_theta"] == 50000
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\nmodel_config: {rope_theta: 5e4, partial_rotary_factor: 5e-1}\n")
+    cfg = TrainConfig.from_args([], str(path))  # YAML 1.1 reads 5e4 as a string: a float here
+    assert cfg.model_config == {"rope_theta": 50000.0, "partial_rotary_factor": 0.5}
+    with pytest.raises(ConfigError, match=r"unknown model_config key\(s\) \['rope_thta'\]"):
+        TrainConfig.from_args(["model=tiny", "model_config.rope_thta=50000"])

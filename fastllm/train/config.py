@@ -17,8 +17,8 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from fastllm.train.config_values import (ConfigError, convert as _convert,
-                                         field_names as _field_names,
+from fastllm.train.config_values import (ConfigError, consumed as _consumed,
+                                         convert as _convert, field_names as _field_names,
                                          field_type as _field_type,
                                          parse_free as _parse_free, update as _update)
 
@@ -543,10 +543,19 @@ def _validate_values(cfg, need):
         need(not os.path.isdir(cfg.model), f"model_config applies to the built-in models; "
              f"model={cfg.model} is a folder whose config.json is used as it is")
         from transformers import LlamaConfig
+        try:  # (transformers 5's; 4.x keeps rope_theta a LlamaConfig field)
+            from transformers.modeling_rope_utils import RopeParameters
+        except ImportError:
+            RopeParameters = dict
 
         known = LlamaConfig().to_dict()
-        unknown = sorted(k for k in cfg.model_config if k not in known)
-        need(not unknown, f"unknown model_config key(s) {unknown} (not LlamaConfig fields)")
+        unknown = sorted(k for k, v in cfg.model_config.items()
+                         if k not in known and not _consumed(LlamaConfig, k, v))
+        need(not unknown, f"unknown model_config key(s) {unknown} (neither LlamaConfig fields "
+             f"nor arguments it takes, such as rope_theta)")
+        floats = [k for k, t in typing.get_type_hints(RopeParameters).items()
+                  if float in typing.get_args(t)]  # rope_theta, partial_rotary_factor, ...
+        floats += [k for k, v in known.items() if isinstance(v, float)]
         # the embedding and head are sized for the tokenizer's ids (a smaller table fails
         # mid-step with an IndexError, a larger one trains rows no id reaches)
         need("vocab_size" not in cfg.model_config, f"model_config.vocab_size="
@@ -554,8 +563,9 @@ def _validate_values(cfg, need):
              f"(data.tokenizer; data.vocab_size for bpe); drop the key")
         for key, value in cfg.model_config.items():
             # a float field as the top-level ones take it: YAML 1.1 reads 1e-5 as a string
-            if isinstance(known[key], float) and isinstance(value, str):
+            if key in floats and isinstance(value, str):
                 cfg.model_config[key] = _convert(f"model_config.{key}", value, None, float)
+
 
 # Hugging Face TrainingArguments names -> fastllm's, where the concept is the same
 # (gradient_accumulation_steps and num_train_epochs are fields of their own)

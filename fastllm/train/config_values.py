@@ -119,3 +119,12 @@ def update(obj, data, prefix):
         else:
             setattr(obj, key, convert(prefix + key, value, current, field_type(obj, key)))
 
+
+def consumed(config_class, key, value):
+    """Whether constructing config_class (an HF config) takes the keyword `key` into other fields
+    (transformers 5's LlamaConfig moves rope_theta, partial_rotary_factor and rope_scaling into
+    rope_parameters); a keyword it does not know it keeps as an attribute of that name (a typo)."""
+    try:
+        return key not in config_class(**{key: value}).to_dict()
+    except Exception:  # it read the value and refused it: fastllm.train.model.check_model says why
+        return True

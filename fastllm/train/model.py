@@ -7,6 +7,7 @@ import os
 import torch
 
 from fastllm.parallel import decoder_layers
+from fastllm.train.config_values import ConfigError
 
 __all__ = ["PRESETS", "build_model", "model_skeleton", "apply_finetune", "lora_targets",
            "is_model_dir", "check_model"]
@@ -30,13 +31,14 @@ def is_model_dir(name):
 
 
 def check_model(cfg):
-    """Refuse a model= that is neither a preset nor a folder (before the run folder is
-    written to: a run that cannot start writes nothing)."""
-    from fastllm.train.config import ConfigError
-
+    """Refuse a model= that is neither a preset nor a folder, a PEFT adapter folder, a bad
+    model_config and freeze.layers / lora.layers above the model's decoder layers (before the
+    run folder is written to: a run that cannot start writes nothing)."""
     if cfg.model not in PRESETS and not is_model_dir(cfg.model):
         raise ConfigError(f"fastllm train: model={cfg.model!r} is neither a built-in "
                           f"({', '.join(PRESETS)}) nor a folder")
+    if is_model_dir(cfg.model):
+        _refuse_adapter_folder(cfg.model)
     if cfg.model_config and cfg.model in PRESETS:
         # LlamaConfig's own validators (types, heads dividing hidden_size), no weights built
         try:
@@ -46,6 +48,34 @@ def check_model(cfg):
             why = " ".join(str(e).split())
             raise ConfigError(f"fastllm train: {given} is not a valid LlamaConfig for "
                               f"model={cfg.model}: {why}") from None
+    key, n = _layers_key(cfg)
+    if key is not None:
+        try:  # the meta skeleton: a folder's config.json only, no weights read
+            skeleton = model_skeleton(cfg)
+            decoder_layers(skeleton)
+        except ConfigError:
+            raise
+        except (ValueError, OSError):  # an architecture fastllm cannot read: refused when built
+            return
+        _last_layer_indices(skeleton, n, key)
+
+
+def _refuse_adapter_folder(name):
+    """A PEFT adapter folder is no base model: transformers' from_pretrained loads the base its
+    adapter_config.json names and applies the adapter on top (finetune=full then trained base
+    and adapter weights both, and the run could not be exported)."""
+    from fastllm.adapter_files import ADAPTER_CONFIG, read_config
+
+    if not os.path.isfile(os.path.join(name, ADAPTER_CONFIG)):
+        return
+    try:
+        base = read_config(name).get("base_model_name_or_path")
+    except ValueError:
+        base = None
+    base = f"the base model its {ADAPTER_CONFIG} names ({base})" if base else "its base model"
+    raise ConfigError(f"fastllm train: model={name} is a PEFT adapter folder ({ADAPTER_CONFIG}), "
+                      f"not a model: train {base}, or a merged folder (`fastllm export RUN_DIR "
+                      f"OUT_DIR --merged` folds the adapter into the weights)")
 
 
 def build_model(cfg, vocab_size, dtype):
@@ -53,6 +83,7 @@ def build_model(cfg, vocab_size, dtype):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if is_model_dir(cfg.model):
+        _refuse_adapter_folder(cfg.model)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype,
                                                      local_files_only=True)
         return model
@@ -60,7 +91,24 @@ def build_model(cfg, vocab_size, dtype):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LlamaForCausalLM(config)
-    return model.to(dtype)
+    return _cast_keeping_rope_fp32(model, dtype)
+
+
+# RoPE's inverse frequencies (and the copy dynamic RoPE resets to): transformers computes them in
+# fp32 and from_pretrained leaves them so at any dtype; cast to bf16 they gave the run other
+# logits than its exported folder
+_ROPE_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def _cast_keeping_rope_fp32(model, dtype):
+    """model.to(dtype), its rotary inv_freq buffers kept fp32 (as transformers loads them)."""
+    keep = {name: buf for name, buf in model.named_buffers()
+            if name.rsplit(".", 1)[-1] in _ROPE_BUFFERS and buf.dtype == torch.float32}
+    model.to(dtype)
+    for name, buf in keep.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, buf)
+    return model
 
 
 def _preset_config(cfg, vocab_size):
@@ -86,8 +134,6 @@ def model_skeleton(cfg):
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
     if is_model_dir(cfg.model):
-        from fastllm.train.config import ConfigError
-
         try:
             config = AutoConfig.from_pretrained(cfg.model, local_files_only=True)
         except (OSError, ValueError) as e:
@@ -99,9 +145,23 @@ def model_skeleton(cfg):
         return LlamaForCausalLM(_preset_config(cfg, vocab_size=257))
 
 
-def _last_layer_indices(model, n):
+def _layers_key(cfg):
+    """(key, N) of the last-N-layers option the run's finetune mode reads, or (None, 0)."""
+    if cfg.finetune == "freeze":
+        return "freeze.layers", cfg.freeze.layers
+    if cfg.finetune == "lora" and cfg.lora.layers > 0:
+        return "lora.layers", cfg.lora.layers
+    return None, 0
+
+
+def _last_layer_indices(model, n, key):
+    """The indices of the last n decoder layers (n <= 0: all); n above the model's layer count is
+    refused naming `key` (it was clamped: freeze.layers=5 on 2 layers trained every layer)."""
     total = len(decoder_layers(model))
-    n = total if n <= 0 else min(n, total)
+    if n > total:
+        raise ConfigError(f"fastllm train: {key}={n} is more than the model's {total} decoder "
+                          f"layers; give at most {total}")
+    n = total if n <= 0 else n
     return list(range(total - n, total))
 
 
@@ -129,7 +189,7 @@ def _apply_finetune(model, cfg):
     if mode == "freeze":
         model.requires_grad_(False)
         layers = decoder_layers(model)
-        for i in _last_layer_indices(model, cfg.freeze.layers):
+        for i in _last_layer_indices(model, cfg.freeze.layers, "freeze.layers"):
             layers[i].requires_grad_(True)
         inner = getattr(model, "model", model)
         for name in ("norm",):
@@ -174,7 +234,8 @@ def lora_targets(model, cfg, entries=None):
 
         targets = sorted({n.rsplit(".", 1)[-1] for n in all_linear(model)})
     if cfg.lora.layers > 0:
-        idx = "|".join(str(i) for i in _last_layer_indices(model, cfg.lora.layers))
+        idx = "|".join(str(i) for i in _last_layer_indices(model, cfg.lora.layers,
+                                                           "lora.layers"))
         mods = "|".join(targets)
         targets = rf".*\.layers\.({idx})\.(.*\.)?({mods})"
     return targets
