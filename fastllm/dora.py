@@ -115,16 +115,16 @@ class DoRALinear(LoRALinear):
         base = linear(x, w, bias)  # the base layer's output, bias included
         xd = x.to(dt)
         if self.dropout == 0.0 or not self.training:
-            # (m / n) (x W^T) + bias: PEFT takes x W^T as the base output less its bias, in the
-            # base dtype
-            plain = base if bias is None else base - bias
-            out = scale * plain.to(dt) + (0.0 if bias is None else bias.to(dt))
+            # PEFT takes x W^T as the base output less its bias, in the base dtype
+            plain = (base if bias is None else base - bias).to(dt)
         else:
             # PEFT: x W^T of the dropped fp32 x against W in fp32
             xd = F.dropout(xd, self.dropout, training=True)
-            out = base.to(dt) + (scale - 1) * linear(xd, w.to(dt))
+            plain = linear(xd, w.to(dt))
         low = linear(linear(xd, self.lora_A), self.lora_B) * self.scaling
-        return (out + scale * low).to(x.dtype)
+        # base + ((m / n - 1) x W^T + (m / n) s B A x), summed as PEFT sums it (scale * plain +
+        # bias rounded otherwise: one bf16 step apart from PEFT on a layer with a bias)
+        return (base.to(dt) + ((scale - 1) * plain + scale * low)).to(x.dtype)
 
     def _merged_weight(self, sign):
         """+1: (m / n) (W + s B A), the merged weight (PEFT's merge); -1: its inverse, with the n
