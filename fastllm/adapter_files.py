@@ -39,15 +39,36 @@ def read_weights(path, name=ADAPTER_WEIGHTS, where="fastllm.lora.load_adapter"):
     from safetensors.torch import load_file
 
     file = os.path.join(path, name)
-    try:
-        tensors = load_file(file)
-    except SafetensorError as e:
-        raise ValueError(f"{where}: {file} is not a valid safetensors file "
-                         f"(truncated or corrupt?): {e}") from None
+    legacy = os.path.join(path, name.removesuffix(".safetensors") + ".bin")
+    if not os.path.exists(file) and name.endswith(".safetensors") and os.path.isfile(legacy):
+        tensors = _read_legacy(legacy, where)  # PEFT's safe_serialization=False (older PEFT)
+    else:
+        try:
+            tensors = load_file(file)
+        except SafetensorError as e:
+            raise ValueError(f"{where}: {file} is not a valid safetensors file "
+                             f"(truncated or corrupt?): {e}") from None
     for key, tensor in tensors.items():
         if tensor.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{where}: {file} holds {key} as {tensor.dtype}; adapter tensors "
                              f"must be float16, bfloat16, float32 or float64")
+    return tensors
+
+
+def _read_legacy(file, where):
+    """An adapter_model.bin (torch.save of {key: tensor}), read with weights_only=True: tensors
+    and containers only, nothing unpickled that could run code."""
+    import pickle
+
+    try:
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"{where}: {file} is not a PyTorch state dict of tensors (truncated, "
+                         f"corrupt, or holding other objects?): {' '.join(str(e).split())[:300]}"
+                         ) from None
+    if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+        raise ValueError(f"{where}: {file} is not a dict of named tensors")
     return tensors
 
 

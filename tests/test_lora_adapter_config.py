@@ -333,3 +333,28 @@ def test_ill_typed_config_fields_are_refused_by_name(tmp_path, change, says):
     with pytest.raises(ValueError, match="adapter_config.json has " + says):
         load_adapter(model, str(tmp_path))
     assert _unchanged(model, before)
+
+
+class _Boom:
+    def __reduce__(self):  # what an unsafe unpickling would run
+        return (exec, ("raise SystemExit('unpickled')",))
+
+
+def test_an_adapter_model_bin_is_read_with_weights_only(tmp_path):
+    """PEFT's safe_serialization=False (older PEFT's default) writes adapter_model.bin: it failed
+    with a raw FileNotFoundError for adapter_model.safetensors. Read with weights_only=True: a
+    file holding other objects is refused by name, nothing run."""
+    theirs = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    _randomise(theirs).save_pretrained(str(tmp_path / "a"), safe_serialization=False)
+    assert (tmp_path / "a" / "adapter_model.bin").exists()
+    assert not (tmp_path / "a" / "adapter_model.safetensors").exists()
+    _assert_same_logits(load_adapter(_tiny_llama(), str(tmp_path / "a")), theirs)
+    weights = torch.load(tmp_path / "a" / "adapter_model.bin", weights_only=True)
+    torch.save({**weights, "extra": _Boom()}, tmp_path / "a" / "adapter_model.bin")
+    model = _tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"adapter_model\.bin is not a PyTorch state dict"):
+        load_adapter(model, str(tmp_path / "a"))
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
