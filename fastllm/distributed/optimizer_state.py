@@ -337,6 +337,10 @@ class DistributedOptimizerState:
             if master is None:
                 master = b.param_flat[b.lo:b.hi].float()
             b.shard_param.copy_(master)
+            # a loaded master is the truth, not the params: a model loaded before (as a resume
+            # loads model.pt, then the optimizer) must not count as a write _resync_masters takes
+            # the bf16-rounded params from (as fastllm.optim.AdamW's load forgets its versions)
+            b.versions = [p._version for p in b.params]
         # fp32 moments -> the inner optimizer's low-byte layout (8-bit blocks of this shard).
         self.optimizer.state[b.shard_param] = import_state(self.optimizer, b.shard_param, new)
 
