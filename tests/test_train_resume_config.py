@@ -262,6 +262,13 @@ def test_a_precision_change_is_refused_where_the_state_depends_on_it(tmp_path):
                        (["backend=torch", "precision=fp16"], ["backend=torch", "precision=bf16"])):
         with pytest.raises(ConfigError, match="trained with precision=.*fp32 master weights"):
             resume(saved, now)
+    # a backend change at bf16/fp16: torch.optim.AdamW kept fastllm's fp32 masters untouched,
+    # and returning to backend=fastllm loaded them stale (the steps between were lost)
+    resume(["backend=torch"], ["backend=fastllm"])  # (fp32: one state layout)
+    for saved, now in ((["precision=bf16"], ["backend=torch", "precision=bf16"]),
+                       (["backend=torch", "precision=fp16"], ["precision=fp16"])):
+        with pytest.raises(ConfigError, match=r"trained with backend=.*fp32 master weights"):
+            resume(saved, now)
 
 
 def test_model_config_takes_the_llama_arguments_construction_moves(tmp_path):

@@ -447,6 +447,14 @@ def check_resume_config(path, cfg, log):
             raise ConfigError(f"fastllm train: {path} was trained with {key}={old}, this run has "
                               f"{key}={new}: {why}; keep {key}={old} to resume, or start fresh "
                               f"(another output_dir, or overwrite_output_dir=true)")
+    old = _get(saved, "backend")
+    if old not in (None, cfg.backend) and "fp32" != cfg.precision:  # (precision is kept above)
+        raise ConfigError(f"fastllm train: {path} was trained with backend={old}, this run has "
+                          f"backend={cfg.backend}: at precision={cfg.precision} backend=fastllm "
+                          f"keeps fp32 master weights in optimizer.pt that backend=torch "
+                          f"neither reads nor updates (the steps of one would be lost on "
+                          f"returning to the other); keep backend={old} to resume, or start "
+                          f"fresh (another output_dir, or overwrite_output_dir=true)")
     for key in _DATA_KEYS:
         old, new = _get(saved, key), _get(now, key)
         if old != new:
