@@ -396,7 +396,7 @@ def test_crash_while_writing_leaves_the_previous_checkpoint(cache_dir, reference
     assert losses(out) == losses(reference)
 
 
-def test_corrupt_checkpoint_is_refused_and_the_previous_used(reference, tmp_path):
+def test_corrupt_checkpoint_is_refused_and_the_previous_used(cache_dir, reference, tmp_path):
     import shutil
 
     out = str(tmp_path / "run")
@@ -414,6 +414,14 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_used(reference, tmp_path
     messages.clear()
     assert ckpt.latest_valid(out, log=messages.append) is None
     assert "truncated" in messages[-1]
+    # every checkpoint refused: a resume does not start fresh over the run (it trained from step
+    # 0, truncated metrics.jsonl and overwrote the only copies of the run's state)
+    metrics = open(os.path.join(out, "metrics.jsonl")).read()
+    with pytest.raises(RuntimeError, match=r"no checkpoint .* verifies \(checkpoint-12, "
+                                           r"checkpoint-9;.*overwrite_output_dir=true"):
+        run(cache_dir, out, f"max_steps={REF_STEPS}", "checkpoint.interval=3")
+    assert open(os.path.join(out, "metrics.jsonl")).read() == metrics
+    assert os.path.getsize(os.path.join(out, "checkpoint-9", "optimizer.pt")) == 100
 
 
 def _manifest(path):

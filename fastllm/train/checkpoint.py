@@ -23,7 +23,8 @@ import torch
 
 from fastllm.train import faults
 
-__all__ = ["CheckpointError", "save", "verify", "latest_valid", "list_checkpoints", "prune",
+__all__ = ["CheckpointError", "save", "verify", "latest_valid", "resume_point", "usable",
+           "list_checkpoints", "prune",
            "load_file", "MANIFEST"]
 
 MANIFEST = "manifest.json"
@@ -203,6 +204,28 @@ def latest_valid(output_dir, log=print):
             continue
         return step, path
     return None
+
+
+def resume_point(output_dir, log=print):
+    """latest_valid's (step, path); None where output_dir holds no checkpoint; (None, [paths])
+    where it holds checkpoints none of which verifies (usable() refuses that on every rank)."""
+    found = latest_valid(output_dir, log)
+    if found is None:
+        refused = [path for _, path in list_checkpoints(output_dir)]
+        return (None, refused) if refused else None
+    return found
+
+
+def usable(found):
+    """resume_point's answer, refused where every checkpoint is corrupt: a fresh start would
+    train over the run and overwrite the only copies of its state (a fresh run into a folder of
+    another run's files needs overwrite_output_dir too)."""
+    if found is not None and found[0] is None:
+        raise CheckpointError(f"fastllm train: no checkpoint in this output_dir verifies "
+                              f"({', '.join(os.path.basename(p) for p in found[1])}; the reasons "
+                              f"are logged above): move them away to resume by hand, or start "
+                              f"fresh over them with overwrite_output_dir=true")
+    return found
 
 
 def prune(output_dir, keep_last, keep=None):

@@ -246,8 +246,8 @@ class Trainer:
         tracked_peak = None
         resumed = None
         if cfg.checkpoint.auto_resume and not cfg.overwrite_output_dir:  # (run_dir.prepare)
-            found = self._from_rank0(ckpt.latest_valid(cfg.output_dir, log=self.log)
-                                     if self.rank == 0 else None)
+            found = ckpt.usable(self._from_rank0(ckpt.resume_point(cfg.output_dir, self.log)
+                                                 if self.rank == 0 else None))
             if found is not None:
                 checkpoint_layout.check_resume_config(found[1], cfg, self.log)
                 self.load_checkpoint(found[1])
