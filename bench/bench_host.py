@@ -189,6 +189,21 @@ def _tiny_llama_step_rows(progress):
              "baseline": "Hugging Face"} for name in fns]
 
 
+def gpu_path_env(base=None):
+    """The environment bench/host_gpu_path.py runs in: `base` (os.environ) with its settings.
+    TRITON_INTERPRET must be set before fastllm is imported (fastllm refuses Triton on CPU
+    tensors otherwise), and `python -m fastllm.bench.host_gpu_path` imports fastllm before the
+    module's own lines run: without it in the environment the ops ran their reference instead
+    of the stubbed Triton path, with no launch to count."""
+    import os
+
+    from fastllm.bench.host_gpu_path import ENV
+
+    env = dict(os.environ if base is None else base)
+    env.update(item.split("=", 1) for item in ENV)
+    return env
+
+
 def _gpu_path_rows(progress):
     """bench/host_gpu_path.py's rows (the GPU path's host work, Triton launches stubbed), from
     a process of its own: TRITON_INTERPRET must be set before triton is imported."""
@@ -203,7 +218,8 @@ def _gpu_path_rows(progress):
         return []  # (its steps are of a transformers Llama; the LoRA one needs peft too)
     progress("host: the GPU path (Triton launches stubbed), in a process of its own")
     done = subprocess.run([sys.executable, "-m", "fastllm.bench.host_gpu_path"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800,
+                          env=gpu_path_env())
     if done.returncode:
         raise RuntimeError("bench/host_gpu_path.py failed:\n" + done.stderr[-4000:])
     return json.loads(done.stdout)

@@ -14,8 +14,13 @@ The GPU path's choices are made as on a GPU: fp32 matmuls through ATen (the GPU'
 CPU fastllm may route them to oneDNN), attention by transformers' SDPA (on a GPU fastllm runs no
 attention of its own for plain causal rows).
 
-    python -m fastllm.bench.host_gpu_path              # JSON rows (`fastllm bench --ops host`)
-    python -m fastllm.bench.host_gpu_path --launches   # the Triton launches of one call of each
+    TRITON_INTERPRET=1 python -m fastllm.bench.host_gpu_path             # JSON rows
+    TRITON_INTERPRET=1 python -m fastllm.bench.host_gpu_path --launches  # the Triton launches
+                                                                         # of one call of each
+(`fastllm bench --ops host` runs it so. TRITON_INTERPRET must be in the environment: `python -m`
+imports the fastllm package before this module's lines run, and fastllm refuses Triton on CPU
+tensors where the variable was set after its import; without it this refuses to run, where it
+measured the reference path, with no launch.)
 """
 
 import copy
@@ -67,6 +72,12 @@ def _gpu_preferences():
 
 def _prepared():
     """Stub the launches and take the GPU's backend choices; the Counter of launches."""
+    from fastllm import _backend
+
+    why = _backend.unavailable_reason("triton", "cpu")
+    if why is not None:
+        raise SystemExit(f"bench/host_gpu_path.py: {why}: run it as `TRITON_INTERPRET=1 python "
+                         f"-m fastllm.bench.host_gpu_path` (fastllm bench --ops host does)")
     launches = _stub_launches()
     _gpu_preferences()
     return launches

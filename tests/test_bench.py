@@ -448,8 +448,16 @@ def test_host_bench_gpu_path_runs_the_triton_kernels():
     work for the frozen norms."""
     for module in ("transformers", "peft", "triton"):
         pytest.importorskip(module)
-    done = subprocess.run([sys.executable, "-m", "fastllm.bench.host_gpu_path", "--launches"],
-                          capture_output=True, text=True, timeout=300)
+    from fastllm.bench.bench_host import gpu_path_env
+
+    command = [sys.executable, "-m", "fastllm.bench.host_gpu_path", "--launches"]
+    # (`fastllm bench --ops host` run by hand, without TRITON_INTERPRET=1: the module set it
+    # after `python -m` had imported fastllm, and the ops ran their reference, no launch)
+    bare = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=bare)
+    assert done.returncode != 0 and "TRITON_INTERPRET=1" in done.stderr, done.stderr[-3000:]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env=gpu_path_env(bare))
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout)
     for op in ("rms_norm", "rotary_embedding", "swiglu", "lora_linear",
