@@ -342,3 +342,40 @@ def test_tensor_eps_and_weight_decay_changed_in_place_are_seen(key, start, new):
     with pytest.raises(ValueError, match="Invalid (epsilon|weight_decay) value"):
         opt.step()
     assert _same(before, _snapshot(opt, model))
+
+
+@pytest.mark.parametrize("change", ["move_to_group", "move_to_maximize", "neg_grad_data"])
+def test_what_the_cached_plan_cannot_see_by_identity_rebuilds_it(change):
+    """The cached step plan compared the flattened params, states and grads: a param moved into
+    another group (the flattened order unchanged) kept its old group's lr / maximize, and a grad
+    given a negative bit through `p.grad.data = ...` was read raw (its sign lost). Each step
+    against torch.optim.AdamW."""
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(8, generator=gen) for _ in range(3)]
+
+    def make(cls):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        return params, cls([{"params": params[:2], "lr": 1e-3},
+                            {"params": params[2:], "lr": 1e-1,
+                             "maximize": change == "move_to_maximize"}])
+
+    (ours, opt), (theirs, ref) = make(fastllm.optim.AdamW), make(torch.optim.AdamW)
+    for step in range(4):
+        grads = [torch.randn(8, generator=gen) for _ in range(3)]
+        for p, q, g in zip(ours, theirs, grads):
+            q.grad = g.clone()
+            if p.grad is None:
+                p.grad = g.clone()
+            elif step == 2 and change == "neg_grad_data":  # the same grad tensor, its values
+                p.grad.data = (-g)._neg_view()  # behind a negative bit
+            else:
+                p.grad.copy_(g)  # (the same grad tensors: the plan's fast path)
+        if step == 2 and change == "neg_grad_data":
+            assert all(p.grad.is_neg() for p in ours)
+        elif step == 2:
+            for o in (opt, ref):
+                o.param_groups[1]["params"].insert(0, o.param_groups[0]["params"].pop())
+        opt.step()
+        ref.step()
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

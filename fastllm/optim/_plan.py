@@ -193,8 +193,16 @@ def check_amsgrad(opt, where):
 
 
 def _layouts(tensors):
-    """(dtype, shape) of each tensor (None for None)."""
-    return [None if t is None else (t.dtype, t.shape) for t in tensors]
+    """(dtype, shape, device index, negative bit) of each tensor (None for None): what
+    `p.data = w` or `p.grad.data = g` can change without changing the tensor's identity (the
+    kernels read raw memory, blind to a negative bit, on the device they were checked for)."""
+    return [None if t is None else (t.dtype, t.shape, t.get_device(), t.is_neg())
+            for t in tensors]
+
+
+def _groups_seen(opt):
+    """Each param group's size and amsgrad flag."""
+    return [(len(g["params"]), g["amsgrad"]) for g in opt.param_groups]
 
 
 class Plan:
@@ -288,7 +296,9 @@ class Plan:
         # these (the ops' own checks are off under it: a stepped state of another dtype or size
         # would be read as this one's, or past its end)
         self.layouts = _layouts(params) + _layouts(grads) if cached else None
-        self.amsgrad = [g["amsgrad"] for g in opt.param_groups]  # (the calls' state lists)
+        # each group's size and amsgrad (its calls' state lists): a param moved to another group
+        # with the flattened order unchanged kept its old group's lr, betas, ...
+        self.groups_seen = _groups_seen(opt)
         fast = [c for calls in self.groups for c in calls if c.fast]
         self.fast_lists = [c.params for c in fast] + [c.grads for c in fast]  # (kept current)
         # param slot -> (its call, its index in the call, its index in all_grads)
@@ -336,7 +346,7 @@ class Plan:
                 or not all(map(operator.is_, params, self.params))
                 or not all(map(operator.is_, map(opt.state.get, params), self.states))
                 or list(map(bool, self.states)) != self.filled  # (a state cleared in place)
-                or [g["amsgrad"] for g in opt.param_groups] != self.amsgrad):
+                or _groups_seen(opt) != self.groups_seen):
             return False
         if all(map(operator.is_, grads, self.grads)):
             return self._layouts_hold()
@@ -477,7 +487,9 @@ def written_version(p):
     model.load_state_dict) and its memory (`p.data = w`, vector_to_parameters). In-place writes
     through `p.data` bypass the version counter, as they bypass autograd, and are not seen
     unless the user then calls torch.autograd.graph.increment_version(p) (AdamW's docstring).
-    (The memory is not recorded in a step traced by torch.compile, which has no addresses.)"""
+    (The memory is not recorded in a step traced by torch.compile, which has no addresses.)
+    Nor is a `p.data = w` seen whose new memory the allocator placed at the freed old address
+    (`m.float(); ...; m.bfloat16()` can): increment_version(p) after such a round trip too."""
     if torch.compiler.is_compiling():
         return p._version, None
     return p._version, local(p).data_ptr()
