@@ -389,3 +389,28 @@ def test_tensor_parallel_refuses_lora_it_cannot_shard_before_sharding_anything(w
                        else "DoRA"):
         apply_tensor_parallel(model, init_device_mesh("cpu", (1,)))
     assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+@pytest.mark.parametrize("moe", [{"model_type": "mixtral", "num_local_experts": 8},
+                                 {"model_type": "qwen3_moe", "num_experts": 128,
+                                  "moe_intermediate_size": 768},
+                                 {"model_type": "qwen2_moe"}], ids=["mixtral", "qwen3", "type"])
+def test_plan_refuses_a_mixture_of_experts_config(moe):
+    """A Mixtral / Qwen3-MoE config.json was planned as its dense skeleton (Mixtral-8x7B as
+    7.24B params, not 46.7B), every memory estimate 6x short."""
+    from fastllm.parallel.planner.catalog import model_from_hf_config
+
+    dense = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
+    model_from_hf_config(dict(dense, model_type="llama", num_experts=0))  # (0: dense)
+    with pytest.raises(ValueError, match="mixture-of-experts config .* dense decoders only"):
+        model_from_hf_config(dict(dense, **moe))
+
+
+def test_plan_gpu_memory_is_the_cards_gib():
+    """The catalog's H100 had 80e9 bytes (74.5 GiB) against the 79.6 GiB nvidia-smi reports:
+    layouts needing 74.5-79.5 GiB were dropped as not fitting."""
+    from fastllm.parallel.planner.catalog import GPUS, GiB
+
+    assert 79.5 < GPUS["H100"].memory / GiB < 80 and GPUS["A100"].memory == 80 * GiB
+    assert 140 < GPUS["H200"].memory / GiB < 141

@@ -117,6 +117,10 @@ MODELS = {
 }
 
 
+# the keys a mixture-of-experts config sizes its experts by (Mixtral, Qwen2/3-MoE, DeepSeek)
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
 def model_from_hf_config(path_or_dict, name=None):
     """A ModelSpec from a Hugging Face config.json (Llama-style keys, or GPT-2's n_layer/n_embd)."""
     if isinstance(path_or_dict, dict):
@@ -140,6 +144,11 @@ def model_from_hf_config(path_or_dict, name=None):
             raise ValueError(f"{key} must be an integer, got {cfg[key]!r}")
         return cfg[key]
 
+    experts = {k: cfg[k] for k in _MOE_KEYS if _is_int(cfg.get(k)) and cfg[k] > 0}
+    if experts or str(cfg.get("model_type", "")).endswith("_moe"):
+        said = ", ".join(f"{k}={v}" for k, v in experts.items()) or cfg["model_type"]
+        raise ValueError(f"a mixture-of-experts config ({said}): fastllm plan sizes dense "
+                         f"decoders only, and would leave the experts out of every estimate")
     hidden = get("hidden_size", "n_embd", "d_model")
     heads = get("num_attention_heads", "n_head")
     gated = "n_embd" not in cfg
@@ -204,11 +213,14 @@ class GPUSpec:
 
 # Vendor datasheets (NVIDIA A100 80GB SXM, H100 SXM5, H200 SXM): dense bf16 tensor-core FLOP/s,
 # HBM bandwidth, NVLink total bandwidth halved for one direction; one InfiniBand NIC per GPU
-# (HDR 200 Gb/s on DGX A100, NDR 400 Gb/s on DGX H100/H200).
+# (HDR 200 Gb/s on DGX A100, NDR 400 Gb/s on DGX H100/H200). Memory: the total nvidia-smi
+# reports (81920, 81559 and 143771 MiB), which the plan's GiB are of (80e9 bytes, the "80GB" of
+# the name, is 74.5 GiB: layouts needing 74.5-79.5 GiB were refused as not fitting an H100).
+_MiB = 1024**2
 GPUS = {
-    "A100": GPUSpec("A100-80GB", 80e9, 312e12, 2.039e12, 300e9, 25e9),
-    "H100": GPUSpec("H100-SXM", 80e9, 989e12, 3.35e12, 450e9, 50e9),
-    "H200": GPUSpec("H200-SXM", 141e9, 989e12, 4.8e12, 450e9, 50e9),
+    "A100": GPUSpec("A100-80GB", 81920 * _MiB, 312e12, 2.039e12, 300e9, 25e9),
+    "H100": GPUSpec("H100-SXM", 81559 * _MiB, 989e12, 3.35e12, 450e9, 50e9),
+    "H200": GPUSpec("H200-SXM", 143771 * _MiB, 989e12, 4.8e12, 450e9, 50e9),
 }
 
 
