@@ -10,6 +10,12 @@ does not install it): pytest-benchmark tests go in test_benchmarks.py
 (`pytest bench --benchmark-only`).
 """
 
+# What bench/host_gpu_path.py (the GPU path's host work, on CPU tensors) runs under, set in its
+# process's environment before fastllm is imported (here: bench_host.py reads it in the parent
+# process, where importing host_gpu_path would set these for every later benchmark too)
+GPU_PATH_ENV = {"TRITON_INTERPRET": "1", "FASTLLM_CPU_ATTENTION": "torch",
+                "FASTLLM_CPU_FP32_MATMUL": "aten"}
+
 # op name -> module, in the order `fastllm bench` runs them
 OPS = {
     "adamw": "fastllm.bench.bench_adamw",

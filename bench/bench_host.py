@@ -197,11 +197,9 @@ def gpu_path_env(base=None):
     of the stubbed Triton path, with no launch to count."""
     import os
 
-    from fastllm.bench.host_gpu_path import ENV
+    from fastllm.bench import GPU_PATH_ENV  # (not host_gpu_path: importing it sets them here)
 
-    env = dict(os.environ if base is None else base)
-    env.update(item.split("=", 1) for item in ENV)
-    return env
+    return {**(os.environ if base is None else base), **GPU_PATH_ENV}
 
 
 def _gpu_path_rows(progress):

@@ -28,12 +28,13 @@ import json
 import os
 import sys
 
-# before triton or any fastllm kernel module is imported: Triton decides at decoration time
-os.environ["TRITON_INTERPRET"] = "1"
-os.environ["FASTLLM_CPU_ATTENTION"] = "torch"
-os.environ["FASTLLM_CPU_FP32_MATMUL"] = "aten"
+from fastllm.bench import GPU_PATH_ENV
 
-ENV = ("TRITON_INTERPRET=1", "FASTLLM_CPU_ATTENTION=torch", "FASTLLM_CPU_FP32_MATMUL=aten")
+# (for a run without them in its environment: the CPU policies are read at each call; the
+# Triton backend on CPU tensors is refused by _prepared, TRITON_INTERPRET having come too late)
+os.environ.update(GPU_PATH_ENV)
+
+ENV = tuple(f"{key}={value}" for key, value in GPU_PATH_ENV.items())
 
 
 def _stub_launches():

@@ -459,6 +459,10 @@ def test_host_bench_gpu_path_runs_the_triton_kernels():
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env=gpu_path_env(bare))
     assert done.returncode == 0, done.stderr[-3000:]
+    # (and the parent's environment is left alone: the benchmarks after `host` in one `fastllm
+    # bench` run read FASTLLM_CPU_ATTENTION / FASTLLM_CPU_FP32_MATMUL at each call)
+    assert "fastllm.bench.host_gpu_path" not in sys.modules
+    assert os.environ.get("FASTLLM_CPU_FP32_MATMUL") == bare.get("FASTLLM_CPU_FP32_MATMUL")
     counts = json.loads(done.stdout)
     for op in ("rms_norm", "rotary_embedding", "swiglu", "lora_linear",
                "fused_linear_cross_entropy"):
