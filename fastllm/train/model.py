@@ -48,16 +48,14 @@ def check_model(cfg):
             why = " ".join(str(e).split())
             raise ConfigError(f"fastllm train: {given} is not a valid LlamaConfig for "
                               f"model={cfg.model}: {why}") from None
-    key, n = _layers_key(cfg)
-    if key is not None:
+    # (lora.layers: preflight.check_lora_targets applies it to the skeleton it builds anyway)
+    if cfg.finetune == "freeze":
         try:  # the meta skeleton: a folder's config.json only, no weights read
-            skeleton = model_skeleton(cfg)
-            decoder_layers(skeleton)
+            _last_layer_indices(model_skeleton(cfg), cfg.freeze.layers, "freeze.layers")
         except ConfigError:
             raise
         except (ValueError, OSError):  # an architecture fastllm cannot read: refused when built
-            return
-        _last_layer_indices(skeleton, n, key)
+            pass
 
 
 def _refuse_adapter_folder(name):
@@ -143,15 +141,6 @@ def model_skeleton(cfg):
             return AutoModelForCausalLM.from_config(config)
     with torch.device("meta"):
         return LlamaForCausalLM(_preset_config(cfg, vocab_size=257))
-
-
-def _layers_key(cfg):
-    """(key, N) of the last-N-layers option the run's finetune mode reads, or (None, 0)."""
-    if cfg.finetune == "freeze":
-        return "freeze.layers", cfg.freeze.layers
-    if cfg.finetune == "lora" and cfg.lora.layers > 0:
-        return "lora.layers", cfg.lora.layers
-    return None, 0
 
 
 def _last_layer_indices(model, n, key):
