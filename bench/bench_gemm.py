@@ -1,5 +1,6 @@
-"""fp32 CPU GEMMs: ATen's (torch.mm: MKL's sgemm on x86) against fastllm's oneDNN route
-(fastllm/_gemm.py, csrc/cpu/gemm.cpp), on the products of a SmolLM2-135M training step.
+"""fp32 CPU GEMMs: ATen's (torch.mm: MKL's sgemm on x86) against fastllm's routes (fastllm/_gemm.py:
+oneDNN, csrc/cpu/gemm.cpp, and the AVX2 kernel, csrc/cpu/sgemm_avx2.cpp, each where it exists on
+this CPU), on the products of a SmolLM2-135M training step.
 
     fastllm bench --ops gemm
 
@@ -7,8 +8,8 @@ Shapes (m x n x k, 8 x 512 tokens): the MLP's x W^T (4096 x 1536 x 576) and its 
 (4096 x 576 x 1536, 576 x 1536 x 4096 with a transposed operand, as the backward passes it), the
 attention projections (4096 x 576 x 576, 4096 x 192 x 576), a LoRA r=16 down product and its
 dA (4096 x 16 x 576, 16 x 576 x 4096), and the LM head over one chunk of the fused loss
-(1024 x 49152 x 576). Both providers are timed in the same interleaved rounds; the route is
-forced (FASTLLM_CPU_FP32_MATMUL=onednn) whatever the CPU's default. CPU only.
+(1024 x 49152 x 576). All providers are timed in the same interleaved rounds; each route is
+forced (FASTLLM_CPU_FP32_MATMUL=onednn / avx2) whatever the CPU's default. CPU only.
 
 bf16 x bf16 -> fp32 (csrc/cpu/gemm_bf16.cpp, builds with AVX512-BF16), on the products it serves:
 the fused loss's dW over one 682-row chunk of bf16 tokens (49152 x 576 x 682, G^T read
@@ -17,6 +18,7 @@ keys (384 x 512 x 64); against torch.mm of the bf16 operands (which rounds its o
 and of fp32 copies (what they replace: a cast, then fp32's GEMM).
 """
 
+import functools
 import os
 from unittest import mock
 
@@ -52,29 +54,46 @@ def run(device="cpu", full=False, progress=print):
         harness.note(progress, "gemm: CPU only (fastllm's GPU matmuls are cuBLAS's); skipped")
         return []
     rows = _bf16f32(full, progress)
-    if not _gemm._usable():
-        harness.note(progress, "gemm: no oneDNN matmul in this PyTorch (or fastllm._C not "
-                                "built); skipped")
+    routes = [r for r in ("onednn", "avx2") if _gemm._usable(r)]
+    if not routes:
+        harness.note(progress, "gemm: no fastllm fp32 route here (no oneDNN matmul ATen accepts "
+                                "on this CPU, no AVX2, or fastllm._C not built); skipped")
         return rows
     g = torch.Generator().manual_seed(0)
-    with mock.patch.dict(os.environ, {_gemm.ENV: "onednn"}):
-        for label, m, n, k, trans in SHAPES:
-            size = f"{label}: {m} x {n} x {k}, fp32"
-            progress(f"gemm {size}: ATen, fastllm (interleaved)")
-            a = torch.randn(k, m, generator=g).t() if trans else torch.randn(m, k, generator=g)
-            b = torch.randn(n, k, generator=g).t()  # (k, n) as a transposed weight, as F.linear
-            out = torch.empty(m, n)
-            err = (_gemm.mm(a, b).double() - a.double() @ b.double()).abs().max().item()
-            timings = harness.measure_many({
-                "torch.mm (ATen)": lambda: torch.mm(a, b, out=out),
-                "fastllm (oneDNN)": lambda: _gemm.addmm_(out, a, b, beta=0),
-            }, min_time_s=0.5 if not full else 2.0)
-            for provider, t in timings.items():
-                rows.append({"op": "gemm", "size": size, "provider": provider,
-                             "time_ms": t.median_ms, "flops": 2 * m * n * k,
-                             "baseline": "torch.mm (ATen)"})
-            rows[-1]["note"] = f"fastllm's max abs error against fp64: {err:.2e}"
+    with mock.patch.dict(os.environ):  # _forced sets the route per call; restored here
+        _fp32(routes, g, full, progress, rows)
     return rows
+
+
+def _fp32(routes, g, full, progress, rows):
+    for label, m, n, k, trans in SHAPES:
+        size = f"{label}: {m} x {n} x {k}, fp32"
+        progress(f"gemm {size}: ATen, fastllm {' '.join(routes)} (interleaved)")
+        a = torch.randn(k, m, generator=g).t() if trans else torch.randn(m, k, generator=g)
+        b = torch.randn(n, k, generator=g).t()  # (k, n) as a transposed weight, as F.linear
+        out = torch.empty(m, n)
+        exact = a.double() @ b.double()
+        fns, errs = {"torch.mm (ATen)": lambda: torch.mm(a, b, out=out)}, []
+        for r in routes:
+            fns[f"fastllm ({PROVIDERS[r]})"] = functools.partial(_forced, r, out, a, b)
+            err = (_forced(r, out.clone(), a, b).double() - exact).abs().max().item()
+            errs.append(f"{PROVIDERS[r]} {err:.2e}")
+        timings = harness.measure_many(fns, min_time_s=0.5 if not full else 2.0)
+        for provider, t in timings.items():
+            rows.append({"op": "gemm", "size": size, "provider": provider,
+                         "time_ms": t.median_ms, "flops": 2 * m * n * k,
+                         "baseline": "torch.mm (ATen)"})
+        rows[-1]["note"] = f"fastllm's max abs error against fp64: {', '.join(errs)}"
+
+
+PROVIDERS = {"onednn": "oneDNN", "avx2": "AVX2"}
+
+
+def _forced(route, out, a, b):
+    # (run() restores the variable; a mock.patch.dict per call, which copies the environment
+    # twice, cost ~0.3 ms, a third of a LoRA-sized product)
+    os.environ[_gemm.ENV] = route
+    return _gemm.addmm_(out, a, b, beta=0)
 
 
 def _bf16f32(full, progress):

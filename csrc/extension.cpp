@@ -41,11 +41,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("galore_adam_step_cpu", &fastllm::galore_adam_step_cpu, no_gil);
   m.def("adamw8bit_step_cpu", &fastllm::adamw8bit_step_cpu, no_gil);
   m.def("fused_linear_cross_entropy_cpu", &fastllm::fused_linear_cross_entropy_cpu, no_gil);
-  // fp32 GEMMs through oneDNN (fastllm/_gemm.py)
+  // fp32 GEMMs by fastllm's routes (fastllm/_gemm.py)
   m.def("gemm_onednn_cpu", &fastllm::gemm_onednn_cpu, no_gil);
   m.def("onednn_gemm_available", &fastllm::onednn_gemm_available);
-  m.def("set_onednn_fp32_gemm", &fastllm::set_onednn_fp32_gemm);
-  m.def("onednn_fp32_gemm", &fastllm::onednn_fp32_gemm);
+  m.def("sgemm_avx2_cpu", &fastllm::sgemm_avx2_cpu, no_gil);
+  m.def("sgemm_avx2_available", &fastllm::sgemm_avx2_available);
+  m.def("set_fp32_gemm_route", &fastllm::set_fp32_gemm_route);
+  m.def("fp32_gemm_route", &fastllm::fp32_gemm_route);
+  m.def("gemm_routed_cpu", &fastllm::gemm_routed_cpu, no_gil);
   m.def("gemm_bf16f32_cpu", &fastllm::gemm_bf16f32_cpu, no_gil);
   m.def("gemm_bf16f32_available", &fastllm::gemm_bf16f32_available);
   m.def("set_gemm_bf16f32", &fastllm::set_gemm_bf16f32);

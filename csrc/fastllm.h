@@ -113,19 +113,29 @@ void adamw8bit_step_cpu(const std::vector<at::Tensor>& params,
                         const c10::optional<at::Tensor>& clip_coef,
                         const c10::optional<at::Tensor>& found_inf);
 
-// fp32 CPU GEMMs through oneDNN (csrc/cpu/gemm.cpp; the policy is fastllm/_gemm.py's) ---------
-// out = beta * out + alpha * (a @ b): 2-D fp32 CPU tensors, a and b of any strides, out
-// contiguous. Raises when this PyTorch has no oneDNN matmul.
+// fp32 CPU GEMMs by fastllm's routes (csrc/cpu/gemm.cpp, csrc/cpu/sgemm_avx2.cpp; the policy is
+// fastllm/_gemm.py's) ---------------------------------------------------------------------------
+// out = beta * out + alpha * (a @ b): 2-D fp32 CPU tensors, a and b of any strides (no negative
+// bit), out contiguous; beta 0 does not read out. check_fp32_gemm_args raises on anything else.
+void check_fp32_gemm_args(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out);
+// through ATen's oneDNN matmul: raises when this PyTorch has none or it refuses the CPU
 void gemm_onednn_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
                      double beta, double alpha);
 bool onednn_gemm_available();
-// The process-wide switch fastllm/_gemm.py sets: whether mm_out/addmm_inplace below take oneDNN
-// for fp32 (else ATen's at::mm_out / addmm_).
-void set_onednn_fp32_gemm(bool on);
-bool onednn_fp32_gemm();
+// fastllm's AVX2 + FMA kernel: raises on a CPU without them
+void sgemm_avx2_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
+                    double beta, double alpha);
+bool sgemm_avx2_available();
+// The process-wide switch fastllm/_gemm.py sets: the route routed_mm_out etc. below take for
+// fp32, 0 ATen (at::mm_out / addmm_), 1 oneDNN, 2 the AVX2 kernel (for products big enough that
+// its packing pays; ATen's below). gemm_routed_cpu: the same product by the route in effect.
+void set_fp32_gemm_route(int64_t route);
+int64_t fp32_gemm_route();
+void gemm_routed_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
+                     double beta, double alpha);
 // out = a @ b, out = bias + a @ b (bias (n,)) and out += alpha * (a @ b) for the C++ kernels,
 // by that switch.
-void mm_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+void routed_mm_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 void bias_mm_out(const at::Tensor& out, const at::Tensor& bias, const at::Tensor& a,
                  const at::Tensor& b);
 void addmm_inplace(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha);

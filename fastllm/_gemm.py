@@ -1,22 +1,26 @@
-"""fp32 matmuls on the CPU through oneDNN, on CPUs where ATen's fp32 GEMM (MKL's sgemm) is slow.
+"""fp32 matmuls on the CPU by fastllm's routes, where ATen's fp32 GEMM (MKL's sgemm) is slow.
 
-ATen multiplies fp32 matrices on x86 with MKL, which does not take its AVX-512 code on AMD CPUs.
+ATen multiplies fp32 matrices on x86 with MKL, which does not take its fast code on AMD CPUs.
 Measured on an AMD EPYC Zen 5 (AVX-512, 2 threads, torch 2.13; BENCHMARKS.md): MKL ran the
 SmolLM2-sized products (4096 x 576) x (576 x 1536) and their backward shapes at 55-67 GFLOP/s and
 a LoRA-sized 4096 x 16 x 576 at 16, where oneDNN (PyTorch's own copy, the library its bf16
-matmuls go through) ran the same fp32 products at 132-154 and 188 GFLOP/s. Both accumulate in
-fp32 and round once; only the order of the sums differs (max error relative to the largest
-output about 1e-6 for both at K = 576-4096).
+matmuls go through) ran the same fp32 products at 132-154 and 188 GFLOP/s. On an AMD Zen 2
+(AVX2 only), where ATen's oneDNN entry refuses the CPU, MKL ran them at 104-131 GFLOP/s on two
+cores (52 on one, of the 99 a core issues) and fastllm's own AVX2 kernel (csrc/cpu/sgemm_avx2.cpp)
+at 137-164 (products from 64 in every dimension and 2^25 multiply-adds; ATen's below, as fast
+there). All accumulate in fp32 and round once; only the order of the sums differs (max error
+relative to the largest output about 1e-6 at K = 576-4096).
 
 So fastllm's CPU matmuls (fastllm.ops.linear and through it every nn.Linear of a patched model,
-the LoRA ops, the fused loss) call oneDNN for fp32 on such CPUs; csrc/cpu/gemm.cpp has the call.
+the LoRA ops, the fused loss, the CPU attention) take such a route for fp32 on those CPUs;
+csrc/cpu/gemm.cpp has the calls.
 
-    FASTLLM_CPU_FP32_MATMUL=auto|aten|onednn    auto (default): oneDNN on AMD x86 CPUs with
-                                                AVX-512 (where it was measured faster), ATen
-                                                elsewhere; aten: never; onednn: always (an
-                                                error where this PyTorch has no oneDNN matmul)
+    FASTLLM_CPU_FP32_MATMUL=auto|aten|onednn|avx2
+        auto (default): oneDNN on AMD x86 CPUs with AVX-512, the AVX2 kernel on AMD x86 CPUs
+        with AVX2 and no AVX-512 (where each was measured faster), ATen elsewhere; aten: never;
+        onednn / avx2: always that route (an error where it does not exist)
 
-The functions below compute what their torch namesakes do, for 2-D operands; they take oneDNN
+The functions below compute what their torch namesakes do, for 2-D operands; they take a route
 only for fp32 CPU tensors that autograd does not track (they are called inside fastllm's ops,
 below autograd) and call torch otherwise.
 """
@@ -29,8 +33,12 @@ import torch
 from fastllm import _backend, _extension
 
 ENV = "FASTLLM_CPU_FP32_MATMUL"
-_MODES = ("auto", "aten", "onednn")
-_synced = None  # the switch last handed to the C++ kernels (csrc/cpu/gemm.cpp)
+_MODES = ("auto", "aten", "onednn", "avx2")
+# route: (the C++ switch's value, the entry, the extension's availability check)
+_ROUTES = {"aten": (0, None, None),
+           "onednn": (1, "gemm_onednn_cpu", "onednn_gemm_available"),
+           "avx2": (2, "sgemm_avx2_cpu", "sgemm_avx2_available")}
+_synced = None  # the route last handed to the C++ kernels (csrc/cpu/gemm.cpp)
 
 
 def _mode():
@@ -49,52 +57,63 @@ def _cpu_vendor():
 
 
 @functools.lru_cache(maxsize=None)
-def _usable():
-    """Whether the extension has the oneDNN route and it computes a small product right."""
+def _usable(route="onednn"):
+    """Whether the extension has `route` here and it computes a small product right."""
+    _, entry, available = _ROUTES[route]
     ext = _extension.extension() if _extension.has_cpp() else None
-    if ext is None or not hasattr(ext, "onednn_gemm_available") or not ext.onednn_gemm_available():
+    if ext is None or not hasattr(ext, available) or not getattr(ext, available)():
         return False
     g = torch.Generator().manual_seed(0)
     a = torch.randn(7, 5, generator=g)
     b = torch.randn(9, 5, generator=g).t()  # a transposed operand, as the ops pass them
     out = torch.empty(7, 9)
     try:
-        ext.gemm_onednn_cpu(a, b, out, 0.0, 1.0)
-    except RuntimeError:
+        getattr(ext, entry)(a, b, out, 0.0, 1.0)
+    except RuntimeError:  # (ATen's oneDNN entry refuses CPUs without AVX-512)
         return False
     return torch.allclose(out, a.double().mm(b.double()).float(), rtol=1e-5, atol=1e-5)
 
 
 @functools.lru_cache(maxsize=None)
 def _auto():
-    return (_cpu_vendor() == "AuthenticAMD"
-            and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX"))
+    if _cpu_vendor() != "AuthenticAMD":
+        return "aten"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX512", "AVX512_BF16", "AMX"):
+        return "onednn" if _usable("onednn") else "aten"
+    if capability == "AVX2":
+        return "avx2" if _usable("avx2") else "aten"
+    return "aten"
+
+
+def route():
+    """The route fp32 CPU matmuls take here ("aten", "onednn" or "avx2";
+    FASTLLM_CPU_FP32_MATMUL); keeps the C++ kernels' switch in step."""
+    global _synced
+    mode = _mode()
+    if mode == "auto":
+        chosen = _auto()
+    elif mode == "aten" or _usable(mode):
+        chosen = mode
+    else:
+        raise RuntimeError(f"fastllm: {ENV}={mode}, but that route does not exist here (onednn: "
+                           "a PyTorch without oneDNN or a CPU ATen's oneDNN matmul refuses; "
+                           "avx2: a CPU without AVX2 + FMA; either: fastllm._C not built)")
+    if chosen != _synced:
+        if _extension.has_cpp() and hasattr(_extension.extension(), "set_fp32_gemm_route"):
+            _extension.extension().set_fp32_gemm_route(_ROUTES[chosen][0])
+        _synced = chosen
+    return chosen
 
 
 @torch.compiler.assume_constant_result  # a setting of the process: torch.compile reads it once
 def enabled():
-    """Whether fp32 CPU matmuls take oneDNN here (FASTLLM_CPU_FP32_MATMUL); keeps the C++
-    kernels' switch in step."""
-    global _synced
-    mode = _mode()
-    if mode == "aten":
-        on = False
-    elif mode == "onednn":
-        if not _usable():
-            raise RuntimeError(f"fastllm: {ENV}=onednn, but this PyTorch has no usable oneDNN "
-                               "matmul (a build without oneDNN, or fastllm._C not built)")
-        on = True
-    else:
-        on = _auto() and _usable()
-    if on != _synced:
-        if _extension.has_cpp() and hasattr(_extension.extension(), "set_onednn_fp32_gemm"):
-            _extension.extension().set_onednn_fp32_gemm(on)
-        _synced = on
-    return on
+    """Whether fp32 CPU matmuls take one of fastllm's routes here."""
+    return route() != "aten"
 
 
 def routes(device, dtype):
-    """Whether fp32 matmuls of `dtype` on `device` are fastllm's (oneDNN) here."""
+    """Whether fp32 matmuls of `dtype` on `device` are fastllm's here."""
     return dtype == torch.float32 and torch.device(device).type == "cpu" and enabled()
 
 
@@ -112,7 +131,8 @@ def _take(*tensors):
 
 
 def _gemm(a, b, out, beta, alpha):
-    _extension.extension().gemm_onednn_cpu(a, b, out, float(beta), float(alpha))
+    route()  # (the C++ switch in step with the setting)
+    _extension.extension().gemm_routed_cpu(a, b, out, float(beta), float(alpha))
     return out
 
 

@@ -1,5 +1,6 @@
-"""fastllm/_gemm.py: fp32 CPU matmuls through oneDNN (csrc/cpu/gemm.cpp) against fp64 and
-against ATen, the policy (FASTLLM_CPU_FP32_MATMUL) and that the ops really take the route."""
+"""fastllm/_gemm.py: fp32 CPU matmuls through oneDNN (csrc/cpu/gemm.cpp) and fastllm's AVX2
+kernel (csrc/cpu/sgemm_avx2.cpp) against fp64 and against ATen, the policy
+(FASTLLM_CPU_FP32_MATMUL) and that the ops really take the route."""
 
 import pytest
 import torch
@@ -7,9 +8,14 @@ import torch.nn.functional as F
 
 from fastllm import _extension, _gemm
 
-needs_onednn = pytest.mark.skipif(not _gemm._usable(),
-                                  reason="no oneDNN matmul in this PyTorch / extension not built")
-MODES = ["aten", pytest.param("onednn", marks=needs_onednn)]
+needs_onednn = pytest.mark.skipif(not _gemm._usable("onednn"),
+                                  reason="no oneDNN matmul ATen accepts on this CPU / no extension")
+needs_avx2 = pytest.mark.skipif(not _gemm._usable("avx2"),
+                                reason="no AVX2 + FMA on this CPU / extension not built")
+ROUTES = [pytest.param("onednn", marks=needs_onednn), pytest.param("avx2", marks=needs_avx2)]
+MODES = ["aten"] + ROUTES
+USABLE = [r for r in ("onednn", "avx2") if _gemm._usable(r)]
+needs_a_route = pytest.mark.skipif(not USABLE, reason="no fastllm fp32 route on this CPU")
 
 
 @pytest.fixture
@@ -55,9 +61,9 @@ def test_products_match_fp64(monkeypatch, mode, m, n, k):
                                rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-def test_transposed_and_sliced_operands_agree_with_aten(monkeypatch, counted):
-    monkeypatch.setenv(_gemm.ENV, "onednn")
+@pytest.mark.parametrize("route", ROUTES)
+def test_transposed_and_sliced_operands_agree_with_aten(monkeypatch, counted, route):
+    monkeypatch.setenv(_gemm.ENV, route)
     g = torch.Generator().manual_seed(1)
     a = torch.randn(70, 50, generator=g).t()           # (50, 70), column-major
     b = torch.randn(90, 70, generator=g).t()           # (70, 90), column-major
@@ -67,10 +73,10 @@ def test_transposed_and_sliced_operands_agree_with_aten(monkeypatch, counted):
     assert len(counted) == 2
 
 
-@needs_onednn
-def test_policy_routes_fp32_cpu_only(monkeypatch, counted):
+@pytest.mark.parametrize("route", ROUTES)
+def test_policy_routes_fp32_cpu_only(monkeypatch, counted, route):
     a, b = torch.randn(8, 4), torch.randn(4, 3)
-    monkeypatch.setenv(_gemm.ENV, "onednn")
+    monkeypatch.setenv(_gemm.ENV, route)
     _gemm.mm(a, b)
     _gemm.mm(a.double(), b.double())            # fp64: ATen
     _gemm.mm(a.bfloat16(), b.bfloat16())        # bf16: ATen (its own oneDNN path where native)
@@ -84,28 +90,87 @@ def test_policy_routes_fp32_cpu_only(monkeypatch, counted):
     assert len(counted) == 1
 
 
+@needs_avx2
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (6, 16, 384), (7, 17, 385), (97, 33, 769),
+                                   (13, 4111, 5)])
+def test_avx2_kernel_edges_and_layouts(m, n, k):
+    """The kernel's block edges: rows past a 96-row block and not whole 6-row tiles, columns past
+    the 4096-column panel and not whole 16-column slivers, k past a 384 block; overwrite (beta 0:
+    the nan in out is not read) and accumulate (beta, alpha) against fp64; and every layout the
+    packing reads (row-major, column-major, strided both ways) giving the same bits."""
+    ext = _extension.extension()
+    g = torch.Generator().manual_seed(m + n + k)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    ref = a.double() @ b.double()
+    plain = torch.full((m, n), float("nan"))
+    ext.sgemm_avx2_cpu(a, b, plain, 0.0, 1.0)
+    assert _rel(plain, ref) < 1e-5
+    c = torch.randn(m, n, generator=g)
+    out = c.clone()
+    ext.sgemm_avx2_cpu(a, b, out, 0.5, -2.0)
+    assert _rel(out, 0.5 * c.double() - 2 * ref) < 1e-5
+    sliced_a = torch.zeros(m, 2 * k)
+    sliced_a[:, ::2] = a
+    sliced_b = torch.zeros(2 * k, 3 * n)
+    sliced_b[::2, ::3] = b
+    layouts = ((a.t().contiguous().t(), b), (a, b.t().contiguous().t()),
+               (sliced_a[:, ::2], sliced_b[::2, ::3]))
+    for x, y in layouts:
+        other = torch.empty(m, n)
+        ext.sgemm_avx2_cpu(x, y, other, 0.0, 1.0)
+        assert torch.equal(other, plain), (x.stride(), y.stride())
+
+
+@needs_avx2
+def test_avx2_kernel_same_bits_on_any_thread_count():
+    """Two 96-row blocks: the tasks split the column slivers in 2 groups on 1 thread and 4 on 2;
+    every element is one task's, summed in a fixed k order, so the bits are the same."""
+    ext = _extension.extension()
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(100, 800, generator=g), torch.randn(300, 800, generator=g).t()
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            outs.append(torch.empty(100, 300))
+            ext.sgemm_avx2_cpu(a, b, outs[-1], 0.0, 1.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert _rel(outs[0], a.double() @ b.double()) < 1e-5
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_policy_typo_is_refused(monkeypatch):
     monkeypatch.setenv(_gemm.ENV, "onenn")
     with pytest.raises(ValueError, match="FASTLLM_CPU_FP32_MATMUL='onenn'"):
         _gemm.mm(torch.randn(2, 2), torch.randn(2, 2))
 
 
-@needs_onednn
-def test_entry_refuses_bad_arguments():
-    ext = _extension.extension()
+@pytest.mark.parametrize("route", ROUTES)
+def test_entry_refuses_bad_arguments(route):
+    entry = getattr(_extension.extension(), _gemm._ROUTES[route][1])
     with pytest.raises(RuntimeError, match="fp32 tensors only"):
-        ext.gemm_onednn_cpu(torch.randn(2, 3).double(), torch.randn(3, 2).double(),
-                            torch.empty(2, 2).double(), 0.0, 1.0)
+        entry(torch.randn(2, 3).double(), torch.randn(3, 2).double(), torch.empty(2, 2).double(),
+              0.0, 1.0)
     with pytest.raises(RuntimeError, match="shapes do not chain"):
-        ext.gemm_onednn_cpu(torch.randn(2, 3), torch.randn(4, 2), torch.empty(2, 2), 0.0, 1.0)
+        entry(torch.randn(2, 3), torch.randn(4, 2), torch.empty(2, 2), 0.0, 1.0)
     with pytest.raises(RuntimeError, match="out must be contiguous"):
-        ext.gemm_onednn_cpu(torch.randn(2, 3), torch.randn(3, 2), torch.empty(2, 2).t(), 0.0, 1.0)
+        entry(torch.randn(2, 3), torch.randn(3, 2), torch.empty(2, 2).t(), 0.0, 1.0)
+    with pytest.raises(RuntimeError, match="negative bit"):
+        entry(torch._neg_view(torch.randn(2, 3)), torch.randn(3, 2), torch.empty(2, 2), 0.0, 1.0)
+    if route == "avx2":  # out written while a and b are still read: aliasing refused
+        x = torch.randn(4, 4)
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            entry(x, torch.randn(4, 4), x, 1.0, 1.0)
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            entry(torch.randn(4, 4), x[:, :4], x, 0.0, 1.0)
 
 
-@needs_onednn
+@needs_a_route
 def test_ops_take_the_route_and_agree(monkeypatch, counted):
-    """fastllm.ops.linear, the LoRA op and the C++ fused loss under both settings: the same
-    results (fp32, 1e-5) and oneDNN only when asked."""
+    """fastllm.ops.linear, the LoRA op and the C++ fused loss under every setting: the same
+    results (fp32, 1e-5) and a route only when asked."""
     from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
     from fastllm.ops.linear import linear
     from fastllm.ops.lora_linear import lora_linear
@@ -116,7 +181,7 @@ def test_ops_take_the_route_and_agree(monkeypatch, counted):
     a, b = torch.randn(4, 24, generator=g) * 0.1, torch.randn(40, 4, generator=g) * 0.1
     labels = torch.randint(0, 40, (3, 11), generator=g)
     results = {}
-    for mode in ("aten", "onednn"):
+    for mode in ["aten"] + USABLE:
         monkeypatch.setenv(_gemm.ENV, mode)
         before = len(counted)
         leaves = [t.clone().requires_grad_() for t in (x, w, bias, a, b)]
@@ -125,26 +190,70 @@ def test_ops_take_the_route_and_agree(monkeypatch, counted):
         loss = fused_linear_cross_entropy(torch.tanh(y[..., :24]), wl, labels % 40)
         (y.square().mean() + loss).backward()
         results[mode] = [y.detach(), loss.detach()] + [t.grad for t in leaves]
-        assert (len(counted) > before) == (mode == "onednn")
-        assert _extension.extension().onednn_fp32_gemm() == (mode == "onednn")  # the C++ loss
-    for got, want in zip(results["onednn"], results["aten"]):
+        assert (len(counted) > before) == (mode != "aten")
+        assert _extension.extension().fp32_gemm_route() == _gemm._ROUTES[mode][0]  # the C++ loss
+    for mode in USABLE:
+        for got, want in zip(results[mode], results["aten"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_cpp_fused_loss_products_take_the_route(monkeypatch, route):
+    """The C++ loss's fp32 GEMMs (logits, dX, dW) go through the route, none through aten::mm.
+    They did not: its helper was called mm_out, and for a non-const out (the chunk buffer, dW)
+    argument-dependent lookup preferred ATen's at::mm_out(Tensor&, ...) to fastllm's, silently;
+    the ignored labels take the path whose dX is computed into such a buffer too. Sizes where
+    the AVX2 route takes the kernel (csrc/cpu/gemm.cpp: avx2_pays)."""
+    from torch.profiler import profile
+
+    from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(300, 64, generator=g, requires_grad=True)
+    weight = torch.randn(4096, 64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 4096, (300,), generator=g)
+    labels[::7] = -100
+    grads = {}
+    for mode in ("aten", route):
+        monkeypatch.setenv(_gemm.ENV, mode)
+        with profile() as prof:
+            loss = fused_linear_cross_entropy(hidden, weight, labels)
+            grads[mode] = torch.autograd.grad(loss, (hidden, weight))
+        mms = sum(e.name in ("aten::mm", "aten::addmm", "aten::addmm_") for e in prof.events())
+        assert (mms > 0) == (mode == "aten"), (mode, mms)
+    for got, want in zip(grads[route], grads["aten"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@needs_onednn
+def test_csrc_calls_no_unqualified_mm_out():
+    """An unqualified mm_out(out, a, b) in fastllm's C++ binds to ATen's at::mm_out whenever out
+    is a non-const tensor (argument-dependent lookup): the routed one is routed_mm_out."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+    bad = [f"{path.name}:{i}" for path in sorted(root.rglob("*.cpp"))
+           for i, line in enumerate(path.read_text().splitlines(), 1)
+           if re.search(r"(?<![\w:])mm_out\(", line.split("//")[0])]
+    assert not bad, bad
+
+
+@needs_a_route
 def test_bench_gemm_smoke(monkeypatch):
-    """`fastllm bench --ops gemm` at tiny sizes: both providers per shape, the route restored."""
+    """`fastllm bench --ops gemm` at tiny sizes: ATen and every route here per shape, the route
+    restored."""
     from fastllm.bench import bench_gemm
 
     monkeypatch.setattr(bench_gemm, "SHAPES", [("t", 9, 7, 5, False), ("tt", 6, 4, 11, True)])
     monkeypatch.setattr(bench_gemm, "BF16_SHAPES", [])
     monkeypatch.setenv(_gemm.ENV, "aten")
     rows = bench_gemm.run(progress=lambda *_: None)
+    providers = ["torch.mm (ATen)"] + [f"fastllm ({bench_gemm.PROVIDERS[r]})" for r in USABLE]
     assert [(r["size"].split(":")[0], r["provider"]) for r in rows] == [
-        ("t", "torch.mm (ATen)"), ("t", "fastllm (oneDNN)"),
-        ("tt", "torch.mm (ATen)"), ("tt", "fastllm (oneDNN)")]
+        (s, p) for s in ("t", "tt") for p in providers]
     assert all(r["time_ms"] > 0 and r["flops"] > 0 for r in rows)
-    assert float(rows[-1]["note"].rsplit(" ", 1)[1]) < 1e-4
+    errs = rows[-1]["note"].split(": ", 1)[1].split(", ")
+    assert len(errs) == len(USABLE) and all(float(e.split()[1]) < 1e-4 for e in errs)
     assert _gemm._mode() == "aten"
 
 
@@ -268,12 +377,10 @@ def test_amx_probe_follows_the_cpu():
         assert not amx
 
 
-@pytest.mark.parametrize("mode", ["aten", "onednn"])
+@pytest.mark.parametrize("mode", MODES)
 def test_addmm_refuses_an_input_that_does_not_broadcast_with_beta_0(monkeypatch, mode):
     """beta=0 ignores the input's values (nan included), not its shape: the oneDNN route took a
     (3, 4) input for a (7, 9) product, where torch.addmm (and the aten route) refuse it."""
-    if mode == "onednn" and not _gemm._usable():
-        pytest.skip("no oneDNN fp32 GEMM here")
     monkeypatch.setenv(_gemm.ENV, mode)
     a, b = torch.randn(7, 13), torch.randn(13, 9)
     with pytest.raises(RuntimeError):

@@ -16,7 +16,7 @@
 // (BENCHMARKS.md). Here one task is one (row b, kv head g): the G = Hq / Hkv query heads that
 // share g are stacked into one (T * G, D) matrix (row t * G + h), so every product is one GEMM
 // over a block of Tb query positions of all G heads against the keys the block can see, through
-// fastllm::mm_out (oneDNN fp32 where fastllm/_gemm.py routes it, csrc/cpu/gemm.cpp) or the
+// fastllm::routed_mm_out (oneDNN fp32 where fastllm/_gemm.py routes it, csrc/cpu/gemm.cpp) or the
 // bf16 x bf16 -> fp32 GEMM:
 //
 //   forward, per block of query positions [r0, r1) and its key range [lo, r1), lo = doc_start[r0]:
@@ -200,12 +200,13 @@ bool bf16_products(const at::Tensor& q) {
   return q.scalar_type() == at::kBFloat16 && gemm_bf16f32_available();
 }
 
-// out (fp32) = a @ b: bf16 operands through csrc/cpu/gemm_bf16.cpp, fp32 ones through mm_out.
+// out (fp32) = a @ b: bf16 operands through csrc/cpu/gemm_bf16.cpp, fp32 ones through
+// routed_mm_out.
 void product(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() == at::kBFloat16) {
     gemm_bf16f32_cpu(a, b, out, /*accumulate=*/false);
   } else {
-    mm_out(out, a, b);
+    routed_mm_out(out, a, b);
   }
 }
 
@@ -385,7 +386,7 @@ std::vector<at::Tensor> attention_cpu(const at::Tensor& q_in, const at::Tensor& 
           lse_all[(b * s.heads + g * G + i % G) * T + t] = row.max + std::log(row.sum);
         }
         auto ob = of.narrow(0, row0, rows);
-        mm_out(ob, sblk, vf.narrow(0, first, n));
+        routed_mm_out(ob, sblk, vf.narrow(0, first, n));
         scale_rows(ob.mutable_data_ptr<float>(), rows, D, inv_sum.data());
       }
       store(of, out, b, part.t0, part.t1, g * G, G);
@@ -502,7 +503,7 @@ std::vector<at::Tensor> attention_backward_cpu(const at::Tensor& grad_out_in,
         for (int64_t i = 0; i < rows; ++i) {
           dscores_row(dpp + i * n, pp + i * n, n, delta[row0 + i], sc);
         }
-        mm_out(dqf.narrow(0, row0, rows), dp, kb);
+        routed_mm_out(dqf.narrow(0, row0, rows), dp, kb);
         addmm_inplace(dkf.narrow(0, first, n), dp.t(), qb, 1.0);
       }
       store(dqf, dq, b, part.t0, part.t1, g * G, G);

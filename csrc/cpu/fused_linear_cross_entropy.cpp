@@ -3,13 +3,13 @@
 // logits and their grad never exist, only one (chunk rows x vocab) buffer.
 //
 // Per chunk of c valid tokens (ignored tokens are dropped before any matmul: they cost nothing):
-//   Z  = X_c W^T + b                  fastllm::mm_out (csrc/cpu/gemm.cpp), into the chunk buffer
+//   Z  = X_c W^T + b                  fastllm::routed_mm_out (csrc/cpu/gemm.cpp), into the chunk
 //   row pass (OpenMP over rows, vectorised, fp32 whatever the storage dtype), in place in Z:
 //        z = cap * tanh(z / cap)                          (logit_softcap, Gemma-2)
 //        lse = log sum_j exp(z_j)
 //        loss = lse - (1 - eps) z_y - eps mean_j(z_j) + z_loss lse^2
 //        G_j = w (p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j = y]) (1 - (z_j / cap)^2)
-//   dX_c = G W                        fastllm::mm_out, straight into grad_hidden's rows
+//   dX_c = G W                        fastllm::routed_mm_out, straight into grad_hidden's rows
 //   dW  += G^T X_c, db += sum_rows G  fp32 accumulation: fp32 in place (addmm_); bf16 over
 //                                     several chunks with AVX512-BF16: fastllm's bf16 x bf16 ->
 //                                     fp32 GEMM into an fp32 dW (csrc/cpu/gemm_bf16.cpp); else
@@ -264,7 +264,7 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
       if (bias) {
         bias_mm_out(z, *bias, x, wt);
       } else {
-        mm_out(z, x, wt);
+        routed_mm_out(z, x, wt);
       }
       raw_t* zp = reinterpret_cast<raw_t*>(z.mutable_data_ptr());
       const int64_t* vp = valid.data() + c0;
@@ -282,17 +282,17 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
       if (!grads) continue;
       if (need_hidden) {
         if (all_valid) {
-          mm_out(grad_hidden.narrow(0, c0, c), z, weight);
+          routed_mm_out(grad_hidden.narrow(0, c0, c), z, weight);
         } else {
           auto rows_grad = at::empty({c, h}, z.options());
-          mm_out(rows_grad, z, weight);
+          routed_mm_out(rows_grad, z, weight);
           grad_hidden.index_copy_(0, index.narrow(0, c0, c), rows_grad);
         }
       }
       if (need_weight) {
         if (direct_dw) {
           if (c0 == 0) {
-            mm_out(dw32, z.t(), x);
+            routed_mm_out(dw32, z.t(), x);
           } else {
             addmm_inplace(dw32, z.t(), x, 1.0);
           }
@@ -305,7 +305,7 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
             auto p = partial.narrow(0, 0, nv);
             const auto g = gt.narrow(0, v0, nv);
             auto acc = dw32.narrow(0, v0, nv);
-            mm_out(p, g, x);    // P rounded once
+            routed_mm_out(p, g, x);    // P rounded once
             acc.add_(p);
             p.addmm_(g, x, -1.0);  // the rounding's residual P - round(P), itself rounded
             acc.add_(p);

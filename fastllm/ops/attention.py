@@ -456,9 +456,10 @@ def worth_it(tokens, dtype):
 def cpu_attention_enabled():
     """Whether fastllm.patch runs a CPU model's causal attention through this op
     (FASTLLM_CPU_ATTENTION: auto, the default, where fastllm/_gemm.py routes fp32 GEMMs to oneDNN,
-    the CPUs it was measured faster on; fastllm; torch: PyTorch's own attention)."""
+    the CPUs it was measured faster on (not the AVX2 route's: its blocks' products are below the
+    sizes that kernel takes); fastllm; torch: PyTorch's own attention)."""
     mode = _mode()
     if mode == "torch" or not _extension.has_cpp() or not hasattr(_extension.extension(),
                                                                   "attention_cpu"):
         return False
-    return mode == "fastllm" or _gemm.enabled()
+    return mode == "fastllm" or _gemm.route() == "onednn"
