@@ -58,20 +58,26 @@ def _cpu_vendor():
 
 @functools.lru_cache(maxsize=None)
 def _usable(route="onednn"):
-    """Whether the extension has `route` here and it computes a small product right."""
+    """Whether the extension has `route` here and it computes a small product right. A fact of
+    the process, so the probe is hermetic: real fp32 CPU tensors, no random numbers, whatever
+    mode the first call runs under (torch.export's fake tensors, a meta device context, an fp64
+    default dtype, vmap: each made it fail once, and the cache turned the route off for good)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     _, entry, available = _ROUTES[route]
     ext = _extension.extension() if _extension.has_cpp() else None
     if ext is None or not hasattr(ext, available) or not getattr(ext, available)():
         return False
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(7, 5, generator=g)
-    b = torch.randn(9, 5, generator=g).t()  # a transposed operand, as the ops pass them
-    out = torch.empty(7, 9)
-    try:
-        getattr(ext, entry)(a, b, out, 0.0, 1.0)
-    except RuntimeError:  # (ATen's oneDNN entry refuses CPUs without AVX-512)
-        return False
-    return torch.allclose(out, a.double().mm(b.double()).float(), rtol=1e-5, atol=1e-5)
+    with _disable_current_modes(), torch.no_grad():
+        cpu = {"dtype": torch.float32, "device": "cpu"}
+        a = torch.arange(35, **cpu).reshape(7, 5).sin()
+        b = torch.arange(45, **cpu).reshape(9, 5).cos().t()  # transposed, as the ops pass them
+        out = torch.empty(7, 9, **cpu)
+        try:
+            getattr(ext, entry)(a, b, out, 0.0, 1.0)
+        except RuntimeError:  # (ATen's oneDNN entry refuses CPUs without AVX-512)
+            return False
+        return torch.allclose(out, a.double().mm(b.double()).float(), rtol=1e-5, atol=1e-5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,9 +171,15 @@ def addmm(c, a, b, *, beta=1, alpha=1):
 
 def addmm_(out, a, b, *, beta=1, alpha=1):
     """out.addmm_(a, b, beta=beta, alpha=alpha)."""
-    if not (_take(a, b, out) and out.is_contiguous()):
-        return out.addmm_(a, b, beta=beta, alpha=alpha)
-    return _gemm(a, b, out, beta, alpha)
+    if not (_take(a, b, out) and out.is_contiguous()) or (
+            out.is_inference() and not torch.is_inference_mode_enabled()):
+        return out.addmm_(a, b, beta=beta, alpha=alpha)  # (torch refuses that write)
+    _gemm(a, b, out, beta, alpha)
+    if not out.is_inference():  # (inference tensors keep no version counter)
+        # the extension writes out's memory below the dispatcher: autograd must still see the
+        # in-place write (a backward reading a saved `out` then raises, as after torch's addmm_)
+        torch.autograd.graph.increment_version(out)
+    return out
 
 
 def linear(x, weight, bias=None):

@@ -141,6 +141,66 @@ def test_avx2_kernel_same_bits_on_any_thread_count():
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("context", ["fake", "meta", "fp64", "vmap"])
+def test_route_probe_is_hermetic(context):
+    """The first route query under torch.export's fake tensors, a meta device context, an fp64
+    default dtype or vmap answered "no route" (the probe's tensors followed the mode and the
+    extension refused them), and the cache kept that answer for the rest of the process."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ext = _extension.extension()
+    want = {r: ext is not None and getattr(ext, _gemm._ROUTES[r][2])() for r in USABLE}
+    if not want:
+        pytest.skip("no fastllm fp32 route on this CPU")
+
+    def probe(_=None):
+        for r in want:
+            _gemm._usable(r)
+        return torch.zeros(())
+
+    dtype = torch.get_default_dtype()
+    _gemm._usable.cache_clear()
+    try:
+        if context == "fake":
+            with FakeTensorMode():
+                probe()
+        elif context == "meta":
+            with torch.device("meta"):
+                probe()
+        elif context == "fp64":
+            torch.set_default_dtype(torch.float64)
+            probe()
+        else:
+            torch.vmap(probe, randomness="error")(torch.zeros(2))
+    finally:
+        torch.set_default_dtype(dtype)
+        got = {r: _gemm._usable(r) for r in want}
+        _gemm._usable.cache_clear()
+    assert got == want
+
+
+@needs_a_route
+def test_inplace_product_is_seen_by_autograd(monkeypatch):
+    """The routes write out below the dispatcher: addmm_ bumps its version (a backward that
+    saved it raises, as after torch's addmm_) and leaves inference tensors to torch's rules."""
+    monkeypatch.setenv(_gemm.ENV, USABLE[0])
+    a, b = torch.randn(512, 256), torch.randn(256, 256)  # 2^25: big enough for the AVX2 kernel
+    w = torch.randn(512, 256, requires_grad=True)
+    out = torch.zeros(512, 256)
+    y = (w * out).sum()  # saves out
+    before = out._version
+    _gemm.addmm_(out, a, b)
+    assert out._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    with torch.inference_mode():
+        frozen = torch.zeros(512, 256)
+        _gemm.addmm_(frozen, a, b)  # inside inference mode: written
+    assert _rel(frozen, a.double() @ b.double()) < 1e-5
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        _gemm.addmm_(frozen, a, b)
+
+
 def test_policy_typo_is_refused(monkeypatch):
     monkeypatch.setenv(_gemm.ENV, "onenn")
     with pytest.raises(ValueError, match="FASTLLM_CPU_FP32_MATMUL='onenn'"):
@@ -223,6 +283,27 @@ def test_cpp_fused_loss_products_take_the_route(monkeypatch, route):
         assert (mms > 0) == (mode == "aten"), (mode, mms)
     for got, want in zip(grads[route], grads["aten"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@needs_a_route
+def test_cpp_products_resolve_a_negative_bit(monkeypatch):
+    """A negated view handed to a C++ kernel goes to ATen's GEMM (which resolves the bit); the
+    routes refuse it, and the AVX2 route raised from inside the fused loss."""
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(300, 64, generator=g), torch.randn(4096, 64, generator=g)
+    labels = torch.randint(0, 4096, (300,), generator=g)
+    ext = _extension.extension()
+
+    def loss(h):
+        return ext.fused_linear_cross_entropy_cpu(h, weight, labels, None, None, 1.0, True,
+                                                  -100, 0.0, 0.0, 0.0, True, False, False,
+                                                  512)[0]
+
+    for route in USABLE:
+        monkeypatch.setenv(_gemm.ENV, route)
+        _gemm.route()
+        torch.testing.assert_close(loss(torch._neg_view(hidden)), loss(-hidden),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_csrc_calls_no_unqualified_mm_out():

@@ -48,7 +48,8 @@ std::atomic<int> g_route{0};
 bool routed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
   return g_route.load(std::memory_order_relaxed) != 0 && a.scalar_type() == at::kFloat &&
          b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && a.dim() == 2 &&
-         b.dim() == 2 && out.dim() == 2 && a.device().is_cpu() && out.is_contiguous();
+         b.dim() == 2 && out.dim() == 2 && a.device().is_cpu() && out.is_contiguous() &&
+         !a.is_neg() && !b.is_neg();  // (ATen resolves a negative bit; the routes refuse it)
 }
 
 }  // namespace
