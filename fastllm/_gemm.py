@@ -61,14 +61,15 @@ def _usable(route="onednn"):
     """Whether the extension has `route` here and it computes a small product right. A fact of
     the process, so the probe is hermetic: real fp32 CPU tensors, no random numbers, whatever
     mode the first call runs under (torch.export's fake tensors, a meta device context, an fp64
-    default dtype, vmap: each made it fail once, and the cache turned the route off for good)."""
+    default dtype, vmap, torch.func.grad: each made it fail once, and the cache turned the route
+    off for good)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     _, entry, available = _ROUTES[route]
     ext = _extension.extension() if _extension.has_cpp() else None
     if ext is None or not hasattr(ext, available) or not getattr(ext, available)():
         return False
-    with _disable_current_modes(), torch.no_grad():
+    with _disable_current_modes(), torch._C._DisableFuncTorch(), torch.no_grad():
         cpu = {"dtype": torch.float32, "device": "cpu"}
         a = torch.arange(35, **cpu).reshape(7, 5).sin()
         b = torch.arange(45, **cpu).reshape(9, 5).cos().t()  # transposed, as the ops pass them

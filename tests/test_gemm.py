@@ -141,11 +141,11 @@ def test_avx2_kernel_same_bits_on_any_thread_count():
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("context", ["fake", "meta", "fp64", "vmap"])
+@pytest.mark.parametrize("context", ["fake", "meta", "fp64", "vmap", "grad"])
 def test_route_probe_is_hermetic(context):
     """The first route query under torch.export's fake tensors, a meta device context, an fp64
-    default dtype or vmap answered "no route" (the probe's tensors followed the mode and the
-    extension refused them), and the cache kept that answer for the rest of the process."""
+    default dtype, vmap or torch.func.grad answered "no route" (the probe's tensors followed the
+    mode and the extension refused them), and the cache kept that answer for the process."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ext = _extension.extension()
@@ -170,8 +170,10 @@ def test_route_probe_is_hermetic(context):
         elif context == "fp64":
             torch.set_default_dtype(torch.float64)
             probe()
-        else:
+        elif context == "vmap":
             torch.vmap(probe, randomness="error")(torch.zeros(2))
+        else:  # (functorch's grad level: tensors without storage)
+            torch.func.grad(lambda x: (probe() + x).sum())(torch.zeros(()))
     finally:
         torch.set_default_dtype(dtype)
         got = {r: _gemm._usable(r) for r in want}
@@ -199,6 +201,31 @@ def test_inplace_product_is_seen_by_autograd(monkeypatch):
     assert _rel(frozen, a.double() @ b.double()) < 1e-5
     with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
         _gemm.addmm_(frozen, a, b)
+
+
+@needs_a_route
+def test_patched_linear_keeps_torchs_path_for_what_the_op_refuses(monkeypatch):
+    """Under a route a patched nn.Linear runs fastllm.ops.linear; nested and sparse inputs (which
+    the op refuses) and torch.func transforms (which its autograd does not support) keep
+    F.linear, as on a CPU without a route."""
+    import importlib
+
+    patch = importlib.import_module("fastllm.patch")  # (the module: fastllm.patch is the function)
+    monkeypatch.setenv(_gemm.ENV, USABLE[0])
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8)
+    lin.forward = patch._linear_forward.__get__(lin)
+    x = torch.randn(5, 16)
+    want = F.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(lin(x), want)
+    nested = torch.nested.nested_tensor([x[:2], x[2:]])
+    for got, ref in zip(lin(nested).unbind(), (want[:2], want[2:])):
+        torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(lin(x.relu().to_sparse()), F.linear(x.relu(), lin.weight,
+                                                                     lin.bias))
+    grad = torch.func.grad(lambda t: lin(t).square().sum())(x)
+    torch.testing.assert_close(grad, torch.func.grad(
+        lambda t: F.linear(t, lin.weight, lin.bias).square().sum())(x))
 
 
 def test_policy_typo_is_refused(monkeypatch):
