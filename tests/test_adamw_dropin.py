@@ -211,6 +211,35 @@ def test_compiled_gradscaler_protocol_step_has_no_graph_break():
     assert int(opt.skipped_steps) == 1
 
 
+def test_compiled_step_follows_float_hyperparameters_changed_between_steps():
+    """A scheduler's float lr, and a changed eps and weight_decay, recompile a fullgraph step as
+    symbolic floats (dynamo's specialize_float off): the step's finiteness checks used
+    math.isfinite, which such a trace refuses."""
+    gen = torch.Generator().manual_seed(7)
+    weights = [torch.randn(16, 8, generator=gen) for _ in range(2)]
+    grads = [[torch.randn(16, 8, generator=gen) for _ in range(2)] for _ in range(4)]
+    params = [[torch.nn.Parameter(w.clone()) for w in weights] for _ in range(2)]
+    opts = [fastllm.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, capturable=True)
+            for ps in params]
+    torch._dynamo.reset()
+    compiled = torch.compile(opts[0].step, fullgraph=True, backend="eager")
+    for s, gs in enumerate(grads):
+        for ps in params:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+        compiled()
+        opts[1].step()
+        for opt in opts:
+            group = opt.param_groups[0]
+            group["lr"] = 1e-2 / (s + 2)
+            group["eps"], group["weight_decay"] = 1e-8 * (s + 2), 0.1 / (s + 2)
+    for a, b in zip(*params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opts[1].param_groups[0]["lr"] = float("nan")
+        opts[1].step()
+
+
 def _warmed_up_pair(master, shapes, grads):
     """Two copies of the same params and capturable optimizers, each after the same eager
     warm-up step (grads[0]; the graphed one on a side stream, where its state is created)."""

@@ -18,6 +18,13 @@ def scalar(value, name):
     return float(value)
 
 
+def _finite(value):
+    """math.isfinite(value) (nan fails both comparisons) in a form torch.compile can trace: a
+    float hyperparameter changed between compiled steps becomes a symbolic float (dynamo's
+    specialize_float off), and math.isfinite of one fails a fullgraph trace."""
+    return -math.inf < value < math.inf
+
+
 def check_hyperparameters(where, lr, betas, eps, weight_decay, owner="fastllm.optim.AdamW"):
     """Raise ValueError on a bad hyperparameter; the messages contain torch.optim.AdamW's own
     wording, which code and tests match on, after `owner` (the optimizer's name).
@@ -29,9 +36,9 @@ def check_hyperparameters(where, lr, betas, eps, weight_decay, owner="fastllm.op
         check_tensor_lr(where, lr, owner)
     else:
         lr_value = scalar(lr, "lr")
-        if not math.isfinite(lr_value) or lr_value < 0.0:
+        if not _finite(lr_value) or lr_value < 0.0:
             raise ValueError(f"{owner}: {where}: Invalid learning rate: {lr}")
-    if not math.isfinite(eps) or eps < 0.0:
+    if not _finite(eps) or eps < 0.0:
         raise ValueError(f"{owner}: {where}: Invalid epsilon value: {eps}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{owner}: {where}: betas must be a pair, got {betas!r}")
@@ -40,7 +47,7 @@ def check_hyperparameters(where, lr, betas, eps, weight_decay, owner="fastllm.op
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{owner}: {where}: Invalid beta parameter at index "
                              f"{i}: {beta}")
-    if not math.isfinite(weight_decay) or weight_decay < 0.0:
+    if not _finite(weight_decay) or weight_decay < 0.0:
         raise ValueError(f"{owner}: {where}: Invalid weight_decay value: "
                          f"{weight_decay}")
 
