@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm import _lowp, lora
+from fastllm._hooks import user_hooked
 from fastllm.lora import LoRALinear, save_adapter  # noqa: F401  (save_adapter: one for both)
 from fastllm.ops.linear import linear
 from fastllm.ops.lora_linear import lora_linear
@@ -92,6 +93,8 @@ class DoRALinear(LoRALinear):
         if self.merged:
             return self.base_layer(x)
         w, bias = self.base_layer.weight, self.base_layer.bias
+        if user_hooked(self.base_layer):  # (its hooks run: fastllm/lora.py, LoRALinear)
+            return self._forward_fp32_adapters(x, w, bias, self.base_layer(x))
         if self.lora_A.dtype != w.dtype and not _lowp.autocast_enabled(x.device.type):
             return self._forward_fp32_adapters(x, w, bias)
         n = self._norm()
@@ -106,13 +109,15 @@ class DoRALinear(LoRALinear):
         low = linear(linear(dropped, self.lora_A), self.lora_B) * self.scaling
         return linear(x, w, bias) + (scale - 1) * base + scale * low
 
-    def _forward_fp32_adapters(self, x, w, bias):
+    def _forward_fp32_adapters(self, x, w, bias, base=None):
         """fp32 adapters and magnitude on a bf16/fp16 base, in PEFT's order of operations: the
         base layer's output in the base dtype; the magnitude scale, the low-rank branch (on x
-        cast to fp32, dropout included) and their sum in fp32, rounded once to x's dtype."""
+        cast to fp32, dropout included) and their sum in fp32, rounded once to x's dtype. Also
+        any adapters on a base layer with hooks, whose output (`base`, its hooks run) it takes."""
         dt = self.lora_A.dtype
         scale = self.lora_magnitude_vector.to(dt) / self.weight_norm()
-        base = linear(x, w, bias)  # the base layer's output, bias included
+        if base is None:
+            base = linear(x, w, bias)  # the base layer's output, bias included
         xd = x.to(dt)
         if self.dropout == 0.0 or not self.training:
             # PEFT takes x W^T as the base output less its bias, in the base dtype

@@ -19,8 +19,10 @@ import re
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from fastllm._hooks import user_hooked
 from fastllm.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from fastllm.adapter_files import check_lora_config as _check_supported
 from fastllm.adapter_files import check_lora_settings
@@ -76,6 +78,14 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         if self.merged:
             return self.base_layer(x)
+        if user_hooked(self.base_layer):
+            # the base layer is called, so that its hooks run (they did only once merged, so
+            # merging changed the output), then the low-rank part in PEFT's order: on x cast to
+            # the adapters' dtype, dropout included, the sum rounded to the base's output dtype
+            out = self.base_layer(x)
+            xd = F.dropout(x.to(self.lora_A.dtype), self.dropout, training=self.training)
+            return (out + F.linear(F.linear(xd, self.lora_A), self.lora_B) * self.scaling).to(
+                out.dtype)
         return lora_linear(x, self.base_layer.weight, self.lora_A, self.lora_B, self.scaling,
                            self.base_layer.bias, self.dropout, training=self.training)
 

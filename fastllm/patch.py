@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import _gemm, _hf, _lowp
+from fastllm import _gemm, _hf, _hooks, _lowp
 from fastllm._attention_plan import (ATTENTION_PLAN, attention_plan, fastllm_attention_applies,
                                      wants_attentions)
 from fastllm._dtensor import is_dtensor
@@ -418,29 +418,10 @@ _REPLACEMENTS = (_linear_forward, _rms_norm_forward, _gemma_rms_norm_forward, _a
 
 
 def _hooked(module):
-    """Whether calling `module` runs more than its forward: such a module is called, its weights
-    never read around the call. An accelerate hook (device_map dispatch, cpu_offload) may move
-    or load its weights; a user's forward hook or pre-hook of the module, of a LoRA layer's base
-    layer or a global one would be skipped (one capturing a projection's output got nothing).
-    torch.distributed's own hooks (FSDP2's unshard, tensor parallel's redistribution) are not a
-    user's: the patch reads such a module's DTensor weights as they are."""
-    from torch.nn.modules import module as nn_module
-
-    if _users(nn_module._global_forward_hooks) or _users(nn_module._global_forward_pre_hooks):
-        return True
-    return any(m is not None and ("_hf_hook" in m.__dict__ or _users(m._forward_hooks)
-                                  or _users(m._forward_pre_hooks))
+    """Whether calling `module` (or, for a LoRA layer, its base layer) runs more than its forward:
+    such a module is called, its weights never read around the call (fastllm/_hooks.py)."""
+    return any(m is not None and _hooks.user_hooked(m)
                for m in (module, getattr(module, "base_layer", None)))
-
-
-def _users(hooks):
-    """Whether a hook dict holds a hook that is not torch.distributed's."""
-    for hook in hooks.values():
-        fn = getattr(hook, "func", hook)  # (a functools.partial)
-        fn = getattr(fn, "__func__", fn)  # (a bound method)
-        if not getattr(fn, "__module__", "").startswith("torch.distributed."):
-            return True
-    return False
 
 
 def _is_ours(f, module):

@@ -39,3 +39,37 @@ def test_dora_norm_follows_a_write_through_data():
     want = dora_linear_ref(x, layer.base_layer.weight, layer.lora_A, layer.lora_B,
                            layer.lora_magnitude_vector, layer.scaling, layer.base_layer.bias)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_hooks_on_the_base_layer_run_unmerged_as_merged():
+    """A forward hook or pre-hook on an adapted layer's base layer (registered on the nn.Linear
+    before injection) ran only once the adapter was merged: the fused op read the base weights
+    around it. Now the base layer is called: a hook that changes nothing leaves LoRA's and DoRA's
+    outputs and grads as without it, and one that does applies to the base part only (PEFT's
+    order: hook(base(x)) + the low-rank part)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 16, requires_grad=True)
+    for cls in (fastllm.lora.LoRALinear, DoRALinear):
+        layer = cls(nn.Linear(16, 8), r=4, alpha=8).eval()
+        with torch.no_grad():
+            layer.lora_B.normal_()
+        plain = layer(x)
+        want_grads = torch.autograd.grad(plain.square().sum(), (x, layer.lora_A))
+        calls = []
+        hooks = [layer.base_layer.register_forward_pre_hook(lambda m, a: calls.append("pre")),
+                 layer.base_layer.register_forward_hook(lambda m, a, o: calls.append("post"))]
+        hooked = layer(x)
+        assert calls == ["pre", "post"], cls
+        torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
+        for got, want in zip(torch.autograd.grad(hooked.square().sum(), (x, layer.lora_A)),
+                             want_grads):  # (another order of the sums: 1e-4 on grads)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for h in hooks:
+            h.remove()
+    layer = fastllm.lora.LoRALinear(nn.Linear(16, 8), r=4, alpha=8).eval()
+    with torch.no_grad():
+        layer.lora_B.normal_()
+        delta = layer(x) - layer.base_layer(x)
+        layer.base_layer.register_forward_hook(lambda m, a, o: o * 0.5)
+        base = nn.functional.linear(x, layer.base_layer.weight, layer.base_layer.bias)
+        torch.testing.assert_close(layer(x), 0.5 * base + delta, rtol=1e-5, atol=1e-6)
