@@ -210,3 +210,18 @@ def test_an_empty_prompt_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="is no tokens .*nothing to continue"):
         generate_samples(model, ByteTokenizer(), [""], max_new_tokens=2)
     assert len(generate_samples(model, ByteTokenizer(), ["a"], max_new_tokens=2)) == 1
+
+
+@pytest.mark.parametrize("key,meant", [("inputs", "input"), ("Input", "input"),
+                                       ("sytem", "system")])
+def test_a_near_miss_of_an_optional_alpaca_key_is_refused(tmp_path, key, meant):
+    """A misspelt optional key ("inputs" for "input") was read as an empty input: the example
+    trained on the bare instruction. Refused naming both keys; other extra keys stay allowed."""
+    path = tmp_path / "data.jsonl"
+    record = {"instruction": "Name the capital.", key: "Spain", "output": "Madrid."}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=rf"line 1: key '{key}' .*did you mean '{meant}'"):
+        read_records(str(path))
+    path.write_text(json.dumps({"instruction": "I", "input": "x", "output": "O", "id": 3,
+                                "source": "s"}) + "\n")
+    assert read_records(str(path))[0][:2] == ("alpaca", ("I", "x", "O", ""))

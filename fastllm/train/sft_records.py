@@ -28,6 +28,7 @@ the last {"tools": [...], "chat_template_kwargs": {...}} (only the keys it has).
 """
 
 import codecs
+import difflib
 import json
 import os
 import re
@@ -215,6 +216,7 @@ def _check_fields(record, where):
                                        _messages(record, "completion", where))
         return "completion", (need_str("prompt"), need_str("completion"))
     if "instruction" in record or "output" in record:
+        _refuse_near_misses(record, ("input", "system"), where)
         return "alpaca", (need_str("instruction"), need_str("input", optional=True),
                           need_str("output"), need_str("system", optional=True))
     if "text" in record:
@@ -222,6 +224,21 @@ def _check_fields(record, where):
     raise ValueError(f"fastllm train: {where}: a record needs the key 'text', 'prompt' + "
                      f"'completion', 'instruction' + 'output' or 'messages'; got keys "
                      f"{sorted(record)}")
+
+
+def _refuse_near_misses(record, optional, where):
+    """An optional key absent but spelt nearly so ("inputs", "Input" for Alpaca's "input") would
+    be read as empty and the example trained without it: refused, naming both. Other extra keys
+    (an id, a source) are a dataset's own and stay allowed."""
+    for key in optional:
+        if key in record:
+            continue
+        near = [k for k in record if isinstance(k, str) and k not in ("instruction", "output")
+                and difflib.get_close_matches(k.lower(), [key], n=1, cutoff=0.8)]
+        if near:
+            raise ValueError(f"fastllm train: {where}: key {near[0]!r} is not one the record's "
+                             f"format reads: did you mean {key!r}? (as it is, {key!r} would be "
+                             f"read as empty)")
 
 
 def decode_utf8(raw, where, bom):
