@@ -11,12 +11,26 @@ module's DTensor weights as they are."""
 from torch.nn.modules import module as nn_module
 
 
-def user_hooked(module):
-    """Whether `module(x)` runs a hook that reading its weights around the call would skip."""
+def user_hooked(module, offload_only=False):
+    """Whether `module(x)` runs a hook that reading its weights around the call would skip.
+    offload_only: an accelerate hook counts only where it may move the weights (offloading, or
+    a hook of unknown kind), not the device alignment a multi-device dispatch puts on every
+    layer (the LoRA layers keep their fused op under it: their weights are where they are)."""
     if _users(nn_module._global_forward_hooks) or _users(nn_module._global_forward_pre_hooks):
         return True
-    return ("_hf_hook" in module.__dict__ or _users(module._forward_hooks)
-            or _users(module._forward_pre_hooks))
+    hf = module.__dict__.get("_hf_hook")
+    return ((hf is not None and (not offload_only or _moves_weights(hf)))
+            or _users(module._forward_hooks) or _users(module._forward_pre_hooks))
+
+
+def _moves_weights(hook):
+    """Whether an accelerate hook may put the module's weights elsewhere for the call."""
+    chain = getattr(hook, "hooks", None)  # (accelerate's SequentialHook)
+    if chain is not None:
+        return any(_moves_weights(h) for h in chain)
+    if type(hook).__name__ == "AlignDevicesHook":
+        return bool(getattr(hook, "offload", True))
+    return True
 
 
 def _users(hooks):

@@ -93,7 +93,7 @@ class DoRALinear(LoRALinear):
         if self.merged:
             return self.base_layer(x)
         w, bias = self.base_layer.weight, self.base_layer.bias
-        if user_hooked(self.base_layer):  # (its hooks run: fastllm/lora.py, LoRALinear)
+        if user_hooked(self.base_layer, offload_only=True):  # (hooks run: fastllm/lora.py)
             return self._forward_fp32_adapters(x, w, bias, self.base_layer(x))
         if self.lora_A.dtype != w.dtype and not _lowp.autocast_enabled(x.device.type):
             return self._forward_fp32_adapters(x, w, bias)

@@ -78,7 +78,7 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         if self.merged:
             return self.base_layer(x)
-        if user_hooked(self.base_layer):
+        if user_hooked(self.base_layer, offload_only=True):
             # the base layer is called, so that its hooks run (they did only once merged, so
             # merging changed the output), then the low-rank part in PEFT's order: on x cast to
             # the adapters' dtype, dropout included, the sum rounded to the base's output dtype

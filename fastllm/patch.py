@@ -94,10 +94,13 @@ def _linear_forward(self, input):
     # off the CPU (a GPU: cuBLAS) nothing differs from nn.Linear's forward: F.linear first, as
     # cheaply as nn.Linear (a patched step was host-bound on an H200; about 200 calls a step)
     if (input.device.type != "cpu" or is_dtensor(self.weight) or input.is_nested
-            or input.layout != torch.strided or torch._C._are_functorch_transforms_active()):
+            or input.layout != torch.strided or torch._C._are_functorch_transforms_active()
+            or type(self.weight) not in (torch.Tensor, torch.nn.Parameter)
+            or type(input) is not torch.Tensor):
         # (tensor parallel: DTensor's F.linear, the op takes local tensors; nested and sparse
         # inputs, which the op refuses; torch.func transforms, which its autograd does not
-        # support)
+        # support; tensor subclasses, a torchao-style quantized weight, which have no rule for
+        # the op)
         return F.linear(input, self.weight, self.bias)
     # fastllm.ops.linear where it differs from F.linear: bf16/fp16 matmuls on a CPU without
     # native low-precision GEMMs (fastllm/_lowp.py), autocast's included, and fp32 ones on a CPU

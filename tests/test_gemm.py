@@ -206,8 +206,8 @@ def test_inplace_product_is_seen_by_autograd(monkeypatch):
 @needs_a_route
 def test_patched_linear_keeps_torchs_path_for_what_the_op_refuses(monkeypatch):
     """Under a route a patched nn.Linear runs fastllm.ops.linear; nested and sparse inputs (which
-    the op refuses) and torch.func transforms (which its autograd does not support) keep
-    F.linear, as on a CPU without a route."""
+    the op refuses), torch.func transforms (which its autograd does not support) and tensor
+    subclass weights (no rule for the op) keep F.linear, as on a CPU without a route."""
     import importlib
 
     patch = importlib.import_module("fastllm.patch")  # (the module: fastllm.patch is the function)
@@ -226,6 +226,29 @@ def test_patched_linear_keeps_torchs_path_for_what_the_op_refuses(monkeypatch):
     grad = torch.func.grad(lambda t: lin(t).square().sum())(x)
     torch.testing.assert_close(grad, torch.func.grad(
         lambda t: F.linear(t, lin.weight, lin.bias).square().sum())(x))
+
+    class Wrapped(torch.Tensor):  # a torchao-style weight: aten ops only, on its inner tensor
+        @staticmethod
+        def __new__(cls, t):
+            return torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype,
+                                                       device=t.device)
+
+        def __init__(self, t):
+            self.t = t
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            if func.namespace != "aten":
+                raise NotImplementedError(f"no rule for {func}")
+            unwrap = lambda v: v.t if isinstance(v, Wrapped) else v  # noqa: E731
+            out = func(*[unwrap(a) for a in args],
+                       **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+            return Wrapped(out) if func in (torch.ops.aten.detach.default,
+                                            torch.ops.aten.alias.default) else out
+
+    lin.weight = torch.nn.Parameter(Wrapped(lin.weight.detach()), requires_grad=False)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), want)
 
 
 def test_policy_typo_is_refused(monkeypatch):

@@ -73,3 +73,33 @@ def test_hooks_on_the_base_layer_run_unmerged_as_merged():
         layer.base_layer.register_forward_hook(lambda m, a, o: o * 0.5)
         base = nn.functional.linear(x, layer.base_layer.weight, layer.base_layer.bias)
         torch.testing.assert_close(layer(x), 0.5 * base + delta, rtol=1e-5, atol=1e-6)
+
+
+def test_accelerate_device_alignment_keeps_the_fused_op(monkeypatch):
+    """accelerate's AlignDevicesHook without offloading (what a multi-device dispatch puts on
+    every layer) only moves inputs: the LoRA layer keeps its fused op; an offloading one (the
+    weights loaded for the call) or a hook of another kind makes it call the base layer."""
+    import fastllm.lora as lora_module
+
+    class AlignDevicesHook:  # (accelerate's class, by name: accelerate is optional here)
+        def __init__(self, offload):
+            self.offload = offload
+
+    class SequentialHook:
+        def __init__(self, *hooks):
+            self.hooks = hooks
+
+    calls = []
+    real = lora_module.lora_linear
+    monkeypatch.setattr(lora_module, "lora_linear",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(3, 16)
+    layer = fastllm.lora.LoRALinear(nn.Linear(16, 8), r=4, alpha=8).eval()
+    want = layer(x)
+    for hook, fused in ((AlignDevicesHook(False), True),
+                        (SequentialHook(AlignDevicesHook(False)), True),
+                        (AlignDevicesHook(True), False), (object(), False)):
+        layer.base_layer._hf_hook = hook
+        del calls[:]
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+        assert bool(calls) == fused, hook
