@@ -223,5 +223,6 @@ def test_a_near_miss_of_an_optional_alpaca_key_is_refused(tmp_path, key, meant):
     with pytest.raises(ValueError, match=rf"line 1: key '{key}' .*did you mean '{meant}'"):
         read_records(str(path))
     path.write_text(json.dumps({"instruction": "I", "input": "x", "output": "O", "id": 3,
-                                "source": "s"}) + "\n")
+                                "source": "s", "stem": "q", "subsystem": "a", "input1": "b",
+                                "input_ids": [1], "system_prompt": "p"}) + "\n")
     assert read_records(str(path))[0][:2] == ("alpaca", ("I", "x", "O", ""))

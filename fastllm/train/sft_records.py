@@ -233,8 +233,11 @@ def _refuse_near_misses(record, optional, where):
     for key in optional:
         if key in record:
             continue
+        # (strictly above 0.8: "stem", "subsystem", "ecosystem" score 0.8 against "system";
+        # a key with digits, "input1", is one of a dataset's enumerated fields)
         near = [k for k in record if isinstance(k, str) and k not in ("instruction", "output")
-                and difflib.get_close_matches(k.lower(), [key], n=1, cutoff=0.8)]
+                and not any(c.isdigit() for c in k)
+                and difflib.SequenceMatcher(None, k.lower(), key).ratio() > 0.8]
         if near:
             raise ValueError(f"fastllm train: {where}: key {near[0]!r} is not one the record's "
                              f"format reads: did you mean {key!r}? (as it is, {key!r} would be "
