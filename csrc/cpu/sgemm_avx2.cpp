@@ -96,39 +96,33 @@ FASTLLM_AVX2 void pack_b_sliver(const float* b, int64_t sk, int64_t sn, int64_t 
   }
 }
 
-// out[0:m, 0:n] = alpha * tile + beta * out (beta 0: out not read). The twelve accumulators are
-// named so that they stay in registers.
+// out[0:m, 0:n] = alpha * tile + beta * out (beta 0: out not read). The accumulators are indexed
+// only with constants (the loops unrolled, as in csrc/cpu/gemm_bf16.cpp) so that they stay in
+// registers.
 FASTLLM_AVX2 void micro_tile(int64_t kc, const float* __restrict a, const float* __restrict b,
                              float* out, int64_t ld, int m, int n, float alpha, float beta) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  __m256 c0[kMR], c1[kMR];
+#pragma GCC unroll 6
+  for (int i = 0; i < kMR; ++i) {
+    c0[i] = _mm256_setzero_ps();
+    c1[i] = _mm256_setzero_ps();
+  }
   for (int64_t p = 0; p < kc; ++p) {
-    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * kNR), _MM_HINT_T0);
-    __m256 x = _mm256_broadcast_ss(a);
-    c00 = _mm256_fmadd_ps(x, b0, c00);
-    c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(a + 1);
-    c10 = _mm256_fmadd_ps(x, b0, c10);
-    c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(a + 2);
-    c20 = _mm256_fmadd_ps(x, b0, c20);
-    c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(a + 3);
-    c30 = _mm256_fmadd_ps(x, b0, c30);
-    c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(a + 4);
-    c40 = _mm256_fmadd_ps(x, b0, c40);
-    c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(a + 5);
-    c50 = _mm256_fmadd_ps(x, b0, c50);
-    c51 = _mm256_fmadd_ps(x, b1, c51);
-    a += kMR;
-    b += kNR;
+    const __m256 b0 = _mm256_load_ps(b + p * kNR), b1 = _mm256_load_ps(b + p * kNR + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(b + (p + 8) * kNR), _MM_HINT_T0);
+#pragma GCC unroll 6
+    for (int i = 0; i < kMR; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + p * kMR + i);
+      c0[i] = _mm256_fmadd_ps(x, b0, c0[i]);
+      c1[i] = _mm256_fmadd_ps(x, b1, c1[i]);
+    }
   }
   alignas(32) float tile[kMR * kNR];
-  const __m256 acc[2 * kMR] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
-  for (int i = 0; i < 2 * kMR; ++i) _mm256_store_ps(tile + 8 * i, acc[i]);
+#pragma GCC unroll 6
+  for (int i = 0; i < kMR; ++i) {
+    _mm256_store_ps(tile + i * kNR, c0[i]);
+    _mm256_store_ps(tile + i * kNR + 8, c1[i]);
+  }
   if (m == kMR && n == kNR) {
     const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
     for (int i = 0; i < kMR; ++i) {
