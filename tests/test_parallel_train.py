@@ -182,6 +182,55 @@ def test_pp2_interleaved_matches_one_process(reference, tmp_path):
     torch.testing.assert_close(got["state"], want["state"], rtol=1e-4, atol=1e-7)
 
 
+# ----- adapters on sharded parameters (FSDP2, tensor parallel) -----
+
+ADAPTER_STEPS = ("max_steps=6", "checkpoint.interval=3", "checkpoint.keep_last=3")
+
+
+def _adapter_tensors(out, step):
+    from safetensors.torch import load_file
+
+    folder = os.path.join(out, f"checkpoint-{step}", "adapter")
+    return {f: load_file(os.path.join(folder, f)) for f in sorted(os.listdir(folder))
+            if f.endswith(".safetensors")}
+
+
+@pytest.mark.parametrize("mode,layout,port", [
+    ("finetune=lora", "parallel.strategy=fsdp", 61),
+    ("finetune=prefix", "parallel.strategy=fsdp", 67),
+    ("finetune=lora", "parallel.tp=2", 71)])
+def test_adapter_on_sharded_params_resumes_and_saves_as_one_process(reference, tmp_path, mode,
+                                                                     layout, port):
+    """An adapter run under FSDP2 or tensor parallel resumes a one-process checkpoint (each
+    rank keeps its shards of the whole adapter) and saves whole adapters from its shards: the
+    same losses, and the same adapter files and optimizer state as the one-process run (its
+    first checkpoint crashed on the shards before: both were refused)."""
+    cache, _ = reference
+    one = str(tmp_path / "one")
+    _in_process(_args(cache, one, mode, *ADAPTER_STEPS))
+    out = str(tmp_path / "sharded")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(one, "checkpoint-3"), os.path.join(out, "checkpoint-3"))
+    batch = ("micro_batch_size=8",) if "tp" in layout else ()
+    log = _torchrun(2, _args(cache, out, mode, *ADAPTER_STEPS, layout, *batch), port)
+    assert "resumed from" in log and ("strategy=fsdp" in log or "strategy=tp" in log)
+    assert _metric(out, "step") == [4, 5, 6]
+    assert _metric(out, "samples") == _metric(one, "samples")[3:]
+    torch.testing.assert_close(_metric(out, "loss"), _metric(one, "loss")[3:], rtol=1e-4, atol=0)
+    want, got = _adapter_tensors(one, 6), _adapter_tensors(out, 6)
+    assert want and {f: sorted(t) for f, t in got.items()} == {f: sorted(t) for f, t in
+                                                                want.items()}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=WEIGHT_ATOL)
+    want = torch.load(os.path.join(one, "checkpoint-6", "optimizer.pt"))
+    got = torch.load(os.path.join(out, "checkpoint-6", "optimizer.pt"))
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in
+                                                          want["param_groups"]]
+    torch.testing.assert_close(got["state"], want["state"], rtol=1e-4, atol=1e-7)
+    # no base weights in an adapter run's checkpoint, from any layout
+    assert sorted(os.listdir(os.path.join(out, "checkpoint-6"))) == sorted(
+        os.listdir(os.path.join(one, "checkpoint-6")))
+
+
 def test_pipeline_settings_refused_clearly(tmp_path):
     from types import SimpleNamespace
 

@@ -66,15 +66,14 @@ def metrics(output_dir):
     (["model_config.vocab_size=100"], "model_config.vocab_size=100: the vocabulary is the "
                                       "tokenizer's"),
     # tensor parallel: another strategy was ignored, torch's fused AdamW crashed at the first
-    # step, a LoRA run crashed at its first checkpoint
+    # step; DoRA was refused by fastllm.parallel after the run had started
     (["parallel.tp=2", "parallel.strategy=zero1"], "parallel.tp > 1 shards data parallel with "
                                                    "FSDP2: .* got zero1"),
     (["parallel.tp=2", "backend=torch"], "parallel.tp > 1 runs with backend=fastllm"),
-    (["parallel.tp=2", "finetune=lora"], "finetune=lora with parallel.tp > 1"),
-    # an FSDP2 LoRA run crashed at its first checkpoint; ZeRO with torch's AdamW trained each
-    # rank on its own grads (or raised at the first accumulation)
-    (["parallel.strategy=fsdp", "finetune=lora"], "finetune=lora with parallel.strategy=fsdp"),
-    (["parallel.strategy=fsdp", "finetune=prefix"], "finetune=prefix with parallel.strategy"),
+    (["parallel.tp=2", "finetune=lora", "lora.use_dora=true"], "lora.use_dora=true with "
+                                                               "parallel.tp > 1"),
+    # ZeRO with torch's AdamW trained each rank on its own grads (or raised at the first
+    # accumulation)
     (["parallel.strategy=zero2", "backend=torch"], "parallel.strategy=zero2 is fastllm's "
                                                    "DistributedOptimizer"),
     # a checkpointed layer drops the KV cache holding the prefix: a size mismatch at step 1

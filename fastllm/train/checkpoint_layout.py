@@ -94,16 +94,18 @@ def optimizer_extras(optimizer):
     return {k: state[k] for k in EXTRAS if k in state}
 
 
-def full_state(model, optimizer, names, cpu_offload=True):
+def full_state(model, optimizer, names, cpu_offload=True, trainable_only=False):
     """(model state, index-keyed optimizer state) of a sharded model (FSDP2, tensor parallel)
     in one process's layout, through DCP's full state dicts, with the optimizer's EXTRAS. Every
     rank must call it; with cpu_offload the tensors are gathered on rank 0 only and the others
-    get (None, None)."""
+    get (None, None). trainable_only: the model state without frozen parameters (an adapter
+    run gathers its adapter, not the base model)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-    model_state = get_model_state_dict(model, options=opts)
+    model_state = get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=cpu_offload, ignore_frozen_params=trainable_only))
     optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
     if cpu_offload and dist.is_initialized() and dist.get_rank() != 0:
         return None, None
@@ -219,27 +221,83 @@ def convert_moments(optim_state, cfg, optimizer, log, path):
     return convert_state(optim_state, want, **kw)
 
 
-def save_adapter(module, path, backend):
-    """A LoRA/DoRA/prefix run's checkpoint holds the adapter only (PEFT's folder layout)."""
-    if backend == "torch":
-        module.save_pretrained(path)
-        return
-    from fastllm.adapters import save_adapter as save
+def save_adapter(module, path, backend, model_state=None):
+    """A LoRA/DoRA/prefix run's checkpoint holds the adapter only (PEFT's folder layout).
+    Sharded trainable parameters (FSDP2, tensor parallel) are written from model_state, the
+    gathered full tensors (full_state(..., trainable_only=True), on rank 0)."""
+    with _whole_trainable(module, model_state):
+        if backend == "torch":
+            module.save_pretrained(path)
+            return
+        from fastllm.adapters import save_adapter as save
 
-    save(module, path, task_type="CAUSAL_LM")
+        save(module, path, task_type="CAUSAL_LM")
 
 
 def load_adapter(module, path, backend):
-    if backend == "torch":
-        import peft
-        from safetensors.torch import load_file
+    """Load a LoRA/DoRA/prefix checkpoint's adapter on every rank. Sharded trainable parameters
+    are loaded whole (the loaders' checks unchanged), then each rank keeps its shards."""
+    from torch.distributed.tensor import distribute_tensor
 
-        peft.set_peft_model_state_dict(
-            module, load_file(os.path.join(path, "adapter_model.safetensors")))
+    sharded = _sharded_trainable(module)
+    whole = {name: p.full_tensor() for name, p in sharded}  # (collective: every rank)
+    with _whole_trainable(module, whole):
+        if backend == "torch":
+            import peft
+            from safetensors.torch import load_file
+
+            peft.set_peft_model_state_dict(
+                module, load_file(os.path.join(path, "adapter_model.safetensors")))
+        else:
+            from fastllm.adapters import load_adapter as load
+
+            load(module, path)
+        loaded = {name: p.detach().clone() for name, p in module.named_parameters()
+                  if name in whole}
+    with torch.no_grad():
+        for name, p in sharded:  # (the same order on every rank: scattered from rank 0)
+            p.copy_(distribute_tensor(loaded[name], p.device_mesh, p.placements))
+
+
+def _sharded_trainable(module):
+    from torch.distributed.tensor import DTensor
+
+    return [(n, p) for n, p in module.named_parameters()
+            if p.requires_grad and isinstance(p, DTensor)]
+
+
+@contextlib.contextmanager
+def _whole_trainable(module, whole):
+    """Within it, the module's trainable DTensor parameters are plain Parameters holding
+    whole[name] (their full tensors), so that the adapter code reads and writes whole tensors;
+    the DTensors are put back after, whatever happens. No DTensor: nothing changes."""
+    sharded = dict(_sharded_trainable(module))
+    if not sharded:
+        yield
         return
-    from fastllm.adapters import load_adapter as load
-
-    load(module, path)
+    missing = sorted(set(sharded) - set(whole or ()))
+    if missing:
+        raise ValueError(f"fastllm train: no full tensor for the sharded parameters "
+                         f"{missing[:3]} to save the adapter from")
+    swapped, hooks = [], {}
+    try:
+        for name, p in sharded.items():
+            owner, _, leaf = name.rpartition(".")
+            mod = module.get_submodule(owner)
+            # FSDP2's load_state_dict post-hooks re-shard the owner's params: a plain one
+            # loaded by the adapter code (fastllm.load_prefix) is not theirs to re-shard
+            if mod not in hooks:
+                hooks[mod] = mod._load_state_dict_post_hooks
+                mod._load_state_dict_post_hooks = type(hooks[mod])()
+            full = whole[name].to(p.device_mesh.device_type)
+            mod._parameters[leaf] = torch.nn.Parameter(full.clone(), requires_grad=True)
+            swapped.append((mod, leaf, p))
+        yield
+    finally:
+        for mod, leaf, p in swapped:
+            mod._parameters[leaf] = p
+        for mod, saved in hooks.items():
+            mod._load_state_dict_post_hooks = saved
 
 
 # Keys whose change makes a checkpoint's tensors not fit this run's (per finetune mode: the

@@ -243,12 +243,6 @@ class TrainConfig:
                  f"finetune={self.finetune} runs on plain (unsharded) parameters: "
                  f"parallel.strategy none/ddp/auto with parallel.tp=1, got "
                  f"strategy={self.parallel.strategy} tp={self.parallel.tp}")
-        # (an adapter is saved whole from rank 0: FSDP2's shards of it would reach the file
-        # as shards; safetensors refused them, after the run had trained to its first save)
-        need(not (self.parallel.strategy == "fsdp" and self.finetune in ("lora", "prefix")),
-             f"finetune={self.finetune} with parallel.strategy=fsdp: its adapter cannot be "
-             f"saved from FSDP2's shards yet; use parallel.strategy=ddp (every rank holds the "
-             f"small adapter whole) or zero2")
         # (ZeRO is fastllm's DistributedOptimizer, which also reduces the grads: torch's AdamW
         # in its place trained each rank on its own grads, unsynchronised)
         need(self.parallel.strategy not in ("zero1", "zero2") or self.backend == "fastllm",
@@ -256,15 +250,16 @@ class TrainConfig:
              f"runs with backend=fastllm (backend=torch: parallel.strategy=ddp or fsdp)")
         if self.parallel.tp > 1:
             # (tensor parallel shards data parallel with FSDP2, as pp does: another strategy
-            # was ignored; torch's fused AdamW refuses the mix of DTensor and plain params; a
-            # LoRA adapter cannot be saved from tensor-parallel shards yet)
+            # was ignored; torch's fused AdamW refuses the mix of DTensor and plain params)
             need(self.parallel.strategy in ("auto", "fsdp"), f"parallel.tp > 1 shards data "
                  f"parallel with FSDP2: parallel.strategy must be auto or fsdp, got "
                  f"{self.parallel.strategy}")
             need(self.backend == "fastllm", "parallel.tp > 1 runs with backend=fastllm (torch's "
                  "fused AdamW refuses the mix of sharded and plain params)")
-            need(self.finetune != "lora", "finetune=lora with parallel.tp > 1: its adapter "
-                 "cannot be saved from tensor-parallel shards yet; use parallel.tp=1")
+            # (fastllm.parallel refuses it when it shards the layers: after the run started)
+            need(not (self.finetune == "lora" and self.lora.use_dora), "lora.use_dora=true with "
+                 "parallel.tp > 1: a DoRA magnitude needs the whole weight's row norms; train "
+                 "DoRA with parallel.tp=1 (parallel.strategy=fsdp or zero2 shard it)")
         if self.parallel.pp > 1:
             need(self.finetune == "full", f"parallel.pp > 1 trains finetune=full only, got "
                  f"finetune={self.finetune}")

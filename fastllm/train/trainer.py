@@ -178,8 +178,8 @@ class Trainer:
                                                              os.path.basename(p)),
             }
             if cfg.finetune in ("lora", "prefix"):
-                writers["adapter"] = lambda p: checkpoint_layout.save_adapter(self.module, p,
-                                                                         cfg.backend)
+                writers["adapter"] = lambda p: checkpoint_layout.save_adapter(
+                    self.module, p, cfg.backend, model_state)
             else:
                 writers["model.pt"] = lambda p: ckpt.save_file(model_state, p)
             path = ckpt.save(cfg.output_dir, self.step, writers)

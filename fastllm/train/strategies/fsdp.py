@@ -13,7 +13,10 @@ class Sharded(Strategy):
     """A model of DTensor parameters: its state is saved and loaded through DCP."""
 
     def state(self):
-        return checkpoint_layout.full_state(self.model, self.optimizer, self.param_names)
+        # an adapter run gathers the adapter only (its checkpoint holds no base weights)
+        return checkpoint_layout.full_state(
+            self.model, self.optimizer, self.param_names,
+            trainable_only=self.cfg.finetune in ("lora", "prefix"))
 
     def load(self, model_state, optim_state):
         checkpoint_layout.load_full(self.model, self.optimizer, model_state, optim_state,
