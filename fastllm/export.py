@@ -333,14 +333,19 @@ def load_model(name):
         if not base or not os.path.isdir(base):
             raise FileNotFoundError(f"fastllm generate: the adapter {name} names base model "
                                     f"{base!r}, which is not a folder here")
+    missing = FileNotFoundError(f"fastllm generate: {base} is not a folder (a model, a PEFT "
+                                f"adapter or a fastllm run) nor a model in the Hugging Face "
+                                f"cache")
+    if not os.path.isdir(base) and not _in_hub_cache(base):
+        # (from_pretrained(local_files_only=True) still asked the Hub for an adapter config:
+        # five retries, 30 s offline, before this same error)
+        raise missing
     try:
         model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
     except (OSError, ValueError) as e:
         if os.path.isdir(base):
             raise
-        raise FileNotFoundError(f"fastllm generate: {base} is not a folder (a model, a PEFT "
-                                f"adapter or a fastllm run) nor a model in the Hugging Face "
-                                f"cache") from e
+        raise missing from e
     if adapter:
         load_adapter(model, name)
     tok_dir = name if os.path.exists(os.path.join(name, "tokenizer_config.json")) else base
@@ -358,6 +363,16 @@ def load_model(name):
             "the run folder") from e
     model.eval()
     return model, HFTokenizer(tok, tok_dir)
+
+
+def _in_hub_cache(name):
+    """Whether the Hugging Face cache holds a config.json of model `name` (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a repo id (HFValidationError)
+        return False
 
 
 def _checked(kind, ok, what):

@@ -529,10 +529,18 @@ def test_generate_refuses_out_of_range_arguments(capsys):
         assert "must be" in capsys.readouterr().err
 
 
-def test_export_and_generate_name_a_missing_folder(tmp_path):
+def test_export_and_generate_name_a_missing_folder(tmp_path, monkeypatch):
+    import transformers
+
     from fastllm import cli
 
     with pytest.raises(SystemExit, match="no such run folder"):
         cli.main(["export", str(tmp_path / "nope"), str(tmp_path / "out")])
-    with pytest.raises(SystemExit, match="is not a folder"):
-        cli.main(["generate", str(tmp_path / "nope"), "hi"])
+
+    def asks_the_hub(*args, **kwargs):  # (offline: five retries, 30 s, before the same error)
+        raise AssertionError("from_pretrained of a model neither here nor in the cache")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", asks_the_hub)
+    for name in (str(tmp_path / "nope"), "no-such-model", "org/no-such-model"):
+        with pytest.raises(SystemExit, match="is not a folder"):
+            cli.main(["generate", name, "hi"])
