@@ -128,7 +128,9 @@ def check_layout(model, layout, seq_len, global_batch, fastllm_rules=False):
     the runtime's rules (fastllm.parallel.ParallelLayout), with stages of equal layer counts
     (the cost model prices one stage for all). fastllm_rules: also fastllm's rule that a
     pipeline needs untied embeddings (build_pipeline_stage; Megatron-LM pipelines tied ones,
-    all-reducing the embedding's gradient between the first and last stages)."""
+    all-reducing the embedding's gradient between the first and last stages), and `fastllm
+    train`'s that LoRA runs without a pipeline (its parallel.pp > 1 is finetune=full only) and
+    that data parallel beside tp or pp > 1 is FSDP2's (ZeRO-3: fastllm.parallel.apply_fsdp)."""
     lo = layout
     if lo.micro_batch < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {lo.micro_batch}")
@@ -142,6 +144,12 @@ def check_layout(model, layout, seq_len, global_batch, fastllm_rules=False):
     if fastllm_rules and model.tied_embeddings and lo.pp > 1:
         raise ValueError(f"parallel.pp={lo.pp} needs untied embeddings (tie_word_embeddings="
                          f"False): the embedding and the head live on different stages")
+    if fastllm_rules and lo.lora_rank and lo.pp > 1:
+        raise ValueError(f"parallel.pp={lo.pp} trains finetune=full only: LoRA runs with "
+                         f"parallel.pp=1 (tp, FSDP2 or ZeRO over the rest)")
+    if fastllm_rules and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1) and lo.zero != 3:
+        raise ValueError(f"dp={lo.dp} beside tp={lo.tp} x pp={lo.pp} is FSDP2 (zero3) in "
+                         f"fastllm train, not zero{lo.zero}")
     par.micro_batches(global_batch, lo.micro_batch)
 
 
@@ -523,8 +531,8 @@ def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_ran
         schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved", 2), ("gpipe", 1)]
         for (sched, v), mb, zero, rec in itertools.product(schedules, micro_batches,
                                                            zero_stages, (False, True)):
-            if pp > 1 and zero >= 2:
-                continue  # ZeRO-2/3 re-gather per micro-batch; nobody pipelines with them
+            if pp > 1 and zero == 2:
+                continue  # (fastllm train's pipelines shard dp with FSDP2: ZeRO-3)
             if dp == 1 and zero:
                 continue
             lo = Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, recompute=rec,
