@@ -82,8 +82,12 @@ def test_gpu_path_reads_nothing_back_while_captured(finetune, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("finetune", ["full", "lora"])
-def test_patched_step_captured_in_a_cuda_graph_matches_eager(finetune):
+@pytest.mark.parametrize("finetune,optim_backend", [("full", None), ("lora", None),
+                                                    ("full", "triton")])
+def test_patched_step_captured_in_a_cuda_graph_matches_eager(finetune, optim_backend):
+    """optim_backend "triton": the grads created in the capture are new to the optimizer's
+    table cache, so the captured step launches the per-tensor fallback, whose kernel the eager
+    step loaded (tensor_table.load_fallback; CUDA refuses a module load during a capture)."""
     graphed = _model(finetune)
     eager = copy.deepcopy(graphed)
     ids = torch.randint(0, VOCAB, (2, 32), device="cuda")
@@ -95,7 +99,8 @@ def test_patched_step_captured_in_a_cuda_graph_matches_eager(finetune):
     def step(model):
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
-        opts[model].step()
+        with fastllm.use_backend(optim_backend):
+            opts[model].step()
         return loss.detach()
 
     # one eager step each (kernels compiled, optimizer state allocated), grads then None

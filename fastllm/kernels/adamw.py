@@ -30,8 +30,8 @@ from fastllm.kernels import cdiv
 from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param, device_step,
                                        host_constants, load_grad, step_scalars, stream_load)
 from fastllm.kernels.rounding import store_rounded
-from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
-                                          programs, table)
+from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, load_fallback,
+                                          one_device, programs, table)
 
 # Table fields per tensor: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, numel.
 _FIELDS = 7
@@ -219,17 +219,22 @@ def adamw_step_triton(
         HAS_FOUND_INF=found_inf is not None, ALIGNED=found.aligned, BLOCK_SIZE=block,
         CHUNK_BLOCKS=chunk_blocks,
     )
+    load_fallback(found, device, lambda: _per_tensor(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, consts, eps=eps,
+        amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf,
+        load_only=True))
 
 
 def _per_tensor(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, consts, *, eps,
-                amsgrad, maximize, grad_scale, found_inf):
-    """One launch per non-empty tensor (the fallback: see the module docstring)."""
+                amsgrad, maximize, grad_scale, found_inf, load_only=False):
+    """One launch per non-empty tensor (the fallback: see the module docstring); load_only:
+    grids of 0 programs (tensor_table.load_fallback)."""
     block = _sizes()[0]
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
             continue
-        _adamw_tensor_kernel[(cdiv(n, block),)](
+        _adamw_tensor_kernel[(0 if load_only else cdiv(n, block),)](
             p, grads[i], exp_avgs[i], exp_avg_sqs[i],
             max_exp_avg_sqs[i] if amsgrad else p,
             device_step(steps[i], p.device),

@@ -27,8 +27,8 @@ from fastllm.kernels.adam_math import (CONSTANT_BITS, adam_moments, adam_param, 
                                        stream_load, stream_store)
 from fastllm.kernels.adamw import _TL_DTYPES, _sizes
 from fastllm.kernels.rounding import philox_key, round_nearest, round_stochastic
-from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, one_device,
-                                          programs, table)
+from fastllm.kernels.tensor_table import (address, chunk_at, chunks_to_run, load_fallback,
+                                          one_device, programs, table)
 
 # Table fields per tensor: param, grad, master, exp_avg, exp_avg_sq, kahan_comp, step, numel.
 _FIELDS = 8
@@ -233,17 +233,22 @@ def adamw_master_step_triton(
         FIELDS=_FIELDS, **flags, ALIGNED=found.aligned, BLOCK_SIZE=block,
         CHUNK_BLOCKS=chunk_blocks,
     )
+    load_fallback(found, device, lambda: _per_tensor(
+        params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, consts, flags,
+        eps=eps, seed=seed, grad_scale=grad_scale, clip_coef=clip_coef, found_inf=found_inf,
+        load_only=True))
 
 
 def _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, consts, flags,
-                *, eps, seed, grad_scale, clip_coef, found_inf):
-    """One launch per non-empty tensor (the fallback: see adamw.py)."""
+                *, eps, seed, grad_scale, clip_coef, found_inf, load_only=False):
+    """One launch per non-empty tensor (the fallback: see adamw.py); load_only: grids of 0
+    programs (tensor_table.load_fallback)."""
     block = _sizes()[0]
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
             continue
-        _adamw_master_tensor_kernel[(cdiv(n, block),)](
+        _adamw_master_tensor_kernel[(0 if load_only else cdiv(n, block),)](
             p, grads[i],
             masters[i] if masters else exp_avgs[i],
             exp_avgs[i], exp_avg_sqs[i],

@@ -33,13 +33,27 @@ class Table:
     """The uploaded table: `tensors` and `chunks` int64 views, `n_chunks`, and `aligned`, True
     when every address is a multiple of 16 bytes (the kernels may then use 128-bit accesses)."""
 
-    __slots__ = ("buffer", "tensors", "chunks", "n_chunks", "aligned")
+    __slots__ = ("buffer", "tensors", "chunks", "n_chunks", "aligned", "fallback_loaded")
 
     def __init__(self, buffer, n_tensor_words, n_chunks, aligned):
         self.buffer = buffer
         self.tensors = buffer[:n_tensor_words]
         self.chunks = buffer[n_tensor_words:]
         self.n_chunks, self.aligned = n_chunks, aligned
+        # whether the caller's per-tensor fallback kernels are loaded for these tensors
+        # (load_fallback)
+        self.fallback_loaded = False
+
+
+def load_fallback(found, device, launch):
+    """Load the per-tensor fallback kernels of a table's tensors once, on a GPU: a CUDA graph
+    captured with tensors the table cache has not seen (grads created in the capture, after
+    zero_grad(set_to_none=True)) launches the fallback, and CUDA refuses to load a module while
+    a stream captures. launch() makes the fallback's launches with a grid of 0 programs: Triton
+    compiles and loads each kernel for those arguments' specialisation and launches nothing."""
+    if device.type == "cuda" and not found.fallback_loaded:
+        launch()
+        found.fallback_loaded = True
 
 
 def table(arrays, steps, chunk, device, sizes=None):
