@@ -243,6 +243,14 @@ class TrainConfig:
                  f"finetune={self.finetune} runs on plain (unsharded) parameters: "
                  f"parallel.strategy none/ddp/auto with parallel.tp=1, got "
                  f"strategy={self.parallel.strategy} tp={self.parallel.tp}")
+        if self.finetune == "lora" and self.backend == "torch" and self.parallel.strategy == "fsdp":
+            # (PEFT's save_pretrained also writes the frozen base weight of an adapted
+            # embed_tokens / lm_head, which FSDP2 holds in shards: the first checkpoint failed)
+            embedding = [t for t in self.lora.target_modules
+                         if t.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")]
+            need(not embedding, f"finetune=lora with backend=torch and parallel.strategy=fsdp "
+                 f"cannot save an adapter of {embedding} (PEFT writes its frozen base weight, "
+                 f"held in FSDP2's shards): use backend=fastllm or parallel.strategy=ddp")
         # (ZeRO is fastllm's DistributedOptimizer, which also reduces the grads: torch's AdamW
         # in its place trained each rank on its own grads, unsynchronised)
         need(self.parallel.strategy not in ("zero1", "zero2") or self.backend == "fastllm",
