@@ -112,8 +112,11 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
 
     def wrap(module):
         if mesh is not None:
+            # (a pipeline stage's FSDP2 keeps its weights gathered through the step, as
+            # fastllm train's does)
             parallelize(module, mesh, activation_checkpointing=activation_checkpointing,
-                        vocab_parallel_logits=pp == 1, sequence_parallel=sequence_parallel)
+                        vocab_parallel_logits=pp == 1, sequence_parallel=sequence_parallel,
+                        reshard_after_forward=pp == 1)
         elif activation_checkpointing:
             wrap_activation_checkpointing(module)
         return module

@@ -268,6 +268,9 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
 
     layer_input = b * s * model.hidden * e / (t if lo.sequence_parallel else 1)
     fsdp = lo.dp > 1 and lo.zero == 3  # ZeRO-3 is FSDP2's layout
+    # ... kept gathered through the step in a pipeline stage (reshard_after_forward=False, as
+    # fastllm train and torchtitan shard stages): the stage's weights and grads whole all step
+    kept = fsdp and lo.pp > 1
 
     def stage_acts(i):
         if lo.recompute:
@@ -301,14 +304,14 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         if lo.lora_rank:
             trainable = layers_stage * _lora_params_per_layer(model, lo.lora_rank) / t
             # ZeRO shards them as it shards full fine-tuning's (the frozen weights at stage 3)
-            weights = p * e / (lo.dp if lo.zero >= 3 else 1)
-            grads = trainable * g / (lo.dp if lo.zero >= 2 else 1)
-            optim = trainable * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
         else:
             trainable = p
-            weights = p * e / (lo.dp if lo.zero >= 3 else 1)
-            grads = p * g / (lo.dp if lo.zero >= 2 else 1)
-            optim = p * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
+        weights = p * e / (lo.dp if lo.zero >= 3 else 1)
+        grads = trainable * g / (lo.dp if lo.zero >= 2 else 1)
+        optim = trainable * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
+        if kept:  # the shards, and beside them the whole weights and accumulated grads
+            weights += p * e
+            grads += trainable * g
         most_trainable = max(most_trainable, trainable)
         # under 1F1B each backward after the first runs with every gradient of the stage
         # already allocated; GPipe holds all m micro-batches, the loss's logits included
@@ -324,7 +327,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             # model's first chunk no activation and its last no gradient
             mem["pipeline_buffers"] = m * (2 * v - first - last) * layer_input
         work = 0.0
-        accumulating = m > 1 and not fsdp  # FSDP2: in "gathered"
+        accumulating = m > 1 and (kept or not fsdp)  # FSDP2 resharding: in "gathered"
         if accumulating and not lo.lora_rank:
             largest = largest_layer_param
             if first:
@@ -333,7 +336,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                 largest = max(largest, model.head_params() / tv)
             work += largest * g
         mem["backward_workspace"] = work
-        if fsdp:
+        if fsdp and not kept:
             # FSDP2 gathers each layer whole (the next one prefetched) and keeps the root's
             # parameters (embedding, final norm, head) whole from forward to backward; a
             # layer's and the root's gradients (LoRA: the adapters' alone) are whole until
@@ -428,14 +431,16 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         t_dp = coll("all_reduce", grad_buf)
     else:
         t_dp = coll("reduce_scatter", grad_buf) + coll("all_gather", trainable * e)
-        if lo.zero == 3:
-            # weights re-gathered for forward and backward of every micro-batch; under
-            # torch.distributed.pipelining the stage's FSDP2 modules reshard and reduce only
-            # after the last micro-batch's backward (set_reshard_after_backward /
-            # set_requires_gradient_sync), so backward gathers once: m + 1 in all (counted:
-            # pp2 x dp2, 2 micro-batches, 3 all-gathers per layer and 1 reduce-scatter)
+        if kept:
+            # gathered once, at the first micro-batch's forward, reduced after the last's
+            # backward (torch.distributed.pipelining's set_requires_gradient_sync): LoRA's
+            # frozen base too
+            if lo.lora_rank:
+                t_dp += coll("all_gather", (most_params - trainable) * e)
+        elif lo.zero == 3:
+            # weights re-gathered for forward and backward of every micro-batch
             # (the stage's every weight, frozen ones too: LoRA's base is sharded and gathered)
-            t_dp += coll("all_gather", most_params * e) * (m if lo.pp > 1 else 2 * m - 1)
+            t_dp += coll("all_gather", most_params * e) * (2 * m - 1)
     t_dp_exposed = t_dp * (1 - dp_overlap)
     # the loss and the gradient norm: one tiny all-reduce each, over every rank
     n_small = rt.small_collectives + (lo.pp > 1) + (lo.dp > 1) if rt.small_collectives else 0

@@ -33,7 +33,10 @@ class Pipeline(Strategy):
                 apply_tensor_parallel(stage, mesh["tp"], vocab_parallel_logits=False,
                                       vocab_parallel=vocab_parallel)
             if lay.dp > 1:
-                apply_fsdp(stage, mesh["dp"])
+                # gathered once a step and kept through every micro-batch (torchtitan's policy
+                # under pipelining): resharded after each forward, the stage's weights were
+                # gathered again for every micro-batch (m + 1 all-gathers a step)
+                apply_fsdp(stage, mesh["dp"], reshard_after_forward=False)
             return stage
 
         self.pipe = build_pipeline(model, mesh, n_mb, lay.schedule, loss_fn, self.device,
