@@ -629,7 +629,7 @@ def test_a_pipeline_stage_keeps_its_fsdp2_weights_gathered_through_the_step():
     """fastllm train shards a pipeline stage with FSDP2 without resharding after forward
     (torchtitan's policy): one all-gather a step, not one per micro-batch, for the whole
     weights and grads kept all step. The README's 512-GPU example then runs as fast as
-    Megatron-LM's ZeRO-1 layout; resharding, it ran ~24% slower."""
+    Megatron-LM's ZeRO-1 layout; resharding, it was priced 43% slower (11.89 s a step)."""
     model, gpu = MODELS["llama2-70b"], GPUS["H100"]
 
     def est(zero):
@@ -637,10 +637,11 @@ def test_a_pipeline_stage_keeps_its_fsdp2_weights_gathered_through_the_step():
                         gpu)
 
     fsdp, zero1 = est(3), est(1)
+    assert fsdp["step_time"] == pytest.approx(8.309, rel=1e-3)
     assert fsdp["time_dp"] == pytest.approx(zero1["time_dp"], rel=1e-9)
     assert fsdp["tokens_per_s"] == pytest.approx(zero1["tokens_per_s"], rel=1e-9)
-    # whole weights and grads as ZeRO-1's, plus the weight and grad shards
+    # whole weights and grads as ZeRO-1's, plus the weight shards
     mem, mem1 = fsdp["memory"], zero1["memory"]
     assert mem["weights"] == pytest.approx(mem1["weights"] * (1 + 1 / 16))
-    assert mem["grads"] == pytest.approx(mem1["grads"] * (1 + 1 / 16))
+    assert mem["grads"] == pytest.approx(mem1["grads"])
     assert mem["optimizer"] == pytest.approx(mem1["optimizer"]) and "gathered" not in mem

@@ -309,9 +309,12 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         weights = p * e / (lo.dp if lo.zero >= 3 else 1)
         grads = trainable * g / (lo.dp if lo.zero >= 2 else 1)
         optim = trainable * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
-        if kept:  # the shards, and beside them the whole weights and accumulated grads
+        if kept:
+            # the weight shards, and beside them the whole weights; grads accumulate whole
+            # across micro-batches and become shards only after the last backward (each
+            # layer's whole ones freed as its shards are made; zero_grad frees the shards)
             weights += p * e
-            grads += trainable * g
+            grads = trainable * g
         most_trainable = max(most_trainable, trainable)
         # under 1F1B each backward after the first runs with every gradient of the stage
         # already allocated; GPipe holds all m micro-batches, the loss's logits included
@@ -536,8 +539,11 @@ def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_ran
         schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved", 2), ("gpipe", 1)]
         for (sched, v), mb, zero, rec in itertools.product(schedules, micro_batches,
                                                            zero_stages, (False, True)):
-            if pp > 1 and zero == 2:
-                continue  # (fastllm train's pipelines shard dp with FSDP2: ZeRO-3)
+            if dp > 1 and (tp > 1 or pp > 1) and zero != 3:
+                # fastllm train's data parallel beside tp or pp is FSDP2 (check_layout's rule,
+                # skipped here so that a refused dp x tp x pp names the rule all its layouts
+                # break)
+                continue
             if dp == 1 and zero:
                 continue
             lo = Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, recompute=rec,
