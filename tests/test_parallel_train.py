@@ -195,16 +195,17 @@ def _adapter_tensors(out, step):
             if f.endswith(".safetensors")}
 
 
-@pytest.mark.parametrize("mode,layout,port", [
-    ("finetune=lora", "parallel.strategy=fsdp", 61),
-    ("finetune=prefix", "parallel.strategy=fsdp", 67),
-    ("finetune=lora", "parallel.tp=2", 71)])
+@pytest.mark.parametrize("mode,layout,strategy,port", [
+    ("finetune=lora", "parallel.strategy=fsdp", "fsdp", 61),
+    ("finetune=prefix", "parallel.strategy=fsdp", "fsdp", 67),
+    ("finetune=lora", "parallel.tp=2", "tp", 71),
+    ("finetune=lora", "parallel.pp=2", "pipeline", 73)])
 def test_adapter_on_sharded_params_resumes_and_saves_as_one_process(reference, tmp_path, mode,
-                                                                     layout, port):
-    """An adapter run under FSDP2 or tensor parallel resumes a one-process checkpoint (each
-    rank keeps its shards of the whole adapter) and saves whole adapters from its shards: the
-    same losses, and the same adapter files and optimizer state as the one-process run (its
-    first checkpoint crashed on the shards before: both were refused)."""
+                                                                     layout, strategy, port):
+    """An adapter run under FSDP2, tensor parallel or a pipeline resumes a one-process
+    checkpoint (each rank keeps its shards, each stage its layers, of the whole adapter) and
+    saves the whole adapter from them: the same losses, and the same adapter files and
+    optimizer state as the one-process run (all three were refused before)."""
     cache, _ = reference
     one = str(tmp_path / "one")
     _in_process(_args(cache, one, mode, *ADAPTER_STEPS))
@@ -213,7 +214,7 @@ def test_adapter_on_sharded_params_resumes_and_saves_as_one_process(reference, t
     shutil.copytree(os.path.join(one, "checkpoint-3"), os.path.join(out, "checkpoint-3"))
     batch = ("micro_batch_size=8",) if "tp" in layout else ()
     log = _torchrun(2, _args(cache, out, mode, *ADAPTER_STEPS, layout, *batch), port)
-    assert "resumed from" in log and ("strategy=fsdp" in log or "strategy=tp" in log)
+    assert "resumed from" in log and f"strategy={strategy}" in log
     assert _metric(out, "step") == [4, 5, 6]
     assert _metric(out, "samples") == _metric(one, "samples")[3:]
     torch.testing.assert_close(_metric(out, "loss"), _metric(one, "loss")[3:], rtol=1e-4, atol=0)
@@ -226,6 +227,13 @@ def test_adapter_on_sharded_params_resumes_and_saves_as_one_process(reference, t
     assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in
                                                           want["param_groups"]]
     torch.testing.assert_close(got["state"], want["state"], rtol=1e-4, atol=1e-7)
+    if mode == "finetune=lora":  # the same config (target_modules, r, alpha, ...)
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            assert os.path.isfile(os.path.join(out, "checkpoint-6", "adapter", f))
+        with open(os.path.join(one, "checkpoint-6", "adapter", "adapter_config.json")) as f:
+            want = f.read()
+        with open(os.path.join(out, "checkpoint-6", "adapter", "adapter_config.json")) as f:
+            assert f.read() == want
     # no base weights in an adapter run's checkpoint, from any layout
     assert sorted(os.listdir(os.path.join(out, "checkpoint-6"))) == sorted(
         os.listdir(os.path.join(one, "checkpoint-6")))
@@ -274,7 +282,7 @@ def test_pipeline_settings_refused_clearly(tmp_path):
                                          r"ranks, but the world size is 2"):
         data_parallel_size(cfg("parallel.dp=2"), 2)
     assert data_parallel_size(cfg("parallel.tp=2"), 8) == 2
-    for bad, says in ((["finetune=lora"], "finetune=full only"),
+    for bad, says in ((["finetune=freeze"], "finetune=full or lora, got finetune=freeze"),
                       (["precision=fp16"], "precision fp32 or bf16"),
                       (["parallel.strategy=zero2"], "parallel.strategy must be auto or fsdp"),
                       (["parallel.schedule=zb"], "parallel.schedule must be one of"),

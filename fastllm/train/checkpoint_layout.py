@@ -17,9 +17,12 @@ import random
 import torch
 import torch.distributed as dist
 
+from fastllm.train.adapter_checkpoint import adapter_layout, load_adapter, save_adapter
+
 __all__ = ["rng_states", "restore_rng", "param_order", "by_name", "by_index", "full_state",
            "load_full", "optimizer_extras", "extras_restored", "gather_stages",
-           "convert_moments", "save_adapter", "load_adapter", "check_resume_config",
+           "convert_moments", "save_adapter", "load_adapter", "adapter_layout",
+           "check_resume_config",
            "non_finite"]
 
 # optim= -> the optimizer state's dtype (fastllm.optim.convert_state's state_dtype)
@@ -150,17 +153,18 @@ def extras_restored(optimizer, extras):
             handle.remove()
 
 
-def gather_stages(model, optimizer, names, n_decay, pp_group, writer):
+def gather_stages(model, optimizer, names, n_decay, pp_group, writer, trainable_only=False):
     """(model state, optimizer state) of the whole pipeline in one process's layout on rank 0
     (None elsewhere). Each stage takes its part with DCP's full state dicts (over its dp/tp
     ranks); the ranks with `writer` True (dp 0, tp 0: the others hold copies) send theirs to
     rank 0 over pp_group; the optimizer's EXTRAS are rank 0's (_extras). names, n_decay: the
-    whole model's param_order."""
+    whole model's param_order. trainable_only: as full_state's."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
     opts = StateDictOptions(full_state_dict=True)
-    msd = get_model_state_dict(model, options=opts)
+    msd = get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, ignore_frozen_params=trainable_only))
     osd = get_optimizer_state_dict(model, optimizer, options=opts)
     if not writer:
         return None, None
@@ -183,9 +187,16 @@ def gather_stages(model, optimizer, names, n_decay, pp_group, writer):
         for g in part["groups"]:
             for n in g["params"]:
                 hyper[n] = {k: v for k, v in g.items() if k != "params"}
-    groups = [dict(hyper[names[0]], params=names[:n_decay])]
-    if n_decay < len(names):
-        groups.append(dict(hyper[names[n_decay]], params=names[n_decay:]))
+    groups = []
+    for i, params in enumerate((names[:n_decay], names[n_decay:])):
+        if params:
+            groups.append(dict(hyper[params[0]], params=params))
+            continue
+        # an empty group (LoRA trains no norm or bias) is kept, as one process keeps it, with
+        # its hyperparameters as the stages hold them
+        held = [g for part in parts for g in part["groups"][i:i + 1]]
+        if held:
+            groups.append(dict({k: v for k, v in held[0].items() if k != "params"}, params=[]))
     return model_state, dict(by_index({"state": state, "param_groups": groups}, names),
                              **optimizer_extras(optimizer))
 
@@ -219,85 +230,6 @@ def convert_moments(optim_state, cfg, optimizer, log, path):
     log(f"fastllm train: {path} holds {have} optimizer moments; converting them to {want} for "
         f"optim={cfg.optim}")
     return convert_state(optim_state, want, **kw)
-
-
-def save_adapter(module, path, backend, model_state=None):
-    """A LoRA/DoRA/prefix run's checkpoint holds the adapter only (PEFT's folder layout).
-    Sharded trainable parameters (FSDP2, tensor parallel) are written from model_state, the
-    gathered full tensors (full_state(..., trainable_only=True), on rank 0)."""
-    with _whole_trainable(module, model_state):
-        if backend == "torch":
-            module.save_pretrained(path)
-            return
-        from fastllm.adapters import save_adapter as save
-
-        save(module, path, task_type="CAUSAL_LM")
-
-
-def load_adapter(module, path, backend):
-    """Load a LoRA/DoRA/prefix checkpoint's adapter on every rank. Sharded trainable parameters
-    are loaded whole (the loaders' checks unchanged), then each rank keeps its shards."""
-    from torch.distributed.tensor import distribute_tensor
-
-    sharded = _sharded_trainable(module)
-    whole = {name: p.full_tensor() for name, p in sharded}  # (collective: every rank)
-    with _whole_trainable(module, whole):
-        if backend == "torch":
-            import peft
-            from safetensors.torch import load_file
-
-            peft.set_peft_model_state_dict(
-                module, load_file(os.path.join(path, "adapter_model.safetensors")))
-        else:
-            from fastllm.adapters import load_adapter as load
-
-            load(module, path)
-        loaded = {name: p.detach().clone() for name, p in module.named_parameters()
-                  if name in whole}
-    with torch.no_grad():
-        for name, p in sharded:  # (the same order on every rank: scattered from rank 0)
-            p.copy_(distribute_tensor(loaded[name], p.device_mesh, p.placements))
-
-
-def _sharded_trainable(module):
-    from torch.distributed.tensor import DTensor
-
-    return [(n, p) for n, p in module.named_parameters()
-            if p.requires_grad and isinstance(p, DTensor)]
-
-
-@contextlib.contextmanager
-def _whole_trainable(module, whole):
-    """Within it, the module's trainable DTensor parameters are plain Parameters holding
-    whole[name] (their full tensors), so that the adapter code reads and writes whole tensors;
-    the DTensors are put back after, whatever happens. No DTensor: nothing changes."""
-    sharded = dict(_sharded_trainable(module))
-    if not sharded:
-        yield
-        return
-    missing = sorted(set(sharded) - set(whole or ()))
-    if missing:
-        raise ValueError(f"fastllm train: no full tensor for the sharded parameters "
-                         f"{missing[:3]} to save the adapter from")
-    swapped, hooks = [], {}
-    try:
-        for name, p in sharded.items():
-            owner, _, leaf = name.rpartition(".")
-            mod = module.get_submodule(owner)
-            # FSDP2's load_state_dict post-hooks re-shard the owner's params: a plain one
-            # loaded by the adapter code (fastllm.load_prefix) is not theirs to re-shard
-            if mod not in hooks:
-                hooks[mod] = mod._load_state_dict_post_hooks
-                mod._load_state_dict_post_hooks = type(hooks[mod])()
-            full = whole[name].to(p.device_mesh.device_type)
-            mod._parameters[leaf] = torch.nn.Parameter(full.clone(), requires_grad=True)
-            swapped.append((mod, leaf, p))
-        yield
-    finally:
-        for mod, leaf, p in swapped:
-            mod._parameters[leaf] = p
-        for mod, saved in hooks.items():
-            mod._load_state_dict_post_hooks = saved
 
 
 # Keys whose change makes a checkpoint's tensors not fit this run's (per finetune mode: the

@@ -179,7 +179,7 @@ class Trainer:
             }
             if cfg.finetune in ("lora", "prefix"):
                 writers["adapter"] = lambda p: checkpoint_layout.save_adapter(
-                    self.module, p, cfg.backend, model_state)
+                    self.module, p, cfg.backend, model_state, self.strategy.adapter_layout)
             else:
                 writers["model.pt"] = lambda p: ckpt.save_file(model_state, p)
             path = ckpt.save(cfg.output_dir, self.step, writers)
@@ -197,7 +197,8 @@ class Trainer:
             ckpt.load_file(os.path.join(path, "optimizer.pt")), cfg, self.optimizer, self.log, path)
         model_state = None
         if cfg.finetune in ("lora", "prefix"):
-            checkpoint_layout.load_adapter(self.module, os.path.join(path, "adapter"), cfg.backend)
+            checkpoint_layout.load_adapter(self.module, os.path.join(path, "adapter"), cfg.backend,
+                                           self.strategy.adapter_layout)
         else:
             model_state = ckpt.load_file(os.path.join(path, "model.pt"))
         checkpoint_layout.load_state(self.strategy, model_state, optim_state, path, self.log)

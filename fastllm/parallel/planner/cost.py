@@ -129,8 +129,8 @@ def check_layout(model, layout, seq_len, global_batch, fastllm_rules=False):
     (the cost model prices one stage for all). fastllm_rules: also fastllm's rule that a
     pipeline needs untied embeddings (build_pipeline_stage; Megatron-LM pipelines tied ones,
     all-reducing the embedding's gradient between the first and last stages), and `fastllm
-    train`'s that LoRA runs without a pipeline (its parallel.pp > 1 is finetune=full only) and
-    that data parallel beside tp or pp > 1 is FSDP2's (ZeRO-3: fastllm.parallel.apply_fsdp)."""
+    train`'s that data parallel beside tp or pp > 1 is FSDP2's (ZeRO-3:
+    fastllm.parallel.apply_fsdp)."""
     lo = layout
     if lo.micro_batch < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {lo.micro_batch}")
@@ -144,9 +144,6 @@ def check_layout(model, layout, seq_len, global_batch, fastllm_rules=False):
     if fastllm_rules and model.tied_embeddings and lo.pp > 1:
         raise ValueError(f"parallel.pp={lo.pp} needs untied embeddings (tie_word_embeddings="
                          f"False): the embedding and the head live on different stages")
-    if fastllm_rules and lo.lora_rank and lo.pp > 1:
-        raise ValueError(f"parallel.pp={lo.pp} trains finetune=full only: LoRA runs with "
-                         f"parallel.pp=1 (tp, FSDP2 or ZeRO over the rest)")
     if fastllm_rules and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1) and lo.zero != 3:
         raise ValueError(f"dp={lo.dp} beside tp={lo.tp} x pp={lo.pp} is FSDP2 (zero3) in "
                          f"fastllm train, not zero{lo.zero}")

@@ -21,6 +21,7 @@ class Strategy:
     bubble = None        # the pipeline's idle share of a step (pipeline only)
     clip_group = None    # a process group the grad norm spans beyond the model's own shards
     zero_stage = 0       # DistributedOptimizer's ZeRO stage (zero.py)
+    adapter_layout = None  # a pipeline's LoRA adapter, whole (checkpoint_layout.adapter_layout)
 
     def __init__(self, cfg, layout, device, rank):
         self.cfg, self.layout, self.device, self.rank = cfg, layout, device, rank

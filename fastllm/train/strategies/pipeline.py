@@ -20,6 +20,8 @@ class Pipeline(Strategy):
         decay, no_decay = checkpoint_layout.param_order(model)
         self.model_names, self.model_n_decay = [n for n, _ in decay + no_decay], len(decay)
         self.n_layers = len(decoder_layers(model))
+        if cfg.finetune == "lora":  # its files name every layer: rank 0's stage holds some
+            self.adapter_layout = checkpoint_layout.adapter_layout(model)
         lay.check_model(model.config)
         # the trainer's global batch: the schedule must split it into the loader's micro-batches
         n_mb = lay.micro_batches(cfg.resolved_global_batch(lay), cfg.micro_batch_size)
@@ -64,8 +66,9 @@ class Pipeline(Strategy):
         return loss_sum, 0.0
 
     def state(self):
-        return checkpoint_layout.gather_stages(self.model, self.optimizer, self.model_names,
-                                          self.model_n_decay, self.clip_group, self.writer)
+        return checkpoint_layout.gather_stages(
+            self.model, self.optimizer, self.model_names, self.model_n_decay, self.clip_group,
+            self.writer, trainable_only=self.adapter_layout is not None)
 
     def load(self, model_state, optim_state):
         checkpoint_layout.load_full(self.model, self.optimizer, model_state, optim_state,

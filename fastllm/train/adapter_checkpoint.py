@@ -1,0 +1,155 @@
+"""A LoRA/DoRA/prefix run's checkpoint: its adapter in PEFT's folder layout, the same files from
+every layout. Sharded trainable parameters (FSDP2, tensor parallel) are gathered whole before
+rank 0 writes them and loaded whole on every rank before each keeps its shards; a pipeline
+writes the whole model's adapter from its stages' gathered tensors and each stage loads its
+layers from it (fastllm.train.checkpoint_layout re-exports save_adapter, load_adapter and
+adapter_layout)."""
+
+import contextlib
+import os
+
+import torch
+
+__all__ = ["save_adapter", "load_adapter", "adapter_layout"]
+
+
+def save_adapter(module, path, backend, model_state=None, stages=None):
+    """A LoRA/DoRA/prefix run's checkpoint holds the adapter only (PEFT's folder layout).
+    Sharded trainable parameters (FSDP2, tensor parallel) are written from model_state, the
+    gathered full tensors (full_state(..., trainable_only=True), on rank 0). stages: a
+    pipeline's adapter_layout (rank 0's stage holds some of the layers): the adapter is written
+    from model_state, every stage's gathered tensors."""
+    if stages is not None:
+        _save_stages(path, model_state, *stages)
+        return
+    with _whole_trainable(module, model_state):
+        if backend == "torch":
+            module.save_pretrained(path)
+            return
+        from fastllm.adapters import save_adapter as save
+
+        save(module, path, task_type="CAUSAL_LM")
+
+
+def load_adapter(module, path, backend, stages=None):
+    """Load a LoRA/DoRA/prefix checkpoint's adapter on every rank. Sharded trainable parameters
+    are loaded whole (the loaders' checks unchanged), then each rank keeps its shards. stages:
+    a pipeline's adapter_layout (each stage loads its layers' tensors)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    sharded = _sharded_trainable(module)
+    whole = {name: p.full_tensor() for name, p in sharded}  # (collective: every rank)
+    with _whole_trainable(module, whole):
+        if stages is not None:
+            _load_stage(module, path, stages[1])
+        elif backend == "torch":
+            import peft
+            from safetensors.torch import load_file
+
+            peft.set_peft_model_state_dict(
+                module, load_file(os.path.join(path, "adapter_model.safetensors")))
+        else:
+            from fastllm.adapters import load_adapter as load
+
+            load(module, path)
+        loaded = {name: p.detach().clone() for name, p in module.named_parameters()
+                  if name in whole}
+    with torch.no_grad():
+        for name, p in sharded:  # (the same order on every rank: scattered from rank 0)
+            p.copy_(distribute_tensor(loaded[name], p.device_mesh, p.placements))
+
+
+def adapter_layout(model):
+    """(adapter_config.json's contents, {parameter name: PEFT key}) of a LoRA/DoRA model, taken
+    whole before a pipeline cuts it into stages (fastllm.lora.save_adapter's, so a pipeline
+    writes the files one process writes)."""
+    from fastllm.lora import _PEFT_PREFIX, _adapter_config, lora_modules
+
+    layers = lora_modules(model)
+    keys = {}
+    for name, layer in layers:
+        for attr in ("lora_A", "lora_B"):
+            keys[f"{name}.{attr}"] = f"{_PEFT_PREFIX}{name}.{attr}.weight"
+        if hasattr(layer, "lora_magnitude_vector"):  # DoRA
+            keys[f"{name}.lora_magnitude_vector"] = f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"
+    return _adapter_config(model, layers, "CAUSAL_LM"), keys
+
+
+def _save_stages(path, model_state, config, keys):
+    from safetensors.torch import save_file
+
+    from fastllm._files import json_writer, write_replacing
+    from fastllm.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    missing = sorted(n for n in keys if n not in model_state)
+    if missing:
+        raise ValueError(f"fastllm train: the pipeline's gathered state lacks the adapter "
+                         f"tensors {missing[:3]}")
+    tensors = {key: model_state[n].detach().cpu().contiguous() for n, key in keys.items()}
+    write_replacing(path, {
+        ADAPTER_WEIGHTS: lambda f: save_file(tensors, f, metadata={"format": "pt"}),
+        ADAPTER_CONFIG: json_writer(config)})
+
+
+def _load_stage(stage, path, keys):
+    """Load this pipeline stage's layers from the whole model's adapter in `path`: the adapter
+    must hold exactly the whole model's keys, and its settings agree with the stage's layers
+    (fastllm.lora.load_adapter's checks)."""
+    from fastllm.lora import (_PEFT_PREFIX, _check_layers_agree, _check_supported, _load_state,
+                              lora_modules, read_config, read_weights)
+
+    settings = _check_supported(read_config(path))
+    layers = lora_modules(stage)
+    if bool(settings["use_dora"]) != any(hasattr(m, "lora_magnitude_vector") for _, m in layers):
+        raise ValueError(f"fastllm train: {path} is {'' if settings['use_dora'] else 'not '}a "
+                         f"DoRA adapter, this run's is{'' if settings['use_dora'] else ' one'}")
+    state = read_weights(path)
+    want = set(keys.values())
+    if state.keys() != want:
+        raise ValueError(f"fastllm train: {path} does not hold this model's adapter: missing "
+                         f"{sorted(want - state.keys())[:3]}, unexpected "
+                         f"{sorted(state.keys() - want)[:3]}")
+    _check_layers_agree(layers, settings)
+    prefixes = tuple(f"{_PEFT_PREFIX}{name}." for name, _ in layers)
+    _load_state(stage, {k: v for k, v in state.items() if k.startswith(prefixes)})
+
+
+def _sharded_trainable(module):
+    from torch.distributed.tensor import DTensor
+
+    return [(n, p) for n, p in module.named_parameters()
+            if p.requires_grad and isinstance(p, DTensor)]
+
+
+@contextlib.contextmanager
+def _whole_trainable(module, whole):
+    """Within it, the module's trainable DTensor parameters are plain Parameters holding
+    whole[name] (their full tensors), so that the adapter code reads and writes whole tensors;
+    the DTensors are put back after, whatever happens. No DTensor: nothing changes."""
+    sharded = dict(_sharded_trainable(module))
+    if not sharded:
+        yield
+        return
+    missing = sorted(set(sharded) - set(whole or ()))
+    if missing:
+        raise ValueError(f"fastllm train: no full tensor for the sharded parameters "
+                         f"{missing[:3]} to save the adapter from")
+    swapped, hooks = [], {}
+    try:
+        for name, p in sharded.items():
+            owner, _, leaf = name.rpartition(".")
+            mod = module.get_submodule(owner)
+            # FSDP2's load_state_dict post-hooks re-shard the owner's params: a plain one
+            # loaded by the adapter code (fastllm.load_prefix) is not theirs to re-shard
+            if mod not in hooks:
+                hooks[mod] = mod._load_state_dict_post_hooks
+                mod._load_state_dict_post_hooks = type(hooks[mod])()
+            full = whole[name].to(p.device_mesh.device_type)
+            mod._parameters[leaf] = torch.nn.Parameter(full.clone(), requires_grad=True)
+            swapped.append((mod, leaf, p))
+        yield
+    finally:
+        for mod, leaf, p in swapped:
+            mod._parameters[leaf] = p
+        for mod, saved in hooks.items():
+            mod._load_state_dict_post_hooks = saved
