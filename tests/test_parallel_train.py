@@ -46,7 +46,7 @@ def _in_process(args):
 TORCHRUN_TIMEOUT_S = 300
 
 
-def _torchrun(nproc, args, port_offset):
+def _torchrun(nproc, args, port_offset, fails=False):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -67,7 +67,7 @@ def _torchrun(nproc, args, port_offset):
             stdout, stderr = proc.communicate()
         pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n"
                     + stderr.decode()[-3000:])
-    assert proc.returncode == 0, stdout.decode()[-3000:] + stderr.decode()[-3000:]
+    assert (proc.returncode != 0) == fails, stdout.decode()[-3000:] + stderr.decode()[-3000:]
     return stderr.decode()
 
 
@@ -237,6 +237,52 @@ def test_adapter_on_sharded_params_resumes_and_saves_as_one_process(reference, t
     # no base weights in an adapter run's checkpoint, from any layout
     assert sorted(os.listdir(os.path.join(out, "checkpoint-6"))) == sorted(
         os.listdir(os.path.join(one, "checkpoint-6")))
+
+
+def test_a_pipeline_stage_without_adapted_layers_is_refused_on_every_rank(reference, tmp_path):
+    """lora.layers=1 adapts the last layer only, which pp2 puts on stage 1: stage 0 would have
+    nothing to train (its rank refused alone, with a message for the whole model, and the other
+    died on a closed connection)."""
+    cache, _ = reference
+    log = _torchrun(2, _args(cache, str(tmp_path / "run"), "finetune=lora", "lora.layers=1",
+                             "parallel.pp=2", "max_steps=1"), 79, fails=True)
+    says = "a pipeline stage holds no trainable parameter (rank {}'s has {})"
+    assert says.format(0, "none") in log
+    assert says.format(1, "some") in log
+
+
+def test_a_pipeline_stage_checks_the_adapter_against_every_layer(tmp_path):
+    """A resumed adapter is checked against the whole model on every stage: a setting or shape
+    of a layer another stage holds refuses it here too (one stage refused, the others went on
+    into the first step's sends)."""
+    import json
+
+    from fastllm.lora import save_adapter
+    from fastllm.train.adapter_checkpoint import _load_stage, adapter_layout
+    from fastllm.train.model import apply_finetune, build_model
+
+    cfg = TrainConfig.from_args(["model=tiny", "finetune=lora", "lora.r=4"])
+    model = apply_finetune(build_model(cfg, 97, torch.float32), cfg)
+    layout = adapter_layout(model)
+    path = str(tmp_path / "adapter")
+    save_adapter(model, path, task_type="CAUSAL_LM")
+    stage = model
+    del stage.model.layers[1]  # stage 0 of two: layer 1 lives on another rank
+    _load_stage(stage, path, *layout)  # the whole model's adapter loads into the stage
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    config["alpha_pattern"] = {"model.layers.1.self_attn.q_proj": 8.0}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.q_proj has alpha=.*the adapter "
+                                         r"alpha=8.0"):
+        _load_stage(stage, path, *layout)
+    config["alpha_pattern"] = {}
+    config["use_dora"] = True
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="holds a DoRA adapter, this run trains a LoRA one"):
+        _load_stage(stage, path, *layout)
 
 
 def test_pipeline_settings_refused_clearly(tmp_path):

@@ -7,6 +7,7 @@ adapter_layout)."""
 
 import contextlib
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -41,7 +42,7 @@ def load_adapter(module, path, backend, stages=None):
     whole = {name: p.full_tensor() for name, p in sharded}  # (collective: every rank)
     with _whole_trainable(module, whole):
         if stages is not None:
-            _load_stage(module, path, stages[1])
+            _load_stage(module, path, *stages)
         elif backend == "torch":
             import peft
             from safetensors.torch import load_file
@@ -60,22 +61,28 @@ def load_adapter(module, path, backend, stages=None):
 
 
 def adapter_layout(model):
-    """(adapter_config.json's contents, {parameter name: PEFT key}) of a LoRA/DoRA model, taken
-    whole before a pipeline cuts it into stages (fastllm.lora.save_adapter's, so a pipeline
-    writes the files one process writes)."""
+    """(adapter_config.json's contents, {parameter name: PEFT key}, every layer's settings and
+    every key's shape) of a LoRA/DoRA model, taken whole before a pipeline cuts it into stages:
+    a pipeline writes the files one process writes (fastllm.lora.save_adapter's), and every
+    stage checks a resumed adapter against the whole model, so that all refuse it or none."""
     from fastllm.lora import _PEFT_PREFIX, _adapter_config, lora_modules
 
     layers = lora_modules(model)
-    keys = {}
+    keys, shapes, settings = {}, {}, []
     for name, layer in layers:
-        for attr in ("lora_A", "lora_B"):
-            keys[f"{name}.{attr}"] = f"{_PEFT_PREFIX}{name}.{attr}.weight"
-        if hasattr(layer, "lora_magnitude_vector"):  # DoRA
-            keys[f"{name}.lora_magnitude_vector"] = f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"
-    return _adapter_config(model, layers, "CAUSAL_LM"), keys
+        attrs = ["lora_A", "lora_B"] + (["lora_magnitude_vector"]
+                                        if hasattr(layer, "lora_magnitude_vector") else [])
+        for attr in attrs:
+            key = f"{_PEFT_PREFIX}{name}.{attr}" + ("" if attr.endswith("vector") else ".weight")
+            keys[f"{name}.{attr}"] = key
+            shapes[key] = tuple(getattr(layer, attr).shape)
+        settings.append((name, SimpleNamespace(r=layer.r, alpha=layer.alpha,
+                                               dropout=layer.dropout,
+                                               use_rslora=layer.use_rslora)))
+    return _adapter_config(model, layers, "CAUSAL_LM"), keys, (settings, shapes)
 
 
-def _save_stages(path, model_state, config, keys):
+def _save_stages(path, model_state, config, keys, _whole):
     from safetensors.torch import save_file
 
     from fastllm._files import json_writer, write_replacing
@@ -91,25 +98,33 @@ def _save_stages(path, model_state, config, keys):
         ADAPTER_CONFIG: json_writer(config)})
 
 
-def _load_stage(stage, path, keys):
+def _load_stage(stage, path, config, keys, whole):
     """Load this pipeline stage's layers from the whole model's adapter in `path`: the adapter
-    must hold exactly the whole model's keys, and its settings agree with the stage's layers
-    (fastllm.lora.load_adapter's checks)."""
+    must hold exactly the whole model's keys (`keys`, of adapter_layout), be LoRA or DoRA as the
+    model's is (`config`), and its settings and shapes agree with every layer's (`whole`;
+    fastllm.lora's load_adapter checks), on every stage alike. A stage may hold no adapted
+    layer."""
     from fastllm.lora import (_PEFT_PREFIX, _check_layers_agree, _check_supported, _load_state,
                               lora_modules, read_config, read_weights)
 
     settings = _check_supported(read_config(path))
+    if bool(settings["use_dora"]) != bool(config["use_dora"]):
+        kinds = {True: "a DoRA", False: "a LoRA"}
+        raise ValueError(f"fastllm train: {path} holds {kinds[bool(settings['use_dora'])]} "
+                         f"adapter, this run trains {kinds[bool(config['use_dora'])]} one")
     layers = lora_modules(stage)
-    if bool(settings["use_dora"]) != any(hasattr(m, "lora_magnitude_vector") for _, m in layers):
-        raise ValueError(f"fastllm train: {path} is {'' if settings['use_dora'] else 'not '}a "
-                         f"DoRA adapter, this run's is{'' if settings['use_dora'] else ' one'}")
     state = read_weights(path)
     want = set(keys.values())
     if state.keys() != want:
         raise ValueError(f"fastllm train: {path} does not hold this model's adapter: missing "
                          f"{sorted(want - state.keys())[:3]}, unexpected "
                          f"{sorted(state.keys() - want)[:3]}")
-    _check_layers_agree(layers, settings)
+    every_layer, shapes = whole
+    _check_layers_agree(every_layer, settings)
+    for key, shape in shapes.items():
+        if tuple(state[key].shape) != shape:
+            raise ValueError(f"fastllm.lora.load_adapter: {key[len(_PEFT_PREFIX):]} is {shape} "
+                             f"in the model, {tuple(state[key].shape)} in the adapter")
     prefixes = tuple(f"{_PEFT_PREFIX}{name}." for name, _ in layers)
     _load_state(stage, {k: v for k, v in state.items() if k.startswith(prefixes)})
 

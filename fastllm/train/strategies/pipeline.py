@@ -44,9 +44,26 @@ class Pipeline(Strategy):
         self.pipe = build_pipeline(model, mesh, n_mb, lay.schedule, loss_fn, self.device,
                                    cfg.data.seq_len, shard)
         self.model = self.module = self.pipe.module
+        self._check_every_stage_trains()
         self.bubble, self.clip_group = self.pipe.bubble, self.pipe.pp_group
         _, dp_rank, tp_rank = lay.coords(self.rank)
         self.writer = dp_rank == 0 and tp_rank == 0  # the others hold copies of its stages
+
+    def _check_every_stage_trains(self):
+        """Refuse, on every rank, a model whose trainable parameters (LoRA's lora.layers or
+        target_modules) leave a rank's stages none: it would have nothing to step."""
+        import torch.distributed as dist
+
+        mine = any(p.requires_grad for p in self.module.parameters())
+        flag = torch.tensor([int(mine)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not flag.item():
+            raise ValueError(
+                f"fastllm train: finetune={self.cfg.finetune} with parallel.pp="
+                f"{self.layout.pp}: a pipeline stage holds no trainable parameter (rank "
+                f"{self.rank}'s has {'some' if mine else 'none'}); adapt layers on every stage "
+                f"(raise lora.layers or widen lora.target_modules) or use "
+                f"parallel.schedule=interleaved")
 
     def describe(self):
         return (f"; pipeline {self.layout.schedule}, {self.pipe.n_microbatches} micro-batches, "
