@@ -336,7 +336,8 @@ def load_model(name):
     missing = FileNotFoundError(f"fastllm generate: {base} is not a folder (a model, a PEFT "
                                 f"adapter or a fastllm run) nor a model in the Hugging Face "
                                 f"cache")
-    if not os.path.isdir(base) and not _in_hub_cache(base):
+    if not os.path.isdir(base) and not os.environ.get("TRANSFORMERS_CACHE") and not _in_hub_cache(
+            base):
         # (from_pretrained(local_files_only=True) still asked the Hub for an adapter config:
         # five retries, 30 s offline, before this same error)
         raise missing
@@ -366,7 +367,8 @@ def load_model(name):
 
 
 def _in_hub_cache(name):
-    """Whether the Hugging Face cache holds a config.json of model `name` (no network)."""
+    """Whether the Hugging Face cache holds a config.json of model `name` (no network;
+    huggingface_hub's cache: transformers 4's TRANSFORMERS_CACHE is left to from_pretrained)."""
     from huggingface_hub import try_to_load_from_cache
 
     try:

@@ -91,6 +91,16 @@ def _assert_same_run(out, ref, first_step=1):
                                rtol=1e-4, atol=0)
 
 
+def _assert_same_optimizer_state(out, ref, step):
+    """optimizer.pt of checkpoint-<step> in `out` against `ref`'s: the same param groups (by
+    index), the same state to fp32 rounding."""
+    want = torch.load(os.path.join(ref, f"checkpoint-{step}", "optimizer.pt"))
+    got = torch.load(os.path.join(out, f"checkpoint-{step}", "optimizer.pt"))
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in
+                                                          want["param_groups"]]
+    torch.testing.assert_close(got["state"], want["state"], rtol=1e-4, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, global batch 8 = 4 x 2 accumulation; checkpoints at steps 5 and 10."""
@@ -175,11 +185,7 @@ def test_pp2_interleaved_matches_one_process(reference, tmp_path):
     want = torch.load(os.path.join(ref, "checkpoint-4", "model.pt"))
     got = torch.load(os.path.join(out, "checkpoint-4", "model.pt"))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=WEIGHT_ATOL)
-    want = torch.load(os.path.join(ref, "checkpoint-4", "optimizer.pt"))
-    got = torch.load(os.path.join(out, "checkpoint-4", "optimizer.pt"))
-    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in
-                                                          want["param_groups"]]
-    torch.testing.assert_close(got["state"], want["state"], rtol=1e-4, atol=1e-7)
+    _assert_same_optimizer_state(out, ref, 4)
 
 
 # ----- adapters on sharded parameters (FSDP2, tensor parallel) -----
@@ -222,11 +228,7 @@ def test_adapter_on_sharded_params_resumes_and_saves_as_one_process(reference, t
     assert want and {f: sorted(t) for f, t in got.items()} == {f: sorted(t) for f, t in
                                                                 want.items()}
     torch.testing.assert_close(got, want, rtol=1e-4, atol=WEIGHT_ATOL)
-    want = torch.load(os.path.join(one, "checkpoint-6", "optimizer.pt"))
-    got = torch.load(os.path.join(out, "checkpoint-6", "optimizer.pt"))
-    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in
-                                                          want["param_groups"]]
-    torch.testing.assert_close(got["state"], want["state"], rtol=1e-4, atol=1e-7)
+    _assert_same_optimizer_state(out, one, 6)
     if mode == "finetune=lora":  # the same config (target_modules, r, alpha, ...)
         for f in ("adapter_config.json", "adapter_model.safetensors"):
             assert os.path.isfile(os.path.join(out, "checkpoint-6", "adapter", f))

@@ -222,7 +222,9 @@ def adamw_step_triton(
     load_fallback(found, device, lambda: _per_tensor(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, consts, eps=eps,
         amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf,
-        load_only=True))
+        load_only=True), key=lambda: (
+            "adamw", params[0].dtype, tuple(p.numel() for p in params), amsgrad, maximize,
+            grad_scale is None, found_inf is None, consts["LR_PTR"]))
 
 
 def _per_tensor(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, consts, *, eps,

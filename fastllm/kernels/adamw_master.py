@@ -236,7 +236,9 @@ def adamw_master_step_triton(
     load_fallback(found, device, lambda: _per_tensor(
         params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, consts, flags,
         eps=eps, seed=seed, grad_scale=grad_scale, clip_coef=clip_coef, found_inf=found_inf,
-        load_only=True))
+        load_only=True), key=lambda: (
+            "adamw_master", params[0].dtype, tuple(p.numel() for p in params), seed,
+            tuple(sorted(flags.items())), consts["LR_PTR"]))
 
 
 def _per_tensor(params, grads, masters, exp_avgs, exp_avg_sqs, kahan_comps, steps, consts, flags,

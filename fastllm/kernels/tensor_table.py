@@ -27,6 +27,8 @@ _CACHE_SIZE = 16  # distinct tensor sets alive at once (param groups x dtypes), 
 _SMS = {}
 # Tables a captured CUDA graph launches with: its replays read them, so the LRU must not free them.
 _CAPTURED = set()
+# The per-tensor fallback kernels loaded for a capture (load_fallback)
+_LOADED = set()
 
 
 class Table:
@@ -45,15 +47,22 @@ class Table:
         self.fallback_loaded = False
 
 
-def load_fallback(found, device, launch):
-    """Load the per-tensor fallback kernels of a table's tensors once, on a GPU: a CUDA graph
+def load_fallback(found, device, launch, key):
+    """Load the per-tensor fallback kernels of a table's tensors, on a GPU: a CUDA graph
     captured with tensors the table cache has not seen (grads created in the capture, after
     zero_grad(set_to_none=True)) launches the fallback, and CUDA refuses to load a module while
     a stream captures. launch() makes the fallback's launches with a grid of 0 programs: Triton
-    compiles and loads each kernel for those arguments' specialisation and launches nothing."""
-    if device.type == "cuda" and not found.fallback_loaded:
+    compiles and loads each kernel for those arguments' specialisation and launches nothing.
+    key(): what fixes those specialisations besides the addresses' alignment (the kernel,
+    dtypes, sizes, flags): once per key and alignment in the process, so a table rebuilt for
+    new addresses of the same tensors costs no launches."""
+    if device.type != "cuda" or found.fallback_loaded:
+        return
+    loaded = (device, found.aligned, key())
+    if loaded not in _LOADED:
         launch()
-        found.fallback_loaded = True
+        _LOADED.add(loaded)
+    found.fallback_loaded = True
 
 
 def table(arrays, steps, chunk, device, sizes=None):

@@ -62,8 +62,7 @@ class Pipeline(Strategy):
                 f"fastllm train: finetune={self.cfg.finetune} with parallel.pp="
                 f"{self.layout.pp}: a pipeline stage holds no trainable parameter (rank "
                 f"{self.rank}'s has {'some' if mine else 'none'}); adapt layers on every stage "
-                f"(raise lora.layers or widen lora.target_modules) or use "
-                f"parallel.schedule=interleaved")
+                f"(raise lora.layers or widen lora.target_modules)")
 
     def describe(self):
         return (f"; pipeline {self.layout.schedule}, {self.pipe.n_microbatches} micro-batches, "
