@@ -241,6 +241,26 @@ def test_adapter_on_sharded_params_resumes_and_saves_as_one_process(reference, t
         os.listdir(os.path.join(one, "checkpoint-6")))
 
 
+def test_freeze_under_a_pipeline_resumes_and_saves_as_one_process(reference, tmp_path):
+    """finetune=freeze at pp2 (refused before) resumes a one-process checkpoint: the same
+    losses, model.pt and optimizer state; freeze.layers=2 trains a layer on each stage."""
+    cache, _ = reference
+    extra = ("finetune=freeze", "freeze.layers=2", "max_steps=6", "checkpoint.interval=3")
+    one = str(tmp_path / "one")
+    _in_process(_args(cache, one, *extra))
+    out = str(tmp_path / "pp2")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(one, "checkpoint-3"), os.path.join(out, "checkpoint-3"))
+    log = _torchrun(2, _args(cache, out, *extra, "parallel.pp=2"), 83)
+    assert "resumed from" in log and "strategy=pipeline" in log
+    torch.testing.assert_close(_metric(out, "loss"), _metric(one, "loss")[3:], rtol=1e-4, atol=0)
+    want = torch.load(os.path.join(one, "checkpoint-6", "model.pt"))
+    got = torch.load(os.path.join(out, "checkpoint-6", "model.pt"))
+    assert sorted(got) == sorted(want)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=WEIGHT_ATOL)
+    _assert_same_optimizer_state(out, one, 6)
+
+
 def test_a_pipeline_stage_without_adapted_layers_is_refused_on_every_rank(reference, tmp_path):
     """lora.layers=1 adapts the last layer only, which pp2 puts on stage 1: stage 0 would have
     nothing to train (its rank refused alone, with a message for the whole model, and the other
@@ -330,7 +350,8 @@ def test_pipeline_settings_refused_clearly(tmp_path):
                                          r"ranks, but the world size is 2"):
         data_parallel_size(cfg("parallel.dp=2"), 2)
     assert data_parallel_size(cfg("parallel.tp=2"), 8) == 2
-    for bad, says in ((["finetune=freeze"], "finetune=full or lora, got finetune=freeze"),
+    for bad, says in ((["finetune=galore"], "finetune=full, freeze or lora, got "
+                                            "finetune=galore"),
                       (["precision=fp16"], "precision fp32 or bf16"),
                       (["parallel.strategy=zero2"], "parallel.strategy must be auto or fsdp"),
                       (["parallel.schedule=zb"], "parallel.schedule must be one of"),

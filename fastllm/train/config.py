@@ -269,8 +269,8 @@ class TrainConfig:
                  "parallel.tp > 1: a DoRA magnitude needs the whole weight's row norms; train "
                  "DoRA with parallel.tp=1 (parallel.strategy=fsdp or zero2 shard it)")
         if self.parallel.pp > 1:
-            need(self.finetune in ("full", "lora"), f"parallel.pp > 1 trains finetune=full "
-                 f"or lora, got finetune={self.finetune}")
+            need(self.finetune in ("full", "freeze", "lora"), f"parallel.pp > 1 trains "
+                 f"finetune=full, freeze or lora, got finetune={self.finetune}")
             need(self.backend == "fastllm" and self.precision != "fp16", "parallel.pp > 1 runs "
                  "with backend=fastllm and precision fp32 or bf16")
             need(self.parallel.strategy in ("auto", "fsdp"), f"parallel.pp > 1 shards data "

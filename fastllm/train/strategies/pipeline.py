@@ -51,7 +51,8 @@ class Pipeline(Strategy):
 
     def _check_every_stage_trains(self):
         """Refuse, on every rank, a model whose trainable parameters (LoRA's lora.layers or
-        target_modules) leave a rank's stages none: it would have nothing to step."""
+        target_modules, freeze.layers) leave a rank's stages none: it would have nothing to
+        step."""
         import torch.distributed as dist
 
         mine = any(p.requires_grad for p in self.module.parameters())
@@ -61,8 +62,8 @@ class Pipeline(Strategy):
             raise ValueError(
                 f"fastllm train: finetune={self.cfg.finetune} with parallel.pp="
                 f"{self.layout.pp}: a pipeline stage holds no trainable parameter (rank "
-                f"{self.rank}'s has {'some' if mine else 'none'}); adapt layers on every stage "
-                f"(raise lora.layers or widen lora.target_modules)")
+                f"{self.rank}'s has {'some' if mine else 'none'}); train layers on every "
+                f"stage (raise lora.layers or widen lora.target_modules; raise freeze.layers)")
 
     def describe(self):
         return (f"; pipeline {self.layout.schedule}, {self.pipe.n_microbatches} micro-batches, "
