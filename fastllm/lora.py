@@ -403,32 +403,43 @@ def save_adapter(model, path, task_type=None):
     Weights are saved unmerged even if the model is merged. A refused or failed save leaves the
     adapter already in `path` as it was.
     """
-    from safetensors.torch import save_file
-
-    from fastllm._files import json_writer, write_replacing
-
     layers = lora_modules(model)
     if not layers:
         raise ValueError("fastllm.lora.save_adapter: the model has no LoRALinear layers")
     _refuse_prefix(model, "fastllm.lora.save_adapter", "Nothing was written")
     config = _adapter_config(model, layers, task_type)  # refused before anything is written
-    tensors = peft_tensors(layers)
+    write_adapter(path, config, peft_tensors(layers))
+
+
+def write_adapter(path, config, tensors):
+    """adapter_config.json (`config`) and adapter_model.safetensors (`tensors`, PEFT's keys) in
+    `path`, replacing what was there only once both are written."""
+    from safetensors.torch import save_file
+
+    from fastllm._files import json_writer, write_replacing
+
     write_replacing(path, {
         ADAPTER_WEIGHTS: lambda f: save_file(tensors, f, metadata={"format": "pt"}),
         ADAPTER_CONFIG: json_writer(config)})
 
 
+def peft_keys(layers):
+    """(layer name, attribute, PEFT state_dict key) of each adapter tensor of lora_modules'
+    (name, layer) pairs: `base_model.model.<module>.lora_{A,B}.weight`, DoRA's
+    `lora_magnitude_vector`."""
+    for name, layer in layers:
+        yield name, "lora_A", f"{_PEFT_PREFIX}{name}.lora_A.weight"
+        yield name, "lora_B", f"{_PEFT_PREFIX}{name}.lora_B.weight"
+        if hasattr(layer, "lora_magnitude_vector"):  # DoRA
+            yield name, "lora_magnitude_vector", f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"
+
+
 def peft_tensors(layers):
     """The adapter tensors of lora_modules' (name, layer) pairs under PEFT's state_dict keys
-    (`base_model.model.<module>.lora_{A,B}.weight`, DoRA's `lora_magnitude_vector`), on the CPU."""
-    tensors = {}
-    for name, layer in layers:
-        tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous()
-        tensors[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach().cpu().contiguous()
-        if hasattr(layer, "lora_magnitude_vector"):  # DoRA
-            tensors[f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"] = (
-                layer.lora_magnitude_vector.detach().cpu().contiguous())
-    return tensors
+    (peft_keys), on the CPU."""
+    by_name = dict(layers)
+    return {key: getattr(by_name[name], attr).detach().cpu().contiguous()
+            for name, attr, key in peft_keys(layers)}
 
 
 def load_adapter(model, path, layer_cls=None, adapter_dtype=None):

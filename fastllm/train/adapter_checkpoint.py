@@ -53,7 +53,7 @@ def load_adapter(module, path, backend, stages=None):
             from fastllm.adapters import load_adapter as load
 
             load(module, path)
-        loaded = {name: p.detach().clone() for name, p in module.named_parameters()
+        loaded = {name: p.detach() for name, p in module.named_parameters()
                   if name in whole}
     with torch.no_grad():
         for name, p in sharded:  # (the same order on every rank: scattered from rank 0)
@@ -65,37 +65,27 @@ def adapter_layout(model):
     every key's shape) of a LoRA/DoRA model, taken whole before a pipeline cuts it into stages:
     a pipeline writes the files one process writes (fastllm.lora.save_adapter's), and every
     stage checks a resumed adapter against the whole model, so that all refuse it or none."""
-    from fastllm.lora import _PEFT_PREFIX, _adapter_config, lora_modules
+    from fastllm.lora import _adapter_config, lora_modules, peft_keys
 
     layers = lora_modules(model)
-    keys, shapes, settings = {}, {}, []
-    for name, layer in layers:
-        attrs = ["lora_A", "lora_B"] + (["lora_magnitude_vector"]
-                                        if hasattr(layer, "lora_magnitude_vector") else [])
-        for attr in attrs:
-            key = f"{_PEFT_PREFIX}{name}.{attr}" + ("" if attr.endswith("vector") else ".weight")
-            keys[f"{name}.{attr}"] = key
-            shapes[key] = tuple(getattr(layer, attr).shape)
-        settings.append((name, SimpleNamespace(r=layer.r, alpha=layer.alpha,
-                                               dropout=layer.dropout,
-                                               use_rslora=layer.use_rslora)))
+    by_name = dict(layers)
+    keys = {f"{name}.{attr}": key for name, attr, key in peft_keys(layers)}
+    shapes = {key: tuple(getattr(by_name[name], attr).shape)
+              for name, attr, key in peft_keys(layers)}
+    settings = [(name, SimpleNamespace(r=layer.r, alpha=layer.alpha, dropout=layer.dropout,
+                                       use_rslora=layer.use_rslora)) for name, layer in layers]
     return _adapter_config(model, layers, "CAUSAL_LM"), keys, (settings, shapes)
 
 
 def _save_stages(path, model_state, config, keys, _whole):
-    from safetensors.torch import save_file
-
-    from fastllm._files import json_writer, write_replacing
-    from fastllm.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from fastllm.lora import write_adapter
 
     missing = sorted(n for n in keys if n not in model_state)
     if missing:
         raise ValueError(f"fastllm train: the pipeline's gathered state lacks the adapter "
                          f"tensors {missing[:3]}")
-    tensors = {key: model_state[n].detach().cpu().contiguous() for n, key in keys.items()}
-    write_replacing(path, {
-        ADAPTER_WEIGHTS: lambda f: save_file(tensors, f, metadata={"format": "pt"}),
-        ADAPTER_CONFIG: json_writer(config)})
+    write_adapter(path, config, {key: model_state[n].detach().cpu().contiguous()
+                                 for n, key in keys.items()})
 
 
 def _load_stage(stage, path, config, keys, whole):
@@ -160,7 +150,7 @@ def _whole_trainable(module, whole):
                 hooks[mod] = mod._load_state_dict_post_hooks
                 mod._load_state_dict_post_hooks = type(hooks[mod])()
             full = whole[name].to(p.device_mesh.device_type)
-            mod._parameters[leaf] = torch.nn.Parameter(full.clone(), requires_grad=True)
+            mod._parameters[leaf] = torch.nn.Parameter(full, requires_grad=True)
             swapped.append((mod, leaf, p))
         yield
     finally:
