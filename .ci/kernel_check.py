@@ -82,7 +82,7 @@ BANDWIDTH = {"_adamw_kernel", "_adamw_master_kernel", "_adamw_tensor_kernel",
 # RMSNorm's rstd, the loss's per-token loss).
 WRITE_BANDWIDTH = {"_lora_up_kernel": 0, "_rms_norm_fwd_kernel": 1, "_rms_norm_bwd_kernel": 0,
                    "_swiglu_fwd_kernel": 0, "_swiglu_bwd_kernel": 0, "_rotary_kernel": 0,
-                   "_flce_row_kernel": 1, "_decompress_kernel": 0}
+                   "_flce_row_kernel": 1, "_decompress_kernel": 0, "_nf4_dequantize_kernel": 0}
 # Kernels whose products must all run on tensor cores (wgmma / mma), in every dtype (issue 18
 # item 5: no fp32 FMA dot; fp32 operands as bf16 terms, fastllm/kernels/lora_linear.py `_dot`).
 # Each with the block sizes of its output tile: a dot on the CUDA cores takes (reduction block)
@@ -289,13 +289,23 @@ def model_recipes():
         row_pass_triton(z, torch.zeros(16, dtype=torch.int64), torch.ones(16), 0.0, 0.0, None,
                         True)
 
+    def nf4(n, blocksize):  # (a QLoRA base weight, dequantised in each forward and backward)
+        from fastllm.kernels.nf4 import nf4_dequantize_triton
+        from fastllm.ops.nf4 import nf4_code
+
+        nf4_dequantize_triton(torch.zeros(n // 2, dtype=torch.uint8),
+                              torch.ones(n // blocksize), nf4_code("cpu"),
+                              torch.empty(n, dtype=dt), blocksize)
+
     return {"rms_norm h=576": lambda: rms_norm(576), "rms_norm h=4096": lambda: rms_norm(4096),
             "rms_norm h=520 (8 mod 16)": lambda: rms_norm(520),
             "swiglu ffn=1536": lambda: swiglu(1536),
             "rotary 9/3 heads d=64 position_ids": lambda: rotary(9, 3, 64, True),
             "rotary 32/8 heads d=128": lambda: rotary(32, 8, 128, False),
             "fused_linear_cross_entropy rows vocab=49152": lambda: flce_rows(49152),
-            "fused_linear_cross_entropy rows vocab=128256": lambda: flce_rows(128256)}
+            "fused_linear_cross_entropy rows vocab=128256": lambda: flce_rows(128256),
+            "nf4_dequantize 1536x576 bf16": lambda: nf4(1536 * 576, 64),
+            "nf4_dequantize 4096x4096 bf16 blocksize 4096": lambda: nf4(4096 * 4096, 4096)}
 
 
 @contextlib.contextmanager

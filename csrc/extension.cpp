@@ -35,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_master_step_cpu", &fastllm::adamw_master_step_cpu, no_gil);
   m.def("l2norm_cpu", &fastllm::l2norm_cpu, no_gil);
   m.def("scaled_copy_cpu", &fastllm::scaled_copy_cpu, no_gil);
+  m.def("nf4_dequantize_cpu", &fastllm::nf4_dequantize_cpu, no_gil);
   // PowerSGD and GaLore
   m.def("orthogonalize_cpu", &fastllm::orthogonalize_cpu, no_gil);
   m.def("powersgd_decompress_cpu", &fastllm::powersgd_decompress_cpu, no_gil);

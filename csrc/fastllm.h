@@ -74,6 +74,12 @@ void stream_probe_cpu(const std::vector<at::Tensor>& read_write,
 void scaled_copy_cpu(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src,
                      double scale, const c10::optional<at::Tensor>& divisor);
 
+// fastllm::nf4_dequantize (csrc/cpu/nf4.cpp)
+// out[i] = code[q_i] * absmax[i / blocksize] in fp32, rounded into out's dtype (fp32, bf16, fp16);
+// q_i is the 4-bit code of element i in packed (two per byte, even index in the high nibble).
+void nf4_dequantize_cpu(const at::Tensor& packed, const at::Tensor& absmax,
+                        const at::Tensor& code, const at::Tensor& out, int64_t blocksize);
+
 // PowerSGD and GaLore (csrc/cpu/orthogonalize.cpp, powersgd_decompress.cpp,
 // galore_adam_step.cpp) ---
 // Modified Gram-Schmidt on the columns of each (n, r) fp32/fp64 matrix, in place:

@@ -53,6 +53,15 @@ SCHEMAS = {
         "Tensor lora_b, Tensor xa_t, float scaling, float dropout_p, Tensor seed, "
         "bool[] output_mask) -> (Tensor, Tensor, Tensor)"
     ),
+    # a 4-bit NF4 tensor of `shape` (two codes a byte, one fp32 absmax per block) in `dtype`;
+    # see fastllm/ops/nf4.py.
+    "nf4_dequantize": (
+        "nf4_dequantize(Tensor packed, Tensor absmax, int[] shape, int blocksize, "
+        "ScalarType dtype) -> Tensor"
+    ),
+    "nf4_dequantize_into": (
+        "nf4_dequantize_into(Tensor(a!) out, Tensor packed, Tensor absmax, int blocksize) -> ()"
+    ),
     # dst[i] = src[i] * (scale / divisor) in fp32, rounded into dst[i]'s dtype; pairs of equal
     # numel. The pack/unpack and wire cast of fastllm.distributed; see fastllm/ops/scaled_copy.py.
     "scaled_copy": (

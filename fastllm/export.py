@@ -12,6 +12,9 @@ AutoModelForCausalLM.from_pretrained and `fastllm train model=OUT_DIR` load as i
 adapter run (LoRA, DoRA, prefix-tuning) is written as a PEFT adapter (adapter_config.json +
 adapter_model.safetensors) naming its base model (the run's model folder; a built-in model's
 random-init base is written to OUT_DIR/base_model); other runs are whole models either way.
+A QLoRA run (lora.quantize_base=nf4) loads as it trained, on the NF4 base; merged, the adapter
+is folded into that base's dequantised weights (the trained model's outputs); a built-in model's
+base_model is those weights too.
 
     from fastllm.export import load_run
     model, tokenizer, cfg = load_run("runs/sft")   # the trained model, as fastllm trains it
@@ -136,6 +139,10 @@ def load_run(run_dir):
     tokenizer = run_tokenizer(root, cfg)
     dtype = _DTYPES[cfg.precision] if cfg.backend == "fastllm" else torch.float32
     model = build_model(cfg, tokenizer.vocab_size, dtype)
+    if cfg.finetune == "lora" and cfg.lora.quantize_base == "nf4":  # the base it trained on
+        from fastllm.quant import quantize_nf4
+
+        quantize_nf4(model)
     adapter = os.path.join(path, "adapter")
     if os.path.isdir(adapter):
         load_adapter(model, adapter)
@@ -224,8 +231,10 @@ def _write(model, tokenizer, cfg, stage, out_dir, merged, prefix):
         tok.save_pretrained(stage)
     if _has_lora(model) and merged:
         from fastllm.lora import merge_and_unload
+        from fastllm.quant import dequantize_nf4
 
-        merge_and_unload(model)
+        # (QLoRA: merged into the NF4 weights it trained on, dequantised: the trained model)
+        merge_and_unload(dequantize_nf4(model))
     if _has_lora(model) or prefix:
         base = cfg.model if os.path.isdir(cfg.model) else None
         if base is None:  # a built-in model: its random-init base goes beside the adapter
@@ -304,13 +313,14 @@ def _base_copy(model, prefix):
     import copy
 
     from fastllm.lora import unload
+    from fastllm.quant import dequantize_nf4
 
     plain = copy.deepcopy(model)
     if prefix:
         from fastllm.prefix import remove_prefix
 
         return remove_prefix(plain)
-    return unload(plain)
+    return dequantize_nf4(unload(plain))  # (a QLoRA base: the NF4 weights, dequantised)
 
 
 def load_model(name):

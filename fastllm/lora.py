@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm._hooks import user_hooked
+from fastllm._modules import matches, replace_module as _replace
 from fastllm.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from fastllm.adapter_files import check_lora_config as _check_supported
 from fastllm.adapter_files import check_lora_settings
 from fastllm.adapter_files import read_config, read_weights  # noqa: F401  (prefix, export)
 from fastllm.ops.lora_linear import lora_linear
+from fastllm.quant import NF4Linear, nf4_lora_linear
 
 
 _PEFT_PREFIX = "base_model.model."
@@ -36,7 +38,8 @@ _PEFT_PREFIX = "base_model.model."
 class LoRALinear(nn.Module):
     """An nn.Linear plus a trainable rank-r update: y = base(x) + scaling * dropout(x) A^T B^T.
 
-    base: nn.Linear (in_features -> out_features), kept as `base_layer` and frozen.
+    base: nn.Linear (in_features -> out_features), kept as `base_layer` and frozen; or a 4-bit
+    fastllm.quant.NF4Linear (QLoRA: the same maths on the weight dequantised on the fly).
     lora_A: (r, in_features), lora_B: (out_features, r), on the base weight's device, in
     `adapter_dtype`: None (the base weight's dtype) or torch.float32 on a bf16/fp16 base (PEFT's
     `autocast_adapter_dtype`: the low-rank products and the adapters' grads in fp32).
@@ -44,10 +47,15 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False, adapter_dtype=None):
         super().__init__()
-        if not isinstance(base, nn.Linear):
-            raise TypeError(f"fastllm.lora.LoRALinear wraps nn.Linear, got {type(base).__name__}")
+        if not isinstance(base, ADAPTABLE):
+            raise TypeError(f"fastllm.lora.LoRALinear wraps nn.Linear or NF4Linear, got "
+                            f"{type(base).__name__}")
+        if isinstance(base, NF4Linear) and getattr(self, "is_dora", False):
+            raise TypeError(f"fastllm.lora: {type(self).__name__} over a 4-bit NF4Linear base is "
+                            "not supported (DoRA reads the dense weight's norms); use LoRA, or "
+                            "fastllm.quant.dequantize_nf4(model) first")
         check_lora_args("fastllm.lora.LoRALinear", r, alpha, dropout, use_rslora)
-        check_adapter_dtype("fastllm.lora.LoRALinear", base.weight.dtype, adapter_dtype)
+        check_adapter_dtype("fastllm.lora.LoRALinear", base_dtype(base), adapter_dtype)
         self.base_layer = base
         self.r = int(r)
         self.alpha = alpha
@@ -55,12 +63,12 @@ class LoRALinear(nn.Module):
         self.use_rslora = use_rslora
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.merged = False
-        w = base.weight
-        dtype = w.dtype if adapter_dtype is None else adapter_dtype
+        device = (base.weight_packed if isinstance(base, NF4Linear) else base.weight).device
+        dtype = base_dtype(base) if adapter_dtype is None else adapter_dtype
         self.lora_A = nn.Parameter(torch.empty(self.r, base.in_features, dtype=dtype,
-                                               device=w.device))
+                                               device=device))
         self.lora_B = nn.Parameter(torch.empty(base.out_features, self.r, dtype=dtype,
-                                               device=w.device))
+                                               device=device))
         base.requires_grad_(False)
         self.reset_lora_parameters()
 
@@ -86,8 +94,13 @@ class LoRALinear(nn.Module):
             xd = F.dropout(x.to(self.lora_A.dtype), self.dropout, training=self.training)
             return (out + F.linear(F.linear(xd, self.lora_A), self.lora_B) * self.scaling).to(
                 out.dtype)
-        return lora_linear(x, self.base_layer.weight, self.lora_A, self.lora_B, self.scaling,
-                           self.base_layer.bias, self.dropout, training=self.training)
+        base = self.base_layer
+        if isinstance(base, NF4Linear):
+            return nf4_lora_linear(x, base.weight_packed, base.weight_absmax, base.weight_shape,
+                                   base.blocksize, self.lora_A, self.lora_B, self.scaling,
+                                   base.bias, self.dropout, training=self.training)
+        return lora_linear(x, base.weight, self.lora_A, self.lora_B, self.scaling, base.bias,
+                           self.dropout, training=self.training)
 
     def delta_weight(self, dtype=torch.float32):
         """scaling * B A, (out_features, in_features), computed in `dtype`."""
@@ -101,6 +114,14 @@ class LoRALinear(nn.Module):
     def extra_repr(self):
         return (f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, "
                 f"dropout={self.dropout}, merged={self.merged}")
+
+
+ADAPTABLE = (nn.Linear, NF4Linear)  # the layers LoRALinear wraps
+
+
+def base_dtype(base):
+    """The dtype a LoRA layer's base computes in (an NF4Linear's compute dtype)."""
+    return base.compute_dtype if isinstance(base, NF4Linear) else base.weight.dtype
 
 
 def check_adapter_dtype(where, base_dtype, adapter_dtype):
@@ -131,13 +152,6 @@ def check_lora_args(where, r, alpha, dropout, use_rslora=False):
         raise ValueError(f"{where}: use_rslora must be True or False, got {use_rslora!r}")
 
 
-def matches(name, target_modules):
-    # PEFT's rule: a string is a regex that must match the whole name; a list matches by suffix.
-    if isinstance(target_modules, str):
-        return re.fullmatch(target_modules, name) is not None
-    return any(name == t or name.endswith("." + t) for t in target_modules)
-
-
 def no_match_message(where, targets, names, kind="nn.Linear"):
     last = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))  # q_proj, ..., lm_head
     return (f"{where}: no {kind} in the model matches {targets!r}; its {kind} layers are named "
@@ -153,7 +167,7 @@ def all_linear(model):
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     return [name for name, module in model.named_modules()
-            if name and isinstance(module, nn.Linear) and module is not head]
+            if name and isinstance(module, ADAPTABLE) and module is not head]
 
 
 def lora_modules(model):
@@ -190,11 +204,11 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
                         use_rslora=use_rslora)
     rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
     target_modules, targets = _targets(model, target_modules)
-    other = [(n, m) for n, m in targets if not isinstance(m, nn.Linear)]
+    other = [(n, m) for n, m in targets if not isinstance(m, ADAPTABLE)]
     if other:
         raise ValueError(_unadaptable_message(target_modules, other))
     if not targets:
-        linear = [n for n, m in model.named_modules() if n and isinstance(m, nn.Linear)]
+        linear = [n for n, m in model.named_modules() if n and isinstance(m, ADAPTABLE)]
         raise ValueError(no_match_message("fastllm.inject_lora", target_modules, linear))
     # every layer's values are checked before the model changes (no half-injected model)
     values = []
@@ -202,7 +216,7 @@ def inject_lora(model, target_modules=("q_proj", "v_proj"), r=8, alpha=16, dropo
         layer_r = _pattern_value(name, rank_pattern, r)
         layer_alpha = _pattern_value(name, alpha_pattern, alpha)
         check_lora_args(f"fastllm.lora.inject_lora: {name}", layer_r, layer_alpha, dropout)
-        check_adapter_dtype(f"fastllm.lora.inject_lora: {name}", module.weight.dtype, adapter_dtype)
+        check_adapter_dtype(f"fastllm.lora.inject_lora: {name}", base_dtype(module), adapter_dtype)
         values.append((int(layer_r), layer_alpha))
     layer_cls = layer_cls or LoRALinear
     with _undone_on_error(model):  # a layer failing to build (out of memory) undoes the others
@@ -263,12 +277,6 @@ def _unadaptable_message(target_modules, other):
             " Nothing was changed: leave that module out of target_modules")
 
 
-def _replace(model, name, module):
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
-
 def _pattern_value(name, pattern, default):
     # PEFT's rule (peft.utils.other.get_pattern_key): a key is a regex that must match a whole
     # trailing run of the name's dotted components; the first matching key in dict order wins
@@ -294,6 +302,12 @@ def merge_lora(model):
     change the input embeddings too, as PEFT's merge_and_unload silently does).
     """
     layers = _check_merge_state(model, merged=False)
+    quantized = [n for n, m in layers if isinstance(m.base_layer, NF4Linear)]
+    if quantized:
+        raise ValueError(f"fastllm.lora.merge_lora: {quantized[0]} has a 4-bit NF4 base weight; "
+                         "folding the update into it would re-quantise it (more rounding than the"
+                         " update). Nothing was merged: fastllm.quant.dequantize_nf4(model) "
+                         "first gives dense bases to merge into")
     _check_untied(model, layers)
     for name, layer in layers:  # check every layer before changing any
         if not torch.isfinite(layer._merged_weight(+1)).all():
@@ -485,7 +499,7 @@ def _check_planned_shapes(model, settings, state):
     for name, module in _targets(model, settings["target_modules"])[1]:
         r = _pattern_value(name, settings["rank_pattern"], settings["r"])
         alpha = _pattern_value(name, settings["alpha_pattern"], settings["lora_alpha"])
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, ADAPTABLE):
             continue
         check_lora_args(f"fastllm.lora.load_adapter: {name}", r, alpha, settings["lora_dropout"])
         want = {"lora_A": (int(r), module.in_features), "lora_B": (module.out_features, int(r))}

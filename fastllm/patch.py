@@ -170,7 +170,8 @@ def _lora_parts(layer):
 
     # (a DoRALinear is a LoRALinear with a magnitude lora_linear_multi knows nothing of: it runs
     # its own forward)
-    if isinstance(layer, LoRALinear) and not getattr(layer, "is_dora", False) and (
+    if isinstance(layer, LoRALinear) and isinstance(layer.base_layer, nn.Linear) and not getattr(
+            layer, "is_dora", False) and (
             not layer.merged) and (layer.dropout == 0.0 or not layer.training) and not any(
             is_dtensor(t) for t in (layer.base_layer.weight, layer.lora_A, layer.lora_B)):
         # (sharded by fastllm.parallel, the layer runs its own forward on the local shards)

@@ -489,22 +489,26 @@ def lora_linear(x, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0, tr
                                                               lora_b, bias)
         with torch.autocast(device_type, enabled=False):
             return lora_linear(x, weight, lora_a, lora_b, scaling, bias, p, True, seed)
+    y, _ = _lora_linear(x, weight, lora_a, lora_b, float(scaling), bias, p,
+                        dropout_seed(x, p, seed))
+    return y
+
+
+def dropout_seed(x, p, seed):
+    """lora_linear's `seed` argument as the op takes it: an int64 scalar tensor, on x's GPU for
+    GPU tensors; None draws a fresh one (a zero where p is 0: no mask to draw)."""
     if seed is None:
         # drawn where the kernels read it: a CUDA seed for CUDA tensors (graph-safe, no sync)
         device = x.device if x.device.type == "cuda" else None
-        seed = (new_dropout_seed(device) if p > 0.0
+        return (new_dropout_seed(device) if p > 0.0
                 else torch.zeros((), dtype=torch.int64, device=device))
-    elif not isinstance(seed, torch.Tensor):
+    if not isinstance(seed, torch.Tensor):
         # an int: made on x's GPU by a fill (capturable), not copied there at every launch
         device = x.device if x.device.type == "cuda" else None
-        seed = torch.full((), int(seed), dtype=torch.int64, device=device)
-    else:
-        if seed.numel() != 1 or seed.dtype.is_floating_point or seed.is_complex():
-            raise ValueError(f"fastllm.lora_linear: seed must be an int or a one-element integer "
-                             f"tensor, got {seed.dtype} of shape {tuple(seed.shape)}")
-        if x.device.type == "cuda" and seed.device != x.device:
-            seed = torch.full((), int(seed), dtype=torch.int64, device=x.device)  # a CPU seed
-        else:
-            seed = seed.to(torch.int64).reshape(())
-    y, _ = _lora_linear(x, weight, lora_a, lora_b, float(scaling), bias, p, seed)
-    return y
+        return torch.full((), int(seed), dtype=torch.int64, device=device)
+    if seed.numel() != 1 or seed.dtype.is_floating_point or seed.is_complex():
+        raise ValueError(f"fastllm.lora_linear: seed must be an int or a one-element integer "
+                         f"tensor, got {seed.dtype} of shape {tuple(seed.shape)}")
+    if x.device.type == "cuda" and seed.device != x.device:
+        return torch.full((), int(seed), dtype=torch.int64, device=x.device)  # a CPU seed
+    return seed.to(torch.int64).reshape(())

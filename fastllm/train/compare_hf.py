@@ -49,6 +49,11 @@ def check(cfg):
                           f"Trainer counterpart here (full, lora)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("fastllm train --compare hf runs on one process")
+    if cfg.lora.quantize_base != "none":
+        raise ConfigError(f"fastllm train --compare hf: lora.quantize_base="
+                          f"{cfg.lora.quantize_base} has no counterpart on the HF side here "
+                          f"(it would train LoRA on the dense base); bench/bench_qlora.py "
+                          f"compares QLoRA with PEFT + bitsandbytes")
 
 
 def _same_adapters(peft_model, ours):

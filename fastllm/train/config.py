@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from fastllm.train.config_values import (ConfigError, consumed as _consumed,
                                          convert as _convert, field_names as _field_names,
-                                         field_type as _field_type,
-                                         parse_free as _parse_free, update as _update)
+                                         field_type as _field_type, parse_free as _parse_free,
+                                         update as _update, validate_quantize_base)
 
 __all__ = ["TrainConfig", "DataConfig", "EvalConfig", "LoraConfig", "PrefixConfig",
            "FreezeConfig", "GaloreConfig", "BAdamConfig", "CheckpointConfig", "ParallelConfig",
@@ -51,6 +51,7 @@ class LoraConfig:
     dropout: float = 0.0
     layers: int = 0                       # adapt only the last N decoder layers; 0: all
     use_dora: bool = False                # DoRA: a learned magnitude per output (PEFT's use_dora)
+    quantize_base: str = "none"           # none | nf4: QLoRA, the base linears in 4-bit NF4
 
 
 @dataclass
@@ -505,6 +506,7 @@ def _validate_values(cfg, need):
          f"{cfg.lora.layers}")
     need(math.isfinite(cfg.lora.alpha) and cfg.lora.alpha > 0, f"lora.alpha must be finite and "
          f"> 0, got {cfg.lora.alpha}")
+    validate_quantize_base(cfg, need)
     need(cfg.log_interval >= 1, f"log_interval must be >= 1, got {cfg.log_interval}")
     need(math.isfinite(cfg.eps) and cfg.eps >= 0, f"eps must be finite and >= 0, got {cfg.eps}")
     need(math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, f"weight_decay must be "

@@ -128,3 +128,21 @@ def consumed(config_class, key, value):
         return key not in config_class(**{key: value}).to_dict()
     except Exception:  # it read the value and refused it: fastllm.train.model.check_model says why
         return True
+
+
+def validate_quantize_base(cfg, need):
+    """lora.quantize_base: none, or nf4 (QLoRA: fastllm.quant.quantize_nf4 before the adapters)
+    where the 4-bit layers can run: fastllm's LoRA on unsharded parameters."""
+    value = cfg.lora.quantize_base
+    need(value in ("none", "nf4"), f"lora.quantize_base must be none or nf4, got {value!r}")
+    if value == "none":
+        return
+    need(cfg.finetune == "lora" and cfg.backend == "fastllm" and not cfg.lora.use_dora,
+         f"lora.quantize_base=nf4 is QLoRA: finetune=lora with backend=fastllm and "
+         f"lora.use_dora=false, got finetune={cfg.finetune} backend={cfg.backend} "
+         f"use_dora={cfg.lora.use_dora}")
+    par = cfg.parallel
+    # (FSDP2 and DTensor shard floating-point parameters; the 4-bit codes are buffers)
+    need(par.strategy in ("auto", "none", "ddp") and par.tp == 1 and par.pp == 1,
+         f"lora.quantize_base=nf4 runs on unsharded layers: parallel.strategy none/ddp/auto "
+         f"with parallel.tp=pp=1, got strategy={par.strategy} tp={par.tp} pp={par.pp}")

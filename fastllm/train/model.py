@@ -205,10 +205,22 @@ def _apply_finetune(model, cfg):
     from fastllm.dora import inject_dora
     from fastllm.lora import inject_lora
 
+    if cfg.lora.quantize_base == "nf4":  # QLoRA: every linear but the head in 4-bit NF4
+        from fastllm.quant import quantize_nf4
+
+        quantize_nf4(model)
     (inject_dora if cfg.lora.use_dora else inject_lora)(
         model, target_modules=targets, r=cfg.lora.r, alpha=cfg.lora.alpha,
         dropout=cfg.lora.dropout)
     return model
+
+
+def weight_count(model):
+    """Parameters of `model`, a 4-bit NF4 layer's weights counted as its parameters."""
+    from fastllm.quant import NF4Linear
+
+    return sum(p.numel() for p in model.parameters()) + sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, NF4Linear))
 
 
 def lora_targets(model, cfg, entries=None):

@@ -32,7 +32,7 @@ from fastllm.train.evaluate import Evaluator
 from fastllm.train.memory import PeakMemory, step_peak
 from fastllm.train.metrics import MetricsWriter, write_summary
 from fastllm.train.signals import StopSignals
-from fastllm.train.model import apply_finetune, build_model, is_model_dir
+from fastllm.train.model import apply_finetune, build_model, is_model_dir, weight_count
 
 __all__ = ["Trainer", "lr_at"]
 
@@ -385,7 +385,7 @@ class Trainer:
     def _log_start(self):
         cfg, lay, strategy = self.cfg, self.layout, self.strategy
         # this rank's parameters (a tp shard counts whole: DTensor.numel is the global size)
-        n_params = sum(p.numel() for p in self.module.parameters())
+        n_params = weight_count(self.module)
         n_train = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
         shape = f" ({lay.describe()})" if lay.tp > 1 or lay.pp > 1 else ""
         self.log(f"fastllm train: {cfg.model} ({n_params / 1e6:.2f}M params, "

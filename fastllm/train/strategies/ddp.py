@@ -31,8 +31,11 @@ class DDP(Strategy):
         self.module = model
         # BAdam trains one block at a time (requires_grad off elsewhere): the other blocks get no
         # grads, which DDP must be told to expect (without it the second step raises)
+        # QLoRA's 4-bit codes are buffers every rank made identically from the same weights: DDP
+        # would otherwise broadcast them all from rank 0 at every forward (0.56 bytes a weight)
         self.model = DistributedDataParallel(
-            model, device_ids=ids, find_unused_parameters=self.cfg.finetune == "badam")
+            model, device_ids=ids, find_unused_parameters=self.cfg.finetune == "badam",
+            broadcast_buffers=self.cfg.lora.quantize_base == "none")
         self.comm_timer = _CommTimer()
         self.model.register_comm_hook(None, self.comm_timer.hook)
 

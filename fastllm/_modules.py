@@ -1,0 +1,17 @@
+"""Selecting and swapping a model's submodules by name (fastllm.lora, fastllm.quant)."""
+
+import re
+
+
+def matches(name, target_modules):
+    # PEFT's rule: a string is a regex that must match the whole name; a list matches by suffix.
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target_modules)
+
+
+def replace_module(model, name, module):
+    """Put `module` at the dotted `name` of `model`, in place."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)

@@ -1,0 +1,205 @@
+"""fastllm::nf4_dequantize: 4-bit NormalFloat (NF4) weights back to fp32/bf16/fp16, and their
+quantisation (QLoRA, Dettmers et al. 2023; bitsandbytes' format).
+
+    packed, absmax = nf4_quantize(weight, blocksize=64)      # plain PyTorch, once per weight
+    w = nf4_dequantize(packed, absmax, weight.shape, blocksize, torch.bfloat16)
+    nf4_dequantize_into(w, packed, absmax, blocksize)       # the same, into an existing tensor
+
+A tensor of n elements is cut, in row-major order, into blocks of `blocksize` (a power of two,
+16 to 4096; the last block may be short). Each block keeps its absolute maximum in fp32
+(`absmax`, ceil(n / blocksize) values) and each element the index of the NF4 code nearest to
+element / absmax (16 codes in [-1, 1], `NF4_CODE`); two indices share a byte, the element of
+even index in the high nibble (`packed`, ceil(n / 2) uint8; an odd n pads with code 7, 0.0).
+Dequantised, element i is NF4_CODE[q_i] * absmax[i // blocksize], the product in fp32, rounded
+to nearest even into the output dtype. Both layouts are bitsandbytes' (its
+`quantize_4bit(..., quant_type="nf4")` without nested statistics), so its packed weights and
+absmax read here unchanged and the other way (tests/test_nf4.py compares them bitwise).
+
+Backends of the dequantisation: cpp (CPU, csrc/cpu/nf4.cpp), triton (GPU; CPU under
+TRITON_INTERPRET=1; fastllm/kernels/nf4.py), and `nf4_dequantize_ref`; all give the same bits.
+"""
+
+import math
+
+import torch
+
+from fastllm import _backend
+from fastllm._library import lib
+
+# The NF4 data type: quantiles of N(0, 1) normalised to [-1, 1], with an exact zero (QLoRA,
+# appendix E; bitsandbytes' table, to fp32).
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+_PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
+_WHERE = "fastllm.nf4_dequantize"
+_CODES = {}  # device -> NF4_CODE as an fp32 tensor there
+
+
+def nf4_code(device):
+    """NF4_CODE as a 16-element fp32 tensor on `device` (made once per device)."""
+    device = torch.device(device)
+    code = _CODES.get(device)
+    if code is None:
+        code = _CODES[device] = torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+    return code
+
+
+def check_blocksize(where, blocksize):
+    if (not isinstance(blocksize, int) or isinstance(blocksize, bool) or blocksize < 16
+            or blocksize > 4096 or blocksize & (blocksize - 1)):
+        raise ValueError(f"{where}: blocksize must be a power of two from 16 to 4096, got "
+                         f"{blocksize!r}")
+
+
+def nf4_quantize(weight, blocksize=64):
+    """(packed uint8 (ceil(n / 2),), absmax fp32 (ceil(n / blocksize),)) of `weight` (any shape,
+    fp32/bf16/fp16, finite): each element's nearest NF4 code after dividing by its block's
+    absolute maximum (ties to the lower code; an all-zero block has absmax 0 and codes of 0.0).
+    Plain PyTorch, on the weight's device; the weight is read, not modified."""
+    where = "fastllm.nf4_quantize"
+    check_blocksize(where, blocksize)
+    if not isinstance(weight, torch.Tensor) or weight.layout != torch.strided:
+        what = str(weight.layout) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise TypeError(f"{where}: weight must be a dense tensor, got {what}")
+    if weight.dtype not in _SUPPORTED:
+        raise TypeError(f"{where}: weight has dtype {weight.dtype}; expected float32, bfloat16 or "
+                        f"float16")
+    n = weight.numel()
+    blocks = -(-n // blocksize)
+    flat = weight.detach().reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError(f"{where}: weight has inf or nan values; they have no NF4 code")
+    padded = torch.zeros(blocks * blocksize, dtype=torch.float32, device=weight.device)
+    padded[:n] = flat
+    rows = padded.view(blocks, blocksize)
+    absmax = rows.abs().amax(dim=1)
+    # as bitsandbytes scales: whole blocks by x * (1 / absmax), a short last block by x / absmax
+    # (the two can differ in the last bit); an all-zero block scales to zeros
+    safe = absmax.clamp(min=1e-38)
+    scaled = (rows * (1.0 / safe)[:, None]).reshape(-1)
+    if n % blocksize:
+        tail = (blocks - 1) * blocksize
+        scaled[tail:] = padded[tail:] / safe[-1]
+    scaled = scaled[:n].clamp_(-1.0, 1.0)
+    code = nf4_code(weight.device)
+    mid = (code[1:] + code[:-1]) * 0.5
+    q = torch.bucketize(scaled, mid).to(torch.uint8)  # v <= mid[i] -> code i: ties go lower
+    if n % 2:  # the odd element's partner: code 7 (0.0), bitsandbytes' padding
+        q = torch.cat([q, q.new_full((1,), 7)])
+    packed = (q[0::2] << 4) | q[1::2]
+    return packed.contiguous(), absmax.contiguous()
+
+
+def nf4_dequantize_ref(packed, absmax, shape, blocksize, dtype):
+    """Plain PyTorch: the oracle and the fallback."""
+    n = math.prod(shape)
+    q = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[:n].long()
+    scale = absmax.repeat_interleave(blocksize)[:n]
+    return (nf4_code(packed.device)[q] * scale).to(dtype).reshape(shape)
+
+
+def _into_ref(out, packed, absmax, blocksize):
+    out.copy_(nf4_dequantize_ref(packed, absmax, out.shape, blocksize, out.dtype))
+
+
+def _into_cpp(out, packed, absmax, blocksize):
+    from fastllm import _extension
+
+    _extension.extension().nf4_dequantize_cpu(packed, absmax, nf4_code(packed.device), out,
+                                              blocksize)
+
+
+def _into_triton(out, packed, absmax, blocksize):
+    from fastllm.kernels.nf4 import nf4_dequantize_triton
+
+    nf4_dequantize_triton(packed, absmax, nf4_code(packed.device), out, blocksize)
+
+
+_IMPLS = {"ref": _into_ref, "cpp": _into_cpp, "triton": _into_triton}
+
+
+def check_nf4_args(packed, absmax, shape, blocksize, dtype):
+    """Raise TypeError/ValueError naming the first bad argument; touches nothing."""
+    check_blocksize(_WHERE, blocksize)
+    for name, t, want in (("packed", packed, torch.uint8), ("absmax", absmax, torch.float32)):
+        if t.layout != torch.strided:
+            raise TypeError(f"{_WHERE}: {name} is {t.layout}; only dense tensors are supported")
+        if t.dtype != want:
+            raise TypeError(f"{_WHERE}: {name} has dtype {t.dtype}; expected {want}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{_WHERE}: {name} must be a contiguous 1-d tensor, got shape "
+                             f"{tuple(t.shape)}, strides {t.stride()}")
+    if absmax.device != packed.device:
+        raise ValueError(f"{_WHERE}: absmax is on {absmax.device}, packed on {packed.device}")
+    if dtype not in _SUPPORTED:
+        raise TypeError(f"{_WHERE}: dtype {dtype} is not supported; expected float32, bfloat16 "
+                        f"or float16")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{_WHERE}: shape {tuple(shape)} has a negative size")
+    n = math.prod(shape)
+    if packed.numel() != -(-n // 2) or absmax.numel() != -(-n // blocksize):
+        raise ValueError(f"{_WHERE}: a {tuple(shape)} tensor ({n} elements) takes "
+                         f"{-(-n // 2)} packed bytes and {-(-n // blocksize)} absmax values at "
+                         f"blocksize {blocksize}; got {packed.numel()} and {absmax.numel()}")
+
+
+def _select(packed):
+    return _backend.select_kernel("nf4_dequantize", packed.device.type, torch.uint8, _PREFERENCE,
+                                  _IMPLS, cpp_entry="nf4_dequantize_cpu")
+
+
+def _check_out(out, packed):
+    if out.layout != torch.strided or not out.is_contiguous():
+        raise ValueError(f"{_WHERE}: out must be a dense contiguous tensor")
+    if out.device != packed.device:
+        raise ValueError(f"{_WHERE}: out is on {out.device}, packed on {packed.device}")
+
+
+def _nf4_dequantize_impl(packed, absmax, shape, blocksize, dtype):
+    check_nf4_args(packed, absmax, shape, blocksize, dtype)
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    with _backend.device_guard(packed.device):
+        _IMPLS[_select(packed)](out, packed, absmax, blocksize)
+    return out
+
+
+def _nf4_dequantize_into_impl(out, packed, absmax, blocksize):
+    check_nf4_args(packed, absmax, out.shape, blocksize, out.dtype)
+    _check_out(out, packed)
+    with _backend.device_guard(packed.device):
+        _IMPLS[_select(packed)](out, packed, absmax, blocksize)
+
+
+for _device in ("CPU", "CUDA"):
+    lib.impl("nf4_dequantize", _nf4_dequantize_impl, _device)
+    lib.impl("nf4_dequantize_into", _nf4_dequantize_into_impl, _device)
+
+
+@torch.library.register_fake("fastllm::nf4_dequantize")
+def _nf4_dequantize_fake(packed, absmax, shape, blocksize, dtype):
+    check_nf4_args(packed, absmax, shape, blocksize, dtype)
+    return packed.new_empty(shape, dtype=dtype)
+
+
+@torch.library.register_fake("fastllm::nf4_dequantize_into")
+def _nf4_dequantize_into_fake(out, packed, absmax, blocksize):
+    check_nf4_args(packed, absmax, out.shape, blocksize, out.dtype)
+    _check_out(out, packed)
+
+
+def nf4_dequantize(packed, absmax, shape, blocksize=64, dtype=torch.float32):
+    """The tensor of `shape` that nf4_quantize stored as (packed, absmax), in `dtype` (see the
+    module docstring); a new tensor, not differentiable (the codes are integers)."""
+    return torch.ops.fastllm.nf4_dequantize(packed, absmax, [int(s) for s in shape],
+                                            int(blocksize), dtype)
+
+
+def nf4_dequantize_into(out, packed, absmax, blocksize=64):
+    """nf4_dequantize written into `out` (contiguous; its shape and dtype say what to make):
+    what fastllm.quant uses on the CPU to reuse one buffer for every layer's weight."""
+    torch.ops.fastllm.nf4_dequantize_into(out, packed, absmax, int(blocksize))

@@ -1,0 +1,451 @@
+"""NF4 weights (QLoRA): fastllm::nf4_dequantize on every backend, nf4_quantize against the NF4
+definition (and bitsandbytes where it is installed), fastllm.quant.NF4Linear and LoRA over it
+against the same maths on the dense dequantised weight, and a tiny Llama fine-tuned on a 4-bit
+base whose adapter PEFT reads."""
+
+import copy
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import fastllm
+from conftest import backend_device_params
+from fastllm import quant
+from fastllm.lora import (LoRALinear, inject_lora, lora_modules, merge_and_unload, merge_lora,
+                          save_adapter, unload)
+from fastllm.ops import nf4_dequantize, nf4_dequantize_ref, nf4_quantize
+from fastllm.ops.linear import linear
+from fastllm.ops.lora_linear import lora_linear
+from fastllm.ops.nf4 import NF4_CODE
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CODE = torch.tensor(NF4_CODE)
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def _codes(packed, n):
+    return torch.stack([packed >> 4, packed & 15], 1).reshape(-1)[:n].long()
+
+
+@pytest.mark.parametrize("shape,blocksize", [((64, 64), 64), ((7, 13), 16), ((3, 33), 64),
+                                              ((1, 1), 64), ((300, 7), 256), ((5,), 4096)])
+def test_quantize_picks_the_nearest_code_per_block(shape, blocksize):
+    w = torch.randn(shape) * 3
+    w.view(-1)[0] = 0.0
+    packed, absmax = nf4_quantize(w, blocksize)
+    n = w.numel()
+    assert packed.dtype == torch.uint8 and packed.shape == (-(-n // 2),)
+    assert absmax.dtype == torch.float32 and absmax.shape == (-(-n // blocksize),)
+    flat = w.reshape(-1)
+    for b in range(absmax.numel()):
+        assert absmax[b] == flat[b * blocksize:(b + 1) * blocksize].abs().max()
+    scale = absmax.repeat_interleave(blocksize)[:n]
+    scaled = torch.where(scale > 0, flat * (1.0 / scale), 0.0)  # (an all-zero block: 0)
+    q = _codes(packed, n)
+    dist = (scaled[:, None] - CODE[None, :]).abs()
+    assert torch.all(dist.gather(1, q[:, None])[:, 0] <= dist.min(1).values + 1e-7)
+    assert q[0] == 7  # an exact zero keeps code 0.0
+    if n % 2:
+        assert packed[-1] & 15 == 7  # the odd element's partner nibble: padding, code 0.0
+
+
+def test_quantize_layout_and_edges():
+    # element 0 in the high nibble (bitsandbytes' order); codes at the table's own values
+    w = torch.tensor([-1.0, 1.0] + [0.0] * 62)
+    packed, absmax = nf4_quantize(w, 64)
+    assert packed[0] == 0x0F and absmax.tolist() == [1.0]
+    w = CODE.repeat(4)  # every code, each exactly representable
+    assert torch.equal(nf4_dequantize(*nf4_quantize(w, 64), w.shape, 64), w)
+    zero = torch.zeros(2, 64)
+    zero[1, 5] = -2.0
+    packed, absmax = nf4_quantize(zero, 64)
+    assert absmax.tolist() == [0.0, 2.0]
+    assert torch.equal(nf4_dequantize(packed, absmax, zero.shape, 64), zero)
+    with pytest.raises(ValueError, match="inf or nan"):
+        nf4_quantize(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="power of two"):
+        nf4_quantize(torch.ones(64), 48)
+    with pytest.raises(TypeError, match="float64"):
+        nf4_quantize(torch.ones(64, dtype=torch.float64))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                    reason="bitsandbytes not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_bits_as_bitsandbytes(dtype):
+    import bitsandbytes.functional as bnbf
+
+    for shape in ((96, 70), (5, 99), (3, 5)):  # whole blocks; a short last block; odd numel
+        w = (torch.randn(shape) * 0.05).to(dtype)
+        w[0, :3] = 0.0
+        theirs, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4",
+                                           compress_statistics=False)
+        packed, absmax = nf4_quantize(w, 64)
+        assert torch.equal(theirs.reshape(-1), packed), shape
+        assert torch.equal(state.absmax.float(), absmax), shape
+        want = bnbf.dequantize_4bit(theirs, state, quant_type="nf4").reshape(shape)
+        got = nf4_dequantize(packed, absmax, w.shape, 64, dtype)
+        assert torch.equal(_bits(got), _bits(want)), shape
+
+
+@pytest.mark.parametrize("backend,device", backend_device_params(without=("cuda",)))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,blocksize", [((0,), 64), ((1,), 64), ((7, 13), 16),
+                                              ((33, 129), 64), ((4099,), 2048)])
+def test_dequantize_matches_reference_bitwise(backend, device, dtype, shape, blocksize):
+    w = (torch.randn(shape) * 10).to(device)
+    packed, absmax = nf4_quantize(w, blocksize)
+    want = nf4_dequantize_ref(packed, absmax, shape, blocksize, dtype)
+    # the reference is the definition: code * absmax in fp32, rounded once
+    n = w.numel()
+    spelled = (CODE.to(device)[_codes(packed, n)] * absmax.repeat_interleave(blocksize)[:n])
+    assert torch.equal(want, spelled.to(dtype).reshape(shape))
+    with fastllm.use_backend(backend):
+        got = nf4_dequantize(packed, absmax, shape, blocksize, dtype)
+    assert got.shape == tuple(shape) and got.dtype == dtype
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_dequantize_refuses_bad_input():
+    packed, absmax = nf4_quantize(torch.randn(8, 16), 64)
+    cases = [
+        ((packed.int(), absmax, (8, 16), 64, torch.float32), TypeError, "packed has dtype"),
+        ((packed, absmax.double(), (8, 16), 64, torch.float32), TypeError, "absmax has dtype"),
+        ((packed, absmax, (8, 17), 64, torch.float32), ValueError, "takes 68 packed bytes"),
+        ((packed, absmax, (8, 16), 32, torch.float32), ValueError, "absmax values"),
+        ((packed, absmax, (8, 16), 64, torch.int32), TypeError, "dtype torch.int32"),
+        ((packed.view(8, 8), absmax, (8, 16), 64, torch.float32), ValueError, "1-d"),
+        ((packed, absmax, (8, 16), 24, torch.float32), ValueError, "power of two"),
+        ((packed, absmax.to("meta"), (8, 16), 64, torch.float32), ValueError, "absmax is on"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            nf4_dequantize(*args)
+
+
+def test_dequantize_opcheck_and_compile():
+    packed, absmax = nf4_quantize(torch.randn(16, 40), 16)
+    torch.library.opcheck(torch.ops.fastllm.nf4_dequantize.default,
+                          (packed, absmax, [16, 40], 16, torch.bfloat16))
+    fn = torch.compile(lambda p, a: nf4_dequantize(p, a, (16, 40), 16) * 2, fullgraph=True,
+                       backend="aot_eager")
+    assert torch.equal(fn(packed, absmax), nf4_dequantize(packed, absmax, (16, 40), 16) * 2)
+
+
+def _saved_numels(fn):
+    sizes = []
+
+    def pack(t):
+        sizes.append((t.numel(), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_nf4_linear_is_linear_on_the_dequantised_weight(dtype, bias):
+    dense = nn.Linear(70, 33, bias=bias).to(dtype)
+    layer = quant.NF4Linear.from_linear(dense, blocksize=16)
+    layer.bias is None or layer.bias.requires_grad_(True)
+    w = layer.dequantize()
+    assert w.dtype == dtype and layer.compute_dtype == dtype
+    x = torch.randn(3, 5, 70, dtype=dtype, requires_grad=True)
+    y, saved = _saved_numels(lambda: layer(x))
+    assert not any(n >= w.numel() and d.is_floating_point for n, d in saved)  # no dense W kept
+    x2 = x.detach().clone().requires_grad_()
+    b2 = None if layer.bias is None else layer.bias.detach().clone().requires_grad_()
+    y2 = linear(x2, w, b2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    if bias:
+        torch.testing.assert_close(layer.bias.grad, b2.grad, rtol=0, atol=0)
+    # and it is nn.Linear's maths within the dtype's rounding
+    want = F.linear(x.detach().double(), w.double(), None if b2 is None else b2.detach().double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,adapter_dtype", [(torch.float32, None),
+                                                 (torch.bfloat16, torch.float32)])
+def test_lora_over_nf4_is_lora_over_the_dequantised_weight(dtype, adapter_dtype):
+    dense = nn.Linear(48, 40, bias=True).to(dtype)
+    base = quant.NF4Linear.from_linear(dense, blocksize=16)
+    ours = LoRALinear(base, r=4, alpha=8, dropout=0.25, adapter_dtype=adapter_dtype).train()
+    with torch.no_grad():
+        ours.lora_B.normal_()
+    x = torch.randn(2, 7, 48, dtype=dtype, requires_grad=True)
+    y, saved = _saved_numels(lambda: ours(x, ))
+    assert not any(n >= 48 * 40 and d.is_floating_point for n, d in saved)
+    x2 = x.detach().clone().requires_grad_()
+    a2, b2 = (ours.lora_A.detach().clone().requires_grad_(),
+              ours.lora_B.detach().clone().requires_grad_())
+    torch.manual_seed(0)
+    y = ours(x)
+    torch.manual_seed(0)  # the same dropout seed
+    y2 = lora_linear(x2, base.dequantize(), a2, b2, ours.scaling, base.bias, 0.25)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    assert torch.equal(y, y2)
+    for got, want in ((x.grad, x2.grad), (ours.lora_A.grad, a2.grad), (ours.lora_B.grad, b2.grad)):
+        assert torch.equal(got, want)
+    assert base.bias.grad is None  # frozen, as the base's bias was made
+
+
+def test_nf4_lora_compiles_fullgraph():
+    base = quant.NF4Linear.from_linear(nn.Linear(32, 24), blocksize=16)
+    layer = LoRALinear(base, r=4, alpha=8)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(6, 32, requires_grad=True)
+    g = torch.randn(6, 24)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    y.backward(g)
+    got = [t.grad for t in (x, layer.lora_A, layer.lora_B)]
+    x.grad = layer.lora_A.grad = layer.lora_B.grad = None
+    want = layer(x)
+    want.backward(g)
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got, (x.grad, layer.lora_A.grad, layer.lora_B.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_fake_trace_leaves_the_eager_path_real():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = quant.NF4Linear.from_linear(nn.Linear(32, 24), blocksize=16)
+    x = torch.randn(3, 32)
+    want = layer(x)
+    quant._SCRATCH.buffers.clear()  # (so that a trace would be the first to fill it)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        assert layer(mode.from_tensor(x)).shape == (3, 24)
+    assert type(layer(x)) is torch.Tensor and torch.equal(layer(x), want)
+
+
+def _tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="eager", tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_module_dtype_moves_keep_the_codes():
+    layer = quant.NF4Linear.from_linear(nn.Linear(64, 32))
+    packed, absmax = layer.weight_packed.clone(), layer.weight_absmax.clone()
+    layer.to(torch.bfloat16)
+    assert layer.compute_dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
+    assert torch.equal(layer.weight_packed, packed) and torch.equal(layer.weight_absmax, absmax)
+    layer.type(torch.float16)  # (Module.type casts every tensor, integer ones too)
+    assert layer.compute_dtype == torch.float16 and layer.weight_packed.dtype == torch.uint8
+    assert torch.equal(layer.weight_packed, packed) and torch.equal(layer.weight_absmax, absmax)
+    layer.to(torch.bfloat16)
+    assert layer.dequantize().dtype == torch.bfloat16
+    fresh = quant.NF4Linear(64, 32, dtype=torch.bfloat16)
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh.dequantize(), layer.dequantize())
+
+
+def test_qlora_tiny_llama_trains_and_peft_reads_the_adapter(tmp_path):
+    import peft
+
+    model = quant.quantize_nf4(_tiny_llama())
+    names = [n for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)]
+    assert len(names) == 14 and not any("lm_head" in n for n in names)  # 7 per layer, head dense
+    assert quant.nf4_bytes(model) < sum(
+        m.in_features * m.out_features for n, m in _tiny_llama().named_modules()
+        if isinstance(m, nn.Linear) and n != "lm_head") * 0.6  # 0.5625 bytes a weight
+    dense = quant.dequantize_nf4(copy.deepcopy(model))  # the same weights, dense
+    inject_lora(model, target_modules="all-linear", r=4, alpha=8)
+    inject_lora(dense, target_modules="all-linear", r=4, alpha=8)
+    assert len(lora_modules(model)) == 14
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(lora_modules(model), lora_modules(dense)):
+            b.lora_A.copy_(a.lora_A)
+    patched = fastllm.patch(copy.deepcopy(model))
+    ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(3))
+    losses = {}
+    for m in (model, dense):
+        m.train()
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        losses[m] = []
+        for _ in range(12):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[m].append(loss.item())
+    assert losses[model][-1] < losses[model][0] - 0.3, losses  # a fixed batch: LoRA fits it
+    # QLoRA is LoRA on the dequantised weights: the same losses, step by step
+    torch.testing.assert_close(losses[model], losses[dense], rtol=1e-5, atol=0)
+    model.eval()
+    # fastllm.patch gives the same loss on the 4-bit model
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(lora_modules(patched), lora_modules(model)):
+            a.lora_A.copy_(b.lora_A)
+            a.lora_B.copy_(b.lora_B)
+        torch.testing.assert_close(patched.eval()(input_ids=ids, labels=ids).loss,
+                                   model(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-5)
+    # the adapter is a PEFT adapter: on the dense dequantised model it gives the same logits
+    save_adapter(model, str(tmp_path), task_type="CAUSAL_LM")
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["r"] == 4
+    plain = quant.dequantize_nf4(unload(copy.deepcopy(model)))
+    assert not any(isinstance(m, quant.NF4Linear) for m in plain.modules())
+    theirs = peft.PeftModel.from_pretrained(plain, str(tmp_path)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, theirs(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    # merging needs dense bases; dequantize_nf4 gives them
+    with pytest.raises(ValueError, match="4-bit NF4 base"):
+        merge_lora(model)
+    assert not any(m.merged for _, m in lora_modules(model))
+    merged = merge_and_unload(quant.dequantize_nf4(copy.deepcopy(model)))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_refusals_leave_the_model_unchanged():
+    model = _tiny_llama()
+    with pytest.raises(ValueError, match="tied weights"):
+        quant.quantize_nf4(model, target_modules=["lm_head", "q_proj"])
+    assert not any(isinstance(m, quant.NF4Linear) for m in model.modules())
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        quant.quantize_nf4(model, target_modules=["nope"])
+    inject_lora(model, target_modules=["q_proj"])
+    for targets in (None, ["q_proj"]):  # (the default would have reached q_proj.base_layer)
+        with pytest.raises(ValueError, match="has adapter layers .* quantise the base model"):
+            quant.quantize_nf4(model, target_modules=targets)
+    assert not any(isinstance(m, quant.NF4Linear) for m in model.modules())
+    with pytest.raises(TypeError, match="over a 4-bit NF4Linear base is not supported"):
+        from fastllm.dora import DoRALinear
+
+        DoRALinear(quant.NF4Linear.from_linear(nn.Linear(16, 16)))
+
+
+# ----- fastllm train lora.quantize_base=nf4 -----
+
+@pytest.mark.parametrize("overrides,says", [
+    (["lora.quantize_base=nf8"], "lora.quantize_base must be none or nf4, got 'nf8'"),
+    (["finetune=full", "lora.quantize_base=nf4"], "is QLoRA: finetune=lora with backend=fastllm"),
+    (["finetune=lora", "lora.use_dora=true", "lora.quantize_base=nf4"], "use_dora=True"),
+    (["finetune=lora", "backend=torch", "lora.quantize_base=nf4"], "backend=torch"),
+    (["finetune=lora", "parallel.strategy=fsdp", "lora.quantize_base=nf4"],
+     "runs on unsharded layers: .* got strategy=fsdp"),
+])
+def test_train_config_refuses_qlora_where_it_cannot_run(overrides, says):
+    from fastllm.train import TrainConfig
+    from fastllm.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        TrainConfig.from_args(overrides)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_train_qlora_resumes_exactly_and_saves_a_peft_adapter(tmp_path):
+    import shutil
+
+    from fastllm.train import TrainConfig, Trainer
+    from fastllm.train.metrics import read_metrics
+
+    def run(out, *extra):
+        args = ["model=tiny", "data.seq_len=32", "micro_batch_size=4", "lr=1e-2",
+                "warmup_steps=1", "threads=1", "log_interval=1000", "track_memory=false",
+                f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}", "max_steps=2",
+                "checkpoint.interval=1", "finetune=lora", *extra]
+        trainer = Trainer(TrainConfig.from_args(args), log=lambda text: None)
+        summary = trainer.train()
+        layers = [m for m in trainer.module.modules() if isinstance(m, quant.NF4Linear)]
+        return summary, layers, [r["loss"] for r in read_metrics(
+            os.path.join(out, "metrics.jsonl"))]
+
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
+    _, layers, losses = run(ref, "lora.quantize_base=nf4")
+    assert len(layers) == 2 * 7  # every linear of the 2 decoder layers; the head stays dense
+    _, dense_layers, dense = run(str(tmp_path / "dense"))
+    assert not dense_layers and losses != dense  # the base differs by its 4-bit rounding...
+    torch.testing.assert_close(losses[0], dense[0], rtol=2e-2, atol=0)  # ...a little
+    shutil.copytree(ref, out, ignore=shutil.ignore_patterns(".lock", "checkpoint-2"))
+    summary, _, resumed = run(out, "lora.quantize_base=nf4")
+    assert summary["resumed_from"].endswith("checkpoint-1") and resumed == losses
+    config = json.loads((tmp_path / "ref" / "checkpoint-2" / "adapter" /
+                         "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and sorted(config["target_modules"]) == [
+        "q_proj", "v_proj"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_export_of_a_qlora_run_is_the_trained_model(tmp_path):
+    import peft
+
+    from fastllm.export import export, load_run
+    from fastllm.train import TrainConfig, Trainer
+
+    run_dir = str(tmp_path / "run")
+    Trainer(TrainConfig.from_args([
+        "model=tiny", "data.seq_len=32", "micro_batch_size=4", "lr=1e-2", "warmup_steps=1",
+        "threads=1", "log_interval=1000", "track_memory=false", "max_steps=2",
+        f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}", "finetune=lora",
+        "lora.quantize_base=nf4"]), log=lambda text: None).train()
+    model, _, _ = load_run(run_dir)
+    assert sum(isinstance(m, quant.NF4Linear) for m in model.modules()) == 14
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(
+            export(run_dir, str(tmp_path / "merged"), merged=True))
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        adapter = export(run_dir, str(tmp_path / "adapter"))
+        base = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "adapter" / "base_model"))
+        theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
+        torch.testing.assert_close(theirs(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_qlora_runs_on_a_model_folder(tmp_path):
+    import subprocess
+    import sys
+
+    _tiny_llama().save_pretrained(tmp_path / "model")
+    out = subprocess.run(
+        [sys.executable, "bench/bench_qlora.py", str(tmp_path / "model"), "--providers",
+         "fastllm-lora,fastllm-qlora", "--batch", "1", "--length", "8", "--steps", "1",
+         "--threads", "1", "--json", str(tmp_path / "rows.json")],
+        capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["provider"] for r in rows] == ["fastllm-lora", "fastllm-qlora"]
+    dense, nf4 = rows
+    assert nf4["base_weights_mib"] < dense["base_weights_mib"] * 0.3
+    assert dense["tensor_peak_mib"] > 0 and nf4["losses"][0] != dense["losses"][0]
+
+
+def test_default_targets_are_exactly_nn_linear_and_compare_hf_refuses_qlora():
+    from fastllm.train import TrainConfig
+    from fastllm.train.compare_hf import check
+    from fastllm.train.config import ConfigError
+
+    class Sub(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(16, 16), Sub(16, 16))
+    quant.quantize_nf4(model)
+    assert isinstance(model[0], quant.NF4Linear) and type(model[1]) is Sub
+    with pytest.raises(ConfigError, match="quantize_base=nf4 has no counterpart"):
+        check(TrainConfig.from_args(["finetune=lora", "lora.quantize_base=nf4"]))
