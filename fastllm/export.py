@@ -138,11 +138,7 @@ def load_run(run_dir):
     root = run_dir if path != run_dir else os.path.dirname(os.path.abspath(run_dir))
     tokenizer = run_tokenizer(root, cfg)
     dtype = _DTYPES[cfg.precision] if cfg.backend == "fastllm" else torch.float32
-    model = build_model(cfg, tokenizer.vocab_size, dtype)
-    if cfg.finetune == "lora" and cfg.lora.quantize_base == "nf4":  # the base it trained on
-        from fastllm.quant import quantize_nf4
-
-        quantize_nf4(model)
+    model = build_model(cfg, tokenizer.vocab_size, dtype)  # (QLoRA: on its NF4 base)
     adapter = os.path.join(path, "adapter")
     if os.path.isdir(adapter):
         load_adapter(model, adapter)
@@ -352,7 +348,11 @@ def load_model(name):
         # five retries, 30 s offline, before this same error)
         raise missing
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+        from fastllm.quant import bnb_4bit_config, from_pretrained as nf4_pretrained
+
+        # (a bitsandbytes 4-bit folder, or an adapter trained on one: read without bitsandbytes)
+        model = (nf4_pretrained(base) if os.path.isdir(base) and bnb_4bit_config(base)
+                 else AutoModelForCausalLM.from_pretrained(base, local_files_only=True))
     except (OSError, ValueError) as e:
         if os.path.isdir(base):
             raise

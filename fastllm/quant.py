@@ -6,6 +6,7 @@
     ...train (only LoRA parameters require grad)...
     fastllm.lora.save_adapter(model, "out/")   # a PEFT adapter, as with a dense base
     fastllm.quant.dequantize_nf4(model)        # NF4Linear -> nn.Linear again (dequantised)
+    model = fastllm.quant.from_pretrained("llama-bnb-4bit/")  # a bitsandbytes 4-bit folder
 
 An NF4Linear keeps its weight as bitsandbytes' NF4 (4-bit codes plus an fp32 absmax per block of
 64, fastllm/ops/nf4.py): 0.5625 bytes a weight instead of 2 (bf16) or 4 (fp32). Its forward
@@ -20,7 +21,10 @@ does at load time, applied in place to a loaded model (as torchao's `quantize_`)
 quantised identically (same code table, blocks and rounding), without nested statistics.
 """
 
+import contextlib
+import json
 import math
+import os
 import threading
 
 import torch
@@ -28,7 +32,8 @@ from torch import nn
 
 from fastllm import _lowp
 from fastllm._modules import matches, replace_module as _replace
-from fastllm.ops.nf4 import check_blocksize, nf4_dequantize, nf4_dequantize_into, nf4_quantize
+from fastllm.ops.nf4 import (check_blocksize, nf4_code, nf4_dequantize, nf4_dequantize_into,
+                              nf4_quantize)
 
 _WHERE = "fastllm.quant"
 
@@ -113,6 +118,11 @@ class NF4Linear(nn.Module):
         if probe.dtype in (torch.float32, torch.bfloat16, torch.float16):
             self.compute_dtype = probe.dtype
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "weight" in state_dict:  # bitsandbytes' Linear4bit keys, or a dense weight
+            _nf4_keys(state_dict, prefix, self)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -312,11 +322,151 @@ def dequantize_nf4(model):
     return model
 
 
+_BNB = "weight.quant_state.bitsandbytes__"  # + nf4 / fp4: Params4bit's serialised QuantState
+
+
+def _nf4_keys(state, prefix, layer):
+    """Rewrite, in `state`, the `weight` of an NF4Linear as its weight_packed / weight_absmax:
+    bitsandbytes' Linear4bit serialisation (packed codes, absmax plain or double-quantised, the
+    QuantState as JSON bytes; any quant_storage dtype), or a dense weight, quantised here."""
+    where = f"{_WHERE}: {prefix}weight"
+    w = state.pop(prefix + "weight")
+    shape = [layer.out_features, layer.in_features]
+    if not any(k.startswith(prefix + _BNB) for k in state):
+        if not w.is_floating_point() or list(w.shape) != shape:
+            raise ValueError(f"{where} is {w.dtype} {tuple(w.shape)}: neither a dense "
+                             f"{tuple(shape)} weight nor bitsandbytes' 4-bit layout")
+        packed, absmax = nf4_quantize(w, layer.blocksize)
+    else:
+        if prefix + _BNB + "nf4" not in state:
+            raise ValueError(f"{where} is bitsandbytes' FP4; only NF4 weights are supported")
+        try:
+            meta = json.loads(bytes(state.pop(prefix + _BNB + "nf4").tolist()).decode())
+            nested = "nested_blocksize" in meta
+            blocksize, stored = int(meta["blocksize"]), [int(v) for v in meta["shape"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where}: its quant_state is not bitsandbytes' JSON ({e})") from None
+        check_blocksize(where, blocksize)
+        if stored != shape:
+            raise ValueError(f"{where} holds a {tuple(stored)} weight; the layer is "
+                             f"{tuple(shape)}")
+        code = state.pop(prefix + "weight.quant_map", None)
+        if code is not None and not torch.equal(code.float().cpu(), nf4_code("cpu")):
+            raise ValueError(f"{where}: its quant_map is not the NF4 code table")
+        packed = w.reshape(-1).contiguous().view(torch.uint8)
+        absmax = state.pop(prefix + "weight.absmax")
+        if nested:  # absmax as 8-bit codes of a 256-entry map, one scale per nested block
+            scales = state.pop(prefix + "weight.nested_absmax").float()
+            table = state.pop(prefix + "weight.nested_quant_map").float()
+            block = int(meta["nested_blocksize"])
+            absmax = table[absmax.long()] * scales.repeat_interleave(block)[:absmax.numel()] \
+                + float(meta["nested_offset"])
+        layer.blocksize = blocksize
+        packed, absmax = packed, absmax.float().contiguous()
+        if not bool(torch.isfinite(absmax).all()):
+            raise ValueError(f"{where}: its absmax has inf or nan values")
+    state[prefix + "weight_packed"], state[prefix + "weight_absmax"] = packed, absmax
+
+
+def bnb_4bit_config(folder):
+    """config.json's quantization_config where `folder` holds a bitsandbytes 4-bit model, else
+    None; ValueError for 4-bit settings NF4Linear cannot take (FP4)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("quant_method") != "bitsandbytes" or not (
+            config.get("load_in_4bit") or config.get("_load_in_4bit")):
+        return None
+    if config.get("bnb_4bit_quant_type", "fp4") != "nf4":
+        raise ValueError(f"{_WHERE}: {folder} holds bitsandbytes 4-bit "
+                         f"{config.get('bnb_4bit_quant_type', 'fp4')} weights; only NF4 is "
+                         "supported")
+    return config
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters made within go to the meta device (buffers, rotary tables, stay real), as
+    accelerate's init_empty_weights(include_buffers=False)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                    requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def from_pretrained(folder, dtype=None, blocksize=64):
+    """A transformers causal LM from a local folder of safetensors with every nn.Linear but the
+    output layer an NF4Linear, built on the meta device and loaded tensor by tensor: a
+    bitsandbytes 4-bit NF4 checkpoint (config.json's quantization_config; nested absmax too) as
+    it is, without bitsandbytes; a dense one quantised as it loads (as quantize_nf4 would, the
+    dense weights read from the mmapped file). Checkpoints whose keys transformers renames as it
+    loads are not read here (use from_pretrained, then quantize_nf4). dtype: the compute dtype
+    and that of the other parameters (default: the checkpoint's bnb_4bit_compute_dtype, else
+    its dtype)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    qc = bnb_4bit_config(folder)
+    skip = []
+    if qc is not None:
+        skip = list(qc.get("llm_int8_skip_modules") or [])
+        dtype = dtype or getattr(torch, str(qc.get("bnb_4bit_compute_dtype") or "float32"))
+        del config.quantization_config
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with _parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    head = _output_layer(model)
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module is not head and not (skip and matches(name, skip)):
+            _replace(model, name, NF4Linear(module.in_features, module.out_features,
+                                            module.bias is not None, blocksize, "meta", dtype))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):  # (transformers' sharded layout)
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{_WHERE}.from_pretrained: {folder} has no model.safetensors "
+                                "(or its index): only safetensors checkpoints are read")
+    state = {}
+    for f in files:
+        state.update(load_file(os.path.join(folder, f)))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type == "meta"]
+    if left or unexpected:
+        raise ValueError(f"{_WHERE}.from_pretrained: {folder} does not fit its config's model: "
+                         f"{len(left)} tensors missing (e.g. {left[:3]}), {len(unexpected)} "
+                         f"unexpected (e.g. {unexpected[:3]})")
+    with torch.no_grad():  # (parameters only: the rotary tables stay fp32, as transformers
+        for p in model.parameters():  # leaves them)
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model.eval()
+
+
 def nf4_bytes(model):
     """Bytes the NF4 weights of `model` take (codes and absmax)."""
     return sum(m.weight_packed.numel() + 4 * m.weight_absmax.numel()
                for m in model.modules() if isinstance(m, NF4Linear))
 
 
-__all__ = ["NF4Linear", "dequantize_nf4", "nf4_bytes", "nf4_linear", "nf4_lora_linear",
+__all__ = ["NF4Linear", "bnb_4bit_config", "dequantize_nf4", "from_pretrained", "nf4_bytes",
+           "nf4_linear", "nf4_lora_linear",
            "quantize_nf4"]

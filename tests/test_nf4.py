@@ -449,3 +449,63 @@ def test_default_targets_are_exactly_nn_linear_and_compare_hf_refuses_qlora():
     assert isinstance(model[0], quant.NF4Linear) and type(model[1]) is Sub
     with pytest.raises(ConfigError, match="quantize_base=nf4 has no counterpart"):
         check(TrainConfig.from_args(["finetune=lora", "lora.quantize_base=nf4"]))
+
+
+# ----- bitsandbytes 4-bit checkpoints, read without bitsandbytes -----
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+BNB_FOLDER = os.path.join(DATA, "bnb_nf4_tiny")  # tests/data/make_bnb_nf4.py made it
+
+
+def test_from_pretrained_reads_a_bitsandbytes_double_quantised_checkpoint():
+    from safetensors.torch import load_file
+
+    expected = load_file(os.path.join(DATA, "bnb_nf4_tiny_expected.safetensors"))
+    model = quant.from_pretrained(BNB_FOLDER)
+    layers = [m for m in model.modules() if isinstance(m, quant.NF4Linear)]
+    assert len(layers) == 14 and type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as saved
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        # the nested (8-bit) absmax and the codes give bitsandbytes' own dequantised weight
+        assert torch.equal(model.get_submodule(name).dequantize(), expected[name])
+    with torch.no_grad():
+        logits = model(input_ids=expected["input_ids"]).logits
+    torch.testing.assert_close(logits, expected["logits"], rtol=1e-6, atol=1e-6)
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+
+
+def test_nf4_layers_load_dense_weights_and_refuse_other_4bit(tmp_path):
+    import shutil
+
+    dense = nn.Linear(40, 24)
+    layer = quant.NF4Linear(40, 24, dtype=torch.float32)
+    layer.load_state_dict(dense.state_dict())  # a dense weight is quantised as it loads
+    assert torch.equal(layer.dequantize(), quant.NF4Linear.from_linear(dense).dequantize())
+    with pytest.raises(ValueError, match=r"neither a dense \(24, 40\) weight"):
+        layer.load_state_dict({"weight": torch.zeros(24, 41), "bias": dense.bias})
+    folder = tmp_path / "fp4"
+    shutil.copytree(BNB_FOLDER, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["bnb_4bit_quant_type"] = "fp4"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="4-bit fp4 weights; only NF4"):
+        quant.from_pretrained(str(folder))
+    assert quant.bnb_4bit_config(str(tmp_path)) is None  # (no config.json: not one)
+
+
+def test_train_takes_a_4bit_folder_as_qlora_only():
+    from fastllm.train import TrainConfig
+    from fastllm.train.config import ConfigError
+    from fastllm.train.model import build_model, check_model
+
+    with pytest.raises(ConfigError, match="holds bitsandbytes 4-bit NF4 weights: train it with "
+                                          "finetune=lora lora.quantize_base=nf4"):
+        check_model(TrainConfig.from_args([f"model={BNB_FOLDER}", "finetune=full"]))
+    cfg = TrainConfig.from_args([f"model={BNB_FOLDER}", "finetune=lora",
+                                 "lora.quantize_base=nf4"])
+    check_model(cfg)
+    model = build_model(cfg, 128, torch.bfloat16)
+    assert sum(isinstance(m, quant.NF4Linear) for m in model.modules()) == 14
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert all(m.compute_dtype == torch.bfloat16 for m in model.modules()
+               if isinstance(m, quant.NF4Linear))

@@ -39,6 +39,7 @@ def check_model(cfg):
                           f"({', '.join(PRESETS)}) nor a folder")
     if is_model_dir(cfg.model):
         _refuse_adapter_folder(cfg.model)
+        _check_4bit_folder(cfg)
     if cfg.model_config and cfg.model in PRESETS:
         # LlamaConfig's own validators (types, heads dividing hidden_size), no weights built
         try:
@@ -76,20 +77,40 @@ def _refuse_adapter_folder(name):
                       f"OUT_DIR --merged` folds the adapter into the weights)")
 
 
+def _check_4bit_folder(cfg):
+    """A bitsandbytes 4-bit folder trains as QLoRA only (its weights are NF4 codes)."""
+    from fastllm.quant import bnb_4bit_config
+
+    try:
+        quantized = bnb_4bit_config(cfg.model) is not None
+    except ValueError as e:  # (FP4)
+        raise ConfigError(f"fastllm train: model={cfg.model}: {e}") from None
+    if quantized and not (cfg.finetune == "lora" and cfg.lora.quantize_base == "nf4"):
+        raise ConfigError(f"fastllm train: model={cfg.model} holds bitsandbytes 4-bit NF4 "
+                          f"weights: train it with finetune=lora lora.quantize_base=nf4 (QLoRA), "
+                          f"or give the dense model's folder")
+
+
 def build_model(cfg, vocab_size, dtype):
     """A LlamaForCausalLM from a preset (seeded by cfg.seed) or an HF causal LM from a folder."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+    from fastllm import quant
+
+    qlora = cfg.finetune == "lora" and cfg.lora.quantize_base == "nf4"
     if is_model_dir(cfg.model):
         _refuse_adapter_folder(cfg.model)
+        if qlora and quant.bnb_4bit_config(cfg.model) is not None:  # read without bitsandbytes
+            return quant.from_pretrained(cfg.model, dtype=dtype)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype,
                                                      local_files_only=True)
-        return model
+        return quant.quantize_nf4(model) if qlora else model
     config = _preset_config(cfg, vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LlamaForCausalLM(config)
-    return _cast_keeping_rope_fp32(model, dtype)
+    model = _cast_keeping_rope_fp32(model, dtype)
+    return quant.quantize_nf4(model) if qlora else model
 
 
 # RoPE's inverse frequencies (and the copy dynamic RoPE resets to): transformers computes them in
@@ -205,10 +226,6 @@ def _apply_finetune(model, cfg):
     from fastllm.dora import inject_dora
     from fastllm.lora import inject_lora
 
-    if cfg.lora.quantize_base == "nf4":  # QLoRA: every linear but the head in 4-bit NF4
-        from fastllm.quant import quantize_nf4
-
-        quantize_nf4(model)
     (inject_dora if cfg.lora.use_dora else inject_lora)(
         model, target_modules=targets, r=cfg.lora.r, alpha=cfg.lora.alpha,
         dropout=cfg.lora.dropout)
