@@ -348,10 +348,11 @@ def load_model(name):
         # five retries, 30 s offline, before this same error)
         raise missing
     try:
-        from fastllm.quant import bnb_4bit_config, from_pretrained as nf4_pretrained
+        from fastllm.quant import from_pretrained as nf4_pretrained
 
-        # (a bitsandbytes 4-bit folder, or an adapter trained on one: read without bitsandbytes)
-        model = (nf4_pretrained(base) if os.path.isdir(base) and bnb_4bit_config(base)
+        # (a bitsandbytes 4-bit NF4 folder, or an adapter trained on one: read without
+        # bitsandbytes; FP4 is left to transformers, which needs bitsandbytes for it)
+        model = (nf4_pretrained(base) if _nf4_folder(base)
                  else AutoModelForCausalLM.from_pretrained(base, local_files_only=True))
     except (OSError, ValueError) as e:
         if os.path.isdir(base):
@@ -374,6 +375,15 @@ def load_model(name):
             "the run folder") from e
     model.eval()
     return model, HFTokenizer(tok, tok_dir)
+
+
+def _nf4_folder(name):
+    from fastllm.quant import bnb_4bit_config
+
+    try:
+        return os.path.isdir(name) and bnb_4bit_config(name) is not None
+    except ValueError:  # (FP4)
+        return False
 
 
 def _in_hub_cache(name):

@@ -98,7 +98,8 @@ class LoRALinear(nn.Module):
         if isinstance(base, NF4Linear):
             return nf4_lora_linear(x, base.weight_packed, base.weight_absmax, base.weight_shape,
                                    base.blocksize, self.lora_A, self.lora_B, self.scaling,
-                                   base.bias, self.dropout, training=self.training)
+                                   base.bias, self.dropout, training=self.training,
+                                   compute_dtype=base.compute_dtype)
         return lora_linear(x, base.weight, self.lora_A, self.lora_B, self.scaling, base.bias,
                            self.dropout, training=self.training)
 
@@ -546,7 +547,7 @@ def _load_state(model, state):
         # it back into the model: so do we
         for attr in ("weight", "bias"):
             key = f"{_PEFT_PREFIX}{name}.base_layer.{attr}"
-            if key in state and getattr(layer.base_layer, attr) is not None:
+            if key in state and getattr(layer.base_layer, attr, None) is not None:
                 expected.add(key)
                 copies.append((getattr(layer.base_layer, attr), state[key], key))
     missing, unexpected = expected - state.keys(), state.keys() - expected

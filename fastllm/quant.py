@@ -10,11 +10,12 @@
 
 An NF4Linear keeps its weight as bitsandbytes' NF4 (4-bit codes plus an fp32 absmax per block of
 64, fastllm/ops/nf4.py): 0.5625 bytes a weight instead of 2 (bf16) or 4 (fp32). Its forward
-dequantises the weight into the input's dtype, runs fastllm's linear (or, under a LoRALinear,
-the fused lora_linear op) and keeps nothing of the dense weight: the backward dequantises it
-again for dX = dY W. The weight never trains (QLoRA's contract); the bias may. Its compute dtype
-follows `.to(dtype)` / `.bfloat16()` like a module's parameters, while the codes and absmax stay
-uint8 and fp32.
+casts the input to the layer's compute dtype (and the output back, as bitsandbytes' Linear4bit
+does; under autocast, autocast's dtype), dequantises the weight into it, runs fastllm's linear
+(or, under a LoRALinear, the fused lora_linear op) and keeps nothing of the dense weight: the
+backward dequantises it again for dX = dY W. The weight never trains (QLoRA's contract); the
+bias may. Its compute dtype follows `.to(dtype)` / `.bfloat16()` like a module's parameters,
+while the codes and absmax stay uint8 and fp32.
 
 This is what `transformers`' BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
 does at load time, applied in place to a loaded model (as torchao's `quantize_`); the weights are
@@ -102,7 +103,7 @@ class NF4Linear(nn.Module):
 
     def forward(self, x):
         return nf4_linear(x, self.weight_packed, self.weight_absmax, self.weight_shape,
-                          self.blocksize, self.bias)
+                          self.blocksize, self.bias, self.compute_dtype)
 
     def _apply(self, fn, recurse=True):
         # the codes and absmax keep their dtypes under .to(dtype) / .half() (an absmax rounded
@@ -193,19 +194,30 @@ class _NF4Linear(torch.autograd.Function):
         return dx, None, None, db, None, None
 
 
-def nf4_linear(x, packed, absmax, shape, blocksize, bias=None):
-    """x W^T + bias with W = nf4_dequantize(packed, absmax, shape, blocksize) in x's dtype; the
-    backward dequantises W again (the dense weight is never kept). Under autocast, x and bias
-    are cast to its dtype first, as F.linear's are."""
+def _in_compute_dtype(x, bias, compute_dtype):
+    """bitsandbytes' Linear4bit rule: x (and bias) cast to the layer's compute dtype; the output
+    goes back to x's dtype (returned second)."""
+    out_dtype = x.dtype
+    if compute_dtype is not None and x.dtype != compute_dtype:
+        x = x.to(compute_dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return x, bias, out_dtype
+
+
+def nf4_linear(x, packed, absmax, shape, blocksize, bias=None, compute_dtype=None):
+    """x W^T + bias with W = nf4_dequantize(packed, absmax, shape, blocksize); the backward
+    dequantises W again (the dense weight is never kept). Computed in compute_dtype (default:
+    x's) and returned in x's dtype, as bitsandbytes' Linear4bit does; under autocast, in its
+    dtype, as F.linear."""
     _check_input("fastllm.quant.nf4_linear", x, shape[1])
     device_type = x.device.type
     if _lowp.autocast_enabled(device_type):
         x, bias = _lowp.autocast_args(device_type, x, bias)
         with torch.autocast(device_type, enabled=False):
             return nf4_linear(x, packed, absmax, shape, blocksize, bias)
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
-    return _NF4Linear.apply(x, packed, absmax, bias, tuple(shape), blocksize)
+    x, bias, out_dtype = _in_compute_dtype(x, bias, compute_dtype)
+    return _NF4Linear.apply(x, packed, absmax, bias, tuple(shape), blocksize).to(out_dtype)
 
 
 class _NF4LoRALinear(torch.autograd.Function):
@@ -238,11 +250,12 @@ class _NF4LoRALinear(torch.autograd.Function):
 
 
 def nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling, bias=None,
-                    dropout_p=0.0, training=True, seed=None):
+                    dropout_p=0.0, training=True, seed=None, compute_dtype=None):
     """fastllm.ops.lora_linear over an NF4 base weight: y = x W^T + bias + scaling *
-    dropout(x) A^T B^T with W dequantised into x's dtype in the forward and again in the
-    backward (never kept), so the step holds the 4-bit weight only. A and B in x's dtype or
-    fp32 on a bf16/fp16 x (PEFT's fp32 adapters). seed: as lora_linear's."""
+    dropout(x) A^T B^T with W dequantised in the forward and again in the backward (never
+    kept), so the step holds the 4-bit weight only; in compute_dtype and back to x's dtype as
+    nf4_linear. A and B in the compute dtype, or fp32 on a bf16/fp16 one (PEFT's fp32
+    adapters). seed: as lora_linear's."""
     from fastllm.ops.lora_linear import dropout_seed
 
     _check_input("fastllm.quant.nf4_lora_linear", x, shape[1])
@@ -253,11 +266,10 @@ def nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling
         with torch.autocast(device_type, enabled=False):
             return nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling,
                                    bias, p, True, seed)
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
+    x, bias, out_dtype = _in_compute_dtype(x, bias, compute_dtype)
     return _NF4LoRALinear.apply(x, packed, absmax, lora_a, lora_b, bias,
                                 dropout_seed(x, p, seed), tuple(shape), blocksize,
-                                float(scaling), p)
+                                float(scaling), p).to(out_dtype)
 
 
 def _output_layer(model):
@@ -354,17 +366,29 @@ def _nf4_keys(state, prefix, layer):
         if code is not None and not torch.equal(code.float().cpu(), nf4_code("cpu")):
             raise ValueError(f"{where}: its quant_map is not the NF4 code table")
         packed = w.reshape(-1).contiguous().view(torch.uint8)
-        absmax = state.pop(prefix + "weight.absmax")
-        if nested:  # absmax as 8-bit codes of a 256-entry map, one scale per nested block
-            scales = state.pop(prefix + "weight.nested_absmax").float()
-            table = state.pop(prefix + "weight.nested_quant_map").float()
-            block = int(meta["nested_blocksize"])
-            absmax = table[absmax.long()] * scales.repeat_interleave(block)[:absmax.numel()] \
-                + float(meta["nested_offset"])
-        layer.blocksize = blocksize
-        packed, absmax = packed, absmax.float().contiguous()
+        try:
+            absmax = state.pop(prefix + "weight.absmax")
+            if nested:  # absmax as 8-bit codes of a 256-entry map, one scale per nested block
+                scales = state.pop(prefix + "weight.nested_absmax").float()
+                table = state.pop(prefix + "weight.nested_quant_map").float()
+                block = int(meta["nested_blocksize"])
+                absmax = table[absmax.long()] * scales.repeat_interleave(block)[
+                    :absmax.numel()] + float(meta["nested_offset"])
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: bitsandbytes' absmax keys are missing or malformed "
+                             f"({type(e).__name__}: {e})") from None
+        absmax = absmax.float().contiguous()
+        n = math.prod(shape)
+        if packed.numel() != -(-n // 2) or absmax.numel() != -(-n // blocksize):
+            raise ValueError(f"{where}: {packed.numel()} code bytes and {absmax.numel()} absmax "
+                             f"values; a {tuple(shape)} weight at blocksize {blocksize} takes "
+                             f"{-(-n // 2)} and {-(-n // blocksize)}")
         if not bool(torch.isfinite(absmax).all()):
             raise ValueError(f"{where}: its absmax has inf or nan values")
+        if blocksize != layer.blocksize:  # (the checkpoint's blocksize wins: the buffer follows)
+            layer.blocksize = blocksize
+            layer.weight_absmax = torch.empty(absmax.shape, dtype=torch.float32,
+                                              device=layer.weight_absmax.device)
     state[prefix + "weight_packed"], state[prefix + "weight_absmax"] = packed, absmax
 
 
@@ -386,79 +410,120 @@ def bnb_4bit_config(folder):
     return config
 
 
+_META_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Parameters made within go to the meta device (buffers, rotary tables, stay real), as
-    accelerate's init_empty_weights(include_buffers=False)."""
-    register = nn.Module.register_parameter
+    """Parameters this thread makes within go to the meta device (buffers, rotary tables, stay
+    real), as accelerate's init_empty_weights(include_buffers=False). One such block at a time
+    (a lock): nn.Module.register_parameter is patched for the process, so concurrent blocks
+    could restore each other's patch; other threads' modules are built as usual meanwhile."""
+    with _META_LOCK:
+        register = nn.Module.register_parameter
+        owner = threading.get_ident()
 
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None:
-            module._parameters[name] = nn.Parameter(param.to("meta"),
-                                                    requires_grad=param.requires_grad)
+        def on_meta(module, name, param):
+            register(module, name, param)
+            if param is not None and threading.get_ident() == owner:
+                module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                        requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+        nn.Module.register_parameter = on_meta
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register
+
+
+def _quantised_names(folder, files):
+    """The modules a bitsandbytes folder saved in 4-bit (each has a weight.quant_state key)."""
+    from safetensors import safe_open
+
+    mark = "." + _BNB
+    names = set()
+    for f in files:
+        with safe_open(os.path.join(folder, f), framework="pt") as handle:
+            names.update(k.split(mark)[0] for k in handle.keys() if mark in k)
+    return names
 
 
 def from_pretrained(folder, dtype=None, blocksize=64):
-    """A transformers causal LM from a local folder of safetensors with every nn.Linear but the
-    output layer an NF4Linear, built on the meta device and loaded tensor by tensor: a
-    bitsandbytes 4-bit NF4 checkpoint (config.json's quantization_config; nested absmax too) as
-    it is, without bitsandbytes; a dense one quantised as it loads (as quantize_nf4 would, the
-    dense weights read from the mmapped file). Checkpoints whose keys transformers renames as it
-    loads are not read here (use from_pretrained, then quantize_nf4). dtype: the compute dtype
-    and that of the other parameters (default: the checkpoint's bnb_4bit_compute_dtype, else
-    its dtype)."""
+    """A transformers causal LM from a local folder of safetensors with its linear layers NF4,
+    built on the meta device and loaded tensor by tensor: a bitsandbytes 4-bit NF4 checkpoint
+    (config.json's quantization_config; nested absmax too) as it is, without bitsandbytes, the
+    layers it saved in 4-bit becoming NF4Linear (at the blocksize it saved); a dense one with
+    every nn.Linear but the output layer quantised as it loads (as quantize_nf4 would, the
+    dense weights read from the mmapped file). Checkpoints whose keys transformers renames as
+    it loads are not read here (use from_pretrained, then quantize_nf4). dtype: that of every
+    parameter and the NF4 layers' compute dtype; default, as transformers loads such a folder:
+    the config's dtype for the parameters, bnb_4bit_compute_dtype for the NF4 layers."""
     import transformers
-    from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    files = _safetensors_files(folder)
     qc = bnb_4bit_config(folder)
-    skip = []
+    param_dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    compute = dtype
     if qc is not None:
-        skip = list(qc.get("llm_int8_skip_modules") or [])
-        dtype = dtype or getattr(torch, str(qc.get("bnb_4bit_compute_dtype") or "float32"))
+        compute = compute or getattr(torch, str(qc.get("bnb_4bit_compute_dtype") or "float32"))
         del config.quantization_config
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    param_dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
+    compute = compute or param_dtype
     with _parameters_on_meta():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=param_dtype)
     head = _output_layer(model)
+    quantised = _quantised_names(folder, files) if qc is not None else None
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and module is not head and not (skip and matches(name, skip)):
+        if type(module) is nn.Linear and (name in quantised if quantised is not None
+                                          else module is not head):
             _replace(model, name, NF4Linear(module.in_features, module.out_features,
-                                            module.bias is not None, blocksize, "meta", dtype))
+                                            module.bias is not None, blocksize, "meta", compute))
+    if isinstance(_output_layer(model), NF4Linear) and getattr(config, "tie_word_embeddings",
+                                                                 False):
+        raise ValueError(f"{_WHERE}.from_pretrained: {folder} ties its output layer to the "
+                         "embeddings but saved it in 4-bit")
+    _load(model, folder, files)
+    with torch.no_grad():  # (parameters only: the rotary tables stay fp32, as transformers
+        for p in model.parameters():  # leaves them)
+            if p.is_floating_point() and p.dtype != param_dtype:
+                p.data = p.data.to(param_dtype)
+    if os.path.isfile(os.path.join(folder, "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    return model.eval()
+
+
+def _safetensors_files(folder):
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):  # (transformers' sharded layout)
         with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{_WHERE}.from_pretrained: {folder} has no model.safetensors "
-                                "(or its index): only safetensors checkpoints are read")
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"{_WHERE}.from_pretrained: {folder} has no model.safetensors (or "
+                            "its index): only safetensors checkpoints are read")
+
+
+def _load(model, folder, files):
+    """Every tensor of the files into the meta-built model; refuses what does not fit."""
+    import re
+
+    from safetensors.torch import load_file
+
     state = {}
     for f in files:
         state.update(load_file(os.path.join(folder, f)))
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    unexpected = [k for k in unexpected if not any(re.search(p, k) for p in ignored)
+                  and not k.endswith("rotary_emb.inv_freq")]  # (checkpoints before 4.31)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
             if t.device.type == "meta"]
     if left or unexpected:
         raise ValueError(f"{_WHERE}.from_pretrained: {folder} does not fit its config's model: "
                          f"{len(left)} tensors missing (e.g. {left[:3]}), {len(unexpected)} "
                          f"unexpected (e.g. {unexpected[:3]})")
-    with torch.no_grad():  # (parameters only: the rotary tables stay fp32, as transformers
-        for p in model.parameters():  # leaves them)
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-    return model.eval()
 
 
 def nf4_bytes(model):

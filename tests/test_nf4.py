@@ -509,3 +509,58 @@ def test_train_takes_a_4bit_folder_as_qlora_only():
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert all(m.compute_dtype == torch.bfloat16 for m in model.modules()
                if isinstance(m, quant.NF4Linear))
+
+
+def test_from_pretrained_follows_a_skip_list_a_quantised_head_and_bf16_storage():
+    from safetensors.torch import load_file
+
+    folder = BNB_FOLDER + "_skip"  # layer 0 dense, the untied head in 4-bit, codes stored bf16
+    expected = load_file(folder + "_expected.safetensors")
+    model = quant.from_pretrained(folder)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert isinstance(model.lm_head, quant.NF4Linear)
+    assert sum(isinstance(m, quant.NF4Linear) for m in model.modules()) == 8  # layer 1 + head
+    # as transformers loads it: parameters in the config's dtype, the 4-bit layers computing
+    # in bnb_4bit_compute_dtype
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.lm_head.compute_dtype == torch.bfloat16
+    assert model.generation_config.eos_token_id == [2, 7]  # (generation_config.json read)
+    for name in ("model.layers.1.mlp.down_proj", "lm_head"):
+        want = expected[name]  # (in the weights' saved dtype, fp32)
+        assert torch.equal(model.get_submodule(name).dequantize(want.dtype), want)
+    with torch.no_grad():
+        logits = model(input_ids=expected["input_ids"]).logits
+    # bf16 products (equal bits on a Zen 2; 1e-3 leaves room for another CPU's bf16 GEMM, and
+    # is below the 2.8e-3 that computing the 4-bit layers in fp32 instead gives)
+    torch.testing.assert_close(logits, expected["logits"], rtol=0, atol=1e-3)
+
+
+def _bnb_state(w, blocksize):
+    """Linear4bit's saved keys for `w` without nested absmax (the codes and absmax being
+    nf4_quantize's, which equal bitsandbytes': test_same_bits_as_bitsandbytes)."""
+    packed, absmax = nf4_quantize(w, blocksize)
+    meta = {"quant_type": "nf4", "blocksize": blocksize, "dtype": "float32",
+            "shape": list(w.shape)}
+    return {"weight": packed[:, None], "weight.absmax": absmax,
+            "weight.quant_map": torch.tensor(NF4_CODE),
+            "weight.quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(meta).encode()),
+                                                                 dtype=torch.uint8)}
+
+
+def test_a_checkpoints_blocksize_wins_and_bad_sizes_change_nothing():
+    w = torch.randn(24, 40)
+    layer = quant.NF4Linear(40, 24, bias=False)  # blocksize 64
+    layer.load_state_dict(_bnb_state(w, 128))
+    assert layer.blocksize == 128 and layer.weight_absmax.numel() == 8
+    assert torch.equal(layer.dequantize(), nf4_dequantize(*nf4_quantize(w, 128), w.shape, 128))
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    bad = _bnb_state(w, 128)
+    bad["weight.absmax"] = bad["weight.absmax"][:5]
+    with pytest.raises(ValueError, match="8 absmax values|and 5 absmax values"):
+        layer.load_state_dict(bad)
+    del bad["weight.absmax"]
+    with pytest.raises(ValueError, match="absmax keys are missing"):
+        layer.load_state_dict(bad)
+    assert layer.blocksize == 128
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
