@@ -422,6 +422,8 @@ def test_examples_parse():
     assert modes == {"full", "freeze", "lora", "prefix", "galore", "badam"}
     dora = TrainConfig.load(os.path.join(os.path.dirname(names[0]), "sft_dora.yaml"))
     assert dora.lora.use_dora and dora.lr == 2e-4
+    qlora = TrainConfig.load(os.path.join(os.path.dirname(names[0]), "sft_qlora.yaml"))
+    assert qlora.lora.quantize_base == "nf4" and qlora.finetune == "lora"
 
 
 def test_compare_hf_runs_the_same_batches(tmp_path, capsys):
