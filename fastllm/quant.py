@@ -372,9 +372,11 @@ def _nf4_keys(state, prefix, layer):
                 scales = state.pop(prefix + "weight.nested_absmax").float()
                 table = state.pop(prefix + "weight.nested_quant_map").float()
                 block = int(meta["nested_blocksize"])
+                if block < 1:
+                    raise ValueError(f"nested_blocksize {block}")
                 absmax = table[absmax.long()] * scales.repeat_interleave(block)[
                     :absmax.numel()] + float(meta["nested_offset"])
-        except (KeyError, IndexError, TypeError, ValueError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{where}: bitsandbytes' absmax keys are missing or malformed "
                              f"({type(e).__name__}: {e})") from None
         absmax = absmax.float().contiguous()
