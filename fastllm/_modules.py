@@ -10,6 +10,12 @@ def matches(name, target_modules):
     return any(name == t or name.endswith("." + t) for t in target_modules)
 
 
+def output_layer(model):
+    """`model.get_output_embeddings()` (a transformers model's LM head), or None."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None
+
+
 def replace_module(model, name, module):
     """Put `module` at the dotted `name` of `model`, in place."""
     parent_name, _, child = name.rpartition(".")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm._hooks import user_hooked
-from fastllm._modules import matches, replace_module as _replace
+from fastllm._modules import matches, output_layer, replace_module as _replace
 from fastllm.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from fastllm.adapter_files import check_lora_config as _check_supported
 from fastllm.adapter_files import check_lora_settings
@@ -165,8 +165,7 @@ ALL_LINEAR = "all-linear"  # PEFT's shorthand (INCLUDE_LINEAR_LAYERS_SHORTHAND)
 def all_linear(model):
     """The names of every nn.Linear of `model` but its output layer (`get_output_embeddings()`),
     as PEFT expands target_modules="all-linear"."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = output_layer(model)
     return [name for name, module in model.named_modules()
             if name and isinstance(module, ADAPTABLE) and module is not head]
 
@@ -535,14 +534,9 @@ def _load_state(model, state):
     expected = set()
     copies = []  # (destination, saved tensor, key), every one checked before any is copied
     for name, layer in layers.items():
-        for attr in ("lora_A", "lora_B"):
-            key = f"{_PEFT_PREFIX}{name}.{attr}.weight"
+        for _, attr, key in peft_keys([(name, layer)]):  # (A, B, DoRA's magnitude)
             expected.add(key)
             copies.append((getattr(layer, attr), state.get(key), key))
-        if hasattr(layer, "lora_magnitude_vector"):  # DoRA
-            key = f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"
-            expected.add(key)
-            copies.append((layer.lora_magnitude_vector, state.get(key), key))
         # PEFT saves the base weight of an adapted embedding-like layer (lm_head) too, and loads
         # it back into the model: so do we
         for attr in ("weight", "bias"):

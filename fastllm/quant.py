@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from fastllm import _lowp
-from fastllm._modules import matches, replace_module as _replace
+from fastllm._modules import matches, output_layer, replace_module as _replace
+from fastllm.ops.lora_linear import bias_grad, dropout_seed
 from fastllm.ops.nf4 import (check_blocksize, nf4_code, nf4_dequantize, nf4_dequantize_into,
                               nf4_quantize)
 
@@ -167,11 +168,6 @@ def _dense(packed, absmax, shape, blocksize, dtype):
     return out
 
 
-def _grad_bias(dy, out_features):
-    # summed in fp32 for bf16/fp16, as PyTorch's linear backward
-    return dy.reshape(-1, out_features).sum(0, dtype=torch.float32).to(dy.dtype)
-
-
 class _NF4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, absmax, bias, shape, blocksize):
@@ -190,7 +186,7 @@ class _NF4Linear(torch.autograd.Function):
             stand_in = dy.new_empty(()).expand(ctx.x_shape)  # (x is read only for dW)
             dx = torch.ops.fastllm.linear_backward(dy, stand_in, w, [True, False, False])[0]
         if need_bias:
-            db = _grad_bias(dy, ctx.shape[0])
+            db = bias_grad(dy.reshape(-1, ctx.shape[0]))
         return dx, None, None, db, None, None
 
 
@@ -245,7 +241,7 @@ class _NF4LoRALinear(torch.autograd.Function):
             grads[3] = da if need_a else None
             grads[4] = db if need_b else None
         if need_bias:
-            grads[5] = _grad_bias(dy, ctx.shape[0])
+            grads[5] = bias_grad(dy.reshape(-1, ctx.shape[0]))
         return tuple(grads)
 
 
@@ -256,8 +252,6 @@ def nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling
     kept), so the step holds the 4-bit weight only; in compute_dtype and back to x's dtype as
     nf4_linear. A and B in the compute dtype, or fp32 on a bf16/fp16 one (PEFT's fp32
     adapters). seed: as lora_linear's."""
-    from fastllm.ops.lora_linear import dropout_seed
-
     _check_input("fastllm.quant.nf4_lora_linear", x, shape[1])
     p = float(dropout_p) if training else 0.0
     device_type = x.device.type
@@ -272,11 +266,6 @@ def nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling
                                 float(scaling), p).to(out_dtype)
 
 
-def _output_layer(model):
-    get_head = getattr(model, "get_output_embeddings", None)
-    return get_head() if callable(get_head) else None
-
-
 def quantize_nf4(model, target_modules=None, blocksize=64):
     """Replace nn.Linear layers of `model` by NF4Linear, in place; returns the model.
 
@@ -289,7 +278,7 @@ def quantize_nf4(model, target_modules=None, blocksize=64):
     weight is freed as its layer is replaced (when nothing else holds it).
     """
     check_blocksize(f"{_WHERE}.quantize_nf4", blocksize)
-    head = _output_layer(model)
+    head = output_layer(model)
     adapted = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
     if adapted:
         raise ValueError(f"{_WHERE}.quantize_nf4: the model has adapter layers ({adapted[0]}, "
@@ -474,14 +463,14 @@ def from_pretrained(folder, dtype=None, blocksize=64):
     compute = compute or param_dtype
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=param_dtype)
-    head = _output_layer(model)
+    head = output_layer(model)
     quantised = _quantised_names(folder, files) if qc is not None else None
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and (name in quantised if quantised is not None
                                           else module is not head):
             _replace(model, name, NF4Linear(module.in_features, module.out_features,
                                             module.bias is not None, blocksize, "meta", compute))
-    if isinstance(_output_layer(model), NF4Linear) and getattr(config, "tie_word_embeddings",
+    if isinstance(output_layer(model), NF4Linear) and getattr(config, "tie_word_embeddings",
                                                                  False):
         raise ValueError(f"{_WHERE}.from_pretrained: {folder} ties its output layer to the "
                          "embeddings but saved it in 4-bit")

@@ -453,9 +453,14 @@ def _lora_linear_backward(ctx, grad_y, grad_xa):
         grad_w = _lowp.in_fp32(_gemm.mm, dy.t(), x.reshape(rows, in_features)) \
             if _lowp.widen(x) else _gemm.mm(dy.t(), x.reshape(rows, in_features))
     if need_bias:
-        # summed in fp32 for bf16/fp16 (as PyTorch's linear backward), in fp64 for fp64
-        grad_bias = dy.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(dy.dtype)
+        grad_bias = bias_grad(dy)
     return grad_x, grad_w, grad_a, grad_b, None, grad_bias, None, None
+
+
+def bias_grad(dy):
+    """The bias's grad from dy (rows, out_features): summed in fp32 for bf16/fp16 (as PyTorch's
+    linear backward), in fp64 for fp64."""
+    return dy.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(dy.dtype)
 
 
 _lora_linear = register_autograd(

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from fastllm._modules import output_layer
 from fastllm.parallel import decoder_layers
 from fastllm.train.config_values import ConfigError
 
@@ -205,7 +206,7 @@ def _apply_finetune(model, cfg):
         for name in ("norm",):
             if hasattr(inner, name):
                 getattr(inner, name).requires_grad_(True)
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        head = output_layer(model)
         if head is not None:
             head.requires_grad_(True)
         return model
