@@ -3,7 +3,7 @@ the dense base and against PEFT + bitsandbytes' QLoRA, one training step at a ti
 
     [PYTHONPATH=<bitsandbytes>] python bench/bench_qlora.py MODEL_DIR [--dtype fp32|bf16]
         [--providers fastllm-lora,fastllm-qlora,peft-bnb-qlora] [--rounds 1] [--steps 3]
-        [--batch 8] [--length 512] [--threads 2] [--json PATH]
+        [--batch 8] [--length 512] [--threads 2] [--targets qv|all] [--json PATH]
     [PYTHONPATH=<bitsandbytes>] python bench/bench_qlora.py --dequantize [--threads 2]
 
 --dequantize times the dequantisation alone instead (SmolLM2's MLP shape and a 4096 x 4096
@@ -11,7 +11,8 @@ weight, fp32 and bf16, interleaved rounds, median): fastllm's op into an existin
 a QLoRA step does) and returning a new tensor, the PyTorch reference, and bitsandbytes'
 dequantize_4bit where it is importable (checked equal to fastllm's first).
 
-Every provider fine-tunes LoRA r=16, alpha=32 on q_proj/v_proj of the model loaded in `--dtype`,
+Every provider fine-tunes LoRA r=16, alpha=32 on q_proj/v_proj (`--targets all`: the seven
+projections, q/k/v/o and gate/up/down, as QLoRA's recipe) of the model loaded in `--dtype`,
 on the same random token batch (seeded), with AdamW at lr 1e-4:
     fastllm-lora     fastllm.lora.inject_lora + fastllm.patch + fastllm.optim.AdamW, dense base
     fastllm-qlora    the same after fastllm.quant.quantize_nf4 (every linear but lm_head in NF4)
@@ -52,7 +53,10 @@ def _batch(vocab, batch, length, seed=0):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _build(provider, model_dir, dtype):
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _build(provider, model_dir, dtype, targets):
     """(model, optimizer, bytes of the linear layers' stored base weights)."""
     import torch
     import transformers
@@ -68,7 +72,7 @@ def _build(provider, model_dir, dtype):
             model_dir, quantization_config=qcfg, device_map="cpu", dtype=dtype)
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         model = peft.get_peft_model(model, peft.LoraConfig(
-            r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+            r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets,
             task_type="CAUSAL_LM"))
         stored = sum(m.weight.numel() * m.weight.element_size() + m.weight.quant_state.absmax
                      .numel() * 4 for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
@@ -85,7 +89,7 @@ def _build(provider, model_dir, dtype):
     if provider == "fastllm-qlora":
         quant.quantize_nf4(model)
         stored = quant.nf4_bytes(model)
-    inject_lora(model, target_modules=["q_proj", "v_proj"], r=16, alpha=32)
+    inject_lora(model, target_modules=targets, r=16, alpha=32)
     fastllm.patch(model)
     params = [p for p in model.parameters() if p.requires_grad]
     return model, fastllm.optim.AdamW(params, lr=1e-4), stored
@@ -138,7 +142,8 @@ def run_one(args):
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     t0 = time.perf_counter()
-    model, opt, stored = _build(args.one, args.model_dir, dtype)
+    model, opt, stored = _build(args.one, args.model_dir, dtype,
+                                ["q_proj", "v_proj"] if args.targets == "qv" else ALL)
     load_s = time.perf_counter() - t0
     load_peak = _peak_rss_mib()
     _anonymous(model)
@@ -164,7 +169,8 @@ def run_one(args):
         opt.step()
         opt.zero_grad(set_to_none=True)
     print(json.dumps({
-        "provider": args.one, "dtype": args.dtype, "step_s": round(step_s, 3),
+        "provider": args.one, "dtype": args.dtype, "targets": args.targets,
+        "step_s": round(step_s, 3),
         "tokens_per_s": round(args.batch * args.length / step_s, 1),
         "step_times_s": [round(t, 3) for t in times], "losses": [round(v, 5) for v in losses],
         "peak_rss_mib": round(_peak_rss_mib(), 1), "load_peak_rss_mib": round(load_peak, 1),
@@ -226,6 +232,7 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--targets", default="qv", choices=("qv", "all"))
     p.add_argument("--json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: run this provider here)
     args = p.parse_args()
@@ -249,7 +256,8 @@ def main():
         for name in providers:
             cmd = [sys.executable, os.path.abspath(__file__), args.model_dir, "--one", name,
                    "--dtype", args.dtype, "--steps", str(args.steps), "--batch",
-                   str(args.batch), "--length", str(args.length), "--threads", str(args.threads)]
+                   str(args.batch), "--length", str(args.length), "--threads", str(args.threads),
+                   "--targets", args.targets]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"bench_qlora: {name} failed:\n{out.stderr[-3000:]}")
@@ -257,7 +265,8 @@ def main():
             row["round"] = round_
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{args.model_dir}, {args.dtype}, {args.batch} x {args.length} tokens, "
+    print(f"\n{args.model_dir}, {args.dtype}, LoRA on {args.targets}, "
+          f"{args.batch} x {args.length} tokens, "
           f"{args.threads} threads, {platform.processor() or platform.machine()}")
     print("| provider | step s (median) | tokens/s | tensor peak MiB | peak RSS MiB (steps) | "
           "peak RSS MiB (load) | base weights MiB | first loss |")

@@ -11,6 +11,13 @@ module's DTensor weights as they are."""
 from torch.nn.modules import module as nn_module
 
 
+def hooked(module):
+    """Whether calling `module` (or, for a LoRA layer, its base layer) runs more than its forward:
+    such a module is called, its weights never read around the call."""
+    return any(m is not None and user_hooked(m)
+               for m in (module, getattr(module, "base_layer", None)))
+
+
 def user_hooked(module, offload_only=False):
     """Whether `module(x)` runs a hook that reading its weights around the call would skip.
     offload_only: an accelerate hook counts only where it may move the weights (offloading, or

@@ -9,9 +9,12 @@ What is swapped, per module instance (the class and every other model are untouc
     *RMSNorm            -> fastllm.ops.rms_norm            (one pass each way, fp32 inside)
     *Attention          -> the same attention with fastllm.ops.rotary_embedding on q and k
                            together, and fastllm.ops.lora_linear_multi for q/k/v when they
-                           fastllm.lora LoRALinear layers (x read once for every A)
+                           are fastllm.lora LoRALinear layers (x read once for every A; over
+                           NF4Linear bases too: fastllm.quant.nf4_lora_linear_multi)
     *MLP (SwiGLU)       -> fastllm.ops.swiglu (silu(gate) * up recomputed in the backward), with
-                           gate/up through lora_linear_multi when both are LoRALinear
+                           gate/up through lora_linear_multi when both are LoRALinear, and a
+                           LoRALinear down_proj through fastllm.ops.swiglu_lora_linear (the
+                           product not kept for its backward; fastllm/_patch_lora.py)
     nn.Linear           -> fastllm.ops.linear when the input is bf16/fp16 on a CPU without
                            native low-precision GEMMs (products in fp32, fastllm/_lowp.py; the
                            attention's sdpa is then computed in fp32 the same way), or fp32 on a
@@ -67,7 +70,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import _gemm, _hf, _hooks, _lowp
+from fastllm import _gemm, _hf, _lowp
+from fastllm._hooks import hooked as _hooked
+from fastllm._patch_lora import down_projection, project as _project
 from fastllm._attention_plan import (ATTENTION_PLAN, attention_plan, fastllm_attention_applies,
                                      wants_attentions)
 from fastllm._dtensor import is_dtensor
@@ -162,38 +167,6 @@ def _dtensor_rms_norm(module, x, weight, eps, offset):
     y = rms_norm(x.to_local(), weight.to_local(grad_placements=grad_placements), eps, offset)
     return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                               stride=torch.empty(x.shape, device="meta").stride())
-
-
-def _lora_parts(layer):
-    """(A, B, scaling) of a fastllm LoRALinear that lora_linear_multi can take, else None."""
-    from fastllm.lora import LoRALinear
-
-    # (a DoRALinear is a LoRALinear with a magnitude lora_linear_multi knows nothing of: it runs
-    # its own forward)
-    if isinstance(layer, LoRALinear) and isinstance(layer.base_layer, nn.Linear) and not getattr(
-            layer, "is_dora", False) and (
-            not layer.merged) and (layer.dropout == 0.0 or not layer.training) and not any(
-            is_dtensor(t) for t in (layer.base_layer.weight, layer.lora_A, layer.lora_B)):
-        # (sharded by fastllm.parallel, the layer runs its own forward on the local shards)
-        return layer.lora_A, layer.lora_B, layer.scaling
-    return None
-
-
-def _project(x, layers):
-    """[layer(x) for layer in layers], with x read once for every LoRA down product when two or
-    more of them are fastllm LoRALinear layers and the rest plain nn.Linear."""
-    from fastllm.ops.lora_linear_multi import lora_linear_multi
-
-    parts = [_lora_parts(layer) for layer in layers]
-    plain = [type(layer) is nn.Linear for layer in layers]
-    if sum(p is not None for p in parts) < 2 or not all(
-            p is not None or q for p, q in zip(parts, plain)) or any(map(_hooked, layers)):
-        return [layer(x) for layer in layers]
-    bases = [layer if p is None else layer.base_layer for layer, p in zip(layers, parts)]
-    return lora_linear_multi(
-        x, [b.weight for b in bases], [None if p is None else p[0] for p in parts],
-        [None if p is None else p[1] for p in parts], [1.0 if p is None else p[2] for p in parts],
-        [b.bias for b in bases])
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -301,7 +274,8 @@ def _mlp_forward(self, x):
         # silu(gate) * up, as large as gate, is recomputed for down_proj's weight grad instead
         # of kept: one elementwise pass for (tokens x ffn) of activation memory per layer
         return swiglu_linear(gate, up, down.weight, down.bias)
-    return down(swiglu(gate, up))
+    out = down_projection(down, gate, up)  # a LoRA down_proj: silu(gate) * up not kept either
+    return down(swiglu(gate, up)) if out is None else out
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
@@ -419,13 +393,6 @@ def _is_causal_lm(m):
 # every replacement forward, as the partials patch() binds carry them
 _REPLACEMENTS = (_linear_forward, _rms_norm_forward, _gemma_rms_norm_forward, _attention_forward,
                  _mlp_forward, _causal_lm_forward, _backbone_forward)
-
-
-def _hooked(module):
-    """Whether calling `module` (or, for a LoRA layer, its base layer) runs more than its forward:
-    such a module is called, its weights never read around the call (fastllm/_hooks.py)."""
-    return any(m is not None and _hooks.user_hooked(m)
-               for m in (module, getattr(module, "base_layer", None)))
 
 
 def _is_ours(f, module):

@@ -34,8 +34,7 @@ from torch import nn
 from fastllm import _lowp
 from fastllm._modules import matches, output_layer, replace_module as _replace
 from fastllm.ops.lora_linear import bias_grad, dropout_seed
-from fastllm.ops.nf4 import (check_blocksize, nf4_code, nf4_dequantize, nf4_dequantize_into,
-                              nf4_quantize)
+from fastllm.ops.nf4 import check_blocksize, nf4_code, nf4_dense, nf4_dequantize, nf4_quantize
 
 _WHERE = "fastllm.quant"
 
@@ -141,37 +140,10 @@ def _check_input(where, x, in_features):
         raise ValueError(f"{where}: x must be (..., {in_features}), got {tuple(x.shape)}")
 
 
-class _Scratch(threading.local):
-    def __init__(self):
-        self.buffers = {}  # dtype -> a flat CPU tensor, grown to the largest weight seen
-
-
-_SCRATCH = _Scratch()
-
-
-def _dense(packed, absmax, shape, blocksize, dtype):
-    """The dense weight for one layer's products, which keep nothing of it. On the CPU (eager)
-    it is written into one buffer per thread and dtype, reused by every layer: a fresh
-    megabytes-large tensor per layer and pass fragmented glibc's heap (SmolLM2-135M QLoRA, 2 x 64
-    tokens: RSS 1314 MiB after 3 steps against 1055 with the buffer, and 1287 for the dense
-    model). GPU tensors come from PyTorch's caching allocator, which reuses them anyway."""
-    if (packed.device.type != "cpu" or type(packed) is not torch.Tensor
-            or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()):
-        # (traced, faked or under a dispatch mode: a plain op call, nothing cached)
-        return nf4_dequantize(packed, absmax, shape, blocksize, dtype)
-    n = math.prod(shape)
-    buffer = _SCRATCH.buffers.get(dtype)
-    if buffer is None or buffer.numel() < n:
-        buffer = _SCRATCH.buffers[dtype] = torch.empty(n, dtype=dtype, device="cpu")
-    out = buffer[:n].view(shape)
-    nf4_dequantize_into(out, packed, absmax, blocksize)
-    return out
-
-
 class _NF4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, absmax, bias, shape, blocksize):
-        w = _dense(packed, absmax, shape, blocksize, x.dtype)
+        w = nf4_dense(packed, absmax, shape, blocksize, x.dtype)
         ctx.save_for_backward(packed, absmax)
         ctx.shape, ctx.blocksize, ctx.x_shape = shape, blocksize, x.shape
         return torch.ops.fastllm.linear(x, w, bias)
@@ -182,7 +154,7 @@ class _NF4Linear(torch.autograd.Function):
         dx = db = None
         if need_x:
             packed, absmax = ctx.saved_tensors
-            w = _dense(packed, absmax, ctx.shape, ctx.blocksize, dy.dtype)
+            w = nf4_dense(packed, absmax, ctx.shape, ctx.blocksize, dy.dtype)
             stand_in = dy.new_empty(()).expand(ctx.x_shape)  # (x is read only for dW)
             dx = torch.ops.fastllm.linear_backward(dy, stand_in, w, [True, False, False])[0]
         if need_bias:
@@ -220,7 +192,7 @@ class _NF4LoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, absmax, lora_a, lora_b, bias, seed, shape, blocksize, scaling,
                 dropout_p):
-        w = _dense(packed, absmax, shape, blocksize, x.dtype)
+        w = nf4_dense(packed, absmax, shape, blocksize, x.dtype)
         y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, bias, dropout_p,
                                               seed)
         ctx.save_for_backward(x, packed, absmax, lora_a, lora_b, xa, seed)
@@ -233,7 +205,7 @@ class _NF4LoRALinear(torch.autograd.Function):
         need_x, _, _, need_a, need_b, need_bias = ctx.needs_input_grad[:6]
         grads = [None] * 11
         if need_x or need_a or need_b:
-            w = _dense(packed, absmax, ctx.shape, ctx.blocksize, x.dtype)
+            w = nf4_dense(packed, absmax, ctx.shape, ctx.blocksize, x.dtype)
             dx, da, db = torch.ops.fastllm.lora_linear_backward(
                 dy, x, w, lora_a, lora_b, xa, ctx.scaling, ctx.dropout_p, seed,
                 [need_x, need_a, need_b])
@@ -264,6 +236,71 @@ def nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling
     return _NF4LoRALinear.apply(x, packed, absmax, lora_a, lora_b, bias,
                                 dropout_seed(x, p, seed), tuple(shape), blocksize,
                                 float(scaling), p).to(out_dtype)
+
+
+def nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings):
+    """fastllm.ops.lora_linear_multi over base layers that are NF4Linear (QLoRA) or nn.Linear:
+    [base_i(x) + s_i x A_i^T B_i^T], x read once for every LoRA down product (q/k/v, gate/up),
+    each NF4 weight dequantised in the forward and again in the backward, as nf4_lora_linear.
+    lora_as[i] / lora_bs[i] None: base_i alone. x in every NF4 base's compute dtype and the
+    adapters in x's dtype (no autocast): other cases run layer by layer (fastllm.patch does).
+    Returns a list of (..., out_i)."""
+    from fastllm.ops.lora_linear_multi import (_LoRALinearMulti, check_multi_args,
+                                               check_multi_lengths)
+
+    where = f"{_WHERE}.nf4_lora_linear_multi"
+    lora_as, lora_bs, biases = list(lora_as), list(lora_bs), [b.bias for b in bases]
+    check_multi_lengths(bases, lora_as, lora_bs, scalings, biases)
+    weights, stand_ins, nf4, absmaxes = [], [], [], []
+    for i, base in enumerate(bases):
+        if type(base) is nn.Linear:
+            weights.append(base.weight)
+            stand_ins.append(base.weight)
+            nf4.append(None)
+            continue
+        if not isinstance(base, NF4Linear):
+            raise TypeError(f"{where}: base {i} is a {type(base).__name__}; expected NF4Linear "
+                            "or nn.Linear")
+        _check_input(where, x, base.in_features)
+        if base.compute_dtype != x.dtype:
+            raise TypeError(f"{where}: base {i} computes in {base.compute_dtype}, x is {x.dtype}")
+        weights.append(base.weight_packed)  # (the stand-in: its shape, dtype and device)
+        stand_ins.append(x.new_empty(()).expand(base.weight_shape))
+        nf4.append((base.weight_shape, base.blocksize))
+        absmaxes.append((i, base.weight_absmax))
+    if _lowp.autocast_enabled(x.device.type):
+        raise ValueError(f"{where}: not under autocast (call the layers one by one)")
+    check_multi_args(x, stand_ins, lora_as, lora_bs, scalings, biases)
+    if any(a is not None and a.dtype != x.dtype for a in lora_as):
+        raise TypeError(f"{where}: the adapters must be in x's dtype {x.dtype} (fp32 adapters on "
+                        "a bf16/fp16 base: call the layers one by one)")
+    by_slot = dict(absmaxes)
+    return list(_LoRALinearMulti.apply(
+        x, len(bases), [float(s) for s in scalings], tuple(nf4), *weights, *biases, *lora_as,
+        *lora_bs, *[by_slot.get(i) for i in range(len(bases))]))
+
+
+def nf4_swiglu_lora_linear(gate, up, base, lora_a, lora_b, scaling, dropout_p=0.0,
+                           training=True, seed=None):
+    """fastllm.ops.swiglu_lora_linear over an NF4Linear base (QLoRA's down_proj): the LoRA layer
+    over silu(gate) * up without keeping the product, the weight dequantised in the forward and
+    again in the backward. gate and up in the base's compute dtype; not under autocast."""
+    from fastllm.ops.swiglu_lora_linear import (_autocast_refused, _SwiGLULoRALinear,
+                                                check_swiglu_lora_args)
+
+    where = f"{_WHERE}.nf4_swiglu_lora_linear"
+    if not isinstance(base, NF4Linear):
+        raise TypeError(f"{where}: base is a {type(base).__name__}; expected NF4Linear")
+    _check_input(where, gate, base.in_features)
+    _autocast_refused(where, gate.device.type)
+    if base.compute_dtype != gate.dtype:
+        raise TypeError(f"{where}: the base computes in {base.compute_dtype}, gate is {gate.dtype}")
+    p = float(dropout_p) if training else 0.0
+    stand_in = gate.new_empty(()).expand(base.weight_shape)
+    check_swiglu_lora_args(where, gate, up, stand_in, lora_a, lora_b, scaling, base.bias, p)
+    return _SwiGLULoRALinear.apply(gate, up, base.weight_packed, base.weight_absmax, lora_a,
+                                   lora_b, base.bias, dropout_seed(gate, p, seed),
+                                   (base.weight_shape, base.blocksize), float(scaling), p)
 
 
 def quantize_nf4(model, target_modules=None, blocksize=64):

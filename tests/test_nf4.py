@@ -17,11 +17,13 @@ from torch import nn
 import fastllm
 from conftest import backend_device_params
 from fastllm import quant
+from fastllm.ops import nf4 as nf4_ops
 from fastllm.lora import (LoRALinear, inject_lora, lora_modules, merge_and_unload, merge_lora,
                           save_adapter, unload)
 from fastllm.ops import nf4_dequantize, nf4_dequantize_ref, nf4_quantize
 from fastllm.ops.linear import linear
 from fastllm.ops.lora_linear import lora_linear
+from fastllm.ops.lora_linear_multi import lora_linear_multi
 from fastllm.ops.nf4 import NF4_CODE
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -231,10 +233,116 @@ def test_a_fake_trace_leaves_the_eager_path_real():
     layer = quant.NF4Linear.from_linear(nn.Linear(32, 24), blocksize=16)
     x = torch.randn(3, 32)
     want = layer(x)
-    quant._SCRATCH.buffers.clear()  # (so that a trace would be the first to fill it)
+    nf4_ops._SCRATCH.buffers.clear()  # (so that a trace would be the first to fill it)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         assert layer(mode.from_tensor(x)).shape == (3, 24)
     assert type(layer(x)) is torch.Tensor and torch.equal(layer(x), want)
+
+
+def _projections(dtype):
+    """Three NF4 bases (q/k/v-like, biases on two) and one dense nn.Linear over one input, LoRA
+    on the first, third and fourth: (bases, lora_as, lora_bs, scalings)."""
+    torch.manual_seed(0)
+    dense = [nn.Linear(48, out, bias=b).to(dtype)
+             for out, b in ((40, True), (24, False), (24, True), (16, True))]
+    bases = [quant.NF4Linear.from_linear(layer, blocksize=16) for layer in dense[:3]] + dense[3:]
+    ranks = (4, None, 2, 3)
+    lora_as = [None if r is None else (torch.randn(r, 48) * 0.3).to(dtype).requires_grad_()
+               for r in ranks]
+    lora_bs = [None if r is None else (torch.randn(b.out_features, r) * 0.3).to(dtype)
+               .requires_grad_() for r, b in zip(ranks, bases)]
+    return bases, lora_as, lora_bs, [2.0, 1.0, 0.5, 1.5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qlora_projections_read_x_once_and_equal_the_dense_ones(dtype):
+    # the multi-projection LoRA over NF4 bases is lora_linear_multi over the dequantised weights,
+    # bit for bit, forward and every gradient, keeping no dense weight for the backward
+    bases, lora_as, lora_bs, scalings = _projections(dtype)
+    x = torch.randn(2, 7, 48, dtype=dtype, requires_grad=True)
+    ys, saved = _saved_numels(
+        lambda: quant.nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings))
+    assert not any(n >= 24 * 48 and d.is_floating_point for n, d in saved)
+    x2 = x.detach().clone().requires_grad_()
+    as2, bs2 = ([None if t is None else t.detach().clone().requires_grad_() for t in ts]
+                for ts in (lora_as, lora_bs))
+    dense = [b.dequantize() if isinstance(b, quant.NF4Linear) else b.weight for b in bases]
+    want = lora_linear_multi(x2, dense, as2, bs2, scalings, [b.bias for b in bases])
+    gs = [torch.randn_like(y) for y in want]
+    torch.autograd.backward(ys, gs)
+    torch.autograd.backward(want, gs)
+    for y, w in zip(ys, want):
+        assert y.dtype == dtype and torch.equal(y, w)
+    assert torch.equal(x.grad, x2.grad)
+    for got, exp in zip(lora_as + lora_bs, as2 + bs2):
+        assert (got is None and exp is None) or torch.equal(got.grad, exp.grad)
+    assert torch.equal(bases[3].weight.grad, dense[3].grad)  # the dense layer's weight trains
+    # and as separate layers would give it (to rounding: one concatenated product for the As)
+    x3 = x.detach().clone().requires_grad_()
+    each = [quant.nf4_lora_linear(x3, b.weight_packed, b.weight_absmax, b.weight_shape,
+                                  b.blocksize, a, bb, s, b.bias) if a is not None else b(x3)
+            for b, a, bb, s in zip(bases[:3], lora_as, lora_bs, scalings)]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for y, e in zip(ys, each):
+        torch.testing.assert_close(y, e, **tol)
+    compiled = torch.compile(quant.nf4_lora_linear_multi, fullgraph=True, backend="aot_eager")
+    for y, c in zip(ys, compiled(x, bases, lora_as, lora_bs, scalings)):
+        torch.testing.assert_close(c, y, rtol=1e-6, atol=1e-6)
+
+
+def test_qlora_projections_refuse_what_they_cannot_run():
+    bases, lora_as, lora_bs, scalings = _projections(torch.float32)
+    x = torch.randn(3, 48)
+    cases = [
+        (lambda: (x.bfloat16(), bases, lora_as, lora_bs), TypeError, "base 0 computes in"),
+        (lambda: (x, bases[:3] + [LoRALinear(bases[3], r=2)], lora_as, lora_bs), TypeError,
+         "base 3 is a LoRALinear"),
+        (lambda: (x, bases, lora_as[:3], lora_bs), ValueError, "one entry per projection"),
+        (lambda: (x, bases, lora_as[:2] + [None, lora_as[3]], lora_bs), ValueError,
+         "projection 2 has only one of A, B"),
+        (lambda: (x, bases, [None if a is None else a.double() for a in lora_as],
+                  [None if b is None else b.double() for b in lora_bs]), TypeError,
+         "lora_a has dtype torch.float64"),
+        (lambda: (torch.randn(3, 47), bases, lora_as, lora_bs), ValueError, r"\(\.\.\., 48\)"),
+    ]
+    for make, error, match in cases:
+        with pytest.raises(error, match=match):
+            quant.nf4_lora_linear_multi(*make(), scalings)
+    bf16 = [b.to(torch.bfloat16) for b in _projections(torch.float32)[0]]
+    with pytest.raises(TypeError, match="adapters must be in x's dtype"):
+        quant.nf4_lora_linear_multi(x.bfloat16(), bf16, lora_as, lora_bs, scalings)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast"):
+        quant.nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings)
+
+
+@pytest.mark.parametrize("dtype,dropout", [(torch.float32, 0.2), (torch.bfloat16, 0.0)])
+def test_qlora_down_proj_over_swiglu_equals_the_dense_one(dtype, dropout):
+    from fastllm.ops.swiglu_lora_linear import swiglu_lora_linear
+
+    base = quant.NF4Linear.from_linear(nn.Linear(40, 24, bias=True).to(dtype), blocksize=16)
+    gate, up = (torch.randn(3, 5, 40, dtype=dtype, requires_grad=True) for _ in range(2))
+    lora_a = (torch.randn(4, 40) * 0.3).to(dtype).requires_grad_()
+    lora_b = (torch.randn(24, 4) * 0.3).to(dtype).requires_grad_()
+    y, saved = _saved_numels(lambda: quant.nf4_swiglu_lora_linear(
+        gate, up, base, lora_a, lora_b, 1.5, dropout, seed=11))
+    assert not any(n >= 24 * 40 and d.is_floating_point for n, d in saved)  # nor the weight
+    assert [n for n, _ in saved].count(gate.numel()) == 2  # gate and up, not their product
+    g2, u2, a2, b2 = (t.detach().clone().requires_grad_() for t in (gate, up, lora_a, lora_b))
+    want = swiglu_lora_linear(g2, u2, base.dequantize(), a2, b2, 1.5, base.bias, dropout,
+                              seed=11)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want.backward(dy)
+    assert torch.equal(y, want)
+    for got, exp in ((gate, g2), (up, u2), (lora_a, a2), (lora_b, b2)):
+        assert torch.equal(got.grad, exp.grad)
+    with pytest.raises(TypeError, match="base computes in torch.bfloat16, gate is torch.float32"
+                       if dtype == torch.bfloat16 else "computes in torch.float32"):
+        quant.nf4_swiglu_lora_linear(gate.detach().to(torch.float32 if dtype == torch.bfloat16
+                                                      else torch.bfloat16),
+                                     up.detach(), base, lora_a, lora_b, 1.0)
+    with pytest.raises(TypeError, match="expected NF4Linear"):
+        quant.nf4_swiglu_lora_linear(gate, up, nn.Linear(40, 24), lora_a, lora_b, 1.0)
 
 
 def _tiny_llama(seed=0):
@@ -319,6 +427,33 @@ def test_qlora_tiny_llama_trains_and_peft_reads_the_adapter(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_patch_runs_qlora_projections_together(monkeypatch):
+    # fastllm.patch sends q/k/v and gate/up of a QLoRA model through nf4_lora_linear_multi and
+    # down_proj through nf4_swiglu_lora_linear; the step's loss and adapter grads are those of
+    # the unpatched layers
+    model = quant.quantize_nf4(_tiny_llama())
+    inject_lora(model, target_modules="all-linear", r=4, alpha=8)
+    with torch.no_grad():
+        for _, layer in lora_modules(model):
+            layer.lora_B.normal_(std=0.1)
+    patched = fastllm.patch(copy.deepcopy(model))
+    calls, real = [], quant.nf4_lora_linear_multi
+    monkeypatch.setattr(quant, "nf4_lora_linear_multi",
+                        lambda x, bases, *rest: calls.append(len(bases)) or real(x, bases, *rest))
+    real_down = quant.nf4_swiglu_lora_linear
+    monkeypatch.setattr(quant, "nf4_swiglu_lora_linear",
+                        lambda *args: calls.append("down") or real_down(*args))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
+    losses = [m.train()(input_ids=ids, labels=ids).loss for m in (model, patched)]
+    for loss in losses:
+        loss.backward()
+    assert calls == [3, 2, "down"] * 2  # per layer: q/k/v, gate/up, down_proj over swiglu
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (name, a), (_, b) in zip(lora_modules(model), lora_modules(patched)):
+        for p, q in ((a.lora_A, b.lora_A), (a.lora_B, b.lora_B)):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_quantize_refusals_leave_the_model_unchanged():
@@ -426,7 +561,7 @@ def test_bench_qlora_runs_on_a_model_folder(tmp_path):
     out = subprocess.run(
         [sys.executable, "bench/bench_qlora.py", str(tmp_path / "model"), "--providers",
          "fastllm-lora,fastllm-qlora", "--batch", "1", "--length", "8", "--steps", "1",
-         "--threads", "1", "--json", str(tmp_path / "rows.json")],
+         "--threads", "1", "--targets", "all", "--json", str(tmp_path / "rows.json")],
         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
@@ -434,6 +569,9 @@ def test_bench_qlora_runs_on_a_model_folder(tmp_path):
     dense, nf4 = rows
     assert nf4["base_weights_mib"] < dense["base_weights_mib"] * 0.3
     assert dense["tensor_peak_mib"] > 0 and nf4["losses"][0] != dense["losses"][0]
+    # LoRA r=16 on the seven projections: r * (in + out) each, 2 layers of the tiny Llama
+    assert dense["targets"] == "all" and dense["trainable"] == nf4["trainable"] == 2 * 16 * (
+        4 * (64 + 64) - 2 * (64 - 32) + 3 * (64 + 96))
 
 
 def test_default_targets_are_exactly_nn_linear_and_compare_hf_refuses_qlora():

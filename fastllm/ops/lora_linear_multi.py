@@ -1,6 +1,7 @@
 """fastllm.ops.lora_linear_multi: LoRA over several projections that share one input (q/k/v,
 gate/up), the input read once for all the down products; fastllm.patch runs the projections of
-fastllm.lora layers through it. See the comment below for the maths."""
+fastllm.lora layers through it (over QLoRA's NF4 bases through fastllm.quant.
+nf4_lora_linear_multi, the same autograd function). See the comment below for the maths."""
 
 import math
 
@@ -82,13 +83,28 @@ def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has
     return dx, dw, db, da, dbb
 
 
+def _dense_weights(x, weights, absmaxes, nf4):
+    """The dense weights of the projections: a projection with an NF4 base (nf4[i] = (shape,
+    blocksize)) has its codes in weights[i], dequantised in x's dtype into its own scratch slot
+    (fastllm.ops.nf4.nf4_dense: nothing of it is kept)."""
+    if nf4 is None:
+        return list(weights)
+    from fastllm.ops.nf4 import nf4_dense
+
+    return [w if spec is None else nf4_dense(w, absmaxes[i], spec[0], spec[1], x.dtype, slot=i)
+            for i, (w, spec) in enumerate(zip(weights, nf4))]
+
+
 class _LoRALinearMulti(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, n, scalings, *tensors):
+    def forward(ctx, x, n, scalings, nf4, *tensors):
+        # nf4: None, or per projection None or (shape, blocksize) of an NF4 base whose codes
+        # take the weight's place and whose absmax is tensors[4 n + i] (QLoRA: see _dense_weights)
         weights, biases = tensors[:n], tensors[n:2 * n]
-        lora_as, lora_bs = tensors[2 * n:3 * n], tensors[3 * n:]
+        lora_as, lora_bs, absmaxes = tensors[2 * n:3 * n], tensors[3 * n:4 * n], tensors[4 * n:]
         x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (not -1: 0-feature layers)
-        args = (x2, list(weights), list(biases), list(lora_as), list(lora_bs), scalings)
+        dense = _dense_weights(x, weights, absmaxes, nf4)
+        args = (x2, dense, list(biases), list(lora_as), list(lora_bs), scalings)
         # bf16/fp16 on a CPU without native low-precision GEMMs: the products in fp32 (_lowp.py)
         outs, a_cat, xa_t = _lowp.in_fp32(_multi_forward, *args) if _lowp.widen(x) \
             else _multi_forward(*args)
@@ -97,10 +113,10 @@ class _LoRALinearMulti(torch.autograd.Function):
             if lora_as[i] is not None:
                 spans[i] = (offset, offset + lora_as[i].shape[0])
                 offset += lora_as[i].shape[0]
-        ctx.n, ctx.scalings, ctx.spans = n, scalings, spans
+        ctx.n, ctx.scalings, ctx.spans, ctx.nf4 = n, scalings, spans, nf4
         ctx.has_bias = [b is not None for b in biases]
-        ctx.save_for_backward(x, a_cat, xa_t, *weights, *lora_bs)
-        return tuple(y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(outs, weights))
+        ctx.save_for_backward(x, a_cat, xa_t, *weights, *lora_bs, *absmaxes)
+        return tuple(y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(outs, dense))
 
     @staticmethod
     @first_order_only("fastllm.lora_linear_multi")
@@ -108,15 +124,40 @@ class _LoRALinearMulti(torch.autograd.Function):
         n = ctx.n
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
         x, a_cat, xa_t = saved[:3]
-        weights, lora_bs = list(saved[3:3 + n]), list(saved[3 + n:])
+        weights = _dense_weights(x, saved[3:3 + n], saved[3 + 2 * n:], ctx.nf4)
+        lora_bs = list(saved[3 + n:3 + 2 * n])
         x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         dys = [None if g is None else g.reshape(x2.shape[0], weights[i].shape[0])
                for i, g in enumerate(grads)]
         args = (dys, x2, a_cat, xa_t, weights, lora_bs, ctx.spans, ctx.scalings, ctx.has_bias,
-                ctx.needs_input_grad)
+                ctx.needs_input_grad[:3] + ctx.needs_input_grad[4:])  # (without nf4's flag)
         dx, dw, db, da, dbb = _lowp.in_fp32(_multi_backward, *args) if _lowp.widen(x) \
             else _multi_backward(*args)
-        return (None if dx is None else dx.view(x.shape), None, None, *dw, *db, *da, *dbb)
+        return (None if dx is None else dx.view(x.shape), None, None, None, *dw, *db, *da, *dbb,
+                *([None] * (len(saved) - 3 - 2 * n)))
+
+
+def check_multi_lengths(weights, lora_as, lora_bs, scalings, biases):
+    n = len(weights)
+    if not (len(lora_as) == len(lora_bs) == len(scalings) == len(biases) == n):
+        raise ValueError("fastllm.lora_linear_multi: weights, lora_as, lora_bs, scalings and "
+                         "biases must have one entry per projection")
+    for i in range(n):
+        if (lora_as[i] is None) != (lora_bs[i] is None):
+            raise ValueError(f"fastllm.lora_linear_multi: projection {i} has only one of A, B")
+
+
+def check_multi_args(x, weights, lora_as, lora_bs, scalings, biases):
+    """Raise TypeError/ValueError naming the first bad projection; touches nothing."""
+    for i in range(len(weights)):
+        if lora_as[i] is not None:
+            check_lora_linear_args(x, weights[i], lora_as[i], lora_bs[i], scalings[i], biases[i],
+                                   0.0)
+            continue
+        try:  # a projection without LoRA: fastllm.linear's checks (a bias broadcast per token)
+            check_linear_args(x, weights[i], biases[i])
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"fastllm.lora_linear_multi: projection {i}: {exc}") from None
 
 
 def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
@@ -132,12 +173,7 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
     n = len(weights)
     biases = list(biases) if biases is not None else [None] * n
     lora_as, lora_bs = list(lora_as), list(lora_bs)
-    if not (len(lora_as) == len(lora_bs) == len(scalings) == len(biases) == n):
-        raise ValueError("fastllm.lora_linear_multi: weights, lora_as, lora_bs, scalings and "
-                         "biases must have one entry per projection")
-    for i in range(n):
-        if (lora_as[i] is None) != (lora_bs[i] is None):
-            raise ValueError(f"fastllm.lora_linear_multi: projection {i} has only one of A, B")
+    check_multi_lengths(weights, lora_as, lora_bs, scalings, biases)
     # (before the dtype checks, as F.linear casts before its own: the call checks the cast ones)
     device_type = x.device.type
     if _lowp.autocast_enabled(device_type):
@@ -145,15 +181,7 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
         with torch.autocast(device_type, enabled=False):
             return lora_linear_multi(cast[0], cast[1:1 + n], cast[1 + 2 * n:1 + 3 * n],
                                      cast[1 + 3 * n:], scalings, cast[1 + n:1 + 2 * n])
-    for i in range(n):
-        if lora_as[i] is not None:
-            check_lora_linear_args(x, weights[i], lora_as[i], lora_bs[i], scalings[i], biases[i],
-                                   0.0)
-            continue
-        try:  # a projection without LoRA: fastllm.linear's checks (a bias broadcast per token)
-            check_linear_args(x, weights[i], biases[i])
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"fastllm.lora_linear_multi: projection {i}: {exc}") from None
+    check_multi_args(x, weights, lora_as, lora_bs, scalings, biases)
     if any(a is not None and mixed(x, a) for a in lora_as):
         # fp32 adapters on a bf16/fp16 base: each projection through lora_linear (x read once
         # per adapted projection; the shared read is for one dtype)
@@ -161,5 +189,5 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
 
         return [linear(x, w, b) if a is None else lora_linear(x, w, a, bb, s, b)
                 for w, a, bb, s, b in zip(weights, lora_as, lora_bs, scalings, biases)]
-    return list(_LoRALinearMulti.apply(x, n, [float(s) for s in scalings], *weights, *biases,
-                                       *lora_as, *lora_bs))
+    return list(_LoRALinearMulti.apply(x, n, [float(s) for s in scalings], None, *weights,
+                                       *biases, *lora_as, *lora_bs))

@@ -1,0 +1,98 @@
+"""The paths fastllm.patch takes for fastllm.lora layers (plain nn.Linear bases, or QLoRA's
+fastllm.quant.NF4Linear):
+
+    q/k/v, gate/up   -> x read once for every LoRA down product (fastllm.ops.lora_linear_multi;
+                        fastllm.quant.nf4_lora_linear_multi where a base is NF4)
+    down_proj        -> the LoRA layer over silu(gate) * up without keeping the product for the
+                        backward (fastllm.ops.swiglu_lora_linear; nf4_swiglu_lora_linear)
+
+Every other case (DoRA, merged adapters, sharded or hooked layers, autocast, an NF4 layer whose
+compute dtype is not the input's, fp32 adapters beside a bf16 base in the shared read) calls the
+layers one by one, which gives the same values.
+"""
+
+from torch import nn
+
+from fastllm import _lowp
+from fastllm._dtensor import is_dtensor
+from fastllm._hooks import hooked
+
+
+def base_kind(layer):
+    """"dense" (a plain nn.Linear), "nf4" (fastllm.quant's NF4Linear), unsharded; else None."""
+    from fastllm.quant import NF4Linear
+
+    if type(layer) is nn.Linear and not is_dtensor(layer.weight):
+        return "dense"
+    if type(layer) is NF4Linear and not is_dtensor(layer.weight_packed):
+        return "nf4"
+    return None
+
+
+def _adapter(layer):
+    """A fastllm LoRALinear that runs unmerged on an unsharded plain or NF4 base; else None.
+    (DoRA layers, with a magnitude the fused paths know nothing of, and layers sharded by
+    fastllm.parallel run their own forward.)"""
+    from fastllm.lora import LoRALinear
+
+    if isinstance(layer, LoRALinear) and base_kind(layer.base_layer) and not getattr(
+            layer, "is_dora", False) and not layer.merged and not any(
+            is_dtensor(t) for t in (layer.lora_A, layer.lora_B)):
+        return layer
+    return None
+
+
+def lora_parts(layer):
+    """(A, B, scaling) of a fastllm LoRALinear that lora_linear_multi can take, else None (with
+    dropout in training each projection sees its own dropout(x): no shared read)."""
+    if _adapter(layer) is not None and (layer.dropout == 0.0 or not layer.training):
+        return layer.lora_A, layer.lora_B, layer.scaling
+    return None
+
+
+def project(x, layers):
+    """[layer(x) for layer in layers], with x read once for every LoRA down product when two or
+    more of them are fastllm LoRALinear layers and the rest plain nn.Linear or NF4Linear."""
+    from fastllm.ops.lora_linear_multi import lora_linear_multi
+
+    parts = [lora_parts(layer) for layer in layers]
+    bases = [layer if p is None else layer.base_layer for layer, p in zip(layers, parts)]
+    kinds = [base_kind(b) for b in bases]
+    # (a layer neither LoRA nor a plain base, e.g. a DoRA layer, has kind None)
+    if sum(p is not None for p in parts) < 2 or None in kinds or any(map(hooked, layers)):
+        return [layer(x) for layer in layers]
+    lora_as, lora_bs = ([None if p is None else p[j] for p in parts] for j in (0, 1))
+    scalings = [1.0 if p is None else p[2] for p in parts]
+    if "nf4" not in kinds:
+        return lora_linear_multi(x, [b.weight for b in bases], lora_as, lora_bs, scalings,
+                                 [b.bias for b in bases])
+    from fastllm.quant import nf4_lora_linear_multi
+
+    # (the layers' own rules otherwise: x cast to the compute dtype, autocast, fp32 adapters)
+    if _lowp.autocast_enabled(x.device.type) or any(
+            k == "nf4" and b.compute_dtype != x.dtype for k, b in zip(kinds, bases)) or any(
+            a is not None and a.dtype != x.dtype for a in lora_as):
+        return [layer(x) for layer in layers]
+    return nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings)
+
+
+def down_projection(down, gate, up):
+    """down(silu(gate) * up) through swiglu_lora_linear when `down` is a fastllm LoRALinear it
+    can run (frozen base, gate in the base's dtype, no autocast), else None."""
+    layer = _adapter(down)
+    if layer is None or hooked(layer) or _lowp.autocast_enabled(gate.device.type):
+        return None
+    base = layer.base_layer
+    if base_kind(base) == "nf4":
+        if base.compute_dtype != gate.dtype:
+            return None
+        from fastllm.quant import nf4_swiglu_lora_linear
+
+        return nf4_swiglu_lora_linear(gate, up, base, layer.lora_A, layer.lora_B, layer.scaling,
+                                      layer.dropout, layer.training)
+    if base.weight.requires_grad or base.weight.dtype != gate.dtype:
+        return None
+    from fastllm.ops.swiglu_lora_linear import swiglu_lora_linear
+
+    return swiglu_lora_linear(gate, up, base.weight, layer.lora_A, layer.lora_B, layer.scaling,
+                              base.bias, layer.dropout, layer.training)
