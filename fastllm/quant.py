@@ -249,6 +249,10 @@ def nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings):
                                                check_multi_lengths)
 
     where = f"{_WHERE}.nf4_lora_linear_multi"
+    for i, base in enumerate(bases):
+        if not (type(base) is nn.Linear or isinstance(base, NF4Linear)):
+            raise TypeError(f"{where}: base {i} is a {type(base).__name__}; expected NF4Linear "
+                            "or nn.Linear")
     lora_as, lora_bs, biases = list(lora_as), list(lora_bs), [b.bias for b in bases]
     check_multi_lengths(bases, lora_as, lora_bs, scalings, biases)
     weights, stand_ins, nf4, absmaxes = [], [], [], []
@@ -258,9 +262,6 @@ def nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings):
             stand_ins.append(base.weight)
             nf4.append(None)
             continue
-        if not isinstance(base, NF4Linear):
-            raise TypeError(f"{where}: base {i} is a {type(base).__name__}; expected NF4Linear "
-                            "or nn.Linear")
         _check_input(where, x, base.in_features)
         if base.compute_dtype != x.dtype:
             raise TypeError(f"{where}: base {i} computes in {base.compute_dtype}, x is {x.dtype}")

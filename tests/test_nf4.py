@@ -297,6 +297,7 @@ def test_qlora_projections_refuse_what_they_cannot_run():
         (lambda: (x.bfloat16(), bases, lora_as, lora_bs), TypeError, "base 0 computes in"),
         (lambda: (x, bases[:3] + [LoRALinear(bases[3], r=2)], lora_as, lora_bs), TypeError,
          "base 3 is a LoRALinear"),
+        (lambda: (x, [object()] + bases[1:], lora_as, lora_bs), TypeError, "base 0 is a object"),
         (lambda: (x, bases, lora_as[:3], lora_bs), ValueError, "one entry per projection"),
         (lambda: (x, bases, lora_as[:2] + [None, lora_as[3]], lora_bs), ValueError,
          "projection 2 has only one of A, B"),

@@ -92,13 +92,21 @@ def test_matches_the_reference(dtype, dropout):
             assert ours <= 2 * theirs + 1e-6, (ours, theirs)
 
 
-def test_frozen_parts_get_no_grads_and_it_compiles():
+def test_frozen_parts_views_and_compile():
     gate, up, weight, lora_a, lora_b, _ = _args(torch.float32, "cpu", bias=False)
     up.requires_grad_(False)
     lora_a.requires_grad_(False)
     y = swiglu_lora_linear(gate, up, weight, lora_a, lora_b, 0.5)
     y.sum().backward()
     assert gate.grad is not None and lora_b.grad is not None and lora_a.grad is None
+    # gate and up as the halves of one fused projection's output: non-contiguous views
+    gate_up = torch.randn(5, 2 * 40, requires_grad=True)
+    got = swiglu_lora_linear(*gate_up.chunk(2, -1), weight, lora_a, lora_b, 0.5)
+    fused = gate_up.detach().clone().requires_grad_()
+    want = lora_linear(swiglu(*fused.chunk(2, -1)), weight, lora_a, lora_b, 0.5)
+    got.sum().backward()
+    want.sum().backward()
+    assert torch.equal(got, want) and torch.equal(gate_up.grad, fused.grad)
     compiled = torch.compile(swiglu_lora_linear, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(gate, up, weight, lora_a, lora_b, 0.5), y, rtol=1e-6,
                                atol=1e-6)
