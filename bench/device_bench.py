@@ -17,6 +17,9 @@ one table (bench/device_check.sh runs it; about three minutes on an H200):
                against torch eager and Liger-Kernel; then a whole training step of a 30-layer
                SmolLM2-135M-shaped LlamaForCausalLM, full and LoRA: HF (+ PEFT), HF + Liger-Kernel
                (+ PEFT), fastllm (patch + lora + optim.AdamW): tokens/s, peak memory, kernels
+    qlora      NF4 (fastllm.quant): dequantising a 4096 x 4096 weight to bf16 (GB/s, against a
+               bf16 copy_ of the same output), and LoRA forward + backward over the NF4 weight at
+               the lora case's sizes: frozen GEMM, LoRA on the dense weight, PEFT, QLoRA
     packed     causal attention over packed documents (SFT rows), SmolLM2-135M's heads, 8 x 2048
                tokens of 64-1024-token documents, bf16, forward + backward: SDPA with the
                (B, 1, T, T) document mask and the key/value heads repeated, as transformers
@@ -253,6 +256,50 @@ def lora(device, scale, rows):
     _, per_kernel = _kernel_profile(fns["fastllm"], device)
     if per_kernel:
         rows.append({"op": "lora_linear", "size": size, "provider": "fastllm kernels",
+                     "time_ms": sum(per_kernel.values()), "note": _top_kernels(per_kernel, 8)})
+
+
+def qlora(device, scale, rows):
+    """NF4 (fastllm.quant): the dequantisation of a 4096 x 4096 weight to bf16 (Triton on a GPU)
+    against a bf16 copy of the same output, and LoRA forward + backward over the NF4 weight at
+    the lora case's sizes against the frozen bf16 GEMM and LoRA over the dense weight."""
+    from fastllm import quant
+    from fastllm.ops.nf4 import nf4_dequantize_into, nf4_quantize
+
+    k = n = 4096 // scale
+    w = torch.randn(n, k, device=device) * 0.02
+    packed, absmax = nf4_quantize(w, 64)
+    out = torch.empty(n, k, device=device, dtype=torch.bfloat16)
+    src = torch.empty_like(out).normal_()
+    timing = _time({"fastllm": lambda: nf4_dequantize_into(out, packed, absmax, 64),
+                    "copy_ (bf16, same output)": lambda: out.copy_(src)}, device)
+    size = f"{n}x{k} NF4 -> bf16, blocksize 64"
+    # bytes the op must move: 0.5 (codes) + 4 / 64 (absmax) read and 2 written per weight
+    need = {"fastllm": n * k * (0.5 + 4 / 64 + 2), "copy_ (bf16, same output)": n * k * 4}
+    for name, t in timing.items():
+        rows.append({"op": "nf4_dequantize", "size": size, "provider": name,
+                     "time_ms": t.median_ms, "bytes": need[name],
+                     "baseline": "copy_ (bf16, same output)"})
+    tokens, r, dtype = 8192 // scale, 16, torch.bfloat16
+    layers = bench_lora_linear._layers(k, n, r, dtype, 0.0, device)
+    dense = layers["fastllm"]
+    nf4 = copy.deepcopy(dense)
+    nf4.base_layer = quant.NF4Linear.from_linear(dense.base_layer)
+    providers = {"torch frozen linear": layers["torch frozen linear"],
+                 "fastllm LoRA (dense bf16 base)": dense, "fastllm QLoRA (NF4 base)": nf4}
+    if "peft" in layers:
+        providers["peft (dense bf16 base)"] = layers["peft"]
+    x = torch.randn(tokens, k, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(tokens, n, device=device, dtype=dtype)
+    fns = {name: bench_lora_linear._step(layer, x, g) for name, layer in providers.items()}
+    size = f"x {tokens}x{k}, W {n}x{k}, r={r}, bf16, fwd+bwd"
+    for name, t in _time(fns, device, queue_ahead_ms=KERNEL_QUEUE_AHEAD_MS).items():
+        rows.append({"op": "qlora_linear", "size": size, "provider": name,
+                     "time_ms": t.median_ms, "flops": 2 * 2 * tokens * k * n,
+                     "baseline": "torch frozen linear"})
+    _, per_kernel = _kernel_profile(fns["fastllm QLoRA (NF4 base)"], device)
+    if per_kernel:
+        rows.append({"op": "qlora_linear", "size": size, "provider": "fastllm QLoRA kernels",
                      "time_ms": sum(per_kernel.values()), "note": _top_kernels(per_kernel, 8)})
 
 
@@ -844,7 +891,7 @@ def packed(device, scale, rows):
 
 
 CASES = {"ceilings": ceilings, "adamw": adamw, "master": master, "lowbyte": lowbyte,
-         "lora": lora, "large": large, "packed": packed, "model": model}
+         "lora": lora, "large": large, "packed": packed, "model": model, "qlora": qlora}
 
 
 def main():

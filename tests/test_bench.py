@@ -340,6 +340,25 @@ def test_device_bench_packed_attention_smoke():
     assert by["fastllm"]["ratio_to_baseline"] > 0
 
 
+def test_device_bench_qlora_case_smoke():
+    # bench/device_bench.py's qlora case at its --smoke sizes on the CPU: the dequantisation
+    # rated in GB/s against a copy of its output, and QLoRA's forward + backward beside the
+    # frozen GEMM and LoRA on the dense weight
+    from fastllm.bench import device_bench
+
+    rows = []
+    device_bench.qlora("cpu", 64, rows)
+    harness.annotate(rows)
+    by = {(r["op"], r["provider"]): r for r in rows}
+    assert by[("nf4_dequantize", "fastllm")]["gbps"] > 0
+    assert by[("nf4_dequantize", "fastllm")]["ratio_to_baseline"] > 0
+    lora = {p for op, p in by if op == "qlora_linear"}
+    assert {"torch frozen linear", "fastllm LoRA (dense bf16 base)",
+            "fastllm QLoRA (NF4 base)"} <= lora
+    assert all(r["time_ms"] > 0 and (r["op"] != "qlora_linear" or r["tflops"] > 0)
+               for r in rows)
+
+
 def test_device_bench_model_case_smoke():
     # bench/device_bench.py's model case (issue 19) at its --smoke sizes on the CPU: a row per op
     # and provider, both training steps with the same first loss on every side, and Liger-Kernel
