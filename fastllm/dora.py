@@ -15,6 +15,13 @@ x W^T + s x A^T B^T with its fused lora_linear op and n without forming the (out
 W + s B A: n^2 = ||W||^2 + 2 s <B, W A^T> + s^2 <B A A^T, B> per row (||W||^2 cached, W being
 frozen), O(out r (in + r)) work and O(out r) memory. With dropout in training the base term
 sees x and the adapter the dropped x (PEFT's formula), which the fused path cannot share.
+
+QDoRA: over a 4-bit fastllm.quant.NF4Linear base, W is the dequantised weight (in the base's
+compute dtype, as QLoRA's products see it): n from a transient dequantisation each forward, the
+products through the NF4 ops, which keep nothing of W for the backward, so a DoRA layer over an
+NF4 base computes what one over the dequantised dense weight computes. (One case keeps the dense
+W for its backward, as PEFT's DoRA over bitsandbytes does: fp32 adapters with dropout in
+training, whose base term is x W^T in fp32.)
 """
 
 import torch
@@ -26,9 +33,29 @@ from fastllm._hooks import user_hooked
 from fastllm.lora import LoRALinear, save_adapter  # noqa: F401  (save_adapter: one for both)
 from fastllm.ops.linear import linear
 from fastllm.ops.lora_linear import lora_linear
+from fastllm.ops.nf4 import nf4_dense
+from fastllm.quant import NF4Linear, nf4_linear, nf4_lora_linear
 
 __all__ = ["DoRALinear", "inject_dora", "load_adapter", "save_adapter", "dora_weight_norm",
            "dora_weight_norm_ref", "dora_linear_ref"]
+
+
+def _dense(base):
+    """The base layer's weight as DoRA reads it, to be used at once: an NF4Linear's dequantised
+    in its compute dtype into the CPU's reused buffer (fastllm.ops.nf4.nf4_dense), which the
+    next dequantisation overwrites."""
+    if isinstance(base, NF4Linear):
+        return nf4_dense(base.weight_packed, base.weight_absmax, base.weight_shape,
+                         base.blocksize, base.compute_dtype)
+    return base.weight
+
+
+def _linear(base, x, bias=None):
+    """x W^T (+ bias) on the base layer's weight; an NF4 one dequantised on the fly."""
+    if isinstance(base, NF4Linear):
+        return nf4_linear(x, base.weight_packed, base.weight_absmax, base.weight_shape,
+                          base.blocksize, bias, base.compute_dtype)
+    return linear(x, base.weight, bias)
 
 
 def dora_weight_norm_ref(weight, lora_A, lora_B, scaling):
@@ -71,7 +98,7 @@ class DoRALinear(LoRALinear):
         super().__init__(base, r, alpha, dropout, use_rslora, adapter_dtype)
         self._merge_norm = None
         with torch.no_grad():
-            norm = dora_weight_norm(base.weight, self.lora_A, self.lora_B, self.scaling)
+            norm = dora_weight_norm(_dense(base), self.lora_A, self.lora_B, self.scaling)
         self.lora_magnitude_vector = nn.Parameter(norm.to(self.lora_A.dtype))
 
     def weight_norm(self):
@@ -79,7 +106,7 @@ class DoRALinear(LoRALinear):
         through `weight.data` moves neither its version nor its address (a cache keyed on them
         gave stale norms), and its pass over W is one more beside the W A^T product's."""
         with torch.no_grad():
-            return dora_weight_norm(self.base_layer.weight, self.lora_A, self.lora_B,
+            return dora_weight_norm(_dense(self.base_layer), self.lora_A, self.lora_B,
                                     self.scaling)
 
     def _norm(self):
@@ -92,44 +119,53 @@ class DoRALinear(LoRALinear):
     def forward(self, x):
         if self.merged:
             return self.base_layer(x)
-        w, bias = self.base_layer.weight, self.base_layer.bias
-        if user_hooked(self.base_layer, offload_only=True):  # (hooks run: fastllm/lora.py)
-            return self._forward_fp32_adapters(x, w, bias, self.base_layer(x))
-        if self.lora_A.dtype != w.dtype and not _lowp.autocast_enabled(x.device.type):
-            return self._forward_fp32_adapters(x, w, bias)
+        base = self.base_layer
+        bias, dtype = base.bias, lora.base_dtype(base)
+        if user_hooked(base, offload_only=True):  # (hooks run: fastllm/lora.py)
+            return self._forward_fp32_adapters(x, bias, base(x))
+        if self.lora_A.dtype != dtype and not _lowp.autocast_enabled(x.device.type):
+            return self._forward_fp32_adapters(x, bias)
         n = self._norm()
         scale = (self.lora_magnitude_vector.to(n.dtype) / n).to(x.dtype)
         if self.dropout == 0.0 or not self.training:
-            out = lora_linear(x, w, self.lora_A, self.lora_B, self.scaling, None, 0.0,
-                              training=self.training) * scale
+            if isinstance(base, NF4Linear):
+                out = nf4_lora_linear(x, base.weight_packed, base.weight_absmax,
+                                      base.weight_shape, base.blocksize, self.lora_A,
+                                      self.lora_B, self.scaling, None, 0.0, self.training,
+                                      compute_dtype=base.compute_dtype)
+            else:
+                out = lora_linear(x, base.weight, self.lora_A, self.lora_B, self.scaling, None,
+                                  0.0, training=self.training)
+            out = out * scale
             return out if bias is None else out + bias
         # fastllm.ops.linear: F.linear, with bf16 widened on CPUs that need it (fastllm/_lowp.py)
         dropped = F.dropout(x, self.dropout, training=True)
-        base = linear(dropped, w)
+        plain = _linear(base, dropped)
         low = linear(linear(dropped, self.lora_A), self.lora_B) * self.scaling
-        return linear(x, w, bias) + (scale - 1) * base + scale * low
+        return _linear(base, x, bias) + (scale - 1) * plain + scale * low
 
-    def _forward_fp32_adapters(self, x, w, bias, base=None):
+    def _forward_fp32_adapters(self, x, bias, base_out=None):
         """fp32 adapters and magnitude on a bf16/fp16 base, in PEFT's order of operations: the
         base layer's output in the base dtype; the magnitude scale, the low-rank branch (on x
         cast to fp32, dropout included) and their sum in fp32, rounded once to x's dtype. Also
-        any adapters on a base layer with hooks, whose output (`base`, its hooks run) it takes."""
+        any adapters on a base layer with hooks, whose output (`base_out`, its hooks run) it
+        takes."""
         dt = self.lora_A.dtype
         scale = self.lora_magnitude_vector.to(dt) / self.weight_norm()
-        if base is None:
-            base = linear(x, w, bias)  # the base layer's output, bias included
+        if base_out is None:
+            base_out = _linear(self.base_layer, x, bias)  # the base layer's output, bias included
         xd = x.to(dt)
         if self.dropout == 0.0 or not self.training:
             # PEFT takes x W^T as the base output less its bias, in the base dtype
-            plain = (base if bias is None else base - bias).to(dt)
+            plain = (base_out if bias is None else base_out - bias).to(dt)
         else:
             # PEFT: x W^T of the dropped fp32 x against W in fp32
             xd = F.dropout(xd, self.dropout, training=True)
-            plain = linear(xd, w.to(dt))
+            plain = linear(xd, _dense(self.base_layer).to(dt))
         low = linear(linear(xd, self.lora_A), self.lora_B) * self.scaling
         # base + ((m / n - 1) x W^T + (m / n) s B A x), summed as PEFT sums it (scale * plain +
         # bias rounded otherwise: one bf16 step apart from PEFT on a layer with a bias)
-        return (base.to(dt) + ((scale - 1) * plain + scale * low)).to(x.dtype)
+        return (base_out.to(dt) + ((scale - 1) * plain + scale * low)).to(x.dtype)
 
     def _merged_weight(self, sign):
         """+1: (m / n) (W + s B A), the merged weight (PEFT's merge); -1: its inverse, with the n

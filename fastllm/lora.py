@@ -50,10 +50,6 @@ class LoRALinear(nn.Module):
         if not isinstance(base, ADAPTABLE):
             raise TypeError(f"fastllm.lora.LoRALinear wraps nn.Linear or NF4Linear, got "
                             f"{type(base).__name__}")
-        if isinstance(base, NF4Linear) and getattr(self, "is_dora", False):
-            raise TypeError(f"fastllm.lora: {type(self).__name__} over a 4-bit NF4Linear base is "
-                            "not supported (DoRA reads the dense weight's norms); use LoRA, or "
-                            "fastllm.quant.dequantize_nf4(model) first")
         check_lora_args("fastllm.lora.LoRALinear", r, alpha, dropout, use_rslora)
         check_adapter_dtype("fastllm.lora.LoRALinear", base_dtype(base), adapter_dtype)
         self.base_layer = base

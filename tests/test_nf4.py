@@ -346,6 +346,52 @@ def test_qlora_down_proj_over_swiglu_equals_the_dense_one(dtype, dropout):
         quant.nf4_swiglu_lora_linear(gate, up, nn.Linear(40, 24), lora_a, lora_b, 1.0)
 
 
+@pytest.mark.parametrize("dtype,adapter_dtype,dropout,bias", [
+    (torch.float32, None, 0.0, True), (torch.float32, None, 0.2, False),
+    (torch.bfloat16, None, 0.0, False), (torch.bfloat16, torch.float32, 0.0, True),
+    (torch.bfloat16, torch.float32, 0.1, False)])
+def test_qdora_is_dora_over_the_dequantised_weight(dtype, adapter_dtype, dropout, bias):
+    # DoRA over an NF4 base (QDoRA): the magnitude, outputs and every grad of DoRA over the
+    # dequantised dense weight, bit for bit, in every forward path (fused, dropout, fp32
+    # adapters); without dropout no dense weight is kept for the backward
+    from fastllm.dora import DoRALinear
+
+    torch.manual_seed(0)
+    base = quant.NF4Linear.from_linear(nn.Linear(48, 40, bias=bias).to(dtype), blocksize=16)
+    ours = DoRALinear(base, r=4, alpha=8, dropout=dropout, adapter_dtype=adapter_dtype).train()
+    theirs = DoRALinear(base.to_linear(), r=4, alpha=8, dropout=dropout,
+                        adapter_dtype=adapter_dtype).train()
+    assert torch.equal(ours.lora_magnitude_vector, theirs.lora_magnitude_vector)
+    with torch.no_grad():
+        ours.lora_B.normal_()
+        ours.lora_magnitude_vector.mul_(1.1)
+        for name in ("lora_A", "lora_B", "lora_magnitude_vector"):
+            getattr(theirs, name).copy_(getattr(ours, name))
+    x = torch.randn(2, 7, 48, dtype=dtype, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    torch.manual_seed(1)
+    y, saved = _saved_numels(lambda: ours(x))
+    if dropout == 0.0:
+        assert not any(n >= 48 * 40 and d.is_floating_point for n, d in saved)
+    torch.manual_seed(1)  # the same dropout masks
+    want = theirs(x2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    want.backward(g)
+    assert torch.equal(y, want)
+    assert torch.equal(x.grad, x2.grad)
+    for name in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        assert torch.equal(getattr(ours, name).grad, getattr(theirs, name).grad), name
+    # merged after dequantize_nf4 (what `fastllm export --merged` does): the layer's outputs
+    holder = nn.Sequential(copy.deepcopy(ours)).eval()
+    with torch.no_grad():
+        before = holder(x)
+        merged = merge_and_unload(quant.dequantize_nf4(holder))
+        assert type(merged[0]) is nn.Linear
+        torch.testing.assert_close(merged(x), before, rtol=2e-2 if dtype == torch.bfloat16
+                                   else 1e-5, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def _tiny_llama(seed=0):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
@@ -469,18 +515,13 @@ def test_quantize_refusals_leave_the_model_unchanged():
         with pytest.raises(ValueError, match="has adapter layers .* quantise the base model"):
             quant.quantize_nf4(model, target_modules=targets)
     assert not any(isinstance(m, quant.NF4Linear) for m in model.modules())
-    with pytest.raises(TypeError, match="over a 4-bit NF4Linear base is not supported"):
-        from fastllm.dora import DoRALinear
-
-        DoRALinear(quant.NF4Linear.from_linear(nn.Linear(16, 16)))
 
 
 # ----- fastllm train lora.quantize_base=nf4 -----
 
 @pytest.mark.parametrize("overrides,says", [
     (["lora.quantize_base=nf8"], "lora.quantize_base must be none or nf4, got 'nf8'"),
-    (["finetune=full", "lora.quantize_base=nf4"], "is QLoRA: finetune=lora with backend=fastllm"),
-    (["finetune=lora", "lora.use_dora=true", "lora.quantize_base=nf4"], "use_dora=True"),
+    (["finetune=full", "lora.quantize_base=nf4"], r"is QLoRA \(or QDoRA .*\): finetune=lora with"),
     (["finetune=lora", "backend=torch", "lora.quantize_base=nf4"], "backend=torch"),
     (["finetune=lora", "parallel.strategy=fsdp", "lora.quantize_base=nf4"],
      "runs on unsharded layers: .* got strategy=fsdp"),
@@ -524,6 +565,37 @@ def test_train_qlora_resumes_exactly_and_saves_a_peft_adapter(tmp_path):
                          "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and sorted(config["target_modules"]) == [
         "q_proj", "v_proj"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_train_qdora_saves_a_dora_adapter_that_peft_reads(tmp_path):
+    import peft
+
+    from fastllm.dora import DoRALinear
+    from fastllm.train import TrainConfig, Trainer
+
+    args = ["model=tiny", "data.seq_len=32", "micro_batch_size=4", "lr=1e-2", "warmup_steps=1",
+            "threads=1", "log_interval=1000", "track_memory=false", "max_steps=2",
+            f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}",
+            "checkpoint.interval=2", "finetune=lora", "lora.use_dora=true",
+            "lora.quantize_base=nf4"]
+    trainer = Trainer(TrainConfig.from_args(args), log=lambda text: None)
+    trainer.train()
+    model = fastllm.unpatch(copy.deepcopy(trainer.module)).eval()
+    layers = [m for m in model.modules() if isinstance(m, DoRALinear)]
+    assert len(layers) == 2 * 2 and all(isinstance(m.base_layer, quant.NF4Linear)
+                                        for m in layers)
+    assert any(not torch.equal(m.lora_magnitude_vector, m.weight_norm()) for m in layers)
+    adapter = tmp_path / "out" / "checkpoint-2" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
+    # PEFT's DoRA on the dequantised base reads the adapter and gives the trained model's logits
+    plain = quant.dequantize_nf4(unload(copy.deepcopy(model)))
+    theirs = peft.PeftModel.from_pretrained(plain, str(adapter)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.usefixtures("one_thread")

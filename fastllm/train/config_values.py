@@ -137,10 +137,9 @@ def validate_quantize_base(cfg, need):
     need(value in ("none", "nf4"), f"lora.quantize_base must be none or nf4, got {value!r}")
     if value == "none":
         return
-    need(cfg.finetune == "lora" and cfg.backend == "fastllm" and not cfg.lora.use_dora,
-         f"lora.quantize_base=nf4 is QLoRA: finetune=lora with backend=fastllm and "
-         f"lora.use_dora=false, got finetune={cfg.finetune} backend={cfg.backend} "
-         f"use_dora={cfg.lora.use_dora}")
+    need(cfg.finetune == "lora" and cfg.backend == "fastllm",
+         f"lora.quantize_base=nf4 is QLoRA (or QDoRA with lora.use_dora): finetune=lora with "
+         f"backend=fastllm, got finetune={cfg.finetune} backend={cfg.backend}")
     par = cfg.parallel
     # (FSDP2 and DTensor shard floating-point parameters; the 4-bit codes are buffers)
     need(par.strategy in ("auto", "none", "ddp") and par.tp == 1 and par.pp == 1,
