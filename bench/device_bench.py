@@ -240,23 +240,27 @@ def lowbyte(device, scale, rows):
                      "baseline": "torch fused fp32", "note": _kernel_note(counts[name])})
 
 
-def lora(device, scale, rows):
-    tokens, k, n, r = 8192 // scale, 4096 // scale, 4096 // scale, 16
-    dtype = torch.bfloat16
-    layers = bench_lora_linear._layers(k, n, r, dtype, 0.0, device)
-    x = torch.randn(tokens, k, device=device, dtype=dtype, requires_grad=True)
-    g = torch.randn(tokens, n, device=device, dtype=dtype)
+def _lora_rows(op, layers, profiled, tokens, k, n, r, device, rows):
+    """Forward + backward of each layer on one bf16 x (tokens, k): a row per provider, rated
+    against the frozen linear's two GEMMs, and the kernels of `profiled`'s call."""
+    x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
     fns = {name: bench_lora_linear._step(layer, x, g) for name, layer in layers.items()}
     size = f"x {tokens}x{k}, W {n}x{k}, r={r}, bf16, fwd+bwd"
     # frozen W: y = xW^T and dX = dY W, no dW (the rank-r products are noise at r=16)
     for name, timing in _time(fns, device, queue_ahead_ms=KERNEL_QUEUE_AHEAD_MS).items():
-        rows.append({"op": "lora_linear", "size": size, "provider": name,
-                     "time_ms": timing.median_ms, "flops": 2 * 2 * tokens * k * n,
-                     "baseline": "torch frozen linear"})
-    _, per_kernel = _kernel_profile(fns["fastllm"], device)
+        rows.append({"op": op, "size": size, "provider": name, "time_ms": timing.median_ms,
+                     "flops": 2 * 2 * tokens * k * n, "baseline": "torch frozen linear"})
+    _, per_kernel = _kernel_profile(fns[profiled], device)
     if per_kernel:
-        rows.append({"op": "lora_linear", "size": size, "provider": "fastllm kernels",
+        rows.append({"op": op, "size": size, "provider": f"{profiled} kernels",
                      "time_ms": sum(per_kernel.values()), "note": _top_kernels(per_kernel, 8)})
+
+
+def lora(device, scale, rows):
+    tokens, k, n, r = 8192 // scale, 4096 // scale, 4096 // scale, 16
+    layers = bench_lora_linear._layers(k, n, r, torch.bfloat16, 0.0, device)
+    _lora_rows("lora_linear", layers, "fastllm", tokens, k, n, r, device, rows)
 
 
 def qlora(device, scale, rows):
@@ -280,8 +284,8 @@ def qlora(device, scale, rows):
         rows.append({"op": "nf4_dequantize", "size": size, "provider": name,
                      "time_ms": t.median_ms, "bytes": need[name],
                      "baseline": "copy_ (bf16, same output)"})
-    tokens, r, dtype = 8192 // scale, 16, torch.bfloat16
-    layers = bench_lora_linear._layers(k, n, r, dtype, 0.0, device)
+    tokens, r = 8192 // scale, 16
+    layers = bench_lora_linear._layers(k, n, r, torch.bfloat16, 0.0, device)
     dense = layers["fastllm"]
     nf4 = copy.deepcopy(dense)
     nf4.base_layer = quant.NF4Linear.from_linear(dense.base_layer)
@@ -289,18 +293,8 @@ def qlora(device, scale, rows):
                  "fastllm LoRA (dense bf16 base)": dense, "fastllm QLoRA (NF4 base)": nf4}
     if "peft" in layers:
         providers["peft (dense bf16 base)"] = layers["peft"]
-    x = torch.randn(tokens, k, device=device, dtype=dtype, requires_grad=True)
-    g = torch.randn(tokens, n, device=device, dtype=dtype)
-    fns = {name: bench_lora_linear._step(layer, x, g) for name, layer in providers.items()}
-    size = f"x {tokens}x{k}, W {n}x{k}, r={r}, bf16, fwd+bwd"
-    for name, t in _time(fns, device, queue_ahead_ms=KERNEL_QUEUE_AHEAD_MS).items():
-        rows.append({"op": "qlora_linear", "size": size, "provider": name,
-                     "time_ms": t.median_ms, "flops": 2 * 2 * tokens * k * n,
-                     "baseline": "torch frozen linear"})
-    _, per_kernel = _kernel_profile(fns["fastllm QLoRA (NF4 base)"], device)
-    if per_kernel:
-        rows.append({"op": "qlora_linear", "size": size, "provider": "fastllm QLoRA kernels",
-                     "time_ms": sum(per_kernel.values()), "note": _top_kernels(per_kernel, 8)})
+    _lora_rows("qlora_linear", providers, "fastllm QLoRA (NF4 base)", tokens, k, n, r, device,
+               rows)
 
 
 def large(device, scale, rows):
