@@ -11,9 +11,9 @@ weight, fp32 and bf16, interleaved rounds, median): fastllm's op into an existin
 a QLoRA step does) and returning a new tensor, the PyTorch reference, and bitsandbytes'
 dequantize_4bit where it is importable (checked equal to fastllm's first).
 
-Every provider fine-tunes LoRA r=16, alpha=32 on q_proj/v_proj (`--targets all`: the seven
-projections, q/k/v/o and gate/up/down, as QLoRA's recipe) of the model loaded in `--dtype`,
-on the same random token batch (seeded), with AdamW at lr 1e-4:
+Every provider fine-tunes LoRA r=16, alpha=32 on q_proj/v_proj (`--targets all`: "all-linear",
+every linear layer but the head, as QLoRA's recipe: q/k/v/o and gate/up/down in a Llama) of
+the model loaded in `--dtype`, on the same random token batch (seeded), with AdamW at lr 1e-4:
     fastllm-lora     fastllm.lora.inject_lora + fastllm.patch + fastllm.optim.AdamW, dense base
     fastllm-qlora    the same after fastllm.quant.quantize_nf4 (every linear but lm_head in NF4)
     peft-bnb-qlora   transformers' BitsAndBytesConfig(load_in_4bit, nf4, compute dtype = --dtype,
@@ -51,9 +51,6 @@ def _batch(vocab, batch, length, seed=0):
     import torch
 
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _build(provider, model_dir, dtype, targets):
@@ -143,7 +140,7 @@ def run_one(args):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     t0 = time.perf_counter()
     model, opt, stored = _build(args.one, args.model_dir, dtype,
-                                ["q_proj", "v_proj"] if args.targets == "qv" else ALL)
+                                ["q_proj", "v_proj"] if args.targets == "qv" else "all-linear")
     load_s = time.perf_counter() - t0
     load_peak = _peak_rss_mib()
     _anonymous(model)

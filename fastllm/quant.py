@@ -261,6 +261,7 @@ def nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings):
             weights.append(base.weight)
             stand_ins.append(base.weight)
             nf4.append(None)
+            absmaxes.append(None)
             continue
         _check_input(where, x, base.in_features)
         if base.compute_dtype != x.dtype:
@@ -268,17 +269,15 @@ def nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings):
         weights.append(base.weight_packed)  # (the stand-in: its shape, dtype and device)
         stand_ins.append(x.new_empty(()).expand(base.weight_shape))
         nf4.append((base.weight_shape, base.blocksize))
-        absmaxes.append((i, base.weight_absmax))
+        absmaxes.append(base.weight_absmax)
     if _lowp.autocast_enabled(x.device.type):
         raise ValueError(f"{where}: not under autocast (call the layers one by one)")
     check_multi_args(x, stand_ins, lora_as, lora_bs, scalings, biases)
     if any(a is not None and a.dtype != x.dtype for a in lora_as):
         raise TypeError(f"{where}: the adapters must be in x's dtype {x.dtype} (fp32 adapters on "
                         "a bf16/fp16 base: call the layers one by one)")
-    by_slot = dict(absmaxes)
-    return list(_LoRALinearMulti.apply(
-        x, len(bases), [float(s) for s in scalings], tuple(nf4), *weights, *biases, *lora_as,
-        *lora_bs, *[by_slot.get(i) for i in range(len(bases))]))
+    return list(_LoRALinearMulti.apply(x, len(bases), [float(s) for s in scalings], tuple(nf4),
+                                       *weights, *biases, *lora_as, *lora_bs, *absmaxes))
 
 
 def nf4_swiglu_lora_linear(gate, up, base, lora_a, lora_b, scaling, dropout_p=0.0,

@@ -12,6 +12,7 @@ from fastllm._library import first_order_only
 from fastllm.ops.linear import check_linear_args
 from fastllm.ops.lora_linear import (check_lora_linear_args, lora_linear, low_rank_seed, mixed,
                                      scaled_mm)
+from fastllm.ops.nf4 import dense_weight
 
 
 # --- LoRA over several projections that share one input (q/k/v, gate/up) -----------------------
@@ -84,22 +85,21 @@ def _multi_backward(dys, x2, a_cat, xa_t, weights, lora_bs, spans, scalings, has
 
 
 def _dense_weights(x, weights, absmaxes, nf4):
-    """The dense weights of the projections: a projection with an NF4 base (nf4[i] = (shape,
-    blocksize)) has its codes in weights[i], dequantised in x's dtype into its own scratch slot
-    (fastllm.ops.nf4.nf4_dense: nothing of it is kept)."""
+    """The dense weights of the projections: one with an NF4 base (nf4[i] = (shape, blocksize))
+    has its codes in weights[i], dequantised in x's dtype into its own scratch slot (nothing of
+    it is kept)."""
     if nf4 is None:
         return list(weights)
-    from fastllm.ops.nf4 import nf4_dense
-
-    return [w if spec is None else nf4_dense(w, absmaxes[i], spec[0], spec[1], x.dtype, slot=i)
-            for i, (w, spec) in enumerate(zip(weights, nf4))]
+    return [dense_weight(w, a, spec, x.dtype, slot=i)
+            for i, (w, a, spec) in enumerate(zip(weights, absmaxes, nf4))]
 
 
 class _LoRALinearMulti(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, n, scalings, nf4, *tensors):
         # nf4: None, or per projection None or (shape, blocksize) of an NF4 base whose codes
-        # take the weight's place and whose absmax is tensors[4 n + i] (QLoRA: see _dense_weights)
+        # take the weight's place and whose absmax is tensors[4 n + i] (QLoRA: see _dense_weights;
+        # None for a dense base)
         weights, biases = tensors[:n], tensors[n:2 * n]
         lora_as, lora_bs, absmaxes = tensors[2 * n:3 * n], tensors[3 * n:4 * n], tensors[4 * n:]
         x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (not -1: 0-feature layers)
@@ -134,7 +134,7 @@ class _LoRALinearMulti(torch.autograd.Function):
         dx, dw, db, da, dbb = _lowp.in_fp32(_multi_backward, *args) if _lowp.widen(x) \
             else _multi_backward(*args)
         return (None if dx is None else dx.view(x.shape), None, None, None, *dw, *db, *da, *dbb,
-                *([None] * (len(saved) - 3 - 2 * n)))
+                *([None] * n))
 
 
 def check_multi_lengths(weights, lora_as, lora_bs, scalings, biases):
@@ -190,4 +190,4 @@ def lora_linear_multi(x, weights, lora_as, lora_bs, scalings, biases=None):
         return [linear(x, w, b) if a is None else lora_linear(x, w, a, bb, s, b)
                 for w, a, bb, s, b in zip(weights, lora_as, lora_bs, scalings, biases)]
     return list(_LoRALinearMulti.apply(x, n, [float(s) for s in scalings], None, *weights,
-                                       *biases, *lora_as, *lora_bs))
+                                       *biases, *lora_as, *lora_bs, *([None] * n)))

@@ -233,3 +233,12 @@ def nf4_dense(packed, absmax, shape, blocksize, dtype, slot=0):
     out = buffer[:n].view(shape)
     nf4_dequantize_into(out, packed, absmax, blocksize)
     return out
+
+
+def dense_weight(weight, absmax, nf4, dtype, slot=0):
+    """`weight` as it is, or, where nf4 = (shape, blocksize), the dense weight of the NF4 codes
+    `weight` with `absmax`, by nf4_dense (so not to be kept): how the LoRA ops that take either
+    a dense or a 4-bit base (lora_linear_multi, swiglu_lora_linear) read it."""
+    if nf4 is None:
+        return weight
+    return nf4_dense(weight, absmax, nf4[0], nf4[1], dtype, slot)

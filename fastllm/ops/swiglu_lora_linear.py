@@ -19,23 +19,15 @@ from fastllm import _lowp
 from fastllm._library import first_order_only
 from fastllm.ops.lora_linear import (bias_grad, check_lora_linear_args, dropout_seed,
                                      lora_linear_ref)
+from fastllm.ops.nf4 import dense_weight
+from fastllm.ops.swiglu import _swiglu, _swiglu_backward, swiglu_ref
 
 
 def swiglu_lora_linear_ref(gate, up, weight, lora_a, lora_b, scaling, bias=None, dropout_p=0.0,
                            seed=0):
     """Plain PyTorch, differentiated by autograd: lora_linear_ref over swiglu_ref(gate, up)."""
-    from fastllm.ops.swiglu import swiglu_ref
-
     return lora_linear_ref(swiglu_ref(gate, up), weight, lora_a, lora_b, scaling, bias,
                            dropout_p, seed)
-
-
-def _weight(weight, absmax, nf4, dtype):
-    if nf4 is None:
-        return weight
-    from fastllm.ops.nf4 import nf4_dense
-
-    return nf4_dense(weight, absmax, nf4[0], nf4[1], dtype)
 
 
 class _SwiGLULoRALinear(torch.autograd.Function):
@@ -43,10 +35,8 @@ class _SwiGLULoRALinear(torch.autograd.Function):
     def forward(ctx, gate, up, weight, absmax, lora_a, lora_b, bias, seed, nf4, scaling,
                 dropout_p):
         # nf4: None, or (shape, blocksize) of an NF4 weight whose codes are `weight`
-        from fastllm.ops.swiglu import _swiglu
-
         h = _swiglu(gate, up)
-        w = _weight(weight, absmax, nf4, h.dtype)
+        w = dense_weight(weight, absmax, nf4, h.dtype)
         y, xa = torch.ops.fastllm.lora_linear(h, w, lora_a, lora_b, scaling, bias, dropout_p,
                                               seed)
         ctx.save_for_backward(gate, up, weight, absmax, lora_a, lora_b, xa, seed)
@@ -56,15 +46,13 @@ class _SwiGLULoRALinear(torch.autograd.Function):
     @staticmethod
     @first_order_only("fastllm.swiglu_lora_linear")
     def backward(ctx, dy):
-        from fastllm.ops.swiglu import _swiglu, _swiglu_backward
-
         gate, up, weight, absmax, lora_a, lora_b, xa, seed = ctx.saved_tensors
         need_g, need_u, _, _, need_a, need_b, need_bias = ctx.needs_input_grad[:7]
         grads = [None] * 11
         need_h = need_g or need_u
         if need_h or need_a or need_b:
             h = _swiglu(gate, up)  # as the forward made it
-            w = _weight(weight, absmax, ctx.nf4, h.dtype)
+            w = dense_weight(weight, absmax, ctx.nf4, h.dtype)
             dh, da, db = torch.ops.fastllm.lora_linear_backward(
                 dy, h, w, lora_a, lora_b, xa, ctx.scaling, ctx.dropout_p, seed,
                 [need_h, need_a, need_b])
