@@ -4,9 +4,10 @@ fastllm.quant.NF4Linear):
     q/k/v, gate/up   -> x read once for every LoRA down product (fastllm.ops.lora_linear_multi;
                         fastllm.quant.nf4_lora_linear_multi where a base is NF4)
     down_proj        -> the LoRA layer over silu(gate) * up without keeping the product for the
-                        backward (fastllm.ops.swiglu_lora_linear; nf4_swiglu_lora_linear)
+                        backward (fastllm.ops.swiglu_lora_linear; nf4_swiglu_lora_linear), DoRA
+                        layers too (their scale per output feature passed in)
 
-Every other case (DoRA, merged adapters, sharded or hooked layers, autocast, an NF4 layer whose
+Every other case (DoRA's shared-input projections, merged adapters, sharded or hooked layers, autocast, an NF4 layer whose
 compute dtype is not the input's, fp32 adapters beside a bf16 base in the shared read) calls the
 layers one by one, which gives the same values.
 """
@@ -29,14 +30,14 @@ def base_kind(layer):
     return None
 
 
-def _adapter(layer):
+def _adapter(layer, dora=False):
     """A fastllm LoRALinear that runs unmerged on an unsharded plain or NF4 base; else None.
-    (DoRA layers, with a magnitude the fused paths know nothing of, and layers sharded by
-    fastllm.parallel run their own forward.)"""
+    (DoRA layers, with a magnitude the shared-input path knows nothing of, unless `dora`, and
+    layers sharded by fastllm.parallel run their own forward.)"""
     from fastllm.lora import LoRALinear
 
-    if isinstance(layer, LoRALinear) and base_kind(layer.base_layer) and not getattr(
-            layer, "is_dora", False) and not layer.merged and not any(
+    if isinstance(layer, LoRALinear) and base_kind(layer.base_layer) and (dora or not getattr(
+            layer, "is_dora", False)) and not layer.merged and not any(
             is_dtensor(t) for t in (layer.lora_A, layer.lora_B)):
         return layer
     return None
@@ -78,21 +79,26 @@ def project(x, layers):
 
 def down_projection(down, gate, up):
     """down(silu(gate) * up) through swiglu_lora_linear when `down` is a fastllm LoRALinear it
-    can run (frozen base, gate in the base's dtype, no autocast), else None."""
-    layer = _adapter(down)
+    can run (frozen base, gate in the base's dtype, no autocast), or a DoRA layer it can (the
+    same, no dropout in training, adapters in gate's dtype); else None."""
+    layer = _adapter(down, dora=True)
     if layer is None or hooked(layer) or _lowp.autocast_enabled(gate.device.type):
         return None
-    base = layer.base_layer
-    if base_kind(base) == "nf4":
-        if base.compute_dtype != gate.dtype:
-            return None
+    base, kind = layer.base_layer, base_kind(layer.base_layer)
+    if (base.compute_dtype if kind == "nf4" else base.weight.dtype) != gate.dtype or (
+            kind == "dense" and base.weight.requires_grad):
+        return None
+    scale = None
+    if getattr(layer, "is_dora", False):
+        if (layer.training and layer.dropout != 0.0) or layer.lora_A.dtype != gate.dtype:
+            return None  # (DoRA's dropout and fp32-adapter sums: the layer's own forward)
+        scale = layer.row_scale(gate.dtype)
+    if kind == "nf4":
         from fastllm.quant import nf4_swiglu_lora_linear
 
         return nf4_swiglu_lora_linear(gate, up, base, layer.lora_A, layer.lora_B, layer.scaling,
-                                      layer.dropout, layer.training)
-    if base.weight.requires_grad or base.weight.dtype != gate.dtype:
-        return None
+                                      layer.dropout, layer.training, scale=scale)
     from fastllm.ops.swiglu_lora_linear import swiglu_lora_linear
 
     return swiglu_lora_linear(gate, up, base.weight, layer.lora_A, layer.lora_B, layer.scaling,
-                              base.bias, layer.dropout, layer.training)
+                              base.bias, layer.dropout, layer.training, scale=scale)

@@ -34,7 +34,8 @@ from fastllm.lora import LoRALinear, save_adapter  # noqa: F401  (save_adapter: 
 from fastllm.ops.linear import linear
 from fastllm.ops.lora_linear import lora_linear
 from fastllm.ops.nf4 import nf4_dense
-from fastllm.quant import NF4Linear, nf4_linear, nf4_lora_linear
+from fastllm.ops.scaled_lora_linear import scaled_lora_linear
+from fastllm.quant import NF4Linear, nf4_linear, nf4_lora_linear, nf4_scaled_lora_linear
 
 __all__ = ["DoRALinear", "inject_dora", "load_adapter", "save_adapter", "dora_weight_norm",
            "dora_weight_norm_ref", "dora_linear_ref"]
@@ -116,6 +117,11 @@ class DoRALinear(LoRALinear):
         n = self.weight_norm()
         return n.to(self.lora_magnitude_vector.dtype).to(n.dtype)
 
+    def row_scale(self, dtype):
+        """m / n per output feature, in `dtype`: the factor on the layer's product."""
+        n = self._norm()
+        return (self.lora_magnitude_vector.to(n.dtype) / n).to(dtype)
+
     def forward(self, x):
         if self.merged:
             return self.base_layer(x)
@@ -125,9 +131,17 @@ class DoRALinear(LoRALinear):
             return self._forward_fp32_adapters(x, bias, base(x))
         if self.lora_A.dtype != dtype and not _lowp.autocast_enabled(x.device.type):
             return self._forward_fp32_adapters(x, bias)
-        n = self._norm()
-        scale = (self.lora_magnitude_vector.to(n.dtype) / n).to(x.dtype)
+        scale = self.row_scale(x.dtype)
         if self.dropout == 0.0 or not self.training:
+            if _lowp.autocast_enabled(x.device.type):
+                pass  # (lora_linear casts under autocast: below)
+            elif isinstance(base, NF4Linear) and x.dtype == base.compute_dtype:
+                # keeps the output, not the product before the scale, for the scale's grad
+                return nf4_scaled_lora_linear(x, base, self.lora_A, self.lora_B, self.scaling,
+                                              scale)
+            elif not isinstance(base, NF4Linear) and not base.weight.requires_grad:
+                return scaled_lora_linear(x, base.weight, self.lora_A, self.lora_B,
+                                          self.scaling, scale, bias)
             if isinstance(base, NF4Linear):
                 out = nf4_lora_linear(x, base.weight_packed, base.weight_absmax,
                                       base.weight_shape, base.blocksize, self.lora_A,

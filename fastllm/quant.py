@@ -281,10 +281,11 @@ def nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings):
 
 
 def nf4_swiglu_lora_linear(gate, up, base, lora_a, lora_b, scaling, dropout_p=0.0,
-                           training=True, seed=None):
-    """fastllm.ops.swiglu_lora_linear over an NF4Linear base (QLoRA's down_proj): the LoRA layer
-    over silu(gate) * up without keeping the product, the weight dequantised in the forward and
-    again in the backward. gate and up in the base's compute dtype; not under autocast."""
+                           training=True, seed=None, scale=None):
+    """fastllm.ops.swiglu_lora_linear over an NF4Linear base (QLoRA's down_proj; QDoRA's with
+    `scale`): the LoRA layer over silu(gate) * up without keeping the product, the weight
+    dequantised in the forward and again in the backward. gate and up in the base's compute
+    dtype; not under autocast."""
     from fastllm.ops.swiglu_lora_linear import (_autocast_refused, _SwiGLULoRALinear,
                                                 check_swiglu_lora_args)
 
@@ -297,10 +298,30 @@ def nf4_swiglu_lora_linear(gate, up, base, lora_a, lora_b, scaling, dropout_p=0.
         raise TypeError(f"{where}: the base computes in {base.compute_dtype}, gate is {gate.dtype}")
     p = float(dropout_p) if training else 0.0
     stand_in = gate.new_empty(()).expand(base.weight_shape)
-    check_swiglu_lora_args(where, gate, up, stand_in, lora_a, lora_b, scaling, base.bias, p)
+    check_swiglu_lora_args(where, gate, up, stand_in, lora_a, lora_b, scaling, base.bias, p,
+                           scale)
     return _SwiGLULoRALinear.apply(gate, up, base.weight_packed, base.weight_absmax, lora_a,
                                    lora_b, base.bias, dropout_seed(gate, p, seed),
-                                   (base.weight_shape, base.blocksize), float(scaling), p)
+                                   (base.weight_shape, base.blocksize), float(scaling), p, scale)
+
+
+def nf4_scaled_lora_linear(x, base, lora_a, lora_b, scaling, scale):
+    """fastllm.ops.scaled_lora_linear over an NF4Linear base (QDoRA without dropout): scale *
+    (x W^T + scaling x A^T B^T) + bias, the weight dequantised in the forward and again in the
+    backward. x in the base's compute dtype; not under autocast."""
+    from fastllm.ops.scaled_lora_linear import _ScaledLoRALinear, check_scaled_lora_args
+
+    where = f"{_WHERE}.nf4_scaled_lora_linear"
+    if not isinstance(base, NF4Linear):
+        raise TypeError(f"{where}: base is a {type(base).__name__}; expected NF4Linear")
+    _check_input(where, x, base.in_features)
+    if base.compute_dtype != x.dtype:
+        raise TypeError(f"{where}: the base computes in {base.compute_dtype}, x is {x.dtype}")
+    stand_in = x.new_empty(()).expand(base.weight_shape)
+    check_scaled_lora_args(where, x, stand_in, lora_a, lora_b, scaling, scale, base.bias)
+    return _ScaledLoRALinear.apply(x, base.weight_packed, base.weight_absmax, lora_a, lora_b,
+                                   scale, base.bias, (base.weight_shape, base.blocksize),
+                                   float(scaling))
 
 
 def quantize_nf4(model, target_modules=None, blocksize=64):

@@ -491,7 +491,7 @@ def test_patch_runs_qlora_projections_together(monkeypatch):
                         lambda x, bases, *rest: calls.append(len(bases)) or real(x, bases, *rest))
     real_down = quant.nf4_swiglu_lora_linear
     monkeypatch.setattr(quant, "nf4_swiglu_lora_linear",
-                        lambda *args: calls.append("down") or real_down(*args))
+                        lambda *args, **kw: calls.append("down") or real_down(*args, **kw))
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
     losses = [m.train()(input_ids=ids, labels=ids).loss for m in (model, patched)]
     for loss in losses:

@@ -278,14 +278,19 @@ def test_with_fastllm_lora_and_gradient_checkpointing():
     _assert_same(_loss_and_grads(model, ids, labels), theirs)
 
 
-def test_dora_layers_run_their_own_forward():
+def test_dora_layers_run_their_own_forward(monkeypatch):
     """DoRA on q/k/v (a LoRALinear subclass with a magnitude): the patch leaves them to their own
-    forward instead of the fused multi-projection LoRA, so the loss and every grad (the
-    magnitude's included) equal the unpatched model's."""
+    forward instead of the fused multi-projection LoRA; a DoRA down_proj runs over silu(gate) *
+    up through swiglu_lora_linear with its scale; the loss and every grad (the magnitudes'
+    included) equal the unpatched model's."""
+    import fastllm.ops.swiglu_lora_linear as ops
     from fastllm.dora import inject_dora
 
     model = _model()
-    inject_dora(model, target_modules=["q_proj", "k_proj", "v_proj"], r=4)
+    inject_dora(model, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], r=4)
+    scales, real = [], ops.swiglu_lora_linear
+    monkeypatch.setattr(ops, "swiglu_lora_linear",
+                        lambda *a, **k: scales.append(k["scale"]) or real(*a, **k))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n or "magnitude" in n:
@@ -294,7 +299,8 @@ def test_dora_layers_run_their_own_forward():
     theirs = _loss_and_grads(model, ids, labels)
     fastllm.patch(model)
     ours = _loss_and_grads(model, ids, labels)
-    assert any("magnitude" in n for n in ours[1])
+    assert len(scales) == len(model.model.layers) and all(s is not None for s in scales)
+    assert sum("mlp.down_proj.lora_magnitude" in n for n in ours[1]) == len(scales)
     _assert_same(ours, theirs)
 
 

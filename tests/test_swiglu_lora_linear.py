@@ -148,7 +148,7 @@ def test_patch_runs_a_lora_down_proj_through_it(monkeypatch):
     import fastllm.ops.swiglu_lora_linear as ops
 
     calls, real = [], ops.swiglu_lora_linear
-    monkeypatch.setattr(ops, "swiglu_lora_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ops, "swiglu_lora_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     losses = []
     for m in (model, patched):
