@@ -7,9 +7,10 @@ fastllm.quant.NF4Linear):
                         backward (fastllm.ops.swiglu_lora_linear; nf4_swiglu_lora_linear), DoRA
                         layers too (their scale per output feature passed in)
 
-Every other case (DoRA's shared-input projections, merged adapters, sharded or hooked layers, autocast, an NF4 layer whose
-compute dtype is not the input's, fp32 adapters beside a bf16 base in the shared read) calls the
-layers one by one, which gives the same values.
+Every other case (DoRA's shared-input projections, a DoRA down_proj with dropout in training,
+merged adapters, sharded or hooked layers, autocast, an NF4 layer whose compute dtype is not the
+input's, fp32 adapters beside a bf16 base in the shared read) calls the layers one by one, which
+gives the same values.
 """
 
 from torch import nn

@@ -12,16 +12,22 @@ row norms of W:
 
 n is treated as a constant in backward (the paper's section 4.3, and PEFT). fastllm computes
 x W^T + s x A^T B^T with its fused lora_linear op and n without forming the (out, in) matrix
-W + s B A: n^2 = ||W||^2 + 2 s <B, W A^T> + s^2 <B A A^T, B> per row (||W||^2 cached, W being
-frozen), O(out r (in + r)) work and O(out r) memory. With dropout in training the base term
-sees x and the adapter the dropped x (PEFT's formula), which the fused path cannot share.
+W + s B A: n^2 = ||W||^2 + 2 s <B, W A^T> + s^2 <B A A^T, B> per row, O(out r (in + r)) work
+beside one pass over W, and O(out r) memory. The layer's product runs through
+fastllm.ops.scaled_lora_linear, which keeps the output (not a second copy of it) for the
+magnitude's grad; with dropout in training the base term sees x and the adapter the dropped x
+(PEFT's sum: two base GEMMs each way), the dropped x made again from lora_linear's seed rather
+than kept. Under autocast, with fp32 adapters on a bf16/fp16 base, or a base weight that trains,
+the layer sums PEFT's terms itself.
 
 QDoRA: over a 4-bit fastllm.quant.NF4Linear base, W is the dequantised weight (in the base's
 compute dtype, as QLoRA's products see it): n from a transient dequantisation each forward, the
 products through the NF4 ops, which keep nothing of W for the backward, so a DoRA layer over an
 NF4 base computes what one over the dequantised dense weight computes. (One case keeps the dense
 W for its backward, as PEFT's DoRA over bitsandbytes does: fp32 adapters with dropout in
-training, whose base term is x W^T in fp32.)
+training, whose base term is x W^T in fp32.) With dropout, scaled_lora_linear's mask is
+lora_linear's (one seed drawn from torch's generator per forward); the other paths draw
+F.dropout's, as PEFT.
 """
 
 import torch
@@ -132,16 +138,16 @@ class DoRALinear(LoRALinear):
         if self.lora_A.dtype != dtype and not _lowp.autocast_enabled(x.device.type):
             return self._forward_fp32_adapters(x, bias)
         scale = self.row_scale(x.dtype)
-        if self.dropout == 0.0 or not self.training:
-            if _lowp.autocast_enabled(x.device.type):
-                pass  # (lora_linear casts under autocast: below)
-            elif isinstance(base, NF4Linear) and x.dtype == base.compute_dtype:
-                # keeps the output, not the product before the scale, for the scale's grad
+        p = self.dropout if self.training else 0.0
+        if not _lowp.autocast_enabled(x.device.type):
+            # keeps the output (or, with dropout, d W^T + s d A^T B^T) for the scale's grad
+            if isinstance(base, NF4Linear) and x.dtype == base.compute_dtype:
                 return nf4_scaled_lora_linear(x, base, self.lora_A, self.lora_B, self.scaling,
-                                              scale)
-            elif not isinstance(base, NF4Linear) and not base.weight.requires_grad:
+                                              scale, p)
+            if not isinstance(base, NF4Linear) and not base.weight.requires_grad:
                 return scaled_lora_linear(x, base.weight, self.lora_A, self.lora_B,
-                                          self.scaling, scale, bias)
+                                          self.scaling, scale, bias, p)
+        if p == 0.0:  # (under autocast lora_linear casts its inputs; a base weight that trains)
             if isinstance(base, NF4Linear):
                 out = nf4_lora_linear(x, base.weight_packed, base.weight_absmax,
                                       base.weight_shape, base.blocksize, self.lora_A,
@@ -153,7 +159,7 @@ class DoRALinear(LoRALinear):
             out = out * scale
             return out if bias is None else out + bias
         # fastllm.ops.linear: F.linear, with bf16 widened on CPUs that need it (fastllm/_lowp.py)
-        dropped = F.dropout(x, self.dropout, training=True)
+        dropped = F.dropout(x, p, training=True)
         plain = _linear(base, dropped)
         low = linear(linear(dropped, self.lora_A), self.lora_B) * self.scaling
         return _linear(base, x, bias) + (scale - 1) * plain + scale * low

@@ -305,10 +305,10 @@ def nf4_swiglu_lora_linear(gate, up, base, lora_a, lora_b, scaling, dropout_p=0.
                                    (base.weight_shape, base.blocksize), float(scaling), p, scale)
 
 
-def nf4_scaled_lora_linear(x, base, lora_a, lora_b, scaling, scale):
-    """fastllm.ops.scaled_lora_linear over an NF4Linear base (QDoRA without dropout): scale *
-    (x W^T + scaling x A^T B^T) + bias, the weight dequantised in the forward and again in the
-    backward. x in the base's compute dtype; not under autocast."""
+def nf4_scaled_lora_linear(x, base, lora_a, lora_b, scaling, scale, dropout_p=0.0,
+                           training=True, seed=None):
+    """fastllm.ops.scaled_lora_linear over an NF4Linear base (QDoRA): the weight dequantised in
+    the forward and again in the backward. x in the base's compute dtype; not under autocast."""
     from fastllm.ops.scaled_lora_linear import _ScaledLoRALinear, check_scaled_lora_args
 
     where = f"{_WHERE}.nf4_scaled_lora_linear"
@@ -317,11 +317,12 @@ def nf4_scaled_lora_linear(x, base, lora_a, lora_b, scaling, scale):
     _check_input(where, x, base.in_features)
     if base.compute_dtype != x.dtype:
         raise TypeError(f"{where}: the base computes in {base.compute_dtype}, x is {x.dtype}")
+    p = float(dropout_p) if training else 0.0
     stand_in = x.new_empty(()).expand(base.weight_shape)
-    check_scaled_lora_args(where, x, stand_in, lora_a, lora_b, scaling, scale, base.bias)
+    check_scaled_lora_args(where, x, stand_in, lora_a, lora_b, scaling, scale, base.bias, p)
     return _ScaledLoRALinear.apply(x, base.weight_packed, base.weight_absmax, lora_a, lora_b,
-                                   scale, base.bias, (base.weight_shape, base.blocksize),
-                                   float(scaling))
+                                   scale, base.bias, dropout_seed(x, p, seed),
+                                   (base.weight_shape, base.blocksize), float(scaling), p)
 
 
 def quantize_nf4(model, target_modules=None, blocksize=64):

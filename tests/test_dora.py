@@ -62,6 +62,38 @@ def test_layer_matches_ref_and_grads(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_with_dropout_is_peft_sum_over_lora_linear_mask(bias):
+    # in training with dropout: PEFT's x W^T + b + (m/n - 1) d W^T + (m/n) s d A^T B^T, with d the
+    # dropout of lora_linear's mask for the seed the layer draws from torch's generator
+    from fastllm.ops.lora_linear import lora_dropout_ref
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(13, 7, bias=bias)
+    layer = DoRALinear(base, r=3, alpha=5, dropout=0.3).train()
+    _randomise(layer)
+    x = torch.randn(2, 5, 13, requires_grad=True)
+    torch.manual_seed(4)
+    y = layer(x)
+    torch.manual_seed(4)
+    seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)  # what lora_linear draws
+    params = [x, layer.lora_A, layer.lora_B, layer.lora_magnitude_vector]
+    xs = [t.detach().double().requires_grad_() for t in params]
+    w = base.weight.detach().double()
+    norm = dora_weight_norm_ref(w, xs[1].detach(), xs[2].detach(), layer.scaling)
+    scale = xs[3] / norm
+    d = lora_dropout_ref(xs[0].reshape(10, 13), 0.3, seed).reshape(2, 5, 13)
+    want = (torch.nn.functional.linear(xs[0], w) + (scale - 1) * (d @ w.t())
+            + scale * layer.scaling * (d @ xs[1].t() @ xs[2].t()))
+    if bias:
+        want = want + base.bias.detach().double()
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad(y.square().sum(), params)
+    exact = torch.autograd.grad(want.square().sum(), xs)
+    for a, b in zip(got, exact):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
 def test_matches_peft_both_ways(tmp_path):
     import peft
 

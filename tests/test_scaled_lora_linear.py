@@ -57,19 +57,24 @@ def test_equals_lora_linear_times_the_scale(backend, device, dtype, bias):
     torch.testing.assert_close(scale.grad, s2.grad, rtol=tol, atol=tol * s2.grad.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_the_reference(dtype):
-    # against plain PyTorch over fp64 copies: fp32 to 1e-5; bf16 no worse than twice the
-    # reference's own bf16 error (every output and grad)
+@pytest.mark.parametrize("backend", ["cpp", "triton", "ref"])
+@pytest.mark.parametrize("dtype,dropout", [(torch.float32, 0.0), (torch.bfloat16, 0.0),
+                                           (torch.float32, 0.3), (torch.bfloat16, 0.1)])
+def test_matches_the_reference(backend, dtype, dropout):
+    # against plain PyTorch (PEFT's DoRA sum, lora_linear's dropout mask) over fp64 copies: fp32
+    # to 1e-5; bf16 no worse than twice the reference's own bf16 error (every output and grad)
+    if backend == "triton":
+        pytest.importorskip("triton")
     args = _args(dtype, rows=67, d_in=96, d_out=80, r=8)
-    y = scaled_lora_linear(*args[:4], 0.75, *args[4:])
-    dy = torch.randn_like(y)
-    y.backward(dy)
+    with fastllm.use_backend(backend):
+        y = scaled_lora_linear(*args[:4], 0.75, *args[4:], dropout, seed=11)
+        dy = torch.randn_like(y)
+        y.backward(dy)
     got = [y] + _grads(args)
     runs = {}
     for name, cast in (("ref", dtype), ("fp64", torch.float64)):
         ts = [t.detach().to(cast).requires_grad_(t.requires_grad) for t in args]
-        out = scaled_lora_linear_ref(*ts[:4], 0.75, *ts[4:])
+        out = scaled_lora_linear_ref(*ts[:4], 0.75, *ts[4:], dropout, seed=11)
         out.backward(dy.to(cast))
         runs[name] = [out] + _grads(ts)
     for g, r, exact in zip(got, runs["ref"], runs["fp64"]):
@@ -101,6 +106,27 @@ def test_keeps_the_output_not_the_product_before_the_scale():
     with pytest.raises(RuntimeError, match="inplace"):
         y.add_(1.0)
         y.sum().backward()
+
+
+def test_with_dropout_keeps_x_and_one_output_sized_tensor():
+    # autograd over PEFT's sum keeps d = dropout(x) and two (rows, out) products besides x; the op
+    # keeps x, x A^T and d W^T + s d A^T B^T, and makes d's mask again from the seed
+    x, weight, lora_a, lora_b, scale, bias = _args(torch.float32, rows=37, d_in=40, d_out=48)
+    y, saved = _saved(lambda: scaled_lora_linear(x, weight, lora_a, lora_b, 2.0, scale, bias, 0.2))
+    rows_by = lambda ts, n: [t for t in ts if t.dim() > 1 and t.shape[-1] == n  # noqa: E731
+                             and t.shape[:-1].numel() == 37]
+    assert len(rows_by(saved, 40)) == 1 and rows_by(saved, 40)[0] is x
+    assert len(rows_by(saved, 48)) == 1
+    ts = _clones((x, weight, lora_a, lora_b, scale, bias))
+    _, theirs = _saved(lambda: scaled_lora_linear_ref(*ts[:4], 2.0, *ts[4:], 0.2, seed=3))
+    assert len(rows_by(theirs, 40)) >= 2 and len(rows_by(theirs, 48)) >= 2
+    # in eval (training=False) no dropout: the output is the dropout-free one
+    want = scaled_lora_linear(x, weight, lora_a, lora_b, 2.0, scale, bias)
+    assert torch.equal(scaled_lora_linear(x, weight, lora_a, lora_b, 2.0, scale, bias, 0.2,
+                                          training=False), want)
+    with pytest.raises(TypeError, match="with dropout the adapters must be in x's dtype"):
+        scaled_lora_linear(x.bfloat16(), weight.bfloat16(), lora_a, lora_b, 2.0,
+                           scale.bfloat16(), None, 0.2)
 
 
 def test_a_zero_scale_entry_gets_a_nan_grad_and_the_rest_are_right():

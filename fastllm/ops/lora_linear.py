@@ -188,6 +188,17 @@ def _dropout_add_cpp(out2, t2, p, seed, alpha):
     _extension.extension().lora_dropout_add_cpu(out2, t2.contiguous(), p, int(seed), alpha)
 
 
+def lora_dropout(x2, p, seed, add_to=None):
+    """dropout(x2) for x2 (rows, cols) with lora_linear's mask for (seed, p), by the C++ kernel on
+    a CPU that has it, else the reference; add_to: add it to that tensor in place instead (its
+    shape). For ops built around lora_linear whose other terms see the same dropped input."""
+    cpp = x2.device.type == "cpu" and _select(x2, x2) == "cpp"
+    if add_to is None:
+        return (_dropout_cpp if cpp else lora_dropout_ref)(x2, p, seed)
+    (_dropout_add_cpp if cpp else _dropout_add_ref)(add_to, x2, p, seed, 1.0)
+    return add_to
+
+
 def _base_linear(x2, weight, bias, widen):
     """x2 W^T + bias in the base dtype, rounded once (the base nn.Linear's output); widen: in fp32
     on CPUs without native bf16/fp16 GEMMs (_lowp.py)."""

@@ -1,11 +1,13 @@
 """fastllm.ops.scaled_lora_linear: LoRA's product with a trainable scale per output feature, as a
-DoRA layer (fastllm.dora) computes it without dropout:
+DoRA layer (fastllm.dora) computes it (PEFT's sum, Liu et al. 2024):
 
-    y = scale * (x W^T + scaling x A^T B^T) + bias,    scale: (out,)
+    y = x W^T + bias + (scale - 1) * d W^T + scale * scaling d A^T B^T,   d = dropout(x)
 
-Autograd's `out * scale` keeps `out` (rows x out) for the scale's grad, beside what the LoRA
-product keeps (x and x A^T): one more activation per layer. Here the scale multiplies `out` in
-place, and the backward takes the scale's grad from the output itself,
+scale: (out,); without dropout (d = x) that is scale * (x W^T + scaling x A^T B^T) + bias.
+
+Without dropout, autograd's `out * scale` keeps `out` (rows x out) for the scale's grad, beside
+what the LoRA product keeps (x and x A^T): one more activation per layer. Here the scale
+multiplies `out` in place, and the backward takes the scale's grad from the output itself,
 
     d scale = sum over rows of dy * y / scale        (y without the bias),
 
@@ -17,61 +19,98 @@ exactly 0 (a magnitude trained to 0, which training from DoRA's initialisation, 
 W, does not reach) gives that entry a NaN grad, 0 / 0, where autograd's gives sum dy * out: loud
 rather than silently wrong.
 
+With dropout the base weight sees both x and d: two GEMMs each way, as in PEFT. The forward is
+lora_linear (x W^T + bias + scaling d A^T B^T, its own dropout) plus (scale - 1) * U, U = d W^T +
+scaling d A^T B^T, with d made transiently by lora_linear's dropout (the same mask: one seed);
+the backward keeps x, x A^T and U (for the scale's grad) and makes d's mask again from the seed:
+dx = lora_linear's dx for dy * scale, plus dropout(R) - R for R = ((scale - 1) * dy) W. Autograd
+over PEFT's sum keeps d, d W^T and the low-rank output besides.
+
 The base weight W is frozen (LoRA's contract) and may be an NF4 weight (QDoRA:
 fastllm.quant.nf4_scaled_lora_linear), dequantised in the forward and again in the backward.
 """
 
 import torch
+import torch.nn.functional as F
 
 from fastllm import _lowp
 from fastllm._library import first_order_only
-from fastllm.ops.lora_linear import bias_grad, check_lora_linear_args, dropout_seed
+from fastllm.ops.lora_linear import (_base_linear, _base_mm, bias_grad, check_lora_linear_args,
+                                     dropout_seed, lora_dropout, lora_dropout_ref)
 from fastllm.ops.nf4 import dense_weight
 
 __all__ = ["scaled_lora_linear", "scaled_lora_linear_ref"]
 
 
-def scaled_lora_linear_ref(x, weight, lora_a, lora_b, scaling, scale, bias=None):
-    """Plain PyTorch, differentiated by autograd: scale * (x W^T + scaling x A^T B^T) + bias."""
-    low = torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a), lora_b)
-    out = scale * (torch.nn.functional.linear(x, weight) + scaling * low)
-    return out if bias is None else out + bias
+def scaled_lora_linear_ref(x, weight, lora_a, lora_b, scaling, scale, bias=None, dropout_p=0.0,
+                           seed=0):
+    """Plain PyTorch, differentiated by autograd, in PEFT's order: x W^T + bias + (scale - 1) *
+    d W^T + scale * scaling * d A^T B^T, d = dropout(x) with lora_linear's mask for seed."""
+    rows = x.shape[:-1].numel()
+    d = lora_dropout_ref(x.reshape(rows, x.shape[-1]), dropout_p, seed).reshape(x.shape)
+    low = F.linear(F.linear(d, lora_a), lora_b)
+    out = F.linear(x, weight, bias) + (scale - 1) * F.linear(d, weight) + scale * scaling * low
+    return out
+
+
+def _column_dot(dy2, t):
+    """sum over rows of dy2 * t, (rows, out) each: summed in fp32 (fp64 for fp64)."""
+    acc = torch.promote_types(dy2.dtype, torch.float32)
+    return (dy2 * t.reshape(dy2.shape)).sum(0, dtype=acc)
 
 
 def scale_grad(dy2, y, scale):
     """The scale's grad, sum over rows of dy * out, as sum dy * y / scale: dy2 (rows, out), y
-    the scaled output before any bias; summed in fp32 (fp64 for fp64)."""
+    the scaled output before any bias."""
     acc = torch.promote_types(dy2.dtype, torch.float32)
-    dot = (dy2 * y.reshape(dy2.shape)).sum(0, dtype=acc)
-    return (dot / scale.to(acc)).to(scale.dtype)
+    return (_column_dot(dy2, y) / scale.to(acc)).to(scale.dtype)
 
 
 class _ScaledLoRALinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, absmax, lora_a, lora_b, scale, bias, nf4, scaling):
+    def forward(ctx, x, weight, absmax, lora_a, lora_b, scale, bias, seed, nf4, scaling,
+                dropout_p):
         # nf4: None, or (shape, blocksize) of an NF4 weight whose codes are `weight`
         w = dense_weight(weight, absmax, nf4, x.dtype)
-        seed = dropout_seed(x, 0.0, None)
-        y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, None, 0.0, seed)
-        y.mul_(scale)
-        ctx.save_for_backward(x, weight, absmax, lora_a, lora_b, xa, seed, scale, y)
-        ctx.nf4, ctx.scaling = nf4, scaling
-        return y if bias is None else y + bias
+        if dropout_p == 0.0:
+            y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, None, 0.0,
+                                                  seed)
+            kept = y.mul_(scale)  # scale * out
+            y = y if bias is None else y + bias
+        else:
+            # x W^T + bias + scaling d A^T B^T, then + (scale - 1) * (d W^T + scaling d A^T B^T)
+            y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, bias,
+                                                  dropout_p, seed)
+            x2 = x.reshape(-1, x.shape[-1])
+            kept = _base_linear(lora_dropout(x2, dropout_p, seed), w, None, True)
+            kept.addmm_(xa.t(), lora_b.t(), alpha=scaling)  # U
+            y.view(kept.shape).addcmul_(kept, scale - 1)
+        ctx.save_for_backward(x, weight, absmax, lora_a, lora_b, xa, seed, scale, kept)
+        ctx.nf4, ctx.scaling, ctx.dropout_p = nf4, scaling, dropout_p
+        return y
 
     @staticmethod
     @first_order_only("fastllm.scaled_lora_linear")
     def backward(ctx, dy):
-        x, weight, absmax, lora_a, lora_b, xa, seed, scale, y = ctx.saved_tensors
+        x, weight, absmax, lora_a, lora_b, xa, seed, scale, kept = ctx.saved_tensors
         need_x, _, _, need_a, need_b, need_scale, need_bias = ctx.needs_input_grad[:7]
-        grads = [None] * 9
+        p = ctx.dropout_p
+        grads = [None] * 11
         dy2 = dy.reshape(-1, scale.shape[0])
         if need_scale:
-            grads[5] = scale_grad(dy2, y, scale)
+            grads[5] = (scale_grad(dy2, kept, scale) if p == 0.0
+                        else _column_dot(dy2, kept).to(scale.dtype))
         if need_x or need_a or need_b:
             w = dense_weight(weight, absmax, ctx.nf4, x.dtype)
             dx, da, db = torch.ops.fastllm.lora_linear_backward(
-                dy * scale, x, w, lora_a, lora_b, xa, ctx.scaling, 0.0, seed,
+                dy * scale, x, w, lora_a, lora_b, xa, ctx.scaling, p, seed,
                 [need_x, need_a, need_b])
+            if need_x and p != 0.0:
+                # the base's product with d: its dx is dropout(R) with R = ((scale - 1) dy) W,
+                # where lora_linear's, for dy * scale, gave scale dy W = dy W + R
+                r = _base_mm(dy2 * (scale - 1), w, True)
+                dx2 = lora_dropout(r, p, seed, add_to=dx.view(r.shape))
+                dx2.sub_(r)
             grads[0] = dx if need_x else None
             grads[3] = da if need_a else None
             grads[4] = db if need_b else None
@@ -80,7 +119,7 @@ class _ScaledLoRALinear(torch.autograd.Function):
         return tuple(grads)
 
 
-def check_scaled_lora_args(where, x, weight, lora_a, lora_b, scaling, scale, bias):
+def check_scaled_lora_args(where, x, weight, lora_a, lora_b, scaling, scale, bias, dropout_p=0.0):
     """Raise TypeError/ValueError naming the first bad argument; touches nothing. `weight`: the
     base weight, or a stand-in of its shape, dtype and device."""
     if isinstance(x, torch.Tensor) and _lowp.autocast_enabled(x.device.type):
@@ -88,9 +127,12 @@ def check_scaled_lora_args(where, x, weight, lora_a, lora_b, scaling, scale, bia
     if weight.requires_grad:
         raise ValueError(f"{where}: the base weight requires grad; LoRA's base is frozen")
     try:
-        check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, 0.0)
+        check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}".replace("fastllm.lora_linear: ", "")) from None
+    if dropout_p != 0.0 and lora_a.dtype != x.dtype:
+        raise TypeError(f"{where}: with dropout the adapters must be in x's dtype {x.dtype}, got "
+                        f"{lora_a.dtype} (fastllm.dora sums fp32 adapters as PEFT does)")
     check_scale(where, scale, x, weight.shape[0])
 
 
@@ -103,14 +145,18 @@ def check_scale(where, scale, x, out_features):
                          f"got {tuple(scale.shape)} {scale.dtype} on {scale.device}")
 
 
-def scaled_lora_linear(x, weight, lora_a, lora_b, scaling, scale, bias=None):
-    """scale * (x W^T + scaling x A^T B^T) + bias, keeping no more than the output for the
+def scaled_lora_linear(x, weight, lora_a, lora_b, scaling, scale, bias=None, dropout_p=0.0,
+                       training=True, seed=None):
+    """x W^T + bias + (scale - 1) * d W^T + scale * scaling * d A^T B^T, d = dropout(x): without
+    dropout scale * (x W^T + scaling x A^T B^T) + bias, keeping no more than the output for the
     scale's grad (see the module docstring).
 
     x: (..., in); weight: (out, in), frozen; lora_a: (r, in) and lora_b: (out, r) in x's dtype,
-    or fp32 on a bf16/fp16 x (as lora_linear's); scale: (out,) in x's dtype; bias: (out,) or None. No dropout (DoRA's formula with dropout is
-    another sum) and not under autocast."""
+    or fp32 on a bf16/fp16 x (as lora_linear's); scale: (out,) in x's dtype; bias: (out,) or
+    None. dropout_p applies only when `training`; seed: as lora_linear's (the same mask). Not
+    under autocast."""
     where = "fastllm.scaled_lora_linear"
-    check_scaled_lora_args(where, x, weight, lora_a, lora_b, scaling, scale, bias)
-    return _ScaledLoRALinear.apply(x, weight, None, lora_a, lora_b, scale, bias, None,
-                                   float(scaling))
+    p = float(dropout_p) if training else 0.0
+    check_scaled_lora_args(where, x, weight, lora_a, lora_b, scaling, scale, bias, p)
+    return _ScaledLoRALinear.apply(x, weight, None, lora_a, lora_b, scale, bias,
+                                   dropout_seed(x, p, seed), None, float(scaling), p)
