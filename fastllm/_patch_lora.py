@@ -7,10 +7,9 @@ fastllm.quant.NF4Linear):
                         backward (fastllm.ops.swiglu_lora_linear; nf4_swiglu_lora_linear), DoRA
                         layers too (their scale per output feature passed in)
 
-Every other case (DoRA's shared-input projections, a DoRA down_proj with dropout in training,
-merged adapters, sharded or hooked layers, autocast, an NF4 layer whose compute dtype is not the
-input's, fp32 adapters beside a bf16 base in the shared read) calls the layers one by one, which
-gives the same values.
+Every other case (DoRA's shared-input projections, merged adapters, sharded or hooked layers,
+autocast, an NF4 layer whose compute dtype is not the input's, fp32 adapters beside a bf16 base
+in the shared read) calls the layers one by one, which gives the same values.
 """
 
 from torch import nn
@@ -81,7 +80,7 @@ def project(x, layers):
 def down_projection(down, gate, up):
     """down(silu(gate) * up) through swiglu_lora_linear when `down` is a fastllm LoRALinear it
     can run (frozen base, gate in the base's dtype, no autocast), or a DoRA layer it can (the
-    same, no dropout in training, adapters in gate's dtype); else None."""
+    same, adapters in gate's dtype); else None."""
     layer = _adapter(down, dora=True)
     if layer is None or hooked(layer) or _lowp.autocast_enabled(gate.device.type):
         return None
@@ -91,8 +90,8 @@ def down_projection(down, gate, up):
         return None
     scale = None
     if getattr(layer, "is_dora", False):
-        if (layer.training and layer.dropout != 0.0) or layer.lora_A.dtype != gate.dtype:
-            return None  # (DoRA's dropout and fp32-adapter sums: the layer's own forward)
+        if layer.lora_A.dtype != gate.dtype:
+            return None  # (DoRA's fp32-adapter sum: the layer's own forward)
         scale = layer.row_scale(gate.dtype)
     if kind == "nf4":
         from fastllm.quant import nf4_swiglu_lora_linear

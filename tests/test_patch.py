@@ -278,16 +278,18 @@ def test_with_fastllm_lora_and_gradient_checkpointing():
     _assert_same(_loss_and_grads(model, ids, labels), theirs)
 
 
-def test_dora_layers_run_their_own_forward(monkeypatch):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_dora_layers_run_their_own_forward(monkeypatch, dropout):
     """DoRA on q/k/v (a LoRALinear subclass with a magnitude): the patch leaves them to their own
     forward instead of the fused multi-projection LoRA; a DoRA down_proj runs over silu(gate) *
     up through swiglu_lora_linear with its scale; the loss and every grad (the magnitudes'
-    included) equal the unpatched model's."""
+    included) equal the unpatched model's, dropout masks included (the same seeds drawn)."""
     import fastllm.ops.swiglu_lora_linear as ops
     from fastllm.dora import inject_dora
 
     model = _model()
-    inject_dora(model, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], r=4)
+    inject_dora(model, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], r=4,
+                dropout=dropout)
     scales, real = [], ops.swiglu_lora_linear
     monkeypatch.setattr(ops, "swiglu_lora_linear",
                         lambda *a, **k: scales.append(k["scale"]) or real(*a, **k))
@@ -296,8 +298,10 @@ def test_dora_layers_run_their_own_forward(monkeypatch):
             if "lora_B" in n or "magnitude" in n:
                 p.add_(0.1 * torch.randn_like(p))
     ids, labels = _batch()
-    theirs = _loss_and_grads(model, ids, labels)
+    torch.manual_seed(5)
+    theirs = _loss_and_grads(model.train(), ids, labels)
     fastllm.patch(model)
+    torch.manual_seed(5)
     ours = _loss_and_grads(model, ids, labels)
     assert len(scales) == len(model.model.layers) and all(s is not None for s in scales)
     assert sum("mlp.down_proj.lora_magnitude" in n for n in ours[1]) == len(scales)

@@ -176,25 +176,31 @@ def test_refusals_name_the_problem():
     assert x.grad is None and scale.grad is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_lora_linear_with_a_scale_is_swiglu_then_scaled_lora_linear(dtype):
+@pytest.mark.parametrize("dtype,dropout", [(torch.float32, 0.0), (torch.bfloat16, 0.0),
+                                           (torch.float32, 0.25)])
+def test_swiglu_lora_linear_with_a_scale_is_swiglu_then_scaled_lora_linear(dtype, dropout):
     torch.manual_seed(1)
     gate, up = (torch.randn(2, 7, 40, dtype=dtype, requires_grad=True) for _ in range(2))
     _, weight, lora_a, lora_b, scale, bias = _args(dtype)
     args = (gate, up, lora_a, lora_b, scale, bias)
-    y = swiglu_lora_linear(gate, up, weight, lora_a, lora_b, 2.0, bias, scale=scale)
+    y, saved = _saved(lambda: swiglu_lora_linear(gate, up, weight, lora_a, lora_b, 2.0, bias,
+                                                 dropout, seed=9, scale=scale))
+    # silu(gate) * up is not kept (only gate and up, as large)
+    assert sum(t.shape == gate.shape for t in saved) == 2
     g2, u2, a2, b2, s2, bias2 = _clones(args)
-    want = scaled_lora_linear(swiglu(g2, u2), weight, a2, b2, 2.0, s2, bias2)
+    want = scaled_lora_linear(swiglu(g2, u2), weight, a2, b2, 2.0, s2, bias2, dropout, seed=9)
     dy = torch.randn_like(want)
     y.backward(dy)
     want.backward(dy)
     assert torch.equal(y, want)
     for got, exp in zip(_grads(args), _grads((g2, u2, a2, b2, s2, bias2))):
         assert torch.equal(got, exp)
-    with pytest.raises(ValueError, match="a scale takes no dropout"):
-        swiglu_lora_linear(gate, up, weight, lora_a, lora_b, 2.0, bias, 0.1, scale=scale)
     with pytest.raises(ValueError, match="scale must be"):
         swiglu_lora_linear(gate, up, weight, lora_a, lora_b, 2.0, bias, scale=scale[:3])
+    if dtype == torch.bfloat16:
+        with pytest.raises(TypeError, match="with dropout the adapters must be in x's dtype"):
+            swiglu_lora_linear(gate, up, weight, lora_a.float(), lora_b.float(), 2.0, bias, 0.1,
+                               scale=scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

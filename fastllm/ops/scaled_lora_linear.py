@@ -49,8 +49,7 @@ def scaled_lora_linear_ref(x, weight, lora_a, lora_b, scaling, scale, bias=None,
     rows = x.shape[:-1].numel()
     d = lora_dropout_ref(x.reshape(rows, x.shape[-1]), dropout_p, seed).reshape(x.shape)
     low = F.linear(F.linear(d, lora_a), lora_b)
-    out = F.linear(x, weight, bias) + (scale - 1) * F.linear(d, weight) + scale * scaling * low
-    return out
+    return F.linear(x, weight, bias) + (scale - 1) * F.linear(d, weight) + scale * scaling * low
 
 
 def _column_dot(dy2, t):
@@ -66,25 +65,51 @@ def scale_grad(dy2, y, scale):
     return (_column_dot(dy2, y) / scale.to(acc)).to(scale.dtype)
 
 
+def scaled_forward(x, w, lora_a, lora_b, scale, bias, seed, scaling, dropout_p):
+    """(y, xa, kept) on a dense weight w: y the op's output, xa lora_linear's x A^T, kept what
+    the backward takes the scale's grad from (the scaled output before any bias; with dropout,
+    d W^T + scaling d A^T B^T). Called with grad mode off (inside an autograd.Function)."""
+    if dropout_p == 0.0:
+        y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, None, 0.0, seed)
+        kept = y.mul_(scale)  # scale * out
+        return (y if bias is None else y + bias), xa, kept
+    # x W^T + bias + scaling d A^T B^T, then + (scale - 1) * (d W^T + scaling d A^T B^T)
+    y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, bias, dropout_p, seed)
+    kept = _base_linear(lora_dropout(x.reshape(-1, x.shape[-1]), dropout_p, seed), w, None, True)
+    kept.addmm_(xa.t(), lora_b.t(), alpha=scaling)
+    y.view(kept.shape).addcmul_(kept, scale - 1)
+    return y, xa, kept
+
+
+def scaled_backward(dy, x, w, lora_a, lora_b, xa, seed, scale, kept, scaling, dropout_p,
+                    need_x, need_a, need_b, need_scale):
+    """(dx, da, db, dscale) of scaled_forward's inputs (None where not needed) for dy, its
+    output's grad."""
+    dy2 = dy.reshape(-1, scale.shape[0])
+    dscale = dx = da = db = None
+    if need_scale:
+        dscale = (scale_grad(dy2, kept, scale) if dropout_p == 0.0
+                  else _column_dot(dy2, kept).to(scale.dtype))
+    if need_x or need_a or need_b:
+        dx, da, db = torch.ops.fastllm.lora_linear_backward(
+            dy * scale, x, w, lora_a, lora_b, xa, scaling, dropout_p, seed,
+            [need_x, need_a, need_b])
+        if need_x and dropout_p != 0.0:
+            # the base's product with d: its dx is dropout(R) with R = ((scale - 1) dy) W,
+            # where lora_linear's, for dy * scale, gave scale dy W = dy W + R
+            r = _base_mm(dy2 * (scale - 1), w, True)
+            lora_dropout(r, dropout_p, seed, add_to=dx.view(r.shape)).sub_(r)
+    return (dx if need_x else None, da if need_a else None, db if need_b else None, dscale)
+
+
 class _ScaledLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, absmax, lora_a, lora_b, scale, bias, seed, nf4, scaling,
                 dropout_p):
         # nf4: None, or (shape, blocksize) of an NF4 weight whose codes are `weight`
         w = dense_weight(weight, absmax, nf4, x.dtype)
-        if dropout_p == 0.0:
-            y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, None, 0.0,
-                                                  seed)
-            kept = y.mul_(scale)  # scale * out
-            y = y if bias is None else y + bias
-        else:
-            # x W^T + bias + scaling d A^T B^T, then + (scale - 1) * (d W^T + scaling d A^T B^T)
-            y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, bias,
-                                                  dropout_p, seed)
-            x2 = x.reshape(-1, x.shape[-1])
-            kept = _base_linear(lora_dropout(x2, dropout_p, seed), w, None, True)
-            kept.addmm_(xa.t(), lora_b.t(), alpha=scaling)  # U
-            y.view(kept.shape).addcmul_(kept, scale - 1)
+        y, xa, kept = scaled_forward(x, w, lora_a, lora_b, scale, bias, seed, scaling,
+                                     dropout_p)
         ctx.save_for_backward(x, weight, absmax, lora_a, lora_b, xa, seed, scale, kept)
         ctx.nf4, ctx.scaling, ctx.dropout_p = nf4, scaling, dropout_p
         return y
@@ -94,28 +119,14 @@ class _ScaledLoRALinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, absmax, lora_a, lora_b, xa, seed, scale, kept = ctx.saved_tensors
         need_x, _, _, need_a, need_b, need_scale, need_bias = ctx.needs_input_grad[:7]
-        p = ctx.dropout_p
         grads = [None] * 11
-        dy2 = dy.reshape(-1, scale.shape[0])
-        if need_scale:
-            grads[5] = (scale_grad(dy2, kept, scale) if p == 0.0
-                        else _column_dot(dy2, kept).to(scale.dtype))
-        if need_x or need_a or need_b:
-            w = dense_weight(weight, absmax, ctx.nf4, x.dtype)
-            dx, da, db = torch.ops.fastllm.lora_linear_backward(
-                dy * scale, x, w, lora_a, lora_b, xa, ctx.scaling, p, seed,
-                [need_x, need_a, need_b])
-            if need_x and p != 0.0:
-                # the base's product with d: its dx is dropout(R) with R = ((scale - 1) dy) W,
-                # where lora_linear's, for dy * scale, gave scale dy W = dy W + R
-                r = _base_mm(dy2 * (scale - 1), w, True)
-                dx2 = lora_dropout(r, p, seed, add_to=dx.view(r.shape))
-                dx2.sub_(r)
-            grads[0] = dx if need_x else None
-            grads[3] = da if need_a else None
-            grads[4] = db if need_b else None
+        w = (dense_weight(weight, absmax, ctx.nf4, x.dtype)
+             if need_x or need_a or need_b else None)
+        grads[0], grads[3], grads[4], grads[5] = scaled_backward(
+            dy, x, w, lora_a, lora_b, xa, seed, scale, kept, ctx.scaling, ctx.dropout_p,
+            need_x, need_a, need_b, need_scale)
         if need_bias:
-            grads[6] = bias_grad(dy2)
+            grads[6] = bias_grad(dy.reshape(-1, scale.shape[0]))
         return tuple(grads)
 
 
@@ -130,14 +141,15 @@ def check_scaled_lora_args(where, x, weight, lora_a, lora_b, scaling, scale, bia
         check_lora_linear_args(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}".replace("fastllm.lora_linear: ", "")) from None
+    check_scale(where, scale, x, weight.shape[0], lora_a, dropout_p)
+
+
+def check_scale(where, scale, x, out_features, lora_a, dropout_p):
+    """A scale per output feature: (out_features,), in x's dtype, on x's device; with dropout,
+    adapters in x's dtype."""
     if dropout_p != 0.0 and lora_a.dtype != x.dtype:
         raise TypeError(f"{where}: with dropout the adapters must be in x's dtype {x.dtype}, got "
                         f"{lora_a.dtype} (fastllm.dora sums fp32 adapters as PEFT does)")
-    check_scale(where, scale, x, weight.shape[0])
-
-
-def check_scale(where, scale, x, out_features):
-    """A scale per output feature: (out_features,), in x's dtype, on x's device."""
     if not isinstance(scale, torch.Tensor) or scale.layout != torch.strided:
         raise TypeError(f"{where}: scale must be a dense tensor")
     if scale.shape != (out_features,) or scale.dtype != x.dtype or scale.device != x.device:

@@ -3,8 +3,8 @@ up only, as swiglu_linear does for a plain one (fastllm.patch runs a LoRA down_p
 
     y = h W^T + bias + scaling * dropout(h) A^T B^T,   h = silu(gate) * up
 
-(or, given DoRA's scale per output feature, scale * (h W^T + scaling h A^T B^T) + bias, as
-fastllm.ops.scaled_lora_linear computes it over h).
+(or, given DoRA's scale per output feature, what fastllm.ops.scaled_lora_linear computes over h,
+dropout included).
 
 A LoRA layer keeps its input for the backward (dA reads it), so `down_proj(swiglu(gate, up))`
 holds h, as large as gate, per layer until the backward: a third of the MLP's activations
@@ -23,7 +23,7 @@ from fastllm._library import first_order_only
 from fastllm.ops.lora_linear import (bias_grad, check_lora_linear_args, dropout_seed,
                                      lora_linear_ref)
 from fastllm.ops.nf4 import dense_weight
-from fastllm.ops.scaled_lora_linear import check_scale, scale_grad
+from fastllm.ops.scaled_lora_linear import check_scale, scaled_backward, scaled_forward
 from fastllm.ops.swiglu import _swiglu, _swiglu_backward, swiglu_ref
 
 
@@ -39,37 +39,39 @@ class _SwiGLULoRALinear(torch.autograd.Function):
     def forward(ctx, gate, up, weight, absmax, lora_a, lora_b, bias, seed, nf4, scaling,
                 dropout_p, scale=None):
         # nf4: None, or (shape, blocksize) of an NF4 weight whose codes are `weight`; scale: None,
-        # or DoRA's (out,) scale (no dropout), applied as scaled_lora_linear applies it
+        # or DoRA's (out,) scale, applied as scaled_lora_linear applies it
         h = _swiglu(gate, up)
         w = dense_weight(weight, absmax, nf4, h.dtype)
-        y, xa = torch.ops.fastllm.lora_linear(h, w, lora_a, lora_b, scaling,
-                                              bias if scale is None else None, dropout_p, seed)
-        scaled = None
-        if scale is not None:
-            scaled = y.mul_(scale)
-            y = y if bias is None else y + bias
-        ctx.save_for_backward(gate, up, weight, absmax, lora_a, lora_b, xa, seed, scale, scaled)
+        if scale is None:
+            y, xa = torch.ops.fastllm.lora_linear(h, w, lora_a, lora_b, scaling, bias, dropout_p,
+                                                  seed)
+            kept = None
+        else:
+            y, xa, kept = scaled_forward(h, w, lora_a, lora_b, scale, bias, seed, scaling,
+                                         dropout_p)
+        ctx.save_for_backward(gate, up, weight, absmax, lora_a, lora_b, xa, seed, scale, kept)
         ctx.nf4, ctx.scaling, ctx.dropout_p = nf4, scaling, dropout_p
         return y
 
     @staticmethod
     @first_order_only("fastllm.swiglu_lora_linear")
     def backward(ctx, dy):
-        gate, up, weight, absmax, lora_a, lora_b, xa, seed, scale, scaled = ctx.saved_tensors
+        gate, up, weight, absmax, lora_a, lora_b, xa, seed, scale, kept = ctx.saved_tensors
         need_g, need_u, _, _, need_a, need_b, need_bias = ctx.needs_input_grad[:7]
+        need_scale = scale is not None and ctx.needs_input_grad[11]
         grads = [None] * 12
-        dy_out = dy
-        if scale is not None:
-            if ctx.needs_input_grad[11]:
-                grads[11] = scale_grad(dy.reshape(-1, scale.shape[0]), scaled, scale)
-            dy_out = dy * scale
         need_h = need_g or need_u
-        if need_h or need_a or need_b:
+        if need_h or need_a or need_b or need_scale:
             h = _swiglu(gate, up)  # as the forward made it
             w = dense_weight(weight, absmax, ctx.nf4, h.dtype)
-            dh, da, db = torch.ops.fastllm.lora_linear_backward(
-                dy_out, h, w, lora_a, lora_b, xa, ctx.scaling, ctx.dropout_p, seed,
-                [need_h, need_a, need_b])
+            if scale is None:
+                dh, da, db = torch.ops.fastllm.lora_linear_backward(
+                    dy, h, w, lora_a, lora_b, xa, ctx.scaling, ctx.dropout_p, seed,
+                    [need_h, need_a, need_b])
+            else:
+                dh, da, db, grads[11] = scaled_backward(
+                    dy, h, w, lora_a, lora_b, xa, seed, scale, kept, ctx.scaling,
+                    ctx.dropout_p, need_h, need_a, need_b, need_scale)
             del h
             grads[4] = da if need_a else None
             grads[5] = db if need_b else None
@@ -84,12 +86,8 @@ def check_swiglu_lora_args(where, gate, up, weight, lora_a, lora_b, scaling, bia
                            scale=None):
     """Raise TypeError/ValueError naming the first bad argument; touches nothing. `weight`: the
     base weight, or a stand-in of its shape, dtype and device."""
-    if scale is not None:
-        if dropout_p != 0.0:
-            raise ValueError(f"{where}: a scale takes no dropout (DoRA's formula with dropout "
-                             "is another sum), got dropout_p={dropout_p}")
-        if isinstance(gate, torch.Tensor):
-            check_scale(where, scale, gate, weight.shape[0])
+    if scale is not None and isinstance(gate, torch.Tensor):
+        check_scale(where, scale, gate, weight.shape[0], lora_a, dropout_p)
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             raise TypeError(f"{where}: {name} must be a dense tensor")
@@ -118,8 +116,8 @@ def swiglu_lora_linear(gate, up, weight, lora_a, lora_b, scaling, bias=None, dro
     gate, up: (..., ffn) of one dtype; weight: (out, ffn), frozen; lora_a: (r, ffn); lora_b:
     (out, r), in gate's dtype or fp32 on a bf16/fp16 one; bias: (out,) or None. Not under
     autocast. seed: as lora_linear's. scale: None, or (out,) in gate's dtype: a DoRA down
-    projection, scale * (h W^T + scaling h A^T B^T) + bias, as fastllm.ops.scaled_lora_linear
-    (keeping the output for the scale's grad; no dropout)."""
+    projection, fastllm.ops.scaled_lora_linear over h (with dropout, adapters in gate's
+    dtype)."""
     where = "fastllm.swiglu_lora_linear"
     _autocast_refused(where, gate.device.type if isinstance(gate, torch.Tensor) else "cpu")
     p = float(dropout_p) if training else 0.0
