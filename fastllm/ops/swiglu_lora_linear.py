@@ -86,8 +86,6 @@ def check_swiglu_lora_args(where, gate, up, weight, lora_a, lora_b, scaling, bia
                            scale=None):
     """Raise TypeError/ValueError naming the first bad argument; touches nothing. `weight`: the
     base weight, or a stand-in of its shape, dtype and device."""
-    if scale is not None and isinstance(gate, torch.Tensor):
-        check_scale(where, scale, gate, weight.shape[0], lora_a, dropout_p)
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             raise TypeError(f"{where}: {name} must be a dense tensor")
@@ -101,6 +99,8 @@ def check_swiglu_lora_args(where, gate, up, weight, lora_a, lora_b, scaling, bia
         check_lora_linear_args(gate, weight, lora_a, lora_b, scaling, bias, dropout_p)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}".replace("fastllm.lora_linear: ", "")) from None
+    if scale is not None:
+        check_scale(where, scale, gate, weight.shape[0], lora_a, dropout_p)
 
 
 def _autocast_refused(where, device_type):
