@@ -238,6 +238,18 @@ def nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling
                                 float(scaling), p).to(out_dtype)
 
 
+def _nf4_stand_in(where, base, x, name):
+    """Check that `base` is an NF4Linear computing in x's dtype and x fits it; return a stand-in
+    of its dense weight (shape, dtype, device) for the ops' own argument checks."""
+    if not isinstance(base, NF4Linear):
+        raise TypeError(f"{where}: base is a {type(base).__name__}; expected NF4Linear")
+    _check_input(where, x, base.in_features)
+    if base.compute_dtype != x.dtype:
+        raise TypeError(f"{where}: the base computes in {base.compute_dtype}, {name} is "
+                        f"{x.dtype}")
+    return x.new_empty(()).expand(base.weight_shape)
+
+
 def nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings):
     """fastllm.ops.lora_linear_multi over base layers that are NF4Linear (QLoRA) or nn.Linear:
     [base_i(x) + s_i x A_i^T B_i^T], x read once for every LoRA down product (q/k/v, gate/up),
@@ -290,14 +302,9 @@ def nf4_swiglu_lora_linear(gate, up, base, lora_a, lora_b, scaling, dropout_p=0.
                                                 check_swiglu_lora_args)
 
     where = f"{_WHERE}.nf4_swiglu_lora_linear"
-    if not isinstance(base, NF4Linear):
-        raise TypeError(f"{where}: base is a {type(base).__name__}; expected NF4Linear")
-    _check_input(where, gate, base.in_features)
+    stand_in = _nf4_stand_in(where, base, gate, "gate")
     _autocast_refused(where, gate.device.type)
-    if base.compute_dtype != gate.dtype:
-        raise TypeError(f"{where}: the base computes in {base.compute_dtype}, gate is {gate.dtype}")
     p = float(dropout_p) if training else 0.0
-    stand_in = gate.new_empty(()).expand(base.weight_shape)
     check_swiglu_lora_args(where, gate, up, stand_in, lora_a, lora_b, scaling, base.bias, p,
                            scale)
     return _SwiGLULoRALinear.apply(gate, up, base.weight_packed, base.weight_absmax, lora_a,
@@ -312,13 +319,8 @@ def nf4_scaled_lora_linear(x, base, lora_a, lora_b, scaling, scale, dropout_p=0.
     from fastllm.ops.scaled_lora_linear import _ScaledLoRALinear, check_scaled_lora_args
 
     where = f"{_WHERE}.nf4_scaled_lora_linear"
-    if not isinstance(base, NF4Linear):
-        raise TypeError(f"{where}: base is a {type(base).__name__}; expected NF4Linear")
-    _check_input(where, x, base.in_features)
-    if base.compute_dtype != x.dtype:
-        raise TypeError(f"{where}: the base computes in {base.compute_dtype}, x is {x.dtype}")
+    stand_in = _nf4_stand_in(where, base, x, "x")
     p = float(dropout_p) if training else 0.0
-    stand_in = x.new_empty(()).expand(base.weight_shape)
     check_scaled_lora_args(where, x, stand_in, lora_a, lora_b, scaling, scale, base.bias, p)
     return _ScaledLoRALinear.apply(x, base.weight_packed, base.weight_absmax, lora_a, lora_b,
                                    scale, base.bias, dropout_seed(x, p, seed),
