@@ -8,15 +8,15 @@ fastllm.use_backend(...) forces one; see fastllm/_backend.py.
 """
 
 from fastllm import _library  # noqa: F401  (declares the fastllm:: op schemas first)
-from fastllm import amp, lora, ops, optim, quant
+from fastllm import amp, lora, ops, optim, preference, quant
 from fastllm._backend import BACKENDS, use_backend
 from fastllm._extension import has_cpp, has_cuda_kernels
 from fastllm.patch import KINDS as patch_kinds, patch, patched, unpatch
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "amp", "has_cpp", "has_cuda_kernels", "lora", "ops", "optim", "quant",
-           "use_backend", "patch", "patch_kinds", "patched", "unpatch"]
+__all__ = ["BACKENDS", "amp", "has_cpp", "has_cuda_kernels", "lora", "ops", "optim",
+           "preference", "quant", "use_backend", "patch", "patch_kinds", "patched", "unpatch"]
 
 _LAZY = ("distributed", "parallel")  # imported on first use: `fastllm.distributed.PowerSGD(...)`
 

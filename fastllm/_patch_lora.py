@@ -37,7 +37,7 @@ def _adapter(layer, dora=False):
     from fastllm.lora import LoRALinear
 
     if isinstance(layer, LoRALinear) and base_kind(layer.base_layer) and (dora or not getattr(
-            layer, "is_dora", False)) and not layer.merged and not any(
+            layer, "is_dora", False)) and not layer.merged and not layer.disabled and not any(
             is_dtensor(t) for t in (layer.lora_A, layer.lora_B)):
         return layer
     return None

@@ -3,9 +3,10 @@ use_dora) and prefix-tuning (PREFIX_TUNING).
 
     load_adapter(model, "adapter/")      # whichever the folder's adapter_config.json says
     save_adapter(model, "adapter/")      # whichever the model carries
+    with disable_adapters(model): ...    # the base model (PEFT's disable_adapter), LoRA/DoRA
 """
 
-__all__ = ["load_adapter", "save_adapter", "adapter_kind"]
+__all__ = ["load_adapter", "save_adapter", "adapter_kind", "disable_adapters"]
 
 
 def adapter_kind(path):
@@ -46,3 +47,15 @@ def save_adapter(model, path, task_type="CAUSAL_LM"):
     from fastllm.lora import save_adapter as save_lora
 
     return save_lora(model, path, task_type=task_type)
+
+
+def disable_adapters(model):
+    """A context in which the model's LoRA/DoRA layers compute their base layers alone
+    (fastllm.lora.disable_adapters). A prefix is refused: its hook feeds every call."""
+    if hasattr(model, "_fastllm_prefix"):
+        raise ValueError("fastllm.adapters.disable_adapters: the model carries a prefix "
+                         "(fastllm.prefix), which cannot be switched off for a call; use a "
+                         "frozen copy of the model without it as the reference")
+    from fastllm.lora import disable_adapters as disable_lora
+
+    return disable_lora(model)

@@ -129,7 +129,7 @@ class DoRALinear(LoRALinear):
         return (self.lora_magnitude_vector.to(n.dtype) / n).to(dtype)
 
     def forward(self, x):
-        if self.merged:
+        if self.merged or self.disabled:
             return self.base_layer(x)
         base = self.base_layer
         bias, dtype = base.bias, lora.base_dtype(base)

@@ -59,6 +59,7 @@ class LoRALinear(nn.Module):
         self.use_rslora = use_rslora
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.merged = False
+        self.disabled = False  # disable_adapters(): forward is the base layer's
         device = (base.weight_packed if isinstance(base, NF4Linear) else base.weight).device
         dtype = base_dtype(base) if adapter_dtype is None else adapter_dtype
         self.lora_A = nn.Parameter(torch.empty(self.r, base.in_features, dtype=dtype,
@@ -80,7 +81,7 @@ class LoRALinear(nn.Module):
     bias = property(lambda self: self.base_layer.bias)
 
     def forward(self, x):
-        if self.merged:
+        if self.merged or self.disabled:
             return self.base_layer(x)
         if user_hooked(self.base_layer, offload_only=True):
             # the base layer is called, so that its hooks run (they did only once merged, so
@@ -339,6 +340,29 @@ def unmerge_lora(model):
         layer.base_layer.weight.copy_(layer._merged_weight(-1))
         layer.merged = False
     return model
+
+
+@contextlib.contextmanager
+def disable_adapters(model):
+    """Inside the block every LoRA/DoRA layer of `model` computes its base layer alone (PEFT's
+    `model.disable_adapter()`): the model before fine-tuning, e.g. DPO's reference model without
+    a second copy of the weights. Merged layers are refused (their base weight holds the
+    update: unmerge_lora first), nothing changed. Restored on exit, exceptions included."""
+    layers = lora_modules(model)
+    if not layers:
+        raise ValueError("fastllm.lora.disable_adapters: the model has no LoRALinear layers")
+    merged = [n for n, m in layers if m.merged]
+    if merged:
+        raise ValueError(f"fastllm.lora.disable_adapters: {merged[0]} is merged (its base weight "
+                         "holds the update); nothing was disabled: unmerge_lora(model) first")
+    before = [m.disabled for _, m in layers]
+    for _, m in layers:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for (_, m), was in zip(layers, before):
+            m.disabled = was
 
 
 def merge_and_unload(model):

@@ -201,18 +201,22 @@ def test_masked_first_vocabulary_block(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
-def test_frozen_weight_and_no_grad(backend, device):
-    """Only the grads asked for are computed (a frozen head: no dW); no_grad: loss only."""
-    hidden, weight, _, labels, _ = _inputs((6,), 8, 13, {}, torch.float32, device=device)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_frozen_weight_and_no_grad(backend, device, reduction):
+    """Only the grads asked for are computed (a frozen head: no dW; "none": grad_hidden in the
+    forward, each token's row scaled by its own incoming grad); no_grad: loss only."""
+    hidden, weight, _, labels, _ = _inputs((2, 7), 8, 13, dict(ignore=True), torch.float32,
+                                           device=device)
     weight.requires_grad_(False)
-    ref = fused_linear_cross_entropy_ref(hidden, weight, labels)
-    (ref_gh,) = torch.autograd.grad(ref, [hidden])
+    seed = torch.randn(labels.shape).to(device) if reduction == "none" else 3.0
+    ref = fused_linear_cross_entropy_ref(hidden, weight, labels, reduction=reduction)
+    (ref_gh,) = torch.autograd.grad((ref * seed).sum(), [hidden])
     with fastllm.use_backend(backend):
-        loss = fused_linear_cross_entropy(hidden, weight, labels)
-        (gh,) = torch.autograd.grad(loss * 3.0, [hidden])
+        loss = fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+        (gh,) = torch.autograd.grad((loss * seed).sum(), [hidden])
         with torch.no_grad():
-            no_grad = fused_linear_cross_entropy(hidden, weight, labels)
-    torch.testing.assert_close(gh, 3.0 * ref_gh)
+            no_grad = fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+    torch.testing.assert_close(gh, ref_gh)
     torch.testing.assert_close(no_grad, ref.detach())
 
 

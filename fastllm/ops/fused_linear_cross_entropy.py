@@ -22,12 +22,14 @@ the incoming grad. That is 3 GEMMs per step, the same as F.cross_entropy over ma
 Recomputing the logits in the backward instead (cut cross-entropy's scheme) costs a 4th GEMM, about
 +33% on this CPU, where the three GEMMs alone already take as long as the whole materialised loss
 (BENCHMARKS.md), to save holding grad_weight (V x H, the size of the weight) from forward to
-backward. "none" cannot use it (the incoming grad weights each token differently inside the dW
-sum), so its forward computes the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads
-are computed only for the inputs that require them (a frozen head skips the dW GEMM), and ignored
-tokens are dropped before any GEMM, but under CUDA graph capture: finding them (and checking the
-labels) reads the GPU back, which a capture refuses, so there the GPU driver keeps every token in
-place, the ignored ones with a loss and grad of 0, and checks the labels by a device-side assertion
+backward. "none" can for hidden's grad alone (each token's row is scaled by its own incoming
+grad; in dW that grad sits inside the sum over tokens): with a frozen weight and bias (LoRA, DPO's
+log-probabilities) its forward computes loss and grad_hidden (2 GEMMs, as materialised logits),
+else the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads are computed only for
+the inputs that require them (a frozen head skips the dW GEMM), and ignored tokens are dropped
+before any GEMM, but under CUDA graph capture: finding them (and checking the labels) reads the
+GPU back, which a capture refuses, so there the GPU driver keeps every token in place, the
+ignored ones with a loss and grad of 0, and checks the labels by a device-side assertion
 (`_chunked`'s dense rows; tests/test_cuda_graph_step.py captures a patched step).
 
 Chunk size: CHUNK_BYTES (128 MiB) of logits per chunk (`chunk_rows`), 682 fp32 / 1365 bf16 rows at
@@ -103,8 +105,7 @@ def check_fused_linear_cross_entropy_args(hidden, weight, labels, bias, ignore_i
         if t.device != hidden.device:
             raise ValueError(f"{_WHERE}: {name} is on {t.device}, hidden on {hidden.device}")
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise TypeError(f"{_WHERE}: dtype {hidden.dtype} is not supported (fp32, bf16, fp16, "
-                        "fp64)")
+        raise TypeError(f"{_WHERE}: dtype {hidden.dtype} is not supported (fp32, bf16, fp16, fp64)")
     if labels.dtype != torch.int64:
         raise TypeError(f"{_WHERE}: labels must be int64, got {labels.dtype}")
     if labels.device != hidden.device:
@@ -142,23 +143,19 @@ def _check_labels(flat, ignore_index, vocab, keep=None):
 
 
 def chunk_rows(tokens, vocab, elem_size):
-    """Rows of the chunk buffer (chunk x vocab logits in hidden's dtype), on every device
-    CHUNK_BYTES of logits. (On a GPU the chunks were Liger-Kernel's, about as many logits as
-    hidden holds elements: 64 chunks of 256 rows at 16384 x 576 -> 49152, whose ~9 launches and
-    Python each made the call host-bound on an H200: 601 kernels, 11.8 ms of GPU work in a 28.1
-    ms call, 2026-12-04. 128 MiB chunks make 12 of 1376 rows; not yet measured on a GPU.)"""
+    """Rows of the chunk buffer (chunk x vocab logits in hidden's dtype): CHUNK_BYTES of logits
+    on every device (Liger's smaller GPU chunks made the call host-bound on an H200, 2026-12-04:
+    601 kernels, 11.8 ms of GPU work in 28.1 ms; 128 MiB chunks not yet measured on a GPU)."""
     return balanced_rows(tokens, _budget_rows(vocab, elem_size))
 
 
-def _budget_rows(vocab, elem_size):
-    """Rows of CHUNK_BYTES of logits: the chunk size before balancing."""
+def _budget_rows(vocab, elem_size):  # rows of CHUNK_BYTES of logits, before balancing
     return max(1, CHUNK_BYTES // max(1, vocab * elem_size))
 
 
 # Chunks of at least 8 x ROW_TILE rows are whole multiples of it: oneDNN's GEMMs slow down at
-# some row counts (AMD Zen 4, 2 threads, torch 2.13, 49152 x 576 head: bf16 logits 0.25 TFLOP/s at
-# 1363 rows, 0.40 at 1376; fp32 0.15 at 1363, 0.20 at 1376; 2047, 1023 and 682 rows slow too;
-# every multiple of 16 tried ran at full speed: BENCHMARKS.md, 2026-12-05).
+# some row counts (Zen 4, 2 threads, 49152 x 576 head: bf16 0.25 TFLOP/s at 1363 rows, 0.40 at
+# 1376; 2047, 1023, 682 slow too; every multiple of 16 tried at full speed: BENCHMARKS.md).
 ROW_TILE = 16
 
 
@@ -378,8 +375,8 @@ def _fused_impl(hidden, weight, labels, bias, ignore_index, reduction, label_smo
     cap = logit_softcap or None
     check_fused_linear_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction,
                                           label_smoothing, z_loss, cap)
-    if reduction == "none" and any(grad_mask):
-        raise ValueError(f"{_WHERE}: reduction 'none' computes its grads in the backward op")
+    if reduction == "none" and any(grad_mask[1:]):
+        raise ValueError(f"{_WHERE}: reduction 'none' computes weight and bias grads backward")
     per_token, gh, gw, gb = _run(hidden, weight, labels, bias, None, reduction == "mean",
                                  ignore_index, label_smoothing, z_loss, logit_softcap,
                                  list(grad_mask))
@@ -443,8 +440,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _scaled(grad, grad_loss):
-    # grad_loss is 0-d: the product stays in grad's dtype, computed in fp32 (fp64 for fp64)
-    return grad * grad_loss.to(torch.promote_types(grad.dtype, torch.float32))
+    # grad_loss: 0-d, or per token (grad_hidden under "none"); grad's dtype, fp32 (fp64) math
+    g = grad_loss.to(torch.promote_types(grad.dtype, torch.float32))
+    return grad * (g.unsqueeze(-1) if g.dim() else g)
 
 
 @first_order_only("fastllm.fused_linear_cross_entropy")
@@ -486,8 +484,10 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
     if logit_softcap is not None and not torch.compiler.is_compiling() and not (
             math.isfinite(logit_softcap) and logit_softcap > 0):  # (traced: the op checks it)
         raise ValueError(f"{_WHERE}: logit_softcap must be None or > 0, got {logit_softcap}")
-    in_forward = torch.is_grad_enabled() and reduction != "none"
-    grad_mask = [in_forward and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    grad_mask = [torch.is_grad_enabled() and t is not None and t.requires_grad
+                 for t in (hidden, weight, bias)]
+    if reduction == "none":  # grad_hidden alone in the forward, and only if the head is frozen
+        grad_mask = [grad_mask[0] and not any(grad_mask[1:]), False, False]
     cap = 0.0 if logit_softcap is None else float(logit_softcap)
     loss, _, _, _ = _fused_op(
         hidden, weight, labels, bias, int(ignore_index), reduction, float(label_smoothing),

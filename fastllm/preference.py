@@ -1,0 +1,226 @@
+"""Preference optimisation (DPO and the pairwise losses TRL's DPOTrainer names) without logits.
+
+A DPO step scores each prompt's chosen and rejected completion under the policy and under a
+frozen reference: the sum over the completion's tokens of log p(token | what came before). The
+usual code materialises the (tokens x vocab) logits for that, twice the batch's rows (chosen and
+rejected) and again for the reference; here the LM head and the log-softmax are one fused pass
+over chunks of tokens (fastllm.ops.fused_linear_cross_entropy with reduction "none"), so the logits
+and their grad never exist:
+
+    logps = sequence_logps(model, input_ids, labels, attention_mask)       # (2B,), chosen first
+    with torch.no_grad(), fastllm.adapters.disable_adapters(model):        # LoRA: the base model
+        ref = sequence_logps(model, input_ids, labels, attention_mask)     # (or a frozen copy)
+    out = dpo_loss(*logps.chunk(2), *ref.chunk(2), beta=0.1)
+    out.loss.mean().backward()
+
+labels: input_ids with -100 wherever no log-probability is wanted (the prompt, the padding), as
+for a causal LM's loss: position t's label is scored by the hidden state of position t - 1.
+
+token_logps (the op) and token_logps_ref (logits materialised, log_softmax, gather) take the last
+hidden states and the head's weight directly, for models this module does not know how to split.
+The loss formulas are TRL's (DPOTrainer, trl 1.16), DPO's reverse-KL form; rewards are
+beta * (logps - ref_logps), detached, as TRL logs them.
+"""
+
+from typing import NamedTuple
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastllm._dtensor import is_dtensor
+from fastllm._hooks import user_hooked
+from fastllm._modules import output_layer
+from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+__all__ = ["LOSS_TYPES", "DPOLoss", "dpo_loss", "sequence_logps", "token_logps",
+           "token_logps_ref"]
+
+_WHERE = "fastllm.preference"
+
+# TRL's names (DPOConfig.loss_type) for the pairwise losses on sequence log-probabilities; those
+# marked * take the completions' token counts (chosen_lengths, rejected_lengths)
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "nca_pair", "sppo_hard",
+              "apo_zero", "apo_down", "sigmoid_norm")
+_NEEDS_LENGTHS = ("ipo", "sigmoid_norm")
+
+
+def token_logps(hidden, weight, labels, bias=None, ignore_index=-100, logit_softcap=None):
+    """log p(labels[...]) under softmax(hidden weight^T + bias), per position, without the
+    logits: fp32 (fp64 for fp64 inputs), labels' shape, 0 where labels == ignore_index.
+
+    hidden: (..., H); weight: (V, H) (tied embeddings: the embedding matrix); labels: (...) int64
+    aligned with hidden (already shifted for a causal LM). Differentiable in hidden, weight and
+    bias: the backward recomputes the logits chunk by chunk (fused_linear_cross_entropy's
+    reduction "none")."""
+    return -fused_linear_cross_entropy(hidden, weight, labels, bias, ignore_index,
+                                       reduction="none", logit_softcap=logit_softcap)
+
+
+def token_logps_ref(hidden, weight, labels, bias=None, ignore_index=-100, logit_softcap=None):
+    """token_logps with the logits materialised in fp32 (log_softmax and gather, as TRL's
+    selective_log_softmax): the oracle."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    if logit_softcap is not None:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    return _logits_logps(logits, labels, ignore_index)
+
+
+def _causal_lm(model):
+    """The transformers causal LM inside `model` (a PEFT PeftModel's base model, else itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _fused_route(lm):
+    """(backbone, head) when the fused path computes what the model's forward would: a causal LM
+    of a family fastllm.patch knows (its logits are lm_head(hidden), no scale or softcap), a
+    plain nn.Linear head, no hooks on it or on the model (they would be skipped), no DTensor
+    head; else None (the model's own forward and its logits)."""
+    from fastllm.patch import _is_causal_lm
+
+    head = output_layer(lm)
+    if (not _is_causal_lm(lm) or type(head) is not nn.Linear or user_hooked(lm)
+            or user_hooked(head) or is_dtensor(head.weight)
+            or (head.bias is not None and is_dtensor(head.bias))):
+        return None
+    return lm.model, head
+
+
+def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=None,
+                   average=False, ignore_index=-100, **model_kwargs):
+    """Per row, the sum (average=True: the mean) of log p(labels[t] | input_ids[:t]) over the
+    positions whose label is not ignore_index: (B,) fp32 (a row with no label: 0, or nan for the
+    mean, as TRL's). input_ids, labels: (B, T); labels as for the model's own loss (unshifted).
+
+    `model`: a transformers causal LM (patched or not, with fastllm or PEFT adapters). For the
+    families fastllm.patch knows (Llama, Qwen2/3, Mistral) its decoder runs, then the head and
+    the log-softmax fused (token_logps), so no logits exist; for other models, and where that
+    split would skip something (hooks on the model or its head, a head that is not a plain
+    nn.Linear, a DTensor head), the model's forward runs and its logits are used instead."""
+    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+        raise ValueError(f"{_WHERE}.sequence_logps: input_ids and labels must both be (batch, "
+                         f"seq), got {tuple(input_ids.shape)} and {tuple(labels.shape)}")
+    if labels.dtype != torch.long:
+        raise ValueError(f"{_WHERE}.sequence_logps: labels must be int64, got {labels.dtype}")
+    lm = _causal_lm(model)
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]  # position t scores label t + 1
+    kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                  **model_kwargs)
+    route = _fused_route(lm)
+    if route is None:
+        logits = model(input_ids=input_ids, **kwargs).logits
+        per_token = _logits_logps(logits, shifted.to(logits.device), ignore_index)
+    else:
+        backbone, head = route
+        hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
+        per_token = token_logps(hidden.to(head.weight.device), head.weight,
+                                shifted.to(head.weight.device), head.bias, ignore_index)
+    total = per_token.sum(-1)
+    if not average:
+        return total
+    return total / (shifted != ignore_index).sum(-1).to(total.device)
+
+
+def _logits_logps(logits, labels, ignore_index):
+    """token_logps_ref's last step, from logits the model made."""
+    keep = labels != ignore_index
+    logp = (logits if logits.dtype == torch.float64 else logits.float()).log_softmax(-1)
+    return logp.gather(-1, labels.where(keep, 0).unsqueeze(-1)).squeeze(-1).where(keep, 0.0)
+
+
+class DPOLoss(NamedTuple):
+    """dpo_loss's result, per pair (B,): `loss` (take its mean for the step's loss, as TRL does),
+    `chosen_rewards` and `rejected_rewards` (beta * (logps - ref_logps), detached)."""
+
+    loss: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def _check_dpo(logps, beta, loss_type, label_smoothing, lengths):
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"{_WHERE}.dpo_loss: unknown loss_type {loss_type!r}; one of "
+                         f"{', '.join(LOSS_TYPES)}")
+    if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
+        raise ValueError(f"{_WHERE}.dpo_loss: beta must be a finite number > 0, got {beta!r}")
+    ls = label_smoothing
+    top = 0.5 if loss_type == "robust" else 1.0
+    if not (isinstance(ls, (int, float)) and 0.0 <= ls < top) or (
+            ls and loss_type not in ("sigmoid", "robust")):
+        raise ValueError(f"{_WHERE}.dpo_loss: label_smoothing must be in [0, {top:g}) and is "
+                         f"used by loss_type 'sigmoid' and 'robust' only, got {ls!r} with "
+                         f"{loss_type!r}")
+    names = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
+    for name, t in zip(names, logps):
+        if not torch.is_tensor(t) or not t.is_floating_point() or t.dim() != 1:
+            raise ValueError(f"{_WHERE}.dpo_loss: {name} must be a 1-d floating tensor (one "
+                             f"value per pair), got {_describe(t)}")
+        if t.shape != logps[0].shape:
+            raise ValueError(f"{_WHERE}.dpo_loss: {name} has {t.shape[0]} pairs, chosen_logps "
+                             f"{logps[0].shape[0]}")
+    if loss_type in _NEEDS_LENGTHS:
+        if any(n is None for n in lengths):
+            raise ValueError(f"{_WHERE}.dpo_loss: loss_type {loss_type!r} averages over the "
+                             "completions' tokens: pass chosen_lengths and rejected_lengths")
+        for name, n in zip(("chosen_lengths", "rejected_lengths"), lengths):
+            if not torch.is_tensor(n) or n.shape != logps[0].shape:
+                raise ValueError(f"{_WHERE}.dpo_loss: {name} must be a tensor of one count "
+                                 f"per pair, got {_describe(n)}")
+
+
+def _describe(t):
+    return (f"a {t.dim()}-d {t.dtype} tensor of shape {tuple(t.shape)}" if torch.is_tensor(t)
+            else type(t).__name__)
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
+             loss_type="sigmoid", label_smoothing=0.0, chosen_lengths=None,
+             rejected_lengths=None):
+    """The DPO family's per-pair loss from sequence log-probabilities (each (B,)), TRL's
+    formulas. With h = beta * ((chosen - ref_chosen) - (rejected - ref_rejected)):
+
+      sigmoid   -(1 - ls) logsigmoid(h) - ls logsigmoid(-h)   (DPO; ls > 0: conservative DPO)
+      hinge     relu(1 - h)                                   (SLiC)
+      ipo       (d - 1 / (2 beta))^2, d = h / beta with each side's log-ratio divided by
+                its completion's length
+      robust    (-(1 - ls) logsigmoid(h) + ls logsigmoid(-h)) / (1 - 2 ls)
+      bco_pair, nca_pair, sppo_hard, apo_zero, apo_down, sigmoid_norm: as TRL.
+
+    ls = label_smoothing. ipo and sigmoid_norm need chosen_lengths / rejected_lengths, the
+    completions' token counts (TRL divides by them; counts below 1 count as 1). Returns DPOLoss
+    (loss, chosen_rewards, rejected_rewards), each (B,)."""
+    logps = (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    _check_dpo(logps, beta, loss_type, label_smoothing, (chosen_lengths, rejected_lengths))
+    chosen_ratio = chosen_logps - ref_chosen_logps
+    rejected_ratio = rejected_logps - ref_rejected_logps
+    if loss_type in _NEEDS_LENGTHS:
+        chosen_ratio_n = chosen_ratio / chosen_lengths.to(chosen_ratio).clamp(min=1.0)
+        rejected_ratio_n = rejected_ratio / rejected_lengths.to(chosen_ratio).clamp(min=1.0)
+        delta = chosen_ratio_n - rejected_ratio_n
+    else:
+        delta = chosen_ratio - rejected_ratio
+    h, ls = beta * delta, label_smoothing
+    if loss_type == "sigmoid" or loss_type == "sigmoid_norm":
+        loss = -F.logsigmoid(h) * (1 - ls) - F.logsigmoid(-h) * ls
+    elif loss_type == "hinge":
+        loss = torch.relu(1 - h)
+    elif loss_type == "ipo":
+        loss = (delta - 1 / (2 * beta)) ** 2
+    elif loss_type == "robust":
+        loss = (-(1 - ls) * F.logsigmoid(h) + ls * F.logsigmoid(-h)) / (1 - 2 * ls)
+    elif loss_type == "bco_pair":
+        loss = -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio)
+    elif loss_type == "nca_pair":
+        c, r = beta * chosen_ratio, beta * rejected_ratio
+        loss = -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r)
+    elif loss_type == "sppo_hard":
+        loss = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    elif loss_type == "apo_zero":
+        loss = 1 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
+    else:  # apo_down
+        loss = torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(h)
+    return DPOLoss(loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
