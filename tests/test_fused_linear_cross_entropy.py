@@ -404,7 +404,7 @@ def test_opcheck():
     hidden, weight, bias, labels, _ = _inputs((2, 5), 8, 13, dict(bias=True), torch.float32)
     op = torch.ops.fastllm.fused_linear_cross_entropy
     for reduction, mask in (("mean", [True, True, True]), ("sum", [True, False, False]),
-                            ("none", [False, False, False])):
+                            ("none", [False, False, False]), ("none", [True, False, False])):
         torch.library.opcheck(op, (hidden, weight, labels, bias, -100, reduction, 0.1, 1e-3, 0.0,
                                    mask))
     # as autograd calls it: grad mode off, or (opcheck runs with it on) inputs that need no grad
@@ -428,6 +428,23 @@ def test_compile_fullgraph():
     torch.testing.assert_close(got, want)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w)
+
+
+def test_compile_fullgraph_per_token_frozen_head():
+    """reduction "none" with a frozen head: grad_hidden made in the forward, each row scaled in
+    the backward by its token's own grad (DPO's log-probabilities), traced whole."""
+    hidden, weight, _, labels, _ = _inputs((2, 5), 8, 13, dict(ignore=True), torch.float32)
+    weight.requires_grad_(False)
+    seed = torch.randn(labels.shape)
+
+    def loss_fn(h, w, y):
+        return (fused_linear_cross_entropy(h, w, y, reduction="none") * seed).sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    (got,) = torch.autograd.grad(compiled(hidden, weight, labels), [hidden])
+    ref = (fused_linear_cross_entropy_ref(hidden, weight, labels, reduction="none") * seed).sum()
+    (want,) = torch.autograd.grad(ref, [hidden])
+    torch.testing.assert_close(got, want)
 
 
 def test_compile_with_a_symbolic_softcap():
