@@ -350,7 +350,8 @@ def disable_adapters(model):
     update: unmerge_lora first), nothing changed. Restored on exit, exceptions included."""
     layers = lora_modules(model)
     if not layers:
-        raise ValueError("fastllm.lora.disable_adapters: the model has no LoRALinear layers")
+        raise ValueError("fastllm.lora.disable_adapters: the model has no fastllm LoRALinear "
+                         "layers (a PEFT model: use its own model.disable_adapter())")
     merged = [n for n, m in layers if m.merged]
     if merged:
         raise ValueError(f"fastllm.lora.disable_adapters: {merged[0]} is merged (its base weight "

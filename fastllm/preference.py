@@ -1,4 +1,4 @@
-"""Preference optimisation (DPO and the pairwise losses TRL's DPOTrainer names) without logits.
+"""Preference optimisation (DPO and TRL DPOTrainer's pairwise losses in LOSS_TYPES) without logits.
 
 A DPO step scores each prompt's chosen and rejected completion under the policy and under a
 frozen reference: the sum over the completion's tokens of log p(token | what came before). The
@@ -18,8 +18,9 @@ for a causal LM's loss: position t's label is scored by the hidden state of posi
 
 token_logps (the op) and token_logps_ref (logits materialised, log_softmax, gather) take the last
 hidden states and the head's weight directly, for models this module does not know how to split.
-The loss formulas are TRL's (DPOTrainer, trl 1.16), DPO's reverse-KL form; rewards are
-beta * (logps - ref_logps), detached, as TRL logs them.
+The loss formulas are TRL's (DPOTrainer, trl 1.16; DPO's reverse-KL form, one loss type per
+call: its exo_pair, discopop, aot and sft types, f-divergences, ld_alpha and WPO weighting are
+not here); rewards are beta * (logps - ref_logps), detached, as TRL logs them.
 """
 
 from typing import NamedTuple
@@ -53,8 +54,8 @@ def token_logps(hidden, weight, labels, bias=None, ignore_index=-100, logit_soft
 
     hidden: (..., H); weight: (V, H) (tied embeddings: the embedding matrix); labels: (...) int64
     aligned with hidden (already shifted for a causal LM). Differentiable in hidden, weight and
-    bias: the backward recomputes the logits chunk by chunk (fused_linear_cross_entropy's
-    reduction "none")."""
+    bias (fused_linear_cross_entropy's reduction "none": with a frozen weight and bias the
+    forward makes grad_hidden too, else the backward recomputes the logits chunk by chunk)."""
     return -fused_linear_cross_entropy(hidden, weight, labels, bias, ignore_index,
                                        reduction="none", logit_softcap=logit_softcap)
 
@@ -93,14 +94,16 @@ def _fused_route(lm):
 def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=None,
                    average=False, ignore_index=-100, **model_kwargs):
     """Per row, the sum (average=True: the mean) of log p(labels[t] | input_ids[:t]) over the
-    positions whose label is not ignore_index: (B,) fp32 (a row with no label: 0, or nan for the
-    mean, as TRL's). input_ids, labels: (B, T); labels as for the model's own loss (unshifted).
+    positions whose label is not ignore_index: (B,) fp32 (a row with no label: 0, as TRL counts
+    such a row, for the mean too). input_ids, labels: (B, T); labels as for the model's own loss
+    (unshifted).
 
     `model`: a transformers causal LM (patched or not, with fastllm or PEFT adapters). For the
     families fastllm.patch knows (Llama, Qwen2/3, Mistral) its decoder runs, then the head and
     the log-softmax fused (token_logps), so no logits exist; for other models, and where that
     split would skip something (hooks on the model or its head, a head that is not a plain
-    nn.Linear, a DTensor head), the model's forward runs and its logits are used instead."""
+    nn.Linear, a DTensor head), and for PEFT's prompt learning, the model's forward runs and its
+    logits are used instead."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(f"{_WHERE}.sequence_logps: input_ids and labels must both be (batch, "
                          f"seq), got {tuple(input_ids.shape)} and {tuple(labels.shape)}")
@@ -110,9 +113,13 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     shifted = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]  # position t scores label t + 1
     kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                   **model_kwargs)
-    route = _fused_route(lm)
+    # PEFT's prompt learning (prompt, prefix, p-tuning) feeds virtual tokens through its own
+    # forward: the model's forward runs, its logits' last T positions are the input's (as TRL's)
+    prompt_learning = getattr(getattr(model, "active_peft_config", None), "is_prompt_learning",
+                              False)
+    route = None if prompt_learning else _fused_route(lm)
     if route is None:
-        logits = model(input_ids=input_ids, **kwargs).logits
+        logits = model(input_ids=input_ids, **kwargs).logits[:, -input_ids.shape[1]:]
         per_token = _logits_logps(logits, shifted.to(logits.device), ignore_index)
     else:
         backbone, head = route
@@ -122,7 +129,7 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     total = per_token.sum(-1)
     if not average:
         return total
-    return total / (shifted != ignore_index).sum(-1).to(total.device)
+    return total / (shifted != ignore_index).sum(-1).clamp(min=1).to(total.device)
 
 
 def _logits_logps(logits, labels, ignore_index):
@@ -148,11 +155,10 @@ def _check_dpo(logps, beta, loss_type, label_smoothing, lengths):
     if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
         raise ValueError(f"{_WHERE}.dpo_loss: beta must be a finite number > 0, got {beta!r}")
     ls = label_smoothing
-    top = 0.5 if loss_type == "robust" else 1.0
-    if not (isinstance(ls, (int, float)) and 0.0 <= ls < top) or (
+    if not (isinstance(ls, (int, float)) and 0.0 <= ls < 0.5) or (
             ls and loss_type not in ("sigmoid", "robust")):
-        raise ValueError(f"{_WHERE}.dpo_loss: label_smoothing must be in [0, {top:g}) and is "
-                         f"used by loss_type 'sigmoid' and 'robust' only, got {ls!r} with "
+        raise ValueError(f"{_WHERE}.dpo_loss: label_smoothing must be in [0, 0.5) and is used "
+                         f"by loss_type 'sigmoid' and 'robust' only, got {ls!r} with "
                          f"{loss_type!r}")
     names = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
     for name, t in zip(names, logps):
@@ -183,7 +189,8 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     """The DPO family's per-pair loss from sequence log-probabilities (each (B,)), TRL's
     formulas. With h = beta * ((chosen - ref_chosen) - (rejected - ref_rejected)):
 
-      sigmoid   -(1 - ls) logsigmoid(h) - ls logsigmoid(-h)   (DPO; ls > 0: conservative DPO)
+      sigmoid   -(1 - ls) logsigmoid(h) - ls logsigmoid(-h)   (DPO; ls > 0: conservative DPO,
+                as TRL before 1.0 and Liger-Kernel have it; TRL 1.16's sigmoid takes no ls)
       hinge     relu(1 - h)                                   (SLiC)
       ipo       (d - 1 / (2 beta))^2, d = h / beta with each side's log-ratio divided by
                 its completion's length

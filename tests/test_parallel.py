@@ -192,6 +192,39 @@ def _lora_sp_trainable():
     return sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad})
 
 
+def _lora_tp_disabled():
+    """Max |logits - the base model's| of a dp2 x tp2 LoRA model (B random) inside
+    fastllm.adapters.disable_adapters, and outside it: (disabled, enabled)."""
+    from torch.distributed.tensor import DTensor
+
+    from fastllm.adapters import disable_adapters
+    from fastllm.lora import inject_lora
+    from fastllm.parallel import parallelize
+    from parallel_train import tiny_llama
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base = model(input_ids=ids).logits
+        inject_lora(model, ["q_proj", "v_proj", "o_proj", "down_proj"], r=2)
+        g = torch.Generator().manual_seed(4)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g))
+    parallelize(model, build_mesh(dp=2, tp=2), vocab_parallel_logits=False)
+
+    def diff():
+        with torch.no_grad():
+            out = model(input_ids=ids).logits
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        return (out - base).abs().max().item()
+
+    enabled = diff()
+    with disable_adapters(model):
+        disabled = diff()
+    return disabled, enabled
+
+
 def _optimizer_extras():
     """fastllm AdamW's 'fastllm' entry (skip count, stochastic-rounding seed and calls) through
     fastllm train's sharded checkpoints: FSDP2 over the 4 ranks (checkpoint_layout.full_state,
@@ -279,6 +312,7 @@ def _worker(rank, port, out_path, ckpt):
         results["clip_partial"] = _clip_partial()
         results["optimizer_extras"] = _optimizer_extras()
         results["lora_sp_trainable"] = _lora_sp_trainable()
+        results["lora_tp_disabled"] = _lora_tp_disabled()
         errors = {}
         try:
             build_mesh(dp=3, tp=1, pp=1)
@@ -408,6 +442,12 @@ def test_clip_reduces_partial_grads(runs):
 def test_lora_tp_trains_only_adapters(runs):
     # SequenceParallel re-creates the (frozen) norm weights; they must stay frozen
     assert runs["lora_sp_trainable"] == ["lora_A", "lora_B"]
+
+
+def test_lora_tp_disable_adapters_gives_the_base_model(runs):
+    # the tensor-parallel LoRA layers' own forwards honour disable_adapters (DPO's reference)
+    disabled, enabled = runs["lora_tp_disabled"]
+    assert disabled < 1e-5 and enabled > 1e-3, (disabled, enabled)
 
 
 def test_clear_errors(runs):

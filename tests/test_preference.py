@@ -3,6 +3,7 @@ materialised log_softmax (and against TRL's fused LM head where trl is installed
 against the papers' formulas written out here, and fastllm.lora.disable_adapters as DPO's
 reference model."""
 
+import json
 import sys
 
 import pytest
@@ -189,6 +190,41 @@ def test_matches_trl_fused_lm_head():
     torch.testing.assert_close(ours, trl.sum(-1), rtol=1e-5, atol=1e-5)
 
 
+def test_a_row_without_labels_scores_zero():
+    """0 for the sum and the mean (TRL counts such a row as 1 token): no nan reaches the loss
+    or, through it, every parameter's grad."""
+    model = _model()
+    inject_lora(model, target_modules=["q_proj"], r=4)
+    ids, labels, mask = _pairs()
+    labels[1] = -100
+    for average in (False, True):
+        got = sequence_logps(model, ids, labels, attention_mask=mask, average=average)
+        assert got[1] == 0 and torch.isfinite(got).all()
+        got.sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kind", ["prompt", "prefix"])
+def test_peft_prompt_learning_scores_through_its_forward(kind):
+    """PEFT's virtual tokens come from its own forward: the last T positions of its logits."""
+    peft = pytest.importorskip("peft")
+    model = _model()
+    ids, labels, mask = _pairs()
+    base = sequence_logps(model, ids, labels, attention_mask=mask).detach()
+    config = (peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)
+              if kind == "prompt" else
+              peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    wrapped = peft.get_peft_model(model, config)
+    got = sequence_logps(wrapped, ids, labels, attention_mask=mask)
+    logits = wrapped(input_ids=ids, attention_mask=mask).logits[:, -ids.shape[1]:, :].float()
+    target = labels[:, 1:]
+    keep = target != -100
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, target.where(keep, 0)[..., None])[..., 0]
+    torch.testing.assert_close(got, (logp * keep).sum(-1), rtol=1e-5, atol=1e-5)
+    assert got.requires_grad and (got.detach() - base).abs().max() > 1e-4
+
+
 def test_bad_inputs():
     model = _model()
     ids, labels, _ = _pairs()
@@ -201,7 +237,8 @@ def test_bad_inputs():
 # --- DPO losses --------------------------------------------------------------------------------
 
 def _paper(loss_type, c, r, rc, rr, beta, ls, nc, nr):
-    """The per-pair losses as the papers (and TRL 1.16's DPOTrainer) write them."""
+    """The per-pair losses as the papers (and TRL 1.16's DPOTrainer) write them; sigmoid with
+    label smoothing as Mitchell's conservative DPO (TRL before 1.0, Liger-Kernel)."""
     sig, logsig = torch.sigmoid, F.logsigmoid
     u = beta * ((c - rc) - (r - rr))
     if loss_type == "sigmoid":  # DPO (Rafailov et al. eq. 7); cDPO for ls > 0
@@ -254,8 +291,9 @@ def test_dpo_loss_refuses_bad_arguments():
     for beta in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="beta must be"):
             dpo_loss(x, x, x, x, beta=beta)
-    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 0.5\)"):
-        dpo_loss(x, x, x, x, loss_type="robust", label_smoothing=0.5)
+    for loss_type in ("robust", "sigmoid"):
+        with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 0.5\)"):
+            dpo_loss(x, x, x, x, loss_type=loss_type, label_smoothing=0.5)
     with pytest.raises(ValueError, match="used by loss_type 'sigmoid' and 'robust' only"):
         dpo_loss(x, x, x, x, loss_type="hinge", label_smoothing=0.1)
     with pytest.raises(ValueError, match="ref_rejected_logps has 2 pairs"):
@@ -296,7 +334,7 @@ def test_disable_adapters_gives_the_base_model(kind, patched):
 
 
 def test_disable_adapters_refusals():
-    with pytest.raises(ValueError, match="no LoRALinear layers"):
+    with pytest.raises(ValueError, match="no fastllm LoRALinear layers"):
         disable_adapters(_model()).__enter__()
     model = _model()
     inject_lora(model, target_modules=["q_proj"], r=4)
@@ -308,3 +346,119 @@ def test_disable_adapters_refusals():
 
     with pytest.raises(ValueError, match="carries a prefix"):
         disable_adapters(attach_prefix(_model(), num_virtual_tokens=2)).__enter__()
+
+
+# --- preference data and the DPO example -------------------------------------------------------
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+EXAMPLE_DATA = "examples/data/capital_preferences.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny Llama and a byte-level BPE with a ChatML template, saved as a model folder."""
+    from _tiny_tokenizer import tiny_bpe
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tmp_path_factory.mktemp("tiny_dpo"))
+    tok = tiny_bpe(CHATML, pad="<|im_end|>")
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).save_pretrained(path)
+    return path
+
+
+def _hf_tok(folder):
+    from transformers import AutoTokenizer
+
+    from fastllm.train.data import HFTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(folder), folder)
+
+
+def _write(path, lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return str(path)
+
+
+def test_pairs_are_two_sft_rows_chosen_first(tmp_path, tiny_folder):
+    from fastllm.train.preference_data import encode_pair, pair_batch, read_pairs
+    from fastllm.train.sft_data import encode_example
+    from fastllm.train.sft_records import _check_fields
+
+    tok = _hf_tok(tiny_folder)
+    user = [{"role": "user", "content": "What is the capital of France?"}]
+    records = [{"prompt": "What is the capital of France?", "chosen": " Paris.",
+                "rejected": " Lyon, I think."},
+               {"prompt": user, "chosen": [{"role": "assistant", "content": "Paris."}],
+                "rejected": [{"role": "assistant", "content": "It is Paris, in France."}]}]
+    pairs, wheres = read_pairs(_write(tmp_path / "p.jsonl", records))
+    assert wheres[1].endswith("p.jsonl line 2")
+    encoded = [encode_pair(p, tok) for p in pairs]
+    for record, (chosen, rejected) in zip(records, encoded):  # each side is SFT's encoding
+        for side, got in (("chosen", chosen), ("rejected", rejected)):
+            one = _check_fields({"prompt": record["prompt"], "completion": record[side]}, "x")
+            assert got == encode_example(one, tok)
+    batch = pair_batch(encoded, pad_id=0)
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
+    assert ids.shape[0] == 4
+    for row, (seq, keep) in enumerate([encoded[0][0], encoded[1][0], encoded[0][1],
+                                       encoded[1][1]]):
+        n = len(seq)
+        assert ids[row, :n].tolist() == seq and mask[row, :n].all() and not mask[row, n:].any()
+        want = [t if k else -100 for t, k in zip(seq, keep)] + [-100] * (ids.shape[1] - n)
+        assert labels[row].tolist() == want
+    prompt_len = len(encode_example(_check_fields({"prompt": user, "completion": [
+        {"role": "assistant", "content": "x"}]}, "x"), tok)[0]) - 3
+    with pytest.raises(ValueError, match="the chosen row keeps no completion token"):
+        pair_batch(encoded[1:], pad_id=0, max_length=prompt_len, where=["p.jsonl line 2"])
+
+
+@pytest.mark.parametrize("record,match", [
+    ({"prompt": "a", "chosen": "b"}, r"\['rejected'\] missing"),
+    ({"chosen": "a b", "rejected": "a c"}, "implicit-prompt record"),
+    ({"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": [
+        {"role": "assistant", "content": "c"}]}, "key 'chosen' must be a list of messages"),
+    ({"prompt": "a", "chosen": "b", "rejected": 3}, "key 'rejected' must be a string"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_malformed_pairs_are_refused_naming_the_line_and_key(tmp_path, record, match):
+    from fastllm.train.preference_data import read_pairs
+
+    good = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    with pytest.raises(ValueError, match=match) as e:
+        read_pairs(_write(tmp_path / "p.jsonl", [good, record]))
+    assert "p.jsonl line 2" in str(e.value)
+
+
+def test_dpo_example_trains_and_saves_a_peft_adapter(tmp_path, tiny_folder, monkeypatch):
+    """examples/dpo_lora.py end to end on a tiny model: the first loss is ln 2 (policy = its
+    reference while B = 0), the held-out pairs' loss and chosen NLL (RPO) fall, the adapter
+    loads in PEFT."""
+    import math
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "examples"))
+    import dpo_lora
+
+    out = tmp_path / "adapter"
+    summary = dpo_lora.main([tiny_folder, "--data", os.path.join(root, EXAMPLE_DATA),
+                             "--steps", "6", "--pairs", "4", "--eval-pairs", "4", "--lr", "3e-3",
+                             "--r", "4", "--max-length", "96", "--threads", "1",
+                             "--rpo-alpha", "1", "--out", str(out)])
+    before, after = summary["eval_before"], summary["eval"]
+    assert before["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert after["loss"] < before["loss"] - 0.01 and after["margin"] > 0
+    assert after["chosen_nll"] < before["chosen_nll"]
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_folder),
+                                            str(out))
+    assert any("lora_A" in n for n, _ in loaded.named_parameters())

@@ -442,7 +442,7 @@ def _setup_context(ctx, inputs, output):
 def _scaled(grad, grad_loss):
     # grad_loss: 0-d, or per token (grad_hidden under "none"); grad's dtype, fp32 (fp64) math
     g = grad_loss.to(torch.promote_types(grad.dtype, torch.float32))
-    return grad * (g.unsqueeze(-1) if g.dim() else g)
+    return grad * g if g.dim() == 0 else (grad * g.unsqueeze(-1)).to(grad.dtype)
 
 
 @first_order_only("fastllm.fused_linear_cross_entropy")

@@ -122,7 +122,7 @@ class _ColwiseLoRALinear(LoRALinear):
         x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
         # tp ranks share torch's seed, so they draw the same dropout mask for the replicated x
         return lora_linear(x, weight.to_local(), self.lora_A.to_local(grad_placements=[Partial()]),
-                           self.lora_B.to_local(), self.scaling,
+                           self.lora_B.to_local(), 0.0 if self.disabled else self.scaling,
                            None if bias is None else bias.to_local(), self.dropout,
                            training=self.training)
 
@@ -146,7 +146,8 @@ class _RowwiseLoRALinear(LoRALinear):
             seed = (new_dropout_seed(x.device if x.device.type == "cuda" else None)
                     + mesh.get_local_rank() * 0x9E3779B9)
         y = lora_linear(x, weight.to_local(), self.lora_A.to_local(),
-                        self.lora_B.to_local(grad_placements=[Partial()]), self.scaling, None,
+                        self.lora_B.to_local(grad_placements=[Partial()]),
+                        0.0 if self.disabled else self.scaling, None,
                         self.dropout, training=self.training, seed=seed)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
         y = y.redistribute(placements=[self._tp_output_layout]).to_local()
