@@ -31,12 +31,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_qlora import _anonymous, _peak_rss_mib, _reset_peak_rss  # noqa: E402
+from bench_qlora import _anonymous, _peak_rss_mib, _reset_peak_rss, run_rounds  # noqa: E402
 
 __test__ = False
 
@@ -191,19 +190,9 @@ def main():
     if importlib.util.find_spec("trl") is None:
         print("bench_dpo: trl is not importable; its providers skipped")
         providers = [name for name in providers if not name.endswith("trl")]
-    rows = []
-    for round_ in range(args.rounds):
-        for name in providers:
-            cmd = [sys.executable, os.path.abspath(__file__), args.model_dir, "--one", name,
-                   "--steps", str(args.steps), "--pairs", str(args.pairs), "--length",
-                   str(args.length), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(f"bench_dpo: {name} failed:\n{out.stderr[-3000:]}")
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            row["round"] = round_
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = run_rounds(os.path.abspath(__file__), args.model_dir, providers, args.rounds,
+                      ["--steps", str(args.steps), "--pairs", str(args.pairs), "--length",
+                       str(args.length), "--threads", str(args.threads)], "bench_dpo")
     print(f"\n{args.model_dir}, DPO (sigmoid, beta 0.1), LoRA r=16 all-linear, fp32, "
           f"{args.pairs} pairs x {args.length} tokens, {args.threads} threads, "
           f"{platform.processor() or platform.machine()}")

@@ -128,6 +128,23 @@ def _peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def run_rounds(script, model_dir, providers, rounds, extra, tag):
+    """Each (round, provider) in its own process (`script model_dir --one NAME *extra`, which
+    prints one JSON line), providers interleaved; the rows, each printed as it comes."""
+    rows = []
+    for round_ in range(rounds):
+        for name in providers:
+            cmd = [sys.executable, script, model_dir, "--one", name, *extra]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"{tag}: {name} failed:\n{out.stderr[-3000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row["round"] = round_
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def run_one(args):
     """One provider's steps in this process; prints one JSON line."""
     import warnings
@@ -248,20 +265,10 @@ def main():
     if "peft-bnb-qlora" in providers and importlib.util.find_spec("bitsandbytes") is None:
         print("bench_qlora: bitsandbytes is not importable; peft-bnb-qlora skipped")
         providers.remove("peft-bnb-qlora")
-    rows = []
-    for round_ in range(args.rounds):
-        for name in providers:
-            cmd = [sys.executable, os.path.abspath(__file__), args.model_dir, "--one", name,
-                   "--dtype", args.dtype, "--steps", str(args.steps), "--batch",
-                   str(args.batch), "--length", str(args.length), "--threads", str(args.threads),
-                   "--targets", args.targets]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(f"bench_qlora: {name} failed:\n{out.stderr[-3000:]}")
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            row["round"] = round_
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = run_rounds(os.path.abspath(__file__), args.model_dir, providers, args.rounds,
+                      ["--dtype", args.dtype, "--steps", str(args.steps), "--batch",
+                       str(args.batch), "--length", str(args.length), "--threads",
+                       str(args.threads), "--targets", args.targets], "bench_qlora")
     print(f"\n{args.model_dir}, {args.dtype}, LoRA on {args.targets}, "
           f"{args.batch} x {args.length} tokens, "
           f"{args.threads} threads, {platform.processor() or platform.machine()}")
