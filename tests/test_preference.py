@@ -394,7 +394,7 @@ def test_pairs_are_two_sft_rows_chosen_first(tmp_path, tiny_folder):
     tok = _hf_tok(tiny_folder)
     user = [{"role": "user", "content": "What is the capital of France?"}]
     records = [{"prompt": "What is the capital of France?", "chosen": " Paris.",
-                "rejected": " Lyon, I think."},
+                "rejected": " Lyon, I think.", "messages": "(another dataset's column)"},
                {"prompt": user, "chosen": [{"role": "assistant", "content": "Paris."}],
                 "rejected": [{"role": "assistant", "content": "It is Paris, in France."}]}]
     pairs, wheres = read_pairs(_write(tmp_path / "p.jsonl", records))
@@ -402,7 +402,8 @@ def test_pairs_are_two_sft_rows_chosen_first(tmp_path, tiny_folder):
     encoded = [encode_pair(p, tok) for p in pairs]
     for record, (chosen, rejected) in zip(records, encoded):  # each side is SFT's encoding
         for side, got in (("chosen", chosen), ("rejected", rejected)):
-            one = _check_fields({"prompt": record["prompt"], "completion": record[side]}, "x")
+            one = _check_fields({"prompt": record["prompt"], "completion": record[side]},
+                                "x")
             assert got == encode_example(one, tok)
     batch = pair_batch(encoded, pad_id=0)
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
@@ -426,6 +427,8 @@ def test_pairs_are_two_sft_rows_chosen_first(tmp_path, tiny_folder):
         {"role": "assistant", "content": "c"}]}, "key 'chosen' must be a list of messages"),
     ({"prompt": "a", "chosen": "b", "rejected": 3}, "key 'rejected' must be a string"),
     ([1, 2], "must be a JSON object"),
+    ({"prompt": "a", "chosen": "b", "rejected": "c", "tools": [{"name": "f"}]},
+     "go with conversational records"),
 ])
 def test_malformed_pairs_are_refused_naming_the_line_and_key(tmp_path, record, match):
     from fastllm.train.preference_data import read_pairs

@@ -21,6 +21,7 @@ from fastllm.train.sft_records import _check_fields, _files, parsed, template_in
 __all__ = ["read_pairs", "encode_pair", "pair_batch"]
 
 _SIDES = ("chosen", "rejected")
+_TEMPLATE_KEYS = ("tools", "chat_template_kwargs")  # TRL's per-record chat template inputs
 
 
 def _check_pair(record, where):
@@ -37,8 +38,10 @@ def _check_pair(record, where):
                          f"'chosen' and 'rejected'; {missing} missing{hint}")
     sides = []
     for side in _SIDES:
-        one = {k: v for k, v in record.items() if k not in _SIDES}
-        one["completion"] = record[side]
+        # only the prompt-completion record's keys: another record kind's ("messages", ...)
+        # beside them would make SFT's check read the record as that kind
+        one = {k: record[k] for k in _TEMPLATE_KEYS if k in record}
+        one.update(prompt=record["prompt"], completion=record[side])
         try:
             normal = _check_fields(one, where)
             extra = template_inputs(one, normal[0], where)
