@@ -45,6 +45,10 @@ class LoRALinear(nn.Module):
     `autocast_adapter_dtype`: the low-rank products and the adapters' grads in fp32).
     """
 
+    # disable_adapters(): forward is the base layer's (a class default: a layer pickled before
+    # the flag existed reads it too)
+    disabled = False
+
     def __init__(self, base, r=8, alpha=16, dropout=0.0, use_rslora=False, adapter_dtype=None):
         super().__init__()
         if not isinstance(base, ADAPTABLE):
@@ -59,7 +63,6 @@ class LoRALinear(nn.Module):
         self.use_rslora = use_rslora
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.merged = False
-        self.disabled = False  # disable_adapters(): forward is the base layer's
         device = (base.weight_packed if isinstance(base, NF4Linear) else base.weight).device
         dtype = base_dtype(base) if adapter_dtype is None else adapter_dtype
         self.lora_A = nn.Parameter(torch.empty(self.r, base.in_features, dtype=dtype,
