@@ -302,6 +302,9 @@ def merge_lora(model):
     change the input embeddings too, as PEFT's merge_and_unload silently does).
     """
     layers = _check_merge_state(model, merged=False)
+    if any(m.disabled for _, m in layers):  # (the block's base-only outputs would change)
+        raise ValueError("fastllm.lora.merge_lora: inside disable_adapters(model); nothing was "
+                         "merged: merge after the block")
     quantized = [n for n, m in layers if isinstance(m.base_layer, NF4Linear)]
     if quantized:
         raise ValueError(f"fastllm.lora.merge_lora: {quantized[0]} has a 4-bit NF4 base weight; "

@@ -338,6 +338,8 @@ def test_disable_adapters_refusals():
         disable_adapters(_model()).__enter__()
     model = _model()
     inject_lora(model, target_modules=["q_proj"], r=4)
+    with disable_adapters(model), pytest.raises(ValueError, match="inside disable_adapters"):
+        merge_lora(model)
     merge_lora(model)
     with pytest.raises(ValueError, match="is merged"):
         disable_adapters(model).__enter__()
