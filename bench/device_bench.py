@@ -14,7 +14,9 @@ one table (bench/device_check.sh runs it; about three minutes on an H200):
     model      issue 19 at SmolLM2-135M's sizes, 8 x 2048 tokens, bf16: rms_norm, rotary_embedding,
                swiglu forward + backward (GB/s, % of the copy_ ceiling timed in the same rounds)
                and fused_linear_cross_entropy (TFLOP/s, against its three GEMMs alone), each
-               against torch eager and Liger-Kernel; then a whole training step of a 30-layer
+               against torch eager and Liger-Kernel, and DPO's per-token log-probabilities
+               (fastllm.preference.token_logps, frozen head: against its two GEMMs alone and
+               log_softmax over materialised logits); then a whole training step of a 30-layer
                SmolLM2-135M-shaped LlamaForCausalLM, full and LoRA: HF (+ PEFT), HF + Liger-Kernel
                (+ PEFT), fastllm (patch + lora + optim.AdamW): tokens/s, peak memory, kernels
     qlora      NF4 (fastllm.quant): dequantising a 4096 x 4096 weight to bf16 (GB/s, against a
@@ -501,12 +503,21 @@ def _model_op_cases(shape, device, liger):
                   lambda: ([rnd(t, h, grad=True), head_w],
                            [torch.randint(0, shape.vocab, (t,), device=device)], [one]),
                   dict(flops=3 * 2 * t * h * shape.vocab)))  # logits, dX, dW
+
+    # DPO's log-probabilities of the labels under a frozen (LoRA) head, a grad per token
+    fns = {ours: fastllm.preference.token_logps,
+           "torch eager": fastllm.preference.token_logps_ref}  # logits, log_softmax, gather
+    cases.append(("token_logps", f"hidden {t}x{h}, frozen head {shape.vocab}x{h}, bf16", fns,
+                  lambda: ([rnd(t, h, grad=True)],
+                           [head_w.detach(), torch.randint(0, shape.vocab, (t,), device=device)],
+                           [torch.randn(t, device=device)]),
+                  dict(flops=2 * 2 * t * h * shape.vocab, gemms=2)))  # logits, dX
     return cases
 
 
-def _gemm_floor(shape, device):
-    """The loss's three GEMMs alone (logits, dX, dW into preallocated outputs, bf16): what no
-    fused loss can beat."""
+def _gemm_floor(shape, device, gemms=3):
+    """The loss's three GEMMs alone (logits, dX, dW into preallocated outputs, bf16; gemms=2: a
+    frozen head's logits and dX): what no fused loss can beat."""
     dt = torch.bfloat16
     x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dt)
     w = torch.randn(shape.vocab, shape.hidden, device=device, dtype=dt)
@@ -516,7 +527,8 @@ def _gemm_floor(shape, device):
     def step():
         torch.mm(x, w.t(), out=z)
         torch.mm(z, w, out=gx)
-        torch.mm(z.t(), x, out=gw)
+        if gemms == 3:
+            torch.mm(z.t(), x, out=gw)
 
     return step
 
@@ -526,6 +538,7 @@ def _model_ops(shape, device, scale, liger, why, rows):
     x_copy, y_copy = _copy_buffers(device, 4096 if smoke else 1)
     for op, size, fns, make_set, work in _model_op_cases(shape, device, liger):
         size = f"{size}, fwd+bwd"
+        gemms = work.pop("gemms", 3)
         sets = _input_sets(make_set, device)
         steps, failed = {}, {}
         for name, fn in fns.items():
@@ -539,7 +552,7 @@ def _model_ops(shape, device, scale, liger, why, rows):
         if "bytes" in work:
             steps["copy_ (ceiling)"] = lambda: x_copy.copy_(y_copy)
         else:
-            steps["its 3 GEMMs alone (torch.mm)"] = _gemm_floor(shape, device)
+            steps[f"its {gemms} GEMMs alone (torch.mm)"] = _gemm_floor(shape, device, gemms)
         if smoke:  # each step ran once above: one more round checks the rest of the code
             timings = harness.measure_many(steps, device=device, warmup=0, min_reps=1,
                                            max_reps=1, min_time_s=0.0)
