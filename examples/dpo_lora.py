@@ -79,19 +79,6 @@ def _evaluate(model, batch, args):
             "margin": round(float(margin.mean()), 5)}
 
 
-def _answer(model, tok, prompt, max_new_tokens=24):
-    import torch
-
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                  add_generation_prompt=True, return_tensors="pt",
-                                  return_dict=True)["input_ids"]
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    model.train()
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-
-
 def main(argv=None):
     args = _args(sys.argv[1:] if argv is None else argv)
     import torch
@@ -100,6 +87,7 @@ def main(argv=None):
     import fastllm
     from fastllm.lora import inject_lora, save_adapter
     from fastllm.train.data import HFTokenizer
+    from fastllm.train.evaluate import generate_samples
     from fastllm.train.preference_data import encode_pair, pair_batch, read_pairs
 
     torch.set_num_threads(args.threads)
@@ -127,7 +115,7 @@ def main(argv=None):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = fastllm.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     eval_batch = batch(held)
-    answers = {p: [_answer(model, hf_tok, p)] for p in args.prompt}
+    answers = {p: [a] for p, a in zip(args.prompt, generate_samples(model, tok, args.prompt, 24))}
     before = _evaluate(model, eval_batch, args)
     print(json.dumps({"step": 0, "eval": before}), flush=True)
     stream = random.Random(args.seed + 1)
@@ -145,8 +133,8 @@ def main(argv=None):
                           "margin": round(float(margin.mean()), 5),
                           "step_s": round(time.perf_counter() - t, 2)}), flush=True)
     after = _evaluate(model, eval_batch, args)
-    for p in args.prompt:
-        answers[p].append(_answer(model, hf_tok, p))
+    for p, a in zip(args.prompt, generate_samples(model, tok, args.prompt, 24)):
+        answers[p].append(a)
     summary = {"step": args.steps, "eval": after, "eval_before": before,
                "answers_before_after": answers}
     print(json.dumps(summary), flush=True)

@@ -204,10 +204,9 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     _check_dpo(logps, beta, loss_type, label_smoothing, (chosen_lengths, rejected_lengths))
     chosen_ratio = chosen_logps - ref_chosen_logps
     rejected_ratio = rejected_logps - ref_rejected_logps
-    if loss_type in _NEEDS_LENGTHS:
-        chosen_ratio_n = chosen_ratio / chosen_lengths.to(chosen_ratio).clamp(min=1.0)
-        rejected_ratio_n = rejected_ratio / rejected_lengths.to(chosen_ratio).clamp(min=1.0)
-        delta = chosen_ratio_n - rejected_ratio_n
+    if loss_type in _NEEDS_LENGTHS:  # each side's log-ratio per completion token
+        delta = (chosen_ratio / chosen_lengths.to(chosen_ratio).clamp(min=1.0)
+                 - rejected_ratio / rejected_lengths.to(chosen_ratio).clamp(min=1.0))
     else:
         delta = chosen_ratio - rejected_ratio
     h, ls = beta * delta, label_smoothing
