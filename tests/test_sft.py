@@ -424,6 +424,8 @@ def test_examples_parse():
     assert dora.lora.use_dora and dora.lr == 2e-4
     qlora = TrainConfig.load(os.path.join(os.path.dirname(names[0]), "sft_qlora.yaml"))
     assert qlora.lora.quantize_base == "nf4" and qlora.finetune == "lora"
+    dpo = TrainConfig.load(os.path.join(os.path.dirname(names[0]), "dpo_lora.yaml"))
+    assert dpo.objective == "dpo" and dpo.dpo.rpo_alpha == 1.0 and dpo.finetune == "lora"
 
 
 def test_compare_hf_runs_the_same_batches(tmp_path, capsys):

@@ -258,7 +258,7 @@ _UNORDERED_KEYS = ("lora.target_modules",)
 # refresh gap and scale): a checkpoint's optimizer state brings back its own, which a resume with
 # a changed config must not silently keep.
 _HYPERPARAMS = ("weight_decay", "betas", "eps", "update_proj_gap", "scale")
-_DATA_KEYS = ("seed", "data.path", "data.format", "data.seq_len", "data.packing",
+_DATA_KEYS = ("seed", "objective", "data.path", "data.format", "data.seq_len", "data.packing",
               "data.train_on_prompt", "data.eval_fraction", "data.eval_path")
 
 

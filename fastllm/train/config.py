@@ -17,14 +17,14 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from fastllm.train.config_values import (ConfigError, consumed as _consumed,
-                                         convert as _convert, field_names as _field_names,
-                                         field_type as _field_type, parse_free as _parse_free,
-                                         update as _update, validate_quantize_base)
+from fastllm.train.config_checks import validate_objective, validate_values
+from fastllm.train.config_values import (ConfigError, convert as _convert,
+                                         field_names as _field_names, field_type as _field_type,
+                                         parse_free as _parse_free, update as _update)
 
 __all__ = ["TrainConfig", "DataConfig", "EvalConfig", "LoraConfig", "PrefixConfig",
            "FreezeConfig", "GaloreConfig", "BAdamConfig", "CheckpointConfig", "ParallelConfig",
-           "ConfigError", "HF_NAMES", "hf_names"]
+           "DPOConfig", "ConfigError", "HF_NAMES", "hf_names"]
 
 
 @dataclass
@@ -94,6 +94,15 @@ class FreezeConfig:
 
 
 @dataclass
+class DPOConfig:
+    """objective=dpo: TRL DPOConfig's names (fastllm.preference.dpo_loss)."""
+    beta: float = 0.1
+    loss_type: str = "sigmoid"            # fastllm.preference.LOSS_TYPES
+    label_smoothing: float = 0.0          # sigmoid (cDPO) and robust: in [0, 0.5)
+    rpo_alpha: float = 0.0                # > 0: plus this x the chosen completions' NLL (RPO)
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = 100                   # steps between checkpoints; 0: only at the end
     keep_last: int = 2
@@ -134,6 +143,8 @@ class TrainConfig:
     eval_interval: int = 0                # steps between evaluations (and at the end); 0: the end
     eval: EvalConfig = field(default_factory=EvalConfig)
     finetune: str = "full"                # full | freeze | lora | galore | badam | prefix
+    objective: str = "lm"                 # lm (next token: text, SFT) | dpo (preference pairs)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
@@ -204,7 +215,8 @@ class TrainConfig:
         need(self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
         need(self.lora.r >= 1 and 0 <= self.lora.dropout < 1, "need lora.r >= 1 and "
              "lora.dropout in [0, 1)")
-        _validate_values(self, need)
+        validate_values(self, need)
+        validate_objective(self, need)
         need(self.parallel.tp >= 1 and self.parallel.pp >= 1, "parallel.tp and pp must be >= 1")
         plain = self.parallel.tp == self.parallel.pp == 1 and self.parallel.strategy != "fsdp"
         need(not self.torch_compile or plain, "torch_compile is not supported with parallel.tp "
@@ -482,94 +494,6 @@ def _unique_keys_loader(yaml):
             return super().construct_mapping(node, deep)
 
     return UniqueKeys
-
-
-_DEVICES = ("auto", "cpu", "cuda")
-
-
-def _validate_values(cfg, need):
-    """Ranges of the values validate() does not check inline, each error naming its key."""
-    need(cfg.finetune not in ("galore", "badam") or cfg.backend == "fastllm", f"finetune="
-         f"{cfg.finetune} is fastllm's optimizer; backend=torch has no GaLore/BAdam (it would "
-         f"train every parameter with torch.optim.AdamW)")
-    need(cfg.device in _DEVICES, f"device must be one of {_DEVICES}, got {cfg.device!r}")
-    if cfg.device == "cuda":
-        import torch
-
-        need(torch.cuda.is_available(), f"device=cuda but torch.cuda.is_available() is False "
-             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use device=cpu "
-             f"or auto")
-    need(cfg.threads >= 0, f"threads must be >= 0 (0: torch's default), got {cfg.threads}")
-    need(cfg.freeze.layers >= 1, f"freeze.layers must be >= 1 (the last N decoder layers "
-         f"train), got {cfg.freeze.layers}")
-    need(cfg.lora.layers >= 0, f"lora.layers must be >= 0 (0: all layers), got "
-         f"{cfg.lora.layers}")
-    need(math.isfinite(cfg.lora.alpha) and cfg.lora.alpha > 0, f"lora.alpha must be finite and "
-         f"> 0, got {cfg.lora.alpha}")
-    validate_quantize_base(cfg, need)
-    need(cfg.log_interval >= 1, f"log_interval must be >= 1, got {cfg.log_interval}")
-    need(math.isfinite(cfg.eps) and cfg.eps >= 0, f"eps must be finite and >= 0, got {cfg.eps}")
-    need(math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, f"weight_decay must be "
-         f"finite and >= 0, got {cfg.weight_decay}")
-    need(math.isfinite(cfg.max_grad_norm), f"max_grad_norm must be finite, got "
-         f"{cfg.max_grad_norm}")
-    for key in ("timeout_s", "init_timeout_s"):
-        value = getattr(cfg.parallel, key)
-        need(math.isfinite(value) and value >= 0, f"parallel.{key} must be finite and >= 0 (0: "
-             f"torch's default), got {value}")
-    need(cfg.data.path is None or cfg.data.path.strip() != "", "data.path is empty: give a "
-         "text file or folder, or null for the built-in corpus")
-    if cfg.data.path is not None and os.path.exists(cfg.data.path):
-        need(os.path.isfile(cfg.data.path) or os.path.isdir(cfg.data.path),
-             f"data.path {cfg.data.path} is not a regular file or folder (a device or pipe?)")
-    need(cfg.data.cache_dir is None or cfg.data.cache_dir.strip() != "", "data.cache_dir is "
-         "empty: give a folder, or null for $FASTLLM_CACHE or ~/.cache/fastllm")
-    need(cfg.data.vocab_size >= 2, f"data.vocab_size must be >= 2, got {cfg.data.vocab_size}")
-    # (the trained BPE starts from the 256 bytes and <|endoftext|>: a smaller size was ignored)
-    need(cfg.data.tokenizer != "bpe" or cfg.data.vocab_size >= 257, f"data.vocab_size="
-         f"{cfg.data.vocab_size} with data.tokenizer=bpe: its byte-level alphabet and "
-         f"<|endoftext|> are 257 tokens already; give >= 257")
-    need(cfg.data.prefetch >= 0, f"data.prefetch must be >= 0, got {cfg.data.prefetch}")
-    g = cfg.galore
-    need(g.rank >= 1, f"galore.rank must be >= 1, got {g.rank}")
-    need(g.update_proj_gap >= 1, f"galore.update_proj_gap must be >= 1, got {g.update_proj_gap}")
-    need(math.isfinite(g.scale) and g.scale > 0, f"galore.scale must be finite and > 0, got "
-         f"{g.scale}")
-    need(g.proj_type in ("std", "reverse_std", "left", "right"), f"galore.proj_type must be one "
-         f"of std, reverse_std, left, right, got {g.proj_type!r}")
-    b = cfg.badam
-    need(b.switch_block_every >= 1, f"badam.switch_block_every must be >= 1, got "
-         f"{b.switch_block_every}")
-    need(b.switch_mode in ("ascending", "descending", "random"), f"badam.switch_mode must be "
-         f"ascending, descending or random, got {b.switch_mode!r}")
-    need(b.blocks is None or (b.blocks and all(b.blocks)), f"badam.blocks must be null or a "
-         f"non-empty list of non-empty lists of name prefixes, got {b.blocks!r}")
-    if cfg.model_config:
-        need(not os.path.isdir(cfg.model), f"model_config applies to the built-in models; "
-             f"model={cfg.model} is a folder whose config.json is used as it is")
-        from transformers import LlamaConfig
-        try:  # (transformers 5's; 4.x keeps rope_theta a LlamaConfig field)
-            from transformers.modeling_rope_utils import RopeParameters
-        except ImportError:
-            RopeParameters = dict
-
-        known = LlamaConfig().to_dict()
-        unknown = sorted(k for k, v in cfg.model_config.items()
-                         if k not in known and not _consumed(LlamaConfig, k, v))
-        need(not unknown, f"unknown model_config key(s) {unknown} (neither LlamaConfig fields "
-             f"nor arguments it takes, such as rope_theta)")
-        floats = [k for k, t in typing.get_type_hints(RopeParameters).items()
-                  if float in typing.get_args(t)]  # rope_theta, partial_rotary_factor, ...
-        floats += [k for k, v in known.items() if isinstance(v, float)]
-        # the embedding and head are sized for the tokenizer's ids (a smaller table fails
-        # mid-step with an IndexError, a larger one trains rows no id reaches)
-        need("vocab_size" not in cfg.model_config, f"model_config.vocab_size="
-             f"{cfg.model_config.get('vocab_size')!r}: the vocabulary is the tokenizer's "
-             f"(data.tokenizer; data.vocab_size for bpe); drop the key")
-        for key, value in cfg.model_config.items():
-            # a float field as the top-level ones take it: YAML 1.1 reads 1e-5 as a string
-            if key in floats and isinstance(value, str):
-                cfg.model_config[key] = _convert(f"model_config.{key}", value, None, float)
 
 
 # Hugging Face TrainingArguments names -> fastllm's, where the concept is the same

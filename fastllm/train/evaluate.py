@@ -267,8 +267,11 @@ class Evaluator:
         model = trainer.module if whole else trainer.strategy.model
         out = {}
         if self.dataset is not None:
-            out = evaluate_loss(model, self.dataset, self.cfg.micro_batch_size, trainer.device,
-                                trainer.autocast, self.cfg.eval.batches)
+            # objective=dpo: the held-out pairs' DPO loss and rewards (preference_step)
+            score = (evaluate_loss if trainer.objective is None else
+                     trainer.objective.evaluate)
+            out = score(model, self.dataset, self.cfg.micro_batch_size, trainer.device,
+                        trainer.autocast, self.cfg.eval.batches)
         samples = []
         if self.prompts and self.rank == 0 and whole:
             samples = generate_samples(trainer.module, self.tokenizer, self.prompts,

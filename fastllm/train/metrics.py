@@ -26,7 +26,7 @@ import time
 from fastllm._files import write_replacing
 
 __all__ = ["FIELDS", "MetricsWriter", "read_metrics", "summarize", "format_summary",
-           "write_summary"]
+           "write_summary", "start_line"]
 
 FIELDS = ("step", "loss", "lr", "grad_norm", "skipped", "tokens", "tokens_per_s", "step_time_s",
           "data_wait_s", "fwd_bwd_s", "comm_s", "optim_s", "peak_mem_bytes")
@@ -136,14 +136,20 @@ class MetricsWriter:
         step = rec["step"]
         if self._tb is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s",
-                        "comm_s", "optim_s"):
+                        "comm_s", "optim_s", "rewards/accuracies", "rewards/margins"):
                 if isinstance(rec.get(key), (int, float)):
                     self._tb.add_scalar(f"train/{key}", rec[key], step)
         loss = rec["loss"]
         text = (f"loss {loss:.4f} lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f}"
                 + (" SKIPPED" if rec["skipped"] else "")
-                + (f" eval_loss {rec['eval_loss']:.4f} eval_ppl {rec['eval_ppl']:.2f}"
-                   if rec.get("eval_loss") is not None else ""))
+                + (f" reward_acc {rec['rewards/accuracies']:.2f} margin "
+                   f"{rec['rewards/margins']:.3f}" if "rewards/margins" in rec else "")
+                + (f" eval_loss {rec['eval_loss']:.4f}" if rec.get("eval_loss") is not None
+                   else "")
+                + (f" eval_ppl {rec['eval_ppl']:.2f}" if rec.get("eval_ppl") is not None
+                   else "")
+                + (f" eval_reward_acc {rec['eval_rewards/accuracies']:.2f}"
+                   if rec.get("eval_rewards/accuracies") is not None else ""))
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(1)
@@ -212,6 +218,9 @@ def summarize(records, skip_first=1):
         "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records),
         "eval_loss": next((r["eval_loss"] for r in reversed(records)
                            if r.get("eval_loss") is not None), None),
+        # objective=dpo: the last held-out reward accuracy (its eval loss has no perplexity)
+        "eval_reward_accuracy": next((r["eval_rewards/accuracies"] for r in reversed(records)
+                                      if r.get("eval_rewards/accuracies") is not None), None),
     }
 
 
@@ -228,7 +237,10 @@ def format_summary(s, title="run summary"):
                                      for k, v in split.items()),
         f"  peak memory {s['peak_mem_bytes'] / 2**20:.1f} MiB",
     ]
-    if s.get("eval_loss") is not None:
+    if s.get("eval_reward_accuracy") is not None:
+        lines.append(f"  eval loss {s['eval_loss']:.4f} (reward accuracy "
+                     f"{s['eval_reward_accuracy']:.3f})")
+    elif s.get("eval_loss") is not None:
         lines.append(f"  eval loss {s['eval_loss']:.4f} (perplexity "
                      f"{math.exp(min(s['eval_loss'], 700)):.2f})")
     if split["data_wait_s"] > DATA_WAIT_WARN:
@@ -275,3 +287,27 @@ def write_summary(output_dir, status, step, **run):
     print(format_summary(summary, f"fastllm train: {status} at step {step} ({output_dir})"),
           flush=True)
     return summary
+
+
+def start_line(trainer):
+    """The run's opening log line: the model and what trains, the devices and layout, the data
+    and batch, the recomputed layers, the strategy's and objective's details."""
+    from fastllm.train.model import weight_count
+
+    cfg, lay, strategy = trainer.cfg, trainer.layout, trainer.strategy
+    # this rank's parameters (a tp shard counts whole: DTensor.numel is the global size)
+    n_params = weight_count(trainer.module)
+    n_train = sum(p.numel() for p in trainer.module.parameters() if p.requires_grad)
+    shape = f" ({lay.describe()})" if lay.tp > 1 or lay.pp > 1 else ""
+    rows = "preference pairs" if trainer.objective is not None else "sequences"
+    objective = f"; {trainer.objective.describe()}" if trainer.objective is not None else ""
+    return (f"fastllm train: {cfg.model} ({n_params / 1e6:.2f}M params, "
+            f"{n_train / 1e6:.3f}M trainable"
+            f"{' on rank 0' if lay.pp > 1 else ''}, finetune={cfg.finetune}, "
+            f"precision={cfg.precision}, backend={cfg.backend}, optim={cfg.optim}) on "
+            f"{trainer.world} x {trainer.device.type}{shape}, strategy={strategy.name}; "
+            f"{trainer.dataset.num_sequences} {rows} of {cfg.data.seq_len} tokens; global "
+            f"batch {trainer.global_batch} = {cfg.micro_batch_size} x "
+            f"{trainer.loader.accumulation} accumulation x {lay.dp} data parallel; "
+            f"{trainer.n_checkpointed}/{trainer.n_layers} layers recomputed"
+            f"{strategy.describe()}{objective}")

@@ -28,6 +28,10 @@ def check(cfg, layout=None):
     batch arithmetic (check_batch)."""
     if layout is not None:
         check_batch(cfg, layout)
+        if cfg.objective == "dpo" and layout.dp > 1 and cfg.parallel.strategy == "none":
+            raise ConfigError(f"fastllm train: objective=dpo with parallel.strategy=none on "
+                              f"{layout.describe()}: each rank would train alone; use "
+                              f"parallel.strategy=ddp (or auto)")
     check_backend_env(cfg)
     check_model(cfg)
     cfg.check_files()

@@ -24,15 +24,16 @@ from fastllm.patch import patch as patch_kernels
 from fastllm.parallel import ParallelLayout, apply_activation_checkpointing, decoder_layers
 from fastllm.parallel.pipeline import pipeline_loss
 from fastllm.train import checkpoint as ckpt
-from fastllm.train import (checkpoint_layout, faults, preflight, run_dir, sft_data, strategies,
-                           watchdog)
+from fastllm.train import (checkpoint_layout, faults, preference_data, preflight, run_dir,
+                           sft_data, strategies, watchdog)
 from fastllm.train.config import DEFAULT_MAX_STEPS, TrainConfig
 from fastllm.train.data import Loader
 from fastllm.train.evaluate import Evaluator
 from fastllm.train.memory import PeakMemory, step_peak
-from fastllm.train.metrics import MetricsWriter, write_summary
+from fastllm.train.metrics import MetricsWriter, start_line, write_summary
 from fastllm.train.signals import StopSignals
-from fastllm.train.model import apply_finetune, build_model, is_model_dir, weight_count
+from fastllm.train.model import apply_finetune, build_model, is_model_dir
+from fastllm.train.preference_step import PreferenceObjective
 
 __all__ = ["Trainer", "lr_at"]
 
@@ -114,7 +115,8 @@ class Trainer:
             run_dir.check(cfg)
         model_dir = cfg.model if is_model_dir(cfg.model) else None
         # text or JSONL (SFT) examples; rank 0 tokenizes (and trains a BPE) first
-        self.tokenizer, self.dataset, self.eval_dataset = sft_data.build_datasets(
+        build = (preference_data if cfg.objective == "dpo" else sft_data).build_datasets
+        self.tokenizer, self.dataset, self.eval_dataset = build(
             cfg, model_dir, self.rank, self.world, self._barrier, self.log)
         self.global_batch = cfg.resolved_global_batch(self.layout)
         cfg.max_steps = sft_data.max_steps(self.given_cfg, self.dataset, self.global_batch,
@@ -132,11 +134,17 @@ class Trainer:
             patch_kernels(model)
         model.to(self.device)
         model.train()
+        # (DPO's reference: the model as built, before checkpointing, compile and any step)
+        self.objective = PreferenceObjective.make(cfg, model)
         self.n_checkpointed = apply_activation_checkpointing(model, cfg.checkpoint_ratio)
         self.n_layers = len(decoder_layers(model))
         if cfg.torch_compile:  # the whole model, as HF's Trainer (README: why not per layer)
             model.compile()
+            if self.objective is not None:
+                self.objective.compile(model)
         self.strategy = strategies.make(cfg, self.layout, self.device, self.rank)
+        if self.objective is not None:  # (what DDP wraps: the scoring of pairs, not the forward)
+            self.strategy.policy = self.objective.policy(model)
         self.strategy.wrap(model, self._stage_loss)
         self.strategy.build_optimizer()
         self.module, self.optimizer = self.strategy.module, self.strategy.optimizer
@@ -146,7 +154,8 @@ class Trainer:
 
     def _step_loss(self, model, ids):
         with self.autocast:
-            loss = model(**sft_data.model_inputs(ids), use_cache=False).loss
+            loss = (self.objective(model, ids) if self.objective is not None else
+                    model(**sft_data.model_inputs(ids), use_cache=False).loss)
         return loss * float("nan") if self._poisoned else loss
 
     def _stage_loss(self, logits, labels):
@@ -266,7 +275,7 @@ class Trainer:
         lay, strategy = self.layout, self.strategy
         self.loader = Loader(self.dataset, lay.coords(self.rank)[1], lay.dp, cfg.micro_batch_size,
                              self.global_batch, cfg.data.prefetch, self.position)
-        self._log_start()
+        self.log(start_line(self))
         evaluator = Evaluator.start(self)  # before MetricsWriter opens metrics.jsonl
         writer = MetricsWriter(cfg, cfg.output_dir, self.rank == 0, cfg.max_steps, self.step)
         tokens_per_step = self.global_batch * cfg.data.seq_len
@@ -340,6 +349,8 @@ class Trainer:
                         # the schedule's idle share (planner.bubble_fraction), taken out of compute
                         rec["bubble_s"] = strategy.bubble * rec["fwd_bwd_s"]
                         rec["fwd_bwd_s"] -= rec["bubble_s"]
+                    if self.objective is not None:  # (TRL's rewards/* and logps/*)
+                        rec.update(self.objective.pop_metrics(self.device))
                     if strategy.scalers.loss_scaler is not None:
                         rec["loss_scale"] = strategy.scalers.loss_scaler.get_scale()
                     if cfg.data.log_indices:
@@ -379,21 +390,3 @@ class Trainer:
                                     rollbacks=self.rollbacks)
         self._barrier()
         return summary
-
-    # ----- reporting -----
-
-    def _log_start(self):
-        cfg, lay, strategy = self.cfg, self.layout, self.strategy
-        # this rank's parameters (a tp shard counts whole: DTensor.numel is the global size)
-        n_params = weight_count(self.module)
-        n_train = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
-        shape = f" ({lay.describe()})" if lay.tp > 1 or lay.pp > 1 else ""
-        self.log(f"fastllm train: {cfg.model} ({n_params / 1e6:.2f}M params, "
-                 f"{n_train / 1e6:.3f}M trainable"
-                 f"{' on rank 0' if lay.pp > 1 else ''}, finetune={cfg.finetune}, "
-                 f"precision={cfg.precision}, backend={cfg.backend}, optim={cfg.optim}) on "
-                 f"{self.world} x {self.device.type}{shape}, strategy={strategy.name}; "
-                 f"{self.dataset.num_sequences} sequences of {cfg.data.seq_len} tokens; global "
-                 f"batch {self.global_batch} = {cfg.micro_batch_size} x "
-                 f"{self.loader.accumulation} accumulation x {lay.dp} data parallel; "
-                 f"{self.n_checkpointed}/{self.n_layers} layers recomputed{strategy.describe()}")

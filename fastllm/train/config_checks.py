@@ -1,0 +1,142 @@
+"""TrainConfig.validate's checks of single values and of the preference objective, each error
+naming its key (fastllm/train/config.py holds the dataclasses and the checks between them)."""
+
+import math
+import os
+import typing
+
+from fastllm.train.config_values import consumed, convert, validate_quantize_base
+
+__all__ = ["validate_values", "validate_objective"]
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+def validate_values(cfg, need):
+    """Ranges of the values validate() does not check inline, each error naming its key."""
+    need(cfg.finetune not in ("galore", "badam") or cfg.backend == "fastllm", f"finetune="
+         f"{cfg.finetune} is fastllm's optimizer; backend=torch has no GaLore/BAdam (it would "
+         f"train every parameter with torch.optim.AdamW)")
+    need(cfg.device in _DEVICES, f"device must be one of {_DEVICES}, got {cfg.device!r}")
+    if cfg.device == "cuda":
+        import torch
+
+        need(torch.cuda.is_available(), f"device=cuda but torch.cuda.is_available() is False "
+             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use device=cpu "
+             f"or auto")
+    need(cfg.threads >= 0, f"threads must be >= 0 (0: torch's default), got {cfg.threads}")
+    need(cfg.freeze.layers >= 1, f"freeze.layers must be >= 1 (the last N decoder layers "
+         f"train), got {cfg.freeze.layers}")
+    need(cfg.lora.layers >= 0, f"lora.layers must be >= 0 (0: all layers), got "
+         f"{cfg.lora.layers}")
+    need(math.isfinite(cfg.lora.alpha) and cfg.lora.alpha > 0, f"lora.alpha must be finite and "
+         f"> 0, got {cfg.lora.alpha}")
+    validate_quantize_base(cfg, need)
+    need(cfg.log_interval >= 1, f"log_interval must be >= 1, got {cfg.log_interval}")
+    need(math.isfinite(cfg.eps) and cfg.eps >= 0, f"eps must be finite and >= 0, got {cfg.eps}")
+    need(math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, f"weight_decay must be "
+         f"finite and >= 0, got {cfg.weight_decay}")
+    need(math.isfinite(cfg.max_grad_norm), f"max_grad_norm must be finite, got "
+         f"{cfg.max_grad_norm}")
+    for key in ("timeout_s", "init_timeout_s"):
+        value = getattr(cfg.parallel, key)
+        need(math.isfinite(value) and value >= 0, f"parallel.{key} must be finite and >= 0 (0: "
+             f"torch's default), got {value}")
+    need(cfg.data.path is None or cfg.data.path.strip() != "", "data.path is empty: give a "
+         "text file or folder, or null for the built-in corpus")
+    if cfg.data.path is not None and os.path.exists(cfg.data.path):
+        need(os.path.isfile(cfg.data.path) or os.path.isdir(cfg.data.path),
+             f"data.path {cfg.data.path} is not a regular file or folder (a device or pipe?)")
+    need(cfg.data.cache_dir is None or cfg.data.cache_dir.strip() != "", "data.cache_dir is "
+         "empty: give a folder, or null for $FASTLLM_CACHE or ~/.cache/fastllm")
+    need(cfg.data.vocab_size >= 2, f"data.vocab_size must be >= 2, got {cfg.data.vocab_size}")
+    # (the trained BPE starts from the 256 bytes and <|endoftext|>: a smaller size was ignored)
+    need(cfg.data.tokenizer != "bpe" or cfg.data.vocab_size >= 257, f"data.vocab_size="
+         f"{cfg.data.vocab_size} with data.tokenizer=bpe: its byte-level alphabet and "
+         f"<|endoftext|> are 257 tokens already; give >= 257")
+    need(cfg.data.prefetch >= 0, f"data.prefetch must be >= 0, got {cfg.data.prefetch}")
+    g = cfg.galore
+    need(g.rank >= 1, f"galore.rank must be >= 1, got {g.rank}")
+    need(g.update_proj_gap >= 1, f"galore.update_proj_gap must be >= 1, got {g.update_proj_gap}")
+    need(math.isfinite(g.scale) and g.scale > 0, f"galore.scale must be finite and > 0, got "
+         f"{g.scale}")
+    need(g.proj_type in ("std", "reverse_std", "left", "right"), f"galore.proj_type must be one "
+         f"of std, reverse_std, left, right, got {g.proj_type!r}")
+    b = cfg.badam
+    need(b.switch_block_every >= 1, f"badam.switch_block_every must be >= 1, got "
+         f"{b.switch_block_every}")
+    need(b.switch_mode in ("ascending", "descending", "random"), f"badam.switch_mode must be "
+         f"ascending, descending or random, got {b.switch_mode!r}")
+    need(b.blocks is None or (b.blocks and all(b.blocks)), f"badam.blocks must be null or a "
+         f"non-empty list of non-empty lists of name prefixes, got {b.blocks!r}")
+    if cfg.model_config:
+        need(not os.path.isdir(cfg.model), f"model_config applies to the built-in models; "
+             f"model={cfg.model} is a folder whose config.json is used as it is")
+        from transformers import LlamaConfig
+        try:  # (transformers 5's; 4.x keeps rope_theta a LlamaConfig field)
+            from transformers.modeling_rope_utils import RopeParameters
+        except ImportError:
+            RopeParameters = dict
+
+        known = LlamaConfig().to_dict()
+        unknown = sorted(k for k, v in cfg.model_config.items()
+                         if k not in known and not consumed(LlamaConfig, k, v))
+        need(not unknown, f"unknown model_config key(s) {unknown} (neither LlamaConfig fields "
+             f"nor arguments it takes, such as rope_theta)")
+        floats = [k for k, t in typing.get_type_hints(RopeParameters).items()
+                  if float in typing.get_args(t)]  # rope_theta, partial_rotary_factor, ...
+        floats += [k for k, v in known.items() if isinstance(v, float)]
+        # the embedding and head are sized for the tokenizer's ids (a smaller table fails
+        # mid-step with an IndexError, a larger one trains rows no id reaches)
+        need("vocab_size" not in cfg.model_config, f"model_config.vocab_size="
+             f"{cfg.model_config.get('vocab_size')!r}: the vocabulary is the tokenizer's "
+             f"(data.tokenizer; data.vocab_size for bpe); drop the key")
+        for key, value in cfg.model_config.items():
+            # a float field as the top-level ones take it: YAML 1.1 reads 1e-5 as a string
+            if key in floats and isinstance(value, str):
+                cfg.model_config[key] = convert(f"model_config.{key}", value, None, float)
+
+
+_OBJECTIVES = ("lm", "dpo")
+
+
+def validate_objective(cfg, need):
+    """objective and the dpo section: TRL's loss types and ranges, and what a DPO run reads and
+    runs on (preference records; one process, the reference being the adapters switched off or
+    a frozen copy of the model)."""
+    import dataclasses
+
+    need(cfg.objective in _OBJECTIVES, f"objective must be one of {_OBJECTIVES}, got "
+         f"{cfg.objective!r}")
+    d = cfg.dpo
+    if cfg.objective != "dpo":
+        changed = [f"dpo.{f.name}" for f in dataclasses.fields(d)
+                   if getattr(d, f.name) != f.default]
+        need(not changed, f"{', '.join(changed)} set but objective={cfg.objective}: the dpo "
+             f"section applies to objective=dpo")
+        return
+    from fastllm.preference import LOSS_TYPES
+    from fastllm.train.sft_records import data_format
+
+    need(d.loss_type in LOSS_TYPES, f"dpo.loss_type must be one of {', '.join(LOSS_TYPES)}, got "
+         f"{d.loss_type!r}")
+    need(math.isfinite(d.beta) and d.beta > 0, f"dpo.beta must be finite and > 0, got {d.beta}")
+    need(0.0 <= d.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5), got "
+         f"{d.label_smoothing}")
+    need(not d.label_smoothing or d.loss_type in ("sigmoid", "robust"), f"dpo.label_smoothing "
+         f"is used by dpo.loss_type sigmoid and robust only, got {d.loss_type}")
+    need(math.isfinite(d.rpo_alpha) and d.rpo_alpha >= 0, f"dpo.rpo_alpha must be finite and "
+         f">= 0 (0: no NLL term), got {d.rpo_alpha}")
+    need(cfg.data.path and data_format(cfg.data.path, cfg.data.format) == "jsonl",
+         f"objective=dpo trains on preference records ({{\"prompt\", \"chosen\", \"rejected\"}}) "
+         f"in .jsonl/.json files: data.path={cfg.data.path} is not such data")
+    need(not cfg.data.train_on_prompt, "objective=dpo scores the chosen and rejected "
+         "completions only: data.train_on_prompt must be false")
+    need(cfg.finetune != "prefix", "objective=dpo with finetune=prefix: a prefix cannot be "
+         "switched off for the reference; use finetune=lora (or full, freeze, galore, badam: "
+         "the reference is a frozen copy of the model)")
+    p = cfg.parallel
+    need(p.tp == 1 and p.pp == 1 and p.strategy in ("auto", "none", "ddp"), f"objective=dpo "
+         f"runs on one process or under DDP for now (parallel.strategy auto, none or ddp, tp=1, "
+         f"pp=1), got strategy={p.strategy} tp={p.tp} pp={p.pp}")
+    need(not cfg.optimizer_in_backward, "objective=dpo does not run with optimizer_in_backward")

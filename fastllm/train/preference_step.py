@@ -1,0 +1,179 @@
+"""`fastllm train objective=dpo`: the loss of a micro-batch of preference pairs, its metrics, and
+the held-out evaluation.
+
+    objective = PreferenceObjective.make(cfg, model)   # None for objective=lm
+    loss = objective(model, batch)                     # a PairBatch: the DPO loss (+ RPO's NLL)
+    rec.update(objective.pop_metrics())                # TRL's rewards/* and logps/* names
+
+The reference is what TRL's DPOTrainer takes without a ref_model: with LoRA adapters (fastllm's
+or PEFT's) the same model with its adapters switched off, under no_grad; else (full, freeze,
+galore, badam) a frozen copy of the model as it was built, before any step (and before a resumed
+checkpoint is loaded: the reference stays the model the run started from). With fastllm's
+kernels the log-probabilities come from fastllm.preference.sequence_logps' fused route (no
+logits); backend=torch or kernels=none take them from the model's logits, as TRL does.
+
+Under DistributedDataParallel (parallel.strategy ddp) the policy's scoring is a module of its own
+(policy(model)) for DDP to wrap: its reducer learns of a backward only through its forward, and the
+scoring calls the model's decoder and head rather than the model's forward.
+"""
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from fastllm.preference import dpo_loss, sequence_logps
+
+__all__ = ["PreferenceObjective"]
+
+# TRL's metric names, in the order they are logged
+_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+            "logps/chosen", "logps/rejected")
+
+
+def _adapters_off(model):
+    """A context computing `model` without its LoRA adapters: PEFT's disable_adapter(), else
+    fastllm.adapters.disable_adapters."""
+    peft_off = getattr(model, "disable_adapter", None)
+    if callable(peft_off):
+        return peft_off()
+    from fastllm.adapters import disable_adapters
+
+    return disable_adapters(model)
+
+
+class _Policy(nn.Module):
+    """The policy's scoring as a module: forward(batch) -> the rows' log-probabilities."""
+
+    def __init__(self, lm, logps):
+        super().__init__()
+        self.lm, self._logps = lm, logps
+
+    def forward(self, batch):
+        return self._logps(self.lm, batch)
+
+
+class PreferenceObjective:
+    def __init__(self, dpo, model, adapters, fused):
+        self.dpo, self.fused = dpo, fused
+        self.reference = None
+        if not adapters:
+            self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+        self._sums = torch.zeros(len(_METRICS) + 2, dtype=torch.float64)
+
+    @classmethod
+    def make(cls, cfg, model):
+        """The objective of cfg (None for objective=lm), for `model` as built and moved to its
+        device, before any wrapping, checkpointing or compilation."""
+        if cfg.objective != "dpo":
+            return None
+        fused = cfg.backend == "fastllm" and cfg.kernels == "fastllm"
+        return cls(cfg.dpo, model, cfg.finetune == "lora", fused)
+
+    def policy(self, model):
+        """The module DDP wraps in place of `model` (the trainer's strategy.policy)."""
+        return _Policy(model, self._logps)
+
+    def compile(self, model):
+        """torch_compile: the decoder the fused scoring runs (it calls the decoder and the head,
+        not the model's forward, which model.compile() compiles)."""
+        from fastllm.preference import _causal_lm, _fused_route
+
+        route = _fused_route(_causal_lm(model)) if self.fused else None
+        if route is not None:
+            route[0].compile()
+
+    def describe(self):
+        d = self.dpo
+        ref = "adapters off" if self.reference is None else "a frozen copy of the model"
+        rpo = f", rpo_alpha={d.rpo_alpha}" if d.rpo_alpha else ""
+        return (f"objective=dpo (loss_type={d.loss_type}, beta={d.beta}{rpo}; reference: {ref}; "
+                f"log-probabilities {'fused, no logits' if self.fused else 'from the logits'})")
+
+    def _logps(self, model, batch):
+        if self.fused:
+            return sequence_logps(model, batch["input_ids"], batch["labels"],
+                                  batch["attention_mask"])
+        # the model's own logits (backend=torch, kernels=none): TRL's computation
+        ids = batch["input_ids"]
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
+                       use_cache=False).logits.float()
+        labels = batch["labels"][:, 1:]
+        keep = labels != -100
+        logp = logits[:, :-1].log_softmax(-1).gather(-1, labels.where(keep, 0).unsqueeze(-1))
+        return logp.squeeze(-1).where(keep, 0.0).sum(-1)
+
+    def score(self, model, batch):
+        """(dpo_loss's result, the step's loss: the pairs' mean plus rpo_alpha x the chosen
+        completions' NLL per token, the policy's chosen and rejected log-probabilities)."""
+        if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP(policy(lm))
+            logps, model = model(batch), model.module.lm
+        else:
+            logps = self._logps(model, batch)
+        with torch.no_grad():  # (the reference needs no DDP: it has no backward)
+            if self.reference is not None:
+                ref = self._logps(self.reference, batch)
+            else:
+                with _adapters_off(model):
+                    ref = self._logps(model, batch)
+        lengths = (batch["labels"][:, 1:] != -100).sum(-1).chunk(2)
+        chosen, rejected = logps.chunk(2)
+        out = dpo_loss(chosen, rejected, *ref.chunk(2), beta=self.dpo.beta,
+                       loss_type=self.dpo.loss_type, label_smoothing=self.dpo.label_smoothing,
+                       chosen_lengths=lengths[0], rejected_lengths=lengths[1])
+        loss = out.loss.mean()
+        if self.dpo.rpo_alpha:  # TRL's RPO: the chosen completions' mean token NLL
+            loss = loss + self.dpo.rpo_alpha * (-chosen.sum() / lengths[0].sum().clamp(min=1))
+        return out, loss, chosen.detach(), rejected.detach()
+
+    def _add(self, sums, out, chosen, rejected, loss):
+        margin = out.chosen_rewards - out.rejected_rewards
+        n = margin.numel()
+        parts = (out.chosen_rewards.sum(), out.rejected_rewards.sum(), (margin > 0).sum(),
+                 margin.sum(), chosen.sum(), rejected.sum(), loss.detach() * n)
+        sums += torch.stack([p.double().cpu() for p in parts]
+                            + [torch.tensor(float(n), dtype=torch.float64)])
+
+    def __call__(self, model, batch):
+        """The micro-batch's loss (the trainer backwards it); its metrics are kept for
+        pop_metrics."""
+        out, loss, chosen, rejected = self.score(model, batch)
+        self._add(self._sums, out, chosen, rejected, loss)
+        return loss
+
+    def pop_metrics(self, device=None):
+        """The means over the pairs of the micro-batches since the last call on every rank
+        (TRL's names); device: where the sums are all-reduced (NCCL's: the GPU)."""
+        sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            sums = sums.to(device)  # (no tp or pp under DPO: the world is the dp ranks)
+            torch.distributed.all_reduce(sums)
+            sums = sums.cpu()
+        n = float(sums[-1])
+        return {k: float(v) / n if n else math.nan for k, v in zip(_METRICS, sums)}
+
+    @torch.no_grad()
+    def evaluate(self, model, dataset, batch_size, device, autocast=None, max_batches=0):
+        """The held-out pairs (a PreferenceDataset): eval_loss (the training loss's formula,
+        mean over pairs), TRL's eval_rewards/* and eval_logps/*, eval_pairs."""
+        import contextlib
+
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros_like(self._sums)
+        try:
+            for k, batch in enumerate(dataset.all_batches(batch_size)):
+                if max_batches and k >= max_batches:
+                    break
+                batch.pop("num_tokens")
+                batch = batch.to(device)
+                with autocast if autocast is not None else contextlib.nullcontext():
+                    out, loss, chosen, rejected = self.score(model, batch)
+                self._add(sums, out, chosen, rejected, loss)
+        finally:
+            model.train(was_training)
+        n = float(sums[-1])
+        metrics = {"eval_" + k: float(v) / n if n else math.nan for k, v in zip(_METRICS, sums)}
+        return {"eval_loss": float(sums[-2]) / n if n else math.nan, **metrics,
+                "eval_pairs": int(n)}

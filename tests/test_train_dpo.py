@@ -1,0 +1,279 @@
+"""`fastllm train objective=dpo`: preference pairs through the trainer (tiny models, CPU): the step
+against TRL's formulas over materialised logits, the reference (adapters off, or a frozen copy of
+the model as built), evaluation, metrics, resume, DDP, the CLI's --compare torch, and the
+refusals."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastllm.train import TrainConfig, Trainer
+from fastllm.train.config import ConfigError, DPOConfig
+from fastllm.train.data import ByteTokenizer
+from fastllm.train.metrics import read_metrics
+from fastllm.train.preference_data import PreferenceDataset, encode_pair, read_pairs
+from fastllm.train.preference_step import PreferenceObjective
+
+from _tiny_tokenizer import tiny_bpe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _pairs(path, n=16, chat=False):
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt, good, bad = (f"What is the capital of France? {i}", "Paris." * (1 + i % 2),
+                                 "The capital is Paris, in France.")
+            if chat:
+                rec = {"prompt": [{"role": "user", "content": prompt}],
+                       "chosen": [{"role": "assistant", "content": good}],
+                       "rejected": [{"role": "assistant", "content": bad}]}
+            else:
+                rec = {"prompt": prompt, "chosen": " " + good, "rejected": " " + bad}
+            f.write(json.dumps(rec) + "\n")
+    return str(path)
+
+
+def _args(tmp_path, data, *extra, out="run"):
+    return ["model=tiny", "objective=dpo", "finetune=lora", f"data.path={data}",
+            "data.seq_len=48", "micro_batch_size=2", "global_batch_size=4", "max_steps=4",
+            "lr=1e-2", "min_lr=1e-3", "warmup_steps=0", "threads=1", "log_interval=1000",
+            "track_memory=false", f"data.cache_dir={tmp_path / 'cache'}",
+            f"output_dir={tmp_path / out}", *extra]
+
+
+def _cfg(tmp_path, data, *extra, out="run"):
+    return TrainConfig.from_args(_args(tmp_path, data, *extra, out=out))
+
+
+def _metrics(run):
+    return read_metrics(os.path.join(run, "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    tiny_bpe(CHATML, pad="<|im_end|>").save_pretrained(path)
+    return path
+
+
+def test_chat_pairs_lora_run_evaluates_logs_trl_metrics_and_resumes_bitwise(tmp_path, tok_dir,
+                                                                           capsys):
+    from fastllm.train.evaluate import read_eval
+
+    data = _pairs(tmp_path / "pairs.jsonl", chat=True)
+    kw = ("data.eval_fraction=0.25", f"data.tokenizer={tok_dir}", "eval_interval=2",
+          "checkpoint.interval=2")
+    Trainer(_cfg(tmp_path, data, *kw)).train()
+    run = str(tmp_path / "run")
+    recs = _metrics(run)
+    # LoRA's B starts at 0: the policy is the reference, every reward 0, the loss log 2
+    assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert recs[0]["rewards/chosen"] == recs[0]["rewards/rejected"] == 0.0
+    for r in recs:
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"],
+                                                     abs=1e-6)
+        assert 0.0 <= r["rewards/accuracies"] <= 1.0
+        assert r["logps/chosen"] < 0 and r["logps/rejected"] < 0
+    assert recs[-1]["loss"] < recs[0]["loss"] and recs[-1]["rewards/margins"] > 0
+    evals = read_eval(os.path.join(run, "metrics.jsonl"))
+    assert [e["eval_step"] for e in evals] == [0, 2, 4]
+    assert all(e["eval_pairs"] == 4 for e in evals)  # 16 x 0.25 held out
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert os.path.isfile(os.path.join(run, "checkpoint-4", "adapter", "adapter_config.json"))
+    # resume from checkpoint-2: steps 3-4 and their evaluation again, bitwise
+    shutil.rmtree(os.path.join(run, "checkpoint-4"))
+    Trainer(_cfg(tmp_path, data, *kw)).train()
+    again = _metrics(run)
+    keys = ("loss", "grad_norm", "rewards/margins", "logps/chosen", "eval_loss")
+    assert [[r.get(k) for k in keys] for r in again] == [[r.get(k) for k in keys] for r in recs]
+    from fastllm.cli import main
+
+    main(["report", run, "--out", str(tmp_path / "r.png")])
+    assert "reward accuracy" in capsys.readouterr().out
+
+
+def _logits_logps(model, batch):
+    """TRL's: the model's logits, log_softmax, the labels' entries summed per row."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    keep = labels != -100
+    logp = logits[:, :-1].float().log_softmax(-1)
+    return logp.gather(-1, labels.where(keep, 0)[..., None])[..., 0].where(keep, 0.0).sum(-1)
+
+
+@pytest.mark.parametrize("loss_type,rpo", [("sigmoid", 0.0), ("ipo", 0.5)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_step_equals_trl_formula_over_logits_with_a_frozen_reference(tmp_path, loss_type, rpo,
+                                                                    fused):
+    """finetune=full: the objective's loss and grads against the formulas written out on the
+    logits of the policy and of an untouched copy (TRL's ref_model), pairs of unequal lengths."""
+    from fastllm.train.model import build_model
+
+    cfg = _cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), "finetune=full")
+    model = build_model(cfg, ByteTokenizer().vocab_size, torch.float32)
+    frozen = build_model(cfg, ByteTokenizer().vocab_size, torch.float32)
+    frozen.load_state_dict(model.state_dict())
+    dpo = DPOConfig(beta=0.3, loss_type=loss_type, rpo_alpha=rpo)
+    objective = PreferenceObjective(dpo, model, adapters=False, fused=fused)
+    with torch.no_grad():  # the policy moves away from the reference
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pairs, wheres = read_pairs(cfg.data.path)
+    enc = [encode_pair(p, ByteTokenizer(), w) for p, w in zip(pairs, wheres)]
+    data = PreferenceDataset(enc, wheres, 40, 0, 0)
+    batch = data.batch(None, rows=[0, 1, 2])
+    batch.pop("num_tokens")
+    loss = objective(model, batch)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logps = _logits_logps(model, batch)
+    with torch.no_grad():
+        ref = _logits_logps(frozen, batch)
+    n = (batch["labels"][:, 1:] != -100).sum(-1)
+    c, r = logps.chunk(2)
+    rc, rr = ref.chunk(2)
+    nc, nr = n.chunk(2)
+    if loss_type == "sigmoid":
+        want = -F.logsigmoid(0.3 * ((c - rc) - (r - rr))).mean()
+    else:  # IPO: TRL's length-averaged log ratios
+        want = (((c - rc) / nc - (r - rr) / nr) - 1 / (2 * 0.3)).pow(2).mean()
+    want = want + rpo * (-c.sum() / nc.sum())
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # the reference is the model as it was handed over, frozen
+    for (name, a), b in zip(objective.reference.named_parameters(), frozen.parameters()):
+        assert not a.requires_grad and torch.equal(a, b), name
+    metrics = objective.pop_metrics()
+    torch.testing.assert_close(metrics["logps/chosen"], float(c.detach().mean()), rtol=1e-5,
+                               atol=1e-5)
+    assert objective.pop_metrics()["rewards/chosen"] != objective.pop_metrics()["rewards/chosen"]
+
+
+def test_full_finetune_reference_stays_the_built_model_across_resume(tmp_path):
+    data = _pairs(tmp_path / "p.jsonl")
+    t = Trainer(_cfg(tmp_path, data, "finetune=full", "checkpoint.interval=2"))
+    t.train()
+    from fastllm.train.model import build_model
+
+    built = build_model(t.cfg, ByteTokenizer().vocab_size, torch.float32).state_dict()
+    moved = t.module.state_dict()
+    ref = t.objective.reference.state_dict()
+    assert all(torch.equal(ref[k], built[k]) for k in built)
+    assert any(not torch.equal(moved[k], built[k]) for k in built)
+    run = str(tmp_path / "run")
+    full = _metrics(run)
+    shutil.rmtree(os.path.join(run, "checkpoint-4"))
+    again = Trainer(_cfg(tmp_path, data, "finetune=full", "checkpoint.interval=2"))
+    again.train()
+    assert [r["loss"] for r in _metrics(run)] == [r["loss"] for r in full]
+    ref = again.objective.reference.state_dict()
+    assert all(torch.equal(ref[k], built[k]) for k in built)
+
+
+def test_dataset_orders_pairs_per_epoch_truncates_and_drops(tmp_path):
+    tok = ByteTokenizer()
+    pairs, wheres = read_pairs(_pairs(tmp_path / "p.jsonl", n=6))
+    enc = [encode_pair(p, tok, w) for p, w in zip(pairs, wheres)]
+    prompt_len = len(tok.encode(json.loads(open(tmp_path / "p.jsonl").readline())["prompt"]))
+    data = PreferenceDataset(enc, wheres, 64, seed=3, pad_id=0)
+    assert data.num_sequences == 6 and data.dropped == 0
+    for epoch in range(2):
+        assert sorted(data.row(epoch * 6 + i) for i in range(6)) == list(range(6))
+    b = data.batch([0, 1, 2])
+    assert b["input_ids"].shape[0] == 6 and b["input_ids"].shape[1] <= 64
+    assert int(b["num_tokens"]) == int(b["attention_mask"].sum())
+    # chosen rows first: row k and row k + 3 share their prompt
+    i = b["input_ids"]
+    assert torch.equal(i[0, :prompt_len], i[3, :prompt_len])
+    # a side cut to no completion token is dropped (prompt i has len(str(i)) more characters)
+    short = PreferenceDataset(enc, wheres, prompt_len + 1, seed=3, pad_id=0)
+    assert short.num_sequences == 6 and short.truncated == 6
+    none = PreferenceDataset(enc, wheres, prompt_len, seed=3, pad_id=0)
+    assert none.num_sequences == 0 and none.dropped == 6
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["objective=ppo"], "objective must be one of"),
+    (["objective=lm", "dpo.beta=0.2", "data.path=null"], "dpo.beta set but objective=lm"),
+    (["dpo.loss_type=sigmod"], "dpo.loss_type must be one of"),
+    (["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"], "sigmoid and robust only"),
+    (["dpo.beta=nan"], "dpo.beta must be finite"),
+    (["dpo.rpo_alpha=-1"], "dpo.rpo_alpha must be"),
+    (["finetune=prefix"], "finetune=prefix"),
+    (["parallel.tp=2"], "one process or under DDP"),
+    (["parallel.strategy=fsdp"], "one process or under DDP"),
+    (["data.train_on_prompt=true"], "train_on_prompt must be false"),
+])
+def test_config_refusals_name_the_key(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        _cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), *extra)
+
+
+def test_bad_data_is_refused_before_the_run_folder_is_written(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("plain text " * 50)
+    with pytest.raises(ConfigError, match="preference records"):
+        _cfg(tmp_path, str(text))
+    bad = tmp_path / "bad.jsonl"
+    good = json.dumps({"prompt": "a", "chosen": " b", "rejected": " c"})
+    bad.write_text(good + "\n" + json.dumps({"prompt": "a", "chosen": " b"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl line 2.*'rejected'"):
+        Trainer(_cfg(tmp_path, str(bad))).train()
+    assert not os.path.exists(tmp_path / "run")
+    # every pair cut to no completion token by data.seq_len
+    with pytest.raises(ValueError, match="raise data.seq_len"):
+        Trainer(_cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), "data.seq_len=8")).train()
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
+    from fastllm.cli import main
+
+    data = _pairs(tmp_path / "p.jsonl")
+    out = str(tmp_path / "c")
+    main(["train", "--compare", "torch", "model=tiny", "objective=dpo", "finetune=lora",
+          f"data.path={data}", "data.seq_len=48", "micro_batch_size=4", "max_steps=2",
+          "warmup_steps=0", "threads=1", f"output_dir={out}",
+          f"data.cache_dir={tmp_path / 'cache'}"])
+    assert "fastllm / torch tokens/s" in capsys.readouterr().out
+    for run in (out, out + "-torch"):
+        assert _metrics(run)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    with pytest.raises(SystemExit, match="TRL's DPOTrainer"):
+        main(["train", "--compare", "hf", "model=tiny", "objective=dpo", f"data.path={data}",
+              f"output_dir={tmp_path / 'h'}"])
+
+
+def test_ddp_two_processes_train_as_one(tmp_path):
+    """DDP wraps the pairs' scoring (its reducer sees the forward): two ranks of 2 pairs a
+    micro-batch give one process's losses and metrics at the same global batch."""
+    data = _pairs(tmp_path / "p.jsonl")
+    Trainer(_cfg(tmp_path, data, "max_steps=3", out="one")).train()
+    args = _args(tmp_path, data, "max_steps=3", out="two")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(29500 + (os.getpid() + 37) % 1000), "-m", "fastllm", "train",
+           *args]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=240)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert "strategy=ddp" in done.stderr.decode()
+    one, two = _metrics(str(tmp_path / "one")), _metrics(str(tmp_path / "two"))
+    for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+        torch.testing.assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-4,
+                                   atol=1e-6, msg=key)
+
