@@ -215,8 +215,8 @@ def test_dataset_orders_pairs_per_epoch_truncates_and_drops(tmp_path):
     (["dpo.beta=nan"], "dpo.beta must be finite"),
     (["dpo.rpo_alpha=-1"], "dpo.rpo_alpha must be"),
     (["finetune=prefix"], "finetune=prefix"),
-    (["parallel.tp=2"], "one process or under DDP"),
-    (["parallel.strategy=fsdp"], "one process or under DDP"),
+    (["parallel.tp=2"], "one process, DDP or FSDP"),
+    (["parallel.strategy=zero2"], "one process, DDP or FSDP"),
     (["data.train_on_prompt=true"], "train_on_prompt must be false"),
 ])
 def test_config_refusals_name_the_key(tmp_path, extra, match):
@@ -258,22 +258,33 @@ def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
               f"output_dir={tmp_path / 'h'}"])
 
 
-def test_ddp_two_processes_train_as_one(tmp_path):
-    """DDP wraps the pairs' scoring (its reducer sees the forward): two ranks of 2 pairs a
-    micro-batch give one process's losses and metrics at the same global batch."""
+@pytest.mark.parametrize("strategy,finetune", [("ddp", "lora"), ("fsdp", "lora"),
+                                               ("fsdp", "full")])
+def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetune):
+    """DDP and FSDP wrap the pairs' scoring (DDP's reducer and FSDP's root see its forward; FSDP
+    shards the frozen reference copy alike): two ranks of 2 pairs a micro-batch give one
+    process's losses and metrics at the same global batch, and their checkpoint resumes in one
+    process."""
     data = _pairs(tmp_path / "p.jsonl")
-    Trainer(_cfg(tmp_path, data, "max_steps=3", out="one")).train()
-    args = _args(tmp_path, data, "max_steps=3", out="two")
+    kw = (f"finetune={finetune}", "checkpoint.interval=2")
+    Trainer(_cfg(tmp_path, data, *kw, out="one")).train()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29500 + (os.getpid() + 37) % 1000), "-m", "fastllm", "train",
-           *args]
+           "--master_port", str(29500 + (os.getpid() + 37 + len(strategy + finetune)) % 1000),
+           "-m", "fastllm", "train", *_args(tmp_path, data, *kw, f"parallel.strategy={strategy}",
+                                            out="two")]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=240)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
-    assert "strategy=ddp" in done.stderr.decode()
+    assert f"strategy={strategy}" in done.stderr.decode()
     one, two = _metrics(str(tmp_path / "one")), _metrics(str(tmp_path / "two"))
-    for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
-        torch.testing.assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-4,
-                                   atol=1e-6, msg=key)
 
+    def close(a, b):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+            torch.testing.assert_close([r[key] for r in a], [r[key] for r in b], rtol=1e-4,
+                                       atol=1e-6, msg=key)
+
+    close(two, one)
+    shutil.rmtree(tmp_path / "two" / "checkpoint-4")
+    Trainer(_cfg(tmp_path, data, *kw, out="two")).train()
+    close(_metrics(str(tmp_path / "two")), one)

@@ -422,14 +422,17 @@ def wrap_activation_checkpointing(model):
     return model
 
 
-def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_after_forward=True):
-    """FSDP2 per decoder layer, then the root (which takes embedding, norm and head)."""
+def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_after_forward=True,
+               root=None):
+    """FSDP2 per decoder layer, then the root (which takes embedding, norm and head): `model`,
+    or `root`, a module holding `model` whose forward runs it (returned then)."""
     _torch_support.require("FSDP2", dp_mesh.device_type)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    return model
+    root = model if root is None else root
+    fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return root
 
 
 def parallelize(model, mesh, plan=None, *, activation_checkpointing=False, param_dtype=None,

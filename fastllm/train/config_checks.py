@@ -136,7 +136,7 @@ def validate_objective(cfg, need):
          "switched off for the reference; use finetune=lora (or full, freeze, galore, badam: "
          "the reference is a frozen copy of the model)")
     p = cfg.parallel
-    need(p.tp == 1 and p.pp == 1 and p.strategy in ("auto", "none", "ddp"), f"objective=dpo "
-         f"runs on one process or under DDP for now (parallel.strategy auto, none or ddp, tp=1, "
-         f"pp=1), got strategy={p.strategy} tp={p.tp} pp={p.pp}")
+    need(p.tp == 1 and p.pp == 1 and p.strategy in ("auto", "none", "ddp", "fsdp"),
+         f"objective=dpo runs on one process, DDP or FSDP for now (parallel.strategy auto, none, "
+         f"ddp or fsdp, tp=1, pp=1), got strategy={p.strategy} tp={p.tp} pp={p.pp}")
     need(not cfg.optimizer_in_backward, "objective=dpo does not run with optimizer_in_backward")

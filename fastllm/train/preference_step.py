@@ -12,9 +12,11 @@ checkpoint is loaded: the reference stays the model the run started from). With 
 kernels the log-probabilities come from fastllm.preference.sequence_logps' fused route (no
 logits); backend=torch or kernels=none take them from the model's logits, as TRL does.
 
-Under DistributedDataParallel (parallel.strategy ddp) the policy's scoring is a module of its own
-(policy(model)) for DDP to wrap: its reducer learns of a backward only through its forward, and the
-scoring calls the model's decoder and head rather than the model's forward.
+The policy's scoring is a module of its own (policy(model)), which the strategy wraps in place of
+the model, since the scoring calls the model's decoder and head rather than the model's forward:
+DistributedDataParallel's reducer learns of a backward only through its forward, and FSDP2's root
+gathers the embedding, the final norm and the head only in its own. Under FSDP the frozen
+reference copy's scoring (reference_scorer) is sharded alike.
 """
 
 import copy
@@ -44,7 +46,7 @@ def _adapters_off(model):
 
 
 class _Policy(nn.Module):
-    """The policy's scoring as a module: forward(batch) -> the rows' log-probabilities."""
+    """A model's scoring as a module: forward(batch) -> the rows' log-probabilities."""
 
     def __init__(self, lm, logps):
         super().__init__()
@@ -57,9 +59,10 @@ class _Policy(nn.Module):
 class PreferenceObjective:
     def __init__(self, dpo, model, adapters, fused):
         self.dpo, self.fused = dpo, fused
-        self.reference = None
+        self.reference = self.reference_scorer = None
         if not adapters:
             self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+            self.reference_scorer = _Policy(self.reference, self._logps)
         self._sums = torch.zeros(len(_METRICS) + 2, dtype=torch.float64)
 
     @classmethod
@@ -72,7 +75,7 @@ class PreferenceObjective:
         return cls(cfg.dpo, model, cfg.finetune == "lora", fused)
 
     def policy(self, model):
-        """The module DDP wraps in place of `model` (the trainer's strategy.policy)."""
+        """The module DDP or FSDP wraps in place of `model` (the trainer's strategy.policy)."""
         return _Policy(model, self._logps)
 
     def compile(self, model):
@@ -107,16 +110,18 @@ class PreferenceObjective:
     def score(self, model, batch):
         """(dpo_loss's result, the step's loss: the pairs' mean plus rpo_alpha x the chosen
         completions' NLL per token, the policy's chosen and rejected log-probabilities)."""
+        lm, root = model, None
         if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP(policy(lm))
-            logps, model = model(batch), model.module.lm
-        else:
-            logps = self._logps(model, batch)
-        with torch.no_grad():  # (the reference needs no DDP: it has no backward)
-            if self.reference is not None:
-                ref = self._logps(self.reference, batch)
+            lm = model.module.lm
+        elif isinstance(model, _Policy):  # policy(lm), FSDP's root
+            lm, root = model.lm, model
+        logps = self._logps(model, batch) if lm is model else model(batch)
+        with torch.no_grad():  # (DDP's reducer is not needed here: no backward; FSDP's root is)
+            if self.reference_scorer is not None:
+                ref = self.reference_scorer(batch)
             else:
-                with _adapters_off(model):
-                    ref = self._logps(model, batch)
+                with _adapters_off(lm):
+                    ref = root(batch) if root is not None else self._logps(lm, batch)
         lengths = (batch["labels"][:, 1:] != -100).sum(-1).chunk(2)
         chosen, rejected = logps.chunk(2)
         out = dpo_loss(chosen, rejected, *ref.chunk(2), beta=self.dpo.beta,
@@ -132,8 +137,8 @@ class PreferenceObjective:
         n = margin.numel()
         parts = (out.chosen_rewards.sum(), out.rejected_rewards.sum(), (margin > 0).sum(),
                  margin.sum(), chosen.sum(), rejected.sum(), loss.detach() * n)
-        sums += torch.stack([p.double().cpu() for p in parts]
-                            + [torch.tensor(float(n), dtype=torch.float64)])
+        sums[:-1] += torch.stack([p.double() for p in parts]).cpu()  # (one device sync)
+        sums[-1] += n
 
     def __call__(self, model, batch):
         """The micro-batch's loss (the trainer backwards it); its metrics are kept for

@@ -143,8 +143,9 @@ class Trainer:
             if self.objective is not None:
                 self.objective.compile(model)
         self.strategy = strategies.make(cfg, self.layout, self.device, self.rank)
-        if self.objective is not None:  # (what DDP wraps: the scoring of pairs, not the forward)
+        if self.objective is not None:  # (what DDP/FSDP wrap: the pairs' scoring, not the forward)
             self.strategy.policy = self.objective.policy(model)
+            self.strategy.reference = self.objective.reference_scorer
         self.strategy.wrap(model, self._stage_loss)
         self.strategy.build_optimizer()
         self.module, self.optimizer = self.strategy.module, self.strategy.optimizer

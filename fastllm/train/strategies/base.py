@@ -22,7 +22,8 @@ class Strategy:
     clip_group = None    # a process group the grad norm spans beyond the model's own shards
     zero_stage = 0       # DistributedOptimizer's ZeRO stage (zero.py)
     adapter_layout = None  # a pipeline's LoRA adapter, whole (checkpoint_layout.adapter_layout)
-    policy = None        # objective=dpo: the module DDP wraps (preference_step.policy)
+    policy = None        # objective=dpo: the module DDP or FSDP wraps (preference_step.policy)
+    reference = None     # objective=dpo, no adapters: the reference's scoring (FSDP shards it)
 
     def __init__(self, cfg, layout, device, rank):
         self.cfg, self.layout, self.device, self.rank = cfg, layout, device, rank

@@ -15,11 +15,11 @@ class Sharded(Strategy):
     def state(self):
         # an adapter run gathers the adapter only (its checkpoint holds no base weights)
         return checkpoint_layout.full_state(
-            self.model, self.optimizer, self.param_names,
+            self.module, self.optimizer, self.param_names,
             trainable_only=self.cfg.finetune in ("lora", "prefix"))
 
     def load(self, model_state, optim_state):
-        checkpoint_layout.load_full(self.model, self.optimizer, model_state, optim_state,
+        checkpoint_layout.load_full(self.module, self.optimizer, model_state, optim_state,
                                self.param_names)
 
 
@@ -35,4 +35,12 @@ class FSDP(Sharded):
         if cfg.backend == "torch" and cfg.precision != "fp32":
             dtypes = dict(param_dtype=torch.bfloat16 if cfg.precision == "bf16"
                           else torch.float16, reduce_dtype=torch.float32)
-        self.model = self.module = apply_fsdp(model, mesh, **dtypes)
+        if self.policy is None:
+            self.model = self.module = apply_fsdp(model, mesh, **dtypes)
+            return
+        # objective=dpo: the root is the pairs' scoring, which runs the decoder and the head,
+        # not the model's forward (preference_step); a frozen reference copy is sharded alike
+        self.module = model
+        self.model = apply_fsdp(model, mesh, root=self.policy, **dtypes)
+        if self.reference is not None:
+            apply_fsdp(self.reference.lm, mesh, root=self.reference, **dtypes)
