@@ -185,6 +185,36 @@ def test_full_finetune_reference_stays_the_built_model_across_resume(tmp_path):
     assert all(torch.equal(ref[k], built[k]) for k in built)
 
 
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_precomputed_reference_trains_alike_frees_the_copy_and_resumes_bitwise(tmp_path,
+                                                                               finetune):
+    """dpo.precompute_ref_log_probs (TRL's): the reference scored once before step 1, in the
+    data's order, served in the batches; the same losses as scoring it every step, the frozen
+    copy freed, and a resume (which scores it again) bitwise."""
+    data = _pairs(tmp_path / "p.jsonl")
+    kw = (f"finetune={finetune}", "data.eval_fraction=0.25", "eval_interval=2",
+          "checkpoint.interval=2", "track_memory=true")
+    Trainer(_cfg(tmp_path, data, *kw, out="every")).train()
+    t = Trainer(_cfg(tmp_path, data, *kw, "dpo.precompute_ref_log_probs=true"))
+    t.train()
+    assert t.objective.reference is None and t.objective.precomputed
+    assert t.dataset.ref_logps.shape == (12, 2) and t.eval_dataset.ref_logps.shape == (4, 2)
+    # (the train set's pairs are scored in batches of another make-up: rounding apart)
+    every, pre = _metrics(str(tmp_path / "every")), _metrics(str(tmp_path / "run"))
+    for key in ("loss", "grad_norm", "rewards/chosen", "eval_loss"):
+        torch.testing.assert_close([r.get(key) for r in pre], [r.get(key) for r in every],
+                                   rtol=1e-5, atol=1e-6, msg=key)
+    # the step's tensor peak counts the frozen copy while it is held
+    weights = sum(p.numel() * p.element_size() for p in t.module.parameters())
+    freed = every[0]["peak_mem_bytes"] - pre[0]["peak_mem_bytes"]
+    assert freed >= weights if finetune == "full" else freed >= 0
+    shutil.rmtree(tmp_path / "run" / "checkpoint-4")
+    Trainer(_cfg(tmp_path, data, *kw, "dpo.precompute_ref_log_probs=true")).train()
+    again = _metrics(str(tmp_path / "run"))
+    assert [(r.get("loss"), r.get("eval_loss")) for r in again] == [
+        (r.get("loss"), r.get("eval_loss")) for r in pre]
+
+
 def test_dataset_orders_pairs_per_epoch_truncates_and_drops(tmp_path):
     tok = ByteTokenizer()
     pairs, wheres = read_pairs(_pairs(tmp_path / "p.jsonl", n=6))
@@ -258,15 +288,18 @@ def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
               f"output_dir={tmp_path / 'h'}"])
 
 
-@pytest.mark.parametrize("strategy,finetune", [("ddp", "lora"), ("fsdp", "lora"),
-                                               ("fsdp", "full")])
-def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetune):
+@pytest.mark.parametrize("strategy,finetune,precompute", [
+    ("ddp", "lora", False), ("fsdp", "lora", False), ("fsdp", "full", False),
+    ("fsdp", "full", True)])
+def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetune, precompute):
     """DDP and FSDP wrap the pairs' scoring (DDP's reducer and FSDP's root see its forward; FSDP
-    shards the frozen reference copy alike): two ranks of 2 pairs a micro-batch give one
-    process's losses and metrics at the same global batch, and their checkpoint resumes in one
-    process."""
+    shards the frozen reference copy alike, and precomputes the reference in equal shares):
+    two ranks of 2 pairs a micro-batch give one process's losses and metrics at the same global
+    batch, and their checkpoint resumes in one process."""
     data = _pairs(tmp_path / "p.jsonl")
-    kw = (f"finetune={finetune}", "checkpoint.interval=2")
+    kw = (f"finetune={finetune}", "checkpoint.interval=2",
+          f"dpo.precompute_ref_log_probs={str(precompute).lower()}", "data.eval_fraction=0.25",
+          "eval_interval=2")
     Trainer(_cfg(tmp_path, data, *kw, out="one")).train()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -280,9 +313,9 @@ def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetu
     one, two = _metrics(str(tmp_path / "one")), _metrics(str(tmp_path / "two"))
 
     def close(a, b):
-        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
-            torch.testing.assert_close([r[key] for r in a], [r[key] for r in b], rtol=1e-4,
-                                       atol=1e-6, msg=key)
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "eval_loss"):
+            torch.testing.assert_close([r.get(key) for r in a], [r.get(key) for r in b],
+                                       rtol=1e-4, atol=1e-6, msg=key)
 
     close(two, one)
     shutil.rmtree(tmp_path / "two" / "checkpoint-4")

@@ -100,6 +100,7 @@ class DPOConfig:
     loss_type: str = "sigmoid"            # fastllm.preference.LOSS_TYPES
     label_smoothing: float = 0.0          # sigmoid (cDPO) and robust: in [0, 0.5)
     rpo_alpha: float = 0.0                # > 0: plus this x the chosen completions' NLL (RPO)
+    precompute_ref_log_probs: bool = False  # the reference scored once, before step 1 (TRL's)
 
 
 @dataclass

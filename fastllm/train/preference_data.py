@@ -142,6 +142,7 @@ class PreferenceDataset:
         self.truncated = sum(any(len(ids) > seq_len for ids, _ in pair) for pair in self.pairs)
         self.seq_len, self.seed, self.pad_id = seq_len, seed, pad_id
         self.num_sequences = len(self.pairs)
+        self.ref_logps = None  # (pairs, 2): the reference's, when precomputed (preference_step)
         self._order_epoch, self._order = None, None
 
     def row(self, sample):
@@ -154,10 +155,13 @@ class PreferenceDataset:
 
     def batch(self, samples, rows=None):
         """PairBatch of pairs `rows` (indices), or of the pairs at sample positions `samples`:
-        (2 x pairs, longest row) input_ids, labels, attention_mask, chosen rows first."""
+        (2 x pairs, longest row) input_ids, labels, attention_mask, chosen rows first; and
+        ref_logps (2 x pairs,) once the reference's are precomputed."""
         rows = [self.row(s) for s in samples] if rows is None else rows
         out = pair_batch([self.pairs[i] for i in rows], self.pad_id, self.seq_len,
                          [self.wheres[i] for i in rows])
+        if self.ref_logps is not None:  # (2 x pairs,): the chosen rows', then the rejected's
+            out["ref_logps"] = self.ref_logps[rows].t().reshape(-1)
         return PairBatch(out, num_tokens=out["attention_mask"].sum())
 
     def all_batches(self, batch_size):

@@ -59,7 +59,9 @@ class _Policy(nn.Module):
 class PreferenceObjective:
     def __init__(self, dpo, model, adapters, fused):
         self.dpo, self.fused = dpo, fused
+        self.precomputed = False
         self.reference = self.reference_scorer = None
+        self._kind = "adapters off" if adapters else "a frozen copy of the model"
         if not adapters:
             self.reference = copy.deepcopy(model).requires_grad_(False).eval()
             self.reference_scorer = _Policy(self.reference, self._logps)
@@ -87,9 +89,65 @@ class PreferenceObjective:
         if route is not None:
             route[0].compile()
 
+    def prepare(self, trainer):
+        """Before the first step (the trainer's model wrapped by its strategy): with
+        dpo.precompute_ref_log_probs (TRL's), the reference's log-probabilities of every training
+        and held-out pair, computed once in batches of micro_batch_size pairs in the data's order
+        (a resumed run computes the same), split over the ranks; the datasets then serve them in
+        their batches (ref_logps), and the frozen reference copy, no longer needed, is freed."""
+        if not self.dpo.precompute_ref_log_probs:
+            return
+        import time
+
+        t0 = time.perf_counter()
+        model = trainer.strategy.model
+        lm = self._unwrap(model)[0]
+        was_training = lm.training
+        lm.eval()
+        try:
+            n = sum(self._precompute(model, data, trainer.cfg.micro_batch_size, trainer.device,
+                                     trainer.autocast)
+                    for data in (trainer.dataset, trainer.eval_dataset) if data is not None)
+        finally:
+            lm.train(was_training)
+        self.reference = self.reference_scorer = trainer.strategy.reference = None
+        self.precomputed = True
+        trainer.log(f"fastllm train: the reference's log-probabilities of {n} pairs precomputed "
+                    f"in {time.perf_counter() - t0:.1f} s (dpo.precompute_ref_log_probs)")
+
+    def _precompute(self, model, data, batch_size, device, autocast):
+        """data.ref_logps: (pairs, 2) fp32 on the CPU, [chosen, rejected]; every rank computes
+        an equal share (FSDP's forwards are collective; the last rows repeat to even it) and the
+        shares are all-gathered. Returns the pairs."""
+        import contextlib
+
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        n = data.num_sequences
+        share = -(-n // world)
+        rows = [min(rank * share + k, n - 1) for k in range(share)]
+        parts = []
+        for k in range(0, share, batch_size):
+            batch = data.batch(None, rows=rows[k:k + batch_size])
+            batch.pop("num_tokens")
+            with autocast if autocast is not None else contextlib.nullcontext():
+                ref = self._reference(model, batch.to(device)).float()
+            parts.append(torch.stack(ref.chunk(2), 1))
+        mine = torch.cat(parts)
+        if world > 1:
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            mine = torch.cat(every)
+        data.ref_logps = mine[:n].cpu()
+        return n
+
     def describe(self):
         d = self.dpo
-        ref = "adapters off" if self.reference is None else "a frozen copy of the model"
+        ref = self._kind
+        if d.precompute_ref_log_probs:
+            ref += ", its log-probabilities precomputed"
         rpo = f", rpo_alpha={d.rpo_alpha}" if d.rpo_alpha else ""
         return (f"objective=dpo (loss_type={d.loss_type}, beta={d.beta}{rpo}; reference: {ref}; "
                 f"log-probabilities {'fused, no logits' if self.fused else 'from the logits'})")
@@ -107,21 +165,32 @@ class PreferenceObjective:
         logp = logits[:, :-1].log_softmax(-1).gather(-1, labels.where(keep, 0).unsqueeze(-1))
         return logp.squeeze(-1).where(keep, 0.0).sum(-1)
 
+    @staticmethod
+    def _unwrap(model):
+        """(the causal LM in `model`, the scoring root to call for it or None)."""
+        if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP(policy(lm))
+            return model.module.lm, None  # (no backward: DDP's reducer is not needed)
+        if isinstance(model, _Policy):  # policy(lm): FSDP's root
+            return model.lm, model
+        return model, None
+
+    @torch.no_grad()
+    def _reference(self, model, batch):
+        """The reference's log-probabilities of the batch's rows: the batch's precomputed ones
+        (ref_logps), else the frozen copy's scoring, else the model's with its adapters off."""
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        if self.reference_scorer is not None:
+            return self.reference_scorer(batch)
+        lm, root = self._unwrap(model)
+        with _adapters_off(lm):
+            return root(batch) if root is not None else self._logps(lm, batch)
+
     def score(self, model, batch):
         """(dpo_loss's result, the step's loss: the pairs' mean plus rpo_alpha x the chosen
         completions' NLL per token, the policy's chosen and rejected log-probabilities)."""
-        lm, root = model, None
-        if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP(policy(lm))
-            lm = model.module.lm
-        elif isinstance(model, _Policy):  # policy(lm), FSDP's root
-            lm, root = model.lm, model
-        logps = self._logps(model, batch) if lm is model else model(batch)
-        with torch.no_grad():  # (DDP's reducer is not needed here: no backward; FSDP's root is)
-            if self.reference_scorer is not None:
-                ref = self.reference_scorer(batch)
-            else:
-                with _adapters_off(lm):
-                    ref = root(batch) if root is not None else self._logps(lm, batch)
+        logps = self._logps(model, batch) if self._unwrap(model)[0] is model else model(batch)
+        ref = self._reference(model, batch)
         lengths = (batch["labels"][:, 1:] != -100).sum(-1).chunk(2)
         chosen, rejected = logps.chunk(2)
         out = dpo_loss(chosen, rejected, *ref.chunk(2), beta=self.dpo.beta,

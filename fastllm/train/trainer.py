@@ -152,6 +152,8 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=_DTYPES[cfg.precision])
                          if cfg.precision != "fp32" and cfg.backend == "torch"
                          else contextlib.nullcontext())
+        if self.objective is not None:  # (dpo.precompute_ref_log_probs)
+            self.objective.prepare(self)
 
     def _step_loss(self, model, ids):
         with self.autocast:
@@ -293,7 +295,9 @@ class Trainer:
                     # (not under torch_compile: compiled code allocates outside its dispatch mode)
                     if (cfg.track_memory and tracked_peak is None and self.device.type == "cpu"
                             and strategy.name == "none" and not cfg.torch_compile):
-                        tracker = PeakMemory(self.module, self.optimizer)
+                        # (DPO's frozen reference copy, where one is held, counts too)
+                        tracker = PeakMemory(self.module, self.optimizer,
+                                             getattr(self.objective, "reference", None))
                         tracker.__enter__()
                     elif self.device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(self.device)
