@@ -3,7 +3,7 @@ the held-out evaluation.
 
     objective = PreferenceObjective.make(cfg, model)   # None for objective=lm
     loss = objective(model, batch)                     # a PairBatch: the DPO loss (+ RPO's NLL)
-    rec.update(objective.pop_metrics())                # TRL's rewards/* and logps/* names
+    rec.update(objective.pop_metrics(device))          # TRL's rewards/* and logps/* names
 
 The reference is what TRL's DPOTrainer takes without a ref_model: with LoRA adapters (fastllm's
 or PEFT's) the same model with its adapters switched off, under no_grad; else (full, freeze,

@@ -1,0 +1,203 @@
+"""A whole DPO fine-tuning run: TRL's DPOTrainer (+ PEFT) against `fastllm train objective=dpo`
+on the same checkpoint, pairs, held-out split and hyperparameters.
+
+    PYTHONPATH=<trl> python bench/bench_dpo_train.py MODEL_DIR [--providers trl,fastllm,...]
+        [--rounds 1] [--steps 20] [--threads 2] [--data examples/data/capital_preferences.jsonl]
+
+Both sides: LoRA r=16, alpha=32, no dropout, on the seven projections; fp32; 4 pairs a step
+(per_device_train_batch_size), rows cut to 256 tokens (keep_start); DPO sigmoid, beta 0.1, plus
+the chosen answers' mean token NLL with weight 1 (TRL 1.16: loss_type ["sigmoid", "sft"],
+loss_weights [1, 1]; fastllm: dpo.rpo_alpha=1, the same term); AdamW lr 1e-4, weight decay 0,
+2 warmup steps then cosine to 0; the reference is the model with its adapters off; the data's
+held-out pairs (fastllm's seeded data.eval_fraction split, written out for TRL) evaluated once
+at the end. Providers:
+    trl                 trl.DPOTrainer(peft_config=LoraConfig(...)), TRL's defaults otherwise
+                        (gradient_checkpointing on; bf16 set False: TRL's configs default to
+                        bf16 autocast, which a CPU without bf16 GEMMs runs 13x slower here)
+    trl-no-checkpointing  the same with gradient_checkpointing=False (as fastllm's default)
+    trl-precompute      trl with precompute_ref_log_probs=True
+    fastllm             fastllm.train.Trainer (fastllm.patch, fastllm's LoRA and AdamW, the
+                        log-probabilities without logits)
+    fastllm-precompute  the same with dpo.precompute_ref_log_probs=true
+Each (round, provider) is its own process. Step time: TRL's on_step_begin to on_step_end, and
+fastllm's metrics.jsonl step_time_s (the same span: forward, backward, optimizer); the first step
+is left out of the mean. Tokens: the step's non-pad input tokens (both rows of every pair).
+Peak RSS: the process's ru_maxrss (model load included). Not a pytest test (`__test__`): it needs
+TRL and a checkpoint folder (`python ../shared/models/prepare_smollm2.py DIR`).
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_trl import describe_machine, versions  # noqa: E402
+
+__test__ = False
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROVIDERS = ("trl", "trl-no-checkpointing", "fastllm", "trl-precompute", "fastllm-precompute")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EVAL_FRACTION = 0.17
+
+
+def _split(path, tmp):
+    """fastllm's held-out split of `path` (its seeded data.eval_fraction), as two JSONL files."""
+    from fastllm.train.sft_data import split_examples
+
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    train, held = split_examples(len(lines), EVAL_FRACTION, 0)
+    names = []
+    for part, rows in (("train", train), ("eval", held)):
+        name = os.path.join(tmp, f"{part}.jsonl")
+        with open(name, "w") as f:
+            f.writelines(lines[i] for i in rows)
+        names.append(name)
+    return names
+
+
+def _trl(args, tmp):
+    import datasets
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    train, held = _split(args.data, tmp)
+    out = {"times": [], "tokens": [], "losses": []}
+
+    class Timed(trl.DPOTrainer):
+        def training_step(self, model, inputs, *rest, **kw):
+            out["tokens"].append(int(inputs["attention_mask"].sum()))
+            loss = super().training_step(model, inputs, *rest, **kw)
+            out["losses"].append(float(loss))
+            return loss
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            out["times"].append(time.perf_counter() - self.t0)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    config = trl.DPOConfig(
+        output_dir=os.path.join(tmp, "out"), max_steps=args.steps, per_device_train_batch_size=4,
+        per_device_eval_batch_size=4, max_length=256, beta=0.1, loss_type=["sigmoid", "sft"],
+        loss_weights=[1.0, 1.0], learning_rate=1e-4, weight_decay=0.0,
+        lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1, save_strategy="no",
+        eval_strategy="no", report_to="none", seed=0, use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, precompute_ref_log_probs=args.provider == "trl-precompute",
+        bf16=False,  # (TRL's configs default to bf16 autocast; both sides here run fp32)
+        gradient_checkpointing=args.provider != "trl-no-checkpointing")
+    trainer = Timed(model=model, args=config, processing_class=tok,
+                    train_dataset=datasets.load_dataset("json", data_files=train)["train"],
+                    eval_dataset=datasets.load_dataset("json", data_files=held)["train"],
+                    peft_config=peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                target_modules=TARGETS, task_type="CAUSAL_LM"),
+                    callbacks=[Clock()])
+    trainer.train()
+    metrics = trainer.evaluate()
+    out["eval_loss"] = metrics["eval_loss"]
+    out["eval_accuracy"] = metrics.get("eval_rewards/accuracies")
+    return out
+
+
+def _fastllm(args, tmp):
+    from fastllm.train import TrainConfig, Trainer
+    from fastllm.train.metrics import read_metrics
+
+    run = os.path.join(tmp, "run")
+    cfg = TrainConfig.from_args(
+        [f"model={args.model}", f"output_dir={run}", f"max_steps={args.steps}", "min_lr=0",
+         f"threads={args.threads}", "eval_steps=0", "eval.prompts=[]", "save_steps=0",
+         f"data.path={args.data}", f"data.eval_fraction={EVAL_FRACTION}",
+         f"data.cache_dir={os.path.join(tmp, 'cache')}", "log_interval=1000",
+         f"dpo.precompute_ref_log_probs={str(args.provider.endswith('precompute')).lower()}"],
+        os.path.join(ROOT, "examples", "dpo_lora.yaml"))
+    Trainer(cfg).train()
+    recs = read_metrics(os.path.join(run, "metrics.jsonl"))
+    last = [r for r in recs if r.get("eval_loss") is not None][-1]
+    return {"times": [r["step_time_s"] for r in recs], "tokens": [r["tokens"] for r in recs],
+            "losses": [r["loss"] for r in recs], "eval_loss": last["eval_loss"],
+            "eval_accuracy": last["eval_rewards/accuracies"]}
+
+
+def child(args):
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        out = (_trl if args.provider.startswith("trl") else _fastllm)(args, tmp)
+        out["wall_s"] = time.perf_counter() - t0
+    out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(out))
+
+
+def run_child(args, provider):
+    cmd = [sys.executable, os.path.abspath(__file__), args.model, "--child", provider,
+           "--steps", str(args.steps), "--threads", str(args.threads), "--data", args.data]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr or done.stdout)[-3000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--providers", default="trl,fastllm")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data", default=os.path.join(ROOT, "examples", "data",
+                                                  "capital_preferences.jsonl"))
+    p.add_argument("--child", metavar="PROVIDER")
+    args = p.parse_args(argv)
+    args.model, args.data = os.path.abspath(args.model), os.path.abspath(args.data)
+    if args.child:
+        args.provider = args.child
+        return child(args)
+    providers = args.providers.split(",")
+    print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
+    print(f"machine: {describe_machine()}; {versions()}")
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{os.getloadavg()[0]:.1f}; {args.steps} steps of 4 pairs, {args.rounds} round(s)")
+    print(f"\n| provider | mean step s (2..) | tokens/s | x {providers[0]} | peak RSS MiB | "
+          f"loss step 1 | loss last | held-out eval loss | held-out reward accuracy | "
+          f"run wall s |\n|---|---|---|---|---|---|---|---|---|---|")
+    runs = {name: [] for name in providers}
+    for _ in range(args.rounds):
+        for name in providers:
+            runs[name].append(run_child(args, name))
+    speed = {}
+    for name, results in runs.items():
+        failed = [r["error"] for r in results if "error" in r]
+        if failed:
+            print(f"| {name} | FAILED | | | | | | | | |")
+            print(failed[0], file=sys.stderr)
+            continue
+        times = [t for r in results for t in r["times"][1:]]
+        tokens = [n for r in results for n in r["tokens"][1:]]
+        speed[name] = sum(tokens) / sum(times)
+        ratio = speed[name] / speed[providers[0]] if providers[0] in speed else float("nan")
+        r0 = results[0]
+        print(f"| {name} | {statistics.mean(times):.2f} | {speed[name]:.0f} | {ratio:.2f} | "
+              f"{max(r['rss_mib'] for r in results):,.0f} | {r0['losses'][0]:.4f} | "
+              f"{r0['losses'][-1]:.4f} | {r0['eval_loss']:.4f} | {r0['eval_accuracy']} | "
+              f"{r0['wall_s']:.0f} |")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
