@@ -198,6 +198,8 @@ def test_precomputed_reference_trains_alike_frees_the_copy_and_resumes_bitwise(t
     t = Trainer(_cfg(tmp_path, data, *kw, "dpo.precompute_ref_log_probs=true"))
     t.train()
     assert t.objective.reference is None and t.objective.precomputed
+    if finetune == "full":  # (no copy was made: the model itself was scored before step 1)
+        assert t.objective.describe().count("the model as built") == 1
     assert t.dataset.ref_logps.shape == (12, 2) and t.eval_dataset.ref_logps.shape == (4, 2)
     # (the train set's pairs are scored in batches of another make-up: rounding apart)
     every, pre = _metrics(str(tmp_path / "every")), _metrics(str(tmp_path / "run"))
@@ -213,6 +215,32 @@ def test_precomputed_reference_trains_alike_frees_the_copy_and_resumes_bitwise(t
     again = _metrics(str(tmp_path / "run"))
     assert [(r.get("loss"), r.get("eval_loss")) for r in again] == [
         (r.get("loss"), r.get("eval_loss")) for r in pre]
+
+
+def test_resuming_another_objective_is_refused(tmp_path):
+    Trainer(TrainConfig.from_args(["model=tiny", "max_steps=2", "data.seq_len=32",
+                                   "micro_batch_size=2", "threads=1", "track_memory=false",
+                                   f"data.cache_dir={tmp_path / 'cache'}",
+                                   f"output_dir={tmp_path / 'run'}"])).train()
+    with pytest.raises(ConfigError, match="trained with objective=lm, this run has objective=dpo"):
+        Trainer(_cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), "finetune=full")).train()
+
+
+def test_without_adapters_a_batch_needs_its_precomputed_reference(tmp_path):
+    from fastllm.train.model import build_model
+
+    cfg = _cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), "finetune=full")
+    model = build_model(cfg, ByteTokenizer().vocab_size, torch.float32)
+    objective = PreferenceObjective(DPOConfig(precompute_ref_log_probs=True), model,
+                                    adapters=False, fused=True)
+    assert objective.reference is None  # (no copy: the model is scored before step 1)
+    pairs, wheres = read_pairs(cfg.data.path)
+    data = PreferenceDataset([encode_pair(p, ByteTokenizer(), w) for p, w in zip(pairs, wheres)],
+                             wheres, 40, 0, 0)
+    batch = data.batch(None, rows=[0, 1])
+    batch.pop("num_tokens")
+    with pytest.raises(RuntimeError, match="were not precomputed"):
+        objective(model, batch)
 
 
 def test_dataset_orders_pairs_per_epoch_truncates_and_drops(tmp_path):
@@ -277,20 +305,26 @@ def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
     data = _pairs(tmp_path / "p.jsonl")
     out = str(tmp_path / "c")
     main(["train", "--compare", "torch", "model=tiny", "objective=dpo", "finetune=lora",
-          f"data.path={data}", "data.seq_len=48", "micro_batch_size=4", "max_steps=2",
-          "warmup_steps=0", "threads=1", f"output_dir={out}",
+          f"data.path={data}", "data.seq_len=48", "micro_batch_size=4", "max_steps=3",
+          "warmup_steps=0", "lr=1e-2", "threads=1", f"output_dir={out}",
           f"data.cache_dir={tmp_path / 'cache'}"])
     assert "fastllm / torch tokens/s" in capsys.readouterr().out
-    for run in (out, out + "-torch"):
-        assert _metrics(run)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    ours, peft = _metrics(out), _metrics(out + "-torch")
+    for recs in (ours, peft):
+        assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        # a reference left with its adapters on would keep the loss at log 2
+        assert recs[-1]["loss"] < math.log(2) - 0.01
+    # (the two sides' adapters train apart from step 2 on, as for objective=lm under --compare
+    # torch: their first steps agree, which is the reference pass)
+    assert peft[0]["logps/chosen"] == pytest.approx(ours[0]["logps/chosen"], rel=1e-5)
     with pytest.raises(SystemExit, match="TRL's DPOTrainer"):
         main(["train", "--compare", "hf", "model=tiny", "objective=dpo", f"data.path={data}",
               f"output_dir={tmp_path / 'h'}"])
 
 
 @pytest.mark.parametrize("strategy,finetune,precompute", [
-    ("ddp", "lora", False), ("fsdp", "lora", False), ("fsdp", "full", False),
-    ("fsdp", "full", True)])
+    ("ddp", "lora", False), ("ddp", "full", True), ("fsdp", "lora", True),
+    ("fsdp", "full", False)])
 def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetune, precompute):
     """DDP and FSDP wrap the pairs' scoring (DDP's reducer and FSDP's root see its forward; FSDP
     shards the frozen reference copy alike, and precomputes the reference in equal shares):

@@ -258,7 +258,7 @@ _UNORDERED_KEYS = ("lora.target_modules",)
 # refresh gap and scale): a checkpoint's optimizer state brings back its own, which a resume with
 # a changed config must not silently keep.
 _HYPERPARAMS = ("weight_decay", "betas", "eps", "update_proj_gap", "scale")
-_DATA_KEYS = ("seed", "objective", "data.path", "data.format", "data.seq_len", "data.packing",
+_DATA_KEYS = ("seed", "data.path", "data.format", "data.seq_len", "data.packing",
               "data.train_on_prompt", "data.eval_fraction", "data.eval_path")
 
 
@@ -437,6 +437,14 @@ def check_resume_config(path, cfg, log):
             raise ConfigError(f"fastllm train: {path} was trained with {key}={old}, this run has "
                               f"{key}={new}: {why}; keep {key}={old} to resume, or start fresh "
                               f"(another output_dir, or overwrite_output_dir=true)")
+    old = _get(saved, "objective") or "lm"  # (runs saved before the key: lm)
+    if old != cfg.objective:
+        raise ConfigError(f"fastllm train: {path} was trained with objective={old}, this run has "
+                          f"objective={cfg.objective}: a run's objective holds from its first step "
+                          f"(DPO's reference is the model the run started from); keep "
+                          f"objective={old} to resume, or start the new objective from the "
+                          f"checkpoint's weights in another output_dir (fastllm export RUN DIR "
+                          f"--merged, then model=DIR)")
     old = _get(saved, "backend")
     if old not in (None, cfg.backend) and "fp32" != cfg.precision:  # (precision is kept above)
         raise ConfigError(f"fastllm train: {path} was trained with backend={old}, this run has "

@@ -51,8 +51,9 @@ def check(cfg):
         raise ConfigError("fastllm train --compare hf runs on one process")
     if cfg.objective == "dpo":
         raise ConfigError("fastllm train --compare hf runs HF's Trainer on the next-token loss; "
-                          "objective=dpo compares with TRL's DPOTrainer in bench/bench_dpo.py "
-                          "(--compare torch runs the same DPO on PEFT and the logits)")
+                          "objective=dpo compares with TRL's DPOTrainer in "
+                          "bench/bench_dpo_train.py (--compare torch runs the same DPO on PEFT "
+                          "and the logits)")
     if cfg.lora.quantize_base != "none":
         raise ConfigError(f"fastllm train --compare hf: lora.quantize_base="
                           f"{cfg.lora.quantize_base} has no counterpart on the HF side here "

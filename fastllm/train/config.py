@@ -95,7 +95,10 @@ class FreezeConfig:
 
 @dataclass
 class DPOConfig:
-    """objective=dpo: TRL DPOConfig's names (fastllm.preference.dpo_loss)."""
+    """objective=dpo: TRL DPOConfig's names (fastllm.preference.dpo_loss): beta, loss_type (one),
+    label_smoothing (with sigmoid: conservative DPO, as TRL < 1.0 and Liger-Kernel; TRL 1.16's
+    sigmoid ignores it), rpo_alpha (TRL < 1.0's; in TRL 1.16 loss_type ["sigmoid", "sft"] with
+    loss_weights [1, rpo_alpha])."""
     beta: float = 0.1
     loss_type: str = "sigmoid"            # fastllm.preference.LOSS_TYPES
     label_smoothing: float = 0.0          # sigmoid (cDPO) and robust: in [0, 0.5)

@@ -127,9 +127,10 @@ def validate_objective(cfg, need):
          f"is used by dpo.loss_type sigmoid and robust only, got {d.loss_type}")
     need(math.isfinite(d.rpo_alpha) and d.rpo_alpha >= 0, f"dpo.rpo_alpha must be finite and "
          f">= 0 (0: no NLL term), got {d.rpo_alpha}")
-    need(cfg.data.path and data_format(cfg.data.path, cfg.data.format) == "jsonl",
-         f"objective=dpo trains on preference records ({{\"prompt\", \"chosen\", \"rejected\"}}) "
-         f"in .jsonl/.json files: data.path={cfg.data.path} is not such data")
+    fmt = data_format(cfg.data.path, cfg.data.format) if cfg.data.path else None
+    need(fmt == "jsonl", f"objective=dpo trains on preference records ({{\"prompt\", "
+         f"\"chosen\", \"rejected\"}}) in .jsonl/.json files: data.path={cfg.data.path} with "
+         f"data.format={cfg.data.format} reads {fmt or 'the built-in text'}")
     need(not cfg.data.train_on_prompt, "objective=dpo scores the chosen and rejected "
          "completions only: data.train_on_prompt must be false")
     need(cfg.finetune != "prefix", "objective=dpo with finetune=prefix: a prefix cannot be "

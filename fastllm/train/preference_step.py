@@ -19,6 +19,7 @@ gathers the embedding, the final norm and the head only in its own. Under FSDP t
 reference copy's scoring (reference_scorer) is sharded alike.
 """
 
+import contextlib
 import copy
 import math
 
@@ -58,11 +59,15 @@ class _Policy(nn.Module):
 
 class PreferenceObjective:
     def __init__(self, dpo, model, adapters, fused):
-        self.dpo, self.fused = dpo, fused
-        self.precomputed = False
+        self.dpo, self.fused, self.adapters = dpo, fused, adapters
+        self.precomputed = self._precomputing = False
         self.reference = self.reference_scorer = None
         self._kind = "adapters off" if adapters else "a frozen copy of the model"
-        if not adapters:
+        if dpo.precompute_ref_log_probs and not adapters:
+            # prepare() scores the model itself before any step or checkpoint load: no copy
+            # (TRL keeps no ref_model either)
+            self._kind = "the model as built"
+        elif not adapters:
             self.reference = copy.deepcopy(model).requires_grad_(False).eval()
             self.reference_scorer = _Policy(self.reference, self._logps)
         self._sums = torch.zeros(len(_METRICS) + 2, dtype=torch.float64)
@@ -94,7 +99,8 @@ class PreferenceObjective:
         dpo.precompute_ref_log_probs (TRL's), the reference's log-probabilities of every training
         and held-out pair, computed once in batches of micro_batch_size pairs in the data's order
         (a resumed run computes the same), split over the ranks; the datasets then serve them in
-        their batches (ref_logps), and the frozen reference copy, no longer needed, is freed."""
+        their batches (ref_logps). Without adapters the model scored is the policy itself, as
+        built: no frozen copy is made (prepare runs before any step or checkpoint load)."""
         if not self.dpo.precompute_ref_log_probs:
             return
         import time
@@ -104,12 +110,14 @@ class PreferenceObjective:
         lm = self._unwrap(model)[0]
         was_training = lm.training
         lm.eval()
+        self._precomputing = True
         try:
             n = sum(self._precompute(model, data, trainer.cfg.micro_batch_size, trainer.device,
                                      trainer.autocast)
                     for data in (trainer.dataset, trainer.eval_dataset) if data is not None)
         finally:
             lm.train(was_training)
+            self._precomputing = False
         self.reference = self.reference_scorer = trainer.strategy.reference = None
         self.precomputed = True
         trainer.log(f"fastllm train: the reference's log-probabilities of {n} pairs precomputed "
@@ -119,8 +127,6 @@ class PreferenceObjective:
         """data.ref_logps: (pairs, 2) fp32 on the CPU, [chosen, rejected]; every rank computes
         an equal share (FSDP's forwards are collective; the last rows repeat to even it) and the
         shares are all-gathered. Returns the pairs."""
-        import contextlib
-
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -182,8 +188,12 @@ class PreferenceObjective:
             return batch["ref_logps"]
         if self.reference_scorer is not None:
             return self.reference_scorer(batch)
+        if not self.adapters and not self._precomputing:
+            raise RuntimeError("fastllm train: objective=dpo has no reference for this batch: "
+                               "its pairs were not precomputed (dpo.precompute_ref_log_probs)")
         lm, root = self._unwrap(model)
-        with _adapters_off(lm):
+        # (precomputing without adapters: the model as built is the reference)
+        with _adapters_off(lm) if self.adapters else contextlib.nullcontext():
             return root(batch) if root is not None else self._logps(lm, batch)
 
     def score(self, model, batch):
@@ -197,7 +207,7 @@ class PreferenceObjective:
                        loss_type=self.dpo.loss_type, label_smoothing=self.dpo.label_smoothing,
                        chosen_lengths=lengths[0], rejected_lengths=lengths[1])
         loss = out.loss.mean()
-        if self.dpo.rpo_alpha:  # TRL's RPO: the chosen completions' mean token NLL
+        if self.dpo.rpo_alpha:  # RPO: the chosen completions' mean token NLL (TRL's "sft")
             loss = loss + self.dpo.rpo_alpha * (-chosen.sum() / lengths[0].sum().clamp(min=1))
         return out, loss, chosen.detach(), rejected.detach()
 
@@ -231,8 +241,6 @@ class PreferenceObjective:
     def evaluate(self, model, dataset, batch_size, device, autocast=None, max_batches=0):
         """The held-out pairs (a PreferenceDataset): eval_loss (the training loss's formula,
         mean over pairs), TRL's eval_rewards/* and eval_logps/*, eval_pairs."""
-        import contextlib
-
         was_training = model.training
         model.eval()
         sums = torch.zeros_like(self._sums)

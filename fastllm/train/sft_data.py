@@ -577,6 +577,7 @@ def check_rows(cfg, dataset, global_batch, dp=1):
     spans = getattr(dataset, "spans", None)
     what = (f"{len(spans)} examples in {rows} rows of data.seq_len={cfg.data.seq_len} tokens"
             f"{' (packed)' if dataset.packing else ''}" if spans is not None else
+            f"{rows} preference pairs (a pair is one sample)" if hasattr(dataset, "pairs") else
             f"{rows} windows of data.seq_len={cfg.data.seq_len} tokens")
     accum = global_batch // max(1, cfg.micro_batch_size * dp)
     packed = (f" (or data.packing=false: a row per example, {len(spans)} rows)"

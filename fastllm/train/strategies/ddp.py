@@ -33,8 +33,10 @@ class DDP(Strategy):
         # grads, which DDP must be told to expect (without it the second step raises)
         # QLoRA's 4-bit codes are buffers every rank made identically from the same weights: DDP
         # would otherwise broadcast them all from rank 0 at every forward (0.56 bytes a weight)
+        # objective=dpo: the pairs' scoring (self.policy), whose forward is the step's
         self.model = DistributedDataParallel(
-            model if self.policy is None else self.policy, device_ids=ids, find_unused_parameters=self.cfg.finetune == "badam",
+            model if self.policy is None else self.policy, device_ids=ids,
+            find_unused_parameters=self.cfg.finetune == "badam",
             broadcast_buffers=self.cfg.lora.quantize_base == "none")
         self.comm_timer = _CommTimer()
         self.model.register_comm_hook(None, self.comm_timer.hook)
