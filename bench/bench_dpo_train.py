@@ -37,7 +37,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trl import describe_machine, versions  # noqa: E402
+from bench_trl import describe_machine, interleaved, throughput, versions  # noqa: E402
 
 __test__ = False
 
@@ -169,6 +169,10 @@ def main(argv=None):
         args.provider = args.child
         return child(args)
     providers = args.providers.split(",")
+    unknown = [name for name in providers if name not in PROVIDERS]
+    if unknown:
+        sys.exit(f"bench_dpo_train.py: unknown provider(s) {unknown}; known: "
+                 f"{', '.join(PROVIDERS)}")
     print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
     print(f"machine: {describe_machine()}; {versions()}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
@@ -176,20 +180,13 @@ def main(argv=None):
     print(f"\n| provider | mean step s (2..) | tokens/s | x {providers[0]} | peak RSS MiB | "
           f"loss step 1 | loss last | held-out eval loss | held-out reward accuracy | "
           f"run wall s |\n|---|---|---|---|---|---|---|---|---|---|")
-    runs = {name: [] for name in providers}
-    for _ in range(args.rounds):
-        for name in providers:
-            runs[name].append(run_child(args, name))
+    runs = interleaved(providers, args.rounds, lambda name: run_child(args, name))
     speed = {}
     for name, results in runs.items():
-        failed = [r["error"] for r in results if "error" in r]
-        if failed:
-            print(f"| {name} | FAILED | | | | | | | | |")
-            print(failed[0], file=sys.stderr)
+        measured = throughput(name, results, 10)
+        if measured is None:
             continue
-        times = [t for r in results for t in r["times"][1:]]
-        tokens = [n for r in results for n in r["tokens"][1:]]
-        speed[name] = sum(tokens) / sum(times)
+        times, speed[name] = measured
         ratio = speed[name] / speed[providers[0]] if providers[0] in speed else float("nan")
         r0 = results[0]
         print(f"| {name} | {statistics.mean(times):.2f} | {speed[name]:.0f} | {ratio:.2f} | "

@@ -125,6 +125,30 @@ def versions():
     return done.stdout.strip() or "trl not importable"
 
 
+def interleaved(providers, rounds, run):
+    """{provider: its results}: run(provider) for every provider, round after round (a, b, c, a,
+    b, c), so a drifting machine weighs on each alike."""
+    runs = {name: [] for name in providers}
+    for _ in range(rounds):
+        for name in providers:
+            runs[name].append(run(name))
+    return runs
+
+
+def throughput(label, results, cells):
+    """(step times after each run's first, tokens/s over them) of one provider's results; None
+    where a run failed: its table row (`label` then FAILED, `cells` cells in all) printed, and
+    its error to stderr."""
+    failed = [r["error"] for r in results if "error" in r]
+    if failed:
+        print(f"| {label} | FAILED |" + " |" * (cells - len(label.split("|")) - 1))
+        print(failed[0], file=sys.stderr)
+        return None
+    times = [t for r in results for t in r["times"][1:]]
+    tokens = [n for r in results for n in r["tokens"][1:]]
+    return times, sum(tokens) / sum(times)
+
+
 def run_child(args, case, provider):
     env = dict(os.environ)
     env.pop("FASTLLM_CPU_ATTENTION", None)
@@ -167,20 +191,13 @@ def main(argv=None):
           f"| first loss | last loss | max rel. loss diff vs {providers[0]} |"
           f"\n|---|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
-        runs = {name: [] for name in providers}
-        for _ in range(args.rounds):
-            for name in providers:
-                runs[name].append(run_child(args, case, name))
+        runs = interleaved(providers, args.rounds, lambda name: run_child(args, case, name))
         speed = {}
         for name, results in runs.items():
-            failed = [r["error"] for r in results if "error" in r]
-            if failed:
-                print(f"| {case} | {name} | FAILED | | | | | | |")
-                print(failed[0], file=sys.stderr)
+            measured = throughput(f"{case} | {name}", results, 9)
+            if measured is None:
                 continue
-            times = [t for r in results for t in r["times"][1:]]
-            tokens = [n for r in results for n in r["tokens"][1:]]
-            speed[name] = sum(tokens) / sum(times)
+            times, speed[name] = measured
             ratio = speed[name] / speed[providers[0]] if providers[0] in speed else float("nan")
             losses = results[0]["losses"]
             same = all(r["losses"] == losses for r in results)

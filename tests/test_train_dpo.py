@@ -314,8 +314,8 @@ def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
         assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
         # a reference left with its adapters on would keep the loss at log 2
         assert recs[-1]["loss"] < math.log(2) - 0.01
-    # (the two sides' adapters train apart from step 2 on, as for objective=lm under --compare
-    # torch: their first steps agree, which is the reference pass)
+    # (PEFT draws its A matrices otherwise than fastllm, as under objective=lm: the runs part
+    # from step 2 on; at step 1, B = 0, both are the base model)
     assert peft[0]["logps/chosen"] == pytest.approx(ours[0]["logps/chosen"], rel=1e-5)
     with pytest.raises(SystemExit, match="TRL's DPOTrainer"):
         main(["train", "--compare", "hf", "model=tiny", "objective=dpo", f"data.path={data}",

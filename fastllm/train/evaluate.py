@@ -15,8 +15,18 @@ import os
 
 import torch
 
-__all__ = ["evaluate_loss", "generate_samples", "chat_prompt_ids", "read_eval", "read_prompts",
+__all__ = ["evaluate_loss", "eval_batches", "generate_samples", "chat_prompt_ids", "read_eval", "read_prompts",
            "read_prompt_records", "template_refusal", "Evaluator"]
+
+
+def eval_batches(dataset, batch_size, device, max_batches=0):
+    """dataset.all_batches(batch_size) (every row once, in order), the first max_batches of them
+    (0: all), each without its num_tokens count and on `device`."""
+    for k, batch in enumerate(dataset.all_batches(batch_size)):
+        if max_batches and k >= max_batches:
+            return
+        batch.pop("num_tokens")
+        yield batch.to(device)
 
 
 @torch.no_grad()
@@ -33,11 +43,7 @@ def evaluate_loss(model, dataset, batch_size, device, autocast=None, max_batches
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     try:
-        for k, batch in enumerate(dataset.all_batches(batch_size)):
-            if max_batches and k >= max_batches:
-                break
-            batch.pop("num_tokens")
-            batch = batch.to(device)
+        for batch in eval_batches(dataset, batch_size, device, max_batches):
             n = int((batch["labels"][:, 1:] != -100).sum())
             if n == 0:
                 continue

@@ -241,15 +241,13 @@ class PreferenceObjective:
     def evaluate(self, model, dataset, batch_size, device, autocast=None, max_batches=0):
         """The held-out pairs (a PreferenceDataset): eval_loss (the training loss's formula,
         mean over pairs), TRL's eval_rewards/* and eval_logps/*, eval_pairs."""
+        from fastllm.train.evaluate import eval_batches
+
         was_training = model.training
         model.eval()
         sums = torch.zeros_like(self._sums)
         try:
-            for k, batch in enumerate(dataset.all_batches(batch_size)):
-                if max_batches and k >= max_batches:
-                    break
-                batch.pop("num_tokens")
-                batch = batch.to(device)
+            for batch in eval_batches(dataset, batch_size, device, max_batches):
                 with autocast if autocast is not None else contextlib.nullcontext():
                     out, loss, chosen, rejected = self.score(model, batch)
                 self._add(sums, out, chosen, rejected, loss)
