@@ -217,6 +217,21 @@ def test_precomputed_reference_trains_alike_frees_the_copy_and_resumes_bitwise(t
         (r.get("loss"), r.get("eval_loss")) for r in pre]
 
 
+def test_eval_path_and_epochs(tmp_path):
+    """data.eval_path holds the held-out pairs out of data.path; num_train_epochs counts pairs."""
+    data = _pairs(tmp_path / "p.jsonl", n=10)
+    held = _pairs(tmp_path / "held.jsonl", n=3, chat=False)
+    t = Trainer(_cfg(tmp_path, data, f"data.eval_path={held}", "max_steps=-1",
+                     "num_train_epochs=2", "eval_interval=0"))
+    t.train()
+    assert t.dataset.num_sequences == 10 and t.eval_dataset.num_sequences == 3
+    from fastllm.train.evaluate import read_eval
+
+    assert [r["step"] for r in _metrics(str(tmp_path / "run"))] == [1, 2, 3, 4, 5]  # 2 x 10 / 4
+    evals = read_eval(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [(e["eval_step"], e["eval_pairs"]) for e in evals] == [(0, 3), (5, 3)]
+
+
 def test_resuming_another_objective_is_refused(tmp_path):
     Trainer(TrainConfig.from_args(["model=tiny", "max_steps=2", "data.seq_len=32",
                                    "micro_batch_size=2", "threads=1", "track_memory=false",
