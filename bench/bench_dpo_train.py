@@ -37,7 +37,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trl import describe_machine, interleaved, throughput, versions  # noqa: E402
+from bench_trl import (describe_machine, interleaved, throughput, timed_trainer,  # noqa: E402
+                       versions)
 
 __test__ = False
 
@@ -72,21 +73,7 @@ def _trl(args, tmp):
 
     train, held = _split(args.data, tmp)
     out = {"times": [], "tokens": [], "losses": []}
-
-    class Timed(trl.DPOTrainer):
-        def training_step(self, model, inputs, *rest, **kw):
-            out["tokens"].append(int(inputs["attention_mask"].sum()))
-            loss = super().training_step(model, inputs, *rest, **kw)
-            out["losses"].append(float(loss))
-            return loss
-
-    class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            out["times"].append(time.perf_counter() - self.t0)
-
+    Timed, clock = timed_trainer(trl.DPOTrainer, out)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     config = trl.DPOConfig(
@@ -103,7 +90,7 @@ def _trl(args, tmp):
                     eval_dataset=datasets.load_dataset("json", data_files=held)["train"],
                     peft_config=peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                 target_modules=TARGETS, task_type="CAUSAL_LM"),
-                    callbacks=[Clock()])
+                    callbacks=[clock])
     trainer.train()
     metrics = trainer.evaluate()
     out["eval_loss"] = metrics["eval_loss"]

@@ -52,6 +52,31 @@ def dataset_rows(n=256, seed=0):
     return rows
 
 
+def timed_trainer(base, out):
+    """(a subclass of the TRL trainer class `base` that appends each step's input tokens and loss
+    to out["tokens"] and out["losses"], a callback that appends its time, on_step_begin to
+    on_step_end, to out["times"]). Tokens: the attention mask's sum, or a packed row's length."""
+    import transformers
+
+    class Timed(base):
+        def training_step(self, model, inputs, *rest, **kw):
+            mask = inputs.get("attention_mask")
+            out["tokens"].append(int(mask.sum()) if mask is not None
+                                 else int(inputs["position_ids"].size(1)))
+            loss = super().training_step(model, inputs, *rest, **kw)
+            out["losses"].append(float(loss))
+            return loss
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            out["times"].append(time.perf_counter() - self.t0)
+
+    return Timed, Clock()
+
+
 def child(args):
     """One SFTTrainer run; prints one JSON line: step times, tokens, losses, peak RSS."""
     try:
@@ -75,23 +100,7 @@ def child(args):
         peft_config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                       target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     out = {"times": [], "tokens": [], "losses": []}
-
-    class Timed(trl.SFTTrainer):
-        def training_step(self, model, inputs, *rest, **kw):
-            mask = inputs.get("attention_mask")
-            out["tokens"].append(int(mask.sum()) if mask is not None
-                                 else int(inputs["position_ids"].size(1)))
-            loss = super().training_step(model, inputs, *rest, **kw)
-            out["losses"].append(float(loss))
-            return loss
-
-    class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            out["times"].append(time.perf_counter() - self.t0)
-
+    Timed, clock = timed_trainer(trl.SFTTrainer, out)
     with tempfile.TemporaryDirectory() as tmp:
         config = trl.SFTConfig(
             output_dir=tmp, max_steps=1 + args.steps, per_device_train_batch_size=args.batch,
@@ -100,7 +109,7 @@ def child(args):
             logging_steps=1, save_strategy="no", report_to="none", seed=0, use_cpu=True,
             dataloader_num_workers=0, disable_tqdm=True)
         trainer = Timed(model=model, args=config, train_dataset=datasets.Dataset.from_list(
-            dataset_rows()), peft_config=peft_config, callbacks=[Clock()])
+            dataset_rows()), peft_config=peft_config, callbacks=[clock])
         trainer.train()
     out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["patched"] = sum(fastllm.patched(trainer.model).values())
