@@ -31,14 +31,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trl import (describe_machine, interleaved, throughput, timed_trainer,  # noqa: E402
-                       versions)
+from bench_trl import (child_result, describe_machine, interleaved, throughput,  # noqa: E402
+                       timed_trainer, versions)
 
 __test__ = False
 
@@ -133,11 +132,7 @@ def child(args):
 def run_child(args, provider):
     cmd = [sys.executable, os.path.abspath(__file__), args.model, "--child", provider,
            "--steps", str(args.steps), "--threads", str(args.threads), "--data", args.data]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        return {"error": (done.stderr or done.stdout)[-3000:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return child_result(cmd, cwd=ROOT)
 
 
 def main(argv=None):

@@ -165,8 +165,14 @@ def run_child(args, case, provider):
         env["FASTLLM_CPU_ATTENTION"] = PROVIDERS[provider][1]
     cmd = [sys.executable, os.path.abspath(__file__), args.model, "--child", case, provider,
            "--steps", str(args.steps), "--batch", str(args.batch), "--length", str(args.length)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+    return child_result(cmd, env=env)
+
+
+def child_result(cmd, **kw):
+    """The JSON of the last "RESULT " line the child process `cmd` printed, or {"error": the
+    end of its output} when it failed or printed none."""
+    done = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr or done.stdout)[-3000:]}
     return json.loads(lines[-1][len("RESULT "):])
