@@ -35,7 +35,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_qlora import _anonymous, _peak_rss_mib, _reset_peak_rss, run_rounds  # noqa: E402
+from bench_qlora import (_anonymous, _peak_rss_mib, _reset_peak_rss,  # noqa: E402
+                         chosen_providers, print_rows, run_rounds)
 
 __test__ = False
 
@@ -181,10 +182,7 @@ def main():
     args = p.parse_args()
     if args.one:
         return run_one(args)
-    providers = [name.strip() for name in args.providers.split(",")]
-    unknown = [name for name in providers if name not in PROVIDERS]
-    if unknown:
-        sys.exit(f"bench_dpo: unknown providers {unknown}; choose from {PROVIDERS}")
+    providers = chosen_providers(args.providers, PROVIDERS, "bench_dpo")
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
@@ -196,16 +194,11 @@ def main():
     print(f"\n{args.model_dir}, DPO (sigmoid, beta 0.1), LoRA r=16 all-linear, fp32, "
           f"{args.pairs} pairs x {args.length} tokens, {args.threads} threads, "
           f"{platform.processor() or platform.machine()}")
-    print("| provider | step s (median) | tokens/s | tensor peak MiB | peak RSS MiB | "
-          "losses | first policy logps |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['provider']} | {row['step_s']} | {row['tokens_per_s']} | "
-              f"{row['tensor_peak_mib']} | {row['peak_rss_mib']} | {row['losses']} | "
-              f"{row['first_policy_logps'][:2]} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    keys = ("provider", "step_s", "tokens_per_s", "tensor_peak_mib", "peak_rss_mib", "losses")
+    headers = ("provider", "step s (median)", "tokens/s", "tensor peak MiB", "peak RSS MiB",
+               "losses")
+    print_rows(rows, [(h, lambda r, k=k: r[k]) for h, k in zip(headers, keys)]
+               + [("first policy logps", lambda r: r["first_policy_logps"][:2])], args.json)
 
 
 if __name__ == "__main__":

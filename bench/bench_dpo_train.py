@@ -36,13 +36,15 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_qlora import chosen_providers  # noqa: E402
 from bench_trl import (child_result, describe_machine, interleaved, throughput,  # noqa: E402
                        timed_trainer, versions)
 
 __test__ = False
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROVIDERS = ("trl", "trl-no-checkpointing", "fastllm", "trl-precompute", "fastllm-precompute")
+PROVIDERS = ("trl", "trl-no-checkpointing", "fastllm", "trl-precompute",
+             "fastllm-precompute")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EVAL_FRACTION = 0.17
 
@@ -150,11 +152,7 @@ def main(argv=None):
     if args.child:
         args.provider = args.child
         return child(args)
-    providers = args.providers.split(",")
-    unknown = [name for name in providers if name not in PROVIDERS]
-    if unknown:
-        sys.exit(f"bench_dpo_train.py: unknown provider(s) {unknown}; known: "
-                 f"{', '.join(PROVIDERS)}")
+    providers = chosen_providers(args.providers, PROVIDERS, "bench_dpo_train")
     print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
     print(f"machine: {describe_machine()}; {versions()}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "

@@ -128,6 +128,26 @@ def _peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def chosen_providers(text, known, tag):
+    """The comma-separated provider names of `text`; exits naming any not in `known`."""
+    providers = [name.strip() for name in text.split(",")]
+    unknown = [name for name in providers if name not in known]
+    if unknown:
+        sys.exit(f"{tag}: unknown providers {unknown}; choose from {known}")
+    return providers
+
+
+def print_rows(rows, columns, json_path=None):
+    """rows as a Markdown table, columns [(header, row -> cell)]; and as JSON to json_path."""
+    print("| " + " | ".join(h for h, _ in columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(str(cell(row)) for _, cell in columns) + " |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def run_rounds(script, model_dir, providers, rounds, extra, tag):
     """Each (round, provider) in its own process (`script model_dir --one NAME *extra`, which
     prints one JSON line), providers interleaved; the rows, each printed as it comes."""
@@ -256,10 +276,7 @@ def main():
         p.error("give MODEL_DIR (or --dequantize)")
     if args.one:
         return run_one(args)
-    providers = [name.strip() for name in args.providers.split(",")]
-    unknown = [name for name in providers if name not in PROVIDERS]
-    if unknown:
-        sys.exit(f"bench_qlora: unknown providers {unknown}; choose from {PROVIDERS}")
+    providers = chosen_providers(args.providers, PROVIDERS, "bench_qlora")
     import importlib.util
 
     if "peft-bnb-qlora" in providers and importlib.util.find_spec("bitsandbytes") is None:
@@ -272,16 +289,12 @@ def main():
     print(f"\n{args.model_dir}, {args.dtype}, LoRA on {args.targets}, "
           f"{args.batch} x {args.length} tokens, "
           f"{args.threads} threads, {platform.processor() or platform.machine()}")
-    print("| provider | step s (median) | tokens/s | tensor peak MiB | peak RSS MiB (steps) | "
-          "peak RSS MiB (load) | base weights MiB | first loss |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['provider']} | {row['step_s']} | {row['tokens_per_s']} | "
-              f"{row['tensor_peak_mib']} | {row['peak_rss_mib']} | {row['load_peak_rss_mib']} | "
-              f"{row['base_weights_mib']} | {row['losses'][0]} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    keys = ("provider", "step_s", "tokens_per_s", "tensor_peak_mib", "peak_rss_mib",
+            "load_peak_rss_mib", "base_weights_mib")
+    headers = ("provider", "step s (median)", "tokens/s", "tensor peak MiB",
+               "peak RSS MiB (steps)", "peak RSS MiB (load)", "base weights MiB")
+    print_rows(rows, [(h, lambda r, k=k: r[k]) for h, k in zip(headers, keys)]
+               + [("first loss", lambda r: r["losses"][0])], args.json)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def _fused_route(lm):
 
 
 def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=None,
-                   average=False, ignore_index=-100, **model_kwargs):
+                   average=False, ignore_index=-100, fused=True, **model_kwargs):
     """Per row, the sum (average=True: the mean) of log p(labels[t] | input_ids[:t]) over the
     positions whose label is not ignore_index: (B,) fp32 (a row with no label: 0, as TRL counts
     such a row, for the mean too). input_ids, labels: (B, T); labels as for the model's own loss
@@ -103,7 +103,7 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     the log-softmax fused (token_logps), so no logits exist; for other models, and where that
     split would skip something (hooks on the model or its head, a head that is not a plain
     nn.Linear, a DTensor head), and for PEFT's prompt learning, the model's forward runs and its
-    logits are used instead."""
+    logits are used instead; fused=False always takes that route (TRL's computation)."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(f"{_WHERE}.sequence_logps: input_ids and labels must both be (batch, "
                          f"seq), got {tuple(input_ids.shape)} and {tuple(labels.shape)}")
@@ -117,7 +117,7 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     # forward: the model's forward runs, its logits' last T positions are the input's (as TRL's)
     prompt_learning = getattr(getattr(model, "active_peft_config", None), "is_prompt_learning",
                               False)
-    route = None if prompt_learning else _fused_route(lm)
+    route = None if prompt_learning or not fused else _fused_route(lm)
     if route is None:
         logits = model(input_ids=input_ids, **kwargs).logits[:, -input_ids.shape[1]:]
         per_token = _logits_logps(logits, shifted.to(logits.device), ignore_index)

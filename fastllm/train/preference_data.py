@@ -123,9 +123,6 @@ class PairBatch(Batch):
     """A DPO micro-batch: pair_batch's tensors and 'num_tokens' (the rows' unpadded tokens),
     moved together by .to() (fastllm.train.sft_data.Batch's)."""
 
-    def to(self, device, non_blocking=False):
-        return PairBatch(super().to(device, non_blocking))
-
 
 class PreferenceDataset:
     """Tokenised pairs (encode_pair's), each side cut to seq_len tokens (a pair left without a

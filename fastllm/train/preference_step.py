@@ -159,17 +159,9 @@ class PreferenceObjective:
                 f"log-probabilities {'fused, no logits' if self.fused else 'from the logits'})")
 
     def _logps(self, model, batch):
-        if self.fused:
-            return sequence_logps(model, batch["input_ids"], batch["labels"],
-                                  batch["attention_mask"])
-        # the model's own logits (backend=torch, kernels=none): TRL's computation
-        ids = batch["input_ids"]
-        logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
-                       use_cache=False).logits.float()
-        labels = batch["labels"][:, 1:]
-        keep = labels != -100
-        logp = logits[:, :-1].log_softmax(-1).gather(-1, labels.where(keep, 0).unsqueeze(-1))
-        return logp.squeeze(-1).where(keep, 0.0).sum(-1)
+        # (not fused: backend=torch or kernels=none, the model's own logits, TRL's computation)
+        return sequence_logps(model, batch["input_ids"], batch["labels"],
+                              batch["attention_mask"], fused=self.fused)
 
     @staticmethod
     def _unwrap(model):

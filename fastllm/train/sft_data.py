@@ -464,8 +464,8 @@ class Batch(dict):
     of token ids is)."""
 
     def to(self, device, non_blocking=False):
-        return Batch({k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
-                      for k, v in self.items()})
+        return type(self)({k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v)
+                           else v for k, v in self.items()})
 
 
 def prepare_step(micro, reduce=None, dp=1):
