@@ -51,7 +51,11 @@ def save_adapter(model, path, task_type="CAUSAL_LM"):
 
 def disable_adapters(model):
     """A context in which the model's LoRA/DoRA layers compute their base layers alone
-    (fastllm.lora.disable_adapters). A prefix is refused: its hook feeds every call."""
+    (fastllm.lora.disable_adapters; a PEFT model: its own disable_adapter()). A prefix is
+    refused: its hook feeds every call."""
+    peft_off = getattr(model, "disable_adapter", None)
+    if callable(peft_off):
+        return peft_off()
     if hasattr(model, "_fastllm_prefix"):
         raise ValueError("fastllm.adapters.disable_adapters: the model carries a prefix "
                          "(fastllm.prefix), which cannot be switched off for a call; use a "

@@ -26,6 +26,7 @@ import math
 import torch
 from torch import nn
 
+from fastllm.adapters import disable_adapters
 from fastllm.preference import dpo_loss, sequence_logps
 
 __all__ = ["PreferenceObjective"]
@@ -33,17 +34,6 @@ __all__ = ["PreferenceObjective"]
 # TRL's metric names, in the order they are logged
 _METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
             "logps/chosen", "logps/rejected")
-
-
-def _adapters_off(model):
-    """A context computing `model` without its LoRA adapters: PEFT's disable_adapter(), else
-    fastllm.adapters.disable_adapters."""
-    peft_off = getattr(model, "disable_adapter", None)
-    if callable(peft_off):
-        return peft_off()
-    from fastllm.adapters import disable_adapters
-
-    return disable_adapters(model)
 
 
 class _Policy(nn.Module):
@@ -185,7 +175,7 @@ class PreferenceObjective:
                                "its pairs were not precomputed (dpo.precompute_ref_log_probs)")
         lm, root = self._unwrap(model)
         # (precomputing without adapters: the model as built is the reference)
-        with _adapters_off(lm) if self.adapters else contextlib.nullcontext():
+        with disable_adapters(lm) if self.adapters else contextlib.nullcontext():
             return root(batch) if root is not None else self._logps(lm, batch)
 
     def score(self, model, batch):
