@@ -33,8 +33,9 @@ from torch import nn
 
 from fastllm import _lowp
 from fastllm._modules import matches, output_layer, replace_module as _replace
-from fastllm.ops.lora_linear import bias_grad, dropout_seed
-from fastllm.ops.nf4 import check_blocksize, nf4_code, nf4_dense, nf4_dequantize, nf4_quantize
+from fastllm.ops.lora_linear import dropout_seed
+from fastllm.ops.nf4 import check_blocksize, nf4_code, nf4_dequantize, nf4_quantize
+from fastllm.ops.nf4_linear import check_input, nf4_linear, nf4_lora_linear
 
 _WHERE = "fastllm.quant"
 
@@ -42,8 +43,8 @@ _WHERE = "fastllm.quant"
 class NF4Linear(nn.Module):
     """A frozen nn.Linear whose weight is stored in NF4 (see the module docstring).
 
-    Buffers: weight_packed (uint8, ceil(out * in / 2)), weight_absmax (fp32,
-    ceil(out * in / blocksize)); bias: an nn.Parameter in the compute dtype, or None.
+    Buffers (frozen parameters after `shardable()`, for FSDP2): weight_packed (uint8,
+    ceil(out * in / 2)), weight_absmax (fp32, ceil(out * in / blocksize)); bias: an nn.Parameter in the compute dtype, or None.
     """
 
     def __init__(self, in_features, out_features, bias=True, blocksize=64, device=None,
@@ -109,13 +110,18 @@ class NF4Linear(nn.Module):
         # the codes and absmax keep their dtypes under .to(dtype) / .half() (an absmax rounded
         # to bf16 would change every weight); the compute dtype follows the cast, as a
         # parameter's dtype would
-        kept = {"weight_packed": self.weight_packed, "weight_absmax": self.weight_absmax}
+        # (detached: a parameter's conversion may swap its .data in place)
+        kept = {"weight_packed": self.weight_packed.detach(),
+                "weight_absmax": self.weight_absmax.detach()}
         probe = fn(torch.empty(0, dtype=self.compute_dtype, device=kept["weight_absmax"].device))
         super()._apply(fn, recurse)
         for name, before in kept.items():  # (Module.type(dtype) casts even the uint8 codes)
-            moved = self._buffers[name]
+            held = self._buffers if name in self._buffers else self._parameters
+            moved = held[name]
             if moved.dtype != before.dtype:
-                self._buffers[name] = before.to(moved.device)
+                before = before.to(moved.device)
+                held[name] = before if held is self._buffers else nn.Parameter(
+                    before, requires_grad=False)
         if probe.dtype in (torch.float32, torch.bfloat16, torch.float16):
             self.compute_dtype = probe.dtype
         return self
@@ -125,117 +131,25 @@ class NF4Linear(nn.Module):
             _nf4_keys(state_dict, prefix, self)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def shardable(self):
+        """Hold the codes and absmax as frozen nn.Parameters instead of buffers (the same
+        tensors under the same state_dict keys), in place; returns self. FSDP2's fully_shard
+        shards parameters only: a layer made shardable has its 4-bit weight split over the
+        ranks with the rest of its unit and gathered for its unit's forward and backward,
+        where a buffer would be held whole by every rank. fastllm.parallel.apply_fsdp calls it;
+        before a fully_shard of your own, call fastllm.quant.shardable_nf4(model). (Buffers by
+        default: `torch.optim.AdamW(model.parameters(), fused=True)` refuses a uint8
+        parameter, grad or none.)"""
+        for name in ("weight_packed", "weight_absmax"):
+            if name in self._buffers:
+                tensor = self._buffers.pop(name)
+                self._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+        return self
+
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, blocksize={self.blocksize}, "
                 f"compute_dtype={self.compute_dtype}")
-
-
-def _check_input(where, x, in_features):
-    if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
-        raise TypeError(f"{where}: x must be a dense tensor")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{where}: x has dtype {x.dtype}; expected float32, bfloat16 or float16")
-    if x.dim() < 1 or x.shape[-1] != in_features:
-        raise ValueError(f"{where}: x must be (..., {in_features}), got {tuple(x.shape)}")
-
-
-class _NF4Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, packed, absmax, bias, shape, blocksize):
-        w = nf4_dense(packed, absmax, shape, blocksize, x.dtype)
-        ctx.save_for_backward(packed, absmax)
-        ctx.shape, ctx.blocksize, ctx.x_shape = shape, blocksize, x.shape
-        return torch.ops.fastllm.linear(x, w, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        need_x, _, _, need_bias = ctx.needs_input_grad[:4]
-        dx = db = None
-        if need_x:
-            packed, absmax = ctx.saved_tensors
-            w = nf4_dense(packed, absmax, ctx.shape, ctx.blocksize, dy.dtype)
-            stand_in = dy.new_empty(()).expand(ctx.x_shape)  # (x is read only for dW)
-            dx = torch.ops.fastllm.linear_backward(dy, stand_in, w, [True, False, False])[0]
-        if need_bias:
-            db = bias_grad(dy.reshape(-1, ctx.shape[0]))
-        return dx, None, None, db, None, None
-
-
-def _in_compute_dtype(x, bias, compute_dtype):
-    """bitsandbytes' Linear4bit rule: x (and bias) cast to the layer's compute dtype; the output
-    goes back to x's dtype (returned second)."""
-    out_dtype = x.dtype
-    if compute_dtype is not None and x.dtype != compute_dtype:
-        x = x.to(compute_dtype)
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
-    return x, bias, out_dtype
-
-
-def nf4_linear(x, packed, absmax, shape, blocksize, bias=None, compute_dtype=None):
-    """x W^T + bias with W = nf4_dequantize(packed, absmax, shape, blocksize); the backward
-    dequantises W again (the dense weight is never kept). Computed in compute_dtype (default:
-    x's) and returned in x's dtype, as bitsandbytes' Linear4bit does; under autocast, in its
-    dtype, as F.linear."""
-    _check_input("fastllm.quant.nf4_linear", x, shape[1])
-    device_type = x.device.type
-    if _lowp.autocast_enabled(device_type):
-        x, bias = _lowp.autocast_args(device_type, x, bias)
-        with torch.autocast(device_type, enabled=False):
-            return nf4_linear(x, packed, absmax, shape, blocksize, bias)
-    x, bias, out_dtype = _in_compute_dtype(x, bias, compute_dtype)
-    return _NF4Linear.apply(x, packed, absmax, bias, tuple(shape), blocksize).to(out_dtype)
-
-
-class _NF4LoRALinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, packed, absmax, lora_a, lora_b, bias, seed, shape, blocksize, scaling,
-                dropout_p):
-        w = nf4_dense(packed, absmax, shape, blocksize, x.dtype)
-        y, xa = torch.ops.fastllm.lora_linear(x, w, lora_a, lora_b, scaling, bias, dropout_p,
-                                              seed)
-        ctx.save_for_backward(x, packed, absmax, lora_a, lora_b, xa, seed)
-        ctx.shape, ctx.blocksize, ctx.scaling, ctx.dropout_p = shape, blocksize, scaling, dropout_p
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, packed, absmax, lora_a, lora_b, xa, seed = ctx.saved_tensors
-        need_x, _, _, need_a, need_b, need_bias = ctx.needs_input_grad[:6]
-        grads = [None] * 11
-        if need_x or need_a or need_b:
-            w = nf4_dense(packed, absmax, ctx.shape, ctx.blocksize, x.dtype)
-            dx, da, db = torch.ops.fastllm.lora_linear_backward(
-                dy, x, w, lora_a, lora_b, xa, ctx.scaling, ctx.dropout_p, seed,
-                [need_x, need_a, need_b])
-            grads[0] = dx if need_x else None
-            grads[3] = da if need_a else None
-            grads[4] = db if need_b else None
-        if need_bias:
-            grads[5] = bias_grad(dy.reshape(-1, ctx.shape[0]))
-        return tuple(grads)
-
-
-def nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling, bias=None,
-                    dropout_p=0.0, training=True, seed=None, compute_dtype=None):
-    """fastllm.ops.lora_linear over an NF4 base weight: y = x W^T + bias + scaling *
-    dropout(x) A^T B^T with W dequantised in the forward and again in the backward (never
-    kept), so the step holds the 4-bit weight only; in compute_dtype and back to x's dtype as
-    nf4_linear. A and B in the compute dtype, or fp32 on a bf16/fp16 one (PEFT's fp32
-    adapters). seed: as lora_linear's."""
-    _check_input("fastllm.quant.nf4_lora_linear", x, shape[1])
-    p = float(dropout_p) if training else 0.0
-    device_type = x.device.type
-    if _lowp.autocast_enabled(device_type):
-        x, lora_a, lora_b, bias = _lowp.autocast_args(device_type, x, lora_a, lora_b, bias)
-        with torch.autocast(device_type, enabled=False):
-            return nf4_lora_linear(x, packed, absmax, shape, blocksize, lora_a, lora_b, scaling,
-                                   bias, p, True, seed)
-    x, bias, out_dtype = _in_compute_dtype(x, bias, compute_dtype)
-    return _NF4LoRALinear.apply(x, packed, absmax, lora_a, lora_b, bias,
-                                dropout_seed(x, p, seed), tuple(shape), blocksize,
-                                float(scaling), p).to(out_dtype)
 
 
 def _nf4_stand_in(where, base, x, name):
@@ -243,7 +157,7 @@ def _nf4_stand_in(where, base, x, name):
     of its dense weight (shape, dtype, device) for the ops' own argument checks."""
     if not isinstance(base, NF4Linear):
         raise TypeError(f"{where}: base is a {type(base).__name__}; expected NF4Linear")
-    _check_input(where, x, base.in_features)
+    check_input(where, x, base.in_features)
     if base.compute_dtype != x.dtype:
         raise TypeError(f"{where}: the base computes in {base.compute_dtype}, {name} is "
                         f"{x.dtype}")
@@ -275,7 +189,7 @@ def nf4_lora_linear_multi(x, bases, lora_as, lora_bs, scalings):
             nf4.append(None)
             absmaxes.append(None)
             continue
-        _check_input(where, x, base.in_features)
+        check_input(where, x, base.in_features)
         if base.compute_dtype != x.dtype:
             raise TypeError(f"{where}: base {i} computes in {base.compute_dtype}, x is {x.dtype}")
         weights.append(base.weight_packed)  # (the stand-in: its shape, dtype and device)
@@ -372,6 +286,18 @@ def quantize_nf4(model, target_modules=None, blocksize=64):
     for name, layer in layers:  # (every layer built first: a refused weight changes nothing)
         _replace(model, name, layer)
     return model
+
+
+def shardable_nf4(model):
+    """NF4Linear.shardable() on every NF4 layer of `model` (in place; returns the number made
+    shardable): the 4-bit codes and absmax become frozen parameters that FSDP2 shards with
+    their unit. Under FSDP2 mixed precision (MixedPrecisionPolicy(param_dtype=...)) an fp32
+    absmax parameter would be cast with the rest: the layer refuses it when it runs; shard
+    with no param_dtype (an NF4Linear casts its input to its own compute dtype anyway)."""
+    layers = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    for layer in layers:
+        layer.shardable()
+    return len(layers)
 
 
 def dequantize_nf4(model):
@@ -578,12 +504,16 @@ def _load(model, folder, files):
                          f"unexpected (e.g. {unexpected[:3]})")
 
 
-def nf4_bytes(model):
-    """Bytes the NF4 weights of `model` take (codes and absmax)."""
-    return sum(m.weight_packed.numel() + 4 * m.weight_absmax.numel()
+def nf4_bytes(model, held=False):
+    """Bytes the NF4 weights of `model` take (codes and absmax); held=True: those this process
+    holds (under FSDP2, its shards)."""
+    def size(t):
+        t = t.to_local() if held and hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    return sum(size(m.weight_packed) + size(m.weight_absmax)
                for m in model.modules() if isinstance(m, NF4Linear))
 
 
 __all__ = ["NF4Linear", "bnb_4bit_config", "dequantize_nf4", "from_pretrained", "nf4_bytes",
-           "nf4_linear", "nf4_lora_linear",
-           "quantize_nf4"]
+           "nf4_linear", "nf4_lora_linear", "quantize_nf4", "shardable_nf4"]

@@ -401,9 +401,19 @@ def _tiny_llama(seed=0):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def test_module_dtype_moves_keep_the_codes():
+@pytest.mark.parametrize("shardable", [False, True])
+def test_module_dtype_moves_keep_the_codes(shardable):
     layer = quant.NF4Linear.from_linear(nn.Linear(64, 32))
     packed, absmax = layer.weight_packed.clone(), layer.weight_absmax.clone()
+    if shardable:  # codes and absmax held as frozen parameters (for FSDP2): the same keys
+        keys = list(layer.state_dict())
+        x = torch.randn(3, 64)
+        before = layer(x)
+        assert layer.shardable() is layer and layer.shardable() is layer  # (again: no change)
+        assert {n for n, _ in layer.named_buffers()} == set()
+        assert {n: p.requires_grad for n, p in layer.named_parameters()} == {
+            "weight_packed": False, "weight_absmax": False, "bias": True}  # (as the linear had it)
+        assert list(layer.state_dict()) == keys and torch.equal(layer(x), before)
     layer.to(torch.bfloat16)
     assert layer.compute_dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
     assert torch.equal(layer.weight_packed, packed) and torch.equal(layer.weight_absmax, absmax)
@@ -412,9 +422,17 @@ def test_module_dtype_moves_keep_the_codes():
     assert torch.equal(layer.weight_packed, packed) and torch.equal(layer.weight_absmax, absmax)
     layer.to(torch.bfloat16)
     assert layer.dequantize().dtype == torch.bfloat16
+    assert isinstance(layer.weight_packed, nn.Parameter) == shardable
     fresh = quant.NF4Linear(64, 32, dtype=torch.bfloat16)
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh.dequantize(), layer.dequantize())
+    if shardable:
+        model = nn.Sequential(quant.NF4Linear(64, 32), nn.Linear(32, 2))
+        assert quant.shardable_nf4(model) == 1
+        model.load_state_dict({**model.state_dict(), **{"0." + k: v for k, v in
+                                                        layer.float().state_dict().items()}})
+        assert torch.equal(model[0].weight_packed, packed)
+        assert torch.equal(model[0].weight_absmax, absmax)
 
 
 def test_qlora_tiny_llama_trains_and_peft_reads_the_adapter(tmp_path):
@@ -523,8 +541,10 @@ def test_quantize_refusals_leave_the_model_unchanged():
     (["lora.quantize_base=nf8"], "lora.quantize_base must be none or nf4, got 'nf8'"),
     (["finetune=full", "lora.quantize_base=nf4"], r"is QLoRA \(or QDoRA .*\): finetune=lora with"),
     (["finetune=lora", "backend=torch", "lora.quantize_base=nf4"], "backend=torch"),
-    (["finetune=lora", "parallel.strategy=fsdp", "lora.quantize_base=nf4"],
-     "runs on unsharded layers: .* got strategy=fsdp"),
+    (["finetune=lora", "parallel.strategy=zero2", "lora.quantize_base=nf4"],
+     "runs whole on each rank or FSDP2-sharded: .* got strategy=zero2"),
+    (["finetune=lora", "parallel.tp=2", "lora.quantize_base=nf4"],
+     "runs whole on each rank or FSDP2-sharded: .* tp=2"),
 ])
 def test_train_config_refuses_qlora_where_it_cannot_run(overrides, says):
     from fastllm.train import TrainConfig

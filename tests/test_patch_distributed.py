@@ -2,7 +2,8 @@
 once for the module (fastllm.distributed.launch.spawn: one thread per rank, a timeout on the
 join), runs each layout on a patched tiny SmolLM2-shaped Llama (GQA; tied embeddings, or untied
 where the head is split on the vocabulary), returns its loss, every gradient gathered and which
-fastllm kernels ran on what, then runs `fastllm train` with parallel.tp=2 on a Hugging Face folder.
+fastllm kernels ran on what (QLoRA too: NF4 bases FSDP2-sharded), then runs `fastllm train` with
+parallel.tp=2, and QLoRA with parallel.strategy=fsdp, on a Hugging Face folder.
 Each test compares with the unpatched model in this process (fp32: 1e-5 on the loss, 1e-4 on
 grads, as tests/test_patch.py; bf16: no further from fp32 than twice unpatched bf16)."""
 
@@ -42,6 +43,9 @@ LAYOUTS = {
     "dp1_tp2_sp": (dict(tied=False, vocab=128), "dp_tp_sp"),
     # fastllm.lora under tp + sequence parallel: the adapters sharded with their projections
     "tp2_sp_lora": (dict(tied=False, vocab=128, lora=True), "tp_sp"),
+    # QLoRA: fastllm.lora over NF4 bases (fastllm.quant), the 4-bit codes and absmax made
+    # shardable (fastllm.quant.shardable_nf4) and split over the ranks with their layer
+    "fsdp2_qlora": (dict(tied=True, lora=True, nf4=True), "fsdp"),
     # bf16 with the CPU's bf16 matmuls widened to fp32 (FASTLLM_CPU_LOWP_MATMUL=fp32)
     "tp2_sp_bf16": (dict(tied=False, vocab=128, dtype=torch.bfloat16), "tp_sp"),
 }
@@ -55,11 +59,14 @@ KERNELS = {
     "linear": "fastllm.ops.linear",
     "scaled_dot_product_attention": "fastllm._lowp",
     "attention": "fastllm.ops.attention",
+    "nf4_lora_linear_multi": "fastllm.quant",
+    "nf4_swiglu_lora_linear": "fastllm.quant",
 }
 
 
-def _model(tied=True, vocab=123, lora=False, dtype=torch.float32):
-    """tests/test_patch.py's SmolLM2-shaped Llama: hidden 64, 2 layers, 4 query / 2 kv heads."""
+def _model(tied=True, vocab=123, lora=False, dtype=torch.float32, nf4=False):
+    """tests/test_patch.py's SmolLM2-shaped Llama: hidden 64, 2 layers, 4 query / 2 kv heads
+    (`nf4`: its linears but the head in NF4, fastllm.quant.quantize_nf4)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -70,6 +77,8 @@ def _model(tied=True, vocab=123, lora=False, dtype=torch.float32):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+    if nf4:
+        fastllm.quant.quantize_nf4(model)
     if lora:
         fastllm.lora.inject_lora(model, LORA_TARGETS, r=4)
         with torch.no_grad():
@@ -101,6 +110,11 @@ def _params(model):
 
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
+
+
+def _nf4_bytes(model):
+    """(bytes this rank holds, bytes in all) of the model's NF4 codes and absmax."""
+    return fastllm.quant.nf4_bytes(model, held=True), fastllm.quant.nf4_bytes(model)
 
 
 def _counting_kernels(calls):
@@ -136,6 +150,7 @@ def _parallelize(model, how, rank):
     if how.startswith("fsdp"):
         if how == "fsdp_recompute":
             apply_activation_checkpointing(model)
+        fastllm.quant.shardable_nf4(model)  # (before a fully_shard of one's own)
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -172,7 +187,7 @@ def _run_layout(name, rank):
     finally:
         for module, fn_name, fn in originals:
             setattr(module, fn_name, fn)
-    out = {"calls": dict(calls), "grads": _grads(model)}
+    out = {"calls": dict(calls), "grads": _grads(model), "nf4_bytes": _nf4_bytes(model)}
     losses = [loss.detach().clone()]
     if how == "fsdp":
         opt = fastllm.optim.AdamW(model.parameters(), lr=LR)
@@ -233,6 +248,41 @@ def _train_tp(rank, folder):
     return fastllm.patched(trainer.module)
 
 
+QLORA_ARGS = ("finetune=lora", "lora.quantize_base=nf4", "lora.target_modules=all-linear",
+              "micro_batch_size=2", f"checkpoint.interval={TRAIN_STEPS}")
+QLORA_RUNS = {"qlora": (), "qdora": ("lora.use_dora=true",)}  # (QDoRA: weight norms from NF4)
+
+
+def _train_qlora_fsdp(rank, folder, run):
+    """`fastllm train` QLoRA (or QDoRA) with parallel.strategy=fsdp (the run joins this process
+    group): the bytes of 4-bit weights this rank held, and in all."""
+    from fastllm.train import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig.from_args(_train_args(
+        folder, os.path.join(folder, f"{run}_fsdp"), *QLORA_ARGS, *QLORA_RUNS[run],
+        "parallel.strategy=fsdp")))
+    trainer.train()
+    return _nf4_bytes(trainer.module)
+
+
+def _nf4_mixed_precision_refused():
+    """apply_fsdp with a param_dtype on a model of NF4 layers: (its error, whether anything was
+    sharded or made shardable)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from fastllm.parallel import apply_fsdp
+
+    model = _model(nf4=True)
+    try:
+        apply_fsdp(model, init_device_mesh("cpu", (WORLD,)), param_dtype=torch.bfloat16)
+    except ValueError as e:
+        changed = any(isinstance(p, DTensor) for p in model.parameters()) or any(
+            "weight_packed" in n for n, _ in model.named_parameters())
+        return str(e), changed
+    return None, True
+
+
 def _worker(rank, world_size, folder):
     # widen bf16 matmuls on every CPU, as tests/test_patch.py does (fp32 runs are unaffected)
     os.environ["FASTLLM_CPU_LOWP_MATMUL"] = "fp32"
@@ -240,6 +290,9 @@ def _worker(rank, world_size, folder):
     os.environ["FASTLLM_CPU_ATTENTION"] = "fastllm"
     out = {name: _run_layout(name, rank) for name in LAYOUTS}
     out["train_tp2_sp"] = _train_tp(rank, folder)
+    for run in QLORA_RUNS:
+        out[f"train_{run}_fsdp"] = _train_qlora_fsdp(rank, folder, run)
+    out["nf4_mixed_precision"] = _nf4_mixed_precision_refused()
     return out
 
 
@@ -292,6 +345,10 @@ EXPECTED_CALLS = {
     # each layer's recomputation in backward runs its kernels again
     "fsdp2_recompute": {"rms_norm": 9, "rotary_embedding": 4, "swiglu_linear": 4,
                         "fused_linear_cross_entropy": 1},
+    # QLoRA on the gathered 4-bit bases: q/k/v and gate/up with x read once for every LoRA A,
+    # down_proj over the SwiGLU without keeping its product
+    "fsdp2_qlora": {"rms_norm": 5, "rotary_embedding": 2, "nf4_lora_linear_multi": 4,
+                    "nf4_swiglu_lora_linear": 2, "fused_linear_cross_entropy": 1},
     # tp: local head / ffn shards; the row-parallel down_proj runs as itself after swiglu; the
     # head split on the vocabulary: the vocabulary-parallel fused loss
     "tp2": {"rms_norm": 5, "rotary_embedding": 2, "swiglu": 2,
@@ -349,6 +406,10 @@ def _assert_kernels_ran(runs, layout):
                                     if "dtype" not in kw])
 def test_patched_layout_equals_unpatched_single_process(runs, layout):
     _assert_kernels_ran(runs, layout)
+    held = [got[layout]["nf4_bytes"][0] for got in runs]
+    total = runs[0][layout]["nf4_bytes"][1]
+    if LAYOUTS[layout][0].get("nf4"):  # each rank holds its half of the 4-bit weights
+        assert total > 0 and sum(held) == total and max(held) <= 0.51 * total, (held, total)
     want = _reference(layout)
     for got in runs:
         got = got[layout]
@@ -408,6 +469,50 @@ def test_fastllm_train_patches_under_tensor_parallel(runs, folder):
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
                                    atol=0)
+
+
+def test_fsdp_mixed_precision_over_nf4_is_refused_first(runs):
+    for got in runs:
+        message, changed = got["nf4_mixed_precision"]
+        assert message and "would cast the fp32 absmax of the NF4 layers" in message
+        assert not changed
+
+
+@pytest.mark.parametrize("run", list(QLORA_RUNS))
+def test_fastllm_train_qlora_under_fsdp_trains_as_one_process(runs, folder, run):
+    """`fastllm train lora.quantize_base=nf4 parallel.strategy=fsdp` (and QDoRA): each rank
+    holds half the 4-bit base, and two ranks of 2 rows give one process's losses, grad norms and
+    adapter at the same global batch."""
+    from safetensors.torch import load_file
+
+    from fastllm.train import TrainConfig, Trainer
+    from fastllm.train.metrics import read_metrics
+
+    held = [got[f"train_{run}_fsdp"][0] for got in runs]
+    total = runs[0][f"train_{run}_fsdp"][1]
+    assert total > 0 and sum(held) == total and max(held) <= 0.51 * total, (held, total)
+    single = os.path.join(folder, f"{run}_one")
+    threads = torch.get_num_threads()
+    try:
+        Trainer(TrainConfig.from_args(_train_args(folder, single, *QLORA_ARGS,
+                                                  *QLORA_RUNS[run]))).train()
+    finally:
+        torch.set_num_threads(threads)
+    got, want = (read_metrics(os.path.join(d, "metrics.jsonl"))
+                 for d in (os.path.join(folder, f"{run}_fsdp"), single))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(
+        range(1, TRAIN_STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
+                                   atol=0)
+    adapter = os.path.join(f"checkpoint-{TRAIN_STEPS}", "adapter", "adapter_model.safetensors")
+    got, want = (load_file(os.path.join(d, adapter))
+                 for d in (os.path.join(folder, f"{run}_fsdp"), single))
+    # A and B (and DoRA's magnitude) of 7 targets in 2 layers
+    assert got.keys() == want.keys() and len(want) == 2 * 7 * (3 if run == "qdora" else 2)
+    for name in want:  # (Adam's rounding rule, as for the FSDP2 layouts above; lr 1e-2)
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= 1e-2 / 100, f"{name}: {err:.3g} after {TRAIN_STEPS} steps"
 
 
 def test_fastllm_train_torch_compile_trains_as_eager(folder):

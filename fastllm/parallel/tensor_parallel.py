@@ -29,6 +29,7 @@ from fastllm.lora import LoRALinear
 from fastllm.ops.lora_linear import lora_linear, new_dropout_seed
 from fastllm.parallel import _torch_support
 from fastllm.parallel.layout import ParallelLayout, mesh_size
+from fastllm.quant import NF4Linear, shardable_nf4
 
 
 def decoder_layers(model):
@@ -425,8 +426,16 @@ def wrap_activation_checkpointing(model):
 def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_after_forward=True,
                root=None):
     """FSDP2 per decoder layer, then the root (which takes embedding, norm and head): `model`,
-    or `root`, a module holding `model` whose forward runs it (returned then)."""
+    or `root`, a module holding `model` whose forward runs it (returned then). NF4 layers
+    (fastllm.quant) are made shardable first: their 4-bit weights sharded with their layer."""
     _torch_support.require("FSDP2", dp_mesh.device_type)
+    nf4 = [n for n, m in model.named_modules() if isinstance(m, NF4Linear)]
+    if nf4 and param_dtype is not None:
+        raise ValueError(f"apply_fsdp: param_dtype={param_dtype} would cast the fp32 absmax of "
+                         f"the NF4 layers ({nf4[0]}, {len(nf4)} in all) with the parameters; an "
+                         "NF4Linear computes in its own dtype: cast the model (model.to(dtype)) "
+                         "and shard with param_dtype=None")
+    shardable_nf4(model)  # (the 4-bit codes and absmax sharded with their decoder layer)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

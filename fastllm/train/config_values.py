@@ -132,7 +132,7 @@ def consumed(config_class, key, value):
 
 def validate_quantize_base(cfg, need):
     """lora.quantize_base: none, or nf4 (QLoRA: fastllm.quant.quantize_nf4 before the adapters)
-    where the 4-bit layers can run: fastllm's LoRA on unsharded parameters."""
+    where the 4-bit layers can run: fastllm's LoRA, whole on each rank or FSDP2-sharded."""
     value = cfg.lora.quantize_base
     need(value in ("none", "nf4"), f"lora.quantize_base must be none or nf4, got {value!r}")
     if value == "none":
@@ -141,7 +141,10 @@ def validate_quantize_base(cfg, need):
          f"lora.quantize_base=nf4 is QLoRA (or QDoRA with lora.use_dora): finetune=lora with "
          f"backend=fastllm, got finetune={cfg.finetune} backend={cfg.backend}")
     par = cfg.parallel
-    # (FSDP2 and DTensor shard floating-point parameters; the 4-bit codes are buffers)
-    need(par.strategy in ("auto", "none", "ddp") and par.tp == 1 and par.pp == 1,
-         f"lora.quantize_base=nf4 runs on unsharded layers: parallel.strategy none/ddp/auto "
-         f"with parallel.tp=pp=1, got strategy={par.strategy} tp={par.tp} pp={par.pp}")
+    # (FSDP2 shards the 4-bit codes on dim 0 with their decoder layer and gathers them whole
+    # for its forward; tensor parallel would need them split by rows or columns, ZeRO shards
+    # only what trains)
+    need(par.strategy in ("auto", "none", "ddp", "fsdp") and par.tp == 1 and par.pp == 1,
+         f"lora.quantize_base=nf4 runs whole on each rank or FSDP2-sharded: parallel.strategy "
+         f"none/ddp/fsdp/auto with parallel.tp=pp=1, got strategy={par.strategy} tp={par.tp} "
+         f"pp={par.pp}")

@@ -13,8 +13,10 @@ bubble_fraction), and forward+backward (the rest, the stages' sends and receives
 the summary warns at a bubble > 15%.
 
 peak_mem_bytes: on CUDA torch.cuda.max_memory_allocated of the step; on the CPU in one process
-the peak tensor memory of the first step (fastllm.train.memory.PeakMemory, params, grads and
-optimizer state included); on the CPU with several processes the process's peak RSS.
+and under FSDP2 the peak tensor memory of the first step (fastllm.train.memory.PeakMemory,
+params, grads and optimizer state included; under FSDP2 this rank's shards, gathers and
+reduce-scatters, all torch ops the mode sees); on the CPU with other strategies (DDP's reducer
+allocates its buckets in C++, out of the mode's sight) the process's peak RSS.
 """
 
 import json
@@ -300,10 +302,17 @@ def start_line(trainer):
     n_train = sum(p.numel() for p in trainer.module.parameters() if p.requires_grad)
     shape = f" ({lay.describe()})" if lay.tp > 1 or lay.pp > 1 else ""
     rows = "preference pairs" if trainer.objective is not None else "sequences"
+    nf4 = ""
+    if cfg.lora.quantize_base == "nf4":
+        from fastllm.quant import nf4_bytes
+
+        whole, held = nf4_bytes(trainer.module), nf4_bytes(trainer.module, held=True)
+        nf4 = f", NF4 base {whole / 2**20:.1f} MiB" + (
+            f" ({held / 2**20:.1f} MiB on this rank)" if held != whole else "")
     objective = f"; {trainer.objective.describe()}" if trainer.objective is not None else ""
     return (f"fastllm train: {cfg.model} ({n_params / 1e6:.2f}M params, "
             f"{n_train / 1e6:.3f}M trainable"
-            f"{' on rank 0' if lay.pp > 1 else ''}, finetune={cfg.finetune}, "
+            f"{' on rank 0' if lay.pp > 1 else ''}{nf4}, finetune={cfg.finetune}, "
             f"precision={cfg.precision}, backend={cfg.backend}, optim={cfg.optim}) on "
             f"{trainer.world} x {trainer.device.type}{shape}, strategy={strategy.name}; "
             f"{trainer.dataset.num_sequences} {rows} of {cfg.data.seq_len} tokens; global "

@@ -234,11 +234,14 @@ def _apply_finetune(model, cfg):
 
 
 def weight_count(model):
-    """Parameters of `model`, a 4-bit NF4 layer's weights counted as its parameters."""
+    """Parameters of `model`, a 4-bit NF4 layer's weights counted as its parameters (its codes
+    and absmax not, parameters as they are once FSDP2 shards them)."""
     from fastllm.quant import NF4Linear
 
-    return sum(p.numel() for p in model.parameters()) + sum(
-        m.in_features * m.out_features for m in model.modules() if isinstance(m, NF4Linear))
+    nf4 = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    codes = {id(t) for m in nf4 for t in (m.weight_packed, m.weight_absmax)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in codes) + sum(
+        m.in_features * m.out_features for m in nf4)
 
 
 def lora_targets(model, cfg, entries=None):

@@ -294,7 +294,7 @@ class Trainer:
                     tracker = None
                     # (not under torch_compile: compiled code allocates outside its dispatch mode)
                     if (cfg.track_memory and tracked_peak is None and self.device.type == "cpu"
-                            and strategy.name == "none" and not cfg.torch_compile):
+                            and strategy.name in ("none", "fsdp") and not cfg.torch_compile):
                         # (DPO's frozen reference copy, where one is held, counts too)
                         tracker = PeakMemory(self.module, self.optimizer,
                                              getattr(self.objective, "reference", None))
