@@ -35,6 +35,13 @@ from fastllm.quant import NF4Linear, nf4_lora_linear
 _PEFT_PREFIX = "base_model.model."
 
 
+def init_lora_a_(weight):
+    """Draw a LoRA A (r, in_features) in place from torch's generator, as every layer of
+    inject_lora does on creation (nn.Linear's kaiming-uniform, PEFT's default); returns it."""
+    with torch.no_grad():
+        return nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
 class LoRALinear(nn.Module):
     """An nn.Linear plus a trainable rank-r update: y = base(x) + scaling * dropout(x) A^T B^T.
 
@@ -74,7 +81,7 @@ class LoRALinear(nn.Module):
 
     def reset_lora_parameters(self):
         # PEFT's (and Microsoft's loralib) default: A like nn.Linear's weight, B = 0.
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        init_lora_a_(self.lora_A)
         nn.init.zeros_(self.lora_B)
 
     # nn.Linear's attributes, read through to the base layer

@@ -256,6 +256,21 @@ def test_fastllm_matches_plain_pytorch_loop(cache_dir, tmp_path):
     torch.testing.assert_close(a["losses"], b["losses"], rtol=2e-5, atol=0)
 
 
+@pytest.mark.parametrize("dora", [False, True])
+def test_fastllm_lora_matches_the_peft_loop_from_the_same_adapters(cache_dir, tmp_path, dora):
+    """backend=torch LoRA (and DoRA) is PEFT on torch.optim.AdamW(fused=True), its A matrices
+    drawn as fastllm's from the same seed: the same losses step for step (PEFT's own draws
+    differ, and the runs parted from step 2 on)."""
+    pytest.importorskip("peft")
+    args = ("max_steps=6", "checkpoint.interval=0", "finetune=lora", "lr=1e-2",
+            "lora.target_modules=q_proj,v_proj,down_proj", f"lora.use_dora={str(dora).lower()}")
+    a = run(cache_dir, str(tmp_path / "a"), *args)
+    run(cache_dir, str(tmp_path / "b"), *args, "backend=torch")
+    torch.testing.assert_close(losses(str(tmp_path / "a")), losses(str(tmp_path / "b")),
+                               rtol=2e-5, atol=0)
+    assert a["final_loss"] < a["first_loss"] - 0.01  # (the adapters trained)
+
+
 def test_optimizer_in_backward_matches_a_separate_step(cache_dir, tmp_path):
     a = run(cache_dir, str(tmp_path / "a"), "max_steps=5", "checkpoint.interval=0",
             "max_grad_norm=0", "micro_batch_size=8")

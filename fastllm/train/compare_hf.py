@@ -61,20 +61,6 @@ def check(cfg):
                           f"compares QLoRA with PEFT + bitsandbytes")
 
 
-def _same_adapters(peft_model, ours):
-    """PEFT's adapters set to the ones fastllm's run starts from (ours: its model, built from the
-    same seed): PEFT draws lora_A from that seed in another order (its nn.Linear layers draw
-    first), so every lora_A differed and the two runs started apart."""
-    from peft import set_peft_model_state_dict
-
-    from fastllm.lora import lora_modules, peft_tensors
-
-    result = set_peft_model_state_dict(peft_model, peft_tensors(lora_modules(ours)))
-    unexpected = getattr(result, "unexpected_keys", None)
-    if unexpected:
-        raise RuntimeError(f"fastllm train --compare hf: PEFT's model has no {unexpected[:3]}")
-
-
 def run_hf(cfg, log=print):
     """Train cfg with transformers.Trainer on one process; returns a summary dict (tokens_per_s,
     step_time_s, peak_mem_bytes, first_loss, final_loss, eval_loss)."""
@@ -96,11 +82,8 @@ def run_hf(cfg, log=print):
     model = build_model(cfg, tokenizer.vocab_size, torch.float32)
     if cfg.finetune == "lora":
         torch_cfg = type(cfg).from_dict(cfg.to_dict())
-        torch_cfg.backend = "torch"  # PEFT's LoRA / DoRA
+        torch_cfg.backend = "torch"  # PEFT's LoRA / DoRA, its A matrices drawn as fastllm's
         model = apply_finetune(model, torch_cfg)
-        if cfg.backend != "torch":  # (else both sides are PEFT's, drawn alike)
-            _same_adapters(model, apply_finetune(
-                build_model(cfg, tokenizer.vocab_size, torch.float32), cfg))
     transformers.set_seed(cfg.seed)
     items = _Steps(dataset, cfg.micro_batch_size, cfg.max_steps * accum)
     args = TrainingArguments(
