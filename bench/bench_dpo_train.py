@@ -1,5 +1,6 @@
 """A whole DPO fine-tuning run: TRL's DPOTrainer (+ PEFT) against `fastllm train objective=dpo`
-on the same checkpoint, pairs, held-out split and hyperparameters.
+on the same checkpoint, pairs, held-out split and hyperparameters; and the reference-free ORPO
+and SimPO against TRL's ORPOTrainer and CPOTrainer.
 
     PYTHONPATH=<trl> python bench/bench_dpo_train.py MODEL_DIR [--providers trl,fastllm,...]
         [--rounds 1] [--steps 20] [--threads 2] [--data examples/data/capital_preferences.jsonl]
@@ -19,6 +20,12 @@ at the end. Providers:
     fastllm             fastllm.train.Trainer (fastllm.patch, fastllm's LoRA and AdamW, the
                         log-probabilities without logits)
     fastllm-precompute  the same with dpo.precompute_ref_log_probs=true
+    trl-orpo            trl.experimental.orpo.ORPOTrainer, beta 0.1 (the NLL plus the odds
+                        ratio term; no reference), gradient_checkpointing=False, bf16=False
+    fastllm-orpo        objective=orpo orpo.beta=0.1 (examples/orpo_lora.yaml)
+    trl-simpo           trl.experimental.cpo.CPOTrainer, loss_type simpo, cpo_alpha 0, beta 2.0,
+                        simpo_gamma 0.5 (SimPO, TRL's way), gradient_checkpointing=False
+    fastllm-simpo       objective=cpo cpo.loss_type=simpo cpo.cpo_alpha=0 cpo.beta=2.0
 Each (round, provider) is its own process. Step time: TRL's on_step_begin to on_step_end, and
 fastllm's metrics.jsonl step_time_s (the same span: forward, backward, optimizer); the first step
 is left out of the mean. Tokens: the step's non-pad input tokens (both rows of every pair).
@@ -44,7 +51,7 @@ __test__ = False
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVIDERS = ("trl", "trl-no-checkpointing", "fastllm", "trl-precompute",
-             "fastllm-precompute")
+             "fastllm-precompute", "trl-orpo", "fastllm-orpo", "trl-simpo", "fastllm-simpo")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EVAL_FRACTION = 0.17
 
@@ -74,18 +81,33 @@ def _trl(args, tmp):
 
     train, held = _split(args.data, tmp)
     out = {"times": [], "tokens": [], "losses": []}
-    Timed, clock = timed_trainer(trl.DPOTrainer, out)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(args.model)
-    config = trl.DPOConfig(
+    common = dict(
         output_dir=os.path.join(tmp, "out"), max_steps=args.steps, per_device_train_batch_size=4,
-        per_device_eval_batch_size=4, max_length=256, beta=0.1, loss_type=["sigmoid", "sft"],
-        loss_weights=[1.0, 1.0], learning_rate=1e-4, weight_decay=0.0,
+        per_device_eval_batch_size=4, max_length=256, learning_rate=1e-4, weight_decay=0.0,
         lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1, save_strategy="no",
         eval_strategy="no", report_to="none", seed=0, use_cpu=True, dataloader_num_workers=0,
-        disable_tqdm=True, precompute_ref_log_probs=args.provider == "trl-precompute",
-        bf16=False,  # (TRL's configs default to bf16 autocast; both sides here run fp32)
-        gradient_checkpointing=args.provider != "trl-no-checkpointing")
+        disable_tqdm=True,
+        bf16=False)  # (TRL's configs default to bf16 autocast; both sides here run fp32)
+    if args.provider == "trl-orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        trainer_cls = ORPOTrainer
+        config = ORPOConfig(beta=0.1, gradient_checkpointing=False, **common)
+    elif args.provider == "trl-simpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        trainer_cls = CPOTrainer
+        config = CPOConfig(loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5,
+                           gradient_checkpointing=False, **common)
+    else:
+        trainer_cls = trl.DPOTrainer
+        config = trl.DPOConfig(
+            beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
+            precompute_ref_log_probs=args.provider == "trl-precompute",
+            gradient_checkpointing=args.provider != "trl-no-checkpointing", **common)
+    Timed, clock = timed_trainer(trainer_cls, out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
     trainer = Timed(model=model, args=config, processing_class=tok,
                     train_dataset=datasets.load_dataset("json", data_files=train)["train"],
                     eval_dataset=datasets.load_dataset("json", data_files=held)["train"],
@@ -104,13 +126,18 @@ def _fastllm(args, tmp):
     from fastllm.train.metrics import read_metrics
 
     run = os.path.join(tmp, "run")
+    free = {"fastllm-orpo": [], "fastllm-simpo": [
+        "objective=cpo", "cpo.loss_type=simpo", "cpo.cpo_alpha=0", "cpo.beta=2.0",
+        "cpo.simpo_gamma=0.5"]}.get(args.provider)
     cfg = TrainConfig.from_args(
         [f"model={args.model}", f"output_dir={run}", f"max_steps={args.steps}", "min_lr=0",
          f"threads={args.threads}", "eval_steps=0", "eval.prompts=[]", "save_steps=0",
          f"data.path={args.data}", f"data.eval_fraction={EVAL_FRACTION}",
          f"data.cache_dir={os.path.join(tmp, 'cache')}", "log_interval=1000",
-         f"dpo.precompute_ref_log_probs={str(args.provider.endswith('precompute')).lower()}"],
-        os.path.join(ROOT, "examples", "dpo_lora.yaml"))
+         *(free if free is not None else [
+             f"dpo.precompute_ref_log_probs={str(args.provider.endswith('precompute')).lower()}"
+         ])],
+        os.path.join(ROOT, "examples", "orpo_lora.yaml" if free is not None else "dpo_lora.yaml"))
     Trainer(cfg).train()
     recs = read_metrics(os.path.join(run, "metrics.jsonl"))
     last = [r for r in recs if r.get("eval_loss") is not None][-1]

@@ -55,12 +55,17 @@ def dataset_rows(n=256, seed=0):
 def timed_trainer(base, out):
     """(a subclass of the TRL trainer class `base` that appends each step's input tokens and loss
     to out["tokens"] and out["losses"], a callback that appends its time, on_step_begin to
-    on_step_end, to out["times"]). Tokens: the attention mask's sum, or a packed row's length."""
+    on_step_end, to out["times"]). Tokens: the attention mask's sum (ORPO's and CPO's batches:
+    the chosen and the rejected rows'), or a packed row's length."""
+    import torch
     import transformers
 
     class Timed(base):
         def training_step(self, model, inputs, *rest, **kw):
             mask = inputs.get("attention_mask")
+            if mask is None and "chosen_attention_mask" in inputs:  # (ORPO's, CPO's batches)
+                mask = torch.cat([inputs["chosen_attention_mask"].flatten(),
+                                  inputs["rejected_attention_mask"].flatten()])
             out["tokens"].append(int(mask.sum()) if mask is not None
                                  else int(inputs["position_ids"].size(1)))
             loss = super().training_step(model, inputs, *rest, **kw)

@@ -1,4 +1,5 @@
-"""Preference optimisation (DPO and TRL DPOTrainer's pairwise losses in LOSS_TYPES) without logits.
+"""Preference optimisation (DPO and TRL DPOTrainer's pairwise losses in LOSS_TYPES; the
+reference-free cpo_loss (CPO, SimPO) and orpo_loss) without logits.
 
 A DPO step scores each prompt's chosen and rejected completion under the policy and under a
 frozen reference: the sum over the completion's tokens of log p(token | what came before). The
@@ -20,7 +21,9 @@ token_logps (the op) and token_logps_ref (logits materialised, log_softmax, gath
 hidden states and the head's weight directly, for models this module does not know how to split.
 The loss formulas are TRL's (DPOTrainer, trl 1.16; DPO's reverse-KL form, one loss type per
 call: its exo_pair, discopop, aot and sft types, f-divergences, ld_alpha and WPO weighting are
-not here); rewards are beta * (logps - ref_logps), detached, as TRL logs them.
+not here); rewards are beta * (logps - ref_logps), detached, as TRL logs them. cpo_loss and
+orpo_loss take the policy's log-probabilities alone (TRL's CPOTrainer and ORPOTrainer; their
+rewards beta * logps).
 """
 
 from typing import NamedTuple
@@ -36,8 +39,8 @@ from fastllm._hooks import user_hooked
 from fastllm._modules import output_layer
 from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-__all__ = ["LOSS_TYPES", "DPOLoss", "dpo_loss", "sequence_logps", "token_logps",
-           "token_logps_ref"]
+__all__ = ["CPO_LOSS_TYPES", "LOSS_TYPES", "DPOLoss", "cpo_loss", "dpo_loss", "orpo_loss",
+           "sequence_logps", "token_logps", "token_logps_ref"]
 
 _WHERE = "fastllm.preference"
 
@@ -46,6 +49,8 @@ _WHERE = "fastllm.preference"
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "nca_pair", "sppo_hard",
               "apo_zero", "apo_down", "sigmoid_norm")
 _NEEDS_LENGTHS = ("ipo", "sigmoid_norm")
+# TRL's CPOConfig.loss_type (reference-free; simpo is SimPO), but its alphapo
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
 
 def token_logps(hidden, weight, labels, bias=None, ignore_index=-100, logit_softcap=None):
@@ -148,26 +153,32 @@ class DPOLoss(NamedTuple):
     rejected_rewards: torch.Tensor
 
 
-def _check_dpo(logps, beta, loss_type, label_smoothing, lengths):
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"{_WHERE}.dpo_loss: unknown loss_type {loss_type!r}; one of "
-                         f"{', '.join(LOSS_TYPES)}")
+def _check_pairs(where, logps, beta, loss_type, types, label_smoothing, smoothed):
+    """The checks every pairwise loss shares: loss_type among `types`, beta, label_smoothing
+    (used by the `smoothed` types only) and one 1-d float per pair in each of `logps`."""
+    if loss_type not in types:
+        raise ValueError(f"{where}: unknown loss_type {loss_type!r}; one of {', '.join(types)}")
     if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
-        raise ValueError(f"{_WHERE}.dpo_loss: beta must be a finite number > 0, got {beta!r}")
+        raise ValueError(f"{where}: beta must be a finite number > 0, got {beta!r}")
     ls = label_smoothing
     if not (isinstance(ls, (int, float)) and 0.0 <= ls < 0.5) or (
-            ls and loss_type not in ("sigmoid", "robust")):
-        raise ValueError(f"{_WHERE}.dpo_loss: label_smoothing must be in [0, 0.5) and is used "
-                         f"by loss_type 'sigmoid' and 'robust' only, got {ls!r} with "
+            ls and loss_type not in smoothed):
+        raise ValueError(f"{where}: label_smoothing must be in [0, 0.5) and is used by "
+                         f"loss_type {' and '.join(map(repr, smoothed))} only, got {ls!r} with "
                          f"{loss_type!r}")
     names = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
     for name, t in zip(names, logps):
         if not torch.is_tensor(t) or not t.is_floating_point() or t.dim() != 1:
-            raise ValueError(f"{_WHERE}.dpo_loss: {name} must be a 1-d floating tensor (one "
-                             f"value per pair), got {_describe(t)}")
+            raise ValueError(f"{where}: {name} must be a 1-d floating tensor (one value per "
+                             f"pair), got {_describe(t)}")
         if t.shape != logps[0].shape:
-            raise ValueError(f"{_WHERE}.dpo_loss: {name} has {t.shape[0]} pairs, chosen_logps "
+            raise ValueError(f"{where}: {name} has {t.shape[0]} pairs, chosen_logps "
                              f"{logps[0].shape[0]}")
+
+
+def _check_dpo(logps, beta, loss_type, label_smoothing, lengths):
+    _check_pairs(f"{_WHERE}.dpo_loss", logps, beta, loss_type, LOSS_TYPES, label_smoothing,
+                 ("sigmoid", "robust"))
     if loss_type in _NEEDS_LENGTHS:
         if any(n is None for n in lengths):
             raise ValueError(f"{_WHERE}.dpo_loss: loss_type {loss_type!r} averages over the "
@@ -230,3 +241,56 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     else:  # apo_down
         loss = torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(h)
     return DPOLoss(loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+
+
+def cpo_loss(chosen_logps, rejected_logps, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
+             simpo_gamma=0.5):
+    """Reference-free pairwise loss per pair (B,), TRL's CPOTrainer (trl 1.16, experimental).
+    With d = chosen_logps - rejected_logps:
+
+      sigmoid   -(1 - ls) logsigmoid(beta d) - ls logsigmoid(-beta d)    (CPO)
+      simpo     the same with d - simpo_gamma / beta                    (SimPO)
+      hinge     relu(1 - beta d)
+      ipo       (d - 1 / (2 beta))^2
+
+    TRL scores ipo and simpo by each completion's mean token log-probability
+    (sequence_logps(..., average=True)), the others by the sum; its step loss adds cpo_alpha x
+    the chosen completions' NLL per token (SimPO: cpo_alpha = 0). Returns DPOLoss (loss,
+    beta * chosen_logps, beta * rejected_logps: the rewards TRL logs, detached)."""
+    where = f"{_WHERE}.cpo_loss"
+    _check_pairs(where, (chosen_logps, rejected_logps), beta, loss_type, CPO_LOSS_TYPES,
+                 label_smoothing, ("sigmoid", "simpo"))
+    if not (isinstance(simpo_gamma, (int, float)) and math.isfinite(simpo_gamma)):
+        raise ValueError(f"{where}: simpo_gamma must be a finite number, got {simpo_gamma!r}")
+    d, ls = chosen_logps - rejected_logps, label_smoothing
+    if loss_type == "simpo":
+        d = d - simpo_gamma / beta
+    if loss_type in ("sigmoid", "simpo"):
+        loss = -F.logsigmoid(beta * d) * (1 - ls) - F.logsigmoid(-beta * d) * ls
+    elif loss_type == "hinge":
+        loss = torch.relu(1 - beta * d)
+    else:  # ipo
+        loss = (d - 1 / (2 * beta)) ** 2
+    return DPOLoss(loss, beta * chosen_logps.detach(), beta * rejected_logps.detach())
+
+
+def _log1mexp(x):
+    """log(1 - exp(x)) for x <= 0, without cancellation (branch at -ln 2)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(chosen_logps, rejected_logps, beta=0.1):
+    """ORPO's odds-ratio term per pair (B,), TRL's ORPOTrainer (trl 1.16, experimental), to be
+    minimised: -beta * logsigmoid(log_odds) with log_odds = (c - r) - (log(1 - e^c) -
+    log(1 - e^r)), c and r the completions' mean token log-probabilities
+    (sequence_logps(..., average=True), < 0). The step's loss is the chosen completions' NLL per
+    token plus its mean (TRL: nll - mean(beta * logsigmoid(log_odds))). A mean of 0 (a
+    completion scored certain) gives an infinite log-odds, as in TRL. Returns DPOLoss (loss,
+    beta * c, beta * r: the rewards TRL logs, detached)."""
+    _check_pairs(f"{_WHERE}.orpo_loss", (chosen_logps, rejected_logps), beta, "sigmoid",
+                 ("sigmoid",), 0.0, ())
+    # (at least fp32, as TRL computes it: log(1 - e^x) of a bf16 mean is coarse)
+    c, r = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (chosen_logps,
+                                                                          rejected_logps))
+    log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
+    return DPOLoss(-beta * F.logsigmoid(log_odds), beta * c.detach(), beta * r.detach())

@@ -426,6 +426,12 @@ def test_examples_parse():
     assert qlora.lora.quantize_base == "nf4" and qlora.finetune == "lora"
     dpo = TrainConfig.load(os.path.join(os.path.dirname(names[0]), "dpo_lora.yaml"))
     assert dpo.objective == "dpo" and dpo.dpo.rpo_alpha == 1.0 and dpo.finetune == "lora"
+    orpo = TrainConfig.load(os.path.join(os.path.dirname(names[0]), "orpo_lora.yaml"))
+    assert orpo.objective == "orpo" and orpo.orpo.beta == 0.1 and orpo.finetune == "lora"
+    simpo = TrainConfig.from_args(  # (the SimPO line of its comment)
+        ["objective=cpo", "cpo.loss_type=simpo", "cpo.cpo_alpha=0", "cpo.beta=2.0"],
+        os.path.join(os.path.dirname(names[0]), "orpo_lora.yaml"))
+    assert simpo.validate().cpo.loss_type == "simpo" and simpo.cpo.beta == 2.0
 
 
 def test_compare_hf_runs_the_same_batches(tmp_path, capsys):

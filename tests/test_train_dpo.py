@@ -338,23 +338,25 @@ def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
               f"output_dir={tmp_path / 'h'}"])
 
 
-@pytest.mark.parametrize("strategy,finetune,precompute", [
-    ("ddp", "lora", False), ("ddp", "full", True), ("fsdp", "lora", True),
-    ("fsdp", "full", False)])
-def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetune, precompute):
+@pytest.mark.parametrize("strategy,finetune,precompute,objective", [
+    ("ddp", "lora", False, "dpo"), ("ddp", "full", True, "dpo"), ("fsdp", "lora", True, "dpo"),
+    ("fsdp", "full", False, "dpo"), ("ddp", "lora", False, "orpo")])
+def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetune, precompute,
+                                                      objective):
     """DDP and FSDP wrap the pairs' scoring (DDP's reducer and FSDP's root see its forward; FSDP
     shards the frozen reference copy alike, and precomputes the reference in equal shares):
     two ranks of 2 pairs a micro-batch give one process's losses and metrics at the same global
-    batch, and their checkpoint resumes in one process."""
+    batch, and their checkpoint resumes in one process (DPO, and reference-free ORPO)."""
     data = _pairs(tmp_path / "p.jsonl")
-    kw = (f"finetune={finetune}", "checkpoint.interval=2",
-          f"dpo.precompute_ref_log_probs={str(precompute).lower()}", "data.eval_fraction=0.25",
-          "eval_interval=2")
+    kw = (f"finetune={finetune}", "checkpoint.interval=2", f"objective={objective}",
+          "data.eval_fraction=0.25", "eval_interval=2") + (
+        ("dpo.precompute_ref_log_probs=true",) if precompute else ())
     Trainer(_cfg(tmp_path, data, *kw, out="one")).train()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29500 + (os.getpid() + 37 + len(strategy + finetune)) % 1000),
+           "--master_port",
+           str(29500 + (os.getpid() + 37 + len(strategy + finetune + objective)) % 1000),
            "-m", "fastllm", "train", *_args(tmp_path, data, *kw, f"parallel.strategy={strategy}",
                                             out="two")]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=240)

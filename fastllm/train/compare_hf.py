@@ -49,11 +49,11 @@ def check(cfg):
                           f"Trainer counterpart here (full, lora)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("fastllm train --compare hf runs on one process")
-    if cfg.objective == "dpo":
-        raise ConfigError("fastllm train --compare hf runs HF's Trainer on the next-token loss; "
-                          "objective=dpo compares with TRL's DPOTrainer in "
-                          "bench/bench_dpo_train.py (--compare torch runs the same DPO on PEFT "
-                          "and the logits)")
+    if cfg.objective != "lm":
+        raise ConfigError(f"fastllm train --compare hf runs HF's Trainer on the next-token loss; "
+                          f"objective={cfg.objective} compares with TRL's trainers in "
+                          f"bench/bench_dpo_train.py (objective=dpo: TRL's DPOTrainer; "
+                          f"--compare torch runs the same objective on PEFT and the logits)")
     if cfg.lora.quantize_base != "none":
         raise ConfigError(f"fastllm train --compare hf: lora.quantize_base="
                           f"{cfg.lora.quantize_base} has no counterpart on the HF side here "

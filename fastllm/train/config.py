@@ -24,7 +24,7 @@ from fastllm.train.config_values import (ConfigError, convert as _convert,
 
 __all__ = ["TrainConfig", "DataConfig", "EvalConfig", "LoraConfig", "PrefixConfig",
            "FreezeConfig", "GaloreConfig", "BAdamConfig", "CheckpointConfig", "ParallelConfig",
-           "DPOConfig", "ConfigError", "HF_NAMES", "hf_names"]
+           "DPOConfig", "CPOConfig", "ORPOConfig", "ConfigError", "HF_NAMES", "hf_names"]
 
 
 @dataclass
@@ -107,6 +107,24 @@ class DPOConfig:
 
 
 @dataclass
+class CPOConfig:
+    """objective=cpo: reference-free, TRL CPOConfig's names (fastllm.preference.cpo_loss);
+    SimPO is loss_type simpo with cpo_alpha 0."""
+    beta: float = 0.1
+    loss_type: str = "sigmoid"            # fastllm.preference.CPO_LOSS_TYPES (ipo, simpo: means)
+    label_smoothing: float = 0.0          # sigmoid and simpo: in [0, 0.5)
+    cpo_alpha: float = 1.0                # x the chosen completions' NLL per token (0: none)
+    simpo_gamma: float = 0.5              # loss_type=simpo: the target margin
+
+
+@dataclass
+class ORPOConfig:
+    """objective=orpo: reference-free, TRL ORPOConfig's beta (the paper's lambda, the odds-ratio
+    term's weight beside the chosen completions' NLL; fastllm.preference.orpo_loss)."""
+    beta: float = 0.1
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = 100                   # steps between checkpoints; 0: only at the end
     keep_last: int = 2
@@ -147,8 +165,10 @@ class TrainConfig:
     eval_interval: int = 0                # steps between evaluations (and at the end); 0: the end
     eval: EvalConfig = field(default_factory=EvalConfig)
     finetune: str = "full"                # full | freeze | lora | galore | badam | prefix
-    objective: str = "lm"                 # lm (next token: text, SFT) | dpo (preference pairs)
+    objective: str = "lm"                 # lm (next token: text, SFT) | dpo | cpo | orpo (pairs)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    cpo: CPOConfig = field(default_factory=CPOConfig)
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)

@@ -97,47 +97,82 @@ def validate_values(cfg, need):
                 cfg.model_config[key] = convert(f"model_config.{key}", value, None, float)
 
 
-_OBJECTIVES = ("lm", "dpo")
+_OBJECTIVES = ("lm", "dpo", "cpo", "orpo")
+PREFERENCE_OBJECTIVES = ("dpo", "cpo", "orpo")  # (each its config section of the same name)
 
 
 def validate_objective(cfg, need):
-    """objective and the dpo section: TRL's loss types and ranges, and what a DPO run reads and
-    runs on (preference records; one process, the reference being the adapters switched off or
-    a frozen copy of the model)."""
+    """objective and its section (dpo, cpo or orpo): TRL's loss types and ranges, and what a
+    preference run reads and runs on (preference records; one process, DDP or FSDP; DPO's
+    reference being the adapters switched off or a frozen copy of the model)."""
     import dataclasses
 
     need(cfg.objective in _OBJECTIVES, f"objective must be one of {_OBJECTIVES}, got "
          f"{cfg.objective!r}")
-    d = cfg.dpo
-    if cfg.objective != "dpo":
-        changed = [f"dpo.{f.name}" for f in dataclasses.fields(d)
-                   if getattr(d, f.name) != f.default]
-        need(not changed, f"{', '.join(changed)} set but objective={cfg.objective}: the dpo "
-             f"section applies to objective=dpo")
+    for name in PREFERENCE_OBJECTIVES:
+        if cfg.objective != name:
+            section = getattr(cfg, name)
+            changed = [f"{name}.{f.name}" for f in dataclasses.fields(section)
+                       if getattr(section, f.name) != f.default]
+            need(not changed, f"{', '.join(changed)} set but objective={cfg.objective}: the "
+                 f"{name} section applies to objective={name}")
+    if cfg.objective == "lm":
         return
-    from fastllm.preference import LOSS_TYPES
     from fastllm.train.sft_records import data_format
 
-    need(d.loss_type in LOSS_TYPES, f"dpo.loss_type must be one of {', '.join(LOSS_TYPES)}, got "
-         f"{d.loss_type!r}")
-    need(math.isfinite(d.beta) and d.beta > 0, f"dpo.beta must be finite and > 0, got {d.beta}")
-    need(0.0 <= d.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5), got "
-         f"{d.label_smoothing}")
-    need(not d.label_smoothing or d.loss_type in ("sigmoid", "robust"), f"dpo.label_smoothing "
-         f"is used by dpo.loss_type sigmoid and robust only, got {d.loss_type}")
-    need(math.isfinite(d.rpo_alpha) and d.rpo_alpha >= 0, f"dpo.rpo_alpha must be finite and "
-         f">= 0 (0: no NLL term), got {d.rpo_alpha}")
+    {"dpo": _validate_dpo, "cpo": _validate_cpo, "orpo": _validate_orpo}[cfg.objective](
+        cfg, need)
+    obj = f"objective={cfg.objective}"
+    need(cfg.finetune != "prefix", f"{obj} with finetune=prefix: " + (
+        "a prefix cannot be switched off for the reference; use finetune=lora (or full, "
+        "freeze, galore, badam: the reference is a frozen copy of the model)"
+        if cfg.objective == "dpo" else "not supported; use finetune=lora (or full, freeze, "
+        "galore, badam)"))
     fmt = data_format(cfg.data.path, cfg.data.format) if cfg.data.path else None
-    need(fmt == "jsonl", f"objective=dpo trains on preference records ({{\"prompt\", "
+    need(fmt == "jsonl", f"{obj} trains on preference records ({{\"prompt\", "
          f"\"chosen\", \"rejected\"}}) in .jsonl/.json files: data.path={cfg.data.path} with "
          f"data.format={cfg.data.format} reads {fmt or 'the built-in text'}")
-    need(not cfg.data.train_on_prompt, "objective=dpo scores the chosen and rejected "
+    need(not cfg.data.train_on_prompt, f"{obj} scores the chosen and rejected "
          "completions only: data.train_on_prompt must be false")
-    need(cfg.finetune != "prefix", "objective=dpo with finetune=prefix: a prefix cannot be "
-         "switched off for the reference; use finetune=lora (or full, freeze, galore, badam: "
-         "the reference is a frozen copy of the model)")
     p = cfg.parallel
     need(p.tp == 1 and p.pp == 1 and p.strategy in ("auto", "none", "ddp", "fsdp"),
-         f"objective=dpo runs on one process, DDP or FSDP for now (parallel.strategy auto, none, "
+         f"{obj} runs on one process, DDP or FSDP for now (parallel.strategy auto, none, "
          f"ddp or fsdp, tp=1, pp=1), got strategy={p.strategy} tp={p.tp} pp={p.pp}")
-    need(not cfg.optimizer_in_backward, "objective=dpo does not run with optimizer_in_backward")
+    need(not cfg.optimizer_in_backward, f"{obj} does not run with optimizer_in_backward")
+
+
+def _beta(name, beta, need):
+    need(math.isfinite(beta) and beta > 0, f"{name}.beta must be finite and > 0, got {beta}")
+
+
+def _pairwise(name, section, types, smoothed, weight, need):
+    """The dpo or cpo section: loss_type among `types`, beta, label_smoothing (used by the
+    `smoothed` types only) and the NLL term's weight (its field `weight`)."""
+    need(section.loss_type in types, f"{name}.loss_type must be one of {', '.join(types)}, got "
+         f"{section.loss_type!r}")
+    _beta(name, section.beta, need)
+    ls = section.label_smoothing
+    need(0.0 <= ls < 0.5, f"{name}.label_smoothing must be in [0, 0.5), got {ls}")
+    need(not ls or section.loss_type in smoothed, f"{name}.label_smoothing is used by "
+         f"{name}.loss_type {' and '.join(smoothed)} only, got {section.loss_type}")
+    w = getattr(section, weight)
+    need(math.isfinite(w) and w >= 0, f"{name}.{weight} must be finite and >= 0 (0: no NLL "
+         f"term), got {w}")
+
+
+def _validate_dpo(cfg, need):
+    from fastllm.preference import LOSS_TYPES
+
+    _pairwise("dpo", cfg.dpo, LOSS_TYPES, ("sigmoid", "robust"), "rpo_alpha", need)
+
+
+def _validate_cpo(cfg, need):
+    from fastllm.preference import CPO_LOSS_TYPES
+
+    c = cfg.cpo
+    _pairwise("cpo", c, CPO_LOSS_TYPES, ("sigmoid", "simpo"), "cpo_alpha", need)
+    need(math.isfinite(c.simpo_gamma), f"cpo.simpo_gamma must be finite, got {c.simpo_gamma}")
+
+
+def _validate_orpo(cfg, need):
+    _beta("orpo", cfg.orpo.beta, need)

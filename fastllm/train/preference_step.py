@@ -1,9 +1,14 @@
-"""`fastllm train objective=dpo`: the loss of a micro-batch of preference pairs, its metrics, and
-the held-out evaluation.
+"""`fastllm train objective=dpo|cpo|orpo`: the loss of a micro-batch of preference pairs, its
+metrics, and the held-out evaluation.
 
     objective = PreferenceObjective.make(cfg, model)   # None for objective=lm
     loss = objective(model, batch)                     # a PairBatch: the DPO loss (+ RPO's NLL)
     rec.update(objective.pop_metrics(device))          # TRL's rewards/* and logps/* names
+
+objective=cpo (CPO, and SimPO with cpo.loss_type=simpo cpo.cpo_alpha=0) and objective=orpo are
+reference-free (TRL's CPOTrainer and ORPOTrainer): the policy's log-probabilities alone, the
+completions' means where TRL takes them (ORPO; CPO's ipo and simpo), and the chosen completions'
+NLL per token (cpo.cpo_alpha x it; ORPO's whole). The rest of this concerns DPO's reference.
 
 The reference is what TRL's DPOTrainer takes without a ref_model: with LoRA adapters (fastllm's
 or PEFT's) the same model with its adapters switched off, under no_grad; else (full, freeze,
@@ -27,7 +32,7 @@ import torch
 from torch import nn
 
 from fastllm.adapters import disable_adapters
-from fastllm.preference import dpo_loss, sequence_logps
+from fastllm.preference import cpo_loss, dpo_loss, orpo_loss, sequence_logps
 
 __all__ = ["PreferenceObjective"]
 
@@ -48,12 +53,16 @@ class _Policy(nn.Module):
 
 
 class PreferenceObjective:
-    def __init__(self, dpo, model, adapters, fused):
+    def __init__(self, dpo, model, adapters, fused, name="dpo", section=None):
         self.dpo, self.fused, self.adapters = dpo, fused, adapters
+        # name: dpo, cpo or orpo; section: cfg.cpo / cfg.orpo (the reference-free ones)
+        self.name, self.section = name, section
         self.precomputed = self._precomputing = False
         self.reference = self.reference_scorer = None
         self._kind = "adapters off" if adapters else "a frozen copy of the model"
-        if dpo.precompute_ref_log_probs and not adapters:
+        if name != "dpo":
+            self._kind = None  # (no reference)
+        elif dpo.precompute_ref_log_probs and not adapters:
             # prepare() scores the model itself before any step or checkpoint load: no copy
             # (TRL keeps no ref_model either)
             self._kind = "the model as built"
@@ -66,10 +75,11 @@ class PreferenceObjective:
     def make(cls, cfg, model):
         """The objective of cfg (None for objective=lm), for `model` as built and moved to its
         device, before any wrapping, checkpointing or compilation."""
-        if cfg.objective != "dpo":
+        if cfg.objective == "lm":
             return None
         fused = cfg.backend == "fastllm" and cfg.kernels == "fastllm"
-        return cls(cfg.dpo, model, cfg.finetune == "lora", fused)
+        return cls(cfg.dpo, model, cfg.finetune == "lora", fused, cfg.objective,
+                   getattr(cfg, cfg.objective))
 
     def policy(self, model):
         """The module DDP or FSDP wraps in place of `model` (the trainer's strategy.policy)."""
@@ -91,7 +101,7 @@ class PreferenceObjective:
         (a resumed run computes the same), split over the ranks; the datasets then serve them in
         their batches (ref_logps). Without adapters the model scored is the policy itself, as
         built: no frozen copy is made (prepare runs before any step or checkpoint load)."""
-        if not self.dpo.precompute_ref_log_probs:
+        if self.name != "dpo" or not self.dpo.precompute_ref_log_probs:
             return
         import time
 
@@ -140,6 +150,14 @@ class PreferenceObjective:
         return n
 
     def describe(self):
+        how = f"log-probabilities {'fused, no logits' if self.fused else 'from the logits'}"
+        if self.name == "orpo":
+            return f"objective=orpo (beta={self.section.beta}; no reference; {how})"
+        if self.name == "cpo":
+            c = self.section
+            gamma = f", simpo_gamma={c.simpo_gamma}" if c.loss_type == "simpo" else ""
+            return (f"objective=cpo (loss_type={c.loss_type}, beta={c.beta}, "
+                    f"cpo_alpha={c.cpo_alpha}{gamma}; no reference; {how})")
         d = self.dpo
         ref = self._kind
         if d.precompute_ref_log_probs:
@@ -179,18 +197,36 @@ class PreferenceObjective:
             return root(batch) if root is not None else self._logps(lm, batch)
 
     def score(self, model, batch):
-        """(dpo_loss's result, the step's loss: the pairs' mean plus rpo_alpha x the chosen
-        completions' NLL per token, the policy's chosen and rejected log-probabilities)."""
+        """(the pairwise loss's result, the step's loss: the pairs' mean plus the NLL term, the
+        policy's chosen and rejected log-probabilities as the loss took them)."""
         logps = self._logps(model, batch) if self._unwrap(model)[0] is model else model(batch)
-        ref = self._reference(model, batch)
         lengths = (batch["labels"][:, 1:] != -100).sum(-1).chunk(2)
         chosen, rejected = logps.chunk(2)
+        if self.name != "dpo":
+            return self._reference_free(chosen, rejected, lengths)
+        ref = self._reference(model, batch)
         out = dpo_loss(chosen, rejected, *ref.chunk(2), beta=self.dpo.beta,
                        loss_type=self.dpo.loss_type, label_smoothing=self.dpo.label_smoothing,
                        chosen_lengths=lengths[0], rejected_lengths=lengths[1])
         loss = out.loss.mean()
         if self.dpo.rpo_alpha:  # RPO: the chosen completions' mean token NLL (TRL's "sft")
             loss = loss + self.dpo.rpo_alpha * (-chosen.sum() / lengths[0].sum().clamp(min=1))
+        return out, loss, chosen.detach(), rejected.detach()
+
+    def _reference_free(self, chosen, rejected, lengths):
+        """CPO / SimPO / ORPO from the policy's sums of log-probabilities (TRL's formulas)."""
+        c = self.section
+        nll = -chosen.sum() / lengths[0].sum().clamp(min=1)  # the chosen tokens' mean NLL
+        if self.name == "orpo" or c.loss_type in ("ipo", "simpo"):  # (the completions' means)
+            chosen = chosen / lengths[0].clamp(min=1)
+            rejected = rejected / lengths[1].clamp(min=1)
+        if self.name == "orpo":
+            out = orpo_loss(chosen, rejected, beta=c.beta)
+            loss = nll + out.loss.mean()
+        else:
+            out = cpo_loss(chosen, rejected, beta=c.beta, loss_type=c.loss_type,
+                           label_smoothing=c.label_smoothing, simpo_gamma=c.simpo_gamma)
+            loss = out.loss.mean() + (c.cpo_alpha * nll if c.cpo_alpha else 0.0)
         return out, loss, chosen.detach(), rejected.detach()
 
     def _add(self, sums, out, chosen, rejected, loss):

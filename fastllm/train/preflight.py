@@ -28,8 +28,9 @@ def check(cfg, layout=None):
     batch arithmetic (check_batch)."""
     if layout is not None:
         check_batch(cfg, layout)
-        if cfg.objective == "dpo" and layout.dp > 1 and cfg.parallel.strategy == "none":
-            raise ConfigError(f"fastllm train: objective=dpo with parallel.strategy=none on "
+        if cfg.objective != "lm" and layout.dp > 1 and cfg.parallel.strategy == "none":
+            raise ConfigError(f"fastllm train: objective={cfg.objective} with "
+                              f"parallel.strategy=none on "
                               f"{layout.describe()}: each rank would train alone; use "
                               f"parallel.strategy=ddp (or auto)")
     check_backend_env(cfg)

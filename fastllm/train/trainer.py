@@ -115,7 +115,7 @@ class Trainer:
             run_dir.check(cfg)
         model_dir = cfg.model if is_model_dir(cfg.model) else None
         # text or JSONL (SFT) examples; rank 0 tokenizes (and trains a BPE) first
-        build = (preference_data if cfg.objective == "dpo" else sft_data).build_datasets
+        build = (preference_data if cfg.objective != "lm" else sft_data).build_datasets
         self.tokenizer, self.dataset, self.eval_dataset = build(
             cfg, model_dir, self.rank, self.world, self._barrier, self.log)
         self.global_batch = cfg.resolved_global_batch(self.layout)
