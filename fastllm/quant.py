@@ -44,7 +44,8 @@ class NF4Linear(nn.Module):
     """A frozen nn.Linear whose weight is stored in NF4 (see the module docstring).
 
     Buffers (frozen parameters after `shardable()`, for FSDP2): weight_packed (uint8,
-    ceil(out * in / 2)), weight_absmax (fp32, ceil(out * in / blocksize)); bias: an nn.Parameter in the compute dtype, or None.
+    ceil(out * in / 2)), weight_absmax (fp32, ceil(out * in / blocksize)); bias: an
+    nn.Parameter in the compute dtype, or None.
     """
 
     def __init__(self, in_features, out_features, bias=True, blocksize=64, device=None,

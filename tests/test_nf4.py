@@ -427,8 +427,12 @@ def test_module_dtype_moves_keep_the_codes(shardable):
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh.dequantize(), layer.dequantize())
     if shardable:
+        from fastllm.train.model import weight_count
+
         model = nn.Sequential(quant.NF4Linear(64, 32), nn.Linear(32, 2))
-        assert quant.shardable_nf4(model) == 1
+        counted = weight_count(model)  # (the 4-bit weight counts as its 64 x 32 parameters)
+        assert quant.shardable_nf4(model) == 1 and weight_count(model) == counted == 64 * 32 + (
+            32 + 32 * 2 + 2)
         model.load_state_dict({**model.state_dict(), **{"0." + k: v for k, v in
                                                         layer.float().state_dict().items()}})
         assert torch.equal(model[0].weight_packed, packed)
