@@ -39,8 +39,8 @@ from fastllm._hooks import user_hooked
 from fastllm._modules import output_layer
 from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-__all__ = ["CPO_LOSS_TYPES", "LOSS_TYPES", "DPOLoss", "cpo_loss", "dpo_loss", "orpo_loss",
-           "sequence_logps", "token_logps", "token_logps_ref"]
+__all__ = ["CPO_LOSS_TYPES", "LOSS_TYPES", "DPOLoss", "cpo_loss", "dpo_loss", "orpo_log_odds",
+           "orpo_loss", "sequence_logps", "token_logps", "token_logps_ref"]
 
 _WHERE = "fastllm.preference"
 
@@ -97,11 +97,14 @@ def _fused_route(lm):
 
 
 def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=None,
-                   average=False, ignore_index=-100, fused=True, **model_kwargs):
+                   average=False, ignore_index=-100, fused=True, per_token=False,
+                   **model_kwargs):
     """Per row, the sum (average=True: the mean) of log p(labels[t] | input_ids[:t]) over the
     positions whose label is not ignore_index: (B,) fp32 (a row with no label: 0, as TRL counts
     such a row, for the mean too). input_ids, labels: (B, T); labels as for the model's own loss
-    (unshifted).
+    (unshifted). per_token=True: the (B, T) log-probabilities themselves instead, column t
+    scoring labels[t + 1] (0 where it is ignored, and in the last column), for sums over masks
+    of one's own from one pass.
 
     `model`: a transformers causal LM (patched or not, with fastllm or PEFT adapters). For the
     families fastllm.patch knows (Llama, Qwen2/3, Mistral) its decoder runs, then the head and
@@ -125,13 +128,15 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     route = None if prompt_learning or not fused else _fused_route(lm)
     if route is None:
         logits = model(input_ids=input_ids, **kwargs).logits[:, -input_ids.shape[1]:]
-        per_token = _logits_logps(logits, shifted.to(logits.device), ignore_index)
+        values = _logits_logps(logits, shifted.to(logits.device), ignore_index)
     else:
         backbone, head = route
         hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
-        per_token = token_logps(hidden.to(head.weight.device), head.weight,
-                                shifted.to(head.weight.device), head.bias, ignore_index)
-    total = per_token.sum(-1)
+        values = token_logps(hidden.to(head.weight.device), head.weight,
+                             shifted.to(head.weight.device), head.bias, ignore_index)
+    if per_token:
+        return values
+    total = values.sum(-1)
     if not average:
         return total
     return total / (shifted != ignore_index).sum(-1).clamp(min=1).to(total.device)
@@ -283,14 +288,26 @@ def orpo_loss(chosen_logps, rejected_logps, beta=0.1):
     """ORPO's odds-ratio term per pair (B,), TRL's ORPOTrainer (trl 1.16, experimental), to be
     minimised: -beta * logsigmoid(log_odds) with log_odds = (c - r) - (log(1 - e^c) -
     log(1 - e^r)), c and r the completions' mean token log-probabilities
-    (sequence_logps(..., average=True), < 0). The step's loss is the chosen completions' NLL per
-    token plus its mean (TRL: nll - mean(beta * logsigmoid(log_odds))). A mean of 0 (a
-    completion scored certain) gives an infinite log-odds, as in TRL. Returns DPOLoss (loss,
-    beta * c, beta * r: the rewards TRL logs, detached)."""
+    (sequence_logps(..., average=True), < 0). TRL's step loss is the chosen rows' NLL per token,
+    over the whole row (prompt and completion), plus its mean (TRL: nll - mean(beta *
+    logsigmoid(log_odds))). A mean of 0 (a completion scored certain) gives an infinite
+    log-odds, and one above 0 (not a log-probability) NaN, as in TRL: not checked here, which
+    would cost a device sync. Returns DPOLoss (loss, beta * c, beta * r: the rewards TRL logs,
+    detached); orpo_log_odds(c, r) is the log_odds."""
     _check_pairs(f"{_WHERE}.orpo_loss", (chosen_logps, rejected_logps), beta, "sigmoid",
                  ("sigmoid",), 0.0, ())
+    c, r, log_odds = _log_odds(chosen_logps, rejected_logps)
+    return DPOLoss(-beta * F.logsigmoid(log_odds), beta * c.detach(), beta * r.detach())
+
+
+def _log_odds(chosen_logps, rejected_logps):
     # (at least fp32, as TRL computes it: log(1 - e^x) of a bf16 mean is coarse)
     c, r = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (chosen_logps,
                                                                           rejected_logps))
-    log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
-    return DPOLoss(-beta * F.logsigmoid(log_odds), beta * c.detach(), beta * r.detach())
+    return c, r, (c - r) - (_log1mexp(c) - _log1mexp(r))
+
+
+def orpo_log_odds(chosen_logps, rejected_logps):
+    """ORPO's log odds ratio per pair, log(odds(c) / odds(r)) with odds(p) = p / (1 - p) of the
+    completions' mean token log-probabilities (what TRL logs as log_odds_chosen)."""
+    return _log_odds(chosen_logps, rejected_logps)[2]

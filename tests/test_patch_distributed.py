@@ -250,7 +250,10 @@ def _train_tp(rank, folder):
 
 QLORA_ARGS = ("finetune=lora", "lora.quantize_base=nf4", "lora.target_modules=all-linear",
               "micro_batch_size=2", f"checkpoint.interval={TRAIN_STEPS}")
-QLORA_RUNS = {"qlora": (), "qdora": ("lora.use_dora=true",)}  # (QDoRA: weight norms from NF4)
+# QDoRA: weight norms from NF4; q/v only: the other NF4 layers, with no adapter, save their
+# gathered codes for backward across FSDP2's reshard and re-gather
+QLORA_RUNS = {"qlora": (), "qdora": ("lora.use_dora=true",),
+              "qlora_qv": ("lora.target_modules=q_proj,v_proj",)}
 
 
 def _train_qlora_fsdp(rank, folder, run):
@@ -508,8 +511,9 @@ def test_fastllm_train_qlora_under_fsdp_trains_as_one_process(runs, folder, run)
     adapter = os.path.join(f"checkpoint-{TRAIN_STEPS}", "adapter", "adapter_model.safetensors")
     got, want = (load_file(os.path.join(d, adapter))
                  for d in (os.path.join(folder, f"{run}_fsdp"), single))
-    # A and B (and DoRA's magnitude) of 7 targets in 2 layers
-    assert got.keys() == want.keys() and len(want) == 2 * 7 * (3 if run == "qdora" else 2)
+    # A and B (and DoRA's magnitude) of each target in 2 layers
+    targets = 2 if run == "qlora_qv" else 7
+    assert got.keys() == want.keys() and len(want) == 2 * targets * (3 if run == "qdora" else 2)
     for name in want:  # (Adam's rounding rule, as for the FSDP2 layouts above; lr 1e-2)
         err = (got[name] - want[name]).abs().max().item()
         assert err <= 1e-2 / 100, f"{name}: {err:.3g} after {TRAIN_STEPS} steps"

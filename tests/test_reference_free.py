@@ -114,9 +114,11 @@ def test_bad_arguments_are_refused_by_name(call, match):
 ])
 @pytest.mark.parametrize("fused", [True, False])
 def test_step_equals_trl_formula_over_logits(tmp_path, name, section, fused):
-    """The objective's loss and grads against TRL's step written out on the model's logits
-    (pairs of unequal lengths): CPO on the sums plus cpo_alpha x the chosen tokens' mean NLL,
-    SimPO on the completions' means, ORPO the NLL plus its odds-ratio term on the means."""
+    """The objective's loss, grads and metrics against TRL's step written out on the model's
+    logits (pairs of unequal lengths): CPO on the sums plus cpo_alpha x the chosen completions'
+    mean token NLL, SimPO on the completions' means, ORPO the chosen rows' NLL over prompt and
+    completion (TRL's cross-entropy over every attended token) plus its odds-ratio term on the
+    completions' means."""
     from fastllm.train.model import build_model
 
     cfg = TrainConfig.from_args(_args(tmp_path, _pairs(tmp_path / "p.jsonl"), "finetune=full",
@@ -136,6 +138,12 @@ def test_step_equals_trl_formula_over_logits(tmp_path, name, section, fused):
     c, r = _logits_logps(model, batch).chunk(2)
     nc, nr = (batch["labels"][:, 1:] != -100).sum(-1).chunk(2)
     nll = -c.sum() / nc.sum()
+    if name == "orpo":  # TRL's ORPO: labels = input_ids wherever attended, prompt included
+        ids, mask = batch["input_ids"][:3], batch["attention_mask"][:3]
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        whole = ids.where(mask.bool(), -100)
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), whole[:, 1:].flatten())
+        assert abs(nll + c.sum() / nc.sum()) > 1e-2  # (the prompts' tokens count: another mean)
     if name == "orpo" or section.loss_type == "simpo":
         c, r = c / nc, r / nr
     if name == "orpo":
@@ -154,6 +162,13 @@ def test_step_equals_trl_formula_over_logits(tmp_path, name, section, fused):
     torch.testing.assert_close(metrics["rewards/margins"],
                                float(section.beta * (c - r).detach().mean()), rtol=1e-5,
                                atol=1e-6)
+    torch.testing.assert_close(metrics["nll_loss"], float(nll.detach()), rtol=1e-5, atol=1e-6)
+    if name == "orpo":  # TRL's log_odds_chosen and log_odds_ratio
+        log_odds = ((c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))).detach()
+        torch.testing.assert_close(metrics["log_odds_chosen"], float(log_odds.mean()),
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(metrics["log_odds_ratio"],
+                                   float(F.logsigmoid(log_odds).mean()), rtol=1e-5, atol=1e-6)
 
 
 def test_orpo_lora_run_keeps_no_reference_evaluates_and_resumes(tmp_path):

@@ -427,7 +427,9 @@ def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_afte
                root=None):
     """FSDP2 per decoder layer, then the root (which takes embedding, norm and head): `model`,
     or `root`, a module holding `model` whose forward runs it (returned then). NF4 layers
-    (fastllm.quant) are made shardable first: their 4-bit weights sharded with their layer."""
+    (fastllm.quant) are made shardable first: their 4-bit weights sharded with their layer, as
+    frozen uint8/fp32 parameters: hand an optimizer the parameters that require grad (torch's
+    fused AdamW refuses any non-float parameter)."""
     _torch_support.require("FSDP2", dp_mesh.device_type)
     nf4 = [n for n, m in model.named_modules() if isinstance(m, NF4Linear)]
     if nf4 and param_dtype is not None:

@@ -441,7 +441,8 @@ def check_resume_config(path, cfg, log):
     if old != cfg.objective:
         raise ConfigError(f"fastllm train: {path} was trained with objective={old}, this run has "
                           f"objective={cfg.objective}: a run's objective holds from its first step "
-                          f"(DPO's reference is the model the run started from); keep "
+                          f"(its data, loss and metrics are the objective's; DPO's reference is "
+                          f"the model the run started from); keep "
                           f"objective={old} to resume, or start the new objective from the "
                           f"checkpoint's weights in another output_dir (fastllm export RUN DIR "
                           f"--merged, then model=DIR)")

@@ -126,7 +126,8 @@ def validate_objective(cfg, need):
     need(cfg.finetune != "prefix", f"{obj} with finetune=prefix: " + (
         "a prefix cannot be switched off for the reference; use finetune=lora (or full, "
         "freeze, galore, badam: the reference is a frozen copy of the model)"
-        if cfg.objective == "dpo" else "not supported; use finetune=lora (or full, freeze, "
+        if cfg.objective == "dpo" else "not supported yet (the pairs' scoring has not been "
+        "tested with prefix-tuning's virtual tokens); use finetune=lora (or full, freeze, "
         "galore, badam)"))
     fmt = data_format(cfg.data.path, cfg.data.format) if cfg.data.path else None
     need(fmt == "jsonl", f"{obj} trains on preference records ({{\"prompt\", "

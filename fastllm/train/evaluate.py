@@ -273,7 +273,7 @@ class Evaluator:
         model = trainer.module if whole else trainer.strategy.model
         out = {}
         if self.dataset is not None:
-            # objective=dpo: the held-out pairs' DPO loss and rewards (preference_step)
+            # objective=dpo|cpo|orpo: the held-out pairs' loss and rewards (preference_step)
             score = (evaluate_loss if trainer.objective is None else
                      trainer.objective.evaluate)
             out = score(model, self.dataset, self.cfg.micro_batch_size, trainer.device,

@@ -220,7 +220,7 @@ def summarize(records, skip_first=1):
         "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records),
         "eval_loss": next((r["eval_loss"] for r in reversed(records)
                            if r.get("eval_loss") is not None), None),
-        # objective=dpo: the last held-out reward accuracy (its eval loss has no perplexity)
+        # objective=dpo|cpo|orpo: the last held-out reward accuracy (no perplexity there)
         "eval_reward_accuracy": next((r["eval_rewards/accuracies"] for r in reversed(records)
                                       if r.get("eval_rewards/accuracies") is not None), None),
     }

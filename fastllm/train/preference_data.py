@@ -13,8 +13,9 @@ Each side is tokenised as the SFT prompt-completion record {"prompt", "completio
 the completion's tokens are the targets and the prompt's are not. A batch of B records is 2B
 rows, the B chosen first, right-padded: what fastllm.preference.sequence_logps and dpo_loss take.
 
-PreferenceDataset serves such batches to `fastllm train objective=dpo` (fastllm.train.data.Loader:
-a sample is a pair, micro_batch_size pairs a micro-batch, as TRL's per_device_train_batch_size).
+PreferenceDataset serves such batches to `fastllm train objective=dpo|cpo|orpo`
+(fastllm.train.data.Loader: a sample is a pair, micro_batch_size pairs a micro-batch, as TRL's
+per_device_train_batch_size).
 """
 
 import torch

@@ -7,8 +7,10 @@ metrics, and the held-out evaluation.
 
 objective=cpo (CPO, and SimPO with cpo.loss_type=simpo cpo.cpo_alpha=0) and objective=orpo are
 reference-free (TRL's CPOTrainer and ORPOTrainer): the policy's log-probabilities alone, the
-completions' means where TRL takes them (ORPO; CPO's ipo and simpo), and the chosen completions'
-NLL per token (cpo.cpo_alpha x it; ORPO's whole). The rest of this concerns DPO's reference.
+completions' means where TRL takes them (ORPO; CPO's ipo and simpo), and an NLL term as TRL's:
+cpo.cpo_alpha x the chosen completions' NLL per token, ORPO's over the chosen rows' every token,
+prompt included (its per-token log-probabilities from one pass give both). The rest of this
+concerns DPO's reference.
 
 The reference is what TRL's DPOTrainer takes without a ref_model: with LoRA adapters (fastllm's
 or PEFT's) the same model with its adapters switched off, under no_grad; else (full, freeze,
@@ -29,16 +31,20 @@ import copy
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fastllm.adapters import disable_adapters
-from fastllm.preference import cpo_loss, dpo_loss, orpo_loss, sequence_logps
+from fastllm.preference import cpo_loss, dpo_loss, orpo_log_odds, orpo_loss, sequence_logps
 
 __all__ = ["PreferenceObjective"]
 
 # TRL's metric names, in the order they are logged
 _METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
             "logps/chosen", "logps/rejected")
+# and TRL's CPOTrainer's / ORPOTrainer's own, after them
+_EXTRA = {"dpo": (), "cpo": ("nll_loss",),
+          "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen")}
 
 
 class _Policy(nn.Module):
@@ -69,7 +75,8 @@ class PreferenceObjective:
         elif not adapters:
             self.reference = copy.deepcopy(model).requires_grad_(False).eval()
             self.reference_scorer = _Policy(self.reference, self._logps)
-        self._sums = torch.zeros(len(_METRICS) + 2, dtype=torch.float64)
+        self.metric_names = _METRICS + _EXTRA[name]
+        self._sums = torch.zeros(len(self.metric_names) + 2, dtype=torch.float64)
 
     @classmethod
     def make(cls, cfg, model):
@@ -168,6 +175,11 @@ class PreferenceObjective:
 
     def _logps(self, model, batch):
         # (not fused: backend=torch or kernels=none, the model's own logits, TRL's computation)
+        if self.name == "orpo":  # per token over the whole rows: ORPO's NLL takes the prompt's
+            # too (TRL's), the odds ratio the completions' (score); one pass for both
+            whole = batch["input_ids"].where(batch["attention_mask"].bool(), -100)
+            return sequence_logps(model, batch["input_ids"], whole, batch["attention_mask"],
+                                  fused=self.fused, per_token=True)
         return sequence_logps(model, batch["input_ids"], batch["labels"],
                               batch["attention_mask"], fused=self.fused)
 
@@ -198,12 +210,21 @@ class PreferenceObjective:
 
     def score(self, model, batch):
         """(the pairwise loss's result, the step's loss: the pairs' mean plus the NLL term, the
-        policy's chosen and rejected log-probabilities as the loss took them)."""
+        policy's chosen and rejected log-probabilities as the loss took them, the sums of the
+        objective's extra metrics)."""
         logps = self._logps(model, batch) if self._unwrap(model)[0] is model else model(batch)
         lengths = (batch["labels"][:, 1:] != -100).sum(-1).chunk(2)
+        if self.name == "orpo":  # (per token, column t scoring token t + 1)
+            scored = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:] != -100
+            chosen_tokens = logps[:len(logps) // 2]
+            count = (F.pad(batch["attention_mask"], (0, 1))[:, 1:] != 0)[:len(logps) // 2].sum()
+            nll = -chosen_tokens.sum() / count.clamp(min=1)  # the chosen rows' whole, as TRL
+            logps = logps.where(scored, 0.0).sum(-1)
         chosen, rejected = logps.chunk(2)
         if self.name != "dpo":
-            return self._reference_free(chosen, rejected, lengths)
+            if self.name != "orpo":  # (CPO's NLL: the chosen completions' tokens, as TRL)
+                nll = -chosen.sum() / lengths[0].sum().clamp(min=1)
+            return self._reference_free(chosen, rejected, lengths, nll)
         ref = self._reference(model, batch)
         out = dpo_loss(chosen, rejected, *ref.chunk(2), beta=self.dpo.beta,
                        loss_type=self.dpo.loss_type, label_smoothing=self.dpo.label_smoothing,
@@ -211,37 +232,41 @@ class PreferenceObjective:
         loss = out.loss.mean()
         if self.dpo.rpo_alpha:  # RPO: the chosen completions' mean token NLL (TRL's "sft")
             loss = loss + self.dpo.rpo_alpha * (-chosen.sum() / lengths[0].sum().clamp(min=1))
-        return out, loss, chosen.detach(), rejected.detach()
+        return out, loss, chosen.detach(), rejected.detach(), ()
 
-    def _reference_free(self, chosen, rejected, lengths):
-        """CPO / SimPO / ORPO from the policy's sums of log-probabilities (TRL's formulas)."""
+    def _reference_free(self, chosen, rejected, lengths, nll):
+        """CPO / SimPO / ORPO from the policy's sums of log-probabilities and the NLL term
+        (TRL's formulas)."""
         c = self.section
-        nll = -chosen.sum() / lengths[0].sum().clamp(min=1)  # the chosen tokens' mean NLL
         if self.name == "orpo" or c.loss_type in ("ipo", "simpo"):  # (the completions' means)
             chosen = chosen / lengths[0].clamp(min=1)
             rejected = rejected / lengths[1].clamp(min=1)
+        n = chosen.numel()
         if self.name == "orpo":
             out = orpo_loss(chosen, rejected, beta=c.beta)
             loss = nll + out.loss.mean()
+            log_odds = orpo_log_odds(chosen.detach(), rejected.detach())
+            extra = (nll.detach() * n, F.logsigmoid(log_odds).sum(), log_odds.sum())
         else:
             out = cpo_loss(chosen, rejected, beta=c.beta, loss_type=c.loss_type,
                            label_smoothing=c.label_smoothing, simpo_gamma=c.simpo_gamma)
             loss = out.loss.mean() + (c.cpo_alpha * nll if c.cpo_alpha else 0.0)
-        return out, loss, chosen.detach(), rejected.detach()
+            extra = (nll.detach() * n,)
+        return out, loss, chosen.detach(), rejected.detach(), extra
 
-    def _add(self, sums, out, chosen, rejected, loss):
+    def _add(self, sums, out, chosen, rejected, loss, extra):
         margin = out.chosen_rewards - out.rejected_rewards
         n = margin.numel()
         parts = (out.chosen_rewards.sum(), out.rejected_rewards.sum(), (margin > 0).sum(),
-                 margin.sum(), chosen.sum(), rejected.sum(), loss.detach() * n)
+                 margin.sum(), chosen.sum(), rejected.sum(), *extra, loss.detach() * n)
         sums[:-1] += torch.stack([p.double() for p in parts]).cpu()  # (one device sync)
         sums[-1] += n
 
     def __call__(self, model, batch):
         """The micro-batch's loss (the trainer backwards it); its metrics are kept for
         pop_metrics."""
-        out, loss, chosen, rejected = self.score(model, batch)
-        self._add(self._sums, out, chosen, rejected, loss)
+        out, loss, chosen, rejected, extra = self.score(model, batch)
+        self._add(self._sums, out, chosen, rejected, loss, extra)
         return loss
 
     def pop_metrics(self, device=None):
@@ -253,7 +278,7 @@ class PreferenceObjective:
             torch.distributed.all_reduce(sums)
             sums = sums.cpu()
         n = float(sums[-1])
-        return {k: float(v) / n if n else math.nan for k, v in zip(_METRICS, sums)}
+        return {k: float(v) / n if n else math.nan for k, v in zip(self.metric_names, sums)}
 
     @torch.no_grad()
     def evaluate(self, model, dataset, batch_size, device, autocast=None, max_batches=0):
@@ -267,11 +292,12 @@ class PreferenceObjective:
         try:
             for batch in eval_batches(dataset, batch_size, device, max_batches):
                 with autocast if autocast is not None else contextlib.nullcontext():
-                    out, loss, chosen, rejected = self.score(model, batch)
-                self._add(sums, out, chosen, rejected, loss)
+                    out, loss, chosen, rejected, extra = self.score(model, batch)
+                self._add(sums, out, chosen, rejected, loss, extra)
         finally:
             model.train(was_training)
         n = float(sums[-1])
-        metrics = {"eval_" + k: float(v) / n if n else math.nan for k, v in zip(_METRICS, sums)}
+        metrics = {"eval_" + k: float(v) / n if n else math.nan
+                   for k, v in zip(self.metric_names, sums)}
         return {"eval_loss": float(sums[-2]) / n if n else math.nan, **metrics,
                 "eval_pairs": int(n)}

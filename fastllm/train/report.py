@@ -89,7 +89,7 @@ def _print_table(records, run_dir):
     from fastllm.train.evaluate import read_eval
 
     for e in read_eval(os.path.join(run_dir, "metrics.jsonl")):
-        if "eval_pairs" in e:  # objective=dpo
+        if "eval_pairs" in e:  # objective=dpo|cpo|orpo
             print(f"  eval at step {e['eval_step']}: loss {e['eval_loss']:.4f}, reward accuracy "
                   f"{e['eval_rewards/accuracies']:.3f}, margin {e['eval_rewards/margins']:.4f} "
                   f"({e['eval_pairs']} pairs)")
