@@ -132,6 +132,12 @@ def test_sequence_logps_and_grads_match_the_logits(patched, average, head):
     model.zero_grad(set_to_none=True)
     if patched:
         fastllm.patch(model)
+    if not average:  # per_token=True: the same pass's values, column t scoring label t + 1
+        with torch.no_grad():
+            tokens = sequence_logps(model, ids, labels, attention_mask=mask, per_token=True)
+        assert tokens.shape == ids.shape and (tokens[:, -1] == 0).all()
+        assert (tokens[:, :-1][labels[:, 1:] == -100] == 0).all()
+        torch.testing.assert_close(tokens.sum(-1), expected.detach(), rtol=1e-5, atol=1e-5)
     got = sequence_logps(model, ids, labels, attention_mask=mask, average=average)
     got.pow(2).sum().backward()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
