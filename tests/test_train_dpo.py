@@ -340,15 +340,18 @@ def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
 
 @pytest.mark.parametrize("strategy,finetune,precompute,objective", [
     ("ddp", "lora", False, "dpo"), ("ddp", "full", True, "dpo"), ("fsdp", "lora", True, "dpo"),
-    ("fsdp", "full", False, "dpo"), ("ddp", "lora", False, "orpo")])
+    ("fsdp", "full", False, "dpo"), ("fsdp", "qlora", False, "orpo")])
 def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetune, precompute,
                                                       objective):
     """DDP and FSDP wrap the pairs' scoring (DDP's reducer and FSDP's root see its forward; FSDP
     shards the frozen reference copy alike, and precomputes the reference in equal shares):
     two ranks of 2 pairs a micro-batch give one process's losses and metrics at the same global
-    batch, and their checkpoint resumes in one process (DPO, and reference-free ORPO)."""
+    batch, and their checkpoint resumes in one process (DPO, and reference-free ORPO over a
+    4-bit base whose codes FSDP2 shards: FSDP-QLoRA)."""
     data = _pairs(tmp_path / "p.jsonl")
-    kw = (f"finetune={finetune}", "checkpoint.interval=2", f"objective={objective}",
+    qlora = ("lora.quantize_base=nf4",) if finetune == "qlora" else ()
+    finetune = "lora" if qlora else finetune
+    kw = (f"finetune={finetune}", *qlora, "checkpoint.interval=2", f"objective={objective}",
           "data.eval_fraction=0.25", "eval_interval=2") + (
         ("dpo.precompute_ref_log_probs=true",) if precompute else ())
     Trainer(_cfg(tmp_path, data, *kw, out="one")).train()
@@ -362,6 +365,8 @@ def test_two_processes_train_as_one_and_resume_in_one(tmp_path, strategy, finetu
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=240)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert f"strategy={strategy}" in done.stderr.decode()
+    if qlora:  # (the start line: each rank holds its share of the 4-bit base)
+        assert "MiB on this rank)" in done.stderr.decode()
     one, two = _metrics(str(tmp_path / "one")), _metrics(str(tmp_path / "two"))
 
     def close(a, b):
