@@ -134,6 +134,7 @@ def _fastllm(args, tmp):
          f"threads={args.threads}", "eval_steps=0", "eval.prompts=[]", "save_steps=0",
          f"data.path={args.data}", f"data.eval_fraction={EVAL_FRACTION}",
          f"data.cache_dir={os.path.join(tmp, 'cache')}", "log_interval=1000",
+         "learning_rate=1e-4",  # (TRL's side's; examples/orpo_lora.yaml trains at 5e-4)
          *(free if free is not None else [
              f"dpo.precompute_ref_log_probs={str(args.provider.endswith('precompute')).lower()}"
          ])],
