@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from fastllm import _lowp
+from fastllm._dtensor import local
 from fastllm._modules import matches, output_layer, replace_module as _replace
 from fastllm.ops.lora_linear import dropout_seed
 from fastllm.ops.nf4 import check_blocksize, nf4_code, nf4_dequantize, nf4_quantize
@@ -509,7 +510,7 @@ def nf4_bytes(model, held=False):
     """Bytes the NF4 weights of `model` take (codes and absmax); held=True: those this process
     holds (under FSDP2, its shards)."""
     def size(t):
-        t = t.to_local() if held and hasattr(t, "to_local") else t
+        t = local(t) if held else t
         return t.numel() * t.element_size()
 
     return sum(size(m.weight_packed) + size(m.weight_absmax)

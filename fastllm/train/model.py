@@ -223,7 +223,7 @@ def _apply_finetune(model, cfg):
         peft_cfg = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                    lora_dropout=cfg.lora.dropout, target_modules=targets,
                                    use_dora=cfg.lora.use_dora, task_type="CAUSAL_LM")
-        return _drawn_as_fastllm(lambda: peft.get_peft_model(model, peft_cfg))
+        return _peft_drawn_as_fastllm(model, peft_cfg)
     from fastllm.dora import inject_dora
     from fastllm.lora import inject_lora
 
@@ -233,18 +233,20 @@ def _apply_finetune(model, cfg):
     return model
 
 
-def _drawn_as_fastllm(make_peft_model):
-    """make_peft_model() with its LoRA A matrices drawn as fastllm's inject_lora draws them
-    from the same generator state (and the generators left where it leaves them), so that
-    backend=torch starts from fastllm's adapters: PEFT's layers draw more (an nn.Linear init
-    for A and for B, then A again) and on the CPU whatever the base's device."""
+def _peft_drawn_as_fastllm(model, peft_cfg):
+    """peft.get_peft_model(model, peft_cfg) with its LoRA A matrices drawn as fastllm's
+    inject_lora draws them from the same generator state (and the generators left where it
+    leaves them), so that backend=torch starts from fastllm's adapters: PEFT's layers draw more
+    (an nn.Linear init for A and for B, then A again) and on the CPU whatever the base's
+    device."""
+    import peft
     from peft.tuners.lora import LoraLayer
 
     from fastllm.lora import init_lora_a_
 
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        peft_model = make_peft_model()
+        peft_model = peft.get_peft_model(model, peft_cfg)
     for module in peft_model.modules():  # (model order: the order inject_lora draws in)
         if isinstance(module, LoraLayer):
             for a in module.lora_A.values():

@@ -213,17 +213,18 @@ class PreferenceObjective:
         policy's chosen and rejected log-probabilities as the loss took them, the sums of the
         objective's extra metrics)."""
         logps = self._logps(model, batch) if self._unwrap(model)[0] is model else model(batch)
-        lengths = (batch["labels"][:, 1:] != -100).sum(-1).chunk(2)
-        if self.name == "orpo":  # (per token, column t scoring token t + 1)
-            scored = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:] != -100
-            chosen_tokens = logps[:len(logps) // 2]
-            count = (F.pad(batch["attention_mask"], (0, 1))[:, 1:] != 0)[:len(logps) // 2].sum()
-            nll = -chosen_tokens.sum() / count.clamp(min=1)  # the chosen rows' whole, as TRL
-            logps = logps.where(scored, 0.0).sum(-1)
+        # column t scores token t + 1 (sequence_logps' shift)
+        labelled = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:] != -100
+        lengths = labelled.sum(-1).chunk(2)
+        if self.name == "orpo":  # (per token): the chosen rows' whole NLL, as TRL's
+            half = len(logps) // 2
+            attended = F.pad(batch["attention_mask"], (0, 1))[:, 1:] != 0
+            nll = -logps[:half].sum() / attended[:half].sum().clamp(min=1)
+            logps = logps.where(labelled, 0.0).sum(-1)
         chosen, rejected = logps.chunk(2)
+        if self.name != "orpo":  # the chosen completions' NLL per token (CPO's, RPO's: TRL's)
+            nll = -chosen.sum() / lengths[0].sum().clamp(min=1)
         if self.name != "dpo":
-            if self.name != "orpo":  # (CPO's NLL: the chosen completions' tokens, as TRL)
-                nll = -chosen.sum() / lengths[0].sum().clamp(min=1)
             return self._reference_free(chosen, rejected, lengths, nll)
         ref = self._reference(model, batch)
         out = dpo_loss(chosen, rejected, *ref.chunk(2), beta=self.dpo.beta,
@@ -231,7 +232,7 @@ class PreferenceObjective:
                        chosen_lengths=lengths[0], rejected_lengths=lengths[1])
         loss = out.loss.mean()
         if self.dpo.rpo_alpha:  # RPO: the chosen completions' mean token NLL (TRL's "sft")
-            loss = loss + self.dpo.rpo_alpha * (-chosen.sum() / lengths[0].sum().clamp(min=1))
+            loss = loss + self.dpo.rpo_alpha * nll
         return out, loss, chosen.detach(), rejected.detach(), ()
 
     def _reference_free(self, chosen, rejected, lengths, nll):
