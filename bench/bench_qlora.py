@@ -2,7 +2,8 @@
 the dense base and against PEFT + bitsandbytes' QLoRA, one training step at a time.
 
     [PYTHONPATH=<bitsandbytes>] python bench/bench_qlora.py MODEL_DIR [--dtype fp32|bf16]
-        [--providers fastllm-lora,fastllm-qlora,peft-bnb-qlora] [--rounds 1] [--steps 3]
+        [--providers fastllm-lora,fastllm-qlora,peft-bnb-qlora,fastllm-qlora-dq,
+                     peft-bnb-qlora-dq] [--rounds 1] [--steps 3]
         [--batch 8] [--length 512] [--threads 2] [--targets qv|all] [--json PATH]
     [PYTHONPATH=<bitsandbytes>] python bench/bench_qlora.py --dequantize [--threads 2]
 
@@ -21,6 +22,8 @@ the model loaded in `--dtype`, on the same random token batch (seeded), with Ada
                      gradient checkpointing: like for like, nothing recomputed) + get_peft_model
                      + torch.optim.AdamW(fused=True); needs bitsandbytes (not a fastllm
                      dependency): skipped when it is not importable
+    fastllm-qlora-dq, peft-bnb-qlora-dq   the same two with QLoRA's double quantisation of the
+                     absmax (quantize_nf4(double_quant=True); bnb_4bit_use_double_quant=True)
 Each (round, provider) is its own process, providers interleaved: one warm-up step, then
 `--steps` timed steps (forward, backward, optimizer step). Peak RSS is the process's VmHWM over
 the steps: after the model is built its tensors are copied out of the checkpoint's mmap (whose
@@ -44,7 +47,8 @@ import time
 
 __test__ = False
 
-PROVIDERS = ("fastllm-lora", "fastllm-qlora", "peft-bnb-qlora")
+PROVIDERS = ("fastllm-lora", "fastllm-qlora", "peft-bnb-qlora", "fastllm-qlora-dq",
+             "peft-bnb-qlora-dq")
 
 
 def _batch(vocab, batch, length, seed=0):
@@ -58,21 +62,25 @@ def _build(provider, model_dir, dtype, targets):
     import torch
     import transformers
 
-    if provider == "peft-bnb-qlora":
+    double = provider.endswith("-dq")
+    if provider.startswith("peft-bnb-qlora"):
         import bitsandbytes as bnb
         import peft
 
         qcfg = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_use_double_quant=False)
+            bnb_4bit_use_double_quant=double)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, quantization_config=qcfg, device_map="cpu", dtype=dtype)
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets,
             task_type="CAUSAL_LM"))
-        stored = sum(m.weight.numel() * m.weight.element_size() + m.weight.quant_state.absmax
-                     .numel() * 4 for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+        states = [(m.weight, m.weight.quant_state) for m in model.modules()
+                  if isinstance(m, bnb.nn.Linear4bit)]
+        stored = sum(w.numel() * w.element_size() + q.absmax.numel() * q.absmax.element_size()
+                     + (4 * (q.state2.absmax.numel() + 1) if q.nested else 0)
+                     for w, q in states)  # (codes, absmax; nested: its scales and offset)
         params = [p for p in model.parameters() if p.requires_grad]
         return model, torch.optim.AdamW(params, lr=1e-4, fused=True), stored
     import fastllm
@@ -83,8 +91,8 @@ def _build(provider, model_dir, dtype, targets):
     head = model.get_output_embeddings()
     stored = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                  if isinstance(m, torch.nn.Linear) and m is not head)
-    if provider == "fastllm-qlora":
-        quant.quantize_nf4(model)
+    if provider.startswith("fastllm-qlora"):
+        quant.quantize_nf4(model, double_quant=double)
         stored = quant.nf4_bytes(model)
     inject_lora(model, target_modules=targets, r=16, alpha=32)
     fastllm.patch(model)

@@ -19,7 +19,9 @@ while the codes and absmax stay uint8 and fp32.
 
 This is what `transformers`' BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
 does at load time, applied in place to a loaded model (as torchao's `quantize_`); the weights are
-quantised identically (same code table, blocks and rounding), without nested statistics.
+quantised identically (same code table, blocks and rounding); with double_quant=True
+(transformers' bnb_4bit_use_double_quant) the absmax is double-quantised as bitsandbytes' nested
+statistics (fastllm.ops.nf4.nf4_double_quantize): 0.5159 bytes a weight instead of 0.5625.
 """
 
 import contextlib
@@ -35,7 +37,9 @@ from fastllm import _lowp
 from fastllm._dtensor import local
 from fastllm._modules import matches, output_layer, replace_module as _replace
 from fastllm.ops.lora_linear import dropout_seed
-from fastllm.ops.nf4 import check_blocksize, nf4_code, nf4_dequantize, nf4_quantize
+from fastllm.ops.nf4 import (NESTED_BLOCKSIZE, check_blocksize, nested_absmax_bytes, nested_code,
+                             nf4_code, nf4_dequantize, nf4_double_quantize, nf4_quantize,
+                             pack_nested_absmax)
 from fastllm.ops.nf4_linear import check_input, nf4_linear, nf4_lora_linear
 
 _WHERE = "fastllm.quant"
@@ -45,12 +49,14 @@ class NF4Linear(nn.Module):
     """A frozen nn.Linear whose weight is stored in NF4 (see the module docstring).
 
     Buffers (frozen parameters after `shardable()`, for FSDP2): weight_packed (uint8,
-    ceil(out * in / 2)), weight_absmax (fp32, ceil(out * in / blocksize)); bias: an
-    nn.Parameter in the compute dtype, or None.
+    ceil(out * in / 2)), weight_absmax (fp32, ceil(out * in / blocksize); double_quant=True:
+    uint8, its double-quantised form, fastllm.ops.nf4.nf4_double_quantize); bias: an
+    nn.Parameter in the compute dtype, or None. A state_dict loads in either absmax form (the
+    layer takes the saved one).
     """
 
     def __init__(self, in_features, out_features, bias=True, blocksize=64, device=None,
-                 dtype=None):
+                 dtype=None, double_quant=False):
         super().__init__()
         check_blocksize(f"{_WHERE}.NF4Linear", blocksize)
         dtype = dtype or torch.get_default_dtype()
@@ -63,16 +69,18 @@ class NF4Linear(nn.Module):
         n = self.in_features * self.out_features
         self.register_buffer("weight_packed",
                              torch.zeros(-(-n // 2), dtype=torch.uint8, device=device))
-        self.register_buffer("weight_absmax", torch.zeros(-(-n // self.blocksize),
-                                                          dtype=torch.float32, device=device))
+        blocks = -(-n // self.blocksize)
+        self.register_buffer("weight_absmax", torch.zeros(
+            nested_absmax_bytes(blocks) if double_quant else blocks,
+            dtype=torch.uint8 if double_quant else torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear, blocksize=64):
-        """An NF4Linear holding `linear`'s weight quantised (its bias kept as is, frozen or not);
-        `linear` is not modified."""
+    def from_linear(cls, linear, blocksize=64, double_quant=False):
+        """An NF4Linear holding `linear`'s weight quantised (its bias kept as is, frozen or not;
+        double_quant: its absmax double-quantised); `linear` is not modified."""
         if type(linear) is not nn.Linear:
             raise TypeError(f"{_WHERE}.NF4Linear.from_linear takes an nn.Linear, got "
                             f"{type(linear).__name__}")
@@ -80,7 +88,8 @@ class NF4Linear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, blocksize,
                     device="meta", dtype=w.dtype if w.dtype.is_floating_point else None)
         packed, absmax = nf4_quantize(w, blocksize)  # (refuses fp64, inf/nan, sparse weights)
-        layer.weight_packed, layer.weight_absmax = packed, absmax
+        layer.weight_packed = packed
+        layer.weight_absmax = nf4_double_quantize(absmax) if double_quant else absmax
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(),
                                       requires_grad=linear.bias.requires_grad)
@@ -89,6 +98,31 @@ class NF4Linear(nn.Module):
     @property
     def weight_shape(self):
         return (self.out_features, self.in_features)
+
+    @property
+    def double_quant(self):
+        """Whether the absmax is double-quantised (uint8; else fp32)."""
+        return self.weight_absmax.dtype == torch.uint8
+
+    @torch.no_grad()
+    def double_quantize(self):
+        """Double-quantise this layer's fp32 absmax in place (QLoRA's double quantisation: the
+        weight moves by at most the absmax's 8-bit rounding); returns self. A no-op where it
+        already is. Not on a sharded (DTensor) absmax: call it before FSDP2 shards the layer."""
+        if not self.double_quant:
+            absmax = self.weight_absmax
+            if type(absmax) not in (torch.Tensor, nn.Parameter):
+                raise TypeError(f"{_WHERE}.NF4Linear.double_quantize: the absmax is a "
+                                f"{type(absmax).__name__} (sharded?); double-quantise first")
+            self._hold("weight_absmax", nf4_double_quantize(absmax.detach()))
+        return self
+
+    def _hold(self, name, tensor):
+        """`tensor` as this layer's `name`, a buffer or a frozen parameter as that one is."""
+        if name in self._parameters:
+            self._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            self._buffers[name] = tensor
 
     def dequantize(self, dtype=None):
         """The weight, (out_features, in_features), in `dtype` (default: the compute dtype)."""
@@ -131,6 +165,22 @@ class NF4Linear(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if prefix + "weight" in state_dict:  # bitsandbytes' Linear4bit keys, or a dense weight
             _nf4_keys(state_dict, prefix, self)
+        saved, held = state_dict.get(prefix + "weight_absmax"), self.weight_absmax
+        if (type(saved) is torch.Tensor and type(held) in (torch.Tensor, nn.Parameter)
+                and (saved.shape != held.shape or saved.dtype != held.dtype)):
+            # the saved absmax form (plain or double-quantised, or at a checkpoint's own
+            # blocksize) is taken where its size fits it
+            blocks = -(-self.in_features * self.out_features // self.blocksize)
+            if saved.dtype not in (torch.uint8, torch.float32):
+                raise TypeError(f"{_WHERE}: {prefix}weight_absmax is {saved.dtype}; expected "
+                                "float32, or uint8 (double-quantised)")
+            fits = nested_absmax_bytes(blocks) if saved.dtype == torch.uint8 else blocks
+            if saved.numel() == fits and saved.dim() == 1:
+                self._hold("weight_absmax", torch.empty_like(saved, device=held.device))
+            elif saved.dtype != held.dtype:  # (the same dtype: the size mismatch is torch's)
+                raise ValueError(f"{_WHERE}: {prefix}weight_absmax holds {saved.numel()} "
+                                 f"{saved.dtype} values; this layer's {blocks} blocks take "
+                                 f"{fits}")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def shardable(self):
@@ -151,7 +201,7 @@ class NF4Linear(nn.Module):
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, blocksize={self.blocksize}, "
-                f"compute_dtype={self.compute_dtype}")
+                f"double_quant={self.double_quant}, compute_dtype={self.compute_dtype}")
 
 
 def _nf4_stand_in(where, base, x, name):
@@ -243,8 +293,9 @@ def nf4_scaled_lora_linear(x, base, lora_a, lora_b, scaling, scale, dropout_p=0.
                                    (base.weight_shape, base.blocksize), float(scaling), p)
 
 
-def quantize_nf4(model, target_modules=None, blocksize=64):
+def quantize_nf4(model, target_modules=None, blocksize=64, double_quant=False):
     """Replace nn.Linear layers of `model` by NF4Linear, in place; returns the model.
+    double_quant: their absmax double-quantised (transformers' bnb_4bit_use_double_quant).
 
     target_modules: None (every layer whose type is exactly nn.Linear, subclasses left alone, but
     the output layer, `get_output_embeddings()`, which
@@ -284,7 +335,8 @@ def quantize_nf4(model, target_modules=None, blocksize=64):
         if module.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"{_WHERE}.quantize_nf4: {name} has a {module.weight.dtype} weight; "
                             "expected float32, bfloat16 or float16. Nothing was changed")
-    layers = [(name, NF4Linear.from_linear(module, blocksize)) for name, module in chosen]
+    layers = [(name, NF4Linear.from_linear(module, blocksize, double_quant))
+              for name, module in chosen]
     for name, layer in layers:  # (every layer built first: a refused weight changes nothing)
         _replace(model, name, layer)
     return model
@@ -327,6 +379,8 @@ def _nf4_keys(state, prefix, layer):
             raise ValueError(f"{where} is {w.dtype} {tuple(w.shape)}: neither a dense "
                              f"{tuple(shape)} weight nor bitsandbytes' 4-bit layout")
         packed, absmax = nf4_quantize(w, layer.blocksize)
+        if layer.double_quant:
+            absmax = nf4_double_quantize(absmax)
     else:
         if prefix + _BNB + "nf4" not in state:
             raise ValueError(f"{where} is bitsandbytes' FP4; only NF4 weights are supported")
@@ -345,15 +399,20 @@ def _nf4_keys(state, prefix, layer):
             raise ValueError(f"{where}: its quant_map is not the NF4 code table")
         packed = w.reshape(-1).contiguous().view(torch.uint8)
         try:
-            absmax = state.pop(prefix + "weight.absmax")
+            absmax = saved = state.pop(prefix + "weight.absmax")
+            kept = None
             if nested:  # absmax as 8-bit codes of a 256-entry map, one scale per nested block
                 scales = state.pop(prefix + "weight.nested_absmax").float()
                 table = state.pop(prefix + "weight.nested_quant_map").float()
-                block = int(meta["nested_blocksize"])
+                block, offset = int(meta["nested_blocksize"]), float(meta["nested_offset"])
                 if block < 1:
                     raise ValueError(f"nested_blocksize {block}")
-                absmax = table[absmax.long()] * scales.repeat_interleave(block)[
-                    :absmax.numel()] + float(meta["nested_offset"])
+                absmax = table[saved.long()] * scales.repeat_interleave(block)[
+                    :saved.numel()] + offset
+                if (saved.dtype == torch.uint8 and block == NESTED_BLOCKSIZE
+                        and torch.equal(table.cpu(), nested_code("cpu"))):
+                    # held as saved (fastllm's double-quantised form is this one), else fp32
+                    kept = pack_nested_absmax(saved, offset, scales)
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{where}: bitsandbytes' absmax keys are missing or malformed "
                              f"({type(e).__name__}: {e})") from None
@@ -365,10 +424,9 @@ def _nf4_keys(state, prefix, layer):
                              f"{-(-n // 2)} and {-(-n // blocksize)}")
         if not bool(torch.isfinite(absmax).all()):
             raise ValueError(f"{where}: its absmax has inf or nan values")
-        if blocksize != layer.blocksize:  # (the checkpoint's blocksize wins: the buffer follows)
-            layer.blocksize = blocksize
-            layer.weight_absmax = torch.empty(absmax.shape, dtype=torch.float32,
-                                              device=layer.weight_absmax.device)
+        absmax = absmax if kept is None else kept
+        layer.blocksize = blocksize  # (the checkpoint's wins: _load_from_state_dict's absmax
+        # buffer follows it)
     state[prefix + "weight_packed"], state[prefix + "weight_absmax"] = packed, absmax
 
 

@@ -97,6 +97,27 @@ def test_same_bits_as_bitsandbytes(dtype):
         want = bnbf.dequantize_4bit(theirs, state, quant_type="nf4").reshape(shape)
         got = nf4_dequantize(packed, absmax, w.shape, 64, dtype)
         assert torch.equal(_bits(got), _bits(want)), shape
+    # double quantisation (compress_statistics): the same offset and scales; codes the nearest
+    # (bitsandbytes' native CPU kernel takes the farther of two neighbours for a few); its
+    # nested absmax, held in fastllm's form, dequantises to its own weights bit for bit
+    for shape in ((576, 576), (3, 5), (1000, 333)):
+        w = (torch.randn(shape) * 0.05).to(dtype)
+        theirs, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4",
+                                           compress_statistics=True)
+        blob = nf4_ops.nf4_double_quantize(nf4_quantize(w, 64)[1])
+        n = state.absmax.numel()
+        floats = blob[-(-n // 4) * 4:].view(torch.float32)
+        assert torch.equal(floats[0], state.offset) and torch.equal(floats[1:],
+                                                                     state.state2.absmax)
+        scaled = ((nf4_quantize(w, 64)[1] - state.offset)
+                  / state.state2.absmax.repeat_interleave(256)[:n])
+        table = state.state2.code
+        ours, bnbs = ((scaled - table[c.long()]).abs() for c in (blob[:n], state.absmax))
+        assert (ours <= bnbs).all() and (blob[:n] != state.absmax).float().mean() < 0.01
+        held = nf4_ops.pack_nested_absmax(state.absmax, state.offset, state.state2.absmax)
+        want = bnbf.dequantize_4bit(theirs, state, quant_type="nf4").reshape(shape)
+        got = nf4_dequantize(theirs.reshape(-1), held, shape, 64, dtype)
+        assert torch.equal(_bits(got), _bits(want)), shape
 
 
 @pytest.mark.parametrize("backend,device", backend_device_params(without=("cuda",)))
@@ -143,6 +164,81 @@ def test_dequantize_opcheck_and_compile():
     assert torch.equal(fn(packed, absmax), nf4_dequantize(packed, absmax, (16, 40), 16) * 2)
 
 
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 5204])
+def test_double_quantised_absmax_is_its_nearest_8bit_code(n):
+    from fastllm.ops.adamw8bit import dynamic_code
+
+    absmax = torch.rand(n) * 0.3 + 0.01
+    absmax[n // 2] = 5.0  # (an outlier: its block's scale)
+    blob = nf4_ops.nf4_double_quantize(absmax)
+    pad, blocks = -(-n // 4) * 4, -(-n // 256)
+    assert blob.dtype == torch.uint8 and blob.numel() == pad + 4 * (1 + blocks)
+    assert blob.numel() == nf4_ops.nested_absmax_bytes(n) and not blob[n:pad].any()
+    offset, scales = absmax.mean(), torch.zeros(blocks)
+    centred = absmax - offset
+    for b in range(blocks):
+        scales[b] = centred[b * 256:(b + 1) * 256].abs().max()
+    floats = blob[pad:].view(torch.float32)
+    assert torch.equal(floats[0], offset) and torch.equal(floats[1:], scales)
+    scale = scales.repeat_interleave(256)[:n]
+    table, codes = dynamic_code(True), blob[:n].long()
+    gap = (centred[:, None] / scale.clamp(min=1e-38)[:, None] - table).abs()  # (0 / 0: 0)
+    # the nearest code (up to the last bit of x * (1 / scale) against x / scale)
+    assert (gap.gather(1, codes[:, None])[:, 0] <= gap.min(dim=1).values + 1e-7).all()
+    decoded = nf4_ops.nf4_absmax(blob, n)
+    assert torch.equal(decoded, table[codes] * scale + offset)
+    assert (decoded - absmax).abs().max() <= scale.max() * 0.01  # (the map's largest gap /2)
+    with pytest.raises(TypeError, match="dense 1-d fp32"):
+        nf4_ops.nf4_double_quantize(absmax.double())
+    with pytest.raises(ValueError, match="inf or nan"):
+        nf4_ops.nf4_double_quantize(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match=f"absmax of {n + 4} blocks takes"):
+        nf4_ops.nf4_absmax(blob, n + 4)
+
+
+def test_double_quantised_layers_save_load_and_train_in_either_form():
+    # QLoRA's double quantisation in NF4Linear: 0.5159 bytes a weight instead of 0.5625, the
+    # weights within the absmax's 8-bit rounding of plain NF4's; a state_dict of either form
+    # loads into a layer of either (the layer takes the saved form); double_quantize() in place
+    # is from_linear(double_quant=True)
+    dense = nn.Linear(160, 96)
+    plain = quant.NF4Linear.from_linear(dense)
+    double = quant.NF4Linear.from_linear(dense, double_quant=True)
+    assert not plain.double_quant and double.double_quant and "double_quant=True" in repr(double)
+    assert torch.equal(double.weight_packed, plain.weight_packed)
+    weights = 160 * 96
+    assert plain.weight_absmax.numel() * 4 == weights // 16
+    assert double.weight_absmax.numel() == nf4_ops.nested_absmax_bytes(weights // 64)
+    err = [(m.dequantize() - dense.weight).pow(2).mean().sqrt() for m in (plain, double)]
+    torch.testing.assert_close(err[1], err[0], rtol=1e-3, atol=0)
+    assert torch.equal(copy.deepcopy(plain).double_quantize().weight_absmax, double.weight_absmax)
+    for saved, into in ((double, quant.NF4Linear(160, 96)),
+                        (plain, quant.NF4Linear(160, 96, double_quant=True)),
+                        (double, quant.NF4Linear(160, 96, double_quant=True).shardable())):
+        into.load_state_dict(saved.state_dict())
+        assert into.double_quant == saved.double_quant
+        assert torch.equal(into.dequantize(), saved.dequantize())
+    # a dense weight loads quantised in the layer's form; a bad absmax changes nothing
+    into = quant.NF4Linear(160, 96, double_quant=True)
+    into.load_state_dict(dense.state_dict())
+    assert torch.equal(into.weight_absmax, double.weight_absmax)
+    before = into.weight_absmax.clone()
+    for bad, error, says in ((double.weight_absmax[:-4], RuntimeError, "size mismatch"),
+                             (plain.weight_absmax[:-1], ValueError, "holds 239 torch.float32"),
+                             (plain.weight_absmax.double(), TypeError, "is torch.float64")):
+        with pytest.raises(error, match=says):
+            into.load_state_dict({**double.state_dict(), "weight_absmax": bad})
+        assert torch.equal(into.weight_absmax, before)
+    # a model quantised so: the bytes, and logits close to plain NF4's
+    ids = torch.randint(0, 128, (2, 9))
+    models = [quant.quantize_nf4(_tiny_llama(), double_quant=d) for d in (False, True)]
+    sizes = [quant.nf4_bytes(m) for m in models]
+    assert sizes[1] < 0.925 * sizes[0]
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits for m in models]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=2e-3)
+
+
 def _saved_numels(fn):
     sizes = []
 
@@ -181,11 +277,12 @@ def test_nf4_linear_is_linear_on_the_dequantised_weight(dtype, bias):
     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype,adapter_dtype", [(torch.float32, None),
-                                                 (torch.bfloat16, torch.float32)])
-def test_lora_over_nf4_is_lora_over_the_dequantised_weight(dtype, adapter_dtype):
+@pytest.mark.parametrize("dtype,adapter_dtype,double_quant", [
+    (torch.float32, None, False), (torch.bfloat16, torch.float32, False),
+    (torch.float32, None, True), (torch.bfloat16, torch.float32, True)])
+def test_lora_over_nf4_is_lora_over_the_dequantised_weight(dtype, adapter_dtype, double_quant):
     dense = nn.Linear(48, 40, bias=True).to(dtype)
-    base = quant.NF4Linear.from_linear(dense, blocksize=16)
+    base = quant.NF4Linear.from_linear(dense, blocksize=16, double_quant=double_quant)
     ours = LoRALinear(base, r=4, alpha=8, dropout=0.25, adapter_dtype=adapter_dtype).train()
     with torch.no_grad():
         ours.lora_B.normal_()
@@ -208,8 +305,9 @@ def test_lora_over_nf4_is_lora_over_the_dequantised_weight(dtype, adapter_dtype)
     assert base.bias.grad is None  # frozen, as the base's bias was made
 
 
-def test_nf4_lora_compiles_fullgraph():
-    base = quant.NF4Linear.from_linear(nn.Linear(32, 24), blocksize=16)
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_lora_compiles_fullgraph(double_quant):
+    base = quant.NF4Linear.from_linear(nn.Linear(32, 24), blocksize=16, double_quant=double_quant)
     layer = LoRALinear(base, r=4, alpha=8)
     with torch.no_grad():
         layer.lora_B.normal_()
@@ -245,7 +343,8 @@ def _projections(dtype):
     torch.manual_seed(0)
     dense = [nn.Linear(48, out, bias=b).to(dtype)
              for out, b in ((40, True), (24, False), (24, True), (16, True))]
-    bases = [quant.NF4Linear.from_linear(layer, blocksize=16) for layer in dense[:3]] + dense[3:]
+    bases = [quant.NF4Linear.from_linear(layer, blocksize=16, double_quant=i == 1)
+             for i, layer in enumerate(dense[:3])] + dense[3:]  # (the second double-quantised)
     ranks = (4, None, 2, 3)
     lora_as = [None if r is None else (torch.randn(r, 48) * 0.3).to(dtype).requires_grad_()
                for r in ranks]
@@ -320,7 +419,8 @@ def test_qlora_projections_refuse_what_they_cannot_run():
 def test_qlora_down_proj_over_swiglu_equals_the_dense_one(dtype, dropout):
     from fastllm.ops.swiglu_lora_linear import swiglu_lora_linear
 
-    base = quant.NF4Linear.from_linear(nn.Linear(40, 24, bias=True).to(dtype), blocksize=16)
+    base = quant.NF4Linear.from_linear(nn.Linear(40, 24, bias=True).to(dtype), blocksize=16,
+                                       double_quant=dtype == torch.bfloat16)
     gate, up = (torch.randn(3, 5, 40, dtype=dtype, requires_grad=True) for _ in range(2))
     lora_a = (torch.randn(4, 40) * 0.3).to(dtype).requires_grad_()
     lora_b = (torch.randn(24, 4) * 0.3).to(dtype).requires_grad_()
@@ -346,18 +446,20 @@ def test_qlora_down_proj_over_swiglu_equals_the_dense_one(dtype, dropout):
         quant.nf4_swiglu_lora_linear(gate, up, nn.Linear(40, 24), lora_a, lora_b, 1.0)
 
 
-@pytest.mark.parametrize("dtype,adapter_dtype,dropout,bias", [
-    (torch.float32, None, 0.0, True), (torch.float32, None, 0.2, False),
-    (torch.bfloat16, None, 0.0, False), (torch.bfloat16, torch.float32, 0.0, True),
-    (torch.bfloat16, torch.float32, 0.1, False)])
-def test_qdora_is_dora_over_the_dequantised_weight(dtype, adapter_dtype, dropout, bias):
+@pytest.mark.parametrize("dtype,adapter_dtype,dropout,bias,double_quant", [
+    (torch.float32, None, 0.0, True, False), (torch.float32, None, 0.2, False, True),
+    (torch.bfloat16, None, 0.0, False, False), (torch.bfloat16, torch.float32, 0.0, True, True),
+    (torch.bfloat16, torch.float32, 0.1, False, False)])
+def test_qdora_is_dora_over_the_dequantised_weight(dtype, adapter_dtype, dropout, bias,
+                                                   double_quant):
     # DoRA over an NF4 base (QDoRA): the magnitude, outputs and every grad of DoRA over the
     # dequantised dense weight, bit for bit, in every forward path (fused, dropout, fp32
     # adapters); without dropout no dense weight is kept for the backward
     from fastllm.dora import DoRALinear
 
     torch.manual_seed(0)
-    base = quant.NF4Linear.from_linear(nn.Linear(48, 40, bias=bias).to(dtype), blocksize=16)
+    base = quant.NF4Linear.from_linear(nn.Linear(48, 40, bias=bias).to(dtype), blocksize=16,
+                                       double_quant=double_quant)
     ours = DoRALinear(base, r=4, alpha=8, dropout=dropout, adapter_dtype=adapter_dtype).train()
     theirs = DoRALinear(base.to_linear(), r=4, alpha=8, dropout=dropout,
                         adapter_dtype=adapter_dtype).train()
@@ -403,7 +505,8 @@ def _tiny_llama(seed=0):
 
 @pytest.mark.parametrize("shardable", [False, True])
 def test_module_dtype_moves_keep_the_codes(shardable):
-    layer = quant.NF4Linear.from_linear(nn.Linear(64, 32))
+    # (the shardable layer's absmax double-quantised: uint8, kept under casts as the codes)
+    layer = quant.NF4Linear.from_linear(nn.Linear(64, 32), double_quant=shardable)
     packed, absmax = layer.weight_packed.clone(), layer.weight_absmax.clone()
     if shardable:  # codes and absmax held as frozen parameters (for FSDP2): the same keys
         keys = list(layer.state_dict())
@@ -425,7 +528,7 @@ def test_module_dtype_moves_keep_the_codes(shardable):
     assert isinstance(layer.weight_packed, nn.Parameter) == shardable
     fresh = quant.NF4Linear(64, 32, dtype=torch.bfloat16)
     fresh.load_state_dict(layer.state_dict())
-    assert torch.equal(fresh.dequantize(), layer.dequantize())
+    assert torch.equal(fresh.dequantize(), layer.dequantize()) and fresh.double_quant == shardable
     if shardable:
         from fastllm.train.model import weight_count
 
@@ -549,6 +652,8 @@ def test_quantize_refusals_leave_the_model_unchanged():
      "runs whole on each rank or FSDP2-sharded: .* got strategy=zero2"),
     (["finetune=lora", "parallel.tp=2", "lora.quantize_base=nf4"],
      "runs whole on each rank or FSDP2-sharded: .* tp=2"),
+    (["finetune=lora", "lora.double_quant=true"], "lora.double_quant=true double-quantises the "
+                                                   "absmax of a 4-bit base: it needs lora.quant"),
 ])
 def test_train_config_refuses_qlora_where_it_cannot_run(overrides, says):
     from fastllm.train import TrainConfig

@@ -251,9 +251,10 @@ def _train_tp(rank, folder):
 QLORA_ARGS = ("finetune=lora", "lora.quantize_base=nf4", "lora.target_modules=all-linear",
               "micro_batch_size=2", f"checkpoint.interval={TRAIN_STEPS}")
 # QDoRA: weight norms from NF4; q/v only: the other NF4 layers, with no adapter, save their
-# gathered codes for backward across FSDP2's reshard and re-gather
+# gathered codes for backward across FSDP2's reshard and re-gather (and their absmax
+# double-quantised: one uint8 tensor sharded as the codes are)
 QLORA_RUNS = {"qlora": (), "qdora": ("lora.use_dora=true",),
-              "qlora_qv": ("lora.target_modules=q_proj,v_proj",)}
+              "qlora_qv": ("lora.target_modules=q_proj,v_proj", "lora.double_quant=true")}
 
 
 def _train_qlora_fsdp(rank, folder, run):

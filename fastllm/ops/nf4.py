@@ -14,6 +14,9 @@ Dequantised, element i is NF4_CODE[q_i] * absmax[i // blocksize], the product in
 to nearest even into the output dtype. Both layouts are bitsandbytes' (its
 `quantize_4bit(..., quant_type="nf4")` without nested statistics), so its packed weights and
 absmax read here unchanged and the other way (tests/test_nf4.py compares them bitwise).
+QLoRA's double quantisation of the absmax (8-bit codes and an fp32 scale per 256 of them:
+`nf4_double_quantize`, bitsandbytes' nested statistics) is read wherever an absmax is: the
+dequantisation decodes it first (`nf4_absmax`).
 
 Backends of the dequantisation: cpp (CPU, csrc/cpu/nf4.cpp), triton (GPU; CPU under
 TRITON_INTERPRET=1; fastllm/kernels/nf4.py), and `nf4_dequantize_ref`; all give the same bits.
@@ -94,6 +97,101 @@ def nf4_quantize(weight, blocksize=64):
         q = torch.cat([q, q.new_full((1,), 7)])
     packed = (q[0::2] << 4) | q[1::2]
     return packed.contiguous(), absmax.contiguous()
+
+
+# QLoRA's double quantisation of the absmax (bitsandbytes' compress_statistics /
+# transformers' bnb_4bit_use_double_quant): the fp32 absmax less its mean, in 8-bit codes of
+# bitsandbytes' signed dynamic map, one fp32 scale per NESTED_BLOCKSIZE of them.
+NESTED_BLOCKSIZE = 256
+_DYNAMIC = {}  # device -> bitsandbytes' signed dynamic map there
+
+
+def nested_code(device):
+    """bitsandbytes' signed 8-bit dynamic map (256 fp32, ascending) on `device`: the code table
+    of a double-quantised absmax (made once per device)."""
+    device = torch.device(device)
+    code = _DYNAMIC.get(device)
+    if code is None:
+        from fastllm.ops.adamw8bit import dynamic_code
+
+        code = _DYNAMIC[device] = dynamic_code(True).to(device)
+    return code
+
+
+def nested_absmax_bytes(blocks):
+    """Bytes of the double-quantised form of `blocks` absmax values (see nf4_double_quantize)."""
+    return -(-blocks // 4) * 4 + 4 * (1 + -(-blocks // NESTED_BLOCKSIZE))
+
+
+def nf4_double_quantize(absmax):
+    """The fp32 `absmax` of nf4_quantize double-quantised as bitsandbytes' quantize_4bit(...,
+    compress_statistics=True) does it: offset = its mean; each value's nearest code in
+    bitsandbytes' signed 8-bit dynamic map after dividing (value - offset) by the largest
+    |value - offset| of its block of NESTED_BLOCKSIZE (ties to the lower code). Returned as one
+    uint8 tensor of nested_absmax_bytes(n): the n codes (padded with zeros to a multiple of 4
+    bytes), then, as fp32 in native byte order, the offset and each block's scale. 8.1 bits per
+    absmax instead of 32: an NF4 weight at blocksize 64 takes 0.5159 bytes instead of 0.5625.
+    nf4_absmax decodes it."""
+    where = "fastllm.nf4_double_quantize"
+    if (not isinstance(absmax, torch.Tensor) or absmax.layout != torch.strided
+            or absmax.dtype != torch.float32 or absmax.dim() != 1):
+        what = (f"{absmax.dtype} {tuple(absmax.shape)} {absmax.layout}"
+                if isinstance(absmax, torch.Tensor) else type(absmax).__name__)
+        raise TypeError(f"{where}: absmax must be a dense 1-d fp32 tensor, got {what}")
+    if not bool(torch.isfinite(absmax).all()):
+        raise ValueError(f"{where}: absmax has inf or nan values")
+    n, device = absmax.numel(), absmax.device
+    offset = absmax.mean() if n else absmax.new_zeros(())
+    blocks = -(-n // NESTED_BLOCKSIZE)
+    padded = torch.zeros(blocks * NESTED_BLOCKSIZE, dtype=torch.float32, device=device)
+    padded[:n] = absmax - offset
+    rows = padded.view(blocks, NESTED_BLOCKSIZE)
+    scales = rows.abs().amax(dim=1)
+    safe = scales.clamp(min=1e-38)  # (as nf4_quantize: x * (1 / scale), a short block x / scale)
+    scaled = (rows * (1.0 / safe)[:, None]).reshape(-1)
+    if n % NESTED_BLOCKSIZE:
+        tail = (blocks - 1) * NESTED_BLOCKSIZE
+        scaled[tail:] = padded[tail:] / safe[-1]
+    code = nested_code(device)
+    q = torch.bucketize(scaled[:n].clamp_(-1.0, 1.0), (code[1:] + code[:-1]) * 0.5)
+    return pack_nested_absmax(q.to(torch.uint8), offset, scales)
+
+
+def pack_nested_absmax(codes, offset, scales):
+    """One uint8 tensor of a double-quantised absmax from its parts (nf4_double_quantize's
+    layout): `codes` (n uint8), `offset` (one value) and `scales` (ceil(n / NESTED_BLOCKSIZE)
+    values, stored as fp32); how a bitsandbytes nested absmax is held."""
+    n = codes.numel()
+    if scales.numel() != -(-n // NESTED_BLOCKSIZE):
+        raise ValueError(f"fastllm.nf4: {n} nested absmax codes take "
+                         f"{-(-n // NESTED_BLOCKSIZE)} scales at {NESTED_BLOCKSIZE} a block; "
+                         f"got {scales.numel()}")
+    out = torch.zeros(nested_absmax_bytes(n), dtype=torch.uint8, device=codes.device)
+    out[:n] = codes.reshape(-1)
+    floats = out[-(-n // 4) * 4:].view(torch.float32)
+    floats[0] = torch.as_tensor(offset, dtype=torch.float32)
+    floats[1:] = scales.reshape(-1)
+    return out
+
+
+def nf4_absmax(absmax, blocks, where=_WHERE):
+    """The fp32 absmax of `blocks` NF4 blocks: `absmax` itself when it is fp32, decoded when it
+    is the uint8 of nf4_double_quantize (code[q] * scale, then + offset, in fp32: bitsandbytes'
+    dequantisation of a nested absmax, bit for bit)."""
+    if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.uint8:
+        return absmax
+    if not torch.compiler.is_compiling():  # (checked eagerly: a backward's trace bans .layout)
+        if absmax.layout != torch.strided or absmax.dim() != 1 or not absmax.is_contiguous():
+            raise ValueError(f"{where}: a double-quantised absmax must be a contiguous 1-d "
+                             f"uint8 tensor, got shape {tuple(absmax.shape)}")
+        if absmax.numel() != nested_absmax_bytes(blocks):
+            raise ValueError(f"{where}: a double-quantised absmax of {blocks} blocks takes "
+                             f"{nested_absmax_bytes(blocks)} bytes; got {absmax.numel()}")
+    # (copied, a few bytes: the tail of a view, e.g. of an all-gather buffer, may start at an
+    # offset fp32 cannot be read at)
+    floats = absmax[-(-blocks // 4) * 4:].clone().view(torch.float32)
+    scale = floats[1:].repeat_interleave(NESTED_BLOCKSIZE)[:blocks]
+    return nested_code(absmax.device)[absmax[:blocks].long()] * scale + floats[0]
 
 
 def nf4_dequantize_ref(packed, absmax, shape, blocksize, dtype):
@@ -193,17 +291,27 @@ def _nf4_dequantize_into_fake(out, packed, absmax, blocksize):
     _check_out(out, packed)
 
 
+def _decoded(absmax, shape, blocksize):
+    if isinstance(absmax, torch.Tensor) and absmax.dtype == torch.uint8:
+        check_blocksize(_WHERE, blocksize)
+        return nf4_absmax(absmax, -(-math.prod(shape) // blocksize))
+    return absmax
+
+
 def nf4_dequantize(packed, absmax, shape, blocksize=64, dtype=torch.float32):
     """The tensor of `shape` that nf4_quantize stored as (packed, absmax), in `dtype` (see the
-    module docstring); a new tensor, not differentiable (the codes are integers)."""
-    return torch.ops.fastllm.nf4_dequantize(packed, absmax, [int(s) for s in shape],
+    module docstring); a new tensor, not differentiable (the codes are integers). absmax: fp32,
+    or double-quantised (uint8, nf4_double_quantize's)."""
+    shape = [int(s) for s in shape]
+    return torch.ops.fastllm.nf4_dequantize(packed, _decoded(absmax, shape, blocksize), shape,
                                             int(blocksize), dtype)
 
 
 def nf4_dequantize_into(out, packed, absmax, blocksize=64):
     """nf4_dequantize written into `out` (contiguous; its shape and dtype say what to make):
     what fastllm.quant uses on the CPU to reuse one buffer for every layer's weight."""
-    torch.ops.fastllm.nf4_dequantize_into(out, packed, absmax, int(blocksize))
+    torch.ops.fastllm.nf4_dequantize_into(out, packed, _decoded(absmax, out.shape, blocksize),
+                                          int(blocksize))
 
 
 class _Scratch(threading.local):

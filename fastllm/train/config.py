@@ -52,6 +52,7 @@ class LoraConfig:
     layers: int = 0                       # adapt only the last N decoder layers; 0: all
     use_dora: bool = False                # DoRA: a learned magnitude per output (PEFT's use_dora)
     quantize_base: str = "none"           # none | nf4: QLoRA, the base linears in 4-bit NF4
+    double_quant: bool = False            # nf4: its absmax in 8 bits (bnb_4bit_use_double_quant)
 
 
 @dataclass

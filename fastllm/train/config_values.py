@@ -135,6 +135,9 @@ def validate_quantize_base(cfg, need):
     where the 4-bit layers can run: fastllm's LoRA, whole on each rank or FSDP2-sharded."""
     value = cfg.lora.quantize_base
     need(value in ("none", "nf4"), f"lora.quantize_base must be none or nf4, got {value!r}")
+    need(value == "nf4" or not cfg.lora.double_quant,
+         "lora.double_quant=true double-quantises the absmax of a 4-bit base: it needs "
+         "lora.quantize_base=nf4")
     if value == "none":
         return
     need(cfg.finetune == "lora" and cfg.backend == "fastllm",

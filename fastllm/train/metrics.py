@@ -307,7 +307,8 @@ def start_line(trainer):
         from fastllm.quant import nf4_bytes
 
         whole, held = nf4_bytes(trainer.module), nf4_bytes(trainer.module, held=True)
-        nf4 = f", NF4 base {whole / 2**20:.1f} MiB" + (
+        double = " double-quantised" if cfg.lora.double_quant else ""
+        nf4 = f", NF4 base {whole / 2**20:.1f} MiB{double}" + (
             f" ({held / 2**20:.1f} MiB on this rank)" if held != whole else "")
     objective = f"; {trainer.objective.describe()}" if trainer.objective is not None else ""
     return (f"fastllm train: {cfg.model} ({n_params / 1e6:.2f}M params, "

@@ -102,16 +102,21 @@ def build_model(cfg, vocab_size, dtype):
     if is_model_dir(cfg.model):
         _refuse_adapter_folder(cfg.model)
         if qlora and quant.bnb_4bit_config(cfg.model) is not None:  # read without bitsandbytes
-            return quant.from_pretrained(cfg.model, dtype=dtype)
+            model = quant.from_pretrained(cfg.model, dtype=dtype)  # (its absmax as saved)
+            if cfg.lora.double_quant:
+                for layer in model.modules():
+                    if isinstance(layer, quant.NF4Linear):
+                        layer.double_quantize()
+            return model
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype,
                                                      local_files_only=True)
-        return quant.quantize_nf4(model) if qlora else model
+        return quant.quantize_nf4(model, double_quant=cfg.lora.double_quant) if qlora else model
     config = _preset_config(cfg, vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LlamaForCausalLM(config)
     model = _cast_keeping_rope_fp32(model, dtype)
-    return quant.quantize_nf4(model) if qlora else model
+    return quant.quantize_nf4(model, double_quant=cfg.lora.double_quant) if qlora else model
 
 
 # RoPE's inverse frequencies (and the copy dynamic RoPE resets to): transformers computes them in
