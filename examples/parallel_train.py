@@ -75,7 +75,8 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
           max_norm=1.0, schedule="1f1b", n_microbatches=None, model_kwargs=None,
           optimizer="torch", activation_checkpointing=False, load_dir=None, save_dir=None,
           save_at=None, start_step=0, batch_seed=1, distributed=None, lora_rank=0,
-          sequence_parallel=False):
+          sequence_parallel=False, quantize_base=False,
+          lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")):
     """Train `steps` steps; returns {"losses", "grad_norms", "step_times"} (lists, every rank).
 
     mesh: a mesh with dims among "pp", "dp", "tp" (default build_mesh(dp, tp, pp)); None and
@@ -83,9 +84,11 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
     (model and optimizer, layout-independent names); save_at: the step after which to save.
     start_step: the index of the first batch (for a resumed run). distributed=False runs one
     process even inside a process group. lora_rank > 0: train only fastllm.lora adapters on
-    q/k/v/o (sharded with their projections under tensor parallel). sequence_parallel: tensor
-    parallel with the norms and residual stream sharded on the sequence. optimizer: "torch" or
-    "fastllm" (clipped by fastllm.parallel.clip_grad_norm_), or "fastllm_clip":
+    lora_targets (default q/k/v/o; sharded with their projections under tensor parallel).
+    quantize_base: QLoRA, every linear layer but the head in 4-bit NF4 first
+    (fastllm.quant.quantize_nf4; one process or FSDP2, as fastllm train). sequence_parallel:
+    tensor parallel with the norms and residual stream sharded on the sequence. optimizer:
+    "torch" or "fastllm" (clipped by fastllm.parallel.clip_grad_norm_), or "fastllm_clip":
     fastllm.optim.AdamW(max_grad_norm=...) clips inside its own step, by the norm it reduces over
     the DTensor shards (no pipeline).
     """
@@ -100,12 +103,15 @@ def train(mesh=None, dp=1, tp=1, pp=1, steps=10, global_batch=8, seq_len=16, lr=
         raise ValueError(f"global_batch_size={global_batch} is not divisible by parallel.dp={dp}")
     local_batch = global_batch // dp
     model = tiny_llama(**(model_kwargs or TINY))
+    if quantize_base:
+        from fastllm.quant import quantize_nf4
+
+        quantize_nf4(model)
     if lora_rank:
         from fastllm.lora import inject_lora
 
         torch.manual_seed(1234)  # the same adapters on every rank
-        inject_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], r=lora_rank,
-                    alpha=2 * lora_rank)
+        inject_lora(model, list(lora_targets), r=lora_rank, alpha=2 * lora_rank)
         for m in model.modules():  # lora_B starts at zero; nonzero makes the test see it
             if hasattr(m, "lora_B"):
                 torch.nn.init.normal_(m.lora_B, std=0.02)

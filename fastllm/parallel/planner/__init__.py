@@ -2,8 +2,9 @@
 trains a model fastest on a cluster, from an analytic cost model.
 
     catalog.py   model shapes (MODELS, ModelSpec, a config.json) and accelerators (GPUS, GPUSpec)
+    memory.py    what a decoder layer keeps for its backward, and LoRA's adapter sizes
     cost.py      a layout (Layout, RuntimeSpec), its price (estimate) and the search (plan)
-    cli.py       the `fastllm plan` command
+    cli.py       the `fastllm plan` command and its table (format_plan)
 
 The probes that measure this machine for the cost model are benchmark code: bench/probes.py.
 """
@@ -23,13 +24,13 @@ from fastllm.parallel.planner.cost import (
     MEGATRON,
     Layout,
     RuntimeSpec,
-    activation_bytes_per_layer,
     check_layout,
     estimate,
-    format_plan,
     plan,
     sync_cost,
 )
+from fastllm.parallel.planner.cli import format_plan
+from fastllm.parallel.planner.memory import activation_bytes_per_layer
 
 __all__ = ["FASTLLM", "GPUS", "GPUSpec", "GiB", "Layout", "MEGATRON", "MODELS", "ModelSpec",
            "RuntimeSpec", "activation_bytes_per_layer", "bubble_fraction", "check_layout",

@@ -5,8 +5,34 @@ import json
 import math
 import os
 
-from fastllm.parallel.planner.catalog import GPUS, MODELS, gpu_from_dict, model_from_hf_config
-from fastllm.parallel.planner.cost import format_plan, plan
+from fastllm.parallel.planner.catalog import (GPUS, MODELS, GiB, gpu_from_dict,
+                                              model_from_hf_config)
+from fastllm.parallel.planner.cost import plan
+
+
+def format_plan(best, model, seq_len, global_batch, gpu, n_gpus, node_size):
+    """The table `fastllm plan` prints."""
+    lines = [f"{model.name}: {model.params() / 1e9:.2f}B params, {model.layers} layers, hidden "
+             f"{model.hidden}, heads {model.heads}/{model.kv_heads} kv, ffn {model.ffn}, vocab "
+             f"{model.vocab}; seq {seq_len}, global batch {global_batch}; {n_gpus} x {gpu.name} "
+             f"({node_size} per node)"]
+    if not best:
+        lines.append("no layout fits in memory: add GPUs, recompute, ZeRO, LoRA, or QLoRA "
+                     "(--qlora)")
+        return "\n".join(lines)
+    header = ("layout", "mem/GPU GiB", "step s", "tokens/s", "MFU", "comm", "bubble", "warnings")
+    rows = [header]
+    for r in best:
+        rows.append((r["layout"].describe(), f"{r['memory_total'] / GiB:.1f}",
+                     f"{r['step_time']:.3f}", f"{r['tokens_per_s']:,.0f}",
+                     f"{100 * r['mfu']:.1f}%", f"{100 * r['comm_share']:.1f}%",
+                     f"{100 * r['bubble_share']:.1f}%", "; ".join(r["warnings"]) or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 def add_plan_arguments(p):
     p.add_argument("--model", required=True,
@@ -20,6 +46,10 @@ def add_plan_arguments(p):
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA of this rank on all "
                    "linear layers instead of full training")
+    p.add_argument("--qlora", action="store_true", help="with --lora: the frozen linear weights "
+                   "in 4-bit NF4 (fastllm train lora.quantize_base=nf4)")
+    p.add_argument("--double-quant", action="store_true", help="with --qlora: their absmax "
+                   "double-quantised (lora.double_quant=true)")
     p.add_argument("--no-flash", action="store_true", help="attention without a fused kernel")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="price tensor parallel with sequence parallelism "
@@ -36,6 +66,11 @@ def check_plan_args(args):
                                ("--top", args.top, 1), ("--lora", args.lora, 0)):
         if value < low:
             raise SystemExit(f"fastllm plan: {option} must be >= {low}, got {value}")
+    if args.qlora and not args.lora:
+        raise SystemExit("fastllm plan: --qlora quantises LoRA's frozen base: give --lora RANK")
+    if args.double_quant and not args.qlora:
+        raise SystemExit("fastllm plan: --double-quant double-quantises QLoRA's absmax: give "
+                         "--qlora")
     if not 0.0 <= args.dp_overlap <= 1.0:
         raise SystemExit(f"fastllm plan: --dp-overlap must be in [0, 1], got {args.dp_overlap}")
 
@@ -106,7 +141,8 @@ def plan_command(args):
     try:
         best, _ = plan(model, args.seq_len, args.global_batch, gpu, args.gpus, args.node_size,
                        args.top, args.lora, not args.no_flash, args.dp_overlap,
-                       sequence_parallel=args.sequence_parallel)
+                       sequence_parallel=args.sequence_parallel, nf4=args.qlora,
+                       double_quant=args.double_quant)
     except ValueError as e:
         raise SystemExit(f"fastllm plan: {e}")
     text = format_plan(best, model, args.seq_len, args.global_batch, gpu, args.gpus,

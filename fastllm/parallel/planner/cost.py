@@ -37,7 +37,9 @@ import itertools
 import types
 
 from fastllm.parallel.layout import ParallelLayout, bubble_fraction
-from fastllm.parallel.planner.catalog import GPUS, MODELS, GiB
+from fastllm.parallel.planner.catalog import GPUS, MODELS
+from fastllm.parallel.planner.memory import activation_bytes_per_layer, lora_params_per_layer
+
 
 def sync_cost(gpu, n):
     """The extra wait of a collective over n ranks on `gpu`'s shared cores: the figure measured
@@ -62,6 +64,8 @@ class Layout:
     chunks: int = 1             # model chunks per stage (interleaved)
     sequence_parallel: bool = False
     lora_rank: int = 0          # 0: full training
+    nf4: bool = False           # QLoRA: the layers' linear weights frozen in 4-bit NF4
+    double_quant: bool = False  # ... with their absmax double-quantised
 
     def describe(self):
         s = f"dp{self.dp} tp{self.tp} pp{self.pp}"
@@ -75,8 +79,17 @@ class Layout:
         if self.sequence_parallel:
             s += " sp"
         if self.lora_rank:
-            s += f" lora{self.lora_rank}"
+            s += f" {'qlora' if self.nf4 else 'lora'}{self.lora_rank}"
+            s += "+dq" if self.double_quant else ""
         return s
+
+    def base_bytes(self, e):
+        """Bytes a frozen linear weight of the decoder layers takes per element: NF4's 4-bit
+        code and fp32 absmax per 64 (0.5625; double-quantised, 8 bits per absmax and an fp32
+        scale per 256 of them: 0.5159), else the training dtype's e."""
+        if not self.nf4:
+            return e
+        return 0.5 + ((1 + 4 / 256) if self.double_quant else 4) / 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,49 +160,19 @@ def check_layout(model, layout, seq_len, global_batch, fastllm_rules=False):
     if fastllm_rules and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1) and lo.zero != 3:
         raise ValueError(f"dp={lo.dp} beside tp={lo.tp} x pp={lo.pp} is FSDP2 (zero3) in "
                          f"fastllm train, not zero{lo.zero}")
+    if lo.nf4 or lo.double_quant:
+        if not (lo.nf4 and lo.lora_rank):
+            raise ValueError(f"nf4 (QLoRA) needs lora_rank > 0 and double_quant needs nf4, got "
+                             f"lora_rank={lo.lora_rank} nf4={lo.nf4} "
+                             f"double_quant={lo.double_quant}")
+        # (fastllm.quant's NF4 layers: whole on each rank or FSDP2-sharded, no tp/pp shards)
+        if lo.tp > 1 or lo.pp > 1 or lo.zero in (1, 2):
+            raise ValueError(f"QLoRA (nf4) runs with tp = pp = 1 under DDP (zero0) or FSDP2 "
+                             f"(zero3), got tp={lo.tp} pp={lo.pp} zero{lo.zero}")
     par.micro_batches(global_batch, lo.micro_batch)
 
 
 # --- the cost model ---------------------------------------------------------------------------
-
-def activation_bytes_per_layer(model, micro_batch, seq_len, dtype_bytes=2, tp=1,
-                               sequence_parallel=False, flash=True):
-    """Bytes autograd keeps for one decoder layer of one micro-batch (b s tokens).
-
-    Counted for transformers' LlamaDecoderLayer (e = dtype bytes): each RMSNorm keeps its fp32
-    input, its normalised value and its output ((4 + 2e) per element) and a fp32 rsqrt per
-    token; attention keeps q after rotary and its output (2e per element of heads x head_dim,
-    `q_dim`: hidden in Llama, not in Qwen3), k and v (2e per kv element), and SDPA's fp32
-    log-sum-exp per head; the SwiGLU MLP keeps gate, up, silu(gate) and their product (4e per
-    ffn element). Qwen3's q/k norms (qk_norm) keep the fp32 copy of q and k and their
-    normalised value ((4 + e) per element; their output goes to rotary, which keeps none) and
-    a fp32 rsqrt per head. Without flash attention (Megatron's 2021 kernels) the scores,
-    softmax and dropout mask add (2e + 1) per score element.
-    """
-    tokens = micro_batch * seq_len
-    e = dtype_bytes
-    h, t = model.hidden, tp
-    norms = 2 * ((4 + 2 * e) * h + 4)
-    if sequence_parallel:
-        # norm inputs/outputs are sharded on the sequence; the gathered input of q/k/v and of
-        # gate/up is kept whole
-        norms = 2 * ((4 + e) * h / t + e * h + 4 / t)
-    attn = (2 * e * model.q_dim + 2 * e * model.kv_dim + 4 * model.heads) / t
-    if model.qk_norm:
-        attn += ((4 + e) * (model.q_dim + model.kv_dim) + 4 * (model.heads + model.kv_heads)) / t
-    mlp = ((4 if model.gated_mlp else 2) * e * model.ffn) / t
-    per_token = norms + attn + mlp
-    scores = 0 if flash else (2 * e + 1) * model.heads * seq_len * seq_len * micro_batch / t
-    return tokens * per_token + scores
-
-
-def _lora_params_per_layer(model, rank):
-    h, q, kv, f = model.hidden, model.q_dim, model.kv_dim, model.ffn
-    # (a gated MLP's gate, up and down; else fc and proj, as GPT-2's)
-    mlp = [(h, f), (h, f), (f, h)] if model.gated_mlp else [(h, f), (f, h)]
-    shapes = [(h, q), (h, kv), (h, kv), (q, h)] + mlp
-    return rank * sum(i + o for i, o in shapes)
-
 
 def _collective_time(kind, nbytes, n, bandwidth, latency=5e-6):
     """Ring algorithm time for `kind` over n ranks of an nbytes buffer."""
@@ -245,6 +228,13 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                 p += model.embedding_params() / tv
         return p
 
+    # QLoRA: the decoder layers' linear weights held in NF4 (the rest in e)
+    quantised = layers_stage * model.layer_linear_params() / t
+    nf4_saving = quantised * (e - lo.base_bytes(e))
+
+    def stage_bytes(first, last):
+        return stage_params(first, last) * e - nf4_saving
+
     act_layer = activation_bytes_per_layer(model, b, s, e, t, lo.sequence_parallel, flash)
 
     def in_flight(i):
@@ -299,11 +289,11 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
         p = stage_params(first, last)
         most_params = max(most_params, p)
         if lo.lora_rank:
-            trainable = layers_stage * _lora_params_per_layer(model, lo.lora_rank) / t
+            trainable = layers_stage * lora_params_per_layer(model, lo.lora_rank) / t
             # ZeRO shards them as it shards full fine-tuning's (the frozen weights at stage 3)
         else:
             trainable = p
-        weights = p * e / (lo.dp if lo.zero >= 3 else 1)
+        weights = stage_bytes(first, last) / (lo.dp if lo.zero >= 3 else 1)
         grads = trainable * g / (lo.dp if lo.zero >= 2 else 1)
         optim = trainable * (12 if mixed else 8) / (lo.dp if lo.zero >= 1 else 1)
         if kept:
@@ -336,6 +326,12 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                 largest = max(largest, model.head_params() / tv)
             work += largest * g
         mem["backward_workspace"] = work
+        if lo.nf4:
+            # one layer's weights dequantised into e for a product, forward and backward:
+            # fastllm.patch's q/k/v (or gate/up) at once
+            h = model.hidden
+            mem["dequantized"] = e * max(h * (model.q_dim + 2 * model.kv_dim),
+                                         (2 if model.gated_mlp else 1) * h * model.ffn)
         if fsdp and not kept:
             # FSDP2 gathers each layer whole (the next one prefetched) and keeps the root's
             # parameters (embedding, final norm, head) whole from forward to backward; a
@@ -345,9 +341,10 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             root = ((model.embedding_params() / tv if first else 0)
                     + ((model.head_params() / tv + model.hidden / t) if last else 0))
             layer = model.layer_params() / t
-            whole_grads = (_lora_params_per_layer(model, lo.lora_rank) / t if lo.lora_rank
+            whole_grads = (lora_params_per_layer(model, lo.lora_rank) / t if lo.lora_rank
                            else layer + root)
-            mem["gathered"] = (2 * layer + root) * e + whole_grads * g
+            mem["gathered"] = (2 * (layer * e - nf4_saving / layers_stage) + root * e
+                               + whole_grads * g)
         total = sum(mem.values())
         if best is None or total > best[0]:
             best = (total, mem)
@@ -374,6 +371,8 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
     # elementwise work (norms, rotary, activation functions, softmax without flash) is
     # memory-bound: about one activation-sized read and write per pass
     elementwise = layers_stage * 2 * act_layer * passes
+    if lo.nf4:  # each pass dequantises the weights: NF4 read, e written (and read by the GEMM)
+        elementwise += quantised * (lo.base_bytes(e) + e) * passes
     # host cost of the eager ops (zero on a GPU, whose kernels queue behind the host);
     # recomputation repeats the forward's ops, about a third of forward + backward
     plain_ops, dtensor_ops = rt.ops_layer_tp if t > 1 else (rt.ops_layer, 0)
@@ -439,8 +438,9 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                 t_dp += coll("all_gather", (most_params - trainable) * e)
         elif lo.zero == 3:
             # weights re-gathered for forward and backward of every micro-batch
-            # (the stage's every weight, frozen ones too: LoRA's base is sharded and gathered)
-            t_dp += coll("all_gather", most_params * e) * (2 * m - 1)
+            # (the stage's every weight, frozen ones too: LoRA's base is sharded and gathered,
+            # QLoRA's in NF4)
+            t_dp += coll("all_gather", most_params * e - nf4_saving) * (2 * m - 1)
     t_dp_exposed = t_dp * (1 - dp_overlap)
     # the loss and the gradient norm: one tiny all-reduce each, over every rank
     n_small = rt.small_collectives + (lo.pp > 1) + (lo.dp > 1) if rt.small_collectives else 0
@@ -511,8 +511,12 @@ def _divisors(n):
 
 def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_rank=0,
          flash=True, dp_overlap=0.5, zero_stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8),
-         sequence_parallel=False):
+         sequence_parallel=False, nf4=False, double_quant=False):
     """All layouts of n_gpus that can run the model, priced; the `top` fastest that fit first.
+
+    nf4 (with lora_rank): QLoRA, the layers' linear weights in 4-bit NF4 (double_quant: their
+    absmax double-quantised), as `fastllm train lora.quantize_base=nf4` runs it: tp = pp = 1,
+    DDP or FSDP2.
 
     sequence_parallel: price tensor-parallel layouts with sequence parallelism (Megatron,
     torchtitan, and fastllm's runtime with parallel.sequence_parallel); off by default.
@@ -545,7 +549,7 @@ def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_ran
                 continue
             lo = Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, recompute=rec,
                         schedule=sched, chunks=v, sequence_parallel=sequence_parallel and tp > 1,
-                        lora_rank=lora_rank)
+                        lora_rank=lora_rank, nf4=nf4, double_quant=double_quant)
             try:
                 # the layouts `fastllm train` can run: fastllm's rules
                 check_layout(model, lo, seq_len, global_batch, fastllm_rules=True)
@@ -564,27 +568,3 @@ def plan(model, seq_len, global_batch, gpu, n_gpus, node_size=8, top=5, lora_ran
             + "; ".join(f"{k}: {why}" for k, why in refused.items()))
     fitting = sorted((r for r in results if r["fits"]), key=lambda r: r["step_time"])
     return fitting[:top], results
-
-
-def format_plan(best, model, seq_len, global_batch, gpu, n_gpus, node_size):
-    """The table `fastllm plan` prints."""
-    lines = [f"{model.name}: {model.params() / 1e9:.2f}B params, {model.layers} layers, hidden "
-             f"{model.hidden}, heads {model.heads}/{model.kv_heads} kv, ffn {model.ffn}, vocab "
-             f"{model.vocab}; seq {seq_len}, global batch {global_batch}; {n_gpus} x {gpu.name} "
-             f"({node_size} per node)"]
-    if not best:
-        lines.append("no layout fits in memory: add GPUs, recompute, ZeRO, or LoRA")
-        return "\n".join(lines)
-    header = ("layout", "mem/GPU GiB", "step s", "tokens/s", "MFU", "comm", "bubble", "warnings")
-    rows = [header]
-    for r in best:
-        rows.append((r["layout"].describe(), f"{r['memory_total'] / GiB:.1f}",
-                     f"{r['step_time']:.3f}", f"{r['tokens_per_s']:,.0f}",
-                     f"{100 * r['mfu']:.1f}%", f"{100 * r['comm_share']:.1f}%",
-                     f"{100 * r['bubble_share']:.1f}%", "; ".join(r["warnings"]) or "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for i, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
