@@ -136,9 +136,10 @@ def validate_objective(cfg, need):
     need(not cfg.data.train_on_prompt, f"{obj} scores the chosen and rejected "
          "completions only: data.train_on_prompt must be false")
     p = cfg.parallel
-    need(p.tp == 1 and p.pp == 1 and p.strategy in ("auto", "none", "ddp", "fsdp"),
-         f"{obj} runs on one process, DDP or FSDP for now (parallel.strategy auto, none, "
-         f"ddp or fsdp, tp=1, pp=1), got strategy={p.strategy} tp={p.tp} pp={p.pp}")
+    # (ZeRO-1/2 leave the model unwrapped: DistributedOptimizer reduces whatever grads the
+    # pairs' scoring made; tensor and pipeline parallel would need the scoring split)
+    need(p.tp == 1 and p.pp == 1, f"{obj} runs on one process, DDP, ZeRO-1/2 or FSDP for now "
+         f"(parallel.tp=1, pp=1), got tp={p.tp} pp={p.pp}")
     need(not cfg.optimizer_in_backward, f"{obj} does not run with optimizer_in_backward")
 
 
