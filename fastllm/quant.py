@@ -37,9 +37,9 @@ from fastllm import _lowp
 from fastllm._dtensor import local
 from fastllm._modules import matches, output_layer, replace_module as _replace
 from fastllm.ops.lora_linear import dropout_seed
-from fastllm.ops.nf4 import (NESTED_BLOCKSIZE, check_blocksize, nested_absmax_bytes, nested_code,
-                             nf4_code, nf4_dequantize, nf4_double_quantize, nf4_quantize,
-                             pack_nested_absmax)
+from fastllm.ops.nf4 import (NESTED_BLOCKSIZE, check_blocksize, nested_absmax_blocks,
+                             nested_absmax_bytes, nested_code, nf4_code, nf4_dequantize,
+                             nf4_double_quantize, nf4_quantize, pack_nested_absmax)
 from fastllm.ops.nf4_linear import check_input, nf4_linear, nf4_lora_linear
 
 _WHERE = "fastllm.quant"
@@ -166,22 +166,32 @@ class NF4Linear(nn.Module):
         if prefix + "weight" in state_dict:  # bitsandbytes' Linear4bit keys, or a dense weight
             _nf4_keys(state_dict, prefix, self)
         saved, held = state_dict.get(prefix + "weight_absmax"), self.weight_absmax
-        if (type(saved) is torch.Tensor and type(held) in (torch.Tensor, nn.Parameter)
-                and (saved.shape != held.shape or saved.dtype != held.dtype)):
-            # the saved absmax form (plain or double-quantised, or at a checkpoint's own
-            # blocksize) is taken where its size fits it
-            blocks = -(-self.in_features * self.out_features // self.blocksize)
-            if saved.dtype not in (torch.uint8, torch.float32):
-                raise TypeError(f"{_WHERE}: {prefix}weight_absmax is {saved.dtype}; expected "
-                                "float32, or uint8 (double-quantised)")
-            fits = nested_absmax_bytes(blocks) if saved.dtype == torch.uint8 else blocks
-            if saved.numel() == fits and saved.dim() == 1:
-                self._hold("weight_absmax", torch.empty_like(saved, device=held.device))
-            elif saved.dtype != held.dtype:  # (the same dtype: the size mismatch is torch's)
-                raise ValueError(f"{_WHERE}: {prefix}weight_absmax holds {saved.numel()} "
-                                 f"{saved.dtype} values; this layer's {blocks} blocks take "
-                                 f"{fits}")
+        if type(saved) in (torch.Tensor, nn.Parameter) and type(held) in (torch.Tensor,
+                                                                          nn.Parameter):
+            self._take_absmax_form(saved, held, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _take_absmax_form(self, saved, held, prefix):
+        """The saved absmax's form (plain or double-quantised, or at a checkpoint's own
+        blocksize) taken where its size fits this layer: its buffer reallocated so; another
+        size or a double-quantised absmax of other blocks (whose bytes can coincide) refused."""
+        blocks = -(-self.in_features * self.out_features // self.blocksize)
+        if saved.dtype not in (torch.uint8, torch.float32):
+            raise TypeError(f"{_WHERE}: {prefix}weight_absmax is {saved.dtype}; expected "
+                            "float32, or uint8 (double-quantised)")
+        fits = nested_absmax_bytes(blocks) if saved.dtype == torch.uint8 else blocks
+        if saved.dtype == torch.uint8 and saved.numel() == fits and (
+                nested_absmax_blocks(saved) != blocks):
+            raise ValueError(f"{_WHERE}: {prefix}weight_absmax holds "
+                             f"{nested_absmax_blocks(saved)} double-quantised blocks; this "
+                             f"layer has {blocks} (blocksize {self.blocksize})")
+        if saved.shape == held.shape and saved.dtype == held.dtype:
+            return
+        if saved.numel() == fits and saved.dim() == 1:
+            self._hold("weight_absmax", torch.empty_like(saved, device=held.device))
+        elif saved.dtype != held.dtype:  # (the same dtype: the size mismatch is torch's)
+            raise ValueError(f"{_WHERE}: {prefix}weight_absmax holds {saved.numel()} "
+                             f"{saved.dtype} values; this layer's {blocks} blocks take {fits}")
 
     def shardable(self):
         """Hold the codes and absmax as frozen nn.Parameters instead of buffers (the same

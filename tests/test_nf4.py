@@ -106,14 +106,16 @@ def test_same_bits_as_bitsandbytes(dtype):
                                            compress_statistics=True)
         blob = nf4_ops.nf4_double_quantize(nf4_quantize(w, 64)[1])
         n = state.absmax.numel()
-        floats = blob[-(-n // 4) * 4:].view(torch.float32)
+        start = 8 + 4 * -(-n // 256)
+        floats = blob[4:start].view(torch.float32)
         assert torch.equal(floats[0], state.offset) and torch.equal(floats[1:],
                                                                      state.state2.absmax)
         scaled = ((nf4_quantize(w, 64)[1] - state.offset)
                   / state.state2.absmax.repeat_interleave(256)[:n])
         table = state.state2.code
-        ours, bnbs = ((scaled - table[c.long()]).abs() for c in (blob[:n], state.absmax))
-        assert (ours <= bnbs).all() and (blob[:n] != state.absmax).float().mean() < 0.01
+        ours = blob[start:start + n]
+        gaps = [(scaled - table[c.long()]).abs() for c in (ours, state.absmax)]
+        assert (gaps[0] <= gaps[1]).all() and (ours != state.absmax).float().mean() < 0.01
         held = nf4_ops.pack_nested_absmax(state.absmax, state.offset, state.state2.absmax)
         want = bnbf.dequantize_4bit(theirs, state, quant_type="nf4").reshape(shape)
         got = nf4_dequantize(theirs.reshape(-1), held, shape, 64, dtype)
@@ -171,17 +173,20 @@ def test_double_quantised_absmax_is_its_nearest_8bit_code(n):
     absmax = torch.rand(n) * 0.3 + 0.01
     absmax[n // 2] = 5.0  # (an outlier: its block's scale)
     blob = nf4_ops.nf4_double_quantize(absmax)
-    pad, blocks = -(-n // 4) * 4, -(-n // 256)
-    assert blob.dtype == torch.uint8 and blob.numel() == pad + 4 * (1 + blocks)
-    assert blob.numel() == nf4_ops.nested_absmax_bytes(n) and not blob[n:pad].any()
+    # layout: n (int32), offset and the scales (fp32), the codes padded to 4 bytes
+    blocks = -(-n // 256)
+    start, pad = 8 + 4 * blocks, -(-n // 4) * 4
+    assert blob.dtype == torch.uint8 and blob.numel() == start + pad
+    assert blob.numel() == nf4_ops.nested_absmax_bytes(n) and not blob[start + n:].any()
+    assert blob[:4].view(torch.int32).item() == n == nf4_ops.nested_absmax_blocks(blob)
     offset, scales = absmax.mean(), torch.zeros(blocks)
     centred = absmax - offset
     for b in range(blocks):
         scales[b] = centred[b * 256:(b + 1) * 256].abs().max()
-    floats = blob[pad:].view(torch.float32)
+    floats = blob[4:start].view(torch.float32)
     assert torch.equal(floats[0], offset) and torch.equal(floats[1:], scales)
     scale = scales.repeat_interleave(256)[:n]
-    table, codes = dynamic_code(True), blob[:n].long()
+    table, codes = dynamic_code(True), blob[start:start + n].long()
     gap = (centred[:, None] / scale.clamp(min=1e-38)[:, None] - table).abs()  # (0 / 0: 0)
     # the nearest code (up to the last bit of x * (1 / scale) against x / scale)
     assert (gap.gather(1, codes[:, None])[:, 0] <= gap.min(dim=1).values + 1e-7).all()
@@ -194,6 +199,10 @@ def test_double_quantised_absmax_is_its_nearest_8bit_code(n):
         nf4_ops.nf4_double_quantize(torch.tensor([1.0, float("nan")]))
     with pytest.raises(ValueError, match=f"absmax of {n + 4} blocks takes"):
         nf4_ops.nf4_absmax(blob, n + 4)
+    if n == 1:  # (1 to 4 blocks take the same bytes: the header tells them apart)
+        with pytest.raises(ValueError, match="of 2 blocks takes 16 bytes and says 2; got 16 "
+                                             "bytes saying 1"):
+            nf4_ops.nf4_absmax(blob, 2)
 
 
 def test_double_quantised_layers_save_load_and_train_in_either_form():
@@ -218,6 +227,10 @@ def test_double_quantised_layers_save_load_and_train_in_either_form():
         into.load_state_dict(saved.state_dict())
         assert into.double_quant == saved.double_quant
         assert torch.equal(into.dequantize(), saved.dequantize())
+    # a checkpoint of another blocksize whose bytes coincide (1 to 4 blocks) is refused
+    tiny = quant.NF4Linear.from_linear(nn.Linear(16, 8), blocksize=32, double_quant=True)
+    with pytest.raises(ValueError, match="holds 4 double-quantised blocks; this layer has 2"):
+        quant.NF4Linear(16, 8, double_quant=True).load_state_dict(tiny.state_dict())
     # a dense weight loads quantised in the layer's form; a bad absmax changes nothing
     into = quant.NF4Linear(160, 96, double_quant=True)
     into.load_state_dict(dense.state_dict())
@@ -308,6 +321,8 @@ def test_lora_over_nf4_is_lora_over_the_dequantised_weight(dtype, adapter_dtype,
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_nf4_lora_compiles_fullgraph(double_quant):
     base = quant.NF4Linear.from_linear(nn.Linear(32, 24), blocksize=16, double_quant=double_quant)
+    nf4_ops._DYNAMIC.clear()  # (the code tables' first use inside the trace: no graph break)
+    nf4_ops._CODES.clear()
     layer = LoRALinear(base, r=4, alpha=8)
     with torch.no_grad():
         layer.lora_B.normal_()
@@ -804,6 +819,7 @@ def test_from_pretrained_reads_a_bitsandbytes_double_quantised_checkpoint():
     model = quant.from_pretrained(BNB_FOLDER)
     layers = [m for m in model.modules() if isinstance(m, quant.NF4Linear)]
     assert len(layers) == 14 and type(model.lm_head) is nn.Linear
+    assert all(m.double_quant for m in layers)  # (held nested, as saved)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as saved
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         # the nested (8-bit) absmax and the codes give bitsandbytes' own dequantised weight

@@ -259,14 +259,16 @@ QLORA_RUNS = {"qlora": (), "qdora": ("lora.use_dora=true",),
 
 def _train_qlora_fsdp(rank, folder, run):
     """`fastllm train` QLoRA (or QDoRA) with parallel.strategy=fsdp (the run joins this process
-    group): the bytes of 4-bit weights this rank held, and in all."""
+    group): the bytes of 4-bit weights this rank held, and in all, and whether their absmax is
+    double-quantised."""
     from fastllm.train import TrainConfig, Trainer
 
     trainer = Trainer(TrainConfig.from_args(_train_args(
         folder, os.path.join(folder, f"{run}_fsdp"), *QLORA_ARGS, *QLORA_RUNS[run],
         "parallel.strategy=fsdp")))
     trainer.train()
-    return _nf4_bytes(trainer.module)
+    layers = [m for m in trainer.module.modules() if isinstance(m, fastllm.quant.NF4Linear)]
+    return (*_nf4_bytes(trainer.module), bool(layers) and all(m.double_quant for m in layers))
 
 
 def _nf4_mixed_precision_refused():
@@ -493,8 +495,9 @@ def test_fastllm_train_qlora_under_fsdp_trains_as_one_process(runs, folder, run)
     from fastllm.train.metrics import read_metrics
 
     held = [got[f"train_{run}_fsdp"][0] for got in runs]
-    total = runs[0][f"train_{run}_fsdp"][1]
+    total, double_quant = runs[0][f"train_{run}_fsdp"][1:]
     assert total > 0 and sum(held) == total and max(held) <= 0.51 * total, (held, total)
+    assert double_quant == ("lora.double_quant=true" in QLORA_RUNS[run])
     single = os.path.join(folder, f"{run}_one")
     threads = torch.get_num_threads()
     try:

@@ -29,6 +29,7 @@ import torch
 
 from fastllm import _backend
 from fastllm._library import lib
+from fastllm.ops.adamw8bit import dynamic_code
 
 # The NF4 data type: quantiles of N(0, 1) normalised to [-1, 1], with an exact zero (QLoRA,
 # appendix E; bitsandbytes' table, to fp32).
@@ -46,11 +47,7 @@ _CODES = {}  # device -> NF4_CODE as an fp32 tensor there
 
 def nf4_code(device):
     """NF4_CODE as a 16-element fp32 tensor on `device` (made once per device)."""
-    device = torch.device(device)
-    code = _CODES.get(device)
-    if code is None:
-        code = _CODES[device] = torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
-    return code
+    return _table(_CODES, NF4_CODE, device)
 
 
 def check_blocksize(where, blocksize):
@@ -104,23 +101,40 @@ def nf4_quantize(weight, blocksize=64):
 # bitsandbytes' signed dynamic map, one fp32 scale per NESTED_BLOCKSIZE of them.
 NESTED_BLOCKSIZE = 256
 _DYNAMIC = {}  # device -> bitsandbytes' signed dynamic map there
+# its 256 values as Python floats, made at import: a first nested_code call inside a
+# torch.compile trace then makes a constant, not a graph break
+_DYNAMIC_VALUES = tuple(dynamic_code(True).tolist())
 
 
 def nested_code(device):
     """bitsandbytes' signed 8-bit dynamic map (256 fp32, ascending) on `device`: the code table
     of a double-quantised absmax (made once per device)."""
-    device = torch.device(device)
-    code = _DYNAMIC.get(device)
-    if code is None:
-        from fastllm.ops.adamw8bit import dynamic_code
+    return _table(_DYNAMIC, _DYNAMIC_VALUES, device)
 
-        code = _DYNAMIC[device] = dynamic_code(True).to(device)
+
+def _table(cache, values, device):
+    """`values` as an fp32 tensor on `device`, cached in `cache` when made eagerly (one made
+    inside a torch.compile trace is the graph's constant, not a tensor to keep)."""
+    device = torch.device(device)
+    code = cache.get(device)
+    if code is None:
+        code = torch.tensor(values, dtype=torch.float32, device=device)
+        if not torch.compiler.is_compiling():
+            cache[device] = code
     return code
+
+
+def _nested_parts(blocks):
+    """Byte offsets in a double-quantised absmax of `blocks` values: (the scales, the codes,
+    the end)."""
+    scales = 8
+    codes = scales + 4 * -(-blocks // NESTED_BLOCKSIZE)
+    return scales, codes, codes + -(-blocks // 4) * 4
 
 
 def nested_absmax_bytes(blocks):
     """Bytes of the double-quantised form of `blocks` absmax values (see nf4_double_quantize)."""
-    return -(-blocks // 4) * 4 + 4 * (1 + -(-blocks // NESTED_BLOCKSIZE))
+    return _nested_parts(blocks)[2]
 
 
 def nf4_double_quantize(absmax):
@@ -128,10 +142,10 @@ def nf4_double_quantize(absmax):
     compress_statistics=True) does it: offset = its mean; each value's nearest code in
     bitsandbytes' signed 8-bit dynamic map after dividing (value - offset) by the largest
     |value - offset| of its block of NESTED_BLOCKSIZE (ties to the lower code). Returned as one
-    uint8 tensor of nested_absmax_bytes(n): the n codes (padded with zeros to a multiple of 4
-    bytes), then, as fp32 in native byte order, the offset and each block's scale. 8.1 bits per
-    absmax instead of 32: an NF4 weight at blocksize 64 takes 0.5159 bytes instead of 0.5625.
-    nf4_absmax decodes it."""
+    uint8 tensor of nested_absmax_bytes(n), in native byte order: n as int32, the offset and
+    each block's scale as fp32, then the n codes (padded with zeros to a multiple of 4 bytes).
+    8.1 bits per absmax instead of 32: an NF4 weight at blocksize 64 takes 0.5159 bytes instead
+    of 0.5625. nf4_absmax decodes it."""
     where = "fastllm.nf4_double_quantize"
     if (not isinstance(absmax, torch.Tensor) or absmax.layout != torch.strided
             or absmax.dtype != torch.float32 or absmax.dim() != 1):
@@ -166,12 +180,19 @@ def pack_nested_absmax(codes, offset, scales):
         raise ValueError(f"fastllm.nf4: {n} nested absmax codes take "
                          f"{-(-n // NESTED_BLOCKSIZE)} scales at {NESTED_BLOCKSIZE} a block; "
                          f"got {scales.numel()}")
-    out = torch.zeros(nested_absmax_bytes(n), dtype=torch.uint8, device=codes.device)
-    out[:n] = codes.reshape(-1)
-    floats = out[-(-n // 4) * 4:].view(torch.float32)
-    floats[0] = torch.as_tensor(offset, dtype=torch.float32)
-    floats[1:] = scales.reshape(-1)
+    at, start, end = _nested_parts(n)
+    out = torch.zeros(end, dtype=torch.uint8, device=codes.device)
+    out[:4].view(torch.int32).fill_(n)
+    out[4:at].view(torch.float32).copy_(torch.as_tensor(offset, dtype=torch.float32))
+    out[at:start].view(torch.float32).copy_(scales.reshape(-1))
+    out[start:start + n] = codes.reshape(-1)
     return out
+
+
+def nested_absmax_blocks(absmax):
+    """The block count a double-quantised absmax says it holds (its int32 header; reads the
+    tensor: a device sync on a GPU, so checked where a state is loaded, not per forward)."""
+    return int(absmax[:4].cpu().view(torch.int32)[0]) if absmax.numel() >= 4 else -1
 
 
 def nf4_absmax(absmax, blocks, where=_WHERE):
@@ -184,14 +205,18 @@ def nf4_absmax(absmax, blocks, where=_WHERE):
         if absmax.layout != torch.strided or absmax.dim() != 1 or not absmax.is_contiguous():
             raise ValueError(f"{where}: a double-quantised absmax must be a contiguous 1-d "
                              f"uint8 tensor, got shape {tuple(absmax.shape)}")
-        if absmax.numel() != nested_absmax_bytes(blocks):
+        if absmax.numel() != nested_absmax_bytes(blocks) or (
+                absmax.device.type == "cpu" and nested_absmax_blocks(absmax) != blocks):
             raise ValueError(f"{where}: a double-quantised absmax of {blocks} blocks takes "
-                             f"{nested_absmax_bytes(blocks)} bytes; got {absmax.numel()}")
-    # (copied, a few bytes: the tail of a view, e.g. of an all-gather buffer, may start at an
-    # offset fp32 cannot be read at)
-    floats = absmax[-(-blocks // 4) * 4:].clone().view(torch.float32)
+                             f"{nested_absmax_bytes(blocks)} bytes and says {blocks}; got "
+                             f"{absmax.numel()} bytes saying {nested_absmax_blocks(absmax)}")
+    _, start, _ = _nested_parts(blocks)
+    # (copied, a few bytes: a view, e.g. into an all-gather buffer, may start at an offset fp32
+    # cannot be read at)
+    floats = absmax[4:start].clone().view(torch.float32)
     scale = floats[1:].repeat_interleave(NESTED_BLOCKSIZE)[:blocks]
-    return nested_code(absmax.device)[absmax[:blocks].long()] * scale + floats[0]
+    codes = absmax[start:start + blocks].long()
+    return nested_code(absmax.device)[codes] * scale + floats[0]
 
 
 def nf4_dequantize_ref(packed, absmax, shape, blocksize, dtype):

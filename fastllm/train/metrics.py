@@ -304,10 +304,12 @@ def start_line(trainer):
     rows = "preference pairs" if trainer.objective is not None else "sequences"
     nf4 = ""
     if cfg.lora.quantize_base == "nf4":
-        from fastllm.quant import nf4_bytes
+        from fastllm.quant import NF4Linear, nf4_bytes
 
         whole, held = nf4_bytes(trainer.module), nf4_bytes(trainer.module, held=True)
-        double = " double-quantised" if cfg.lora.double_quant else ""
+        # (a nested bitsandbytes folder stays double-quantised as loaded)
+        double = " double-quantised" if any(m.double_quant for m in trainer.module.modules()
+                                            if isinstance(m, NF4Linear)) else ""
         nf4 = f", NF4 base {whole / 2**20:.1f} MiB{double}" + (
             f" ({held / 2**20:.1f} MiB on this rank)" if held != whole else "")
     objective = f"; {trainer.objective.describe()}" if trainer.objective is not None else ""

@@ -34,6 +34,7 @@ def format_plan(best, model, seq_len, global_batch, gpu, n_gpus, node_size):
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
+
 def add_plan_arguments(p):
     p.add_argument("--model", required=True,
                    help=f"a name ({', '.join(MODELS)}) or a Hugging Face config.json")

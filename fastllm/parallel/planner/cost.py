@@ -300,7 +300,7 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             # the weight shards, and beside them the whole weights; grads accumulate whole
             # across micro-batches and become shards only after the last backward (each
             # layer's whole ones freed as its shards are made; zero_grad frees the shards)
-            weights += p * e
+            weights += stage_bytes(first, last)
             grads = trainable * g
         most_trainable = max(most_trainable, trainable)
         # under 1F1B each backward after the first runs with every gradient of the stage
