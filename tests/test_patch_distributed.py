@@ -30,6 +30,9 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LAYOUTS = {
     # FSDP2 per decoder layer and at the root; each rank its half of the batch
     "fsdp2": (dict(tied=True), "fsdp"),
+    # ... untied, through fastllm.parallel.apply_fsdp: the input embedding an FSDP2 unit of its
+    # own (the head stays in the root)
+    "fsdp2_untied": (dict(tied=False), "fsdp_apply"),
     # ... with transformers' activation checkpointing: the patched layer recomputed in backward
     "fsdp2_recompute": (dict(tied=True), "fsdp_recompute"),
     # fastllm.parallel.parallelize on a tp mesh of 2: vocabulary-parallel embedding and head
@@ -150,8 +153,11 @@ def _parallelize(model, how, rank):
     if how.startswith("fsdp"):
         if how == "fsdp_recompute":
             apply_activation_checkpointing(model)
-        fastllm.quant.shardable_nf4(model)  # (before a fully_shard of one's own)
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        if how == "fsdp_apply":
+            apply_fsdp(model, mesh)
+            return slice(rank * 2, rank * 2 + 2)
+        fastllm.quant.shardable_nf4(model)  # (before a fully_shard of one's own)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -187,9 +193,12 @@ def _run_layout(name, rank):
     finally:
         for module, fn_name, fn in originals:
             setattr(module, fn_name, fn)
-    out = {"calls": dict(calls), "grads": _grads(model), "nf4_bytes": _nf4_bytes(model)}
+    from torch.distributed.fsdp import FSDPModule
+
+    out = {"calls": dict(calls), "grads": _grads(model), "nf4_bytes": _nf4_bytes(model),
+           "embedding_unit": isinstance(model.get_input_embeddings(), FSDPModule)}
     losses = [loss.detach().clone()]
-    if how == "fsdp":
+    if how in ("fsdp", "fsdp_apply"):
         opt = fastllm.optim.AdamW(model.parameters(), lr=LR)
         for step in range(1, STEPS + 1):
             opt.step()
@@ -320,7 +329,7 @@ def _reference(name, **over):
     kwargs, how = LAYOUTS[name]
     model = _model(**{**kwargs, **over})
     losses, grads = [], None
-    opt = fastllm.optim.AdamW(model.parameters(), lr=LR) if how == "fsdp" else None
+    opt = fastllm.optim.AdamW(model.parameters(), lr=LR) if how in ("fsdp", "fsdp_apply") else None
     for step in range(STEPS if opt else 1):
         ids, labels = _batch(step, vocab=model.config.vocab_size)
         loss = model(input_ids=ids, labels=labels).loss
@@ -348,6 +357,8 @@ EXPECTED_CALLS = {
     # FSDP2: unsharded plain parameters inside each unit; down_proj fused with the SwiGLU
     "fsdp2": {"rms_norm": 5, "rotary_embedding": 2, "swiglu_linear": 2,
               "fused_linear_cross_entropy": 1},
+    "fsdp2_untied": {"rms_norm": 5, "rotary_embedding": 2, "swiglu_linear": 2,
+                     "fused_linear_cross_entropy": 1},
     # each layer's recomputation in backward runs its kernels again
     "fsdp2_recompute": {"rms_norm": 9, "rotary_embedding": 4, "swiglu_linear": 4,
                         "fused_linear_cross_entropy": 1},
@@ -377,7 +388,7 @@ EXPECTED_CALLS = {
 # FSDP2 hands the projections plain unsharded weights: on a CPU where fastllm routes fp32 matmuls
 # through oneDNN (fastllm/_gemm.py), q/k/v/o/gate/up of both layers go to fastllm.ops.linear
 # (down_proj is fused with the SwiGLU), again in each recomputation
-ROUTED_LINEAR_CALLS = {"fsdp2": 12, "fsdp2_recompute": 24}
+ROUTED_LINEAR_CALLS = {"fsdp2": 12, "fsdp2_untied": 12, "fsdp2_recompute": 24}
 
 
 # the workers set FASTLLM_CPU_ATTENTION=fastllm: where the extension has the kernel, every
@@ -416,6 +427,10 @@ def test_patched_layout_equals_unpatched_single_process(runs, layout):
     total = runs[0][layout]["nf4_bytes"][1]
     if LAYOUTS[layout][0].get("nf4"):  # each rank holds its half of the 4-bit weights
         assert total > 0 and sum(held) == total and max(held) <= 0.51 * total, (held, total)
+    kwargs, how = LAYOUTS[layout]
+    # (apply_fsdp: an untied embedding is a unit of its own; a tied one stays in the root)
+    sharded = how.startswith("fsdp") or how == "dp_tp_sp"
+    assert runs[0][layout]["embedding_unit"] == (sharded and not kwargs.get("tied"))
     want = _reference(layout)
     for got in runs:
         got = got[layout]

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from fastllm._modules import output_layer
 from fastllm.lora import LoRALinear
 from fastllm.ops.lora_linear import lora_linear, new_dropout_seed
 from fastllm.parallel import _torch_support
@@ -426,7 +427,10 @@ def wrap_activation_checkpointing(model):
 def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_after_forward=True,
                root=None):
     """FSDP2 per decoder layer, then the root (which takes embedding, norm and head): `model`,
-    or `root`, a module holding `model` whose forward runs it (returned then). NF4 layers
+    or `root`, a module holding `model` whose forward runs it (returned then). An input
+    embedding not tied to the head is a unit of its own (torchtitan's), gathered for its forward
+    and backward only, where the root would hold it whole for the step; a tied one, and the
+    head (which fastllm's fused loss reads without calling it), stay in the root. NF4 layers
     (fastllm.quant) are made shardable first: their 4-bit weights sharded with their layer, as
     frozen uint8/fp32 parameters: hand an optimizer the parameters that require grad (torch's
     fused AdamW refuses any non-float parameter)."""
@@ -439,6 +443,12 @@ def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_afte
                          "and shard with param_dtype=None")
     shardable_nf4(model)  # (the 4-bit codes and absmax sharded with their decoder layer)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = output_layer(model)
+    if embedding is not None and (head is None or getattr(head, "weight", None) is not getattr(
+            embedding, "weight", None)):
+        fully_shard(embedding, mesh=dp_mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     root = model if root is None else root

@@ -334,11 +334,12 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
                                          (2 if model.gated_mlp else 1) * h * model.ffn)
         if fsdp and not kept:
             # FSDP2 gathers each layer whole (the next one prefetched) and keeps the root's
-            # parameters (embedding, final norm, head) whole from forward to backward; a
-            # layer's and the root's gradients (LoRA: the adapters' alone) are whole until
-            # their reduce-scatter
+            # parameters (final norm, head, a tied embedding; an untied one is a unit of its
+            # own, gathered for its forward and backward only) whole from forward to
+            # backward; a layer's and the root's gradients (LoRA: the adapters' alone) are
+            # whole until their reduce-scatter
             # (this tp rank's share of them)
-            root = ((model.embedding_params() / tv if first else 0)
+            root = ((model.embedding_params() / tv if first and model.tied_embeddings else 0)
                     + ((model.head_params() / tv + model.hidden / t) if last else 0))
             layer = model.layer_params() / t
             whole_grads = (lora_params_per_layer(model, lo.lora_rank) / t if lo.lora_rank
