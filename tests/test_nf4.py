@@ -192,6 +192,9 @@ def test_double_quantised_absmax_is_its_nearest_8bit_code(n):
     assert (gap.gather(1, codes[:, None])[:, 0] <= gap.min(dim=1).values + 1e-7).all()
     decoded = nf4_ops.nf4_absmax(blob, n)
     assert torch.equal(decoded, table[codes] * scale + offset)
+    shifted = torch.zeros(blob.numel() + 1, dtype=torch.uint8)  # (a view at an odd byte)
+    shifted[1:] = blob
+    assert torch.equal(nf4_ops.nf4_absmax(shifted[1:], n), decoded)
     assert (decoded - absmax).abs().max() <= scale.max() * 0.01  # (the map's largest gap /2)
     with pytest.raises(TypeError, match="dense 1-d fp32"):
         nf4_ops.nf4_double_quantize(absmax.double())

@@ -269,6 +269,24 @@ def test_qlora_prices_the_frozen_base_in_nf4():
         for e in every)
 
 
+def test_fsdp_prices_an_untied_embedding_as_its_own_unit():
+    """apply_fsdp makes an untied embedding a unit of its own: not held in the root all step;
+    under full fine-tuning gathered again, with its whole grad, for its backward (the last)."""
+    model, gpu = MODELS["llama3-8b"], GPUS["H100"]
+    assert not model.tied_embeddings
+    e = g = gpu.dtype_bytes
+    layer, emb = model.layer_params(), model.embedding_params()
+    root = model.head_params() + model.hidden  # (the head and the final norm)
+    full, lora = (estimate(model, Layout(dp=8, zero=3, lora_rank=r), 4096, 64, gpu)["memory"]
+                  for r in (0, 16))
+    assert emb * (e + g) > 2 * layer * e + layer * g  # (a vocabulary of 128256: it is the peak)
+    assert full["gathered"] == pytest.approx(emb * (e + g) + root * (e + g))
+    from fastllm.parallel.planner.memory import lora_params_per_layer
+
+    assert lora["gathered"] == pytest.approx(2 * layer * e + root * e
+                                             + lora_params_per_layer(model, 16) * g)
+
+
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 # Megatron-LM" (SC 2021), Table 1: GPT models, sequence 2048, vocabulary 51200, A100 80GB (312
 # TFLOP/s bf16 peak), DGX A100 nodes of 8, full activation recomputation. Columns: parameters

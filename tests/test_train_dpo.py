@@ -337,6 +337,32 @@ def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
               f"output_dir={tmp_path / 'h'}"])
 
 
+def test_zero_keeps_the_preference_scoring_fused(tmp_path):
+    """Under ZeRO the objective's log-probabilities stay fused (no logits): DistributedOptimizer
+    gathers the params at once after a step, where its overlapped gather's forward pre-hooks
+    (objective=lm) made fastllm.preference fall back to the whole logits, unseen."""
+    import torch.distributed as dist
+
+    from fastllm.preference import _fused_route
+    from fastllm.train import optimizers
+    from fastllm.train.model import build_model
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        routes = {}
+        for objective in ("dpo", "lm"):
+            extra = () if objective == "dpo" else ("data.path=null",)
+            cfg = _cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), f"objective={objective}",
+                       "parallel.strategy=zero2", *extra)
+            model = build_model(cfg, 300, torch.float32)
+            optimizers.build(cfg, model, "cpu", 2, True)
+            routes[objective] = _fused_route(model) is not None
+        assert routes == {"dpo": True, "lm": False}
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("strategy,finetune,precompute,objective", [
     ("ddp", "lora", False, "dpo"), ("ddp", "full", True, "dpo"), ("fsdp", "lora", True, "dpo"),
     ("fsdp", "full", False, "dpo"), ("fsdp", "qlora", False, "orpo"),

@@ -192,7 +192,8 @@ def pack_nested_absmax(codes, offset, scales):
 def nested_absmax_blocks(absmax):
     """The block count a double-quantised absmax says it holds (its int32 header; reads the
     tensor: a device sync on a GPU, so checked where a state is loaded, not per forward)."""
-    return int(absmax[:4].cpu().view(torch.int32)[0]) if absmax.numel() >= 4 else -1
+    # (copied: a view may start at an offset int32 cannot be read at)
+    return int(absmax[:4].to("cpu", copy=True).view(torch.int32)[0]) if absmax.numel() >= 4 else -1
 
 
 def nf4_absmax(absmax, blocks, where=_WHERE):

@@ -443,7 +443,10 @@ def apply_fsdp(model, dp_mesh, param_dtype=None, reduce_dtype=None, reshard_afte
                          "and shard with param_dtype=None")
     shardable_nf4(model)  # (the 4-bit codes and absmax sharded with their decoder layer)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # (not a transformers model, or one it
+        embedding = None                           # cannot resolve: all in the root)
     head = output_layer(model)
     if embedding is not None and (head is None or getattr(head, "weight", None) is not getattr(
             embedding, "weight", None)):

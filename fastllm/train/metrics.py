@@ -308,8 +308,8 @@ def start_line(trainer):
 
         whole, held = nf4_bytes(trainer.module), nf4_bytes(trainer.module, held=True)
         # (a nested bitsandbytes folder stays double-quantised as loaded)
-        double = " double-quantised" if any(m.double_quant for m in trainer.module.modules()
-                                            if isinstance(m, NF4Linear)) else ""
+        layers = [m for m in trainer.module.modules() if isinstance(m, NF4Linear)]
+        double = " double-quantised" if layers and all(m.double_quant for m in layers) else ""
         nf4 = f", NF4 base {whole / 2**20:.1f} MiB{double}" + (
             f" ({held / 2**20:.1f} MiB on this rank)" if held != whole else "")
     objective = f"; {trainer.objective.describe()}" if trainer.objective is not None else ""

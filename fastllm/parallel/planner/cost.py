@@ -342,10 +342,17 @@ def estimate(model, layout, seq_len, global_batch, gpu, node_size=8, flash=True,
             root = ((model.embedding_params() / tv if first and model.tied_embeddings else 0)
                     + ((model.head_params() / tv + model.hidden / t) if last else 0))
             layer = model.layer_params() / t
-            whole_grads = (lora_params_per_layer(model, lo.lora_rank) / t if lo.lora_rank
-                           else layer + root)
-            mem["gathered"] = (2 * (layer * e - nf4_saving / layers_stage) + root * e
-                               + whole_grads * g)
+            layers_whole = 2 * (layer * e - nf4_saving / layers_stage)
+            if lo.lora_rank:
+                mem["gathered"] = (layers_whole + root * e
+                                   + lora_params_per_layer(model, lo.lora_rank) / t * g)
+            else:
+                units = layers_whole + layer * g
+                if first and not model.tied_embeddings:
+                    # the untied embedding's unit, gathered again for its backward (the last):
+                    # its weight and grad whole beside the root's
+                    units = max(units, model.embedding_params() / tv * (e + g))
+                mem["gathered"] = units + root * (e + g)
         total = sum(mem.values())
         if best is None or total > best[0]:
             best = (total, mem)
