@@ -71,11 +71,25 @@ def nf4_quantize(weight, blocksize=64):
         raise TypeError(f"{where}: weight has dtype {weight.dtype}; expected float32, bfloat16 or "
                         f"float16")
     n = weight.numel()
-    blocks = -(-n // blocksize)
     flat = weight.detach().reshape(-1).to(torch.float32)
     if not bool(torch.isfinite(flat).all()):
         raise ValueError(f"{where}: weight has inf or nan values; they have no NF4 code")
-    padded = torch.zeros(blocks * blocksize, dtype=torch.float32, device=weight.device)
+    q, absmax = _blockwise_nearest(flat, blocksize, nf4_code(weight.device))
+    q = q.to(torch.uint8)
+    if n % 2:  # the odd element's partner: code 7 (0.0), bitsandbytes' padding
+        q = torch.cat([q, q.new_full((1,), 7)])
+    packed = (q[0::2] << 4) | q[1::2]
+    return packed.contiguous(), absmax.contiguous()
+
+
+def _blockwise_nearest(flat, blocksize, code):
+    """(index of each value's nearest entry of the ascending `code`, ties to the lower, after
+    dividing by its block's absolute maximum; the blocks' absolute maxima, fp32) of the fp32
+    1-d `flat`, cut into blocks of `blocksize` (the last may be short). bitsandbytes' blockwise
+    quantisation, for NF4 weights and for the 8-bit codes of a double-quantised absmax."""
+    n = flat.numel()
+    blocks = -(-n // blocksize)
+    padded = torch.zeros(blocks * blocksize, dtype=torch.float32, device=flat.device)
     padded[:n] = flat
     rows = padded.view(blocks, blocksize)
     absmax = rows.abs().amax(dim=1)
@@ -86,14 +100,8 @@ def nf4_quantize(weight, blocksize=64):
     if n % blocksize:
         tail = (blocks - 1) * blocksize
         scaled[tail:] = padded[tail:] / safe[-1]
-    scaled = scaled[:n].clamp_(-1.0, 1.0)
-    code = nf4_code(weight.device)
     mid = (code[1:] + code[:-1]) * 0.5
-    q = torch.bucketize(scaled, mid).to(torch.uint8)  # v <= mid[i] -> code i: ties go lower
-    if n % 2:  # the odd element's partner: code 7 (0.0), bitsandbytes' padding
-        q = torch.cat([q, q.new_full((1,), 7)])
-    packed = (q[0::2] << 4) | q[1::2]
-    return packed.contiguous(), absmax.contiguous()
+    return torch.bucketize(scaled[:n].clamp_(-1.0, 1.0), mid), absmax  # (v <= mid[i]: code i)
 
 
 # QLoRA's double quantisation of the absmax (bitsandbytes' compress_statistics /
@@ -154,20 +162,8 @@ def nf4_double_quantize(absmax):
         raise TypeError(f"{where}: absmax must be a dense 1-d fp32 tensor, got {what}")
     if not bool(torch.isfinite(absmax).all()):
         raise ValueError(f"{where}: absmax has inf or nan values")
-    n, device = absmax.numel(), absmax.device
-    offset = absmax.mean() if n else absmax.new_zeros(())
-    blocks = -(-n // NESTED_BLOCKSIZE)
-    padded = torch.zeros(blocks * NESTED_BLOCKSIZE, dtype=torch.float32, device=device)
-    padded[:n] = absmax - offset
-    rows = padded.view(blocks, NESTED_BLOCKSIZE)
-    scales = rows.abs().amax(dim=1)
-    safe = scales.clamp(min=1e-38)  # (as nf4_quantize: x * (1 / scale), a short block x / scale)
-    scaled = (rows * (1.0 / safe)[:, None]).reshape(-1)
-    if n % NESTED_BLOCKSIZE:
-        tail = (blocks - 1) * NESTED_BLOCKSIZE
-        scaled[tail:] = padded[tail:] / safe[-1]
-    code = nested_code(device)
-    q = torch.bucketize(scaled[:n].clamp_(-1.0, 1.0), (code[1:] + code[:-1]) * 0.5)
+    offset = absmax.mean() if absmax.numel() else absmax.new_zeros(())
+    q, scales = _blockwise_nearest(absmax - offset, NESTED_BLOCKSIZE, nested_code(absmax.device))
     return pack_nested_absmax(q.to(torch.uint8), offset, scales)
 
 
@@ -206,8 +202,8 @@ def nf4_absmax(absmax, blocks, where=_WHERE):
         if absmax.layout != torch.strided or absmax.dim() != 1 or not absmax.is_contiguous():
             raise ValueError(f"{where}: a double-quantised absmax must be a contiguous 1-d "
                              f"uint8 tensor, got shape {tuple(absmax.shape)}")
-        if absmax.numel() != nested_absmax_bytes(blocks) or (
-                absmax.device.type == "cpu" and nested_absmax_blocks(absmax) != blocks):
+        said = nested_absmax_blocks(absmax) if absmax.device.type == "cpu" else blocks
+        if absmax.numel() != nested_absmax_bytes(blocks) or said != blocks:
             raise ValueError(f"{where}: a double-quantised absmax of {blocks} blocks takes "
                              f"{nested_absmax_bytes(blocks)} bytes and says {blocks}; got "
                              f"{absmax.numel()} bytes saying {nested_absmax_blocks(absmax)}")
