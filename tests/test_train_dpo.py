@@ -113,6 +113,23 @@ def _logits_logps(model, batch):
     return logp.gather(-1, labels.where(keep, 0)[..., None])[..., 0].where(keep, 0.0).sum(-1)
 
 
+def test_describe_says_the_route_the_scoring_takes():
+    """The start line said "fused, no logits" for any model with fastllm's kernels on, while a
+    family fastllm.patch does not know (GPT-2 here) is scored from its logits: it says so now."""
+    import transformers
+
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=97, n_embd=32, n_layer=1, n_head=4, n_positions=32)).eval()
+    objective = PreferenceObjective(DPOConfig(), gpt2, adapters=False, fused=True)
+    assert "from the logits" in objective.describe() and not objective.fused
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2))
+    assert "fused, no logits" in PreferenceObjective(DPOConfig(), llama, adapters=False,
+                                                     fused=True).describe()
+
+
 @pytest.mark.parametrize("loss_type,rpo", [("sigmoid", 0.0), ("ipo", 0.5)])
 @pytest.mark.parametrize("fused", [True, False])
 def test_step_equals_trl_formula_over_logits_with_a_frozen_reference(tmp_path, loss_type, rpo,

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm.adapters import disable_adapters
-from fastllm.preference import cpo_loss, dpo_loss, orpo_log_odds, orpo_loss, sequence_logps
+from fastllm.preference import (_causal_lm, _fused_route, cpo_loss, dpo_loss, orpo_log_odds,
+                                orpo_loss, sequence_logps)
 
 __all__ = ["PreferenceObjective"]
 
@@ -60,6 +61,9 @@ class _Policy(nn.Module):
 
 class PreferenceObjective:
     def __init__(self, dpo, model, adapters, fused, name="dpo", section=None):
+        # fused: the scoring without logits, where the model has that route (a family
+        # fastllm.patch knows, a plain head: fastllm.preference); else its logits, as said
+        fused = fused and _fused_route(_causal_lm(model)) is not None
         self.dpo, self.fused, self.adapters = dpo, fused, adapters
         # name: dpo, cpo or orpo; section: cfg.cpo / cfg.orpo (the reference-free ones)
         self.name, self.section = name, section
@@ -95,8 +99,6 @@ class PreferenceObjective:
     def compile(self, model):
         """torch_compile: the decoder the fused scoring runs (it calls the decoder and the head,
         not the model's forward, which model.compile() compiles)."""
-        from fastllm.preference import _causal_lm, _fused_route
-
         route = _fused_route(_causal_lm(model)) if self.fused else None
         if route is not None:
             route[0].compile()
