@@ -266,11 +266,11 @@ def model_recipes():
         _, rstd = rms_norm_fwd_triton(x, w, 1e-6, 0.0)
         rms_norm_bwd_triton(torch.randn(rows, h).to(dt), x, w, rstd, 0.0, True, True)
 
-    def swiglu(ffn):
+    def swiglu(ffn, gelu=False):  # (gelu: GeGLU, Gemma's MLP)
         gate, up = torch.randn(rows, ffn).to(dt), torch.randn(rows, ffn).to(dt)
-        swiglu_fwd_triton(gate, up)
+        swiglu_fwd_triton(gate, up, gelu)
         for need_h in (False, True):  # (True: swiglu_linear's backward, the product written too)
-            swiglu_bwd_triton(torch.randn(rows, ffn).to(dt), gate, up, need_h)
+            swiglu_bwd_triton(torch.randn(rows, ffn).to(dt), gate, up, need_h, gelu)
 
     def rotary(hq, hk, d, gather):
         b, s = 2, 32
@@ -300,6 +300,7 @@ def model_recipes():
     return {"rms_norm h=576": lambda: rms_norm(576), "rms_norm h=4096": lambda: rms_norm(4096),
             "rms_norm h=520 (8 mod 16)": lambda: rms_norm(520),
             "swiglu ffn=1536": lambda: swiglu(1536),
+            "geglu ffn=2048": lambda: swiglu(2048, gelu=True),
             "rotary 9/3 heads d=64 position_ids": lambda: rotary(9, 3, 64, True),
             "rotary 32/8 heads d=128": lambda: rotary(32, 8, 128, False),
             "fused_linear_cross_entropy rows vocab=49152": lambda: flce_rows(49152),

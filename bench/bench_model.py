@@ -3,12 +3,13 @@
     fastllm bench --ops model [--full]
 
 1. Each op, forward + backward, against torch eager and torch.compile of the same maths (what
-   HF's LlamaRMSNorm, apply_rotary_pos_emb, LlamaMLP's act * up, nn.Linear and its sdpa
-   attention compute), at SmolLM2-135M's sizes for 8 x 512 tokens: time, GB/s (the bytes the op
-   must move at least) or TFLOP/s (linear, attention), and the peak of the tensors it allocates
-   (PeakMemory). "fastllm" for linear and attention is what fastllm.patch runs: fastllm.ops.linear,
-   and fastllm.ops.attention where FASTLLM_CPU_ATTENTION says (else the fp32 flash attention of
-   fastllm/_lowp.py where it widens bf16, else torch's own).
+   HF's LlamaRMSNorm, apply_rotary_pos_emb, LlamaMLP's act * up (and GemmaMLP's tanh-GELU
+   one), nn.Linear and its sdpa attention compute), at SmolLM2-135M's sizes for 8 x 512
+   tokens: time, GB/s (the bytes the op must move at least) or TFLOP/s (linear, attention),
+   and the peak of the tensors it allocates (PeakMemory). "fastllm" for linear and attention is
+   what fastllm.patch runs: fastllm.ops.linear, and fastllm.ops.attention where
+   FASTLLM_CPU_ATTENTION says (else the fp32 flash attention of fastllm/_lowp.py where it widens
+   bf16, else torch's own).
 2. A training step of a SmolLM2-135M-shaped LlamaForCausalLM (hidden 576, 9 / 3 heads, ffn 1536,
    vocab 49152, tied embeddings; random init, or the real weights from FASTLLM_BENCH_MODEL=DIR,
    a folder made by examples/prepare_smollm2.py), LoRA (r=16 on q/v) and full
@@ -25,7 +26,11 @@ FASTLLM_BENCH_STEPS=0 the ops only. With FASTLLM_BENCH_MODEL the step runs the f
 layers (at most as many as it has) and the table names the folder and its shape.
 FASTLLM_BENCH_FAMILY=qwen3 (not with FASTLLM_BENCH_MODEL) steps
 a Qwen3-0.6B-shaped Qwen3ForCausalLM instead (hidden 1024, 16 / 8 heads of 128, q/k norms, ffn
-3072, vocab 151936, tied embeddings; random init): the vocabulary where the logits weigh most.
+3072, vocab 151936, tied embeddings; random init): the vocabulary where the logits weigh most;
+FASTLLM_BENCH_FAMILY=gemma3 a Gemma-3-270M-shaped Gemma3ForCausalLM (hidden 640, 4 / 1 heads of
+256, q/k norms, GeGLU ffn 2048, vocab 262144, tied embeddings, sliding window 512 on 5 layers of
+6; random init), where fastllm.patch swaps the norms and the loss only (its attention and gelu
+MLP stay Hugging Face's).
 """
 
 import copy
@@ -65,6 +70,10 @@ def _rotary_torch(q, k, cos, sin):  # apply_rotary_pos_emb on (B, S, H, D), unsq
 
 def _swiglu_torch(gate, up):  # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
     return F.silu(gate) * up
+
+
+def _geglu_torch(gate, up):  # GemmaMLP: act_fn gelu_pytorch_tanh
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _attention_torch(q, k, v):  # what HF's sdpa attention calls for a causal batch, no mask
@@ -124,6 +133,8 @@ def _op_cases(b, s, dtype):
         ("swiglu", f"gate, up {t}x{FFN}, {dt}", [gate, up], [],
          lambda g, u: fastllm.ops.swiglu(g, u), _swiglu_torch,
          dict(bytes=8 * gate.numel() * es)),  # fwd: 2 in 1 out; bwd: 3 in 2 out
+        ("geglu", f"gate, up {t}x{FFN}, {dt}", [gate, up], [],
+         lambda g, u: fastllm.ops.geglu(g, u), _geglu_torch, dict(bytes=8 * gate.numel() * es)),
     ]
 
 
@@ -169,25 +180,31 @@ def run_ops(b, s, dtypes, progress):
 # --- 2. the training step ---------------------------------------------------------------------
 
 QWEN3_VOCAB = 151936
+GEMMA3_VOCAB = 262144
+# the random-init shapes FASTLLM_BENCH_FAMILY names (smollm2, the default, is VOCAB's Llama)
+_RANDOM_FAMILIES = {"qwen3": "Qwen3-0.6B", "gemma3": "Gemma-3-270M"}
 
 
 def _family():
     family = os.environ.get("FASTLLM_BENCH_FAMILY", "smollm2")
-    if family not in ("smollm2", "qwen3"):
-        raise SystemExit(f"FASTLLM_BENCH_FAMILY={family}: use smollm2 or qwen3")
+    if family not in ("smollm2", *_RANDOM_FAMILIES):
+        raise SystemExit(f"FASTLLM_BENCH_FAMILY={family}: use smollm2, "
+                         f"{' or '.join(_RANDOM_FAMILIES)}")
     return family
 
 
 def _model_folder(layers):
     """(folder, its config.json as a dict) named by FASTLLM_BENCH_MODEL, or (None, None); checked:
     a folder of Hugging Face weights with at least `layers` layers, and not with
-    FASTLLM_BENCH_FAMILY=qwen3 (whose step is a random-init Qwen3-0.6B shape)."""
+    FASTLLM_BENCH_FAMILY=qwen3 or gemma3 (whose steps are random-init shapes)."""
     path = os.environ.get("FASTLLM_BENCH_MODEL")
     if not path:
         return None, None
-    if _family() == "qwen3":
-        raise SystemExit(f"FASTLLM_BENCH_FAMILY=qwen3 and FASTLLM_BENCH_MODEL={path}: the qwen3 "
-                         "step is a random-init Qwen3-0.6B shape; set one of them, not both")
+    family = _family()
+    if family in _RANDOM_FAMILIES:
+        raise SystemExit(f"FASTLLM_BENCH_FAMILY={family} and FASTLLM_BENCH_MODEL={path}: the "
+                         f"{family} step is a random-init {_RANDOM_FAMILIES[family]} shape; set "
+                         "one of them, not both")
     if not os.path.isdir(path):
         raise SystemExit(f"FASTLLM_BENCH_MODEL={path}: there is no such folder (make one with "
                          "examples/prepare_smollm2.py)")
@@ -220,6 +237,18 @@ def _model(layers, dtype):
                              tie_word_embeddings=True, attn_implementation="sdpa")
         return (Qwen3ForCausalLM(config).to(dtype),
                 f"Qwen3-0.6B shape (random init), {layers} layers")
+    if _family() == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        torch.manual_seed(0)
+        config = Gemma3TextConfig(vocab_size=GEMMA3_VOCAB, hidden_size=640,
+                                  intermediate_size=2048, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                  query_pre_attn_scalar=256, sliding_window=512,
+                                  max_position_embeddings=32768, tie_word_embeddings=True,
+                                  attn_implementation="sdpa")
+        return (Gemma3ForCausalLM(config).to(dtype),
+                f"Gemma-3-270M shape (random init), {layers} layers")
     path, config = _model_folder(layers)
     if path:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -334,8 +363,8 @@ def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
     profile_max_s, slow_s = _time_limits()
     torch.manual_seed(0)
     config = _model_folder(layers)[1]
-    vocab = (QWEN3_VOCAB if _family() == "qwen3" else
-             config.get("vocab_size", VOCAB) if config else VOCAB)
+    vocab = ({"qwen3": QWEN3_VOCAB, "gemma3": GEMMA3_VOCAB}.get(_family()) or
+             (config.get("vocab_size", VOCAB) if config else VOCAB))
     ids = torch.randint(0, vocab, (b, s))
     for dtype in dtypes:
         for finetune in finetunes:

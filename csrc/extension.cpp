@@ -60,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_cpu", &fastllm::rotary_embedding_cpu, no_gil);
   m.def("swiglu_cpu", &fastllm::swiglu_cpu, no_gil);
   m.def("swiglu_backward_cpu", &fastllm::swiglu_backward_cpu, no_gil);
+  m.def("geglu_cpu", &fastllm::geglu_cpu, no_gil);
+  m.def("geglu_backward_cpu", &fastllm::geglu_backward_cpu, no_gil);
   m.def("attention_cpu", &fastllm::attention_cpu, no_gil);
   m.def("attention_backward_cpu", &fastllm::attention_backward_cpu, no_gil);
 #endif

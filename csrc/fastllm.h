@@ -196,6 +196,10 @@ at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up);
 // (the same pass), else empty.
 std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
                                             const at::Tensor& up, bool need_h);
+// gelu(gate, approximate="tanh") * up (Gemma's GeGLU), and its backward, as the two above.
+at::Tensor geglu_cpu(const at::Tensor& gate, const at::Tensor& up);
+std::vector<at::Tensor> geglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
+                                           const at::Tensor& up, bool need_h);
 // Causal attention (csrc/cpu/attention.cpp; fastllm/ops/attention.py): q (B, T, Hq, D), k, v
 // (B, T, Hkv, D), one dtype (fp32, bf16, fp16), Hq a multiple of Hkv; query t attends keys
 // doc_start[b, t] <= j <= t (doc_start an empty tensor: 0). Returns {out (B, T, Hq, D) of q's

@@ -146,6 +146,12 @@ SCHEMAS = {
         "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, bool need_h=False) "
         "-> (Tensor, Tensor, Tensor)"
     ),
+    # gelu(gate, approximate="tanh") * up (Gemma's GeGLU), its backward as swiglu_backward's.
+    "geglu": "geglu(Tensor gate, Tensor up) -> Tensor",
+    "geglu_backward": (
+        "geglu_backward(Tensor grad_out, Tensor gate, Tensor up, bool need_h=False) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
     # x weight^T + bias, computed in fp32 for bf16/fp16 on CPUs without a native low-precision
     # GEMM (fastllm/ops/linear.py, fastllm/_lowp.py); (dx, dweight, dbias), empty where
     # output_mask is False.
@@ -273,7 +279,8 @@ def first_order_only(where):
     Triton, a backward op with no derivative of its own, or grads computed in the forward):
     under create_graph=True, with an input that needs a gradient, it raises, naming the op. Such
     gradients have no graph back to the inputs, so a second derivative through them would be
-    silently zero or wrong (a backward op without autograd only warned)."""
+    silently zero or wrong (a backward op without autograd only warned). where: the op's name,
+    or a function of ctx giving it (one autograd.Function serving several ops)."""
 
     def wrap(backward):
         @functools.wraps(backward)
@@ -281,7 +288,7 @@ def first_order_only(where):
             # grad mode is on inside a backward only under create_graph=True
             if torch.is_grad_enabled() and any(ctx.needs_input_grad):
                 raise RuntimeError(
-                    f"{where}: double backward (create_graph=True) is not supported: its "
+                    f"{where(ctx) if callable(where) else where}: double backward (create_graph=True) is not supported: its "
                     "backward runs fastllm's kernels, which have no derivative of their own; "
                     "use the plain-PyTorch module or <op>_ref where second derivatives are "
                     "needed")

@@ -11,7 +11,8 @@ What is swapped, per module instance (the class and every other model are untouc
                            together, and fastllm.ops.lora_linear_multi for q/k/v when they
                            are fastllm.lora LoRALinear layers (x read once for every A; over
                            NF4Linear bases too: fastllm.quant.nf4_lora_linear_multi)
-    *MLP (SwiGLU)       -> fastllm.ops.swiglu (silu(gate) * up recomputed in the backward), with
+    *MLP (SwiGLU,       -> fastllm.ops.swiglu (silu(gate) * up recomputed in the backward; for
+     GeGLU)                Gemma's tanh-GELU MLP fastllm.ops.geglu, the same way), with
                            gate/up through lora_linear_multi when both are LoRALinear, and a
                            LoRALinear down_proj through fastllm.ops.swiglu_lora_linear (the
                            product not kept for its backward; fastllm/_patch_lora.py)
@@ -19,8 +20,9 @@ What is swapped, per module instance (the class and every other model are untouc
                            native low-precision GEMMs (products in fp32, fastllm/_lowp.py; the
                            attention's sdpa is then computed in fp32 the same way), or fp32 on a
                            CPU where ATen's fp32 GEMM is slow (oneDNN's, fastllm/_gemm.py)
-    *ForCausalLM        -> Llama, Qwen2, Qwen3 and Mistral only (the others change their logits
-                           or add to their loss: softcapping, logit scales, router losses): with
+    *ForCausalLM        -> Llama, Qwen2, Qwen3, Mistral and Gemma 1-3 (text) only (the others
+                           change their logits or add to their loss: logit scales, router
+                           losses; Gemma 2's and 3's logit softcap is the fused loss's): with
                            `labels` in training (module.training and grad enabled), the loss by
                            fastllm.ops.fused_linear_cross_entropy on the last hidden states and
                            lm_head's weight: the (tokens, vocab) logits never exist, and the
@@ -41,8 +43,10 @@ unpatch puts back whatever was there before.
 
 Shapes handled: the modules of transformers' Llama, Qwen2 and Mistral (checked against
 transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`),
-Qwen3's (q and k normalised per head before the rotation), the `1 + weight` RMSNorm of Gemma 1-3.
-An *MLP only when its class's forward is transformers' SwiGLU line itself (no multipliers,
+Qwen3's (q and k normalised per head before the rotation), the `1 + weight` RMSNorm, the GeGLU
+MLP (the tanh GELU: gelu_pytorch_tanh) and the causal-LM loss of Gemma 1-3 (its attention, with
+softcapping and sliding windows, stays its own).
+An *MLP only when its class's forward is transformers' gated line itself (no multipliers,
 clamps or dropout around it), an *Attention or *ForCausalLM only when it runs transformers' own
 forward (a subclass's override, an auxiliary loss say, runs as itself). Any other module is
 left alone (GPT-2's, Phi-3's fused projections); `verbose=True` prints the counts per kind.
@@ -87,6 +91,11 @@ _BACKBONE = "backbone"
 
 # config.model_type of the models whose attention and causal-LM loss the patch reproduces
 _MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# and of those whose causal-LM loss alone it computes (their logits lm_head(hidden), capped by
+# cap * tanh(logits / cap) where config.final_logit_softcapping is set: Gemma 2 and 3), with the
+# modeling file their forward is in (Gemma 3's text-only model is "gemma3_text", in gemma3's)
+_LOSS_MODEL_FILES = {**{t: t for t in _MODEL_TYPES}, "gemma": "gemma", "gemma2": "gemma2",
+                     "gemma3_text": "gemma3"}
 
 # the RMSNorms that scale by (1 + weight) (transformers' modeling_gemma, _gemma2, _gemma3);
 # Gemma3n's and Gemma4's scale by weight (initialised to ones) and are left alone
@@ -261,21 +270,23 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
 
 
 def _mlp_forward(self, x):
-    from fastllm.ops.swiglu import swiglu, swiglu_linear
+    from fastllm.ops.swiglu import geglu, geglu_linear, swiglu, swiglu_linear
 
     gate, up = _project(x, [self.gate_proj, self.up_proj])
     down = self.down_proj
     if is_dtensor(gate) or is_dtensor(up):  # a plan whose projections hand back DTensors
         return down(self.act_fn(gate) * up)
+    gelu = not _is_silu(self.act_fn)  # (else the tanh GELU: _is_gated_mlp)
     # a row-parallel down_proj (DTensor weight) runs as itself: its hooks reduce the output; so
     # does one under an accelerate hook, which may first bring its weight (offload, device_map)
     if (type(down) is nn.Linear and not is_dtensor(down.weight) and not _hooked(down)
             and not _lowp.autocast_enabled(x.device.type)):
-        # silu(gate) * up, as large as gate, is recomputed for down_proj's weight grad instead
+        # act(gate) * up, as large as gate, is recomputed for down_proj's weight grad instead
         # of kept: one elementwise pass for (tokens x ffn) of activation memory per layer
-        return swiglu_linear(gate, up, down.weight, down.bias)
-    out = down_projection(down, gate, up)  # a LoRA down_proj: silu(gate) * up not kept either
-    return down(swiglu(gate, up)) if out is None else out
+        return (geglu_linear if gelu else swiglu_linear)(gate, up, down.weight, down.bias)
+    # a LoRA down_proj after SwiGLU: silu(gate) * up not kept either (after GeGLU it is)
+    out = None if gelu else down_projection(down, gate, up)
+    return down((geglu if gelu else swiglu)(gate, up)) if out is None else out
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
@@ -323,7 +334,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     else:
         from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy as loss_fn
     loss = loss_fn(hidden, head.weight, shift_labels.to(hidden.device), bias=head.bias,
-                   ignore_index=ignore_index, reduction=reduction)
+                   ignore_index=ignore_index, reduction=reduction,
+                   logit_softcap=logit_softcap(self))
     if num_items_in_batch is not None:
         loss = _hf.per_item(loss, num_items_in_batch)
     # the field by its own name: transformers 5's deprecated alias `past_key_values` warns
@@ -361,17 +373,31 @@ def _is_attention(m):
             and _hf.stock_forward(m, _MODEL_TYPES))
 
 
-def _is_swiglu_mlp(m):
+def _is_gated_mlp(m):
+    # down_proj(act_fn(gate_proj(x)) * up_proj(x)) with SiLU (SwiGLU: Llama, Qwen, Mistral) or
+    # the tanh GELU (GeGLU: Gemma 1-3)
     act = getattr(m, "act_fn", None)
     return (type(m).__name__.endswith("MLP") and all(
         hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
-            and _is_silu(act) and _hf.is_swiglu_forward(type(m).forward))
+            and (_is_silu(act) or _is_tanh_gelu(act)) and _hf.is_swiglu_forward(type(m).forward))
 
 
 def _is_silu(act):
     # nn.SiLU, or transformers' own SiLUActivation (what ACT2FN["silu"] is in transformers 5)
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or (
         getattr(act, "__name__", None) == "silu")
+
+
+# transformers' modules computing gelu(x, approximate="tanh") (ACT2FN's gelu_pytorch_tanh, and
+# gelu_python_tanh and gelu_new, the same maths written out; PytorchGELUTanh before 5.x)
+_TANH_GELUS = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation")
+
+
+def _is_tanh_gelu(act):
+    if type(act) is nn.GELU:
+        return act.approximate == "tanh"
+    return (type(act).__name__ in _TANH_GELUS
+            and type(act).__module__ == "transformers.activations")
 
 
 def _is_backbone(m):
@@ -384,10 +410,19 @@ def _is_backbone(m):
 
 def _is_causal_lm(m):
     # the HF model itself, not a wrapper that forwards attributes to it (PEFT's PeftModel)
+    model_type = getattr(getattr(m, "config", None), "model_type", None)
     return (type(m).__name__.endswith("ForCausalLM") and "lm_head" in m._modules
-            and "model" in m._modules
-            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES
-            and _hf.stock_forward(m, _MODEL_TYPES))
+            and "model" in m._modules and model_type in _LOSS_MODEL_FILES
+            and _hf.stock_forward(m, (_LOSS_MODEL_FILES[model_type],)))
+
+
+def logit_softcap(lm):
+    """The cap of a causal LM's logits (cap * tanh(logits / cap)) that its forward applies after
+    lm_head: Gemma 2's and 3's config.final_logit_softcapping; None for every other family."""
+    if getattr(lm.config, "model_type", None) not in ("gemma2", "gemma3_text"):
+        return None
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    return None if cap is None else float(cap)
 
 
 # every replacement forward, as the partials patch() binds carry them
@@ -448,7 +483,7 @@ def _chosen(m, chosen):
         return "rms_norm", _gemma_rms_norm_forward
     if chosen["rotary"] and _is_attention(m):
         return "rotary", _attention_forward
-    if chosen["swiglu"] and _is_swiglu_mlp(m):
+    if chosen["swiglu"] and _is_gated_mlp(m):
         return "swiglu", _mlp_forward
     if chosen["linear"] and type(m) is nn.Linear:
         return "linear", _linear_forward
@@ -461,10 +496,11 @@ def _chosen(m, chosen):
 
 def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, linear=True,
           verbose=False):
-    """Swap the modules of a Hugging Face Llama / Qwen2 / Mistral model (or a PEFT model around
-    one) for fastllm's kernels, in place; returns the model. Each keyword turns one kind of
-    swap off. Patching a patched model is a no-op for the modules already patched. A module
-    whose instance `forward` is already some wrapper other than accelerate's hook is refused
+    """Swap the modules of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma model (or a
+    PEFT model around one) for fastllm's kernels, in place; returns the model. Each keyword
+    turns one kind of swap off (swiglu: the gated MLPs, Gemma's GeGLU too). Patching a patched
+    model is a no-op for the modules already patched. A module whose instance `forward` is
+    already some wrapper other than accelerate's hook is refused
     (ValueError, nothing patched): patch before wrapping, and before building a TRL trainer (it
     adds its fused LM head, fastllm/_hf.py). transformers' hub kernels (`use_kernels`,
     on from from_pretrained) are turned off while patched, when they would replace a layer the

@@ -83,9 +83,10 @@ def _causal_lm(model):
 
 def _fused_route(lm):
     """(backbone, head) when the fused path computes what the model's forward would: a causal LM
-    of a family fastllm.patch knows (its logits are lm_head(hidden), no scale or softcap), a
-    plain nn.Linear head, no hooks on it or on the model (they would be skipped), no DTensor
-    head; else None (the model's own forward and its logits)."""
+    of a family fastllm.patch knows (its logits are lm_head(hidden), no scale; Gemma 2's and 3's
+    softcap, fastllm.patch.logit_softcap, is the fused path's too), a plain nn.Linear head, no
+    hooks on it or on the model (they would be skipped), no DTensor head; else None (the model's
+    own forward and its logits)."""
     from fastllm.patch import _is_causal_lm
 
     head = output_layer(lm)
@@ -107,11 +108,11 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     of one's own from one pass.
 
     `model`: a transformers causal LM (patched or not, with fastllm or PEFT adapters). For the
-    families fastllm.patch knows (Llama, Qwen2/3, Mistral) its decoder runs, then the head and
-    the log-softmax fused (token_logps), so no logits exist; for other models, and where that
-    split would skip something (hooks on the model or its head, a head that is not a plain
-    nn.Linear, a DTensor head), and for PEFT's prompt learning, the model's forward runs and its
-    logits are used instead; fused=False always takes that route (TRL's computation)."""
+    families fastllm.patch knows (Llama, Qwen2/3, Mistral, Gemma 1-3) its decoder runs, then
+    the head and the log-softmax fused (token_logps), so no logits exist; for other models, and
+    where that split would skip something (hooks on the model or its head, a head that is not a
+    plain nn.Linear, a DTensor head), and for PEFT's prompt learning, the model's forward runs
+    and its logits are used instead; fused=False always takes that route (TRL's computation)."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(f"{_WHERE}.sequence_logps: input_ids and labels must both be (batch, "
                          f"seq), got {tuple(input_ids.shape)} and {tuple(labels.shape)}")
@@ -130,10 +131,13 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
         logits = model(input_ids=input_ids, **kwargs).logits[:, -input_ids.shape[1]:]
         values = _logits_logps(logits, shifted.to(logits.device), ignore_index)
     else:
+        from fastllm.patch import logit_softcap
+
         backbone, head = route
         hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
         values = token_logps(hidden.to(head.weight.device), head.weight,
-                             shifted.to(head.weight.device), head.bias, ignore_index)
+                             shifted.to(head.weight.device), head.bias, ignore_index,
+                             logit_softcap(lm))
     if per_token:
         return values
     total = values.sum(-1)

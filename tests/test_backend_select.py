@@ -18,7 +18,7 @@ from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from fastllm.ops.lora_linear import lora_linear
 from fastllm.ops.rms_norm import rms_norm
 from fastllm.ops.rotary_embedding import rotary_embedding
-from fastllm.ops.swiglu import swiglu, swiglu_linear
+from fastllm.ops.swiglu import geglu, geglu_linear, swiglu, swiglu_linear
 
 
 def _inputs(dtype):
@@ -30,6 +30,7 @@ def _inputs(dtype):
     return {
         "rms_norm": lambda: rms_norm(r(3, 8), r(8)),
         "swiglu": lambda: swiglu(r(3, 8), r(3, 8)),
+        "geglu": lambda: geglu(r(3, 8), r(3, 8)),
         "rotary_embedding": lambda: rotary_embedding(r(1, 4, 2, 8), r(1, 4, 1, 8), r(1, 4, 8),
                                                      r(1, 4, 8))[0],
         "attention": lambda: attention(r(1, 5, 2, 8), r(1, 5, 1, 8), r(1, 5, 1, 8)),
@@ -50,14 +51,14 @@ def _lora_with_grad(x, w, a, b):
 
 OPS = list(_inputs(torch.float32))
 # the cpp function each op's cpp backend calls first
-CPP_ENTRY = {"rms_norm": "rms_norm_cpu", "swiglu": "swiglu_cpu",
+CPP_ENTRY = {"rms_norm": "rms_norm_cpu", "swiglu": "swiglu_cpu", "geglu": "geglu_cpu",
              "rotary_embedding": "rotary_embedding_cpu", "attention": "attention_cpu",
              "fused_linear_cross_entropy": "fused_linear_cross_entropy_cpu",
              "lora_linear": "lora_dropout_add_cpu"}
 # ops whose compiled kernel (cpp, or triton on the CPU under the interpreter) refuses fp64
 FP64_REFUSED = [("attention", "cpp"), ("fused_linear_cross_entropy", "cpp"),
                 ("fused_linear_cross_entropy", "triton"), ("rms_norm", "triton"),
-                ("swiglu", "triton"), ("rotary_embedding", "triton")]
+                ("swiglu", "triton"), ("geglu", "triton"), ("rotary_embedding", "triton")]
 
 needs_cpp = pytest.mark.skipif(_backend.unavailable_reason("cpp", "cpu") is not None,
                                reason="fastllm._C is not built")
@@ -148,6 +149,7 @@ def _forward_needing_grads(op, leaves=None):
     return {
         "rms_norm": lambda: rms_norm(r(3, 8), r(8)),
         "swiglu": lambda: swiglu(r(3, 8), r(3, 8)),
+        "geglu": lambda: geglu(r(3, 8), r(3, 8)),
         "rotary_embedding": lambda: rotary_embedding(r(1, 4, 2, 8), r(1, 4, 1, 8), cos, sin)[0],
         "attention": lambda: attention(r(1, 5, 2, 8), r(1, 5, 1, 8), r(1, 5, 1, 8)),
         # (reduction "none": grads computed in the backward, not in the forward)
@@ -157,11 +159,12 @@ def _forward_needing_grads(op, leaves=None):
                                            r(6, 2), 2.0, dropout_p=0.3, seed=11),
         # the patched MLP's SwiGLU + down projection, an autograd.Function of its own
         "swiglu_linear": lambda: swiglu_linear(r(3, 8), r(3, 8), r(5, 8), r(5)),
+        "geglu_linear": lambda: geglu_linear(r(3, 8), r(3, 8), r(5, 8), r(5)),
     }[op]()
 
 
 @pytest.mark.parametrize("dispatcher", [False, True], ids=["direct", "dispatcher"])
-@pytest.mark.parametrize("op", OPS + ["swiglu_linear"])
+@pytest.mark.parametrize("op", OPS + ["swiglu_linear", "geglu_linear"])
 def test_backward_on_another_thread_runs_on_the_forward_backend(op, dispatcher, monkeypatch):
     """use_backend holds for one thread, and autograd runs the backward of CUDA tensors on a
     device thread of its own: a forward forced to ref had its backward on Triton (an H200,

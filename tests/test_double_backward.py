@@ -13,7 +13,7 @@ from fastllm import _lowp
 from fastllm.ops import (attention, fused_linear_cross_entropy, linear, lora_linear, rms_norm,
                          rotary_embedding, swiglu)
 from fastllm.ops.lora_linear_multi import lora_linear_multi
-from fastllm.ops.swiglu import swiglu_linear
+from fastllm.ops.swiglu import geglu, geglu_linear, swiglu_linear
 
 
 def _leaf(*shape, dtype=torch.float32):
@@ -32,6 +32,8 @@ def _cases():
         "fastllm.rms_norm": (lambda: rms_norm(x, w), [x, w]),
         "fastllm.swiglu": (lambda: swiglu(x, x * 2), [x]),
         "fastllm.swiglu_linear": (lambda: swiglu_linear(x, x * 2, W), [x, W]),
+        "fastllm.geglu": (lambda: geglu(x, x * 2), [x]),
+        "fastllm.geglu_linear": (lambda: geglu_linear(x, x * 2, W), [x, W]),
         "fastllm.linear": (lambda: linear(x, W), [x, W]),
         "fastllm.lora_linear": (lambda: lora_linear(x, W.detach(), a, b, 2.0), [x, a]),
         "fastllm.lora_linear_multi": (

@@ -13,7 +13,7 @@ from fastllm.ops.attention import attention
 from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from fastllm.ops.lora_linear_multi import lora_linear_multi
 from fastllm.ops.rotary_embedding import rotary_embedding_ref
-from fastllm.ops.swiglu import swiglu_linear
+from fastllm.ops.swiglu import geglu, geglu_linear, swiglu_linear
 
 from conftest import backend_device_params
 
@@ -30,6 +30,8 @@ CASES = {
     "rms_norm": (lambda x, w: rms_norm(x, w), [(3, 8), (8,)]),
     "swiglu": (swiglu, [(3, 8), (3, 8)]),
     "swiglu_linear": (swiglu_linear, [(3, 8), (3, 8), (5, 8)]),
+    "geglu": (geglu, [(3, 8), (3, 8)]),
+    "geglu_linear": (geglu_linear, [(3, 8), (3, 8), (5, 8)]),
     "rotary": (lambda q, k, c, s: rotary_embedding(q, k, c, s)[0],
                [(1, 3, 2, 8), (1, 3, 1, 8), (1, 3, 8), (1, 3, 8)]),
     "linear": (linear, [(3, 8), (4, 8), (4,)]),

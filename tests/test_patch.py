@@ -453,15 +453,55 @@ def test_low_precision_policy_traces_under_compile(monkeypatch):
     torch.testing.assert_close(fn(x), x * 2 if _lowp.widen(x) else x + 1)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "granite", "mixtral"])
+def _gemma(family, softcap):
+    """A tiny random Gemma 1, 2 or 3 (text) causal LM, its tied head scaled x40 so that its
+    logits are as large as a trained model's and the softcap bends them."""
+    name = {"gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3Text"}[family]
+    over = {} if family == "gemma" else dict(final_logit_softcapping=softcap)
+    config = getattr(transformers, name + "Config")(
+        vocab_size=123, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        **over)
+    cls = "Gemma3ForCausalLM" if family == "gemma3_text" else name + "ForCausalLM"
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(config).train()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+@pytest.mark.parametrize("family,softcap", [("gemma", None), ("gemma2", 30.0),
+                                            ("gemma3_text", None), ("gemma3_text", 20.0)])
+def test_gemma_loss_is_fused_with_its_softcap(family, softcap):
+    """Gemma 1-3's loss is the fused loss, Gemma 2's and 3's final_logit_softcapping inside it
+    (their vocabularies are 256K: the logits are the largest tensor of a step), and their
+    tanh-GELU MLPs fastllm.ops.geglu: in training no logits, and loss and every grad equal the
+    unpatched model's."""
+    model = _gemma(family, softcap)
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels)
+    if softcap is not None:  # the cap changes the loss here: a fused loss without it would fail
+        model.config.final_logit_softcapping = None
+        uncapped = _loss_and_grads(model, ids, labels)[0].loss
+        model.config.final_logit_softcapping = softcap
+        assert (uncapped - theirs[0].loss).abs() > 0.05 * theirs[0].loss.abs()
+    fastllm.patch(model)
+    counts = fastllm.patched(model)
+    assert counts["cross_entropy"] == 1 and counts["swiglu"] == 2  # (its GeGLU MLPs too)
+    ours = _loss_and_grads(model, ids, labels)
+    assert ours[0].logits is None
+    _assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["granite", "mixtral"])
 def test_other_causal_lms_keep_their_own_loss(family):
-    """Models whose loss is not the plain cross-entropy of lm_head's logits (Gemma2's logit
-    softcap, Granite's logits_scaling, Mixtral's router aux loss) keep their own forward: in
-    training, loss and every grad equal the unpatched model's."""
-    over = {"gemma2": dict(head_dim=16), "granite": dict(logits_scaling=8.0),
+    """Models whose loss is not the plain cross-entropy of lm_head's logits (Granite's
+    logits_scaling, Mixtral's router aux loss) keep their own forward: in training, loss and
+    every grad equal the unpatched model's."""
+    over = {"granite": dict(logits_scaling=8.0),
             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2,
                             output_router_logits=True, router_aux_loss_coef=0.5)}[family]
-    name = {"gemma2": "Gemma2", "granite": "Granite", "mixtral": "Mixtral"}[family]
+    name = {"granite": "Granite", "mixtral": "Mixtral"}[family]
     config = getattr(transformers, name + "Config")(
         vocab_size=123, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **over)

@@ -184,6 +184,41 @@ def test_other_families_use_their_logits(family):
                                _logits_way(model, ids, labels, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_scored_fused_with_its_softcap(family, monkeypatch):
+    """Gemma 2's and 3's logits are capped (cap * tanh(logits / cap)) after lm_head: the fused
+    route applies the cap in the op (no logits), values and grads equal to the capped logits'."""
+    import transformers
+
+    import fastllm.preference as preference
+
+    name = {"gemma2": "Gemma2", "gemma3_text": "Gemma3Text"}[family]
+    config = getattr(transformers, name + "Config")(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    model = getattr(transformers, "Gemma3ForCausalLM" if family == "gemma3_text"
+                    else "Gemma2ForCausalLM")(config)
+    with torch.no_grad():  # logits past the cap
+        model.lm_head.weight.mul_(20.0)
+    ids, labels, mask = _pairs()
+    expected = _logits_way(model, ids, labels, mask)
+    expected.sum().backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    calls = []
+    monkeypatch.setattr(preference, "token_logps",
+                        lambda *a: calls.append(a[-1]) or token_logps(*a))
+    got = sequence_logps(model, ids, labels, attention_mask=mask)
+    assert calls == [5.0]  # the fused route, with the cap
+    got.sum().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    have = _grads(model)
+    assert have.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(have[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
 def test_matches_trl_fused_lm_head():
     pytest.importorskip("trl")
     from trl.trainer.utils import add_fused_lm_head

@@ -1,6 +1,10 @@
-// SwiGLU for CPU tensors: y = silu(gate) * up, silu(g) = g * sigmoid(g). The backward recomputes
-// sigmoid(gate) from gate instead of reading a saved activation, in the same pass:
-//   dgate = dy * up * sig * (1 + gate * (1 - sig)),   dup = dy * gate * sig
+// Gated MLP activations for CPU tensors: y = act(gate) * up, with act(g) = g * sigmoid(a(g)):
+//   SwiGLU (Llama, Qwen2, Mistral):  silu(g),       a(g) = g
+//   GeGLU (Gemma):  gelu_tanh(g) = 0.5 g (1 + tanh(k (g + c g^3))) = g * sigmoid(2k (g + c g^3)),
+//                   k = sqrt(2 / pi), c = 0.044715 (PyTorch's gelu(approximate="tanh"))
+// The backward recomputes sig = sigmoid(a(gate)) from gate instead of reading a saved activation,
+// in the same pass:
+//   dgate = dy * up * sig * (1 + gate * (1 - sig) * a'(gate)),   dup = dy * gate * sig
 // with need_h also the product h itself (swiglu_linear's weight grad), in that pass too. fp32
 // arithmetic (fp64 for fp64), one rounding per output; e^x from vec_math.h so the loops vectorise.
 #include <ATen/ATen.h>
@@ -25,8 +29,23 @@ void check(const at::Tensor& t, const at::Tensor& like, const char* name) {
               "fastllm.swiglu: ", name, " must be a contiguous CPU tensor of gate's shape and dtype");
 }
 
+// a(g) and a'(g) of the activation act(g) = g * sigmoid(a(g)). (SiLU's a' is 1, whose products
+// are exact: the SwiGLU loops compute what they did before GeGLU shared them, bit for bit.)
+struct Silu {
+  template <typename T>
+  static T arg(T g) { return g; }
+  template <typename T>
+  static T darg(T) { return T(1); }
+};
+struct GeluTanh {
+  template <typename T>
+  static T arg(T g) { return g * (T(1.5957691216057308) + T(0.07135481627260025) * g * g); }
+  template <typename T>
+  static T darg(T g) { return T(1.5957691216057308) + T(0.21406444881780076) * g * g; }
+};
+
 // The loops live outside AT_DISPATCH's lambda: a pragma cannot sit inside a macro argument.
-template <typename scalar_t>
+template <typename scalar_t, typename Act>
 void forward_range(const scalar_t* g_raw, const scalar_t* u_raw, scalar_t* y_raw, int64_t begin,
                    int64_t end) {
   using io = Io<scalar_t>;
@@ -38,13 +57,13 @@ void forward_range(const scalar_t* g_raw, const scalar_t* u_raw, scalar_t* y_raw
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     const op_t gv = io::load(g[i]);
-    out[i] = io::store(gv * vec_math::sigmoid(gv) * io::load(u[i]));
+    out[i] = io::store(gv * vec_math::sigmoid(Act::arg(gv)) * io::load(u[i]));
   }
 }
 
 // kNeedH: h = silu(gate) * up too, rounded as forward_range rounds it (swiglu_linear's weight
 // grad reads it), from the same loads: one pass over gate and up instead of a second one.
-template <typename scalar_t, bool kNeedH>
+template <typename scalar_t, typename Act, bool kNeedH>
 void backward_range(const scalar_t* dy_raw, const scalar_t* g_raw, const scalar_t* u_raw,
                     scalar_t* dg_raw, scalar_t* du_raw, scalar_t* h_raw, int64_t begin,
                     int64_t end) {
@@ -60,16 +79,15 @@ void backward_range(const scalar_t* dy_raw, const scalar_t* g_raw, const scalar_
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     const op_t gv = io::load(g[i]), uv = io::load(u[i]), d = io::load(dy[i]);
-    const op_t sig = vec_math::sigmoid(gv);
-    dg[i] = io::store(d * uv * sig * (op_t(1) + gv * (op_t(1) - sig)));
+    const op_t sig = vec_math::sigmoid(Act::arg(gv));
+    dg[i] = io::store(d * uv * sig * (op_t(1) + gv * (op_t(1) - sig) * Act::darg(gv)));
     du[i] = io::store(d * gv * sig);
     if constexpr (kNeedH) h[i] = io::store(gv * sig * uv);
   }
 }
 
-}  // namespace
-
-at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
+template <typename Act>
+at::Tensor forward(const at::Tensor& gate, const at::Tensor& up) {
   check(gate, gate, "gate");
   check(up, gate, "up");
   auto y = at::empty_like(gate);
@@ -80,14 +98,15 @@ at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
     const scalar_t* u = up.const_data_ptr<scalar_t>();
     scalar_t* out = y.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      forward_range<scalar_t>(g, u, out, begin, end);
+      forward_range<scalar_t, Act>(g, u, out, begin, end);
     });
   });
   return y;
 }
 
-std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
-                                            const at::Tensor& up, bool need_h) {
+template <typename Act>
+std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& gate,
+                                 const at::Tensor& up, bool need_h) {
   check(gate, gate, "gate");
   check(up, gate, "up");
   check(grad_out, gate, "grad_out");
@@ -105,13 +124,33 @@ std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at
     scalar_t* hp = need_h ? h.mutable_data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       if (need_h) {
-        backward_range<scalar_t, true>(d, g, u, dg, du, hp, begin, end);
+        backward_range<scalar_t, Act, true>(d, g, u, dg, du, hp, begin, end);
       } else {
-        backward_range<scalar_t, false>(d, g, u, dg, du, hp, begin, end);
+        backward_range<scalar_t, Act, false>(d, g, u, dg, du, hp, begin, end);
       }
     });
   });
   return {dgate, dup, h};
+}
+
+}  // namespace
+
+at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  return forward<Silu>(gate, up);
+}
+
+std::vector<at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
+                                            const at::Tensor& up, bool need_h) {
+  return backward<Silu>(grad_out, gate, up, need_h);
+}
+
+at::Tensor geglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  return forward<GeluTanh>(gate, up);
+}
+
+std::vector<at::Tensor> geglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
+                                           const at::Tensor& up, bool need_h) {
+  return backward<GeluTanh>(grad_out, gate, up, need_h);
 }
 
 }  // namespace fastllm

@@ -15,7 +15,7 @@ from fastllm.ops.fused_linear_cross_entropy import (
     fused_linear_cross_entropy, fused_linear_cross_entropy_ref)
 from fastllm.ops.rms_norm import rms_norm, rms_norm_ref
 from fastllm.ops.rotary_embedding import rotary_embedding, rotary_embedding_ref
-from fastllm.ops.swiglu import swiglu, swiglu_ref
+from fastllm.ops.swiglu import geglu, geglu_ref, swiglu, swiglu_ref
 from fastllm.ops.attention import attention, attention_ref
 from fastllm.ops.nf4 import nf4_dequantize, nf4_dequantize_ref, nf4_quantize
 
@@ -28,5 +28,6 @@ __all__ = [
     "adamw8bit_step", "adamw8bit_step_ref",
     "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref",
     "rms_norm", "rms_norm_ref", "rotary_embedding", "rotary_embedding_ref", "swiglu", "swiglu_ref",
+    "geglu", "geglu_ref",
     "attention", "attention_ref", "nf4_dequantize", "nf4_dequantize_ref", "nf4_quantize",
 ]
