@@ -375,6 +375,7 @@ def _liger_pieces():
         from importlib.metadata import version
 
         from liger_kernel.ops import LigerSiLUMulFunction
+        from liger_kernel.ops.geglu import LigerGELUMulFunction
         from liger_kernel.transformers import (LigerFusedLinearCrossEntropyLoss, LigerRMSNorm,
                                                apply_liger_kernel_to_llama, liger_rotary_pos_emb)
     except ModuleNotFoundError as exc:
@@ -383,7 +384,8 @@ def _liger_pieces():
         return None, f"not importable: {type(exc).__name__}: {exc}"
     return types.SimpleNamespace(
         version=version("liger-kernel"), RMSNorm=LigerRMSNorm, rotary_pos_emb=liger_rotary_pos_emb,
-        silu_mul=LigerSiLUMulFunction.apply, FusedLinearCrossEntropyLoss=(
+        silu_mul=LigerSiLUMulFunction.apply, gelu_mul=LigerGELUMulFunction.apply,
+        FusedLinearCrossEntropyLoss=(
             LigerFusedLinearCrossEntropyLoss), apply_to_llama=apply_liger_kernel_to_llama), None
 
 
@@ -490,6 +492,12 @@ def _model_op_cases(shape, device, liger):
     cases.append(("swiglu", f"gate, up {t}x{ffn}, bf16", fns,
                   lambda: ([rnd(t, ffn, grad=True), rnd(t, ffn, grad=True)], [], [rnd(t, ffn)]),
                   dict(bytes=8 * t * ffn * es)))  # fwd: 2 in 1 out; bwd: 3 in 2 out
+    fns = {ours: fastllm.ops.geglu, "torch eager": bench_model._geglu_torch}  # Gemma's MLP
+    if liger:
+        fns[LIGER] = liger.gelu_mul
+    cases.append(("geglu", f"gate, up {t}x{ffn}, bf16", fns,
+                  lambda: ([rnd(t, ffn, grad=True), rnd(t, ffn, grad=True)], [], [rnd(t, ffn)]),
+                  dict(bytes=8 * t * ffn * es)))
 
     head_w = torch.nn.Parameter(0.02 * torch.randn(shape.vocab, h, device=device).to(dt))
     fns = {ours: fastllm.ops.fused_linear_cross_entropy,

@@ -287,8 +287,9 @@ def first_order_only(where):
         def wrapper(ctx, *grads):
             # grad mode is on inside a backward only under create_graph=True
             if torch.is_grad_enabled() and any(ctx.needs_input_grad):
+                name = where(ctx) if callable(where) else where
                 raise RuntimeError(
-                    f"{where(ctx) if callable(where) else where}: double backward (create_graph=True) is not supported: its "
+                    f"{name}: double backward (create_graph=True) is not supported: its "
                     "backward runs fastllm's kernels, which have no derivative of their own; "
                     "use the plain-PyTorch module or <op>_ref where second derivatives are "
                     "needed")

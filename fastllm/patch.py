@@ -276,7 +276,13 @@ def _mlp_forward(self, x):
     down = self.down_proj
     if is_dtensor(gate) or is_dtensor(up):  # a plan whose projections hand back DTensors
         return down(self.act_fn(gate) * up)
-    gelu = not _is_silu(self.act_fn)  # (else the tanh GELU: _is_gated_mlp)
+    act = self.act_fn
+    if _is_silu(act):
+        gelu = False
+    elif _is_tanh_gelu(act):
+        gelu = True
+    else:  # an act_fn set after patch(): its own maths
+        return down(act(gate) * up)
     # a row-parallel down_proj (DTensor weight) runs as itself: its hooks reduce the output; so
     # does one under an accelerate hook, which may first bring its weight (offload, device_map)
     if (type(down) is nn.Linear and not is_dtensor(down.weight) and not _hooked(down)

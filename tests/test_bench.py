@@ -370,7 +370,8 @@ def test_device_bench_model_case_smoke():
     rows = []
     device_bench.model("cpu", 64, rows)
     harness.annotate(rows)
-    ops = ["rms_norm", "rotary_embedding", "swiglu", "fused_linear_cross_entropy", "token_logps"]
+    ops = ["rms_norm", "rotary_embedding", "swiglu", "geglu", "fused_linear_cross_entropy",
+           "token_logps"]
     assert list(dict.fromkeys(r["op"] for r in rows)) == [f"model/{op}" for op in ops] + [
         "model step"]
     for r in rows:

@@ -1,14 +1,16 @@
 """fastllm.patch across the families and arguments a user brings: Qwen2 (q/k/v bias), Qwen3
 (q_norm/k_norm before the rotation; with sliding-window layers), Mistral with and without a
 sliding window, Llama's rope scalings, tied and untied heads, padded, positioned and packed
-rows, logits_to_keep, output_attentions, generate; and the families it does not support (Gemma,
-Phi-3, GPT-2, and SwiGLU-named MLPs with other maths): their outputs unchanged.
+rows, logits_to_keep, output_attentions, generate; Gemma (its loss, norms and GeGLU MLPs; `fastllm
+train` on a Gemma 3 folder); and the families it does not support (Phi-3, GPT-2, and
+SwiGLU-named MLPs with other maths): their outputs unchanged.
 
 Tiny random models (hidden 64, 2 layers, vocabulary 300, 12 tokens); fp32 within 1e-5 on the
 loss and logits, 1e-4 on every gradient, against the unpatched model."""
 
 import copy
 import importlib
+import os
 
 import pytest
 import torch
@@ -471,3 +473,49 @@ def test_a_patched_model_on_the_meta_device_trains_as_the_unpatched_one(dtype):
     opt = fastllm.optim.AdamW([p for p in ours.parameters() if p.requires_grad])
     opt.step()
     assert all(t.is_meta for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def test_fastllm_train_on_a_gemma3_folder_trains_as_unpatched(tmp_path):
+    """`fastllm train` on a Gemma 3 folder (softcapped logits, GeGLU MLPs, tied head) patches its
+    loss, norms and MLPs (kernels=fastllm, the default) and trains LoRA as the unpatched model
+    does (kernels=none): the same losses and grad norms."""
+    from pydoc_data.topics import topics
+
+    from fastllm.train import TrainConfig, Trainer
+    from fastllm.train.metrics import read_metrics
+
+    from _tiny_tokenizer import tiny_bpe
+
+    folder = str(tmp_path / "gemma3")
+    tiny_bpe().save_pretrained(folder)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        final_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(folder)
+    data = tmp_path / "train.txt"
+    data.write_text("\n".join(topics[k] for k in sorted(topics))[:8000])
+    runs, threads = {}, torch.get_num_threads()
+    try:
+        for kernels in ("fastllm", "none"):
+            out = str(tmp_path / kernels)
+            trainer = Trainer(TrainConfig.from_args([
+                f"model={folder}", f"data.path={data}", "data.seq_len=16", "micro_batch_size=4",
+                "global_batch_size=4", "max_steps=3", "lr=1e-2", "warmup_steps=1", "threads=1",
+                "log_interval=1000", "checkpoint.interval=0", f"output_dir={out}",
+                f"data.cache_dir={tmp_path / 'cache'}", "finetune=lora", f"kernels={kernels}"]))
+            trainer.train()
+            runs[kernels] = (fastllm.patched(trainer.module),
+                             read_metrics(os.path.join(out, "metrics.jsonl")))
+    finally:
+        torch.set_num_threads(threads)
+    counts = runs["fastllm"][0]
+    assert (counts["rms_norm"], counts["swiglu"], counts["cross_entropy"]) == (
+        4 * 2 + 1 + 2 * 2, 2, 1)  # per layer 4 norms and q/k norms; the final norm
+    assert not any(runs["none"][0].values())
+    got, want = runs["fastllm"][1], runs["none"][1]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
+                                   atol=0)

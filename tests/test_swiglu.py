@@ -65,6 +65,23 @@ def test_backward_keeps_only_gate_and_up():
                                    for t in saved)
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_geglu_at_extreme_gates_is_pytorchs(backend, device):
+    """Past |gate| = 20 the tanh GELU is gate or 0 and its slope 1 or 0: at 1e19 the kernels'
+    a'(gate) overflowed (dgate nan or inf) where PyTorch's is finite. Output and grads finite
+    and PyTorch's, fp32."""
+    gate = torch.tensor([-1e19, -1e10, -60.0, -20.5, -19.5, 19.5, 20.5, 60.0, 1e10, 1e19],
+                        device=device, requires_grad=True)
+    up = torch.full_like(gate, 0.75).requires_grad_()
+    with fastllm.use_backend(backend):
+        got = grads([geglu(gate, up)], [gate, up], [torch.ones_like(gate)])
+    g2, u2 = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+    want = grads([F.gelu(g2, approximate="tanh") * u2], [g2, u2], [torch.ones_like(gate)])
+    for a, w in zip(got, want):
+        assert torch.isfinite(a).all() and torch.isfinite(w).all()
+        torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("act", ACTS)
 def test_bad_input_is_refused(act):
     op, name = ACTS[act][0], ACTS[act][4]

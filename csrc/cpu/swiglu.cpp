@@ -37,11 +37,22 @@ struct Silu {
   template <typename T>
   static T darg(T) { return T(1); }
 };
+// GELU's a(g) and a'(g) take g clamped to [-20, 20], past which act(g) is g or 0 and its slope 1
+// or 0 to fp64's precision: an fp32 gate of 1e19 or more made a'(g) inf and the slope 0 * inf
+// (nan) or inf, where PyTorch's is finite. (ternaries, not std::clamp: they vectorise)
 struct GeluTanh {
   template <typename T>
-  static T arg(T g) { return g * (T(1.5957691216057308) + T(0.07135481627260025) * g * g); }
+  static T clamped(T g) { return g < T(-20) ? T(-20) : (g > T(20) ? T(20) : g); }
   template <typename T>
-  static T darg(T g) { return T(1.5957691216057308) + T(0.21406444881780076) * g * g; }
+  static T arg(T g) {
+    const T c = clamped(g);
+    return c * (T(1.5957691216057308) + T(0.07135481627260025) * c * c);
+  }
+  template <typename T>
+  static T darg(T g) {
+    const T c = clamped(g);
+    return T(1.5957691216057308) + T(0.21406444881780076) * c * c;
+  }
 };
 
 // The loops live outside AT_DISPATCH's lambda: a pragma cannot sit inside a macro argument.

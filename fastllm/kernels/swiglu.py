@@ -17,9 +17,12 @@ from fastllm.kernels.rounding import round_nearest
 @triton.jit
 def _act_arg(g, GELU: tl.constexpr):
     """a(g) of act(g) = g * sigmoid(a(g)): g (SiLU), or 2k (g + c g^3), k = sqrt(2 / pi),
-    c = 0.044715 (gelu(approximate="tanh"), since 0.5 (1 + tanh(z)) = sigmoid(2z))."""
+    c = 0.044715 (gelu(approximate="tanh"), since 0.5 (1 + tanh(z)) = sigmoid(2z)), with g
+    clamped to [-20, 20] as in csrc/cpu/swiglu.cpp (past it act(g) is g or 0, its slope 1 or
+    0; unclamped, a'(g) of a gate of 1e19 or more was inf and the slope nan)."""
     if GELU:
-        return g * (1.5957691216057308 + 0.07135481627260025 * g * g)
+        c = tl.minimum(tl.maximum(g, -20.0), 20.0)
+        return c * (1.5957691216057308 + 0.07135481627260025 * c * c)
     return g
 
 
@@ -55,9 +58,10 @@ def _swiglu_bwd_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(_act_arg(g, GELU))
-    if GELU:  # times a'(g) = 2k (1 + 3c g^2)
+    if GELU:  # times a'(g) = 2k (1 + 3c g^2), g clamped as in _act_arg
+        c = tl.minimum(tl.maximum(g, -20.0), 20.0)
         dg = dy * u * sig * (1.0 + g * (1.0 - sig) * (1.5957691216057308
-                                                      + 0.21406444881780076 * g * g))
+                                                      + 0.21406444881780076 * c * c))
     else:
         dg = dy * u * sig * (1.0 + g * (1.0 - sig))
     du = dy * g * sig
