@@ -303,6 +303,7 @@ def model_recipes():
             "geglu ffn=2048": lambda: swiglu(2048, gelu=True),
             "rotary 9/3 heads d=64 position_ids": lambda: rotary(9, 3, 64, True),
             "rotary 32/8 heads d=128": lambda: rotary(32, 8, 128, False),
+            "rotary 4/1 heads d=256 (Gemma 3)": lambda: rotary(4, 1, 256, False),
             "fused_linear_cross_entropy rows vocab=49152": lambda: flce_rows(49152),
             "fused_linear_cross_entropy rows vocab=128256": lambda: flce_rows(128256),
             "nf4_dequantize 1536x576 bf16": lambda: nf4(1536 * 576, 64),

@@ -29,8 +29,8 @@ a Qwen3-0.6B-shaped Qwen3ForCausalLM instead (hidden 1024, 16 / 8 heads of 128, 
 3072, vocab 151936, tied embeddings; random init): the vocabulary where the logits weigh most;
 FASTLLM_BENCH_FAMILY=gemma3 a Gemma-3-270M-shaped Gemma3ForCausalLM (hidden 640, 4 / 1 heads of
 256, q/k norms, GeGLU ffn 2048, vocab 262144, tied embeddings, sliding window 512 on 5 layers of
-6; random init), where fastllm.patch swaps the norms, the GeGLU MLPs (fastllm.ops.geglu) and
-the loss (its attention stays Hugging Face's).
+6; random init), where fastllm.patch swaps the norms, the attention's rotary embedding, the
+GeGLU MLPs (fastllm.ops.geglu) and the loss.
 """
 
 import copy

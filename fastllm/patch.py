@@ -44,8 +44,9 @@ unpatch puts back whatever was there before.
 Shapes handled: the modules of transformers' Llama, Qwen2 and Mistral (checked against
 transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `variance_epsilon`),
 Qwen3's (q and k normalised per head before the rotation), the `1 + weight` RMSNorm, the GeGLU
-MLP (the tanh GELU: gelu_pytorch_tanh) and the causal-LM loss of Gemma 1-3 (its attention, with
-softcapping and sliding windows, stays its own).
+MLP (the tanh GELU: gelu_pytorch_tanh) and the causal-LM loss of Gemma 1-3, and Gemma 1's and
+3's attention (Gemma 3's q/k norms and sliding layers as Qwen3's and Qwen2's; Gemma 2's, which
+softcaps its scores, stays its own).
 An *MLP only when its class's forward is transformers' gated line itself (no multipliers,
 clamps or dropout around it), an *Attention or *ForCausalLM only when it runs transformers' own
 forward (a subclass's override, an auxiliary loss say, runs as itself). Any other module is
@@ -96,6 +97,10 @@ _MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # modeling file their forward is in (Gemma 3's text-only model is "gemma3_text", in gemma3's)
 _LOSS_MODEL_FILES = {**{t: t for t in _MODEL_TYPES}, "gemma": "gemma", "gemma2": "gemma2",
                      "gemma3_text": "gemma3"}
+# and of those whose attention it runs with the rotary kernel (Gemma 1's is Llama's; Gemma 3's
+# normalises q and k per head first, as Qwen3's; Gemma 2's softcaps its scores: its own)
+_ATTENTION_MODEL_FILES = {**{t: t for t in _MODEL_TYPES}, "gemma": "gemma",
+                          "gemma3_text": "gemma3"}
 
 # the RMSNorms that scale by (1 + weight) (transformers' modeling_gemma, _gemma2, _gemma3);
 # Gemma3n's and Gemma4's scale by weight (initialised to ones) and are left alone
@@ -194,7 +199,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
                                   **_hf.cache_kwargs(self, cache), **kwargs)
     q, k = q.view(hidden_shape), k.view(hidden_shape)
-    if self.config.model_type == "qwen3":  # Qwen3 normalises each head's q and k first
+    if self.config.model_type in ("qwen3", "gemma3_text"):  # each head's q and k normalised
         q, k = self.q_norm(q), self.k_norm(k)
     # (B, S, H, D) as the projections lay them out: the kernel rotates q and k in one pass
     q, k = rotary_embedding(q, k, cos, sin)
@@ -372,11 +377,12 @@ def _is_gemma_rms_norm(m):
 
 
 def _is_attention(m):
+    model_type = getattr(getattr(m, "config", None), "model_type", None)
     return (type(m).__name__.endswith("Attention") and all(
         hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling",
                                 "config", "layer_idx"))
-            and getattr(m.config, "model_type", None) in _MODEL_TYPES
-            and _hf.stock_forward(m, _MODEL_TYPES))
+            and model_type in _ATTENTION_MODEL_FILES
+            and _hf.stock_forward(m, (_ATTENTION_MODEL_FILES[model_type],)))
 
 
 def _is_gated_mlp(m):

@@ -458,6 +458,8 @@ def _gemma(family, softcap):
     logits are as large as a trained model's and the softcap bends them."""
     name = {"gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3Text"}[family]
     over = {} if family == "gemma" else dict(final_logit_softcapping=softcap)
+    if family == "gemma3_text":  # a window shorter than the rows: its sliding layers mask
+        over.update(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
     config = getattr(transformers, name + "Config")(
         vocab_size=123, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
@@ -474,9 +476,10 @@ def _gemma(family, softcap):
                                             ("gemma3_text", None), ("gemma3_text", 20.0)])
 def test_gemma_loss_is_fused_with_its_softcap(family, softcap):
     """Gemma 1-3's loss is the fused loss, Gemma 2's and 3's final_logit_softcapping inside it
-    (their vocabularies are 256K: the logits are the largest tensor of a step), and their
-    tanh-GELU MLPs fastllm.ops.geglu: in training no logits, and loss and every grad equal the
-    unpatched model's."""
+    (their vocabularies are 256K: the logits are the largest tensor of a step), their
+    tanh-GELU MLPs fastllm.ops.geglu, and Gemma 1's and 3's attention the rotary kernel (Gemma
+    3's after its q/k norms, a sliding and a full layer): in training no logits, and loss and
+    every grad equal the unpatched model's."""
     model = _gemma(family, softcap)
     ids, labels = _batch()
     theirs = _loss_and_grads(model, ids, labels)
@@ -488,9 +491,27 @@ def test_gemma_loss_is_fused_with_its_softcap(family, softcap):
     fastllm.patch(model)
     counts = fastllm.patched(model)
     assert counts["cross_entropy"] == 1 and counts["swiglu"] == 2  # (its GeGLU MLPs too)
+    # the rotary kernel in Gemma 1's and 3's attention; Gemma 2's softcaps its scores: its own
+    assert counts["rotary"] == (0 if family == "gemma2" else 2)
     ours = _loss_and_grads(model, ids, labels)
     assert ours[0].logits is None
     _assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma3_text"])
+def test_gemma_attention_with_padding_equals_unpatched(family):
+    """Gemma 1's and 3's patched attention (the rotary kernel; Gemma 3's q/k norms and its
+    sliding layer) on left-padded rows: eval logits equal the unpatched model's."""
+    model = _gemma(family, 20.0).eval()
+    ids, _ = _batch()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        fastllm.patch(model)
+        assert fastllm.patched(model)["rotary"] == 2
+        got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["granite", "mixtral"])

@@ -372,10 +372,10 @@ def _gpt2():
 
 @pytest.mark.parametrize("family", ["Gemma", "Phi3", "GPT2"])
 def test_unsupported_families_unchanged(family):
-    """Gemma (its (1 + weight) norms, tanh-GELU MLPs and loss patched, its attention its own),
-    Phi-3 (fused qkv/gate_up projections: norms only) and GPT-2 (Conv1D, LayerNorm: only
-    lm_head's Linear): no rotary swap, no MLP or loss swap but Gemma's, and training loss and
-    every grad equal the unpatched model's."""
+    """Gemma (its (1 + weight) norms, attention, tanh-GELU MLPs and loss patched), Phi-3 (fused
+    qkv/gate_up projections: norms only) and GPT-2 (Conv1D, LayerNorm: only lm_head's Linear):
+    no rotary, MLP or loss swap but Gemma's, and training loss and every grad equal the
+    unpatched model's."""
     if family == "GPT2":
         model = _gpt2()
     else:
@@ -383,8 +383,8 @@ def test_unsupported_families_unchanged(family):
         model = _model(family, **over)
     model, ref = _pair(model.train())
     counts = fastllm.patched(model)
-    assert counts["rotary"] == 0
-    assert (counts["cross_entropy"], counts["swiglu"]) == ((1, 2) if family == "Gemma" else (0, 0))
+    assert (counts["rotary"], counts["cross_entropy"], counts["swiglu"]) == (
+        (2, 1, 2) if family == "Gemma" else (0, 0, 0))
     assert counts["rms_norm"] == (0 if family == "GPT2" else 5)
     ids, labels = _batch()
     _assert_same(_run(model, input_ids=ids, labels=labels), _run(ref, input_ids=ids,
@@ -511,8 +511,8 @@ def test_fastllm_train_on_a_gemma3_folder_trains_as_unpatched(tmp_path):
     finally:
         torch.set_num_threads(threads)
     counts = runs["fastllm"][0]
-    assert (counts["rms_norm"], counts["swiglu"], counts["cross_entropy"]) == (
-        4 * 2 + 1 + 2 * 2, 2, 1)  # per layer 4 norms and q/k norms; the final norm
+    assert (counts["rms_norm"], counts["rotary"], counts["swiglu"], counts["cross_entropy"]) == (
+        4 * 2 + 1 + 2 * 2, 2, 2, 1)  # per layer 4 norms and q/k norms; the final norm
     assert not any(runs["none"][0].values())
     got, want = runs["fastllm"][1], runs["none"][1]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
