@@ -249,9 +249,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     attention_interface = _hf.attention_interface(self.config._attn_implementation,
                                                   self._fastllm_eager_attention)
     extra = {}
-    if hasattr(self, "sliding_window"):  # Qwen2: per layer type
+    if hasattr(self, "sliding_window"):  # Qwen2, Qwen3, Gemma 3: per layer type
         extra["sliding_window"] = self.sliding_window
-    elif getattr(self.config, "sliding_window", None) is not None:  # Mistral
+    elif self.config.model_type == "mistral" and getattr(self.config, "sliding_window",
+                                                         None) is not None:
+        # (Mistral's forward alone reads its config's; a Llama or Gemma 1 config may carry an
+        # unused sliding_window key, which flash attention would apply)
         extra["sliding_window"] = self.config.sliding_window
     attn_output, attn_weights = attention_interface(
         self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs)

@@ -499,19 +499,39 @@ def test_gemma_loss_is_fused_with_its_softcap(family, softcap):
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma3_text"])
-def test_gemma_attention_with_padding_equals_unpatched(family):
+def test_gemma_attention_with_padding_and_generate_equal_unpatched(family):
     """Gemma 1's and 3's patched attention (the rotary kernel; Gemma 3's q/k norms and its
-    sliding layer) on left-padded rows: eval logits equal the unpatched model's."""
+    sliding layer of window 4) on left-padded rows: eval logits equal the unpatched model's, and
+    greedy decoding through the cache, 8 tokens past the window, gives its tokens. A
+    sliding_window key in Gemma 1's config, which its forward never reads, is not applied."""
     model = _gemma(family, 20.0).eval()
+    if family == "gemma":
+        model.config.sliding_window = 3
     ids, _ = _batch()
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
-    with torch.no_grad():
-        want = model(input_ids=ids, attention_mask=mask).logits
-        fastllm.patch(model)
-        assert fastllm.patched(model)["rotary"] == 2
-        got = model(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-5, atol=1e-5)
+
+    def run():
+        with torch.no_grad():
+            return (model(input_ids=ids, attention_mask=mask).logits,
+                    model.generate(ids[:1], max_new_tokens=8, do_sample=False, pad_token_id=0))
+
+    outs, windows = {}, {}  # per side: (logits, tokens), the sliding_window its calls got
+    real = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS, "sdpa",
+                  lambda *a, **kw: seen.add(kw.get("sliding_window")) or real(*a, **kw))
+        for side in ("theirs", "ours"):
+            if side == "ours":
+                fastllm.patch(model)
+                assert fastllm.patched(model)["rotary"] == 2
+            seen = windows[side] = set()
+            outs[side] = run()
+    assert windows["ours"] == windows["theirs"] == ({None} if family == "gemma" else {None, 4})
+    (logits, tokens), (want_logits, want_tokens) = outs["ours"], outs["theirs"]
+    torch.testing.assert_close(logits[mask.bool()], want_logits[mask.bool()], rtol=1e-5,
+                               atol=1e-5)
+    assert torch.equal(tokens, want_tokens)
 
 
 @pytest.mark.parametrize("family", ["granite", "mixtral"])

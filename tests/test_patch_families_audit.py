@@ -371,7 +371,7 @@ def _gpt2():
 
 
 @pytest.mark.parametrize("family", ["Gemma", "Phi3", "GPT2"])
-def test_unsupported_families_unchanged(family):
+def test_partly_supported_families_train_as_unpatched(family):
     """Gemma (its (1 + weight) norms, attention, tanh-GELU MLPs and loss patched), Phi-3 (fused
     qkv/gate_up projections: norms only) and GPT-2 (Conv1D, LayerNorm: only lm_head's Linear):
     no rotary, MLP or loss swap but Gemma's, and training loss and every grad equal the
