@@ -486,18 +486,16 @@ def _model_op_cases(shape, device, liger):
                            [rnd(b, s, shape.heads, d), rnd(b, s, shape.kv_heads, d)]),
                   dict(bytes=4 * b * s * (shape.heads + shape.kv_heads) * d * es)))
 
-    fns = {ours: fastllm.ops.swiglu, "torch eager": bench_model._swiglu_torch}
-    if liger:
-        fns[LIGER] = liger.silu_mul
-    cases.append(("swiglu", f"gate, up {t}x{ffn}, bf16", fns,
-                  lambda: ([rnd(t, ffn, grad=True), rnd(t, ffn, grad=True)], [], [rnd(t, ffn)]),
-                  dict(bytes=8 * t * ffn * es)))  # fwd: 2 in 1 out; bwd: 3 in 2 out
-    fns = {ours: fastllm.ops.geglu, "torch eager": bench_model._geglu_torch}  # Gemma's MLP
-    if liger:
-        fns[LIGER] = liger.gelu_mul
-    cases.append(("geglu", f"gate, up {t}x{ffn}, bf16", fns,
-                  lambda: ([rnd(t, ffn, grad=True), rnd(t, ffn, grad=True)], [], [rnd(t, ffn)]),
-                  dict(bytes=8 * t * ffn * es)))
+    # the gated MLP activations: SwiGLU (Llama) and GeGLU (Gemma)
+    for op, torch_fn, liger_fn in (("swiglu", bench_model._swiglu_torch, "silu_mul"),
+                                   ("geglu", bench_model._geglu_torch, "gelu_mul")):
+        fns = {ours: getattr(fastllm.ops, op), "torch eager": torch_fn}
+        if liger:
+            fns[LIGER] = getattr(liger, liger_fn)
+        cases.append((op, f"gate, up {t}x{ffn}, bf16", fns,
+                      lambda: ([rnd(t, ffn, grad=True), rnd(t, ffn, grad=True)], [],
+                               [rnd(t, ffn)]),
+                      dict(bytes=8 * t * ffn * es)))  # fwd: 2 in 1 out; bwd: 3 in 2 out
 
     head_w = torch.nn.Parameter(0.02 * torch.randn(shape.vocab, h, device=device).to(dt))
     fns = {ours: fastllm.ops.fused_linear_cross_entropy,

@@ -27,6 +27,18 @@ def _act_arg(g, GELU: tl.constexpr):
 
 
 @triton.jit
+def _act_slope(g, GELU: tl.constexpr):
+    """a'(g), on _act_arg's clamped g: 2k (1 + 3c g^2), or SiLU's 1 (a product by 1 is exact:
+    SwiGLU's grads are what they were before GeGLU shared the kernel)."""
+    if GELU:
+        c = tl.minimum(tl.maximum(g, -20.0), 20.0)
+        slope = 1.5957691216057308 + 0.21406444881780076 * c * c
+    else:  # (one return of one type: a tensor of ones)
+        slope = tl.full(g.shape, 1.0, tl.float32)
+    return slope
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     g_ptr, u_ptr,  # *T (n,) gate, up
     y_ptr,  # *T (n,) silu(gate) * up
@@ -46,7 +58,7 @@ def _swiglu_fwd_kernel(
 def _swiglu_bwd_kernel(
     dy_ptr, g_ptr, u_ptr,  # *T (n,) grad of y, gate, up
     dg_ptr, du_ptr,  # *T (n,) grads of gate and up
-    h_ptr,  # *T (n,) silu(gate) * up, written when NEED_H (as the forward rounds it)
+    h_ptr,  # *T (n,) act(gate) * up, written when NEED_H (as the forward rounds it)
     n,
     NEED_H: tl.constexpr,
     GELU: tl.constexpr,
@@ -58,16 +70,11 @@ def _swiglu_bwd_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(_act_arg(g, GELU))
-    if GELU:  # times a'(g) = 2k (1 + 3c g^2), g clamped as in _act_arg
-        c = tl.minimum(tl.maximum(g, -20.0), 20.0)
-        dg = dy * u * sig * (1.0 + g * (1.0 - sig) * (1.5957691216057308
-                                                      + 0.21406444881780076 * c * c))
-    else:
-        dg = dy * u * sig * (1.0 + g * (1.0 - sig))
+    dg = dy * u * sig * (1.0 + g * (1.0 - sig) * _act_slope(g, GELU))
     du = dy * g * sig
     tl.store(dg_ptr + offs, round_nearest(dg, dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + offs, round_nearest(du, du_ptr.dtype.element_ty), mask=mask)
-    if NEED_H:  # the forward's expression: g * sigmoid(g) * u, rounded once
+    if NEED_H:  # the forward's expression: g * sigmoid(a(g)) * u, rounded once
         tl.store(h_ptr + offs, round_nearest(g * sig * u, h_ptr.dtype.element_ty), mask=mask)
 
 

@@ -82,12 +82,13 @@ def _kernels(gelu):
     """({backend: forward(gate, up)}, {backend: backward(dy, gate, up, need_h)}) of one
     activation."""
     name = "geglu" if gelu else "swiglu"
+    entry, backward_entry = f"{name}_cpu", f"{name}_backward_cpu"
 
     def forward_cpp(gate, up):
-        return getattr(_extension.extension(), f"{name}_cpu")(gate, up)
+        return getattr(_extension.extension(), entry)(gate, up)
 
     def backward_cpp(dy, gate, up, need_h):
-        dg, du, h = getattr(_extension.extension(), f"{name}_backward_cpu")(dy, gate, up, need_h)
+        dg, du, h = getattr(_extension.extension(), backward_entry)(dy, gate, up, need_h)
         return dg, du, (h if need_h else None)
 
     def forward_triton(gate, up):
