@@ -99,7 +99,7 @@ def _fused_route(lm):
 
 def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=None,
                    average=False, ignore_index=-100, fused=True, per_token=False,
-                   **model_kwargs):
+                   padding_free=False, **model_kwargs):
     """Per row, the sum (average=True: the mean) of log p(labels[t] | input_ids[:t]) over the
     positions whose label is not ignore_index: (B,) fp32 (a row with no label: 0, as TRL counts
     such a row, for the mean too). input_ids, labels: (B, T); labels as for the model's own loss
@@ -112,7 +112,14 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     the head and the log-softmax fused (token_logps), so no logits exist; for other models, and
     where that split would skip something (hooks on the model or its head, a head that is not a
     plain nn.Linear, a DTensor head), and for PEFT's prompt learning, the model's forward runs
-    and its logits are used instead; fused=False always takes that route (TRL's computation)."""
+    and its logits are used instead; fused=False always takes that route (TRL's computation).
+
+    padding_free=True (TRL DPOConfig's padding_free): the rows' attended tokens (attention_mask
+    1: one span per row, left- or right-padded) run as one row without padding, each sequence's
+    position ids from 0 and its attention kept inside it (transformers' packed sequences: >=
+    4.57's masking_utils, or fastllm.patch's attention), the results scattered back to the rows:
+    the same values, less work where the rows' lengths differ. Labels on padding are not scored.
+    The mask is read on the host (the packed length); position_ids are made, not taken."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(f"{_WHERE}.sequence_logps: input_ids and labels must both be (batch, "
                          f"seq), got {tuple(input_ids.shape)} and {tuple(labels.shape)}")
@@ -127,23 +134,99 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     prompt_learning = getattr(getattr(model, "active_peft_config", None), "is_prompt_learning",
                               False)
     route = None if prompt_learning or not fused else _fused_route(lm)
-    if route is None:
-        logits = model(input_ids=input_ids, **kwargs).logits[:, -input_ids.shape[1]:]
-        values = _logits_logps(logits, shifted.to(logits.device), ignore_index)
+    if padding_free:  # one row of every row's attended tokens; scattered back below
+        flat, input_ids_p, shifted, kwargs = _packed(lm, input_ids, shifted, kwargs,
+                                                     prompt_learning, ignore_index)
+        values = _token_values(model, lm, route, input_ids_p, shifted, kwargs, ignore_index)
+        values = values.new_zeros(input_ids.numel()).index_copy(0, flat.to(values.device),
+                                                                 values[0])
+        values = values.view(input_ids.shape)
+        shifted = None
     else:
-        from fastllm.patch import logit_softcap
-
-        backbone, head = route
-        hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
-        values = token_logps(hidden.to(head.weight.device), head.weight,
-                             shifted.to(head.weight.device), head.bias, ignore_index,
-                             logit_softcap(lm))
+        values = _token_values(model, lm, route, input_ids, shifted, kwargs, ignore_index)
     if per_token:
         return values
     total = values.sum(-1)
     if not average:
         return total
+    if shifted is None:  # (padding_free) the scored positions: the labels kept after packing
+        shifted = _kept_labels(labels, attention_mask, ignore_index)
     return total / (shifted != ignore_index).sum(-1).clamp(min=1).to(total.device)
+
+
+def _token_values(model, lm, route, input_ids, shifted, kwargs, ignore_index):
+    """(B, T) log-probabilities of the shifted labels: the fused route's, else the logits'."""
+    if route is None:
+        logits = model(input_ids=input_ids, **kwargs).logits[:, -input_ids.shape[1]:]
+        return _logits_logps(logits, shifted.to(logits.device), ignore_index)
+    from fastllm.patch import logit_softcap
+
+    backbone, head = route
+    hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
+    return token_logps(hidden.to(head.weight.device), head.weight, shifted.to(head.weight.device),
+                       head.bias, ignore_index, logit_softcap(lm))
+
+
+def _kept_labels(labels, attention_mask, ignore_index):
+    """The shifted labels padding_free scores: column t's where tokens t and t + 1 are both
+    attended (a label on padding is not scored)."""
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
+    if attention_mask is None:
+        return shifted
+    keep = attention_mask.to(labels.device) != 0
+    return shifted.where(keep & F.pad(keep, (0, 1))[:, 1:], ignore_index)
+
+
+def padding_free_refusal(lm):
+    """Why the causal LM `lm` cannot score rows padding-free, or None."""
+    from transformers import masking_utils
+
+    from fastllm.patch import _is_causal_lm
+
+    if not _is_causal_lm(lm):  # (linear-attention and convolution layers ignore position ids)
+        return (f"takes the families fastllm.patch knows (Llama, Qwen2/3, Mistral, Gemma 1-3), "
+                f"whose attention keeps packed sequences apart by their position ids; got "
+                f"{type(lm).__name__}")
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return ("needs transformers >= 4.57 (masking_utils' packed sequences), which keeps the "
+                "packed rows' attention apart")
+    return None
+
+
+def _packed(lm, input_ids, shifted, kwargs, prompt_learning, ignore_index):
+    """padding_free's (flat indices of the attended tokens (N,), input_ids (1, N), shifted
+    labels (1, N), the model's kwargs with packed position ids and no attention mask)."""
+    where = f"{_WHERE}.sequence_logps(padding_free=True)"
+    if prompt_learning:
+        raise ValueError(f"{where}: PEFT's prompt learning puts virtual tokens before each row; "
+                         f"score its rows padded (padding_free=False)")
+    if kwargs.get("position_ids") is not None:
+        raise ValueError(f"{where}: position_ids are made from attention_mask (each row's from "
+                         f"0); do not pass them")
+    refusal = padding_free_refusal(lm)
+    if refusal:
+        raise ValueError(f"{where}: {refusal}")
+    mask = kwargs.pop("attention_mask")
+    if mask is None:
+        keep = torch.ones_like(input_ids, dtype=torch.bool)
+    else:
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"{where}: attention_mask must be (batch, seq) like input_ids, got "
+                             f"{tuple(mask.shape)}")
+        keep = mask.to(input_ids.device) != 0
+        spans = (keep & ~F.pad(keep, (1, 0))[:, :-1]).sum(-1)  # where a row's tokens begin
+        if bool((spans > 1).any()):
+            raise ValueError(f"{where}: attention_mask row {int((spans > 1).int().argmax())} "
+                             f"has padding between its tokens; padding_free takes one span per "
+                             f"row (left- or right-padded)")
+    flat = keep.reshape(-1).nonzero().squeeze(1)
+    if not len(flat):
+        raise ValueError(f"{where}: attention_mask attends no token")
+    position_ids = keep.long().cumsum(-1) - 1
+    shifted = shifted.to(keep.device).where(keep & F.pad(keep, (0, 1))[:, 1:], ignore_index)
+    kwargs = dict(kwargs, attention_mask=None,
+                  position_ids=position_ids.reshape(-1)[flat][None])
+    return flat, input_ids.reshape(-1)[flat][None], shifted.reshape(-1)[flat][None], kwargs
 
 
 def _logits_logps(logits, labels, ignore_index):

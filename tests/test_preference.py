@@ -147,6 +147,73 @@ def test_sequence_logps_and_grads_match_the_logits(patched, average, head):
         torch.testing.assert_close(have[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
+@pytest.mark.parametrize("patched", [False, True], ids=["hf", "patched"])
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
+def test_padding_free_equals_padded(patched, side, fused):
+    """The rows' attended tokens as one row (position ids from 0 per sequence, the attention kept
+    inside each) give the padded rows' values and grads: sums, means, per token."""
+    model = _model()
+    inject_lora(model, target_modules=["q_proj", "v_proj"], r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    if patched:
+        fastllm.patch(model)
+    ids, labels, mask = _pairs(pairs=3, length=13)
+    if side == "left":  # each row's tokens moved to its end
+        for r in range(len(ids)):
+            n = int(mask[r].sum())
+            for t in (ids, labels, mask):
+                t[r] = torch.cat([t[r, n:], t[r, :n]])
+    labels = labels.where(mask != 0, 7)  # a label on padding: scored by neither (masked below)
+    padded_labels = labels.where(mask != 0, -100)
+    for kw in (dict(), dict(average=True), dict(per_token=True)):
+        results = []
+        for free, lab in ((False, padded_labels), (True, labels)):
+            model.zero_grad(set_to_none=True)
+            got = sequence_logps(model, ids, lab, attention_mask=mask, fused=fused,
+                                 padding_free=free, **kw)
+            got.pow(2).sum().backward()
+            results.append((got.detach(), _grads(model)))
+        (want, want_g), (have, have_g) = results
+        if kw.get("per_token"):  # where the padded rows' tokens are (a left-padded row's
+            want = want.where(mask != 0, 0.0)  # padding scores its first token: not ours)
+            assert have.shape == ids.shape
+        else:
+            assert want.shape == have.shape == (len(ids),)
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        assert want_g.keys() == have_g.keys() and want_g
+        for n in want_g:
+            torch.testing.assert_close(have_g[n], want_g[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_padding_free_refusals():
+    peft = pytest.importorskip("peft")
+    model = _model()
+    ids, labels, mask = _pairs()
+    holes = mask.clone()
+    holes[2, 4] = 0
+    for kwargs, match in ((dict(attention_mask=holes), "row 2 has padding between"),
+                          (dict(attention_mask=mask[:, 1:]), "must be \\(batch, seq\\)"),
+                          (dict(attention_mask=mask * 0), "attends no token"),
+                          (dict(attention_mask=mask, position_ids=mask.cumsum(-1)),
+                           "position_ids are made")):
+        with pytest.raises(ValueError, match=match):
+            sequence_logps(model, ids, labels, padding_free=True, **kwargs)
+    wrapped = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                                  num_virtual_tokens=3))
+    with pytest.raises(ValueError, match="prompt learning"):
+        sequence_logps(wrapped, ids, labels, attention_mask=mask, padding_free=True)
+    import transformers
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=97, n_embd=32,
+                                                                n_layer=1, n_head=4))
+    with pytest.raises(ValueError, match="families fastllm.patch knows.*GPT2LMHeadModel"):
+        sequence_logps(gpt2, ids, labels, attention_mask=mask, padding_free=True)
+
+
 def test_sequence_logps_through_peft_and_hooks():
     peft = pytest.importorskip("peft")
     model = _model()

@@ -123,6 +123,8 @@ def test_describe_says_the_route_the_scoring_takes():
         vocab_size=97, n_embd=32, n_layer=1, n_head=4, n_positions=32)).eval()
     objective = PreferenceObjective(DPOConfig(), gpt2, adapters=False, fused=True)
     assert "from the logits" in objective.describe() and not objective.fused
+    with pytest.raises(ValueError, match="data.padding_free=true takes the families"):
+        PreferenceObjective(DPOConfig(), gpt2, adapters=False, fused=True, padding_free=True)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2))
@@ -307,6 +309,8 @@ def test_dataset_orders_pairs_per_epoch_truncates_and_drops(tmp_path):
     (["finetune=prefix"], "finetune=prefix"),
     (["parallel.tp=2"], "one process, DDP, ZeRO-1/2 or FSDP for now .*got tp=2 pp=1"),
     (["data.train_on_prompt=true"], "train_on_prompt must be false"),
+    (["objective=lm", "data.path=null", "data.padding_free=true"],
+     "data.padding_free is for objective=dpo"),
 ])
 def test_config_refusals_name_the_key(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
@@ -328,6 +332,23 @@ def test_bad_data_is_refused_before_the_run_folder_is_written(tmp_path):
     with pytest.raises(ValueError, match="raise data.seq_len"):
         Trainer(_cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), "data.seq_len=8")).train()
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_padding_free_trains_as_padded(tmp_path, objective, capsys):
+    """data.padding_free=true scores each micro-batch's rows as one row without padding: the
+    same run, step for step (ORPO: the per-token path, its NLL over the chosen rows)."""
+    data = _pairs(tmp_path / "p.jsonl")
+    extra = (f"objective={objective}", "max_steps=3")
+    runs = []
+    for free in ("false", "true"):
+        Trainer(_cfg(tmp_path, data, *extra, f"data.padding_free={free}", out=free)).train()
+        runs.append(_metrics(str(tmp_path / free)))
+    assert "without padding (data.padding_free)" in capsys.readouterr().err
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"):
+        torch.testing.assert_close([r[key] for r in runs[1]], [r[key] for r in runs[0]],
+                                   rtol=1e-4, atol=1e-6, msg=key)
+    assert runs[0][-1]["loss"] != runs[0][0]["loss"]  # (it trained)
 
 
 def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):

@@ -39,6 +39,7 @@ class DataConfig:
     format: str = "auto"                  # auto (.jsonl/.json: jsonl) | text | jsonl (SFT records)
     packing: bool = True                  # jsonl: several examples per row, kept apart
     train_on_prompt: bool = False         # jsonl: the loss counts prompt/system tokens too
+    padding_free: bool = False            # dpo/cpo/orpo: a micro-batch's rows as one, no padding
     eval_path: typing.Optional[str] = None  # jsonl: held-out examples
     eval_fraction: float = 0.0            # jsonl: hold out this fraction of data.path (seeded)
 

@@ -117,6 +117,8 @@ def validate_objective(cfg, need):
             need(not changed, f"{', '.join(changed)} set but objective={cfg.objective}: the "
                  f"{name} section applies to objective={name}")
     if cfg.objective == "lm":
+        need(not cfg.data.padding_free, "data.padding_free is for objective=dpo|cpo|orpo (TRL's "
+             "padding_free for preference pairs); objective=lm packs examples by data.packing")
         return
     from fastllm.train.sft_records import data_format
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from fastllm.adapters import disable_adapters
 from fastllm.preference import (_causal_lm, _fused_route, cpo_loss, dpo_loss, orpo_log_odds,
-                                orpo_loss, sequence_logps)
+                                orpo_loss, padding_free_refusal, sequence_logps)
 
 __all__ = ["PreferenceObjective"]
 
@@ -60,11 +60,16 @@ class _Policy(nn.Module):
 
 
 class PreferenceObjective:
-    def __init__(self, dpo, model, adapters, fused, name="dpo", section=None):
+    def __init__(self, dpo, model, adapters, fused, name="dpo", section=None,
+                 padding_free=False):
         # fused: the scoring without logits, where the model has that route (a family
         # fastllm.patch knows, a plain head: fastllm.preference); else its logits, as said
         fused = fused and _fused_route(_causal_lm(model)) is not None
         self.dpo, self.fused, self.adapters = dpo, fused, adapters
+        self.padding_free = padding_free  # the micro-batch's rows scored as one (TRL's)
+        refusal = padding_free_refusal(_causal_lm(model)) if padding_free else None
+        if refusal:
+            raise ValueError(f"fastllm train: data.padding_free=true {refusal}")
         # name: dpo, cpo or orpo; section: cfg.cpo / cfg.orpo (the reference-free ones)
         self.name, self.section = name, section
         self.precomputed = self._precomputing = False
@@ -90,7 +95,7 @@ class PreferenceObjective:
             return None
         fused = cfg.backend == "fastllm" and cfg.kernels == "fastllm"
         return cls(cfg.dpo, model, cfg.finetune == "lora", fused, cfg.objective,
-                   getattr(cfg, cfg.objective))
+                   getattr(cfg, cfg.objective), cfg.data.padding_free)
 
     def policy(self, model):
         """The module DDP or FSDP wraps in place of `model` (the trainer's strategy.policy)."""
@@ -160,6 +165,8 @@ class PreferenceObjective:
 
     def describe(self):
         how = f"log-probabilities {'fused, no logits' if self.fused else 'from the logits'}"
+        if self.padding_free:
+            how += ", each micro-batch's rows as one without padding (data.padding_free)"
         if self.name == "orpo":
             return f"objective=orpo (beta={self.section.beta}; no reference; {how})"
         if self.name == "cpo":
@@ -173,7 +180,7 @@ class PreferenceObjective:
             ref += ", its log-probabilities precomputed"
         rpo = f", rpo_alpha={d.rpo_alpha}" if d.rpo_alpha else ""
         return (f"objective=dpo (loss_type={d.loss_type}, beta={d.beta}{rpo}; reference: {ref}; "
-                f"log-probabilities {'fused, no logits' if self.fused else 'from the logits'})")
+                f"{how})")
 
     def _logps(self, model, batch):
         # (not fused: backend=torch or kernels=none, the model's own logits, TRL's computation)
@@ -181,9 +188,11 @@ class PreferenceObjective:
             # too (TRL's), the odds ratio the completions' (score); one pass for both
             whole = batch["input_ids"].where(batch["attention_mask"].bool(), -100)
             return sequence_logps(model, batch["input_ids"], whole, batch["attention_mask"],
-                                  fused=self.fused, per_token=True)
+                                  fused=self.fused, per_token=True,
+                                  padding_free=self.padding_free)
         return sequence_logps(model, batch["input_ids"], batch["labels"],
-                              batch["attention_mask"], fused=self.fused)
+                              batch["attention_mask"], fused=self.fused,
+                              padding_free=self.padding_free)
 
     @staticmethod
     def _unwrap(model):
