@@ -30,7 +30,10 @@ a Qwen3-0.6B-shaped Qwen3ForCausalLM instead (hidden 1024, 16 / 8 heads of 128, 
 FASTLLM_BENCH_FAMILY=gemma3 a Gemma-3-270M-shaped Gemma3ForCausalLM (hidden 640, 4 / 1 heads of
 256, q/k norms, GeGLU ffn 2048, vocab 262144, tied embeddings, sliding window 512 on 5 layers of
 6; random init), where fastllm.patch swaps the norms, the attention's rotary embedding, the
-GeGLU MLPs (fastllm.ops.geglu) and the loss.
+GeGLU MLPs (fastllm.ops.geglu) and the loss; FASTLLM_BENCH_FAMILY=phi4mini a
+Phi-4-mini-shaped Phi3ForCausalLM (hidden 3072, 24 / 8 heads of 128 in one qkv_proj, rotary
+on 3/4 of each head, gate_up_proj ffn 8192, vocab 200064, tied embeddings; random init; LoRA on
+qkv_proj, Phi-3 having no q_proj or v_proj).
 """
 
 import copy
@@ -181,22 +184,25 @@ def run_ops(b, s, dtypes, progress):
 
 QWEN3_VOCAB = 151936
 GEMMA3_VOCAB = 262144
+PHI4_MINI_VOCAB = 200064
 # the random-init shapes FASTLLM_BENCH_FAMILY names (smollm2, the default, is VOCAB's Llama)
-_RANDOM_FAMILIES = {"qwen3": "Qwen3-0.6B", "gemma3": "Gemma-3-270M"}
+_RANDOM_FAMILIES = {"qwen3": "Qwen3-0.6B", "gemma3": "Gemma-3-270M", "phi4mini": "Phi-4-mini"}
+_VOCABS = {"qwen3": QWEN3_VOCAB, "gemma3": GEMMA3_VOCAB, "phi4mini": PHI4_MINI_VOCAB}
 
 
 def _family():
     family = os.environ.get("FASTLLM_BENCH_FAMILY", "smollm2")
     if family not in ("smollm2", *_RANDOM_FAMILIES):
         raise SystemExit(f"FASTLLM_BENCH_FAMILY={family}: use smollm2, "
-                         f"{' or '.join(_RANDOM_FAMILIES)}")
+                         f"{', '.join(list(_RANDOM_FAMILIES)[:-1])} or "
+                         f"{list(_RANDOM_FAMILIES)[-1]}")
     return family
 
 
 def _model_folder(layers):
     """(folder, its config.json as a dict) named by FASTLLM_BENCH_MODEL, or (None, None); checked:
     a folder of Hugging Face weights with at least `layers` layers, and not with
-    FASTLLM_BENCH_FAMILY=qwen3 or gemma3 (whose steps are random-init shapes)."""
+    FASTLLM_BENCH_FAMILY=qwen3, gemma3 or phi4mini (whose steps are random-init shapes)."""
     path = os.environ.get("FASTLLM_BENCH_MODEL")
     if not path:
         return None, None
@@ -249,6 +255,18 @@ def _model(layers, dtype):
                                   attn_implementation="sdpa")
         return (Gemma3ForCausalLM(config).to(dtype),
                 f"Gemma-3-270M shape (random init), {layers} layers")
+    if _family() == "phi4mini":
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        torch.manual_seed(0)
+        config = Phi3Config(vocab_size=PHI4_MINI_VOCAB, hidden_size=3072, intermediate_size=8192,
+                            num_hidden_layers=layers, num_attention_heads=24,
+                            num_key_value_heads=8, partial_rotary_factor=0.75,
+                            max_position_embeddings=4096, tie_word_embeddings=True,
+                            pad_token_id=199999, bos_token_id=199999, eos_token_id=199999,
+                            attn_implementation="sdpa")
+        return (Phi3ForCausalLM(config).to(dtype),
+                f"Phi-4-mini shape (random init), {layers} layers")
     path, config = _model_folder(layers)
     if path:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -281,10 +299,11 @@ def _setups(layers, dtype, finetune):
     if finetune == "lora":
         import peft
 
-        config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
-                                 lora_dropout=0.0)
+        # (Phi-3's q, k and v are one projection)
+        targets = ["qkv_proj"] if _family() == "phi4mini" else ["q_proj", "v_proj"]
+        config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0)
         hf = peft.get_peft_model(hf, config, autocast_adapter_dtype=False)
-        fastllm.lora.inject_lora(ours, ["q_proj", "v_proj"], r=16, alpha=32)
+        fastllm.lora.inject_lora(ours, targets, r=16, alpha=32)
         # the same adapter on both sides (PEFT's B starts at zero, so does ours: make it nonzero)
         torch.manual_seed(1)
         for name, layer in fastllm.lora.lora_modules(ours):
@@ -363,7 +382,7 @@ def run_steps(layers, b, s, steps, dtypes, finetunes, progress):
     profile_max_s, slow_s = _time_limits()
     torch.manual_seed(0)
     config = _model_folder(layers)[1]
-    vocab = ({"qwen3": QWEN3_VOCAB, "gemma3": GEMMA3_VOCAB}.get(_family()) or
+    vocab = (_VOCABS.get(_family()) or
              (config.get("vocab_size", VOCAB) if config else VOCAB))
     ids = torch.randint(0, vocab, (b, s))
     for dtype in dtypes:

@@ -1,6 +1,6 @@
 """fastllm.patch(model): run a Hugging Face Llama-family model on fastllm's kernels, in place.
 
-    model = LlamaForCausalLM.from_pretrained(...)      # or Qwen2/Qwen3/MistralForCausalLM
+    model = LlamaForCausalLM.from_pretrained(...)      # or Qwen2/Qwen3/Mistral/Phi3ForCausalLM
     fastllm.patch(model)                                # returns the model
     out = model(input_ids, labels=labels)               # out.loss; in training, out.logits is None
     fastllm.unpatch(model)                              # the original forwards again
@@ -20,7 +20,7 @@ What is swapped, per module instance (the class and every other model are untouc
                            native low-precision GEMMs (products in fp32, fastllm/_lowp.py; the
                            attention's sdpa is then computed in fp32 the same way), or fp32 on a
                            CPU where ATen's fp32 GEMM is slow (oneDNN's, fastllm/_gemm.py)
-    *ForCausalLM        -> Llama, Qwen2, Qwen3, Mistral and Gemma 1-3 (text) only (the others
+    *ForCausalLM        -> Llama, Qwen2, Qwen3, Mistral, Phi-3 and Gemma 1-3 (text) only (the others
                            change their logits or add to their loss: logit scales, router
                            losses; Gemma 2's and 3's logit softcap is the fused loss's): with
                            `labels` in training (module.training and grad enabled), the loss by
@@ -46,11 +46,12 @@ transformers 5.x: q/k/v/o_proj, gate/up/down_proj, silu, rotate-half rotary, `va
 Qwen3's (q and k normalised per head before the rotation), the `1 + weight` RMSNorm, the GeGLU
 MLP (the tanh GELU: gelu_pytorch_tanh) and the causal-LM loss of Gemma 1-3, and Gemma 1's and
 3's attention (Gemma 3's q/k norms and sliding layers as Qwen3's and Qwen2's; Gemma 2's, which
-softcaps its scores, stays its own).
-An *MLP only when its class's forward is transformers' gated line itself (no multipliers,
+softcaps its scores, stays its own); Phi-3's qkv_proj and gate_up_proj (q, k, v and gate, up as
+column blocks of one projection) and its rotary on part of each head (partial_rotary_factor).
+An *MLP only when its class's forward is transformers' gated line itself (or Phi-3's) (no multipliers,
 clamps or dropout around it), an *Attention or *ForCausalLM only when it runs transformers' own
 forward (a subclass's override, an auxiliary loss say, runs as itself). Any other module is
-left alone (GPT-2's, Phi-3's fused projections); `verbose=True` prints the counts per kind.
+left alone (GPT-2's); `verbose=True` prints the counts per kind.
 
 Distributed: patch before fully_shard (FSDP2) and before tensor-parallel layouts
 (tests/test_patch_distributed.py). The kernels take plain tensors; under FSDP2 the modules see
@@ -78,6 +79,9 @@ from torch import nn
 from fastllm import _gemm, _hf, _lowp
 from fastllm._hooks import hooked as _hooked
 from fastllm._patch_lora import down_projection, project as _project
+from fastllm._patch_match import (_is_attention, _is_backbone, _is_causal_lm,
+                                  _is_gated_mlp, _is_gemma_rms_norm, _is_llama_rms_norm, _is_silu,
+                                  _is_tanh_gelu, logit_softcap)
 from fastllm._attention_plan import (ATTENTION_PLAN, attention_plan, fastllm_attention_applies,
                                      wants_attentions)
 from fastllm._dtensor import is_dtensor
@@ -89,23 +93,6 @@ KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
 # swapped with the attention layers (rotary), not counted as a kind of its own: the decoder stack,
 # which hands them the attention plan when it is called directly
 _BACKBONE = "backbone"
-
-# config.model_type of the models whose attention and causal-LM loss the patch reproduces
-_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# and of those whose causal-LM loss alone it computes (their logits lm_head(hidden), capped by
-# cap * tanh(logits / cap) where config.final_logit_softcapping is set: Gemma 2 and 3), with the
-# modeling file their forward is in (Gemma 3's text-only model is "gemma3_text", in gemma3's)
-_LOSS_MODEL_FILES = {**{t: t for t in _MODEL_TYPES}, "gemma": "gemma", "gemma2": "gemma2",
-                     "gemma3_text": "gemma3"}
-# and of those whose attention it runs with the rotary kernel (Gemma 1's is Llama's; Gemma 3's
-# normalises q and k per head first, as Qwen3's; Gemma 2's softcaps its scores: its own)
-_ATTENTION_MODEL_FILES = {**{t: t for t in _MODEL_TYPES}, "gemma": "gemma",
-                          "gemma3_text": "gemma3"}
-
-# the RMSNorms that scale by (1 + weight) (transformers' modeling_gemma, _gemma2, _gemma3);
-# Gemma3n's and Gemma4's scale by weight (initialised to ones) and are left alone
-_GEMMA_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
-
 
 # --- the replacement forwards (bound to each patched module) ---------------------------------
 
@@ -190,7 +177,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     cache = _hf.take_cache(cache, kwargs)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    q, k, v = _project(hidden_states, [self.q_proj, self.k_proj, self.v_proj])
+    if "qkv_proj" in self._modules:  # Phi-3's one projection: q, k and v its column blocks
+        q, k, v = _split_qkv(self, self.qkv_proj(hidden_states))
+    else:
+        q, k, v = _project(hidden_states, [self.q_proj, self.k_proj, self.v_proj])
     cos, sin = position_embeddings
     if any(is_dtensor(t) for t in (q, k, v, cos, sin)):
         # a tensor-parallel plan whose projections hand back DTensors (fastllm.parallel's and
@@ -202,7 +192,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if self.config.model_type in ("qwen3", "gemma3_text"):  # each head's q and k normalised
         q, k = self.q_norm(q), self.k_norm(k)
     # (B, S, H, D) as the projections lay them out: the kernel rotates q and k in one pass
-    q, k = rotary_embedding(q, k, cos, sin)
+    rot = cos.shape[-1]
+    if rot == q.shape[-1]:
+        q, k = rotary_embedding(q, k, cos, sin)
+    else:  # partial rotary (Phi-4-mini): each head's first rot features, the rest as they are
+        q_rot, k_rot = rotary_embedding(q[..., :rot], k[..., :rot], cos, sin)
+        q, k = torch.cat([q_rot, q[..., rot:]], -1), torch.cat([k_rot, k[..., rot:]], -1)
     v = v.view(hidden_shape)
     dropout = 0.0 if not self.training else self.attention_dropout
     plan = kwargs.pop(ATTENTION_PLAN, None)
@@ -251,15 +246,22 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     extra = {}
     if hasattr(self, "sliding_window"):  # Qwen2, Qwen3, Gemma 3: per layer type
         extra["sliding_window"] = self.sliding_window
-    elif self.config.model_type == "mistral" and getattr(self.config, "sliding_window",
-                                                         None) is not None:
-        # (Mistral's forward alone reads its config's; a Llama or Gemma 1 config may carry an
-        # unused sliding_window key, which flash attention would apply)
+    elif self.config.model_type in ("mistral", "phi3") and getattr(
+            self.config, "sliding_window", None) is not None:
+        # (Mistral's and Phi-3's forwards alone read their config's; a Llama or Gemma 1 config
+        # may carry an unused sliding_window key, which flash attention would apply)
         extra["sliding_window"] = self.config.sliding_window
     attn_output, attn_weights = attention_interface(
         self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
+
+
+def _split_qkv(self, qkv):
+    """q, k, v: the column blocks of Phi-3's qkv_proj output (views)."""
+    nq = self.config.num_attention_heads * self.head_dim
+    nkv = self.num_key_value_heads * self.head_dim
+    return qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
 
 
 def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
@@ -280,11 +282,15 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
 def _mlp_forward(self, x):
     from fastllm.ops.swiglu import geglu, geglu_linear, swiglu, swiglu_linear
 
-    gate, up = _project(x, [self.gate_proj, self.up_proj])
+    if "gate_up_proj" in self._modules:  # Phi-3's: gate and up the halves of one projection
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        act = self.activation_fn
+    else:
+        gate, up = _project(x, [self.gate_proj, self.up_proj])
+        act = self.act_fn
     down = self.down_proj
     if is_dtensor(gate) or is_dtensor(up):  # a plan whose projections hand back DTensors
-        return down(self.act_fn(gate) * up)
-    act = self.act_fn
+        return down(act(gate) * up)
     if _is_silu(act):
         gelu = False
     elif _is_tanh_gelu(act):
@@ -365,81 +371,6 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     return (loss, None, *(v for k, v in out.items() if k != "loss"))
 
 
-# --- recognising the modules ------------------------------------------------------------------
-
-def _is_llama_rms_norm(m):
-    return (type(m).__name__.endswith("RMSNorm") and not type(m).__name__.startswith("Gemma")
-            and isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 1
-            and hasattr(m, "variance_epsilon") and _hf.stock_norm(m))
-
-
-def _is_gemma_rms_norm(m):
-    return (type(m).__name__ in _GEMMA_RMS_NORMS
-            and isinstance(getattr(m, "weight", None), nn.Parameter) and hasattr(m, "eps")
-            and _hf.stock_norm(m))
-
-
-def _is_attention(m):
-    model_type = getattr(getattr(m, "config", None), "model_type", None)
-    return (type(m).__name__.endswith("Attention") and all(
-        hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling",
-                                "config", "layer_idx"))
-            and model_type in _ATTENTION_MODEL_FILES
-            and _hf.stock_forward(m, (_ATTENTION_MODEL_FILES[model_type],)))
-
-
-def _is_gated_mlp(m):
-    # down_proj(act_fn(gate_proj(x)) * up_proj(x)) with SiLU (SwiGLU: Llama, Qwen, Mistral) or
-    # the tanh GELU (GeGLU: Gemma 1-3)
-    act = getattr(m, "act_fn", None)
-    return (type(m).__name__.endswith("MLP") and all(
-        hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
-            and (_is_silu(act) or _is_tanh_gelu(act)) and _hf.is_swiglu_forward(type(m).forward))
-
-
-def _is_silu(act):
-    # nn.SiLU, or transformers' own SiLUActivation (what ACT2FN["silu"] is in transformers 5)
-    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or (
-        getattr(act, "__name__", None) == "silu")
-
-
-# transformers' modules computing gelu(x, approximate="tanh") (ACT2FN's gelu_pytorch_tanh, and
-# gelu_python_tanh and gelu_new, the same maths written out; PytorchGELUTanh before 5.x)
-_TANH_GELUS = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation")
-
-
-def _is_tanh_gelu(act):
-    if type(act) is nn.GELU:
-        return act.approximate == "tanh"
-    return (type(act).__name__ in _TANH_GELUS
-            and type(act).__module__ == "transformers.activations")
-
-
-def _is_backbone(m):
-    # the decoder stack a causal LM calls (LlamaModel, Qwen2Model, ...), transformers' own
-    return (type(m).__name__.endswith("Model") and "layers" in m._modules
-            and "embed_tokens" in m._modules
-            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES
-            and _hf.stock_forward(m, _MODEL_TYPES))
-
-
-def _is_causal_lm(m):
-    # the HF model itself, not a wrapper that forwards attributes to it (PEFT's PeftModel)
-    model_type = getattr(getattr(m, "config", None), "model_type", None)
-    return (type(m).__name__.endswith("ForCausalLM") and "lm_head" in m._modules
-            and "model" in m._modules and model_type in _LOSS_MODEL_FILES
-            and _hf.stock_forward(m, (_LOSS_MODEL_FILES[model_type],)))
-
-
-def logit_softcap(lm):
-    """The cap of a causal LM's logits (cap * tanh(logits / cap)) that its forward applies after
-    lm_head: Gemma 2's and 3's config.final_logit_softcapping; None for every other family."""
-    if getattr(lm.config, "model_type", None) not in ("gemma2", "gemma3_text"):
-        return None
-    cap = getattr(lm.config, "final_logit_softcapping", None)
-    return None if cap is None else float(cap)
-
-
 # every replacement forward, as the partials patch() binds carry them
 _REPLACEMENTS = (_linear_forward, _rms_norm_forward, _gemma_rms_norm_forward, _attention_forward,
                  _mlp_forward, _causal_lm_forward, _backbone_forward)
@@ -511,8 +442,8 @@ def _chosen(m, chosen):
 
 def patch(model, rms_norm=True, rotary=True, swiglu=True, cross_entropy=True, linear=True,
           verbose=False):
-    """Swap the modules of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma model (or a
-    PEFT model around one) for fastllm's kernels, in place; returns the model. Each keyword
+    """Swap the modules of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma model
+    (or a PEFT model around one) for fastllm's kernels, in place; returns the model. Each keyword
     turns one kind of swap off (swiglu: the gated MLPs, Gemma's GeGLU too). Patching a patched
     model is a no-op for the modules already patched. A module whose instance `forward` is
     already some wrapper other than accelerate's hook is refused

@@ -87,7 +87,7 @@ def _fused_route(lm):
     softcap, fastllm.patch.logit_softcap, is the fused path's too), a plain nn.Linear head, no
     hooks on it or on the model (they would be skipped), no DTensor head; else None (the model's
     own forward and its logits)."""
-    from fastllm.patch import _is_causal_lm
+    from fastllm._patch_match import _is_causal_lm
 
     head = output_layer(lm)
     if (not _is_causal_lm(lm) or type(head) is not nn.Linear or user_hooked(lm)
@@ -108,7 +108,7 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     of one's own from one pass.
 
     `model`: a transformers causal LM (patched or not, with fastllm or PEFT adapters). For the
-    families fastllm.patch knows (Llama, Qwen2/3, Mistral, Gemma 1-3) its decoder runs, then
+    families fastllm.patch knows (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3) its decoder runs, then
     the head and the log-softmax fused (token_logps), so no logits exist; for other models, and
     where that split would skip something (hooks on the model or its head, a head that is not a
     plain nn.Linear, a DTensor head), and for PEFT's prompt learning, the model's forward runs
@@ -159,7 +159,7 @@ def _token_values(model, lm, route, input_ids, shifted, kwargs, ignore_index):
     if route is None:
         logits = model(input_ids=input_ids, **kwargs).logits[:, -input_ids.shape[1]:]
         return _logits_logps(logits, shifted.to(logits.device), ignore_index)
-    from fastllm.patch import logit_softcap
+    from fastllm._patch_match import logit_softcap
 
     backbone, head = route
     hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
@@ -181,11 +181,11 @@ def padding_free_refusal(lm):
     """Why the causal LM `lm` cannot score rows padding-free, or None."""
     from transformers import masking_utils
 
-    from fastllm.patch import _is_causal_lm
+    from fastllm._patch_match import _is_causal_lm
 
     if not _is_causal_lm(lm):  # (linear-attention and convolution layers ignore position ids)
-        return (f"takes the families fastllm.patch knows (Llama, Qwen2/3, Mistral, Gemma 1-3), "
-                f"whose attention keeps packed sequences apart by their position ids; got "
+        return (f"takes the families fastllm.patch knows (Llama, Qwen2/3, Mistral, Phi-3, Gemma "
+                f"1-3), whose attention keeps packed sequences apart by their position ids; got "
                 f"{type(lm).__name__}")
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
         return ("needs transformers >= 4.57 (masking_utils' packed sequences), which keeps the "

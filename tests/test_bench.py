@@ -520,7 +520,7 @@ def test_cli_refuses_bad_settings_before_any_benchmark_runs(monkeypatch, tmp_pat
     ran = []
     monkeypatch.setattr(bench_model, "run", lambda **kw: ran.append(kw) or [])
     for env, args, message in (
-            ({"FASTLLM_BENCH_FAMILY": "qwen"}, [], "use smollm2, qwen3 or gemma3"),
+            ({"FASTLLM_BENCH_FAMILY": "qwen"}, [], "use smollm2, qwen3, gemma3 or phi4mini"),
             ({"FASTLLM_BENCH_LAYERS": "four"}, [], "an integer >= 1"),
             ({}, ["--json", str(tmp_path / "missing" / "rows.json")], "there is no folder"),
             # a name twice ran its cases twice into one table, each against the last baseline

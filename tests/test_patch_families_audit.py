@@ -1,9 +1,10 @@
 """fastllm.patch across the families and arguments a user brings: Qwen2 (q/k/v bias), Qwen3
 (q_norm/k_norm before the rotation; with sliding-window layers), Mistral with and without a
 sliding window, Llama's rope scalings, tied and untied heads, padded, positioned and packed
-rows, logits_to_keep, output_attentions, generate; Gemma (its loss, norms and GeGLU MLPs; `fastllm
-train` on a Gemma 3 folder); and the families it does not support (Phi-3, GPT-2, and
-SwiGLU-named MLPs with other maths): their outputs unchanged.
+rows, logits_to_keep, output_attentions, generate; Phi-3 (one qkv and one gate_up projection,
+partial rotary, LoRA on them); Gemma (its loss, norms and GeGLU MLPs; `fastllm train` on a
+Gemma 3 folder); and the families it does not support (GPT-2, and SwiGLU-named MLPs with other
+maths): their outputs unchanged.
 
 Tiny random models (hidden 64, 2 layers, vocabulary 300, 12 tokens); fp32 within 1e-5 on the
 loss and logits, 1e-4 on every gradient, against the unpatched model."""
@@ -88,6 +89,11 @@ FAMILIES = {
                                    max_position_embeddings=8)),
     "yarn_rope": ("Llama", dict(rope_scaling=dict(rope_type="yarn", factor=8.0,
                                                   original_max_position_embeddings=8))),
+    # one qkv_proj and one gate_up_proj; Phi-4-mini's rotary on part of each head, Phi-3-mini's
+    # sliding window from its config
+    "phi3": ("Phi3", dict(pad_token_id=0)),
+    "phi3_partial_rotary_sliding": ("Phi3", dict(pad_token_id=0, partial_rotary_factor=0.5,
+                                                 sliding_window=4)),
 }
 
 
@@ -122,11 +128,12 @@ def test_family_equals_unpatched(family):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["Qwen3", "Qwen2"])
+@pytest.mark.parametrize("name", ["Qwen3", "Qwen2", "Phi3"])
 def test_fastllm_attention_with_packed_rows(name, monkeypatch):
-    """fastllm's CPU attention kernel in Qwen3's layers (its q and k normalised, then rotated)
-    and Qwen2's (q/k/v biases): packed rows (position ids restarting, no mask) give the
-    unpatched model's loss and grads, and the kernel ran in every layer."""
+    """fastllm's CPU attention kernel in Qwen3's layers (its q and k normalised, then rotated),
+    Qwen2's (q/k/v biases) and Phi-3's (q, k, v views of one projection): packed rows (position
+    ids restarting, no mask) give the unpatched model's loss and grads, and the kernel ran in
+    every layer."""
     if not (fastllm._extension.has_cpp()
             and hasattr(fastllm._extension.extension(), "attention_cpu")):
         pytest.skip("no cpp attention kernel")
@@ -135,7 +142,7 @@ def test_fastllm_attention_with_packed_rows(name, monkeypatch):
     calls, real = [], attention_module.attention
     monkeypatch.setattr(attention_module, "attention",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
-    model, ref = _pair(_model(name).train())
+    model, ref = _pair(_model(name, **({"pad_token_id": 0} if name == "Phi3" else {})).train())
     ids, labels = _batch()
     kw = dict(input_ids=ids, labels=labels, use_cache=False, position_ids=torch.tensor(
         [[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2], list(range(12))]))
@@ -362,6 +369,36 @@ def test_output_attentions_from_the_config():
     assert len(ours[0].attentions) == len(theirs[0].attentions) == 2
 
 
+@pytest.mark.parametrize("adapters", ["fastllm", "peft"])
+def test_phi3_with_lora_on_its_fused_projections_and_generate(adapters):
+    """Phi-3's qkv_proj and gate_up_proj adapted (fastllm.lora or PEFT, as their users target
+    them), rotary on half of each head: loss and grads equal unpatched; greedy generation from a
+    left-padded batch (the KV cache) gives the unpatched model's tokens."""
+    model = _model("Phi3", pad_token_id=0, partial_rotary_factor=0.5)
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    if adapters == "fastllm":
+        fastllm.lora.inject_lora(model, targets, r=4)
+    else:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    model, ref = _pair(model.train())
+    assert fastllm.patched(model)["swiglu"] == 2 and fastllm.patched(model)["rotary"] == 2
+    ids, labels = _batch()
+    _assert_same(_run(model, input_ids=ids, labels=labels), _run(ref, input_ids=ids,
+                                                                   labels=labels))
+    mask = torch.ones_like(ids[:, :6])
+    mask[0, :2] = 0
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        ours, theirs = (m.generate(input_ids=ids[:, :6], attention_mask=mask, max_new_tokens=6,
+                                   do_sample=False, pad_token_id=0) for m in (model, ref))
+    assert torch.equal(ours, theirs)
+
+
 def _gpt2():
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -370,17 +407,15 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-@pytest.mark.parametrize("family", ["Gemma", "Phi3", "GPT2"])
+@pytest.mark.parametrize("family", ["Gemma", "GPT2"])
 def test_partly_supported_families_train_as_unpatched(family):
-    """Gemma (its (1 + weight) norms, attention, tanh-GELU MLPs and loss patched), Phi-3 (fused
-    qkv/gate_up projections: norms only) and GPT-2 (Conv1D, LayerNorm: only lm_head's Linear):
-    no rotary, MLP or loss swap but Gemma's, and training loss and every grad equal the
-    unpatched model's."""
+    """Gemma (its (1 + weight) norms, attention, tanh-GELU MLPs and loss patched) and GPT-2
+    (Conv1D, LayerNorm: only lm_head's Linear): no rotary, MLP or loss swap but Gemma's, and
+    training loss and every grad equal the unpatched model's."""
     if family == "GPT2":
         model = _gpt2()
     else:
-        over = {"Gemma": dict(head_dim=16), "Phi3": dict(pad_token_id=0)}[family]
-        model = _model(family, **over)
+        model = _model(family, head_dim=16)
     model, ref = _pair(model.train())
     counts = fastllm.patched(model)
     assert (counts["rotary"], counts["cross_entropy"], counts["swiglu"]) == (
