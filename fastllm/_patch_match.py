@@ -78,11 +78,12 @@ def _is_tanh_gelu(act):
 
 
 def _is_backbone(m):
-    # the decoder stack a causal LM calls (LlamaModel, Qwen2Model, ...), transformers' own
+    # the decoder stack a causal LM calls (LlamaModel, Qwen2Model, GemmaModel, ...),
+    # transformers' own, in the families whose attention the patch runs (it hands them the plan)
+    model_type = getattr(getattr(m, "config", None), "model_type", None)
     return (type(m).__name__.endswith("Model") and "layers" in m._modules
-            and "embed_tokens" in m._modules
-            and getattr(getattr(m, "config", None), "model_type", None) in _MODEL_TYPES
-            and _hf.stock_forward(m, _MODEL_TYPES))
+            and "embed_tokens" in m._modules and model_type in _ATTENTION_MODEL_FILES
+            and _hf.stock_forward(m, (_ATTENTION_MODEL_FILES[model_type],)))
 
 
 def _is_causal_lm(m):

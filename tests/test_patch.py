@@ -534,6 +534,34 @@ def test_gemma_attention_with_padding_and_generate_equal_unpatched(family):
     assert torch.equal(tokens, want_tokens)
 
 
+@pytest.mark.parametrize("family,layers", [("gemma", 2), ("gemma3_text", 1)])
+def test_gemma_attention_runs_fastllms_kernel_on_packed_rows(family, layers, monkeypatch):
+    """Gemma's decoder stack hands its patched attention layers the attention plan, as Llama's
+    does: fastllm's CPU attention runs in Gemma 1's layers and Gemma 3's full-attention one (its
+    sliding layer stays transformers'), packed rows (position ids restarting) give the unpatched
+    model's loss and grads."""
+    import importlib
+
+    if not (fastllm._extension.has_cpp()
+            and hasattr(fastllm._extension.extension(), "attention_cpu")):
+        pytest.skip("no cpp attention kernel")
+    monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
+    attention_module = importlib.import_module("fastllm.ops.attention")
+    calls, real = [], attention_module.attention
+    monkeypatch.setattr(attention_module, "attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _gemma(family, None)
+    ref = copy.deepcopy(model)
+    fastllm.patch(model)
+    ids, labels = _batch()
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1], list(range(11))])
+    ours = _loss_and_grads(model, ids, labels,
+                           lambda **kw: model(**kw, position_ids=pos, use_cache=False))
+    assert len(calls) == layers
+    _assert_same(ours, _loss_and_grads(ref, ids, labels,
+                                       lambda **kw: ref(**kw, position_ids=pos, use_cache=False)))
+
+
 @pytest.mark.parametrize("family", ["granite", "mixtral"])
 def test_other_causal_lms_keep_their_own_loss(family):
     """Models whose loss is not the plain cross-entropy of lm_head's logits (Granite's
