@@ -399,6 +399,31 @@ def test_phi3_with_lora_on_its_fused_projections_and_generate(adapters):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("name,over", [("Llama", {}),
+                                       ("Phi3", dict(pad_token_id=0, partial_rotary_factor=0.5))])
+def test_patched_step_on_the_triton_kernels(name, over, monkeypatch):
+    """The patched model's ops forced to their Triton kernels (the GPU's path; here Triton's
+    interpreter): Phi-3's rotary on strided views of its qkv projection's first half of each
+    head, the SwiGLU of gate_up_proj's halves. Loss and grads equal the unpatched model's, and
+    the Triton kernels ran."""
+    kernels = {"rotary_embedding": ["rotary_embedding_triton"],
+               "swiglu": ["swiglu_fwd_triton", "swiglu_bwd_triton"],
+               "rms_norm": ["rms_norm_fwd_triton", "rms_norm_bwd_triton"],
+               "fused_linear_cross_entropy": ["row_pass_triton"]}
+    ran = set()
+    for module, names in kernels.items():
+        mod = importlib.import_module(f"fastllm.kernels.{module}")
+        for fn in names:
+            real = getattr(mod, fn)
+            monkeypatch.setattr(mod, fn, lambda *a, _f=fn, _r=real, **k: ran.add(_f) or _r(*a, **k))
+    model, ref = _pair(_model(name, **over).train())
+    ids, labels = _batch()
+    with fastllm._backend.use_backend("triton"):
+        ours = _run(model, input_ids=ids, labels=labels)
+    _assert_same(ours, _run(ref, input_ids=ids, labels=labels))
+    assert ran == {fn for names in kernels.values() for fn in names}
+
+
 def _gpt2():
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
