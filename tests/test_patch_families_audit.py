@@ -2,7 +2,7 @@
 (q_norm/k_norm before the rotation; with sliding-window layers), Mistral with and without a
 sliding window, Llama's rope scalings, tied and untied heads, padded, positioned and packed
 rows, logits_to_keep, output_attentions, generate; Phi-3 (one qkv and one gate_up projection,
-partial rotary, LoRA on them); Gemma (its loss, norms and GeGLU MLPs; `fastllm train` on a
+partial rotary, LoRA on them; `fastllm train` on a Phi-3 folder); Gemma (its loss, norms and GeGLU MLPs; `fastllm train` on a
 Gemma 3 folder); and the families it does not support (GPT-2, and SwiGLU-named MLPs with other
 maths): their outputs unchanged.
 
@@ -535,10 +535,12 @@ def test_a_patched_model_on_the_meta_device_trains_as_the_unpatched_one(dtype):
     assert all(t.is_meta for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def test_fastllm_train_on_a_gemma3_folder_trains_as_unpatched(tmp_path):
-    """`fastllm train` on a Gemma 3 folder (softcapped logits, GeGLU MLPs, tied head) patches its
-    loss, norms and MLPs (kernels=fastllm, the default) and trains LoRA as the unpatched model
-    does (kernels=none): the same losses and grad norms."""
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+def test_fastllm_train_on_a_folder_trains_as_unpatched(tmp_path, family):
+    """`fastllm train` on a Gemma 3 folder (softcapped logits, GeGLU MLPs, tied head) or a Phi-3
+    one (one qkv and one gate_up projection, LoRA on them, rotary on half of each head) patches
+    its loss, norms, attention and MLPs (kernels=fastllm, the default) and trains LoRA as the
+    unpatched model does (kernels=none): the same losses and grad norms."""
     from pydoc_data.topics import topics
 
     from fastllm.train import TrainConfig, Trainer
@@ -546,14 +548,21 @@ def test_fastllm_train_on_a_gemma3_folder_trains_as_unpatched(tmp_path):
 
     from _tiny_tokenizer import tiny_bpe
 
-    folder = str(tmp_path / "gemma3")
+    folder = str(tmp_path / family)
     tiny_bpe().save_pretrained(folder)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        final_logit_softcapping=5.0)
+    shape = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
-    transformers.Gemma3ForCausalLM(config).save_pretrained(folder)
+    if family == "gemma3":
+        config = transformers.Gemma3TextConfig(**shape, head_dim=8, final_logit_softcapping=5.0)
+        transformers.Gemma3ForCausalLM(config).save_pretrained(folder)
+        extra = []
+        want_counts = (4 * 2 + 1 + 2 * 2, 2, 2, 1)  # per layer 4 norms and q/k norms; the final
+    else:
+        config = transformers.Phi3Config(**shape, pad_token_id=0, partial_rotary_factor=0.5)
+        transformers.Phi3ForCausalLM(config).save_pretrained(folder)
+        extra = ["lora.target_modules=[qkv_proj,o_proj,gate_up_proj,down_proj]"]
+        want_counts = (2 * 2 + 1, 2, 2, 1)
     data = tmp_path / "train.txt"
     data.write_text("\n".join(topics[k] for k in sorted(topics))[:8000])
     runs, threads = {}, torch.get_num_threads()
@@ -564,15 +573,16 @@ def test_fastllm_train_on_a_gemma3_folder_trains_as_unpatched(tmp_path):
                 f"model={folder}", f"data.path={data}", "data.seq_len=16", "micro_batch_size=4",
                 "global_batch_size=4", "max_steps=3", "lr=1e-2", "warmup_steps=1", "threads=1",
                 "log_interval=1000", "checkpoint.interval=0", f"output_dir={out}",
-                f"data.cache_dir={tmp_path / 'cache'}", "finetune=lora", f"kernels={kernels}"]))
+                f"data.cache_dir={tmp_path / 'cache'}", "finetune=lora", f"kernels={kernels}",
+                *extra]))
             trainer.train()
             runs[kernels] = (fastllm.patched(trainer.module),
                              read_metrics(os.path.join(out, "metrics.jsonl")))
     finally:
         torch.set_num_threads(threads)
     counts = runs["fastllm"][0]
-    assert (counts["rms_norm"], counts["rotary"], counts["swiglu"], counts["cross_entropy"]) == (
-        4 * 2 + 1 + 2 * 2, 2, 2, 1)  # per layer 4 norms and q/k norms; the final norm
+    assert (counts["rms_norm"], counts["rotary"], counts["swiglu"],
+            counts["cross_entropy"]) == want_counts
     assert not any(runs["none"][0].values())
     got, want = runs["fastllm"][1], runs["none"][1]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
