@@ -19,14 +19,15 @@ ATTENTION_PLAN = "fastllm_attention_plan"
 
 
 class AttentionPlan:
-    __slots__ = ("doc_start", "_on", "_segments")
+    __slots__ = ("doc_start", "packed", "_on", "_segments")
 
-    def __init__(self, doc_start):
+    def __init__(self, doc_start, packed=False):
         # (B, T) int64 from the position ids, or None (none given: plain causal). A layer that
         # sees a cache ignores it: transformers looks for packed rows only when the model runs
         # without one (masking_utils), and whether it does is only known there (the model may
-        # make a cache for use_cache, or not, as under gradient checkpointing in training)
-        self.doc_start = doc_start
+        # make a cache for use_cache, or not, as under gradient checkpointing in training).
+        # packed: a row holds several documents (known on the CPU only: a host read)
+        self.doc_start, self.packed = doc_start, packed
         self._on, self._segments = {}, {}
 
     def doc_start_on(self, device):
@@ -66,13 +67,15 @@ def attention_plan(model, inputs, attention_mask, position_ids, cache):
         # (B, 1, T, T) block-diagonal mask for packed rows)
         if position_ids is None or not gpu_varlen_available():
             return None
-    elif device.type != "cpu" or not worth_it(inputs.shape[1],
-                                              getattr(model, "dtype", torch.float32)):
+    elif device.type != "cpu":
         return None
-    if position_ids is None:
-        return AttentionPlan(None)
-    return AttentionPlan(doc_start_from_position_ids(
-        position_ids.expand(inputs.shape[0], -1).to(device)))
+    doc_start = None if position_ids is None else doc_start_from_position_ids(
+        position_ids.expand(inputs.shape[0], -1).to(device))
+    packed = device.type == "cpu" and doc_start is not None and bool((doc_start != 0).any())
+    if device.type == "cpu" and not worth_it(inputs.shape[1],
+                                             getattr(model, "dtype", torch.float32), packed):
+        return None
+    return AttentionPlan(doc_start, packed)
 
 
 def wants_attentions(module, kwargs):

@@ -48,10 +48,10 @@ MLP (the tanh GELU: gelu_pytorch_tanh) and the causal-LM loss of Gemma 1-3, and 
 3's attention (Gemma 3's q/k norms and sliding layers as Qwen3's and Qwen2's; Gemma 2's, which
 softcaps its scores, stays its own); Phi-3's qkv_proj and gate_up_proj (q, k, v and gate, up as
 column blocks of one projection) and its rotary on part of each head (partial_rotary_factor).
-An *MLP only when its class's forward is transformers' gated line itself (or Phi-3's) (no multipliers,
-clamps or dropout around it), an *Attention or *ForCausalLM only when it runs transformers' own
-forward (a subclass's override, an auxiliary loss say, runs as itself). Any other module is
-left alone (GPT-2's); `verbose=True` prints the counts per kind.
+An *MLP only when its class's forward is transformers' gated line itself, or Phi-3's (no
+multipliers, clamps or dropout around it), an *Attention or *ForCausalLM only when it runs
+transformers' own forward (a subclass's override, an auxiliary loss say, runs as itself). Any
+other module is left alone (GPT-2's); `verbose=True` prints the counts per kind.
 
 Distributed: patch before fully_shard (FSDP2) and before tensor-parallel layouts
 (tests/test_patch_distributed.py). The kernels take plain tensors; under FSDP2 the modules see
@@ -217,7 +217,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
                 segments = plan.segments(q.device)
             else:
                 plan = None  # transformers' own attention
-        elif not worth_it(q.shape[1], q.dtype):  # this layer's own dtype (autocast) and device
+        elif not worth_it(q.shape[1], q.dtype, plan.packed):  # this layer's own dtype and device
             plan = None
         if plan is not None:
             if cache is not None:  # the cache still gets k and v
@@ -269,7 +269,11 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
     # the decoder stack in training, called by the (patched or not) causal LM or directly (TRL's
     # fused LM head): the attention plan its patched attention layers read
     cache = _hf.take_cache(cache, kwargs)
-    if self.training and torch.is_grad_enabled():
+    # in training; and in any mode for rows scored with their position ids, no mask and no cache
+    # (packed rows' log-probabilities: fastllm.preference's padding_free, a reference model's)
+    if (self.training and torch.is_grad_enabled()) or (
+            position_ids is not None and attention_mask is None and cache is None
+            and kwargs.get("use_cache") is False):
         plan = attention_plan(self, input_ids if input_ids is not None else inputs_embeds,
                               attention_mask, position_ids, cache)
         if plan is not None:

@@ -118,8 +118,10 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     1: one span per row, left- or right-padded) run as one row without padding, each sequence's
     position ids from 0 and its attention kept inside it (transformers' packed sequences: >=
     4.57's masking_utils, or fastllm.patch's attention), the results scattered back to the rows:
-    the same values, less work where the rows' lengths differ. Labels on padding are not scored.
-    The mask is read on the host (the packed length); position_ids are made, not taken."""
+    the same values, less work where the rows' lengths differ; a label is scored only where it
+    and the position predicting it are both attended (so a left-padded row's first token is not,
+    which padded rows would score from the padding before it). The mask is read on the host (the
+    packed length); position_ids are made, not taken, and no cache is taken."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(f"{_WHERE}.sequence_logps: input_ids and labels must both be (batch, "
                          f"seq), got {tuple(input_ids.shape)} and {tuple(labels.shape)}")
@@ -178,7 +180,10 @@ def _kept_labels(labels, attention_mask, ignore_index):
 
 
 def padding_free_refusal(lm):
-    """Why the causal LM `lm` cannot score rows padding-free, or None."""
+    """Why the causal LM `lm` cannot score rows padding-free, or None: transformers keeps the
+    packed sequences apart by their position ids only for the attention implementations its
+    masking_utils makes masks for (eager, sdpa, flex) and flash attention's (from the position
+    ids themselves); a custom one would attend across them."""
     from transformers import masking_utils
 
     from fastllm._patch_match import _is_causal_lm
@@ -190,6 +195,10 @@ def padding_free_refusal(lm):
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
         return ("needs transformers >= 4.57 (masking_utils' packed sequences), which keeps the "
                 "packed rows' attention apart")
+    impl = getattr(lm.config, "_attn_implementation", None)
+    if impl not in masking_utils.ALL_MASK_ATTENTION_FUNCTIONS:
+        return (f"needs an attention implementation transformers keeps packed sequences apart "
+                f"in ({', '.join(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS)}); got {impl!r}")
     return None
 
 
@@ -203,6 +212,9 @@ def _packed(lm, input_ids, shifted, kwargs, prompt_learning, ignore_index):
     if kwargs.get("position_ids") is not None:
         raise ValueError(f"{where}: position_ids are made from attention_mask (each row's from "
                          f"0); do not pass them")
+    cached = [k for k in ("past_key_values", "cache") if kwargs.get(k) is not None]
+    if cached:  # (transformers looks for packed sequences only without a cache)
+        raise ValueError(f"{where}: scores without a cache; do not pass {cached[0]}")
     refusal = padding_free_refusal(lm)
     if refusal:
         raise ValueError(f"{where}: {refusal}")

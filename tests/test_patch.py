@@ -144,7 +144,9 @@ def test_fastllm_attention_equals_unpatched(packed, checkpointing, monkeypatch):
 def test_fastllm_attention_when_the_backbone_is_called_directly(cross_entropy, monkeypatch):
     """The decoder stack called directly in training (TRL's fused LM head does so; so does a
     model patched with cross_entropy=False): its attention layers get the attention plan too
-    (packed rows), with the unpatched model's output and grads; in eval none is made."""
+    (packed rows), with the unpatched model's output and grads. In eval one is made for rows
+    scored without a cache (use_cache=False: fastllm.preference's packed rows), none where the
+    model may keep a cache (generation's prefill)."""
     if not _has_attention_kernel():
         pytest.skip("no cpp attention kernel")
     monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
@@ -173,7 +175,12 @@ def test_fastllm_attention_when_the_backbone_is_called_directly(cross_entropy, m
         assert err <= 1e-4 * scale + 1e-7, f"{name}: {err:.3g} vs {scale:.3g}"
     calls.clear()
     model.eval()
-    model.model(**kw)
+    with torch.no_grad():
+        torch.testing.assert_close(model.model(**kw).last_hidden_state, theirs[0], rtol=1e-5,
+                                   atol=1e-5)
+        assert len(calls) == 2
+        calls.clear()
+        model.model(**dict(kw, use_cache=True))
     assert not calls
 
 

@@ -169,12 +169,22 @@ def test_padding_free_equals_padded(patched, side, fused):
                 t[r] = torch.cat([t[r, n:], t[r, :n]])
     labels = labels.where(mask != 0, 7)  # a label on padding: scored by neither (masked below)
     padded_labels = labels.where(mask != 0, -100)
+    attention_module = sys.modules["fastllm.ops.attention"]
+    calls, real = [], attention_module.attention
+    kernel = attention_module.cpu_attention_available()
     for kw in (dict(), dict(average=True), dict(per_token=True)):
         results = []
         for free, lab in ((False, padded_labels), (True, labels)):
             model.zero_grad(set_to_none=True)
-            got = sequence_logps(model, ids, lab, attention_mask=mask, fused=fused,
-                                 padding_free=free, **kw)
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(attention_module, "attention",
+                          lambda *a, **k: calls.append(free) or real(*a, **k))
+                got = sequence_logps(model, ids, lab, attention_mask=mask, fused=fused,
+                                     padding_free=free, **kw)
+                with torch.no_grad():  # (a reference's pass: the packed row's plan too)
+                    again = sequence_logps(model, ids, lab, attention_mask=mask, fused=fused,
+                                           padding_free=free, **kw)
+            torch.testing.assert_close(again, got.detach(), rtol=1e-5, atol=1e-5)
             got.pow(2).sum().backward()
             results.append((got.detach(), _grads(model)))
         (want, want_g), (have, have_g) = results
@@ -187,6 +197,31 @@ def test_padding_free_equals_padded(patched, side, fused):
         assert want_g.keys() == have_g.keys() and want_g
         for n in want_g:
             torch.testing.assert_close(have_g[n], want_g[n], rtol=1e-4, atol=1e-5, msg=n)
+    # the patched model's packed rows take fastllm's CPU attention (one causal block per
+    # sequence, not a dense mask over the packed row), with grad and without, on every CPU
+    # with the kernel
+    assert (calls.count(True) == 3 * 2 * 2) == (patched and kernel), calls
+
+
+def test_padding_free_sliding_window_and_short_rows():
+    """Mistral's sliding window (shorter than the rows) measured within each packed sequence,
+    rows of 1 token and of none: the padded rows' sums."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = fastllm.patch(MistralForCausalLM(MistralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        sliding_window=4)))
+    ids = torch.randint(0, 97, (4, 13), generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate((13, 1, 0, 9)):
+        mask[row, :n] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    want = sequence_logps(model, ids, labels, attention_mask=mask)
+    got = sequence_logps(model, ids, labels, attention_mask=mask, padding_free=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got[1] == got[2] == 0 and (got[[0, 3]] < 0).all()
 
 
 def test_padding_free_refusals():
@@ -212,6 +247,17 @@ def test_padding_free_refusals():
                                                                 n_layer=1, n_head=4))
     with pytest.raises(ValueError, match="families fastllm.patch knows.*GPT2LMHeadModel"):
         sequence_logps(gpt2, ids, labels, attention_mask=mask, padding_free=True)
+    # an attention function of one's own: transformers makes it no mask (the packed sequences
+    # would attend to each other); a cache: transformers then looks for no packed sequences
+    transformers.AttentionInterface.register("my_sdpa", transformers.integrations.sdpa_attention
+                                            .sdpa_attention_forward)
+    custom = _model()
+    custom.config._attn_implementation = "my_sdpa"
+    with pytest.raises(ValueError, match="attention implementation.*got 'my_sdpa'"):
+        sequence_logps(custom, ids, labels, attention_mask=mask, padding_free=True)
+    with pytest.raises(ValueError, match="without a cache; do not pass past_key_values"):
+        sequence_logps(model, ids, labels, attention_mask=mask, padding_free=True,
+                       past_key_values=transformers.DynamicCache())
 
 
 def test_sequence_logps_through_peft_and_hooks():

@@ -40,7 +40,8 @@ from fastllm import _backend, _extension, _gemm, _lowp
 from fastllm._library import direct_op, first_order_only, lib, register_autograd
 
 __all__ = ["attention", "attention_ref", "doc_start_from_position_ids", "document_segments",
-           "DocumentSegments", "cpu_attention_enabled", "worth_it", "gpu_varlen_applies",
+           "DocumentSegments", "cpu_attention_available", "cpu_attention_enabled", "worth_it",
+           "gpu_varlen_applies",
            "gpu_varlen_available"]
 
 _PREFERENCE = {"cpu": ("cpp", "ref")}
@@ -442,14 +443,25 @@ def _mode():
 AUTO_MAX_LOWP_TOKENS = 2048
 
 
-def worth_it(tokens, dtype):
+def worth_it(tokens, dtype, packed=False):
     """Whether fastllm.patch gives an attention over rows of `tokens` in `dtype` to this op:
-    where cpu_attention_enabled(), and under `auto` for fp32 at any length and bf16/fp16 up to
-    AUTO_MAX_LOWP_TOKENS."""
-    if not cpu_attention_enabled():
+    where cpu_attention_enabled() (or, for packed rows of several documents, wherever the kernel
+    is available and not turned off), and under `auto` for fp32 at any length and bf16/fp16 up to
+    AUTO_MAX_LOWP_TOKENS. Packed rows: transformers' attention computes them with a dense (T x T)
+    block-diagonal mask, this op one causal block per document (fwd + bwd, 1 x 1100-4096 tokens
+    of 8 documents, 9 / 3 heads of 64, fp32, AMD Zen 3 (AVX2, where plain rows stay PyTorch's):
+    3.7-11x faster than SDPA with that mask, BENCHMARKS.md 2026-12-07)."""
+    if not (cpu_attention_enabled() or (packed and cpu_attention_available())):
         return False
     return (_mode() == "fastllm" or dtype in (torch.float32, torch.float64)
             or tokens <= AUTO_MAX_LOWP_TOKENS)
+
+
+@torch.compiler.assume_constant_result  # a setting of the process: torch.compile reads it once
+def cpu_attention_available():
+    """Whether this op's CPU kernel is built and FASTLLM_CPU_ATTENTION is not torch."""
+    return (_mode() != "torch" and _extension.has_cpp()
+            and hasattr(_extension.extension(), "attention_cpu"))
 
 
 @torch.compiler.assume_constant_result  # a setting of the process: torch.compile reads it once
@@ -458,8 +470,6 @@ def cpu_attention_enabled():
     (FASTLLM_CPU_ATTENTION: auto, the default, where fastllm/_gemm.py routes fp32 GEMMs to oneDNN,
     the CPUs it was measured faster on (not the AVX2 route's: its blocks' products are below the
     sizes that kernel takes); fastllm; torch: PyTorch's own attention)."""
-    mode = _mode()
-    if mode == "torch" or not _extension.has_cpp() or not hasattr(_extension.extension(),
-                                                                  "attention_cpu"):
+    if not cpu_attention_available():
         return False
-    return mode == "fastllm" or _gemm.route() == "onednn"
+    return _mode() == "fastllm" or _gemm.route() == "onednn"
