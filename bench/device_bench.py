@@ -848,13 +848,14 @@ def _packed_doc_start(batch, seq, shortest, longest, device):
     return doc_start_from_position_ids(torch.tensor(rows, device=device))
 
 
-def packed(device, scale, rows):
+def packed(device, scale, rows, dtype=torch.bfloat16):
+    """Packed documents' attention, fwd+bwd: SDPA with the document mask (transformers' way)
+    against fastllm.ops.attention; dtype other than the GPU run's bf16 for CPU runs (fp32)."""
     from fastllm.ops.attention import _mask, attention, document_segments, gpu_varlen_applies
 
     shape = _model_shape(scale)
     b, t, hq, hkv = shape.batch, shape.seq, shape.heads, shape.kv_heads
     d = shape.hidden // shape.heads
-    dtype = torch.bfloat16
     doc_start = _packed_doc_start(b, t, max(1, 64 // scale), max(2, 1024 // scale), device)
     segments = document_segments(doc_start)
     mask = _mask(doc_start, t, device)
@@ -885,8 +886,8 @@ def packed(device, scale, rows):
     sets = _input_sets(make_set, device)
     fns = {name: _fwd_bwd(fn, sets) for name, fn in providers.items()}
     size = (f"{b}x{t} tokens in {segments.cu_seqlens.numel() - 1} documents of "
-            f"{max(1, 64 // scale)}-{max(2, 1024 // scale)}, {hq}/{hkv} heads of {d}, bf16, "
-            "fwd+bwd")
+            f"{max(1, 64 // scale)}-{max(2, 1024 // scale)}, {hq}/{hkv} heads of {d}, "
+            f"{str(dtype).split('.')[-1]}, fwd+bwd")
     peak = {name: _peak_mib(fn, device) for name, fn in fns.items()}
     q, k = sets[0][0][:2]
     route = ("PyTorch's varlen flash attention" if gpu_varlen_applies(q, k)

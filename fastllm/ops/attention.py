@@ -448,9 +448,9 @@ def worth_it(tokens, dtype, packed=False):
     where cpu_attention_enabled() (or, for packed rows of several documents, wherever the kernel
     is available and not turned off), and under `auto` for fp32 at any length and bf16/fp16 up to
     AUTO_MAX_LOWP_TOKENS. Packed rows: transformers' attention computes them with a dense (T x T)
-    block-diagonal mask, this op one causal block per document (fwd + bwd, 1 x 1100-4096 tokens
-    of 8 documents, 9 / 3 heads of 64, fp32, AMD Zen 3 (AVX2, where plain rows stay PyTorch's):
-    3.7-11x faster than SDPA with that mask, BENCHMARKS.md 2026-12-07)."""
+    block-diagonal mask, this op one causal block per document (fwd + bwd, 8 x 2048 tokens in 35
+    documents, 9 / 3 heads of 64, fp32, AMD Zen 3 (AVX2, where plain rows stay PyTorch's): 5.2x
+    faster than SDPA with that mask, BENCHMARKS.md 2026-12-07)."""
     if not (cpu_attention_enabled() or (packed and cpu_attention_available())):
         return False
     return (_mode() == "fastllm" or dtype in (torch.float32, torch.float64)
