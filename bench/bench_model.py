@@ -33,7 +33,7 @@ FASTLLM_BENCH_FAMILY=gemma3 a Gemma-3-270M-shaped Gemma3ForCausalLM (hidden 640,
 GeGLU MLPs (fastllm.ops.geglu) and the loss; FASTLLM_BENCH_FAMILY=phi4mini a
 Phi-4-mini-shaped Phi3ForCausalLM (hidden 3072, 24 / 8 heads of 128 in one qkv_proj, rotary
 on 3/4 of each head, gate_up_proj ffn 8192, vocab 200064, tied embeddings; random init; LoRA on
-qkv_proj, Phi-3 having no q_proj or v_proj).
+qkv_proj, Phi-3 having no q_proj or v_proj; its config's sliding window of 262144).
 """
 
 import copy
@@ -263,6 +263,7 @@ def _model(layers, dtype):
                             num_hidden_layers=layers, num_attention_heads=24,
                             num_key_value_heads=8, partial_rotary_factor=0.75,
                             max_position_embeddings=4096, tie_word_embeddings=True,
+                            sliding_window=262144,  # (Phi-4-mini's config: longer than any row)
                             pad_token_id=199999, bos_token_id=199999, eos_token_id=199999,
                             attn_implementation="sdpa")
         return (Phi3ForCausalLM(config).to(dtype),

@@ -50,7 +50,8 @@ class AttentionPlan:
 
 
 def attention_plan(model, inputs, attention_mask, position_ids, cache):
-    from fastllm.ops.attention import (doc_start_from_position_ids, gpu_varlen_available,
+    from fastllm.ops.attention import (cpu_attention_available, cpu_attention_enabled,
+                                       doc_start_from_position_ids, gpu_varlen_available,
                                        worth_it)
 
     if inputs is None or attention_mask is not None:
@@ -67,11 +68,15 @@ def attention_plan(model, inputs, attention_mask, position_ids, cache):
         # (B, 1, T, T) block-diagonal mask for packed rows)
         if position_ids is None or not gpu_varlen_available():
             return None
-    elif device.type != "cpu":
+    elif device.type != "cpu" or not cpu_attention_available():
         return None
     doc_start = None if position_ids is None else doc_start_from_position_ids(
         position_ids.expand(inputs.shape[0], -1).to(device))
-    packed = device.type == "cpu" and doc_start is not None and bool((doc_start != 0).any())
+    # (a host read, on the CPU only and not while torch.compile traces: a compiled model's
+    # packed rows take the kernel where plain ones would, as before packed rows had a rule)
+    packed = (device.type == "cpu" and doc_start is not None
+              and not torch.compiler.is_compiling() and not cpu_attention_enabled()
+              and bool((doc_start != 0).any()))
     if device.type == "cpu" and not worth_it(inputs.shape[1],
                                              getattr(model, "dtype", torch.float32), packed):
         return None
@@ -85,13 +90,17 @@ def wants_attentions(module, kwargs):
                                                            False))
 
 
-def fastllm_attention_applies(module, dropout, kwargs):
+def fastllm_attention_applies(module, dropout, kwargs, tokens):
     # the device, dtype and length are checked by the layer (_attention_forward) on its own q
     config = module.config
+    # Qwen2 sets sliding_window per layer (None: full attention); Mistral and Phi-3 in their
+    # configs. A window of at least the row's tokens masks nothing (a key k positions back is
+    # seen for k < window): Phi-3.5's and Phi-4-mini's 262144, Phi-3-mini-4k's 2047 on rows up
+    # to 2047 tokens
+    window = (module.sliding_window if hasattr(module, "sliding_window")
+              else getattr(config, "sliding_window", None))
     return (dropout == 0.0 and getattr(module, "is_causal", True)
             and kwargs.get("is_causal", True) is not False
             and not wants_attentions(module, kwargs)
-            # Qwen2 sets sliding_window per layer (None: full attention); Mistral in its config
-            and (module.sliding_window if hasattr(module, "sliding_window")
-                 else getattr(config, "sliding_window", None)) is None
+            and (window is None or tokens <= window)
             and getattr(config, "attn_logit_softcapping", None) is None)

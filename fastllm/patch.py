@@ -201,7 +201,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     v = v.view(hidden_shape)
     dropout = 0.0 if not self.training else self.attention_dropout
     plan = kwargs.pop(ATTENTION_PLAN, None)
-    if plan is not None and fastllm_attention_applies(self, dropout, kwargs):
+    if plan is not None and fastllm_attention_applies(self, dropout, kwargs, q.shape[1]):
         # causal attention known from _backbone_forward (no 2-D mask: plain causal, or packed
         # documents from the position ids, as transformers' mask would say), in the projections'
         # (B, T, H, D) layout: fastllm's CPU kernel, or on a GPU PyTorch's varlen flash
@@ -270,7 +270,8 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
     # fused LM head): the attention plan its patched attention layers read
     cache = _hf.take_cache(cache, kwargs)
     # in training; and in any mode for rows scored with their position ids, no mask and no cache
-    # (packed rows' log-probabilities: fastllm.preference's padding_free, a reference model's)
+    # (packed rows' log-probabilities: fastllm.preference's padding_free, a reference model's;
+    # plain rows so scored take fastllm's attention too where it is on for them)
     if (self.training and torch.is_grad_enabled()) or (
             position_ids is not None and attention_mask is None and cache is None
             and kwargs.get("use_cache") is False):

@@ -91,6 +91,7 @@ def _check(name, got, torch_lp, oracle, dtype, rel):
 def small_chunks(monkeypatch):
     # 2 rows of fp32 logits at V=300 per chunk: every case runs several chunks
     monkeypatch.setattr(_op_module, "CHUNK_BYTES", 2 * 300 * 4)
+    monkeypatch.setattr(_op_module, "CPU_MIN_CHUNK_ROWS", 1)
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -231,6 +232,7 @@ def test_cpp_bf16_many_tiles(monkeypatch, widened):
 
 def _many_tiles(monkeypatch):
     monkeypatch.setattr(_op_module, "CHUNK_BYTES", 3 * 4500 * 2)
+    monkeypatch.setattr(_op_module, "CPU_MIN_CHUNK_ROWS", 1)
     # ignored tokens too: the chunks' rows gathered by index_select
     hidden, weight, bias, labels, _ = _inputs((10,), 16, 4500, dict(bias=True, ignore=True),
                                               torch.bfloat16)
@@ -260,6 +262,19 @@ def test_bad_arguments():
             continue
         with fastllm.use_backend(backend), pytest.raises(ValueError, match="outside"):
             fused_linear_cross_entropy(hidden, weight, torch.tensor([0, 1, 13, 2]))
+
+
+def test_cpu_chunks_have_a_floor_of_rows():
+    """CHUNK_BYTES of logits is few rows at a large vocabulary (167 at Phi-4-mini's 200064): on
+    the CPU a chunk takes at least CPU_MIN_CHUNK_ROWS rows (each chunk's GEMMs stream the whole
+    weight); elsewhere, and where the budget is more rows already, the budget stands."""
+    from fastllm.ops.fused_linear_cross_entropy import CPU_MIN_CHUNK_ROWS, chunk_rows
+
+    assert CPU_MIN_CHUNK_ROWS == 512
+    assert chunk_rows(1024, 200064, 4, "cpu") == 512
+    assert chunk_rows(1024, 200064, 4, "cuda") < 200
+    assert chunk_rows(100, 200064, 4, "cpu") == 100
+    assert chunk_rows(4096, 49152, 4, "cpu") == chunk_rows(4096, 49152, 4, "cuda") == 688
 
 
 def test_chunks_are_balanced_whole_tiles():
@@ -381,6 +396,7 @@ def test_never_allocates_tokens_by_vocab(monkeypatch):
     # the fast path; ref and triton share one chunk driver (_chunked), checked by the same sizes
     backend = "ref" if fastllm._backend.unavailable_reason("cpp", "cpu") else "cpp"
     monkeypatch.setattr(_op_module, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(_op_module, "CPU_MIN_CHUNK_ROWS", 1)  # (chunks of 4 rows here)
     tokens, h, v = 512, 16, 4096
     hidden, weight, _, labels, _ = _inputs((tokens,), h, v, {}, torch.float32)
     logits_bytes = tokens * v * 4

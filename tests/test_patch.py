@@ -337,6 +337,23 @@ def test_torch_compile():
     _assert_same(_loss_and_grads(model, ids, labels, run=compiled), theirs)
 
 
+def test_torch_compile_fullgraph_with_packed_position_ids():
+    """Packed rows (position ids restarting) through a fullgraph compile of the patched model:
+    no host read of the documents while tracing (the attention plan decides as for plain rows
+    there), the unpatched model's loss and grads."""
+    model = _model()
+    ids, labels = _batch(s=9)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], list(range(9))])
+    theirs = _loss_and_grads(model, ids, labels, lambda **kw: model(**kw, position_ids=pos,
+                                                                     use_cache=False))
+    fastllm.patch(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    ours = _loss_and_grads(model, ids, labels, lambda **kw: compiled(**kw, position_ids=pos,
+                                                                      use_cache=False))
+    _assert_same(ours, theirs)
+
+
 def test_lora_linear_multi_matches_separate_layers():
     torch.manual_seed(0)
     x = torch.randn(3, 5, 24, dtype=torch.float64, requires_grad=True)

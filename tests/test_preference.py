@@ -54,6 +54,7 @@ def _grads(model):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_token_logps_matches_ref(backend, device, dtype, monkeypatch):
     monkeypatch.setattr(_op_module, "CHUNK_BYTES", 3 * 131 * 4)  # several chunks, a short last
+    monkeypatch.setattr(_op_module, "CPU_MIN_CHUNK_ROWS", 1)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 9, 24, generator=g)
     weight = torch.randn(131, 24, generator=g) / 3
@@ -85,6 +86,7 @@ def test_token_logps_matches_ref(backend, device, dtype, monkeypatch):
 def test_token_logps_never_hold_the_logits(monkeypatch):
     backend = "ref" if fastllm._backend.unavailable_reason("cpp", "cpu") else "cpp"
     monkeypatch.setattr(_op_module, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(_op_module, "CPU_MIN_CHUNK_ROWS", 1)  # (chunks of 4 rows here)
     tokens, h, v = 512, 16, 4096
     hidden = torch.randn(tokens, h, requires_grad=True)
     weight = (torch.randn(v, h) / 4).requires_grad_()

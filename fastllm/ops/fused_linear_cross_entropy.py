@@ -33,10 +33,10 @@ ignored ones with a loss and grad of 0, and checks the labels by a device-side a
 (`_chunked`'s dense rows; tests/test_cuda_graph_step.py captures a patched step).
 
 Chunk size: CHUNK_BYTES (128 MiB) of logits per chunk (`chunk_rows`), 682 fp32 / 1365 bf16 rows at
-V = 49152, the chunks balanced (`balanced_rows`: no more chunks than an equal split needs, at most
-an eighth and a tile over, and from 128 rows on whole multiples of 16 rows, at which oneDNN's
-GEMMs keep their speed): the op's extra memory is one chunk plus the grads, independent of the
-token count.
+V = 49152, on the CPU at least CPU_MIN_CHUNK_ROWS (512) rows, the chunks balanced
+(`balanced_rows`: no more chunks than an equal split needs, at most an eighth and a tile over,
+and from 128 rows on whole multiples of 16 rows, at which oneDNN's GEMMs keep their speed): the
+op's extra memory is one chunk plus the grads, independent of the token count.
 
 Backends: cpp (CPU: csrc/cpu/fused_linear_cross_entropy.cpp, ATen GEMMs + an AVX-512 row pass,
 OpenMP over rows), triton (GPU; CPU under TRITON_INTERPRET=1: torch GEMMs and the row pass of
@@ -65,6 +65,14 @@ _WHERE = "fastllm.fused_linear_cross_entropy"
 # 64 MiB 4.83 s, 128 MiB 4.17 s, 256 MiB 4.25 s (BENCHMARKS.md). 128 MiB is 682 fp32 rows at
 # V = 49152, a fixed cost independent of the token count.
 CHUNK_BYTES = 128 << 20
+# and on the CPU at least this many rows: with a large vocabulary CHUNK_BYTES is few rows (167 at
+# Phi-4-mini's V = 200064, 128 at Gemma 3's 262144), and each chunk's GEMMs stream the whole
+# weight for too little work. Phi-4-mini's head (200064 x 3072, frozen), 1024 fp32 tokens, fwd +
+# bwd, 2-core AMD Zen 3 (AVX2): 176-row chunks 27.5-28.8 s, 512 rows 23.7 s, 1024 rows 23.1 s,
+# torch's F.linear + cross_entropy 25.4-27.2 s (BENCHMARKS.md 2026-12-07). The chunk's logits
+# are then up to 512 x V x 4 bytes (400 MiB at V = 200064), still far from the (tokens x V) of
+# materialised logits.
+CPU_MIN_CHUNK_ROWS = 512
 
 
 def fused_linear_cross_entropy_ref(hidden, weight, labels, bias=None, ignore_index=-100,
@@ -142,15 +150,17 @@ def _check_labels(flat, ignore_index, vocab, keep=None):
                          f"and is not ignore_index ({ignore_index})")
 
 
-def chunk_rows(tokens, vocab, elem_size):
+def chunk_rows(tokens, vocab, elem_size, device_type="cpu"):
     """Rows of the chunk buffer (chunk x vocab logits in hidden's dtype): CHUNK_BYTES of logits
     on every device (Liger's smaller GPU chunks made the call host-bound on an H200, 2026-12-04:
-    601 kernels, 11.8 ms of GPU work in 28.1 ms; 128 MiB chunks not yet measured on a GPU)."""
-    return balanced_rows(tokens, _budget_rows(vocab, elem_size))
+    601 kernels, 11.8 ms of GPU work in 28.1 ms; 128 MiB chunks not yet measured on a GPU), and
+    on the CPU at least CPU_MIN_CHUNK_ROWS rows."""
+    return balanced_rows(tokens, _budget_rows(vocab, elem_size, device_type))
 
 
-def _budget_rows(vocab, elem_size):  # rows of CHUNK_BYTES of logits, before balancing
-    return max(1, CHUNK_BYTES // max(1, vocab * elem_size))
+def _budget_rows(vocab, elem_size, device_type):  # rows of a chunk, before balancing
+    rows = max(1, CHUNK_BYTES // max(1, vocab * elem_size))
+    return max(rows, CPU_MIN_CHUNK_ROWS) if device_type == "cpu" else rows
 
 
 # Chunks of at least 8 x ROW_TILE rows are whole multiples of it: oneDNN's GEMMs slow down at
@@ -274,7 +284,7 @@ def _chunked(row_pass, hidden2, weight, flat, bias, token_scale, scale, divide_b
         and bias is not None else None
     if m > 0:
         if rows is None:
-            rows = chunk_rows(m, vocab, hidden2.element_size())
+            rows = chunk_rows(m, vocab, hidden2.element_size(), hidden2.device.type)
         if dense:  # (count on the device: 1 / count where it is 0 weighs no token)
             w_all = keep * (scale / count.clamp_min(1) if divide_by_valid else scale)
             labels = torch.where(keep, flat, -1)
@@ -329,7 +339,7 @@ def _cpp(hidden2, weight, flat, bias, token_scale, scale, divide_by_valid, ignor
             divide_by_valid, ignore_index, label_smoothing, z_loss, cap, need_hidden,
             need_weight, need_bias,
             # the budget: the kernel balances its chunks over the valid tokens (chunk_rows_for)
-            _budget_rows(weight.shape[0], hidden2.element_size()))
+            _budget_rows(weight.shape[0], hidden2.element_size(), "cpu"))
     except RuntimeError as exc:  # the kernel's label check: the same error as the other paths
         if "is outside [0," in str(exc):
             raise ValueError(str(exc).splitlines()[0]) from None
@@ -522,7 +532,8 @@ class _VocabParallel(torch.autograd.Function):
         w = (1.0 / m if reduction == "mean" else 1.0) if m else 0.0
         eps = label_smoothing
         shard = -(-vocab_size // dist.get_world_size(group))  # the largest: every rank's chunks
-        rows = chunk_rows(max(m, 1), shard, hidden.element_size())  # (one all_reduce per chunk)
+        rows = chunk_rows(max(m, 1), shard, hidden.element_size(), hidden.device.type)
+        # (one all_reduce per chunk)
         for c0 in range(0, m, rows):
             idx = valid[c0:c0 + rows]
             x = hidden2[idx]
