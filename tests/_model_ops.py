@@ -6,6 +6,7 @@ bf16/fp16: the error against the fp64 oracle at most twice PyTorch's own (what a
 the Hugging Face module or plain torch in that dtype)."""
 
 import math
+import sys
 
 import torch
 
@@ -46,4 +47,21 @@ def count_varlen_calls(monkeypatch, attention_module):
         return out
 
     monkeypatch.setattr(attention_module, "_varlen_kernel", lambda: (counted, params))
+    return calls
+
+
+def has_attention_kernel():
+    """Whether this build has fastllm's CPU attention kernel."""
+    import fastllm
+
+    return fastllm._extension.has_cpp() and hasattr(fastllm._extension.extension(),
+                                                    "attention_cpu")
+
+
+def count_attention_calls(monkeypatch):
+    """A list that grows by one per call of fastllm's attention op from the patched layers."""
+    attention_module = sys.modules["fastllm.ops.attention"]  # fastllm.ops.attention: the function
+    calls, real = [], attention_module.attention
+    monkeypatch.setattr(attention_module, "attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls

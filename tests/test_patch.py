@@ -15,7 +15,7 @@ import fastllm
 from fastllm import _hf
 from fastllm.ops.lora_linear_multi import lora_linear_multi
 
-from _model_ops import count_varlen_calls
+from _model_ops import count_attention_calls, count_varlen_calls, has_attention_kernel
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,20 +68,6 @@ def _assert_same(ours, theirs, loss_rtol=1e-5, grad_rtol=1e-4):
         assert err <= grad_rtol * scale, f"{name}: {err:.3g} vs {scale:.3g}"
 
 
-def _has_attention_kernel():
-    return fastllm._extension.has_cpp() and hasattr(fastllm._extension.extension(),
-                                                    "attention_cpu")
-
-
-def _count_attention_calls(monkeypatch):
-    """A list that grows by one per call of fastllm's attention op from the patched layers."""
-    attention_module = sys.modules["fastllm.ops.attention"]  # fastllm.ops.attention: the function
-    calls, real = [], attention_module.attention
-    monkeypatch.setattr(attention_module, "attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 def test_patched_llama_equals_unpatched():
     model = _model()
     ids, labels = _batch()
@@ -109,7 +95,7 @@ def test_fastllm_attention_equals_unpatched(packed, checkpointing, monkeypatch):
     """fastllm's CPU attention in a patched model: plain causal rows, and packed rows (position
     ids restarting, no attention_mask: transformers' block-diagonal mask on the unpatched side)
     give the unpatched model's loss and grads; a 2-D attention_mask keeps PyTorch's attention."""
-    if not _has_attention_kernel():
+    if not has_attention_kernel():
         pytest.skip("no cpp attention kernel")
     monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
     model = _model()
@@ -128,7 +114,7 @@ def test_fastllm_attention_equals_unpatched(packed, checkpointing, monkeypatch):
     run = lambda **a: model(**a, **kw)  # noqa: E731
     theirs = _loss_and_grads(model, ids, labels, run)
     fastllm.patch(model)
-    calls = _count_attention_calls(monkeypatch)
+    calls = count_attention_calls(monkeypatch)
     _assert_same(_loss_and_grads(model, ids, labels, run), theirs)
     assert len(calls) == (4 if checkpointing else 2)  # each layer again in its recomputation
     calls.clear()
@@ -147,7 +133,7 @@ def test_fastllm_attention_when_the_backbone_is_called_directly(cross_entropy, m
     (packed rows), with the unpatched model's output and grads. In eval one is made for rows
     scored without a cache (use_cache=False: fastllm.preference's packed rows), none where the
     model may keep a cache (generation's prefill)."""
-    if not _has_attention_kernel():
+    if not has_attention_kernel():
         pytest.skip("no cpp attention kernel")
     monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
     model = _model().train()
@@ -166,7 +152,7 @@ def test_fastllm_attention_when_the_backbone_is_called_directly(cross_entropy, m
     theirs = run(model)
     fastllm.patch(model, cross_entropy=cross_entropy)
     assert "forward" in model.model.__dict__  # the decoder stack (not a kind patched() counts)
-    calls = _count_attention_calls(monkeypatch)
+    calls = count_attention_calls(monkeypatch)
     ours = run(model)
     assert len(calls) == 2  # both layers
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
@@ -242,7 +228,7 @@ def test_bf16_loss_and_grads_close_to_fp32(mode, attention, monkeypatch):
     and the attention PyTorch's or fastllm's: the patched model's loss and every gradient are no
     further from the fp32 model's than twice the unpatched bf16 model's are; widened, PyTorch's
     attention runs through the fp32 flash kernel."""
-    if attention == "fastllm" and not _has_attention_kernel():
+    if attention == "fastllm" and not has_attention_kernel():
         pytest.skip("no cpp attention kernel")
     monkeypatch.setenv("FASTLLM_CPU_LOWP_MATMUL", mode)
     monkeypatch.setenv("FASTLLM_CPU_ATTENTION", attention)
@@ -256,7 +242,7 @@ def test_bf16_loss_and_grads_close_to_fp32(mode, attention, monkeypatch):
     wide = fastllm._lowp.scaled_dot_product_attention
     monkeypatch.setattr(fastllm._lowp, "scaled_dot_product_attention",
                         lambda *a: calls.append(1) or wide(*a))
-    kernel_calls = _count_attention_calls(monkeypatch)
+    kernel_calls = count_attention_calls(monkeypatch)
     ours = _loss_and_grads(lp, ids, labels)
     assert len(calls) == (2 if mode == "fp32" and attention == "torch" else 0)
     assert len(kernel_calls) == (2 if attention == "fastllm" else 0)
@@ -564,16 +550,10 @@ def test_gemma_attention_runs_fastllms_kernel_on_packed_rows(family, layers, mon
     does: fastllm's CPU attention runs in Gemma 1's layers and Gemma 3's full-attention one (its
     sliding layer stays transformers'), packed rows (position ids restarting) give the unpatched
     model's loss and grads."""
-    import importlib
-
-    if not (fastllm._extension.has_cpp()
-            and hasattr(fastllm._extension.extension(), "attention_cpu")):
+    if not has_attention_kernel():
         pytest.skip("no cpp attention kernel")
     monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
-    attention_module = importlib.import_module("fastllm.ops.attention")
-    calls, real = [], attention_module.attention
-    monkeypatch.setattr(attention_module, "attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_attention_calls(monkeypatch)
     model = _gemma(family, None)
     ref = copy.deepcopy(model)
     fastllm.patch(model)

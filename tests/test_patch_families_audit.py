@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fastllm
+from _model_ops import count_attention_calls, has_attention_kernel
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,14 +135,10 @@ def test_fastllm_attention_with_packed_rows(name, monkeypatch):
     Qwen2's (q/k/v biases) and Phi-3's (q, k, v views of one projection): packed rows (position
     ids restarting, no mask) give the unpatched model's loss and grads, and the kernel ran in
     every layer."""
-    if not (fastllm._extension.has_cpp()
-            and hasattr(fastllm._extension.extension(), "attention_cpu")):
+    if not has_attention_kernel():
         pytest.skip("no cpp attention kernel")
     monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
-    attention_module = importlib.import_module("fastllm.ops.attention")
-    calls, real = [], attention_module.attention
-    monkeypatch.setattr(attention_module, "attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_attention_calls(monkeypatch)
     # (Phi-3-mini-4k's window of 2047, longer than the rows: it masks nothing, the kernel runs)
     over = {"pad_token_id": 0, "sliding_window": 2047} if name == "Phi3" else {}
     model, ref = _pair(_model(name, **over).train())
