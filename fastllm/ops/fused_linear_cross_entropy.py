@@ -57,21 +57,13 @@ _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
 REDUCTIONS = ("mean", "sum", "none")
 _WHERE = "fastllm.fused_linear_cross_entropy"
 
-# Bytes of logits per chunk on the CPU paths. Chosen by measurement, not to be "a few MB": every
-# chunk re-reads the whole weight in two GEMMs and read-modify-writes dW, and MKL's GEMMs with
-# a few hundred rows against a 49152-wide weight run well below its rate at ~700 rows. One fp32
-# step at 2048 x 576 x 49152 on a 2-core EPYC (Zen 4, load ~10): 2 MiB chunks 69.5 s, 8 MiB 25.8 s,
-# 32 MiB 13.8 s, 96 MiB 12.2 s; at 4096 tokens, frozen head, on a 2-core EPYC (Zen 3, quiet):
-# 64 MiB 4.83 s, 128 MiB 4.17 s, 256 MiB 4.25 s (BENCHMARKS.md). 128 MiB is 682 fp32 rows at
-# V = 49152, a fixed cost independent of the token count.
+# Bytes of logits per chunk, by measurement: every chunk re-reads the whole weight in its GEMMs.
+# 2048 x 576 x 49152 fp32 (Zen 4): 2 MiB chunks 69.5 s, 8 MiB 25.8 s, 32 MiB 13.8 s, 96 MiB 12.2 s;
+# 4096 tokens, frozen head (Zen 3): 64 MiB 4.83 s, 128 MiB 4.17 s, 256 MiB 4.25 s (BENCHMARKS.md).
 CHUNK_BYTES = 128 << 20
-# and on the CPU at least this many rows: with a large vocabulary CHUNK_BYTES is few rows (167 at
-# Phi-4-mini's V = 200064, 128 at Gemma 3's 262144), and each chunk's GEMMs stream the whole
-# weight for too little work. Phi-4-mini's head (200064 x 3072, frozen), 1024 fp32 tokens, fwd +
-# bwd, 2-core AMD Zen 3 (AVX2): 176-row chunks 27.5-28.8 s, 512 rows 23.7 s, 1024 rows 23.1 s,
-# torch's F.linear + cross_entropy 25.4-27.2 s (BENCHMARKS.md 2026-12-07). The chunk's logits
-# are then up to 512 x V x 4 bytes (400 MiB at V = 200064), still far from the (tokens x V) of
-# materialised logits.
+# and on the CPU at least this many rows (CHUNK_BYTES is 167 at Phi-4-mini's V = 200064): its
+# frozen 200064 x 3072 head, 1024 fp32 tokens, fwd + bwd, Zen 3: 176-row chunks 27.5-28.8 s, 512
+# rows 23.7 s, 1024 rows 23.1 s, torch over logits 25.4-27.2 s (BENCHMARKS.md 2026-12-07)
 CPU_MIN_CHUNK_ROWS = 512
 
 
@@ -151,10 +143,9 @@ def _check_labels(flat, ignore_index, vocab, keep=None):
 
 
 def chunk_rows(tokens, vocab, elem_size, device_type="cpu"):
-    """Rows of the chunk buffer (chunk x vocab logits in hidden's dtype): CHUNK_BYTES of logits
-    on every device (Liger's smaller GPU chunks made the call host-bound on an H200, 2026-12-04:
-    601 kernels, 11.8 ms of GPU work in 28.1 ms; 128 MiB chunks not yet measured on a GPU), and
-    on the CPU at least CPU_MIN_CHUNK_ROWS rows."""
+    """Rows of the chunk buffer: CHUNK_BYTES of logits in hidden's dtype on every device (Liger's
+    smaller GPU chunks made the call host-bound on an H200, 2026-12-04), on the CPU at least
+    CPU_MIN_CHUNK_ROWS rows."""
     return balanced_rows(tokens, _budget_rows(vocab, elem_size, device_type))
 
 
@@ -164,18 +155,15 @@ def _budget_rows(vocab, elem_size, device_type):  # rows of a chunk, before bala
 
 
 # Chunks of at least 8 x ROW_TILE rows are whole multiples of it: oneDNN's GEMMs slow down at
-# some row counts (Zen 4, 2 threads, 49152 x 576 head: bf16 0.25 TFLOP/s at 1363 rows, 0.40 at
-# 1376; 2047, 1023, 682 slow too; every multiple of 16 tried at full speed: BENCHMARKS.md).
+# some row counts (Zen 4, 49152 x 576 bf16: 0.25 TFLOP/s at 1363 rows, 0.40 at 1376; BENCHMARKS.md).
 ROW_TILE = 16
 
 
 def balanced_rows(tokens, most):
     """Rows per chunk for `tokens` rows in chunks of about `most`: as few chunks as an equal
-    split of at most an eighth over `most` needs (each chunk streams the whole weight through its
-    GEMMs however few its rows: 2048 tokens at 682 go as 3 chunks, not 3 x 682 + 2), their rows
-    rounded up to whole ROW_TILEs from 8 of them on, so that all chunks but the last are whole
-    tiles (2048 at 682: 688, 688, 672; the last takes what is left, never an extra chunk). The C++
-    kernel's chunk_rows_for applies the same rule to the rows it is given."""
+    split of at most an eighth over `most` needs (2048 tokens at 682: 3 chunks, not 3 x 682 + 2),
+    rounded up to whole ROW_TILEs from 8 of them on (688, 688, 672; the last takes what is left,
+    never an extra chunk). The C++ kernel's chunk_rows_for applies the same rule."""
     if tokens <= most:
         return max(1, tokens)
     chunks = tokens // most
