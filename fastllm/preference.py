@@ -137,13 +137,13 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
                               False)
     route = None if prompt_learning or not fused else _fused_route(lm)
     if padding_free:  # one row of every row's attended tokens; scattered back below
-        flat, input_ids_p, shifted, kwargs = _packed(lm, input_ids, shifted, kwargs,
-                                                     prompt_learning, ignore_index)
-        values = _token_values(model, lm, route, input_ids_p, shifted, kwargs, ignore_index)
+        # shifted: now the labels padding_free scores (both positions attended), for the mean
+        flat, input_ids_p, shifted_p, kwargs, shifted = _packed(
+            lm, input_ids, shifted, kwargs, prompt_learning, ignore_index)
+        values = _token_values(model, lm, route, input_ids_p, shifted_p, kwargs, ignore_index)
         values = values.new_zeros(input_ids.numel()).index_copy(0, flat.to(values.device),
                                                                  values[0])
         values = values.view(input_ids.shape)
-        shifted = None
     else:
         values = _token_values(model, lm, route, input_ids, shifted, kwargs, ignore_index)
     if per_token:
@@ -151,8 +151,6 @@ def sequence_logps(model, input_ids, labels, attention_mask=None, position_ids=N
     total = values.sum(-1)
     if not average:
         return total
-    if shifted is None:  # (padding_free) the scored positions: the labels kept after packing
-        shifted = _kept_labels(labels, attention_mask, ignore_index)
     return total / (shifted != ignore_index).sum(-1).clamp(min=1).to(total.device)
 
 
@@ -167,16 +165,6 @@ def _token_values(model, lm, route, input_ids, shifted, kwargs, ignore_index):
     hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
     return token_logps(hidden.to(head.weight.device), head.weight, shifted.to(head.weight.device),
                        head.bias, ignore_index, logit_softcap(lm))
-
-
-def _kept_labels(labels, attention_mask, ignore_index):
-    """The shifted labels padding_free scores: column t's where tokens t and t + 1 are both
-    attended (a label on padding is not scored)."""
-    shifted = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
-    if attention_mask is None:
-        return shifted
-    keep = attention_mask.to(labels.device) != 0
-    return shifted.where(keep & F.pad(keep, (0, 1))[:, 1:], ignore_index)
 
 
 def padding_free_refusal(lm):
@@ -204,7 +192,8 @@ def padding_free_refusal(lm):
 
 def _packed(lm, input_ids, shifted, kwargs, prompt_learning, ignore_index):
     """padding_free's (flat indices of the attended tokens (N,), input_ids (1, N), shifted
-    labels (1, N), the model's kwargs with packed position ids and no attention mask)."""
+    labels (1, N), the model's kwargs with packed position ids and no attention mask, the (B, T)
+    shifted labels it scores: a label where it and the position predicting it are attended)."""
     where = f"{_WHERE}.sequence_logps(padding_free=True)"
     if prompt_learning:
         raise ValueError(f"{where}: PEFT's prompt learning puts virtual tokens before each row; "
@@ -238,7 +227,8 @@ def _packed(lm, input_ids, shifted, kwargs, prompt_learning, ignore_index):
     shifted = shifted.to(keep.device).where(keep & F.pad(keep, (0, 1))[:, 1:], ignore_index)
     kwargs = dict(kwargs, attention_mask=None,
                   position_ids=position_ids.reshape(-1)[flat][None])
-    return flat, input_ids.reshape(-1)[flat][None], shifted.reshape(-1)[flat][None], kwargs
+    return (flat, input_ids.reshape(-1)[flat][None], shifted.reshape(-1)[flat][None], kwargs,
+            shifted)
 
 
 def _logits_logps(logits, labels, ignore_index):
