@@ -50,9 +50,8 @@ class AttentionPlan:
 
 
 def attention_plan(model, inputs, attention_mask, position_ids, cache):
-    from fastllm.ops.attention import (cpu_attention_available, cpu_attention_enabled,
-                                       doc_start_from_position_ids, gpu_varlen_available,
-                                       worth_it)
+    from fastllm.ops.attention import (cpu_attention_available, doc_start_from_position_ids,
+                                       gpu_varlen_available, worth_it)
 
     if inputs is None or attention_mask is not None:
         return None
@@ -72,13 +71,15 @@ def attention_plan(model, inputs, attention_mask, position_ids, cache):
         return None
     doc_start = None if position_ids is None else doc_start_from_position_ids(
         position_ids.expand(inputs.shape[0], -1).to(device))
-    # (a host read, on the CPU only and not while torch.compile traces: a compiled model's
-    # packed rows take the kernel where plain ones would, as before packed rows had a rule)
-    packed = (device.type == "cpu" and doc_start is not None
-              and not torch.compiler.is_compiling() and not cpu_attention_enabled()
+    if device.type != "cpu":
+        return AttentionPlan(doc_start, False)
+    # whether the rows hold several documents: a host read (one reduction a forward; not while
+    # torch.compile traces: a compiled model's packed rows take the kernel where plain ones
+    # would). Each layer decides with its own q's dtype (autocast), so it is read whatever this
+    # model's dtype would decide
+    packed = (doc_start is not None and not torch.compiler.is_compiling()
               and bool((doc_start != 0).any()))
-    if device.type == "cpu" and not worth_it(inputs.shape[1],
-                                             getattr(model, "dtype", torch.float32), packed):
+    if not worth_it(inputs.shape[1], getattr(model, "dtype", torch.float32), packed):
         return None
     return AttentionPlan(doc_start, packed)
 

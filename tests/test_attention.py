@@ -322,6 +322,46 @@ def test_bad_input_is_refused():
         _module._mode()
 
 
+def test_auto_policy_by_route_dtype_and_packing(monkeypatch):
+    """FASTLLM_CPU_ATTENTION=auto: plain rows on the routed CPUs (oneDNN, AVX2), bf16 past 2048
+    tokens only where it is widened to fp32; packed rows on every CPU at any length. The plan
+    reads whether rows are packed whatever the model's dtype decides for plain rows (a bf16
+    model's packed rows of 4096 tokens on a native-bf16 CPU went to the dense mask)."""
+    from fastllm._attention_plan import attention_plan
+
+    if not _module.cpu_attention_available():
+        pytest.skip("fastllm._C has no CPU attention kernel")
+    monkeypatch.delenv(_module.ENV, raising=False)
+    bf16, long = torch.bfloat16, _module.AUTO_MAX_LOWP_TOKENS + 1
+    for route, plain in (("onednn", True), ("avx2", True), ("aten", False)):
+        monkeypatch.setattr(_module._gemm, "route", lambda r=route: r)
+        assert _module.cpu_attention_enabled() is plain
+        assert _module.worth_it(4 * long, torch.float32) is plain
+        assert _module.worth_it(4 * long, bf16, packed=True)
+        for widened in (False, True):
+            monkeypatch.setattr(_module._lowp, "widens", lambda device, dtype, w=widened: w)
+            assert _module.worth_it(long - 1, bf16) is plain
+            assert _module.worth_it(long, bf16) is (plain and widened)
+    config = type("Config", (), {"_attn_implementation": "sdpa"})()
+    model = type("Model", (), {"config": config, "dtype": bf16})()  # what the plan reads
+    monkeypatch.setattr(_module._gemm, "route", lambda: "onednn")  # and native bf16 (not widened)
+    monkeypatch.setattr(_module._lowp, "widens", lambda device, dtype: False)
+    inputs = torch.zeros(1, long, 0, dtype=bf16)
+    assert attention_plan(model, inputs, None, torch.arange(long)[None], None) is None
+    plan = attention_plan(model, inputs, None, (torch.arange(long) % 1000)[None], None)
+    assert plan is not None and plan.packed
+    monkeypatch.setenv(_module.ENV, "torch")
+    assert not _module.worth_it(8, torch.float32, packed=True)
+    monkeypatch.delenv(_module.ENV)
+    with fastllm.use_backend("triton"):  # the GPU's path: PyTorch's attention, not a failure
+        assert not _module.worth_it(8, torch.float32, packed=True)
+    with fastllm.use_backend("ref"):
+        assert _module.worth_it(8, torch.float32, packed=True)
+    monkeypatch.setenv(_module.ENV, "fastllm")
+    monkeypatch.setattr(_module._gemm, "route", lambda: "aten")
+    assert _module.worth_it(4 * long, bf16)
+
+
 def test_opcheck_and_compile():
     q, k, v, dy, ds = _inputs((1, 7, 4, 2, 8, True), torch.float32)
     torch.library.opcheck(torch.ops.fastllm.attention.default, (q, k, v, ds, 0.25))

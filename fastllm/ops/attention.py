@@ -435,26 +435,36 @@ def _mode():
     return _backend.env_choice(ENV, _MODES)
 
 
-# bf16/fp16 rows longer than this stay on PyTorch's flash kernel under `auto`: it multiplies in
-# bf16 (twice the fp32 GEMM rate) and tiles the keys, and at 4096 tokens this kernel was no
-# faster (1 x 4096 tokens, 9 / 3 heads of 64, fwd + bwd, AMD Zen 5, two runs: 677 and 507 ms
-# against flash's 501 and 509; fp32 547-569 against 616-668; at 2048 and below as fast or faster
-# in both dtypes, BENCHMARKS.md)
+# bf16/fp16 rows longer than this stay on PyTorch's flash kernel under `auto` where PyTorch has
+# native low-precision GEMMs: it multiplies in bf16 (twice the fp32 GEMM rate) and tiles the
+# keys, and at 4096 tokens this kernel was no faster (1 x 4096 tokens, 9 / 3 heads of 64, fwd +
+# bwd, AMD Zen 5, two runs: 677 and 507 ms against flash's 501 and 509; fp32 547-569 against
+# 616-668; at 2048 and below as fast or faster in both dtypes, BENCHMARKS.md). Where bf16 is
+# widened (fastllm/_lowp.py) the other side is the fp32 flash kernel, which this one matched or
+# beat at every length measured (AMD Zen 3, AVX2, 2026-12-07: 1 x 4096 bf16 852-898 ms against
+# 926-966), and packed rows' other side is a dense T x T mask, so neither has a cap.
 AUTO_MAX_LOWP_TOKENS = 2048
 
 
 def worth_it(tokens, dtype, packed=False):
-    """Whether fastllm.patch gives an attention over rows of `tokens` in `dtype` to this op:
-    where cpu_attention_enabled() (or, for packed rows of several documents, wherever the kernel
-    is available and not turned off), and under `auto` for fp32 at any length and bf16/fp16 up to
-    AUTO_MAX_LOWP_TOKENS. Packed rows: transformers' attention computes them with a dense (T x T)
-    block-diagonal mask, this op one causal block per document (fwd + bwd, 8 x 2048 tokens in 35
-    documents, 9 / 3 heads of 64, fp32, AMD Zen 3 (AVX2, where plain rows stay PyTorch's): 5.2x
-    faster than SDPA with that mask, BENCHMARKS.md 2026-12-07)."""
-    if not (cpu_attention_enabled() or (packed and cpu_attention_available())):
+    """Whether fastllm.patch gives an attention over rows of `tokens` in `dtype` to this op: where
+    the kernel is available (cpu_attention_available), packed rows of several documents always
+    (transformers' attention computes them with a dense (T x T) block-diagonal mask, this op one
+    causal block per document: fwd + bwd, 8 x 2048 tokens in 35 documents, 9 / 3 heads of 64,
+    fp32, AMD Zen 3: 5.2x faster than SDPA with that mask; bf16 1 x 8192 in 16 documents: 247
+    ms against 6.5-7.0 s, BENCHMARKS.md 2026-12-07); plain rows where cpu_attention_enabled(),
+    under `auto` for fp32 at any length and for bf16/fp16 up to AUTO_MAX_LOWP_TOKENS where
+    PyTorch multiplies them natively, at any length where they are widened to fp32. Never under
+    a forced backend this op has no kernel for (use_backend("triton"), the GPU's path, whose
+    attention is PyTorch's): the model keeps its own attention rather than fail."""
+    if not cpu_attention_available() or _backend.forced_backend() not in (None,
+                                                                          *_PREFERENCE["cpu"]):
         return False
-    return (_mode() == "fastllm" or dtype in (torch.float32, torch.float64)
-            or tokens <= AUTO_MAX_LOWP_TOKENS)
+    if packed or _mode() == "fastllm":
+        return True
+    return cpu_attention_enabled() and (
+        dtype in (torch.float32, torch.float64) or tokens <= AUTO_MAX_LOWP_TOKENS
+        or _lowp.widens("cpu", dtype))
 
 
 @torch.compiler.assume_constant_result  # a setting of the process: torch.compile reads it once
@@ -466,10 +476,13 @@ def cpu_attention_available():
 
 @torch.compiler.assume_constant_result  # a setting of the process: torch.compile reads it once
 def cpu_attention_enabled():
-    """Whether fastllm.patch runs a CPU model's causal attention through this op
-    (FASTLLM_CPU_ATTENTION: auto, the default, where fastllm/_gemm.py routes fp32 GEMMs to oneDNN,
-    the CPUs it was measured faster on (not the AVX2 route's: its blocks' products are below the
-    sizes that kernel takes); fastllm; torch: PyTorch's own attention)."""
+    """Whether fastllm.patch runs a CPU model's plain causal attention through this op
+    (FASTLLM_CPU_ATTENTION: auto, the default, where fastllm/_gemm.py routes fp32 GEMMs to its
+    own kernels (AMD CPUs: oneDNN with AVX-512, fastllm's with AVX2 only), the CPUs it was
+    measured faster on than PyTorch's flash attention (fwd + bwd, 9 / 3 heads of 64, AMD Zen 3,
+    2026-12-07: 0.69-0.92x its time in fp32, 0.59-0.91x in bf16 against the fp32 flash kernel
+    fastllm/_lowp.py widens to, 8 x 512 to 2 x 2048 tokens); fastllm; torch: PyTorch's own
+    attention)."""
     if not cpu_attention_available():
         return False
-    return _mode() == "fastllm" or _gemm.route() == "onednn"
+    return _mode() == "fastllm" or _gemm.route() in ("onednn", "avx2")
