@@ -457,8 +457,10 @@ def worth_it(tokens, dtype, packed=False):
     PyTorch multiplies them natively, at any length where they are widened to fp32. Never under
     a forced backend this op has no kernel for (use_backend("triton"), the GPU's path, whose
     attention is PyTorch's): the model keeps its own attention rather than fail."""
-    if not cpu_attention_available() or _backend.forced_backend() not in (None,
-                                                                          *_PREFERENCE["cpu"]):
+    if not cpu_attention_available():
+        return False
+    if (not torch.compiler.is_compiling()  # (a thread's setting: not read into a graph)
+            and _backend.forced_backend() not in (None, *_PREFERENCE["cpu"])):
         return False
     if packed or _mode() == "fastllm":
         return True
