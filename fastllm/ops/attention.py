@@ -451,8 +451,8 @@ def worth_it(tokens, dtype, packed=False):
     the kernel is available (cpu_attention_available), packed rows of several documents always
     (transformers' attention computes them with a dense (T x T) block-diagonal mask, this op one
     causal block per document: fwd + bwd, 8 x 2048 tokens in 35 documents, 9 / 3 heads of 64,
-    fp32, AMD Zen 3: 5.2x faster than SDPA with that mask; bf16 1 x 8192 in 16 documents: 247
-    ms against 6.5-7.0 s, BENCHMARKS.md 2026-12-07); plain rows where cpu_attention_enabled(),
+    fp32, AMD Zen 3: 5.2x faster than SDPA with that mask; bf16 1 x 8192 in 16 documents: 297
+    ms against 7.6 s, BENCHMARKS.md 2026-12-07); plain rows where cpu_attention_enabled(),
     under `auto` for fp32 at any length and for bf16/fp16 up to AUTO_MAX_LOWP_TOKENS where
     PyTorch multiplies them natively, at any length where they are widened to fp32. Never under
     a forced backend this op has no kernel for (use_backend("triton"), the GPU's path, whose
