@@ -221,8 +221,13 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
             plan = None
         if plan is not None:
             if cache is not None:  # the cache still gets k and v
-                _hf.cache_update(cache, k.transpose(1, 2), v.transpose(1, 2), self.layer_idx,
-                                 kwargs, cos, sin)
+                kc, vc = _hf.cache_update(cache, k.transpose(1, 2), v.transpose(1, 2),
+                                          self.layer_idx, kwargs, cos, sin)
+                if kc.shape[2] == k.shape[1] and vc.shape[2] == v.shape[1]:
+                    # (a prefill: the cache's copies of k and v, read in place, so that one copy
+                    # of each is kept, as transformers' attention keeps; a training forward with
+                    # use_cache kept both, 6 MiB a layer at SmolLM2's 8 x 512 fp32)
+                    k, v = kc.transpose(1, 2), vc.transpose(1, 2)
             out = attention(q, k, v, scale=self.scaling, doc_start=doc_start, segments=segments)
             return self.o_proj(out.reshape(*input_shape, -1)), None
     q, k = q.transpose(1, 2), k.transpose(1, 2)

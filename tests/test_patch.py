@@ -126,6 +126,38 @@ def test_fastllm_attention_equals_unpatched(packed, checkpointing, monkeypatch):
     assert not calls
 
 
+def test_fastllm_attention_reads_the_caches_k_and_v_in_a_training_forward(monkeypatch):
+    """A training forward with use_cache (the config's default without gradient checkpointing)
+    hands each layer's k and v to the cache, which keeps copies: fastllm's attention reads those
+    copies in place, so that one copy of each is kept for the backward, as transformers'
+    attention keeps (it kept both: 6 MiB a layer at SmolLM2's 8 x 512 tokens in fp32). Loss and
+    grads equal the unpatched model's."""
+    if not has_attention_kernel():
+        pytest.skip("no cpp attention kernel")
+    monkeypatch.setenv("FASTLLM_CPU_ATTENTION", "fastllm")
+    model = _model().train()
+    ids, labels = _batch(s=13)
+    theirs = _loss_and_grads(model, ids, labels)
+    fastllm.patch(model)
+    calls = count_attention_calls(monkeypatch)
+    cached, real = [], _hf.cache_update
+    monkeypatch.setattr(_hf, "cache_update", lambda *a: cached.extend(real(*a)) or cached[-2:])
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=labels)
+    assert len(calls) == 2 and len(cached) == 4 and out.past_key_values is not None
+    assert all(t.untyped_storage().data_ptr() in saved for t in cached)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    _assert_same((out, grads), theirs)
+
+
 @pytest.mark.parametrize("cross_entropy", [True, False])
 def test_fastllm_attention_when_the_backbone_is_called_directly(cross_entropy, monkeypatch):
     """The decoder stack called directly in training (TRL's fused LM head does so; so does a
