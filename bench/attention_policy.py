@@ -74,6 +74,13 @@ def ops():
                   f"ratio {ms['fastllm'] / ms['torch']:.2f}", flush=True)
 
 
+def _with_attention(mode, fn):
+    def run():
+        os.environ["FASTLLM_CPU_ATTENTION"] = mode  # (read at each call)
+        fn()
+    return run
+
+
 def step(rounds):
     for dtype in (torch.float32, torch.bfloat16):
         for finetune in ("lora", "full"):
@@ -84,10 +91,7 @@ def step(rounds):
             ids = torch.randint(0, bench_model.VOCAB, (8, 512))
             one = bench_model._train_step(model, opt, ids)
             one()  # (the optimizer's state made)
-            fns = {}
-            for mode in ("torch", "fastllm"):
-                fns[mode] = lambda m=mode: (os.environ.__setitem__(
-                    "FASTLLM_CPU_ATTENTION", m), one())
+            fns = {mode: _with_attention(mode, one) for mode in ("torch", "fastllm")}
             peak = {m: harness.allocator_peak_bytes(fn) / 2**20 for m, fn in fns.items()}
             ms = _median_ms(fns, reps=rounds, warm=False)  # (warm: the steps above)
             print(f"step {str(dtype)[6:]} {finetune}: attention=torch {ms['torch']:,.0f} ms, "
