@@ -217,7 +217,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
                 segments = plan.segments(q.device)
             else:
                 plan = None  # transformers' own attention
-        elif not worth_it(q.shape[1], q.dtype, plan.packed):  # this layer's own dtype and device
+        # this layer's own dtype and device; with a cache, plain causal rows (doc_start None)
+        elif not worth_it(q.shape[1], q.dtype, plan.packed and cache is None):
             plan = None
         if plan is not None:
             if cache is not None:  # the cache still gets k and v

@@ -140,8 +140,14 @@ def test_fastllm_attention_reads_the_caches_k_and_v_in_a_training_forward(monkey
     theirs = _loss_and_grads(model, ids, labels)
     fastllm.patch(model)
     calls = count_attention_calls(monkeypatch)
-    cached, real = [], _hf.cache_update
-    monkeypatch.setattr(_hf, "cache_update", lambda *a: cached.extend(real(*a)) or cached[-2:])
+    cached, given, real = [], [], _hf.cache_update
+
+    def update(*args):
+        given.extend(args[1:3])
+        cached.extend(real(*args))
+        return cached[-2:]
+
+    monkeypatch.setattr(_hf, "cache_update", update)
     saved = set()
 
     def pack(t):
@@ -153,9 +159,29 @@ def test_fastllm_attention_reads_the_caches_k_and_v_in_a_training_forward(monkey
         out = model(input_ids=ids, labels=labels)
     assert len(calls) == 2 and len(cached) == 4 and out.past_key_values is not None
     assert all(t.untyped_storage().data_ptr() in saved for t in cached)
+    assert not any(t.untyped_storage().data_ptr() in saved for t in given)  # one copy, not two
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     _assert_same((out, grads), theirs)
+
+
+def test_packed_rows_with_a_cache_are_plain_rows_to_the_policy(monkeypatch):
+    """A layer with a cache attends plain causal rows (transformers ignores restarting position
+    ids there), so the policy for plain rows decides, not the packed rows' rule: on a CPU whose
+    route keeps PyTorch's attention for plain rows, fastllm's kernel is not called."""
+    if not has_attention_kernel():
+        pytest.skip("no cpp attention kernel")
+    monkeypatch.delenv("FASTLLM_CPU_ATTENTION", raising=False)
+    monkeypatch.setattr(sys.modules["fastllm.ops.attention"]._gemm, "route", lambda: "aten")
+    model = _model().train()
+    fastllm.patch(model)
+    calls = count_attention_calls(monkeypatch)
+    ids, labels = _batch(s=8)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]).expand(2, -1)
+    model(input_ids=ids, labels=labels, position_ids=position_ids)  # use_cache: the config's
+    assert not calls
+    model(input_ids=ids, labels=labels, position_ids=position_ids, use_cache=False)
+    assert len(calls) == 2  # without a cache the rows are packed: the kernel's at any length
 
 
 @pytest.mark.parametrize("cross_entropy", [True, False])

@@ -441,8 +441,8 @@ def _mode():
 # bwd, AMD Zen 5, two runs: 677 and 507 ms against flash's 501 and 509; fp32 547-569 against
 # 616-668; at 2048 and below as fast or faster in both dtypes, BENCHMARKS.md). Where bf16 is
 # widened (fastllm/_lowp.py) the other side is the fp32 flash kernel, which this one matched or
-# beat at every length measured (AMD Zen 3, AVX2, 2026-12-07: 1 x 4096 bf16 852-898 ms against
-# 926-966), and packed rows' other side is a dense T x T mask, so neither has a cap.
+# beat at every length measured (AMD Zen 3, AVX2, 2026-12-07: 1 x 4096 bf16 631 ms against
+# 777), and packed rows' other side is a dense T x T mask, so neither has a cap.
 AUTO_MAX_LOWP_TOKENS = 2048
 
 
@@ -482,7 +482,7 @@ def cpu_attention_enabled():
     (FASTLLM_CPU_ATTENTION: auto, the default, where fastllm/_gemm.py routes fp32 GEMMs to its
     own kernels (AMD CPUs: oneDNN with AVX-512, fastllm's with AVX2 only), the CPUs it was
     measured faster on than PyTorch's flash attention (fwd + bwd, 9 / 3 heads of 64, AMD Zen 3,
-    2026-12-07: 0.69-0.92x its time in fp32, 0.59-0.91x in bf16 against the fp32 flash kernel
+    2026-12-07: 0.71-0.90x its time in fp32, 0.58-0.88x in bf16 against the fp32 flash kernel
     fastllm/_lowp.py widens to, 8 x 512 to 2 x 2048 tokens); fastllm; torch: PyTorch's own
     attention)."""
     if not cpu_attention_available():
