@@ -15,9 +15,7 @@ allocator held over one step of each (bench/harness.py). Prints one line per cas
 """
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -29,16 +27,10 @@ from fastllm import _lowp  # noqa: E402
 from fastllm.ops.attention import attention, doc_start_from_position_ids  # noqa: E402
 
 
-def _median_ms(fns, reps=7, warm=True):
-    """{name: median ms} of fns called in turn, reps rounds (after one warm-up round)."""
-    times = {name: [] for name in fns}
-    for r in range(reps + warm):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            if r >= warm:
-                times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+def _median_ms(fns, reps, warmup):
+    """{name: median ms} of fns in `reps` interleaved rounds after `warmup` calls of each."""
+    times = harness.measure_many(fns, warmup=warmup, min_reps=reps, max_reps=reps, min_time_s=0)
+    return {name: t.median_ms for name, t in times.items()}
 
 
 def _torch_side(q, k, v, dtype, mask):
@@ -68,7 +60,7 @@ def ops():
             ms = _median_ms({
                 "fastllm": lambda: attention(q, k, v, scale=0.125, doc_start=ds).sum().backward(),
                 "torch": lambda: _torch_side(q, k, v, dtype, mask).sum().backward()},
-                reps=3 if t * docs > 8192 else 7)
+                reps=3 if t * docs > 8192 else 7, warmup=1)
             print(f"attention fwd+bwd {str(dtype)[6:]} {b} x {t} tokens, {docs} document(s) a "
                   f"row: fastllm {ms['fastllm']:.0f} ms, PyTorch's {ms['torch']:.0f} ms, "
                   f"ratio {ms['fastllm'] / ms['torch']:.2f}", flush=True)
@@ -93,7 +85,7 @@ def step(rounds):
             one()  # (the optimizer's state made)
             fns = {mode: _with_attention(mode, one) for mode in ("torch", "fastllm")}
             peak = {m: harness.allocator_peak_bytes(fn) / 2**20 for m, fn in fns.items()}
-            ms = _median_ms(fns, reps=rounds, warm=False)  # (warm: the steps above)
+            ms = _median_ms(fns, reps=rounds, warmup=0)  # (warm: the steps above)
             print(f"step {str(dtype)[6:]} {finetune}: attention=torch {ms['torch']:,.0f} ms, "
                   f"=fastllm {ms['fastllm']:,.0f} ms, ratio {ms['fastllm'] / ms['torch']:.3f}; "
                   f"allocator peak {peak['torch']:,.0f} / {peak['fastllm']:,.0f} MiB", flush=True)

@@ -224,7 +224,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
             if cache is not None:  # the cache still gets k and v
                 kc, vc = _hf.cache_update(cache, k.transpose(1, 2), v.transpose(1, 2),
                                           self.layer_idx, kwargs, cos, sin)
-                if kc.shape[2] == k.shape[1] and vc.shape[2] == v.shape[1]:
+                if kc.shape[2] == k.shape[1]:
                     # (a prefill: the cache's copies of k and v, read in place, so that one copy
                     # of each is kept, as transformers' attention keeps; a training forward with
                     # use_cache kept both, 6 MiB a layer at SmolLM2's 8 x 512 fp32)
