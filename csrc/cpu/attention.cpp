@@ -36,6 +36,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/GradMode.h>
+#include <dlfcn.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -195,9 +196,14 @@ inline Range keys_of(const int64_t* ds, int64_t t, int64_t first_key) {
 // Whether S = Q K^T and dP = dO V^T multiply bf16 inputs as they are (fastllm's bf16 x bf16 ->
 // fp32 GEMM) rather than fp32 copies of them. P and dS are never rounded to bf16: PyTorch's CPU
 // flash attention keeps them fp32 (its bf16 output and grads are within half an ulp there, and
-// rounding them doubled fastllm's error on its tests).
+// rounding them doubled fastllm's error on its tests). Not where PyTorch's bf16 GEMMs run on AMX:
+// there the fp32 copies' GEMMs are the faster (fwd + bwd, bf16, 9 / 3 heads of 64, Intel Xeon
+// with AMX, 2 cores: 8 x 512 tokens 54.8 ms against 69.8 with the kernel, 1 x 8192 in 16
+// documents 146.5 against 180.7; BENCHMARKS.md 2026-12-07), as for the fused loss's dW
+// (set_gemm_bf16f32(true) forces the kernel).
 bool bf16_products(const at::Tensor& q) {
-  return q.scalar_type() == at::kBFloat16 && gemm_bf16f32_available();
+  return q.scalar_type() == at::kBFloat16 && gemm_bf16f32_available() &&
+         (!bf16_gemm_on_amx() || gemm_bf16f32_forced());
 }
 
 // out (fp32) = a @ b: bf16 operands through csrc/cpu/gemm_bf16.cpp, fp32 ones through
@@ -292,19 +298,50 @@ struct Part {
 // OpenMP) would take every thread and split their sums by the thread count: dK, dV of one row
 // with one kv head differed in the last bits between 1 and 2 threads. A task's GEMMs run on one
 // thread wherever they run. (OpenMP's thread count is per thread: only the caller's changes.)
+// ATen's own fp32 GEMM (MKL's sgemm, the route on Intel CPUs) keeps a thread count of its own,
+// which torch.set_num_threads sets and omp_set_num_threads does not: dK differed by 2.4e-6
+// between 1 and 2 threads on an Intel Xeon (2026-12-07), so MKL's per-thread count is set too,
+// through MKL_Set_Num_Threads_Local, looked up at run time in libtorch_cpu (where MKL is linked
+// in; a torch without MKL has nothing to set).
+using MklSetLocal = int (*)(int);
+
+MklSetLocal mkl_set_num_threads_local_fn() {
+  static const MklSetLocal fn = []() -> MklSetLocal {
+#if defined(__linux__)
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) return nullptr;
+    // (MKL's C entry: its header maps mkl_set_num_threads_local to it; the lower-case symbol
+    // is the Fortran one, which takes a pointer)
+    return reinterpret_cast<MklSetLocal>(dlsym(lib, "MKL_Set_Num_Threads_Local"));
+#else
+    return nullptr;
+#endif
+  }();
+  return fn;
+}
+
 class OneThreadedGemms {
  public:
-  explicit OneThreadedGemms(bool on) : saved_(on ? omp_get_max_threads() : 0) {
-    if (on) omp_set_num_threads(1);
+  explicit OneThreadedGemms(bool on)
+      : on_(on), saved_(on ? omp_get_max_threads() : 0),
+        mkl_(on ? mkl_set_num_threads_local_fn() : nullptr) {
+    if (!on) return;
+    omp_set_num_threads(1);
+    if (mkl_ != nullptr) mkl_saved_ = mkl_(1);  // (the previous local count; 0: the global one)
   }
   ~OneThreadedGemms() {
-    if (saved_ > 0) omp_set_num_threads(saved_);
+    if (!on_) return;
+    omp_set_num_threads(saved_);
+    if (mkl_ != nullptr) mkl_(mkl_saved_);
   }
   OneThreadedGemms(const OneThreadedGemms&) = delete;
   OneThreadedGemms& operator=(const OneThreadedGemms&) = delete;
 
  private:
+  bool on_;
   int saved_;
+  MklSetLocal mkl_;
+  int mkl_saved_ = 0;
 };
 
 std::vector<Part> parts_of(const Shape& s) {
