@@ -228,8 +228,9 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
   // 2026-12-02).
   // bf16 with AVX512-BF16 (csrc/cpu/gemm_bf16.cpp): each chunk's product is summed straight into
   // dw32 in fp32 by one bf16 x bf16 -> fp32 GEMM, no rounding and no residual. Not on CPUs whose
-  // bf16 GEMMs run on AMX, where the two native GEMMs are AMX's and the kernel (AVX512-BF16,
-  // measured without AMX only) is likely the slower (set_gemm_bf16f32(true) forces it).
+  // bf16 GEMMs run on AMX, where the two native GEMMs are AMX's and the faster (Intel Xeon with
+  // AMX, bf16, 2048 / 4096 tokens, fwd + bwd: 0.65x / 0.61x the loss's time with the kernel,
+  // BENCHMARKS.md 2026-12-07; set_gemm_bf16f32(true) forces it).
   const bool widened_dw = !direct_dw && std::is_same<scalar_t, at::BFloat16>::value &&
                           gemm_bf16f32_available() &&
                           (!bf16_gemm_on_amx() || gemm_bf16f32_forced());

@@ -483,8 +483,9 @@ def cpu_attention_enabled():
     own kernels (AMD CPUs: oneDNN with AVX-512, fastllm's with AVX2 only), the CPUs it was
     measured faster on than PyTorch's flash attention (fwd + bwd, 9 / 3 heads of 64, AMD Zen 3,
     2026-12-07: 0.71-0.90x its time in fp32, 0.58-0.88x in bf16 against the fp32 flash kernel
-    fastllm/_lowp.py widens to, 8 x 512 to 2 x 2048 tokens); fastllm; torch: PyTorch's own
-    attention)."""
+    fastllm/_lowp.py widens to, 8 x 512 to 2 x 2048 tokens; not on Intel CPUs, where ATen keeps
+    fp32 GEMMs: on a Xeon with AMX, 2026-12-07, fp32 0.76-1.08x either way and PyTorch's bf16
+    flash kernel, AMX's, 1.3-1.9x faster); fastllm; torch: PyTorch's own attention)."""
     if not cpu_attention_available():
         return False
     return _mode() == "fastllm" or _gemm.route() in ("onednn", "avx2")
