@@ -154,7 +154,8 @@ void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
                       bool accumulate);
 bool gemm_bf16f32_available();
 // set_gemm_bf16f32: false off, true on wherever it applies (gemm_bf16f32_forced()), nullopt the
-// default (on, but for the fused loss's dW on AMX CPUs).
+// default (on, but for the fused loss's dW and the CPU attention's products where PyTorch's
+// bf16 GEMMs run on AMX: bf16_gemm_on_amx()).
 void set_gemm_bf16f32(c10::optional<bool> on);
 bool gemm_bf16f32_forced();
 // Whether PyTorch's bf16 GEMMs run on AMX tiles here (cpublas::could_pack): there at::mm's bf16

@@ -135,8 +135,9 @@ def test_matches_ref_and_sdpa(backend, device, dtype, case):
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=_case_id)
 def test_cpp_bf16_both_product_paths(bf16_products, case):
     """bf16 on the cpp kernel by both of its ways: S = QK^T and dP = dO V^T of the bf16 inputs
-    through fastllm's bf16 x bf16 -> fp32 GEMM (AVX512-BF16 builds) and of fp32 copies (the
-    fallback): each within twice PyTorch's own error against fp64."""
+    through fastllm's bf16 x bf16 -> fp32 GEMM (AVX512-BF16 builds; the default there, but where
+    PyTorch's bf16 GEMMs run on AMX) and of fp32 copies (the default on AMX, and without
+    AVX512-BF16): each within twice PyTorch's own error against fp64."""
     q, k, v, dy, doc_start = _inputs(case, torch.bfloat16)
     with gemm_bf16f32(bf16_products), fastllm.use_backend("cpp"):
         got = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
@@ -148,15 +149,19 @@ def test_cpp_bf16_both_product_paths(bf16_products, case):
         check_close(name, a.detach(), t.detach(), o, torch.bfloat16, None)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-def test_cpp_reads_and_writes_any_layout(dtype):
+@pytest.mark.parametrize("dtype,bf16_products", [(torch.float32, None), (torch.bfloat16, True),
+                                                   (torch.bfloat16, False), (torch.float16, None)],
+                         ids=["fp32", "bf16-gemm", "bf16-copies", "fp16"])
+def test_cpp_reads_and_writes_any_layout(dtype, bf16_products):
     """The cpp kernel's row copies (plain loops for rows of head_dim contiguous, ATen's copy_ for
-    the rest): q, k, v as (B, H, T, D) tensors seen through transposes, and with head_dim
-    strided, give the bits of contiguous inputs, forward and every grad; negative views are read
-    as their values; bf16 and fp16 results are the fp32 ones rounded to nearest even."""
+    the rest; bf16's S and dP read through the bf16 GEMM, which takes strided rows, or from fp32
+    copies, each forced: either can be a CPU's default): q, k, v as (B, H, T, D) tensors seen
+    through transposes, and with head_dim strided, give the bits of contiguous inputs, forward
+    and every grad; negative views are read as their values; bf16 and fp16 results are the fp32
+    ones rounded to nearest even."""
     case = (2, 133, 6, 2, 8, True)
     q, k, v, dy, doc_start = _inputs(case, dtype)
-    with fastllm.use_backend("cpp"):
+    with gemm_bf16f32(bf16_products), fastllm.use_backend("cpp"):
         want = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
         for how in ("transposed", "strided head_dim"):
             if how == "transposed":  # (B, H, T, D) storage, rows of D contiguous

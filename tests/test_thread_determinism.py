@@ -15,6 +15,7 @@ from fastllm.ops.rotary_embedding import rotary_embedding
 from fastllm.ops.swiglu import swiglu
 
 from _model_ops import grads
+from conftest import gemm_bf16f32
 
 pytestmark = pytest.mark.skipif(bool(fastllm._backend.unavailable_reason("cpp", "cpu")),
                                 reason="no cpp backend")
@@ -70,13 +71,17 @@ def test_rms_norm(dtype, rows, h):
     _assert_same_bits(_at_each_thread_count(run), ("y", "dx", "dweight"))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# bf16's S and dP: fastllm's bf16 GEMM and fp32 copies, each forced (either can be a CPU's
+# default: csrc/cpu/attention.cpp, bf16_products)
+@pytest.mark.parametrize("dtype,bf16_products", [(torch.float32, None), (torch.bfloat16, True),
+                                                 (torch.bfloat16, False)],
+                         ids=["fp32", "bf16-gemm", "bf16-copies"])
 @pytest.mark.parametrize("b,t,hq,hkv,packed", [(1, 300, 2, 1, False), (1, 300, 3, 1, True),
                                                (2, 261, 6, 3, False), (1, 100, 3, 1, False),
                                                (17, 130, 2, 1, True),
                                                # one task of one part: on the calling thread
                                                (1, 64, 64, 1, False)])
-def test_attention(dtype, b, t, hq, hkv, packed):
+def test_attention(dtype, bf16_products, b, t, hq, hkv, packed):
     d = 8
     q = torch.randn(b, t, hq, d).to(dtype)
     k = torch.randn(b, t, hkv, d).to(dtype)
@@ -91,7 +96,9 @@ def test_attention(dtype, b, t, hq, hkv, packed):
         ql, kl, vl = _leaves(q, k, v)
         return grads([attention(ql, kl, vl, doc_start=doc_start)], [ql, kl, vl], [dy])
 
-    _assert_same_bits(_at_each_thread_count(run), ("out", "dq", "dk", "dv"))
+    with gemm_bf16f32(bf16_products):
+        results = _at_each_thread_count(run)
+    _assert_same_bits(results, ("out", "dq", "dk", "dv"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -323,7 +323,7 @@ MklSetLocal mkl_set_num_threads_local_fn() {
 class OneThreadedGemms {
  public:
   explicit OneThreadedGemms(bool on)
-      : on_(on), saved_(on ? omp_get_max_threads() : 0),
+      : on_(on), saved_(on ? (init_threads(), omp_get_max_threads()) : 0),
         mkl_(on ? mkl_set_num_threads_local_fn() : nullptr) {
     if (!on) return;
     omp_set_num_threads(1);
@@ -338,6 +338,12 @@ class OneThreadedGemms {
   OneThreadedGemms& operator=(const OneThreadedGemms&) = delete;
 
  private:
+  // ATen sets a thread's OpenMP and MKL counts to torch's on the thread's first parallel_for
+  // (each library keeps its own once-per-thread flag, this extension too): done before the
+  // counts are saved, or that first call would undo the guard and the destructor restore a
+  // count torch had not set.
+  static void init_threads() { at::internal::lazy_init_num_threads(); }
+
   bool on_;
   int saved_;
   MklSetLocal mkl_;
