@@ -128,6 +128,9 @@ void check_fp32_gemm_args(const at::Tensor& a, const at::Tensor& b, const at::Te
 void gemm_onednn_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
                      double beta, double alpha);
 bool onednn_gemm_available();
+// A symbol of the loaded libtorch_cpu (dlsym; nullptr where it is absent, and off Linux): the
+// entries ATen exports but its headers do not declare in every supported torch.
+void* torch_cpu_symbol(const char* name);
 // fastllm's AVX2 + FMA kernel: raises on a CPU without them
 void sgemm_avx2_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
                     double beta, double alpha);
@@ -159,8 +162,11 @@ bool gemm_bf16f32_available();
 void set_gemm_bf16f32(c10::optional<bool> on);
 bool gemm_bf16f32_forced();
 // Whether PyTorch's bf16 GEMMs run on AMX tiles here (cpublas::could_pack): there at::mm's bf16
-// may well beat gemm_bf16f32_cpu, which was measured only on CPUs without AMX.
+// beats gemm_bf16f32_cpu (BENCHMARKS.md 2026-12-07).
 bool bf16_gemm_on_amx();
+// Whether the C++ kernels' bf16 products take gemm_bf16f32_cpu by default: available, and not
+// where bf16 GEMMs run on AMX unless forced (the fused loss's dW, the CPU attention's S and dP).
+bool gemm_bf16f32_preferred();
 
 // fastllm::fused_linear_cross_entropy (csrc/cpu/fused_linear_cross_entropy.cpp)
 // Cross-entropy of logits = hidden weight^T + bias over chunks of tokens, never materialising

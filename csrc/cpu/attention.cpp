@@ -36,7 +36,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/GradMode.h>
-#include <dlfcn.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -202,8 +201,7 @@ inline Range keys_of(const int64_t* ds, int64_t t, int64_t first_key) {
 // documents 146.5 against 180.7; BENCHMARKS.md 2026-12-07), as for the fused loss's dW
 // (set_gemm_bf16f32(true) forces the kernel).
 bool bf16_products(const at::Tensor& q) {
-  return q.scalar_type() == at::kBFloat16 && gemm_bf16f32_available() &&
-         (!bf16_gemm_on_amx() || gemm_bf16f32_forced());
+  return q.scalar_type() == at::kBFloat16 && gemm_bf16f32_preferred();
 }
 
 // out (fp32) = a @ b: bf16 operands through csrc/cpu/gemm_bf16.cpp, fp32 ones through
@@ -303,30 +301,22 @@ struct Part {
 // between 1 and 2 threads on an Intel Xeon (2026-12-07), so MKL's per-thread count is set too,
 // through MKL_Set_Num_Threads_Local, looked up at run time in libtorch_cpu (where MKL is linked
 // in; a torch without MKL has nothing to set).
-using MklSetLocal = int (*)(int);
-
-MklSetLocal mkl_set_num_threads_local_fn() {
-  static const MklSetLocal fn = []() -> MklSetLocal {
-#if defined(__linux__)
-    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-    if (lib == nullptr) return nullptr;
-    // (MKL's C entry: its header maps mkl_set_num_threads_local to it; the lower-case symbol
-    // is the Fortran one, which takes a pointer)
-    return reinterpret_cast<MklSetLocal>(dlsym(lib, "MKL_Set_Num_Threads_Local"));
-#else
-    return nullptr;
-#endif
-  }();
-  return fn;
-}
-
 class OneThreadedGemms {
  public:
-  explicit OneThreadedGemms(bool on)
-      : on_(on), saved_(on ? (init_threads(), omp_get_max_threads()) : 0),
-        mkl_(on ? mkl_set_num_threads_local_fn() : nullptr) {
+  explicit OneThreadedGemms(bool on) : on_(on) {
     if (!on) return;
+    // ATen sets a thread's OpenMP and MKL counts to torch's on the thread's first parallel_for
+    // (each library keeps its own once-per-thread flag, this extension too): done before the
+    // counts are saved, or that first call would undo the guard and the destructor restore a
+    // count torch had not set.
+    at::internal::lazy_init_num_threads();
+    saved_ = omp_get_max_threads();
     omp_set_num_threads(1);
+    // (MKL's C entry: its header maps mkl_set_num_threads_local to it; the lower-case symbol is
+    // the Fortran one, which takes a pointer)
+    static const auto mkl_local =
+        reinterpret_cast<int (*)(int)>(torch_cpu_symbol("MKL_Set_Num_Threads_Local"));
+    mkl_ = mkl_local;
     if (mkl_ != nullptr) mkl_saved_ = mkl_(1);  // (the previous local count; 0: the global one)
   }
   ~OneThreadedGemms() {
@@ -338,15 +328,9 @@ class OneThreadedGemms {
   OneThreadedGemms& operator=(const OneThreadedGemms&) = delete;
 
  private:
-  // ATen sets a thread's OpenMP and MKL counts to torch's on the thread's first parallel_for
-  // (each library keeps its own once-per-thread flag, this extension too): done before the
-  // counts are saved, or that first call would undo the guard and the destructor restore a
-  // count torch had not set.
-  static void init_threads() { at::internal::lazy_init_num_threads(); }
-
   bool on_;
-  int saved_;
-  MklSetLocal mkl_;
+  int saved_ = 0;
+  int (*mkl_)(int) = nullptr;
   int mkl_saved_ = 0;
 };
 

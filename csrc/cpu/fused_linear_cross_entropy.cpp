@@ -232,8 +232,7 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
   // AMX, bf16, 2048 / 4096 tokens, fwd + bwd: 0.65x / 0.61x the loss's time with the kernel,
   // BENCHMARKS.md 2026-12-07; set_gemm_bf16f32(true) forces it).
   const bool widened_dw = !direct_dw && std::is_same<scalar_t, at::BFloat16>::value &&
-                          gemm_bf16f32_available() &&
-                          (!bf16_gemm_on_amx() || gemm_bf16f32_forced());
+                          gemm_bf16f32_preferred();
   constexpr int64_t kPartialBytes = int64_t(16) << 20;
   at::Tensor dw32, partial, db32;
   int64_t tile = vocab;

@@ -28,17 +28,9 @@ namespace {
 using MatmulFn = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, float, float);
 
 MatmulFn onednn_matmul() {
-  static const MatmulFn fn = []() -> MatmulFn {
-#if defined(__linux__)
-    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-    if (lib == nullptr) return nullptr;
-    // at::native::mkldnn_matmul(const Tensor&, const Tensor&, const Tensor&, float, float)
-    return reinterpret_cast<MatmulFn>(
-        dlsym(lib, "_ZN2at6native13mkldnn_matmulERKNS_6TensorES3_S3_ff"));
-#else
-    return nullptr;
-#endif
-  }();
+  // at::native::mkldnn_matmul(const Tensor&, const Tensor&, const Tensor&, float, float)
+  static const MatmulFn fn = reinterpret_cast<MatmulFn>(
+      torch_cpu_symbol("_ZN2at6native13mkldnn_matmulERKNS_6TensorES3_S3_ff"));
   return fn;
 }
 
@@ -53,6 +45,16 @@ bool routed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
 }
 
 }  // namespace
+
+void* torch_cpu_symbol(const char* name) {
+#if defined(__linux__)
+  void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+  return lib == nullptr ? nullptr : dlsym(lib, name);
+#else
+  (void)name;
+  return nullptr;
+#endif
+}
 
 bool onednn_gemm_available() { return onednn_matmul() != nullptr; }
 

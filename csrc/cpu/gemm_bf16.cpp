@@ -22,7 +22,6 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -170,22 +169,20 @@ bool gemm_bf16f32_forced() { return g_bf16f32_mode.load(std::memory_order_relaxe
 
 bool bf16_gemm_on_amx() {
   // PyTorch's own test for packing B into AMX tiles (its CPU flash attention's), true where its
-  // bf16 GEMMs run on AMX: at::native::cpublas::could_pack, looked up at run time as gemm.cpp
-  // looks up mkldnn_matmul (not in every supported torch's headers: older ones called it
-  // need_pack); a torch without it counts as no AMX.
+  // bf16 GEMMs run on AMX: at::native::cpublas::could_pack, looked up at run time through
+  // torch_cpu_symbol (not in every supported torch's headers: older ones called it need_pack); a
+  // torch without it counts as no AMX.
   static const bool amx = []() {
-#if defined(__linux__)
-    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-    if (lib == nullptr) return false;
     using Fn = bool (*)(c10::ScalarType);
     auto fn = reinterpret_cast<Fn>(
-        dlsym(lib, "_ZN2at6native7cpublas10could_packEN3c1010ScalarTypeE"));
+        torch_cpu_symbol("_ZN2at6native7cpublas10could_packEN3c1010ScalarTypeE"));
     return fn != nullptr && fn(at::kBFloat16);
-#else
-    return false;
-#endif
   }();
   return amx;
+}
+
+bool gemm_bf16f32_preferred() {
+  return gemm_bf16f32_available() && (!bf16_gemm_on_amx() || gemm_bf16f32_forced());
 }
 
 void set_gemm_bf16f32(c10::optional<bool> on) {
