@@ -96,36 +96,63 @@ def _forced(route, out, a, b):
     return _gemm.addmm_(out, a, b, beta=0)
 
 
+ENGINES = {"fastllm": "fastllm kernel", "mkl": "MKL"}
+
+
+def _engines(ext):
+    """The bf16 x bf16 -> fp32 engines this machine has ({name: label}), default first."""
+    default = ext.gemm_bf16f32_engine()
+    have = {}
+    for name in sorted(ENGINES, key=lambda e: e != default):
+        try:
+            ext.set_gemm_bf16f32_engine(name)
+        except RuntimeError:
+            continue
+        have[name] = ENGINES[name] + (" (default)" if name == default else "")
+    ext.set_gemm_bf16f32_engine(None)
+    return have
+
+
 def _bf16f32(full, progress):
     from fastllm import _extension
 
     ext = _extension.extension()
     if ext is None or not ext.gemm_bf16f32_available():
         harness.note(progress, "gemm: fastllm._C has no bf16 x bf16 -> fp32 GEMM (no "
-                                "AVX512-BF16); skipped")
+                                "AVX512-BF16 build, no MKL); skipped")
         return []
+    engines = _engines(ext)
+
+    def ours(engine, a, b, out):
+        ext.set_gemm_bf16f32_engine(engine)  # (an atomic store: nothing next to the GEMM)
+        ext.gemm_bf16f32_cpu(a, b, out, False)
+
     rows = []
     g = torch.Generator().manual_seed(0)
-    for label, m, n, k, trans in BF16_SHAPES:
-        size = f"{label}: {m} x {n} x {k}, bf16 -> fp32"
-        progress(f"gemm {size}: torch.mm bf16, fp32 copies, fastllm (interleaved)")
-        a = (torch.randn(k, m, generator=g).bfloat16().t() if trans
-             else torch.randn(m, k, generator=g).bfloat16())
-        b = torch.randn(k, n, generator=g).bfloat16()
-        out, low = torch.empty(m, n), torch.empty(m, n, dtype=torch.bfloat16)
-        exact = a.double() @ b.double()
-        ext.gemm_bf16f32_cpu(a, b, out, False)
-        errs = {"fastllm": (out.double() - exact).abs().max().item(),
-                "torch.mm bf16": (torch.mm(a, b).double() - exact).abs().max().item()}
-        timings = harness.measure_many({
-            "torch.mm bf16 (bf16 out)": lambda: torch.mm(a, b, out=low),
-            "torch.mm of fp32 copies": lambda: torch.mm(a.float(), b.float(), out=out),
-            "fastllm bf16 -> fp32": lambda: ext.gemm_bf16f32_cpu(a, b, out, False),
-        }, min_time_s=0.5 if not full else 2.0)
-        for provider, t in timings.items():
-            rows.append({"op": "gemm", "size": size, "provider": provider,
-                         "time_ms": t.median_ms, "flops": 2 * m * n * k,
-                         "baseline": "torch.mm bf16 (bf16 out)"})
-        rows[-1]["note"] = (f"max abs error against fp64: fastllm {errs['fastllm']:.2e}, "
-                            f"torch.mm bf16 {errs['torch.mm bf16']:.2e}")
+    try:
+        for label, m, n, k, trans in BF16_SHAPES:
+            size = f"{label}: {m} x {n} x {k}, bf16 -> fp32"
+            progress(f"gemm {size}: torch.mm bf16, fp32 copies, fastllm's engines (interleaved)")
+            a = (torch.randn(k, m, generator=g).bfloat16().t() if trans
+                 else torch.randn(m, k, generator=g).bfloat16())
+            b = torch.randn(k, n, generator=g).bfloat16()
+            out, low = torch.empty(m, n), torch.empty(m, n, dtype=torch.bfloat16)
+            exact = a.double() @ b.double()
+            errs = {"torch.mm bf16": (torch.mm(a, b).double() - exact).abs().max().item()}
+            fns = {"torch.mm bf16 (bf16 out)": lambda: torch.mm(a, b, out=low),
+                   "torch.mm of fp32 copies": lambda: torch.mm(a.float(), b.float(), out=out)}
+            for engine, name in engines.items():
+                ours(engine, a, b, out)
+                errs[name] = (out.double() - exact).abs().max().item()
+                fns[f"fastllm bf16 -> fp32, {name}"] = (
+                    lambda e=engine: ours(e, a, b, out))
+            timings = harness.measure_many(fns, min_time_s=0.5 if not full else 2.0)
+            for provider, t in timings.items():
+                rows.append({"op": "gemm", "size": size, "provider": provider,
+                             "time_ms": t.median_ms, "flops": 2 * m * n * k,
+                             "baseline": "torch.mm bf16 (bf16 out)"})
+            rows[-1]["note"] = "max abs error against fp64: " + ", ".join(
+                f"{name} {err:.2e}" for name, err in errs.items())
+    finally:
+        ext.set_gemm_bf16f32_engine(None)
     return rows

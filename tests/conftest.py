@@ -60,18 +60,30 @@ BAD_SCALAR_IDS = ["fi2", "fi0", "gs0", "cc2", "gs_int", "fi_int", "cc_meta", "gs
 
 @contextlib.contextmanager
 def gemm_bf16f32(on):
-    """fastllm._C's bf16 x bf16 -> fp32 GEMM forced on (True) or off (False) for the block, then
-    back to its default; skips the test when on is asked of a build without AVX512-BF16."""
+    """fastllm._C's bf16 x bf16 -> fp32 GEMM forced on (True: its default engine here; "fastllm"
+    or "mkl": that engine) or off (False) for the block, then back to its default (None leaves
+    it there); skips the test where the GEMM, or the engine asked for, does not exist."""
     if fastllm._backend.unavailable_reason("cpp", "cpu"):
         pytest.skip("no cpp backend")
     ext = fastllm._extension.extension()
+    if isinstance(on, str):
+        try:
+            ext.set_gemm_bf16f32_engine(on)
+        except RuntimeError as exc:
+            pytest.skip(str(exc))
     if on and not ext.gemm_bf16f32_available():
-        pytest.skip("fastllm._C built without AVX512-BF16")
-    ext.set_gemm_bf16f32(on)
+        ext.set_gemm_bf16f32_engine(None)
+        pytest.skip("no bf16 x bf16 -> fp32 GEMM here (no AVX512-BF16 build, no MKL)")
+    ext.set_gemm_bf16f32(None if on is None else bool(on))
     try:
         yield
     finally:
         ext.set_gemm_bf16f32(None)  # the default
+        ext.set_gemm_bf16f32_engine(None)
+
+
+# the bf16 x bf16 -> fp32 GEMM's engines, forced one at a time (conftest.gemm_bf16f32)
+BF16F32_ENGINES = ["fastllm", "mkl"]
 
 
 @pytest.fixture(autouse=True)

@@ -131,13 +131,14 @@ def test_matches_ref_and_sdpa(backend, device, dtype, case):
         check_close(name, a, t, o, dtype, fp32_rtol=1e-5 if name == "out" else 1e-4)
 
 
-@pytest.mark.parametrize("bf16_products", [True, False], ids=["bf16-gemm", "fp32-copies"])
+@pytest.mark.parametrize("bf16_products", ["fastllm", "mkl", False],
+                         ids=["bf16-gemm", "bf16-mkl", "fp32-copies"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=_case_id)
 def test_cpp_bf16_both_product_paths(bf16_products, case):
-    """bf16 on the cpp kernel by both of its ways: S = QK^T and dP = dO V^T of the bf16 inputs
-    through fastllm's bf16 x bf16 -> fp32 GEMM (AVX512-BF16 builds; the default there, but where
-    PyTorch's bf16 GEMMs run on AMX) and of fp32 copies (the default on AMX, and without
-    AVX512-BF16): each within twice PyTorch's own error against fp64."""
+    """bf16 on the cpp kernel by each of its ways: S = QK^T and dP = dO V^T of the bf16 inputs
+    through the bf16 x bf16 -> fp32 GEMM, on fastllm's kernel (AVX512-BF16 builds; the default
+    there, but where PyTorch's bf16 GEMMs run on AMX) and on MKL's (the default on AMX), and of
+    fp32 copies (without either): each within twice PyTorch's own error against fp64."""
     q, k, v, dy, doc_start = _inputs(case, torch.bfloat16)
     with gemm_bf16f32(bf16_products), fastllm.use_backend("cpp"):
         got = grads([attention(q, k, v, doc_start=doc_start)], [q, k, v], [dy])
@@ -149,13 +150,15 @@ def test_cpp_bf16_both_product_paths(bf16_products, case):
         check_close(name, a.detach(), t.detach(), o, torch.bfloat16, None)
 
 
-@pytest.mark.parametrize("dtype,bf16_products", [(torch.float32, None), (torch.bfloat16, True),
+@pytest.mark.parametrize("dtype,bf16_products", [(torch.float32, None),
+                                                   (torch.bfloat16, "fastllm"),
+                                                   (torch.bfloat16, "mkl"),
                                                    (torch.bfloat16, False), (torch.float16, None)],
-                         ids=["fp32", "bf16-gemm", "bf16-copies", "fp16"])
+                         ids=["fp32", "bf16-gemm", "bf16-mkl", "bf16-copies", "fp16"])
 def test_cpp_reads_and_writes_any_layout(dtype, bf16_products):
     """The cpp kernel's row copies (plain loops for rows of head_dim contiguous, ATen's copy_ for
     the rest; bf16's S and dP read through the bf16 GEMM, which takes strided rows, or from fp32
-    copies, each forced: either can be a CPU's default): q, k, v as (B, H, T, D) tensors seen
+    copies, each forced: any can be a CPU's default): q, k, v as (B, H, T, D) tensors seen
     through transposes, and with head_dim strided, give the bits of contiguous inputs, forward
     and every grad; negative views are read as their values; bf16 and fp16 results are the fp32
     ones rounded to nearest even."""

@@ -221,11 +221,13 @@ def test_frozen_weight_and_no_grad(backend, device, reduction):
     torch.testing.assert_close(no_grad, ref.detach())
 
 
-@pytest.mark.parametrize("widened", [True, False], ids=["bf16f32-gemm", "residual"])
+@pytest.mark.parametrize("widened", ["fastllm", "mkl", False],
+                         ids=["bf16f32-gemm", "bf16f32-mkl", "residual"])
 def test_cpp_bf16_many_tiles(monkeypatch, widened):
     """bf16 over several chunks and more than one 2048-row vocabulary tile: the cpp kernel's
-    fp32 dW accumulation, against fp64, by both of its ways: fastllm's bf16 x bf16 -> fp32 GEMM
-    (AVX512-BF16 builds) and the native bf16 GEMM with its rounding residual (the fallback)."""
+    fp32 dW accumulation, against fp64, by each of its ways: the bf16 x bf16 -> fp32 GEMM on
+    fastllm's kernel (AVX512-BF16 builds) and on MKL's (AMX CPUs' default), and the native bf16
+    GEMM with its rounding residual (the fallback)."""
     with gemm_bf16f32(widened):
         _many_tiles(monkeypatch)
 

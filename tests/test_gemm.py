@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from fastllm import _extension, _gemm
 
+from conftest import BF16F32_ENGINES, gemm_bf16f32
+
 needs_onednn = pytest.mark.skipif(not _gemm._usable("onednn"),
                                   reason="no oneDNN matmul ATen accepts on this CPU / no extension")
 needs_avx2 = pytest.mark.skipif(not _gemm._usable("avx2"),
@@ -388,23 +390,25 @@ def test_bench_gemm_smoke(monkeypatch):
     assert _gemm._mode() == "aten"
 
 
-# bf16 x bf16 -> fp32 (csrc/cpu/gemm_bf16.cpp): only in builds with AVX512-BF16
-def _bf16f32():
+# bf16 x bf16 -> fp32 (csrc/cpu/gemm_bf16.cpp): fastllm's kernel (builds with AVX512-BF16) and
+# MKL's (where libtorch_cpu exports it), each engine forced in turn
+@pytest.fixture(params=BF16F32_ENGINES)
+def bf16f32(request):
+    """The extension with the bf16 x bf16 -> fp32 GEMM on the engine of the parameter."""
     ext = _extension.extension()
     if ext is None or not hasattr(ext, "gemm_bf16f32_available"):
         pytest.skip("extension not built")
-    if not ext.gemm_bf16f32_available():
-        pytest.skip("fastllm._C built without AVX512-BF16")
-    return ext
+    with gemm_bf16f32(request.param):
+        yield ext
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (13, 7, 3), (37, 45, 19), (150, 70, 515),
                                    (300, 33, 2), (12, 32, 256)])
-def test_bf16f32_matches_fp64(m, n, k):
+def test_bf16f32_matches_fp64(bf16f32, m, n, k):
     """Summed in fp32 and never rounded to bf16: fp32-level error against fp64 (at::mm of bf16,
     which rounds its output, is ~2^-9 off and would fail), overwrite and accumulate; odd sizes
     run the edge tiles, k 515 three k blocks with an odd last one, m 150 two row blocks."""
-    ext = _bf16f32()
+    ext = bf16f32
     g = torch.Generator().manual_seed(m + n + k)
     a = torch.randn(m, k, generator=g).bfloat16()
     b = torch.randn(k, n, generator=g).bfloat16()
@@ -429,14 +433,17 @@ def test_bf16f32_matches_fp64(m, n, k):
         assert torch.equal(other, plain), (x.stride(), y.stride())
 
 
-def test_bf16f32_strided_operands_and_threads():
+def test_bf16f32_strided_operands_and_threads(bf16f32):
     """Transposed and sliced operands, an out whose rows are wider than n; the same bits with 1
-    thread as with 2, whose work splits differ (one block of rows: 4 groups of column panels
-    with 1 thread, 8 with 2; every element is one task's, summed in a fixed order)."""
-    ext = _bf16f32()
+    thread as with 2 (the kernel's work splits differ: one block of rows, 4 groups of column
+    panels with 1 thread, 8 with 2; every element is one task's, summed in a fixed order) and
+    whether MKL reads an operand in place (a slice of rows, leading dimension 1400) or from a
+    contiguous copy (a column stride of 2, which its interface has no way to say)."""
+    ext = bf16f32
     g = torch.Generator().manual_seed(3)
     a = torch.randn(1000, 100, generator=g).bfloat16().t()       # (100, 1000), column-major
-    b = torch.randn(1000, 1400, generator=g).bfloat16()[:, ::2]   # (1000, 700), column stride 2
+    wider = torch.randn(1000, 1400, generator=g).bfloat16()
+    b = wider[:, ::2]                                             # (1000, 700), column stride 2
     wide = torch.zeros(100, 710)
     out = wide[:, 5:705]
     threads = torch.get_num_threads()
@@ -451,10 +458,16 @@ def test_bf16f32_strided_operands_and_threads():
     assert _rel(out, a.double() @ b.double()) < 1e-5
     assert wide[:, :5].abs().sum() == 0 and wide[:, 705:].abs().sum() == 0
     assert torch.equal(one, out)
+    in_place = torch.empty(100, 700)
+    ext.gemm_bf16f32_cpu(a, wider[:, :700], in_place, False)
+    assert _rel(in_place, a.double() @ wider[:, :700].double()) < 1e-5
+    copied = torch.empty(100, 700)
+    ext.gemm_bf16f32_cpu(a.contiguous(), wider[:, :700].contiguous(), copied, False)
+    assert torch.equal(in_place, copied)
 
 
-def test_bf16f32_empty_and_bad_arguments():
-    ext = _bf16f32()
+def test_bf16f32_empty_and_bad_arguments(bf16f32):
+    ext = bf16f32
     out = torch.full((3, 2), 7.0)
     ext.gemm_bf16f32_cpu(torch.empty(3, 0).bfloat16(), torch.empty(0, 2).bfloat16(), out, True)
     assert (out == 7).all()
@@ -476,20 +489,56 @@ def test_bf16f32_empty_and_bad_arguments():
 
 
 def test_bench_gemm_bf16f32_smoke(monkeypatch):
-    """`fastllm bench --ops gemm`'s bf16 -> fp32 rows at tiny sizes: three providers per shape
-    and fastllm's error note, fp32-level where torch.mm's bf16 output is not."""
-    _bf16f32()
+    """`fastllm bench --ops gemm`'s bf16 -> fp32 rows at tiny sizes: torch's two providers and
+    one per engine this machine has, the default first, and an error note per engine,
+    fp32-level where torch.mm's bf16 output is not."""
+    with gemm_bf16f32(True):
+        ext = _extension.extension()
+        default = ext.gemm_bf16f32_engine()
     from fastllm.bench import bench_gemm
 
     monkeypatch.setattr(bench_gemm, "SHAPES", [])
     monkeypatch.setattr(bench_gemm, "BF16_SHAPES", [("b", 40, 24, 70, True)])
     rows = bench_gemm.run(progress=lambda *_: None)
-    assert [r["provider"] for r in rows] == ["torch.mm bf16 (bf16 out)",
-                                             "torch.mm of fp32 copies", "fastllm bf16 -> fp32"]
+    providers = [r["provider"] for r in rows]
+    assert providers[:2] == ["torch.mm bf16 (bf16 out)", "torch.mm of fp32 copies"]
+    ours = providers[2:]
+    assert ours and ours[0] == f"fastllm bf16 -> fp32, {bench_gemm.ENGINES[default]} (default)"
     assert all(r["time_ms"] > 0 for r in rows)
-    ours, theirs = (float(x.split(",")[0]) for x in rows[-1]["note"].split("fastllm ")[1:2] +
-                    rows[-1]["note"].split("torch.mm bf16 ")[1:2])
-    assert ours < 1e-4 < theirs
+    errs = dict(e.rsplit(" ", 1) for e in rows[-1]["note"].split(": ", 1)[1].split(", "))
+    assert float(errs.pop("torch.mm bf16")) > 1e-4
+    assert len(errs) == len(ours) and all(float(e) < 1e-4 for e in errs.values())
+    assert ext.gemm_bf16f32_engine() == default  # the default engine back
+
+
+def test_bf16f32_engines_and_their_default():
+    """The default engine: MKL's where PyTorch's bf16 GEMMs run on AMX (and this PyTorch exports
+    it), fastllm's kernel elsewhere where built, else the other; an engine by name, a bad name
+    refused."""
+    with gemm_bf16f32(None):
+        ext = _extension.extension()
+        have = [e for e in BF16F32_ENGINES if _settable(ext, e)]
+        default = ext.gemm_bf16f32_engine()
+        # (the other engine where the first choice is missing: used when forced on)
+        first = ["mkl", "fastllm"] if ext.bf16_gemm_on_amx() else ["fastllm", "mkl"]
+        assert default == next((e for e in first if e in have), "none")
+        for engine in have:
+            ext.set_gemm_bf16f32_engine(engine)
+            assert ext.gemm_bf16f32_engine() == engine
+        with pytest.raises(RuntimeError, match="'fastllm' or 'mkl'.*got 'MKL'"):
+            ext.set_gemm_bf16f32_engine("MKL")
+        ext.set_gemm_bf16f32_engine(None)
+        assert ext.gemm_bf16f32_engine() == default
+
+
+def _settable(ext, engine):
+    try:
+        ext.set_gemm_bf16f32_engine(engine)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        ext.set_gemm_bf16f32_engine(None)
 
 
 def test_amx_probe_follows_the_cpu():

@@ -71,11 +71,12 @@ def test_rms_norm(dtype, rows, h):
     _assert_same_bits(_at_each_thread_count(run), ("y", "dx", "dweight"))
 
 
-# bf16's S and dP: fastllm's bf16 GEMM and fp32 copies, each forced (either can be a CPU's
-# default: csrc/cpu/attention.cpp, bf16_products)
-@pytest.mark.parametrize("dtype,bf16_products", [(torch.float32, None), (torch.bfloat16, True),
-                                                 (torch.bfloat16, False)],
-                         ids=["fp32", "bf16-gemm", "bf16-copies"])
+# bf16's S and dP: the bf16 GEMM on fastllm's kernel and on MKL's, and fp32 copies, each forced
+# (any can be a CPU's default: csrc/cpu/attention.cpp, bf16_products)
+@pytest.mark.parametrize("dtype,bf16_products", [(torch.float32, None),
+                                                 (torch.bfloat16, "fastllm"),
+                                                 (torch.bfloat16, "mkl"), (torch.bfloat16, False)],
+                         ids=["fp32", "bf16-gemm", "bf16-mkl", "bf16-copies"])
 @pytest.mark.parametrize("b,t,hq,hkv,packed", [(1, 300, 2, 1, False), (1, 300, 3, 1, True),
                                                (2, 261, 6, 3, False), (1, 100, 3, 1, False),
                                                (17, 130, 2, 1, True),

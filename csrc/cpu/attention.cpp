@@ -192,14 +192,14 @@ inline Range keys_of(const int64_t* ds, int64_t t, int64_t first_key) {
   return {(ds ? ds[t] : 0) - first_key, t + 1 - first_key};
 }
 
-// Whether S = Q K^T and dP = dO V^T multiply bf16 inputs as they are (fastllm's bf16 x bf16 ->
-// fp32 GEMM) rather than fp32 copies of them. P and dS are never rounded to bf16: PyTorch's CPU
-// flash attention keeps them fp32 (its bf16 output and grads are within half an ulp there, and
-// rounding them doubled fastllm's error on its tests). Not where PyTorch's bf16 GEMMs run on AMX:
-// there the fp32 copies' GEMMs are the faster (fwd + bwd, bf16, 9 / 3 heads of 64, Intel Xeon
-// with AMX, 2 cores: 8 x 512 tokens 54.8 ms against 69.8 with the kernel, 1 x 8192 in 16
-// documents 146.5 against 180.7; BENCHMARKS.md 2026-12-07), as for the fused loss's dW
-// (set_gemm_bf16f32(true) forces the kernel).
+// Whether S = Q K^T and dP = dO V^T multiply bf16 inputs as they are (the bf16 x bf16 -> fp32
+// GEMM: fastllm's kernel with AVX512-BF16, MKL's on AMX CPUs) rather than fp32 copies of them.
+// P and dS are never rounded to bf16: PyTorch's CPU flash attention keeps them fp32 (its bf16
+// output and grads are within half an ulp there, and rounding them doubled fastllm's error on
+// its tests). On AMX CPUs fastllm's kernel lost to the fp32 copies (fwd + bwd, bf16, 9 / 3 heads
+// of 64, Intel Xeon, 2 cores: 8 x 512 tokens 69.8 ms against 54.8, BENCHMARKS.md 2026-12-07),
+// so there the GEMM is MKL's or, in a PyTorch without it, the copies are taken
+// (gemm_bf16f32_preferred; set_gemm_bf16f32 / set_gemm_bf16f32_engine force either).
 bool bf16_products(const at::Tensor& q) {
   return q.scalar_type() == at::kBFloat16 && gemm_bf16f32_preferred();
 }

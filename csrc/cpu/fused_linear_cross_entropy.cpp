@@ -11,9 +11,10 @@
 //        G_j = w (p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j = y]) (1 - (z_j / cap)^2)
 //   dX_c = G W                        fastllm::routed_mm_out, straight into grad_hidden's rows
 //   dW  += G^T X_c, db += sum_rows G  fp32 accumulation: fp32 in place (addmm_); bf16 over
-//                                     several chunks with AVX512-BF16: fastllm's bf16 x bf16 ->
-//                                     fp32 GEMM into an fp32 dW (csrc/cpu/gemm_bf16.cpp); else
-//                                     (fp16, or no AVX512-BF16) each chunk's product by the
+//                                     several chunks: the bf16 x bf16 -> fp32 GEMM into an fp32
+//                                     dW (csrc/cpu/gemm_bf16.cpp: MKL's on AMX CPUs, fastllm's
+//                                     with AVX512-BF16); else (fp16, or neither) each chunk's
+//                                     product by the
 //                                     native low-precision GEMM, a tile of vocabulary rows at a
 //                                     time, added with its rounding residual into an fp32 dW
 //                                     (one chunk: at::mm, one rounding, as torch's own backward)
@@ -226,11 +227,11 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
   // still faster than ATen's cpublas::brgemm with an fp32 accumulator, which ran at 146 GFLOP/s
   // on AVX512-BF16 without AMX (no VNNI packing there) against ~530 for this GEMM (BENCHMARKS.md,
   // 2026-12-02).
-  // bf16 with AVX512-BF16 (csrc/cpu/gemm_bf16.cpp): each chunk's product is summed straight into
-  // dw32 in fp32 by one bf16 x bf16 -> fp32 GEMM, no rounding and no residual. Not on CPUs whose
-  // bf16 GEMMs run on AMX, where the two native GEMMs are AMX's and the faster (Intel Xeon with
-  // AMX, bf16, 2048 / 4096 tokens, fwd + bwd: 0.65x / 0.61x the loss's time with the kernel,
-  // BENCHMARKS.md 2026-12-07; set_gemm_bf16f32(true) forces it).
+  // bf16 where the bf16 x bf16 -> fp32 GEMM takes the C++ kernels' products
+  // (gemm_bf16f32_preferred: fastllm's kernel with AVX512-BF16, MKL's on AMX CPUs, where the
+  // kernel was slower than the two native AMX GEMMs: 1.5-1.6x the loss's time, BENCHMARKS.md
+  // 2026-12-07): each chunk's product is summed straight into dw32 in fp32 by one GEMM, no
+  // rounding and no residual.
   const bool widened_dw = !direct_dw && std::is_same<scalar_t, at::BFloat16>::value &&
                           gemm_bf16f32_preferred();
   constexpr int64_t kPartialBytes = int64_t(16) << 20;

@@ -18,6 +18,15 @@
 // building block (the fused loss's bf16 dW, csrc/cpu/attention.cpp's bf16 products), not an op;
 // set_gemm_bf16f32(false) turns its users back to their fallbacks, (true) on wherever they could
 // take it, (None) back to the default (tests run both ways).
+//
+// Two engines run it. fastllm's kernel above, and MKL's cblas_gemm_bf16bf16f32 (exported by
+// libtorch_cpu where PyTorch is built with MKL: its x86 builds), looked up at run time. Where
+// PyTorch's bf16 GEMMs run on AMX (Intel Xeon, Sapphire Rapids on), MKL's runs on AMX as well and
+// is the fastest way to this product: dW of a 49152 x 576 head over 682-1365 rows 0.46-0.69
+// TFLOP/s with beta = 1 against at::mm of bf16's 0.30-0.38 (which rounds its output) and the
+// kernel's 0.18 (BENCHMARKS.md, 2026-12-07); there it is the default. Elsewhere the kernel is
+// (MKL's bf16 GEMM is not measured on AMD CPUs, whose AVX512-BF16 the kernel uses).
+// set_gemm_bf16f32_engine("fastllm" | "mkl" | None) picks one for tests and benchmarks.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -27,6 +36,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <string>
 
 #include "../fastllm.h"
 
@@ -156,14 +167,94 @@ inline void micro_tile(int64_t kp, const uint32_t* a, const uint16_t* b, float* 
 namespace {
 // the switch: used where measured to pay (kAuto, the default), everywhere it applies, or nowhere
 enum Mode : int { kOff = 0, kAuto = 1, kForced = 2 };
-#ifdef FASTLLM_GEMM_BF16
 std::atomic<int> g_bf16f32_mode{kAuto};
+
+// the engines, and which one gemm_bf16f32_cpu takes (kNone in g_engine: the default's choice)
+enum Engine : int { kNone = 0, kKernel = 1, kMkl = 2 };
+std::atomic<int> g_engine{kNone};
+
+#ifdef FASTLLM_GEMM_BF16
+constexpr bool kKernelBuilt = true;
 #else
-std::atomic<int> g_bf16f32_mode{kOff};
+constexpr bool kKernelBuilt = false;
 #endif
+
+// cblas_gemm_bf16bf16f32(layout, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+// MKL's LP64 interface (32-bit MKL_INT), as PyTorch links it.
+using MklGemmFn = void (*)(int, int, int, int, int, int, float, const uint16_t*, int,
+                           const uint16_t*, int, float, float*, int);
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
+
+MklGemmFn mkl_gemm() {
+  static const auto fn = reinterpret_cast<MklGemmFn>(torch_cpu_symbol("cblas_gemm_bf16bf16f32"));
+  return fn;
+}
+
+bool has(int engine) { return engine == kKernel ? kKernelBuilt : mkl_gemm() != nullptr; }
+
+// The engine the default picks: MKL's where bf16 GEMMs run on AMX (kNone if this torch lacks
+// it: there the AMX GEMMs of the callers' fallbacks beat the kernel), the kernel elsewhere.
+int default_engine() {
+  if (bf16_gemm_on_amx()) return has(kMkl) ? kMkl : kNone;
+  return kKernelBuilt ? kKernel : kNone;
+}
+
+// The engine gemm_bf16f32_cpu runs: the one set, else the default's, else (forced on) any.
+int engine() {
+  const int set = g_engine.load(std::memory_order_relaxed);
+  if (set != kNone) return has(set) ? set : kNone;
+  const int picked = default_engine();
+  if (picked != kNone) return picked;
+  return kKernelBuilt ? kKernel : (has(kMkl) ? kMkl : kNone);
+}
+
+// (ld, transposed) of a 2-D operand (rows, cols) for MKL's row-major interface, or false where
+// neither dimension is unit-stride (the kernel reads any strides) or a size is past 32 bits.
+bool mkl_operand(const at::Tensor& t, int* ld, int* trans) {
+  const int64_t rows = t.size(0), cols = t.size(1), limit = std::numeric_limits<int>::max();
+  int64_t lead;
+  if (cols == 1 || t.stride(1) == 1) {
+    *trans = kCblasNoTrans;
+    lead = rows == 1 ? cols : std::max<int64_t>(t.stride(0), cols);
+    if (rows > 1 && t.stride(0) < cols) return false;  // rows overlap: not a row-major matrix
+  } else if (rows == 1 || t.stride(0) == 1) {
+    *trans = kCblasTrans;
+    lead = cols == 1 ? rows : t.stride(1);
+    if (cols > 1 && t.stride(1) < rows) return false;
+  } else {
+    return false;
+  }
+  if (rows > limit || cols > limit || lead > limit) return false;
+  *ld = static_cast<int>(std::max<int64_t>(lead, 1));
+  return true;
+}
 }  // namespace
 
-bool gemm_bf16f32_available() { return g_bf16f32_mode.load(std::memory_order_relaxed) != kOff; }
+bool gemm_bf16f32_available() {
+  return g_bf16f32_mode.load(std::memory_order_relaxed) != kOff && engine() != kNone;
+}
+
+std::string gemm_bf16f32_engine() {
+  switch (gemm_bf16f32_available() ? engine() : kNone) {
+    case kKernel: return "fastllm";
+    case kMkl: return "mkl";
+    default: return "none";
+  }
+}
+
+void set_gemm_bf16f32_engine(const c10::optional<std::string>& name) {
+  int e = kNone;
+  if (name.has_value()) {
+    TORCH_CHECK(*name == "fastllm" || *name == "mkl",
+                "fastllm: the bf16 x bf16 -> fp32 GEMM's engine is 'fastllm' or 'mkl' (or None, "
+                "the default), got '", *name, "'");
+    e = *name == "mkl" ? kMkl : kKernel;
+    TORCH_CHECK(has(e), "fastllm: no '", *name, "' bf16 x bf16 -> fp32 GEMM here (",
+                e == kMkl ? "this PyTorch exports no cblas_gemm_bf16bf16f32"
+                          : "fastllm._C was built without AVX512-BF16", ")");
+  }
+  g_engine.store(e, std::memory_order_relaxed);
+}
 
 bool gemm_bf16f32_forced() { return g_bf16f32_mode.load(std::memory_order_relaxed) == kForced; }
 
@@ -182,15 +273,15 @@ bool bf16_gemm_on_amx() {
 }
 
 bool gemm_bf16f32_preferred() {
-  return gemm_bf16f32_available() && (!bf16_gemm_on_amx() || gemm_bf16f32_forced());
+  if (!gemm_bf16f32_available()) return false;
+  const int set = g_engine.load(std::memory_order_relaxed);
+  return gemm_bf16f32_forced() || (set != kNone ? set : default_engine()) != kNone;
 }
 
 void set_gemm_bf16f32(c10::optional<bool> on) {
-#ifndef FASTLLM_GEMM_BF16
-  TORCH_CHECK(!on.value_or(false),
-              "fastllm: fastllm._C was built without AVX512-BF16: no bf16 -> fp32 GEMM");
-  if (!on.has_value()) return;
-#endif
+  TORCH_CHECK(!on.value_or(false) || has(kKernel) || has(kMkl),
+              "fastllm: no bf16 x bf16 -> fp32 GEMM here (fastllm._C was built without "
+              "AVX512-BF16 and this PyTorch exports no cblas_gemm_bf16bf16f32)");
   g_bf16f32_mode.store(!on.has_value() ? kAuto : (*on ? kForced : kOff),
                        std::memory_order_relaxed);
 }
@@ -224,10 +315,31 @@ void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
     if (!accumulate) out.zero_();
     return;
   }
-#ifndef FASTLLM_GEMM_BF16
-  TORCH_CHECK(false, "fastllm.gemm_bf16f32: fastllm._C was built without AVX512-BF16 (this CPU "
-                     "or FASTLLM_CPU_ARCH lacks it)");
-#else
+  const int picked = engine();
+  TORCH_CHECK(picked != kNone, "fastllm.gemm_bf16f32: no engine here (fastllm._C was built "
+              "without AVX512-BF16 and this PyTorch exports no cblas_gemm_bf16bf16f32)");
+  TORCH_CHECK(M == 1 || out.stride(0) >= N, "fastllm.gemm_bf16f32: out's rows overlap (strides ",
+              out.strides(), ")");
+  if (picked == kMkl) {
+    // an operand MKL cannot read as it is (no unit stride) goes as a contiguous copy: the engine,
+    // and so the bits, never depend on the layout
+    int lda = 0, ldb = 0, ta = 0, tb = 0;
+    const at::Tensor ac = mkl_operand(a, &lda, &ta) ? a : a.contiguous();
+    const at::Tensor bc = mkl_operand(b, &ldb, &tb) ? b : b.contiguous();
+    if (mkl_operand(ac, &lda, &ta) && mkl_operand(bc, &ldb, &tb) &&
+        out.stride(0) <= std::numeric_limits<int>::max()) {
+      const int ldc = static_cast<int>(std::max<int64_t>({out.stride(0), N, 1}));
+      mkl_gemm()(kCblasRowMajor, ta, tb, static_cast<int>(M), static_cast<int>(N),
+                 static_cast<int>(K), 1.0f, reinterpret_cast<const uint16_t*>(ac.const_data_ptr()),
+                 lda, reinterpret_cast<const uint16_t*>(bc.const_data_ptr()), ldb,
+                 accumulate ? 1.0f : 0.0f, out.mutable_data_ptr<float>(), ldc);
+      return;
+    }
+    // sizes past MKL's 32-bit interface: fastllm's kernel where this build has it
+    TORCH_CHECK(kKernelBuilt, "fastllm.gemm_bf16f32: sizes past MKL's 32-bit interface (",
+                a.sizes(), " @ ", b.sizes(), ") and no fastllm kernel in this build (AVX512-BF16)");
+  }
+#ifdef FASTLLM_GEMM_BF16
   const auto* pa = reinterpret_cast<const uint16_t*>(a.const_data_ptr());
   const auto* pb = reinterpret_cast<const uint16_t*>(b.const_data_ptr());
   float* pc = out.mutable_data_ptr<float>();
