@@ -357,8 +357,13 @@ def shardable_nf4(model):
     shardable): the 4-bit codes and absmax become frozen parameters that FSDP2 shards with
     their unit. Under FSDP2 mixed precision (MixedPrecisionPolicy(param_dtype=...)) an fp32
     absmax parameter would be cast with the rest: the layer refuses it when it runs; shard
-    with no param_dtype (an NF4Linear casts its input to its own compute dtype anyway)."""
+    with no param_dtype (an NF4Linear casts its input to its own compute dtype anyway). Needs
+    a torch whose FSDP2 shards integer parameters (>= 2.12; refused below it, nothing changed)."""
     layers = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    if layers:  # (refused before any layer changes; fastllm.parallel imports this module)
+        from fastllm.parallel import _torch_support
+
+        _torch_support.require_fsdp2_integer_params("fastllm.quant.shardable_nf4")
     for layer in layers:
         layer.shardable()
     return len(layers)

@@ -25,6 +25,7 @@ from fastllm.ops.linear import linear
 from fastllm.ops.lora_linear import lora_linear
 from fastllm.ops.lora_linear_multi import lora_linear_multi
 from fastllm.ops.nf4 import NF4_CODE
+from fastllm.parallel import _torch_support
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CODE = torch.tensor(NF4_CODE)
@@ -549,7 +550,7 @@ def test_module_dtype_moves_keep_the_codes(shardable):
     fresh = quant.NF4Linear(64, 32, dtype=torch.bfloat16)
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh.dequantize(), layer.dequantize()) and fresh.double_quant == shardable
-    if shardable:
+    if shardable and _torch_support.TORCH >= _torch_support.FSDP2_INTEGER_PARAMS:
         from fastllm.train.model import weight_count
 
         model = nn.Sequential(quant.NF4Linear(64, 32), nn.Linear(32, 2))
@@ -560,6 +561,22 @@ def test_module_dtype_moves_keep_the_codes(shardable):
                                                         layer.float().state_dict().items()}})
         assert torch.equal(model[0].weight_packed, packed)
         assert torch.equal(model[0].weight_absmax, absmax)
+
+
+def test_shardable_nf4_refused_where_fsdp2_cannot_shard_integers(monkeypatch):
+    """Below FSDP2_INTEGER_PARAMS (torch 2.11's fully_shard fails on uint8 parameters)
+    shardable_nf4, which fastllm.parallel.apply_fsdp calls, refuses a model with NF4 layers,
+    naming the release and the way out, before any layer changes; a model without is let be."""
+    from torch.torch_version import TorchVersion
+
+    monkeypatch.setattr(_torch_support, "TORCH", TorchVersion("2.11.0"))
+    model = nn.Sequential(quant.NF4Linear(64, 32), quant.NF4Linear(32, 16))
+    with pytest.raises(RuntimeError, match=r"shardable_nf4: FSDP2 in torch 2\.11\.0 cannot shard "
+                                           r".*pytorch/pytorch#177844.*torch >= 2\.12"):
+        quant.shardable_nf4(model)
+    assert {n for n, _ in model.named_buffers()} == {  # still buffers
+        f"{i}.weight_{what}" for i in (0, 1) for what in ("packed", "absmax")}
+    assert quant.shardable_nf4(nn.Sequential(nn.Linear(2, 2))) == 0
 
 
 def test_qlora_tiny_llama_trains_and_peft_reads_the_adapter(tmp_path):

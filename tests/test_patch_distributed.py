@@ -16,6 +16,7 @@ import torch
 import fastllm
 from fastllm import _gemm
 from fastllm.distributed.launch import spawn
+from fastllm.parallel import _torch_support
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,6 +53,10 @@ LAYOUTS = {
     # bf16 with the CPU's bf16 matmuls widened to fp32 (FASTLLM_CPU_LOWP_MATMUL=fp32)
     "tp2_sp_bf16": (dict(tied=False, vocab=128, dtype=torch.bfloat16), "tp_sp"),
 }
+# FSDP-QLoRA needs a torch whose FSDP2 shards integer parameters (fastllm refuses it below)
+FSDP2_NF4 = _torch_support.TORCH >= _torch_support.FSDP2_INTEGER_PARAMS
+if not FSDP2_NF4:
+    del LAYOUTS["fsdp2_qlora"]
 KERNELS = {
     "rms_norm": "fastllm.ops.rms_norm",
     "rotary_embedding": "fastllm.ops.rotary_embedding",
@@ -264,6 +269,7 @@ QLORA_ARGS = ("finetune=lora", "lora.quantize_base=nf4", "lora.target_modules=al
 # double-quantised: one uint8 tensor sharded as the codes are)
 QLORA_RUNS = {"qlora": (), "qdora": ("lora.use_dora=true",),
               "qlora_qv": ("lora.target_modules=q_proj,v_proj", "lora.double_quant=true")}
+QLORA_RUNS = QLORA_RUNS if FSDP2_NF4 else {}
 
 
 def _train_qlora_fsdp(rank, folder, run):

@@ -280,8 +280,8 @@ def test_model_config_takes_the_llama_arguments_construction_moves(tmp_path):
     check_model(cfg)
     assert _preset_config(cfg, 257).rope_parameters["rope_theta"] == 50000
     path = tmp_path / "run.yaml"
-    path.write_text("model: tiny\nmodel_config: {rope_theta: 5e4, partial_rotary_factor: 5e-1}\n")
+    path.write_text("model: tiny\nmodel_config: {rope_theta: 5e4, rms_norm_eps: 1e-6}\n")
     cfg = TrainConfig.from_args([], str(path))  # YAML 1.1 reads 5e4 as a string: a float here
-    assert cfg.model_config == {"rope_theta": 50000.0, "partial_rotary_factor": 0.5}
+    assert cfg.model_config == {"rope_theta": 50000.0, "rms_norm_eps": 1e-6}
     with pytest.raises(ConfigError, match=r"unknown model_config key\(s\) \['rope_thta'\]"):
         TrainConfig.from_args(["model=tiny", "model_config.rope_thta=50000"])
