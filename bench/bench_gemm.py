@@ -100,8 +100,9 @@ ENGINES = {"fastllm": "fastllm kernel", "mkl": "MKL"}
 
 
 def _engines(ext):
-    """The bf16 x bf16 -> fp32 engines this machine has ({name: label}), default first."""
-    default = ext.gemm_bf16f32_engine()
+    """The bf16 x bf16 -> fp32 engines this machine has ({name: label}): the one the C++ kernels
+    take by default (if they take one here) first, labelled so."""
+    default = ext.gemm_bf16f32_engine() if ext.gemm_bf16f32_preferred() else None
     have = {}
     for name in sorted(ENGINES, key=lambda e: e != default):
         try:

@@ -55,6 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_gemm_bf16f32", &fastllm::set_gemm_bf16f32);
   m.def("gemm_bf16f32_engine", &fastllm::gemm_bf16f32_engine);
   m.def("set_gemm_bf16f32_engine", &fastllm::set_gemm_bf16f32_engine);
+  m.def("gemm_bf16f32_preferred", &fastllm::gemm_bf16f32_preferred);
   m.def("bf16_gemm_on_amx", &fastllm::bf16_gemm_on_amx);
   // model ops: RMSNorm, rotary embedding, SwiGLU
   m.def("rms_norm_cpu", &fastllm::rms_norm_cpu, no_gil);

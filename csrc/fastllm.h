@@ -150,7 +150,8 @@ void bias_mm_out(const at::Tensor& out, const at::Tensor& bias, const at::Tensor
 void addmm_inplace(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha);
 // bf16 x bf16 -> fp32 CPU GEMM (csrc/cpu/gemm_bf16.cpp): out = a @ b, or out += a @ b when
 // accumulate, summed in fp32 and never rounded to bf16. a, b 2-D bf16 of any strides, out 2-D fp32
-// with contiguous rows; subnormals flushed to zero. Two engines: fastllm's kernel (builds with
+// with contiguous rows; subnormals flushed to zero by the kernel and by AMX (MKL on other CPUs
+// may keep them). Two engines: fastllm's kernel (builds with
 // AVX512-BF16) and MKL's cblas_gemm_bf16bf16f32 (where libtorch_cpu exports it), the default
 // MKL's where bf16 GEMMs run on AMX, the kernel's elsewhere; raises where neither exists (when
 // there is anything to multiply). gemm_bf16f32_available(): an engine exists and the GEMM is
@@ -158,8 +159,9 @@ void addmm_inplace(const at::Tensor& out, const at::Tensor& a, const at::Tensor&
 void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
                       bool accumulate);
 bool gemm_bf16f32_available();
-// "fastllm", "mkl" or "none": the engine gemm_bf16f32_cpu runs now. set_gemm_bf16f32_engine
-// picks one ("fastllm" | "mkl"; raises where it does not exist) or, nullopt, the default's.
+// "fastllm", "mkl" or "none": the engine a call of gemm_bf16f32_cpu runs now (whether the C++
+// kernels call it at all is gemm_bf16f32_preferred). set_gemm_bf16f32_engine picks one
+// ("fastllm" | "mkl"; raises where it does not exist) or, nullopt, the default's.
 std::string gemm_bf16f32_engine();
 void set_gemm_bf16f32_engine(const c10::optional<std::string>& name);
 // set_gemm_bf16f32: false off, true on wherever it applies (gemm_bf16f32_forced()), nullopt the
@@ -167,7 +169,8 @@ void set_gemm_bf16f32_engine(const c10::optional<std::string>& name);
 void set_gemm_bf16f32(c10::optional<bool> on);
 bool gemm_bf16f32_forced();
 // Whether PyTorch's bf16 GEMMs run on AMX tiles here (cpublas::could_pack): there at::mm's bf16
-// beats fastllm's kernel, and MKL's bf16 -> fp32 GEMM beats both (BENCHMARKS.md 2026-12-07).
+// (rounded output) beats fastllm's kernel, and MKL's bf16 -> fp32 GEMM beats the kernel and the
+// callers' two rounded GEMMs (BENCHMARKS.md 2026-12-07).
 bool bf16_gemm_on_amx();
 // Whether the C++ kernels' bf16 products (the fused loss's dW, the CPU attention's S and dP) take
 // gemm_bf16f32_cpu: available, with a default engine here (on AMX CPUs MKL's; the kernel is

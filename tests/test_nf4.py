@@ -577,6 +577,15 @@ def test_shardable_nf4_refused_where_fsdp2_cannot_shard_integers(monkeypatch):
     assert {n for n, _ in model.named_buffers()} == {  # still buffers
         f"{i}.weight_{what}" for i in (0, 1) for what in ("packed", "absmax")}
     assert quant.shardable_nf4(nn.Sequential(nn.Linear(2, 2))) == 0
+    # fastllm train refuses the config before it loads a model
+    from fastllm.train import TrainConfig
+    from fastllm.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lora.quantize_base=nf4: FSDP2 in torch 2\.11\.0.*"
+                                          r"parallel.strategy=ddp, or none"):
+        TrainConfig.from_args(["finetune=lora", "lora.quantize_base=nf4",
+                               "parallel.strategy=fsdp"])
+    TrainConfig.from_args(["finetune=lora", "lora.quantize_base=nf4", "parallel.strategy=ddp"])
 
 
 def test_qlora_tiny_llama_trains_and_peft_reads_the_adapter(tmp_path):

@@ -6,9 +6,10 @@
 // attends the keys j with doc_start[b, t] <= j <= t (doc_start empty: 0, plain causal); packed
 // documents are the rows whose doc_start restarts. Everything is computed in fp32: the products
 // of P and dS take fp32 copies of v, q, k, dO; S = Q K^T and dP = dO V^T, whose operands are the
-// inputs themselves, multiply bf16 inputs as they are where fastllm._C has its AVX512-BF16 GEMM
-// (csrc/cpu/gemm_bf16.cpp: fp32 sums, the values of fp32 copies' products up to the order of the
-// sums and subnormals, which it flushes to zero).
+// inputs themselves, multiply bf16 inputs as they are where the bf16 x bf16 -> fp32 GEMM is taken
+// (csrc/cpu/gemm_bf16.cpp, gemm_bf16f32_preferred: fastllm's AVX512-BF16 kernel, or MKL's on AMX
+// CPUs; fp32 sums, the values of fp32 copies' products up to the order of the sums and
+// subnormals, which the kernel and AMX flush to zero).
 //
 // Why: PyTorch's CPU flash attention runs its softmax(QK^T)V a 64 x 64-ish tile at a time through
 // per-tile GEMM calls; on an AMD Zen 5 (2 cores, torch 2.13) SmolLM2's attention (8 x 512

@@ -217,13 +217,14 @@ std::vector<at::Tensor> run(const at::Tensor& hidden, const at::Tensor& weight,
   const int64_t rows = chunk_rows_for(m, vocab, hidden.element_size(), chunk_rows_requested);
   // fp32 accumulators; bf16/fp16 with a single chunk write dW with one product (one rounding)
   const bool direct_dw = fp32 || m <= rows;
-  // Otherwise (fp16, or a build without AVX512-BF16) over several chunks: dw32 is an fp32 (V, H)
-  // accumulator and `partial` one tile of a chunk's product P in the storage dtype (the tile,
-  // not the chunk's whole (V, H) product, keeps the transient at kPartialBytes). The native
-  // low-precision GEMM accumulates in fp32 but rounds its output, and partial sums rounded chunk
-  // by chunk can cancel to worse than torch's one rounding; so each tile is added as round(P)
-  // and then the rounded residual round(P - round(P)) (a second GEMM with beta = -1, whose sum
-  // the GEMM forms in fp32): the accumulated error is ~u^2 |P|, fp32-like. Two native GEMMs are
+  // Otherwise (fp16, or bf16 where gemm_bf16f32_preferred() is false) over several chunks: dw32
+  // is an fp32 (V, H) accumulator and `partial` one tile of a chunk's product P in the storage
+  // dtype (the tile, not the chunk's whole (V, H) product, keeps the transient at
+  // kPartialBytes). The native low-precision GEMM accumulates in fp32 but rounds its output,
+  // and partial sums rounded chunk by chunk can cancel to worse than torch's one rounding; so
+  // each tile is added as round(P) and then the rounded residual round(P - round(P)) (a second
+  // GEMM with beta = -1, whose sum the GEMM forms in fp32): the accumulated error is ~u^2 |P|,
+  // fp32-like. Two native GEMMs are
   // still faster than ATen's cpublas::brgemm with an fp32 accumulator, which ran at 146 GFLOP/s
   // on AVX512-BF16 without AMX (no VNNI packing there) against ~530 for this GEMM (BENCHMARKS.md,
   // 2026-12-02).

@@ -21,11 +21,13 @@
 //
 // Two engines run it. fastllm's kernel above, and MKL's cblas_gemm_bf16bf16f32 (exported by
 // libtorch_cpu where PyTorch is built with MKL: its x86 builds), looked up at run time. Where
-// PyTorch's bf16 GEMMs run on AMX (Intel Xeon, Sapphire Rapids on), MKL's runs on AMX as well and
-// is the fastest way to this product: dW of a 49152 x 576 head over 682-1365 rows 0.46-0.69
-// TFLOP/s with beta = 1 against at::mm of bf16's 0.30-0.38 (which rounds its output) and the
-// kernel's 0.18 (BENCHMARKS.md, 2026-12-07); there it is the default. Elsewhere the kernel is
-// (MKL's bf16 GEMM is not measured on AMD CPUs, whose AVX512-BF16 the kernel uses).
+// PyTorch's bf16 GEMMs run on AMX (Intel Xeon, Sapphire Rapids on), MKL's runs on AMX as well
+// and is the fastest way to this product summed in fp32: the fused loss's dW (49152 x 576 x 682)
+// at 0.66 TFLOP/s, against the kernel's 0.18, fp32 copies' 0.23 and at::mm of bf16's 0.81, whose
+// output is rounded (its callers added the rounding's residual with a second GEMM: BENCHMARKS.md,
+// 2026-12-07); there it is the default. Elsewhere the kernel is (MKL's bf16 GEMM was not measured
+// on AMD CPUs, whose AVX512-BF16 the kernel uses). Unlike the kernel, MKL promises no bits across
+// thread counts or operand layouts (on AMX the same bits were seen either way).
 // set_gemm_bf16f32_engine("fastllm" | "mkl" | None) picks one for tests and benchmarks.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -320,25 +322,32 @@ void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
               "without AVX512-BF16 and this PyTorch exports no cblas_gemm_bf16bf16f32)");
   TORCH_CHECK(M == 1 || out.stride(0) >= N, "fastllm.gemm_bf16f32: out's rows overlap (strides ",
               out.strides(), ")");
-  if (picked == kMkl) {
-    // an operand MKL cannot read as it is (no unit stride) goes as a contiguous copy: the engine,
-    // and so the bits, never depend on the layout
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  const bool fits = std::max({M, N, K, out.stride(0)}) <= kIntMax;
+  if (picked == kMkl && fits) {
+    // An operand MKL cannot read as it is (no unit stride) goes as a copy in its own orientation
+    // (columns contiguous where its column stride is the smaller), so that MKL takes the same
+    // transpose flag as for the operand laid out densely.
     int lda = 0, ldb = 0, ta = 0, tb = 0;
-    const at::Tensor ac = mkl_operand(a, &lda, &ta) ? a : a.contiguous();
-    const at::Tensor bc = mkl_operand(b, &ldb, &tb) ? b : b.contiguous();
-    if (mkl_operand(ac, &lda, &ta) && mkl_operand(bc, &ldb, &tb) &&
-        out.stride(0) <= std::numeric_limits<int>::max()) {
-      const int ldc = static_cast<int>(std::max<int64_t>({out.stride(0), N, 1}));
-      mkl_gemm()(kCblasRowMajor, ta, tb, static_cast<int>(M), static_cast<int>(N),
-                 static_cast<int>(K), 1.0f, reinterpret_cast<const uint16_t*>(ac.const_data_ptr()),
-                 lda, reinterpret_cast<const uint16_t*>(bc.const_data_ptr()), ldb,
-                 accumulate ? 1.0f : 0.0f, out.mutable_data_ptr<float>(), ldc);
-      return;
-    }
-    // sizes past MKL's 32-bit interface: fastllm's kernel where this build has it
-    TORCH_CHECK(kKernelBuilt, "fastllm.gemm_bf16f32: sizes past MKL's 32-bit interface (",
-                a.sizes(), " @ ", b.sizes(), ") and no fastllm kernel in this build (AVX512-BF16)");
+    const auto readable = [](const at::Tensor& t, int* ld, int* trans) {
+      if (mkl_operand(t, ld, trans)) return t;
+      const at::Tensor copy = t.stride(0) < t.stride(1) ? t.t().contiguous().t() : t.contiguous();
+      TORCH_CHECK(mkl_operand(copy, ld, trans), "fastllm.gemm_bf16f32: internal: a dense copy ",
+                  copy.sizes(), " with strides ", copy.strides(), " is not MKL-readable");
+      return copy;
+    };
+    const at::Tensor ac = readable(a, &lda, &ta), bc = readable(b, &ldb, &tb);
+    const int ldc = static_cast<int>(std::max<int64_t>({out.stride(0), N, 1}));
+    mkl_gemm()(kCblasRowMajor, ta, tb, static_cast<int>(M), static_cast<int>(N),
+               static_cast<int>(K), 1.0f, reinterpret_cast<const uint16_t*>(ac.const_data_ptr()),
+               lda, reinterpret_cast<const uint16_t*>(bc.const_data_ptr()), ldb,
+               accumulate ? 1.0f : 0.0f, out.mutable_data_ptr<float>(), ldc);
+    return;
   }
+  // sizes past MKL's 32-bit interface: fastllm's kernel where this build has it
+  TORCH_CHECK(picked != kMkl || kKernelBuilt, "fastllm.gemm_bf16f32: sizes past MKL's 32-bit "
+              "interface (", a.sizes(), " @ ", b.sizes(), " into out with strides ", out.strides(),
+              ") and no fastllm kernel in this build (AVX512-BF16)");
 #ifdef FASTLLM_GEMM_BF16
   const auto* pa = reinterpret_cast<const uint16_t*>(a.const_data_ptr());
   const auto* pb = reinterpret_cast<const uint16_t*>(b.const_data_ptr());

@@ -9,7 +9,8 @@ were not run there.
 import torch
 from torch.torch_version import TorchVersion
 
-__all__ = ["MINIMUM_ON_CPU", "FSDP2_INTEGER_PARAMS", "require", "require_fsdp2_integer_params"]
+__all__ = ["MINIMUM_ON_CPU", "FSDP2_INTEGER_PARAMS", "fsdp2_integer_params_refusal", "require",
+           "require_fsdp2_integer_params"]
 
 TORCH = TorchVersion(torch.__version__)
 
@@ -44,18 +45,26 @@ def require(engine, device_type):
 # parameters by fastllm.quant's shardable()), on any device: before it, fully_shard builds each
 # sharded parameter with requires_grad=True and sets the original's only afterwards, which an
 # integer tensor refuses (pytorch/pytorch#177844). torch 2.11.0 failed so (`make
-# device-rehearsal`, 2026-12-07), 2.13.0 passes every FSDP-QLoRA test; 2.12 was not run.
+# device-rehearsal`, 2026-12-07); 2.12.0's FSDP2 passes the original's requires_grad at both of
+# those places (read in its wheel; not run), 2.13.0 passes every FSDP-QLoRA test.
 FSDP2_INTEGER_PARAMS = (2, 12)
 
 
-def require_fsdp2_integer_params(where):
-    """Raise RuntimeError, naming `where`, where this torch's FSDP2 cannot shard integer
-    parameters (FSDP2_INTEGER_PARAMS)."""
-    if TORCH < FSDP2_INTEGER_PARAMS:
-        major, minor = FSDP2_INTEGER_PARAMS
-        raise RuntimeError(
-            f"{where}: FSDP2 in torch {TORCH} cannot shard the NF4 layers' 4-bit codes (uint8 "
+def fsdp2_integer_params_refusal(where):
+    """Why this torch's FSDP2 cannot shard integer parameters (FSDP2_INTEGER_PARAMS), naming
+    `where`; None where it can."""
+    if TORCH >= FSDP2_INTEGER_PARAMS:
+        return None
+    major, minor = FSDP2_INTEGER_PARAMS
+    return (f"{where}: FSDP2 in torch {TORCH} cannot shard the NF4 layers' 4-bit codes (uint8 "
             f"parameters): its fully_shard makes every sharded parameter require grad first, "
             f"which an integer tensor refuses (pytorch/pytorch#177844). Sharding a QLoRA model "
             f"(FSDP-QLoRA) needs torch >= {major}.{minor}; on this torch keep the NF4 base whole "
-            f"on each rank (parallel.strategy=ddp, zero1 or zero2) or use a dense base")
+            f"on each rank (parallel.strategy=ddp, or none) or use a dense base")
+
+
+def require_fsdp2_integer_params(where):
+    """Raise RuntimeError where fsdp2_integer_params_refusal(where) says why."""
+    why = fsdp2_integer_params_refusal(where)
+    if why:
+        raise RuntimeError(why)

@@ -151,3 +151,8 @@ def validate_quantize_base(cfg, need):
          f"lora.quantize_base=nf4 runs whole on each rank or FSDP2-sharded: parallel.strategy "
          f"none/ddp/fsdp/auto with parallel.tp=pp=1, got strategy={par.strategy} tp={par.tp} "
          f"pp={par.pp}")
+    if par.strategy == "fsdp":  # (before the model loads; apply_fsdp refuses it too)
+        from fastllm.parallel import _torch_support
+
+        why = _torch_support.fsdp2_integer_params_refusal("lora.quantize_base=nf4")
+        need(why is None, why)
