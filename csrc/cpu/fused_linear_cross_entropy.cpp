@@ -98,11 +98,24 @@ float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
       sum_z += z;
     }
   }
-  float sum_exp = 0.0f;
-#pragma omp simd reduction(+ : sum_exp)
-  for (int64_t j = 0; j < vocab; ++j) sum_exp += exp_fast(scratch[j] - mx);
-  const float lse = mx + std::log(sum_exp);
   const float z_y = scratch[label];
+  // Without a cap and with a grad to make, scratch keeps e^(z - max) for it: p = e / sum, one
+  // exponential per logit where the grad pass took a second (its exp(z - lse) is e / sum up to
+  // rounding). With a cap scratch must keep z for the cap's derivative.
+  const bool keep_exp = p.need_grad && !capped;
+  float sum_exp = 0.0f;
+  if (keep_exp) {
+#pragma omp simd reduction(+ : sum_exp)
+    for (int64_t j = 0; j < vocab; ++j) {
+      const float e = exp_fast(scratch[j] - mx);
+      scratch[j] = e;
+      sum_exp += e;
+    }
+  } else {
+#pragma omp simd reduction(+ : sum_exp)
+    for (int64_t j = 0; j < vocab; ++j) sum_exp += exp_fast(scratch[j] - mx);
+  }
+  const float lse = mx + std::log(sum_exp);
   const float eps = p.smoothing;
   // The smoothing term only when eps > 0: a -inf logit (a bias masking vocabulary entries) makes
   // sum_z -inf, and 0 * -inf would turn a finite loss into nan (F.cross_entropy gives it finite).
@@ -120,8 +133,9 @@ float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
       scratch[j] = (coef * exp_fast(z - lse) - offset) * (1.0f - t * t);
     }
   } else {
+    const float scale = coef / sum_exp;
 #pragma omp simd
-    for (int64_t j = 0; j < vocab; ++j) scratch[j] = coef * exp_fast(scratch[j] - lse) - offset;
+    for (int64_t j = 0; j < vocab; ++j) scratch[j] = scratch[j] * scale - offset;
   }
   if (static_cast<void*>(scratch) != static_cast<void*>(row)) {
 #pragma omp simd
