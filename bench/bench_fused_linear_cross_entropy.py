@@ -1,8 +1,9 @@
 """Fused linear cross-entropy, forward + backward (grads of hidden and weight, the head matmul
 included): fastllm against F.cross_entropy over materialised logits (Hugging Face's loss: fp32
 logits, then the loss) and torch.compile of the same maths, at SmolLM2-135M's head (hidden 576,
-vocab 49152, tied embeddings). Also timed: the three GEMMs alone at full size (logits, dX, dW),
-the floor every method that does them shares. Each row's note gives the peak memory the step
+vocab 49152, tied embeddings). Also timed: torch.mm's three GEMMs alone at full size (logits,
+dX, dW), the floor of the materialised methods (fastllm's chunked GEMMs can run faster: bf16 on
+an AMX CPU, 2026-12-07). Each row's note gives the peak memory the step
 allocates (the CPU allocator's, measured with the torch profiler, inputs excluded).
 
     fastllm bench --ops fused_linear_cross_entropy [--full]
@@ -78,7 +79,7 @@ def run(device="cpu", full=False, progress=print, compile_peer=True):
             except Exception as exc:  # a CPU without a working C++ toolchain for inductor
                 harness.note(progress, f"fused_linear_cross_entropy {size}: torch.compile peer "
                                        f"skipped: {type(exc).__name__}: {exc}")
-        fns["3 GEMMs alone (floor)"] = _gemms(hidden.detach(), weight.detach())
+        fns["torch.mm's 3 GEMMs alone"] = _gemms(hidden.detach(), weight.detach())
         peaks = {name: harness.allocator_peak_bytes(fn) if dev == "cpu" else None
                  for name, fn in fns.items()}
         progress(f"fused_linear_cross_entropy {size}: {', '.join(fns)} (interleaved)")

@@ -141,10 +141,15 @@ float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
 #pragma omp simd
     for (int64_t j = 0; j < vocab; ++j) row[j] = S::store(scratch[j]);
   }
-  // the target entry, computed once in fp32 (not from the rounded value just stored)
-  const float t = z_y * inv_cap;
-  const float dcap = capped ? 1.0f - t * t : 1.0f;
-  row[label] = S::store((coef * exp_fast(z_y - lse) - offset - w * (1.0f - eps)) * dcap);
+  // the target entry, from its fp32 value (not from the rounded value just stored): uncapped,
+  // scratch[label] is its e / sum term as every other entry's; capped, computed once here
+  if (capped) {
+    const float t = z_y * inv_cap;
+    row[label] = S::store((coef * exp_fast(z_y - lse) - offset - w * (1.0f - eps)) *
+                          (1.0f - t * t));
+  } else {
+    row[label] = S::store(scratch[label] - w * (1.0f - eps));
+  }
   return loss;
 }
 

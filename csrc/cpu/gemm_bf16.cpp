@@ -187,8 +187,24 @@ using MklGemmFn = void (*)(int, int, int, int, int, int, float, const uint16_t*,
                            const uint16_t*, int, float, float*, int);
 constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
 
+// The entry, or nullptr where libtorch_cpu lacks it or it gets a 2 x 3 x 2 product (exact in bf16
+// and fp32) wrong on first use: the engine is then absent. (PyTorch links MKL's LP64 interface;
+// the check is that the entry computes, not a test of its integer width.)
 MklGemmFn mkl_gemm() {
-  static const auto fn = reinterpret_cast<MklGemmFn>(torch_cpu_symbol("cblas_gemm_bf16bf16f32"));
+  static const MklGemmFn fn = []() -> MklGemmFn {
+    auto f = reinterpret_cast<MklGemmFn>(torch_cpu_symbol("cblas_gemm_bf16bf16f32"));
+    if (f == nullptr) return nullptr;
+    const float av[6] = {1, 2, 3, 4, 5, 6}, bv[6] = {7, 8, 9, 10, 11, 12};
+    uint16_t a[6], b[6];
+    for (int i = 0; i < 6; ++i) {
+      a[i] = c10::BFloat16(av[i]).x;
+      b[i] = c10::BFloat16(bv[i]).x;
+    }
+    float c[4] = {-1, -1, -1, -1};
+    f(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, 2, 2, 3, 1.0f, a, 3, b, 2, 0.0f, c, 2);
+    const float want[4] = {58, 64, 139, 154};  // (2 x 3) @ (3 x 2), row-major
+    return std::equal(c, c + 4, want) ? f : nullptr;
+  }();
   return fn;
 }
 
@@ -252,7 +268,7 @@ void set_gemm_bf16f32_engine(const c10::optional<std::string>& name) {
                 "the default), got '", *name, "'");
     e = *name == "mkl" ? kMkl : kKernel;
     TORCH_CHECK(has(e), "fastllm: no '", *name, "' bf16 x bf16 -> fp32 GEMM here (",
-                e == kMkl ? "this PyTorch exports no cblas_gemm_bf16bf16f32"
+                e == kMkl ? "this PyTorch exports no working cblas_gemm_bf16bf16f32"
                           : "fastllm._C was built without AVX512-BF16", ")");
   }
   g_engine.store(e, std::memory_order_relaxed);
@@ -283,7 +299,7 @@ bool gemm_bf16f32_preferred() {
 void set_gemm_bf16f32(c10::optional<bool> on) {
   TORCH_CHECK(!on.value_or(false) || has(kKernel) || has(kMkl),
               "fastllm: no bf16 x bf16 -> fp32 GEMM here (fastllm._C was built without "
-              "AVX512-BF16 and this PyTorch exports no cblas_gemm_bf16bf16f32)");
+              "AVX512-BF16 and this PyTorch exports no working cblas_gemm_bf16bf16f32)");
   g_bf16f32_mode.store(!on.has_value() ? kAuto : (*on ? kForced : kOff),
                        std::memory_order_relaxed);
 }
@@ -319,7 +335,7 @@ void gemm_bf16f32_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   }
   const int picked = engine();
   TORCH_CHECK(picked != kNone, "fastllm.gemm_bf16f32: no engine here (fastllm._C was built "
-              "without AVX512-BF16 and this PyTorch exports no cblas_gemm_bf16bf16f32)");
+              "without AVX512-BF16 and this PyTorch exports no working cblas_gemm_bf16bf16f32)");
   TORCH_CHECK(M == 1 || out.stride(0) >= N, "fastllm.gemm_bf16f32: out's rows overlap (strides ",
               out.strides(), ")");
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
