@@ -103,15 +103,8 @@ def _engines(ext):
     """The bf16 x bf16 -> fp32 engines this machine has ({name: label}): the one the C++ kernels
     take by default (if they take one here) first, labelled so."""
     default = ext.gemm_bf16f32_engine() if ext.gemm_bf16f32_preferred() else None
-    have = {}
-    for name in sorted(ENGINES, key=lambda e: e != default):
-        try:
-            ext.set_gemm_bf16f32_engine(name)
-        except RuntimeError:
-            continue
-        have[name] = ENGINES[name] + (" (default)" if name == default else "")
-    ext.set_gemm_bf16f32_engine(None)
-    return have
+    return {name: ENGINES[name] + (" (default)" if name == default else "")
+            for name in sorted(ext.gemm_bf16f32_engines(), key=lambda e: e != default)}
 
 
 def _bf16f32(full, progress):

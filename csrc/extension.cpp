@@ -54,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16f32_available", &fastllm::gemm_bf16f32_available);
   m.def("set_gemm_bf16f32", &fastllm::set_gemm_bf16f32);
   m.def("gemm_bf16f32_engine", &fastllm::gemm_bf16f32_engine);
+  m.def("gemm_bf16f32_engines", &fastllm::gemm_bf16f32_engines);
   m.def("set_gemm_bf16f32_engine", &fastllm::set_gemm_bf16f32_engine);
   m.def("gemm_bf16f32_preferred", &fastllm::gemm_bf16f32_preferred);
   m.def("bf16_gemm_on_amx", &fastllm::bf16_gemm_on_amx);

@@ -164,6 +164,8 @@ bool gemm_bf16f32_available();
 // ("fastllm" | "mkl"; raises where it does not exist) or, nullopt, the default's.
 std::string gemm_bf16f32_engine();
 void set_gemm_bf16f32_engine(const c10::optional<std::string>& name);
+// the engines that exist here, of "fastllm" and "mkl"
+std::vector<std::string> gemm_bf16f32_engines();
 // set_gemm_bf16f32: false off, true on wherever it applies (gemm_bf16f32_forced()), nullopt the
 // default (on where its default engine exists: see gemm_bf16f32_preferred).
 void set_gemm_bf16f32(c10::optional<bool> on);

@@ -40,6 +40,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "../fastllm.h"
 
@@ -252,12 +253,20 @@ bool gemm_bf16f32_available() {
   return g_bf16f32_mode.load(std::memory_order_relaxed) != kOff && engine() != kNone;
 }
 
+namespace {
+const char* engine_name(int e) { return e == kKernel ? "fastllm" : e == kMkl ? "mkl" : "none"; }
+}  // namespace
+
 std::string gemm_bf16f32_engine() {
-  switch (gemm_bf16f32_available() ? engine() : kNone) {
-    case kKernel: return "fastllm";
-    case kMkl: return "mkl";
-    default: return "none";
+  return engine_name(gemm_bf16f32_available() ? engine() : kNone);
+}
+
+std::vector<std::string> gemm_bf16f32_engines() {
+  std::vector<std::string> names;
+  for (int e : {kKernel, kMkl}) {
+    if (has(e)) names.push_back(engine_name(e));
   }
+  return names;
 }
 
 void set_gemm_bf16f32_engine(const c10::optional<std::string>& name) {
