@@ -72,16 +72,21 @@ struct LossParams {
 };
 
 // One token's row of logits (vocab entries) -> its loss; with need_grad the row is replaced by
-// w * dloss/dlogits. scratch: vocab fp32 (the row itself for fp32 storage).
+// w * dloss/dlogits. scratch: vocab fp32 (the row itself for fp32 storage). Three passes over the
+// row, which stays in L2 between them (196 KB at vocab 49152 in fp32): max (and sum) from the
+// stored logits; e^(z - max) and its sum, kept in scratch for the grad; the grad written straight
+// into the row. 512-bit vectors where the CPU has them: gcc's -march=native stops at 256 bits
+// (prefer-vector-width) and the exponential's polynomial is this loop's work (BENCHMARKS.md,
+// 2026-12-07, third session).
 template <typename scalar_t>
-float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
-               int64_t vocab, int64_t label, float w, const LossParams& p) {
+FASTLLM_WIDE_VECTORS float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
+                                    int64_t vocab, int64_t label, float w, const LossParams& p) {
   using S = Store<scalar_t>;
   const bool capped = p.cap > 0.0f;
   const float cap = p.cap, inv_cap = capped ? 1.0f / p.cap : 0.0f;
   float mx = -std::numeric_limits<float>::infinity();
   float sum_z = 0.0f;
-  if (capped) {
+  if (capped) {  // scratch keeps the capped logits for the exponentials and the cap's derivative
 #pragma omp simd reduction(max : mx) reduction(+ : sum_z)
     for (int64_t j = 0; j < vocab; ++j) {
       const float z = softcap_fast(S::load(row[j]), cap, inv_cap);
@@ -93,12 +98,11 @@ float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
 #pragma omp simd reduction(max : mx) reduction(+ : sum_z)
     for (int64_t j = 0; j < vocab; ++j) {
       const float z = S::load(row[j]);
-      scratch[j] = z;
       mx = z > mx ? z : mx;
       sum_z += z;
     }
   }
-  const float z_y = scratch[label];
+  const float z_y = capped ? scratch[label] : S::load(row[label]);
   // Without a cap and with a grad to make, scratch keeps e^(z - max) for it: p = e / sum, one
   // exponential per logit where the grad pass took a second (its exp(z - lse) is e / sum up to
   // rounding). With a cap scratch must keep z for the cap's derivative.
@@ -107,13 +111,16 @@ float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
   if (keep_exp) {
 #pragma omp simd reduction(+ : sum_exp)
     for (int64_t j = 0; j < vocab; ++j) {
-      const float e = exp_fast(scratch[j] - mx);
+      const float e = exp_fast(S::load(row[j]) - mx);
       scratch[j] = e;
       sum_exp += e;
     }
-  } else {
+  } else if (capped) {
 #pragma omp simd reduction(+ : sum_exp)
     for (int64_t j = 0; j < vocab; ++j) sum_exp += exp_fast(scratch[j] - mx);
+  } else {
+#pragma omp simd reduction(+ : sum_exp)
+    for (int64_t j = 0; j < vocab; ++j) sum_exp += exp_fast(S::load(row[j]) - mx);
   }
   const float lse = mx + std::log(sum_exp);
   const float eps = p.smoothing;
@@ -124,31 +131,26 @@ float row_pass(typename Store<scalar_t>::raw_t* row, float* scratch,
   if (!p.need_grad) return loss;
   const float coef = w * (1.0f + 2.0f * p.z_loss * lse);
   const float offset = w * eps / static_cast<float>(vocab);
-  // the grad in fp32 in place in scratch, then (bf16/fp16) rounded into the row
+  // The grad computed in fp32 and rounded once into the row (for fp32 storage scratch is the row:
+  // each entry is read before it is written). The target entry is then made from its own fp32
+  // term, read before the pass (not from the rounded value it stores).
   if (capped) {
+    const float t_y = z_y * inv_cap;
+    const float g_y = (coef * exp_fast(z_y - lse) - offset - w * (1.0f - eps)) *
+                      (1.0f - t_y * t_y);
 #pragma omp simd
     for (int64_t j = 0; j < vocab; ++j) {
       const float z = scratch[j];
       const float t = z * inv_cap;
-      scratch[j] = (coef * exp_fast(z - lse) - offset) * (1.0f - t * t);
+      row[j] = S::store((coef * exp_fast(z - lse) - offset) * (1.0f - t * t));
     }
+    row[label] = S::store(g_y);
   } else {
     const float scale = coef / sum_exp;
+    const float g_y = (scratch[label] * scale - offset) - w * (1.0f - eps);
 #pragma omp simd
-    for (int64_t j = 0; j < vocab; ++j) scratch[j] = scratch[j] * scale - offset;
-  }
-  if (static_cast<void*>(scratch) != static_cast<void*>(row)) {
-#pragma omp simd
-    for (int64_t j = 0; j < vocab; ++j) row[j] = S::store(scratch[j]);
-  }
-  // the target entry, from its fp32 value (not from the rounded value just stored): uncapped,
-  // scratch[label] is its e / sum term as every other entry's; capped, computed once here
-  if (capped) {
-    const float t = z_y * inv_cap;
-    row[label] = S::store((coef * exp_fast(z_y - lse) - offset - w * (1.0f - eps)) *
-                          (1.0f - t * t));
-  } else {
-    row[label] = S::store(scratch[label] - w * (1.0f - eps));
+    for (int64_t j = 0; j < vocab; ++j) row[j] = S::store(scratch[j] * scale - offset);
+    row[label] = S::store(g_y);
   }
   return loss;
 }
