@@ -221,6 +221,28 @@ def test_frozen_weight_and_no_grad(backend, device, reduction):
     torch.testing.assert_close(no_grad, ref.detach())
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_grads_are_handed_out_once(backend, device):
+    """The forward's grads go out scaled in place (no scaled copy); the caller may change them in
+    place, and a second backward through the same graph (retain_graph) still gives the right
+    grads, with any seed."""
+    hidden, weight, bias, labels, _ = _inputs((2, 5), 8, 13, dict(bias=True), torch.float32,
+                                              device=device)
+    ref = fused_linear_cross_entropy_ref(hidden, weight, labels, bias=bias)
+    want = torch.autograd.grad(ref, [hidden, weight, bias])
+    with fastllm.use_backend(backend):
+        loss = fused_linear_cross_entropy(hidden, weight, labels, bias=bias)
+        first = torch.autograd.grad(loss * 0.5, [hidden, weight, bias], retain_graph=True)
+        for g, w in zip(first, want):
+            torch.testing.assert_close(g, 0.5 * w)
+            g.zero_()  # the caller's to change: the graph must not read it again
+        again = torch.autograd.grad(loss, [hidden, weight, bias], retain_graph=True)
+        twice = torch.autograd.grad(loss * 2.0, [hidden, weight, bias])
+    for g, g2, w in zip(again, twice, want):
+        torch.testing.assert_close(g, w)
+        torch.testing.assert_close(g2, 2.0 * w)
+
+
 @pytest.mark.parametrize("widened", ["fastllm", "mkl", False],
                          ids=["bf16f32-gemm", "bf16f32-mkl", "residual"])
 def test_cpp_bf16_many_tiles(monkeypatch, widened):
@@ -583,7 +605,7 @@ def test_vocab_parallel_loss_with_a_masked_vocabulary(tmp_path):
     nan (0 times the -inf sum of the logits), where F.cross_entropy and the op are finite."""
     import torch.distributed as dist
 
-    from fastllm.ops.fused_linear_cross_entropy import vocab_parallel_fused_linear_cross_entropy
+    from fastllm.ops.vocab_parallel_cross_entropy import vocab_parallel_fused_linear_cross_entropy
 
     made = not dist.is_initialized()
     if made:

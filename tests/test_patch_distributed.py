@@ -63,7 +63,7 @@ KERNELS = {
     "swiglu": "fastllm.ops.swiglu",
     "swiglu_linear": "fastllm.ops.swiglu",
     "fused_linear_cross_entropy": "fastllm.ops.fused_linear_cross_entropy",
-    "vocab_parallel_fused_linear_cross_entropy": "fastllm.ops.fused_linear_cross_entropy",
+    "vocab_parallel_fused_linear_cross_entropy": "fastllm.ops.vocab_parallel_cross_entropy",
     "linear": "fastllm.ops.linear",
     "scaled_dot_product_attention": "fastllm._lowp",
     "attention": "fastllm.ops.attention",

@@ -36,8 +36,8 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, labels, ignore_index=-10
     plain tensor runs fastllm.ops.fused_linear_cross_entropy. loss_kwargs: reduction ("mean",
     "sum"), label_smoothing, z_loss, logit_softcap. Returns a 0-d fp32 tensor.
     """
-    from fastllm.ops.fused_linear_cross_entropy import (
-        fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy)
+    from fastllm.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from fastllm.ops.vocab_parallel_cross_entropy import vocab_parallel_fused_linear_cross_entropy
 
     if isinstance(weight, DTensor) and tuple(weight.placements) == (Shard(0),):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
