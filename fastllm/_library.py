@@ -95,7 +95,9 @@ SCHEMAS = {
     # Cross-entropy of hidden weight^T + bias over chunks of tokens (fastllm/ops/
     # fused_linear_cross_entropy.py): (loss, grad_hidden, grad_weight, grad_bias), the grads of
     # the loss computed in the same pass for the True entries of grad_mask ([hidden, weight,
-    # bias]; "mean"/"sum" only), else empty. logit_softcap 0: none.
+    # bias]; "mean"/"sum" only), else empty. logit_softcap 0: none. Its autograd's backward
+    # scales those grads by grad_loss in place and hands them out: a caller of the op itself who
+    # keeps them sees them scaled after a backward.
     "fused_linear_cross_entropy": (
         "fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, "
         "int ignore_index, str reduction, float label_smoothing, float z_loss, "
