@@ -13,9 +13,10 @@
 // On a function: vectorise its loops 512 bits wide where the CPU has AVX-512. gcc's
 // -march=native for those CPUs prefers 256-bit vectors (prefer-vector-width=256, against the
 // frequency drop of older Xeons), which halves the work per instruction of a loop that is
-// arithmetic, not memory: the fused loss's row pass ran 1.25x faster 512 bits wide on the AMX Xeon
-// (BENCHMARKS.md, 2026-12-07, third session). Without AVX-512 the attribute changes nothing; other
-// compilers and targets get none.
+// arithmetic, not memory: the fused loss's row pass ran 1.25x faster 512 bits wide on the AMX Xeon,
+// the bf16 SwiGLU / GeGLU forward + backward about 1.1x; the attention's softmax rows (a few
+// hundred keys) no faster, so they do not take it (BENCHMARKS.md, 2026-12-07, third session).
+// Without AVX-512 the attribute changes nothing; other compilers and targets get none.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define FASTLLM_WIDE_VECTORS __attribute__((target("prefer-vector-width=512")))
 #else
