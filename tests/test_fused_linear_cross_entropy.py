@@ -438,7 +438,7 @@ def test_never_allocates_tokens_by_vocab(monkeypatch):
     assert materialised > logits_bytes  # the check can fail: the reference does hold them
     # the grads (the backward scales the forward's in place: no second copy), one 64 KiB chunk,
     # small vectors
-    assert ours < grads_bytes + (256 << 10), (ours, grads_bytes, logits_bytes)
+    assert ours < grads_bytes + (512 << 10), (ours, grads_bytes, logits_bytes)
 
 
 def test_opcheck():

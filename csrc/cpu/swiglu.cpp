@@ -57,8 +57,8 @@ struct GeluTanh {
 
 // The loops live outside AT_DISPATCH's lambda: a pragma cannot sit inside a macro argument.
 template <typename scalar_t, typename Act>
-FASTLLM_WIDE_VECTORS void forward_range(const scalar_t* g_raw, const scalar_t* u_raw, scalar_t* y_raw, int64_t begin,
-                   int64_t end) {
+FASTLLM_WIDE_VECTORS void forward_range(const scalar_t* g_raw, const scalar_t* u_raw,
+                                        scalar_t* y_raw, int64_t begin, int64_t end) {
   using io = Io<scalar_t>;
   using op_t = typename io::opmath_t;
   using raw_t = typename io::raw_t;
@@ -75,9 +75,10 @@ FASTLLM_WIDE_VECTORS void forward_range(const scalar_t* g_raw, const scalar_t* u
 // kNeedH: h = silu(gate) * up too, rounded as forward_range rounds it (swiglu_linear's weight
 // grad reads it), from the same loads: one pass over gate and up instead of a second one.
 template <typename scalar_t, typename Act, bool kNeedH>
-FASTLLM_WIDE_VECTORS void backward_range(const scalar_t* dy_raw, const scalar_t* g_raw, const scalar_t* u_raw,
-                    scalar_t* dg_raw, scalar_t* du_raw, scalar_t* h_raw, int64_t begin,
-                    int64_t end) {
+FASTLLM_WIDE_VECTORS void backward_range(const scalar_t* dy_raw, const scalar_t* g_raw,
+                                         const scalar_t* u_raw, scalar_t* dg_raw,
+                                         scalar_t* du_raw, scalar_t* h_raw, int64_t begin,
+                                         int64_t end) {
   using io = Io<scalar_t>;
   using op_t = typename io::opmath_t;
   using raw_t = typename io::raw_t;
