@@ -301,8 +301,8 @@ bool bf16_gemm_on_amx() {
 
 bool gemm_bf16f32_preferred() {
   if (!gemm_bf16f32_available()) return false;
-  const int set = g_engine.load(std::memory_order_relaxed);
-  return gemm_bf16f32_forced() || (set != kNone ? set : default_engine()) != kNone;
+  return gemm_bf16f32_forced() || g_engine.load(std::memory_order_relaxed) != kNone ||
+         default_engine() != kNone;
 }
 
 void set_gemm_bf16f32(c10::optional<bool> on) {

@@ -439,13 +439,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _scaled(grad, grad_loss, in_place=False):
-    # grad_loss: 0-d, or per token (grad_hidden under "none"); grad's dtype, fp32 (fp64) math
+    # grad_loss: 0-d, or per token (grad_hidden under "none"); grad's dtype, fp32 (fp64) math.
+    # in_place: grad itself scaled and handed out as .data (a version counter of its own)
     g = grad_loss.to(torch.promote_types(grad.dtype, torch.float32))
     if g.dim():
         g = g.unsqueeze(-1)
-    if in_place:
-        return grad.mul_(g)
-    return grad * g if g.dim() == 0 else (grad * g).to(grad.dtype)
+    return grad.data.mul_(g) if in_place else (grad * g).to(grad.dtype)
 
 
 @first_order_only("fastllm.fused_linear_cross_entropy")
@@ -472,7 +471,7 @@ def _fused_backward(ctx, grad_loss, *_):
                 grads[i] = recomputed[i]
     for i, saved in enumerate((gh, gw, gb)):
         if wanted[i] and precomputed[i]:
-            grads[i] = _scaled(saved.data if in_place else saved, grad_loss, in_place)
+            grads[i] = _scaled(saved, grad_loss, in_place)
             ctx.handed_out = ctx.handed_out or in_place
     return grads[0], grads[1], None, grads[2], None, None, None, None, None, None
 
