@@ -25,8 +25,10 @@
 // and is the fastest way to this product summed in fp32: the fused loss's dW (49152 x 576 x 682)
 // at 0.66 TFLOP/s, against the kernel's 0.18, fp32 copies' 0.23 and at::mm of bf16's 0.81, whose
 // output is rounded (its callers added the rounding's residual with a second GEMM: BENCHMARKS.md,
-// 2026-12-07); there it is the default. Elsewhere the kernel is (MKL's bf16 GEMM was not measured
-// on AMD CPUs, whose AVX512-BF16 the kernel uses). Unlike the kernel, MKL promises no bits across
+// 2026-12-07); there it is the default. Elsewhere the kernel is: on an AMD Zen 4 (AVX512-BF16, no
+// AMX) MKL's ran the same dW at 0.16 TFLOP/s against the kernel's 0.35, and the attention's
+// S = QK^T at 0.08 against 0.18 (BENCHMARKS.md, 2026-12-07, fourth session): MKL takes no fast
+// code on AMD CPUs for this product either. Unlike the kernel, MKL promises no bits across
 // thread counts or operand layouts (on AMX the same bits were seen either way).
 // set_gemm_bf16f32_engine("fastllm" | "mkl" | None) picks one for tests and benchmarks.
 #include <ATen/ATen.h>
