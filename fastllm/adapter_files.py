@@ -72,7 +72,9 @@ def _read_legacy(file, where):
     return tensors
 
 
-# adapter_config.json, field by field, against PEFT 0.21.2's LoraConfig and PeftConfig.
+# adapter_config.json, field by field, against PEFT 0.22.0's LoraConfig and PeftConfig (a
+# newer PEFT's fields are refused when set: check_lora_config).
+PEFT_CLASSIFIED = "0.22.0"
 # Read by fastllm, with PEFT's default for a field the file leaves out:
 _READ = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False,
          "target_modules": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False,
@@ -83,7 +85,8 @@ _READ = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "lora_dropout": 0.0, "use
 # _load_state refuses.
 _IGNORED = {"task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
             "inference_mode", "runtime_config", "loftq_config", "eva_config", "corda_config",
-            "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying"}
+            "lora_ga_config", "astra_config", "megatron_core", "qalora_group_size",
+            "ensure_weight_tying"}
 # Not implemented by fastllm: refused unless at PEFT's default, with what each one does.
 _REFUSED = {
     "exclude_modules": (None, "leaves matching modules out"),
@@ -106,11 +109,12 @@ _REFUSED = {
     "arrow_config": (None, "routes between adapters (Arrow)"),
     "kasa_config": (None, "truncates the base weight's SVD (KaSA)"),
 }
-# init_lora_weights: the values that only draw A and B, which the saved tensors then replace;
-# and those that also rewrite the base weight (W - scaling B0 A0, or a quantised W), which PEFT
-# redoes whenever it loads the adapter.
-_PLAIN_INITS = ("gaussian", "orthogonal", "mica", "eva")
-_BASE_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# init_lora_weights: the values that only draw A and B, which the saved tensors then replace
+# (nora: A's columns normalised, B zero); and those that also rewrite the base weight
+# (W - scaling B0 A0, or a quantised W), which PEFT redoes whenever it loads the adapter (astra:
+# W projected onto its output activations' eigenvectors, PEFT 0.22).
+_PLAIN_INITS = ("gaussian", "orthogonal", "mica", "eva", "nora")
+_BASE_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga", "astra")
 
 
 def _empty(value):
