@@ -54,14 +54,16 @@ def lora_parts(layer):
 def project(x, layers):
     """[layer(x) for layer in layers], with x read once for every LoRA down product when two or
     more of them are fastllm LoRALinear layers and the rest plain nn.Linear or NF4Linear."""
-    from fastllm.ops.lora_linear_multi import lora_linear_multi
-
     parts = [lora_parts(layer) for layer in layers]
+    if sum(p is not None for p in parts) < 2:  # (first: a model without LoRA pays this alone)
+        return [layer(x) for layer in layers]
     bases = [layer if p is None else layer.base_layer for layer, p in zip(layers, parts)]
     kinds = [base_kind(b) for b in bases]
     # (a layer neither LoRA nor a plain base, e.g. a DoRA layer, has kind None)
-    if sum(p is not None for p in parts) < 2 or None in kinds or any(map(hooked, layers)):
+    if None in kinds or any(map(hooked, layers)):
         return [layer(x) for layer in layers]
+    from fastllm.ops.lora_linear_multi import lora_linear_multi
+
     lora_as, lora_bs = ([None if p is None else p[j] for p in parts] for j in (0, 1))
     scalings = [1.0 if p is None else p[2] for p in parts]
     if "nf4" not in kinds:
