@@ -23,7 +23,16 @@ from fastllm import _extension
 
 BACKENDS = ("ref", "cpp", "triton", "cuda")
 
-_local = threading.local()
+
+class _Local(threading.local):
+    """Per-thread state; the class attributes are each new thread's values (a getattr default
+    on a plain threading.local raised and caught AttributeError on every read: 0.4 us)."""
+
+    forced = None  # the backend use_backend forces on this thread
+    validated = False  # inside validated()
+
+
+_local = _Local()
 _UNSET = object()
 
 
@@ -32,7 +41,7 @@ def use_backend(name):
     """Force `name` for every fastllm op called inside the block (this thread only)."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"fastllm: unknown backend {name!r}; choose one of {BACKENDS}")
-    previous = getattr(_local, "forced", None)
+    previous = _local.forced
     _local.forced = name
     try:
         yield
@@ -42,7 +51,7 @@ def use_backend(name):
 
 def thread_backend():
     """The backend use_backend forces on this thread, or None."""
-    return getattr(_local, "forced", None)
+    return _local.forced
 
 
 @contextlib.contextmanager
@@ -50,7 +59,7 @@ def validated():
     """Inside the block (this thread), ops skip their per-tensor argument checks: the caller
     (fastllm.optim.AdamW's step) has just checked the same tensors, with better names in its
     messages. Once per step instead of twice is what the Python overhead of a small step was."""
-    previous = getattr(_local, "validated", False)
+    previous = _local.validated
     _local.validated = True
     try:
         yield
@@ -59,7 +68,7 @@ def validated():
 
 
 def prevalidated():
-    return getattr(_local, "validated", False)
+    return _local.validated
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -97,18 +106,43 @@ def intercepted():
             or torch._C._get_tracing_state() is not None)
 
 
+# os.environ.get costs about 0.7 us (Mapping.get, the key encoded and the value decoded by Python
+# methods), and a patched model's step reads FASTLLM_BACKEND and TRITON_INTERPRET hundreds of
+# times. os.environ keeps its encoded items in `_data` (CPython's os._Environ, which every set
+# and delete updates, monkeypatch.setenv's included): read there in one dict lookup, and through
+# os.environ where an implementation has no such mapping.
+_ENV_DATA = getattr(os.environ, "_data", None)
+if not isinstance(_ENV_DATA, dict) or not callable(getattr(os.environ, "encodekey", None)):
+    _ENV_DATA = None
+
+
+def getenv(name, default=None):
+    """os.environ.get(name, default), without its per-call Python methods where it can (not
+    while torch.compile traces: dynamo knows os.environ, not its mapping)."""
+    if _ENV_DATA is None or torch.compiler.is_compiling():
+        return os.environ.get(name, default)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)
+    value = _ENV_DATA.get(key)
+    return default if value is None else os.environ.decodevalue(value)
+
+
+_ENV_KEYS = {}  # name -> os.environ's encoded key
+
+
 def env_choice(name, choices):
     """The value of environment variable `name`, one of `choices` ("auto", the first, when unset):
     the CPU policy switches (FASTLLM_CPU_LOWP_MATMUL, FASTLLM_CPU_FP32_MATMUL,
     FASTLLM_CPU_ATTENTION); anything else is refused by name."""
-    value = os.environ.get(name) or choices[0]  # (an empty value is unset, as FASTLLM_BACKEND's)
+    value = getenv(name) or choices[0]  # (an empty value is unset, as FASTLLM_BACKEND's)
     if value not in choices:
         raise ValueError(f"fastllm: {name}={value!r} is not one of {tuple(choices)}")
     return value
 
 
 def forced_backend():
-    name = getattr(_local, "forced", None) or os.environ.get("FASTLLM_BACKEND") or None
+    name = _local.forced or getenv("FASTLLM_BACKEND") or None
     if name is not None and name not in BACKENDS:
         raise ValueError(f"fastllm: FASTLLM_BACKEND={name!r} is not one of {BACKENDS}")
     return name
@@ -124,8 +158,9 @@ def device_guard(device):
         device = torch.device(device)
     # (only where the device is not already current: entering and leaving torch.cuda.device
     # costs microseconds, and a patched model's step makes hundreds of such calls)
-    if (device.type == "cuda" and device.index is not None
-            and device.index != torch.cuda.current_device()):
+    # (the index first: None on a CPU device, and cheaper to read than the type)
+    index = device.index
+    if index is not None and device.type == "cuda" and index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return _NO_GUARD
 
@@ -136,7 +171,7 @@ _TRUE = ("1", "true", "on", "yes", "y")
 
 
 def triton_interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
+    return getenv("TRITON_INTERPRET", "0").lower() in _TRUE
 
 
 # (import fastllm imports torch._dynamo, which imports triton.language: its functions are made

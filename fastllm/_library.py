@@ -183,8 +183,12 @@ def plain_eager(args):
     # a negated or conjugated view (x._neg_view(), z.conj().imag) goes through torch.ops too:
     # the dispatcher's fallbacks hand the kernels its values, which read raw memory; and a meta
     # tensor (a model built under torch.device("meta")), which has none: its fake kernel runs
-    return all(type(a) in _PLAIN and not (a.is_neg() or a.is_conj() or a.is_meta)
-               for a in args if isinstance(a, torch.Tensor))
+    # (a loop, not all() over a generator: this runs on every op call of a patched step)
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or a.is_neg() or a.is_conj()
+                                            or a.is_meta):
+            return False
+    return True
 
 
 def direct_op(name, impl):
@@ -267,9 +271,10 @@ def register_autograd(op, backward, *, setup_context, impl, materialize_grads=Tr
     def call(*args):
         if not plain_eager(args):
             return packet(*args)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                           for a in args):
-            return direct.apply(*args)
+        if torch.is_grad_enabled():
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    return direct.apply(*args)
         return impl(*args)
 
     call.__name__ = packet.__name__

@@ -63,7 +63,7 @@ def _widener(x):
 def linear_is_plain(x):
     """Whether fastllm.linear over x is exactly F.linear: neither CPU policy applies (always
     the case off the CPU)."""
-    return not (_lowp.widen(x) or _gemm.routes(x.device, x.dtype))
+    return not x.is_cpu or not (_lowp.widen(x) or _gemm.routes(x.device, x.dtype))
 
 
 def _linear_impl(x, weight, bias=None):
