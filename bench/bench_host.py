@@ -94,6 +94,7 @@ def model_op_pairs():
     returning a tensor of the op's result (the rotary pair: the sum of q's and k's)."""
     from fastllm.ops import (fused_linear_cross_entropy, lora_linear, rms_norm,
                              rotary_embedding, swiglu)
+    from fastllm.ops.gated_mlp import swiglu_mlp
 
     gen = torch.Generator().manual_seed(0)
 
@@ -106,6 +107,10 @@ def model_op_pairs():
     gate, up = r(16, 128), r(16, 128)
     base, a, b = r(64, 64, grad=False), r(8, 64), r(64, 8)
     hidden, head, labels = r(16, 64), r(256, 64), torch.randint(0, 256, (16,), generator=gen)
+    # (scaled as a model's are, 1 / sqrt(fan in): outputs of order 1, whose float rounding the
+    # same-maths check of tests/test_bench.py compares at 1e-5)
+    wg, wu, wd = ((torch.randn(*shape, generator=gen) / shape[1] ** 0.5).requires_grad_()
+                  for shape in ((128, 64), (128, 64), (64, 128)))
 
     def rope(t):  # Hugging Face's rotate-half form
         c, s_ = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -128,6 +133,10 @@ def model_op_pairs():
         "fused_linear_cross_entropy 16x64 -> 256": (
             lambda: fused_linear_cross_entropy(hidden, head, labels),
             lambda: F.cross_entropy(F.linear(hidden, head).float(), labels)),
+        # the patched MLP where its projections are plain layers (fastllm.ops.gated_mlp)
+        "swiglu_mlp 16x64 -> 128 -> 64": (
+            lambda: swiglu_mlp(x, wg, wu, wd),
+            lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)),
     }
     return pairs
 

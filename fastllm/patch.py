@@ -85,6 +85,8 @@ from fastllm._patch_match import (_is_attention, _is_backbone, _is_causal_lm,
 from fastllm._attention_plan import (ATTENTION_PLAN, attention_plan, fastllm_attention_applies,
                                      wants_attentions)
 from fastllm._dtensor import is_dtensor
+from fastllm.ops import gated_mlp
+from fastllm.ops.linear import linear_is_plain
 
 _PATCHED = "_fastllm_patched"
 
@@ -291,14 +293,17 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
 
 
 def _mlp_forward(self, x):
-    from fastllm.ops.swiglu import geglu, geglu_linear, swiglu, swiglu_linear
-
     if "gate_up_proj" in self._modules:  # Phi-3's: gate and up the halves of one projection
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         act = self.activation_fn
     else:
+        act = self._modules["act_fn"] if "act_fn" in self._modules else self.act_fn
+        out = _fused_mlp(self, x, act)
+        if out is not None:
+            return out
         gate, up = _project(x, [self.gate_proj, self.up_proj])
-        act = self.act_fn
+    from fastllm.ops.swiglu import geglu, geglu_linear, swiglu, swiglu_linear
+
     down = self.down_proj
     if is_dtensor(gate) or is_dtensor(up):  # a plan whose projections hand back DTensors
         return down(act(gate) * up)
@@ -318,6 +323,31 @@ def _mlp_forward(self, x):
     # a LoRA down_proj after SwiGLU: silu(gate) * up not kept either (after GeGLU it is)
     out = None if gelu else down_projection(down, gate, up)
     return down((geglu if gelu else swiglu)(gate, up)) if out is None else out
+
+
+def _fused_mlp(mlp, x, act):
+    """down(act(gate(x)) * up(x)) as one autograd node (fastllm.ops.gated_mlp: the host's work
+    of three layers' calls and nodes cut) where the three are plain nn.Linear layers that it
+    runs as their own forwards would: x's dtype, unsharded, no hooks, no autocast and none of
+    fastllm's CPU matmul policies (always so on a GPU); else None. (Each layer's parameters
+    are read from its _parameters: nn.Module.__getattr__ costs 0.6 us an attribute, and the
+    checks here run for every MLP call.)"""
+    gelu = False if _is_silu(act) else True if _is_tanh_gelu(act) else None
+    if gelu is None or is_dtensor(x) or _lowp.autocast_enabled(x.device.type) or (
+            not linear_is_plain(x)):
+        return None
+    modules = mlp._modules
+    params = []
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        layer = modules.get(name)
+        weight = layer._parameters["weight"] if type(layer) is nn.Linear else None
+        if (weight is None or weight.dtype != x.dtype or is_dtensor(weight)
+                or _hooked(layer)):
+            return None
+        params.append((weight, layer._parameters["bias"]))
+    (wg, bg), (wu, bu), (wd, bd) = params
+    # (looked up at call time, as the other kernels: tests count the calls)
+    return (gated_mlp.geglu_mlp if gelu else gated_mlp.swiglu_mlp)(x, wg, wu, wd, bg, bu, bd)
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,

@@ -62,6 +62,7 @@ KERNELS = {
     "rotary_embedding": "fastllm.ops.rotary_embedding",
     "swiglu": "fastllm.ops.swiglu",
     "swiglu_linear": "fastllm.ops.swiglu",
+    "swiglu_mlp": "fastllm.ops.gated_mlp",
     "fused_linear_cross_entropy": "fastllm.ops.fused_linear_cross_entropy",
     "vocab_parallel_fused_linear_cross_entropy": "fastllm.ops.vocab_parallel_cross_entropy",
     "linear": "fastllm.ops.linear",
@@ -412,6 +413,10 @@ def _expected_calls(layout):
     want = dict(EXPECTED_CALLS[layout])
     if layout in ROUTED_LINEAR_CALLS and _gemm.routes("cpu", torch.float32):
         want["linear"] = ROUTED_LINEAR_CALLS[layout]
+    elif "swiglu_linear" in want:
+        # F.linear is what the plain fp32 projections run here: each MLP is one node
+        # (fastllm.ops.gated_mlp), as on a GPU
+        want["swiglu_mlp"] = want.pop("swiglu_linear")
     if _attention_kernel():
         want.pop("scaled_dot_product_attention", None)
         want["attention"] = ATTENTION_CALLS.get(layout, 2)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fastllm import _backend, _extension, _lowp
 from fastllm._library import (direct_op, first_order_only, lib, on_forward_backend,
-                              register_autograd, remember_backend)
+                              plain_eager, register_autograd, remember_backend)
 from fastllm.ops.linear import _linear as _linear_op, _linear_backward, linear_is_plain
 
 _PREFERENCE = {"cpu": ("cpp", "ref"), "cuda": ("triton", "ref")}
@@ -109,7 +109,8 @@ def _kernels(gelu):
 
 def _register(name, forward, backward):
     """Registers fastllm::<name> and <name>_backward (impls, fakes, autograd); returns (the
-    autograd-aware op, the backward op called directly)."""
+    autograd-aware op, the backward op called directly, and pick(x): the kernels a node of
+    fastllm's that has checked for plain eager code calls instead)."""
     where = f"fastllm.{name}"
 
     def select(x):
@@ -149,9 +150,16 @@ def _register(name, forward, backward):
         dg, du, _ = backward_op(grad_y, gate, up, False)
         return dg, du
 
+    def pick(x):
+        """(backend, its forward and backward kernels): what a call over x of this op runs now,
+        for a node of fastllm's that has checked its arguments; the kernels called under
+        device_guard, with contiguous tensors (_direct)."""
+        backend = select(x)
+        return backend, forward[backend], backward[backend]
+
     op = register_autograd(f"fastllm::{name}", _backward, setup_context=_setup_context,
                            impl=impl)
-    return op, backward_op
+    return op, backward_op, pick
 
 
 def _setup_context(ctx, inputs, output):
@@ -159,10 +167,13 @@ def _setup_context(ctx, inputs, output):
 
 
 _FORWARD, _BACKWARD = _kernels(False)
-_swiglu, _swiglu_backward = _register("swiglu", _FORWARD, _BACKWARD)
-_geglu, _geglu_backward = _register("geglu", *_kernels(True))
-# (the activation's (op, backward op), by swiglu_linear's gelu flag)
+_swiglu, _swiglu_backward, _swiglu_pick = _register("swiglu", _FORWARD, _BACKWARD)
+_geglu, _geglu_backward, _geglu_pick = _register("geglu", *_kernels(True))
+# the activation's (op, backward op), by swiglu_linear's gelu flag; and its pick(x), for plain
+# eager code (fastllm._library.plain_eager), where the ops' own checks and call layers cost the
+# host more than the kernel launches (bench/host_gpu_path.py)
 _OPS = {False: (_swiglu, _swiglu_backward), True: (_geglu, _geglu_backward)}
+_PICK = {False: _swiglu_pick, True: _geglu_pick}
 
 
 def swiglu(gate, up):
@@ -184,8 +195,15 @@ class _SwiGLULinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, gelu):
-        act, _ = _OPS[gelu]
+        # in plain eager code (checked once here) the kernels are called without their op's
+        # dispatch checks; traced or under a mode, through the op
+        ctx.direct = plain_eager((gate, up, weight))
         ctx.gelu = gelu
+        if ctx.direct:
+            check_swiglu_args(gate, up, f"fastllm.{'geglu' if gelu else 'swiglu'}_linear")
+            act = _direct(ctx, _PICK[gelu](gate), gate.device)
+        else:
+            act = _OPS[gelu][0]
         h = act(gate, up)
         # fastllm.linear where a CPU policy applies (fastllm/_lowp.py, _gemm.py); else (a GPU)
         # F.linear and torch.mm in the backward: the same products without the op's Python
@@ -203,7 +221,9 @@ class _SwiGLULinear(torch.autograd.Function):
     @first_order_only(lambda ctx: f"fastllm.{'geglu' if ctx.gelu else 'swiglu'}_linear")
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
-        act, act_backward = _OPS[ctx.gelu]
+        # (compiled autograd traces this: the ops then)
+        direct = ctx.direct and not _backend.intercepted()
+        act, act_backward = ctx.kernels if direct else _OPS[ctx.gelu]
         need_g, need_u, need_w, need_b = ctx.needs_input_grad[:4]
         need_h, need_b = need_g or need_u, need_b and ctx.has_bias
         dgate = dup = h = dw = db = None
@@ -226,6 +246,26 @@ class _SwiGLULinear(torch.autograd.Function):
             _, dw, db = _plain_linear_grads(grad_out, h if need_w else gate, weight, False,
                                             need_w, need_b)
         return dgate, dup, dw, db, None
+
+
+def _direct(ctx, picked, device):
+    """Keeps in ctx.backend the backend pick(x) chose and in ctx.kernels (forward(gate, up),
+    backward(dy, gate, up, need_h)) its kernels as the ops' implementations call them: under
+    device_guard, on contiguous tensors (backward's h None unless need_h); returns forward.
+    For nodes of fastllm's in plain eager code, whose arguments are checked: their backward
+    runs the forward's backend by construction, on whatever thread autograd runs it."""
+    ctx.backend, forward, backward = picked
+
+    def act(gate, up):
+        with _backend.device_guard(device):
+            return forward(gate.contiguous(), up.contiguous())
+
+    def act_backward(dy, gate, up, need_h):
+        with _backend.device_guard(device):
+            return backward(dy.contiguous(), gate.contiguous(), up.contiguous(), need_h)
+
+    ctx.kernels = act, act_backward
+    return act
 
 
 def _plain_linear_grads(grad_out, h, weight, need_h, need_w, need_b):
