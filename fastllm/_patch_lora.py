@@ -17,13 +17,18 @@ from torch import nn
 from fastllm import _lowp
 from fastllm._dtensor import is_dtensor
 from fastllm._hooks import hooked
+from fastllm.lora import LoRALinear
+from fastllm.quant import NF4Linear
+
+# (These run for every projection call of a patched model: parameters and submodules are read
+# from the modules' _parameters and _modules, not through nn.Module.__getattr__, 0.6 us each,
+# and is_dora from the class, whose absence on a plain layer would raise and catch an
+# AttributeError there.)
 
 
 def base_kind(layer):
     """"dense" (a plain nn.Linear), "nf4" (fastllm.quant's NF4Linear), unsharded; else None."""
-    from fastllm.quant import NF4Linear
-
-    if type(layer) is nn.Linear and not is_dtensor(layer.weight):
+    if type(layer) is nn.Linear and not is_dtensor(layer._parameters["weight"]):
         return "dense"
     if type(layer) is NF4Linear and not is_dtensor(layer.weight_packed):
         return "nf4"
@@ -34,11 +39,12 @@ def _adapter(layer, dora=False):
     """A fastllm LoRALinear that runs unmerged on an unsharded plain or NF4 base; else None.
     (DoRA layers, with a magnitude the shared-input path knows nothing of, unless `dora`, and
     layers sharded by fastllm.parallel run their own forward.)"""
-    from fastllm.lora import LoRALinear
-
-    if isinstance(layer, LoRALinear) and base_kind(layer.base_layer) and (dora or not getattr(
-            layer, "is_dora", False)) and not layer.merged and not layer.disabled and not any(
-            is_dtensor(t) for t in (layer.lora_A, layer.lora_B)):
+    if not isinstance(layer, LoRALinear):
+        return None
+    params = layer._parameters
+    if base_kind(layer._modules["base_layer"]) and (dora or not getattr(
+            type(layer), "is_dora", False)) and not layer.merged and not layer.disabled and not (
+            is_dtensor(params["lora_A"]) or is_dtensor(params["lora_B"])):
         return layer
     return None
 
@@ -47,7 +53,7 @@ def lora_parts(layer):
     """(A, B, scaling) of a fastllm LoRALinear that lora_linear_multi can take, else None (with
     dropout in training each projection sees its own dropout(x): no shared read)."""
     if _adapter(layer) is not None and (layer.dropout == 0.0 or not layer.training):
-        return layer.lora_A, layer.lora_B, layer.scaling
+        return layer._parameters["lora_A"], layer._parameters["lora_B"], layer.scaling
     return None
 
 
@@ -57,7 +63,8 @@ def project(x, layers):
     parts = [lora_parts(layer) for layer in layers]
     if sum(p is not None for p in parts) < 2:  # (first: a model without LoRA pays this alone)
         return [layer(x) for layer in layers]
-    bases = [layer if p is None else layer.base_layer for layer, p in zip(layers, parts)]
+    bases = [layer if p is None else layer._modules["base_layer"]
+             for layer, p in zip(layers, parts)]
     kinds = [base_kind(b) for b in bases]
     # (a layer neither LoRA nor a plain base, e.g. a DoRA layer, has kind None)
     if None in kinds or any(map(hooked, layers)):
@@ -67,8 +74,8 @@ def project(x, layers):
     lora_as, lora_bs = ([None if p is None else p[j] for p in parts] for j in (0, 1))
     scalings = [1.0 if p is None else p[2] for p in parts]
     if "nf4" not in kinds:
-        return lora_linear_multi(x, [b.weight for b in bases], lora_as, lora_bs, scalings,
-                                 [b.bias for b in bases])
+        return lora_linear_multi(x, [b._parameters["weight"] for b in bases], lora_as, lora_bs,
+                                 scalings, [b._parameters["bias"] for b in bases])
     from fastllm.quant import nf4_lora_linear_multi
 
     # (the layers' own rules otherwise: x cast to the compute dtype, autocast, fp32 adapters)
@@ -91,7 +98,7 @@ def down_projection(down, gate, up):
             kind == "dense" and base.weight.requires_grad):
         return None
     scale = None
-    if getattr(layer, "is_dora", False):
+    if getattr(type(layer), "is_dora", False):
         if layer.lora_A.dtype != gate.dtype:
             return None  # (DoRA's fp32-adapter sum: the layer's own forward)
         scale = layer.row_scale(gate.dtype)
