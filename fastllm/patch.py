@@ -341,8 +341,8 @@ def _fused_mlp(mlp, x, act):
     for name in ("gate_proj", "up_proj", "down_proj"):
         layer = modules.get(name)
         weight = layer._parameters["weight"] if type(layer) is nn.Linear else None
-        if (weight is None or weight.dtype != x.dtype or is_dtensor(weight)
-                or _hooked(layer)):
+        if (weight is None or weight.dtype != x.dtype or weight.device != x.device
+                or is_dtensor(weight) or _hooked(layer)):
             return None
         params.append((weight, layer._parameters["bias"]))
     (wg, bg), (wu, bu), (wd, bd) = params
