@@ -109,23 +109,28 @@ def intercepted():
 # os.environ.get costs about 0.7 us (Mapping.get, the key encoded and the value decoded by Python
 # methods), and a patched model's step reads FASTLLM_BACKEND and TRITON_INTERPRET hundreds of
 # times. os.environ keeps its encoded items in `_data` (CPython's os._Environ, which every set
-# and delete updates, monkeypatch.setenv's included): read there in one dict lookup, and through
-# os.environ where an implementation has no such mapping.
-_ENV_DATA = getattr(os.environ, "_data", None)
-if not isinstance(_ENV_DATA, dict) or not callable(getattr(os.environ, "encodekey", None)):
-    _ENV_DATA = None
+# and delete updates, monkeypatch.setenv's included): read there in one dict lookup; through
+# os.environ.get where it has no such mapping (another implementation, or os.environ replaced
+# by a plain mapping, as a test's mock may) and while torch.compile traces (dynamo knows
+# os.environ, not its mapping).
 
 
 def getenv(name, default=None):
-    """os.environ.get(name, default), without its per-call Python methods where it can (not
-    while torch.compile traces: dynamo knows os.environ, not its mapping)."""
-    if _ENV_DATA is None or torch.compiler.is_compiling():
-        return os.environ.get(name, default)
+    """os.environ.get(name, default), without its per-call Python methods where it can."""
+    environ = os.environ
+    if type(environ) is not _ENVIRON_TYPE or torch.compiler.is_compiling():
+        return environ.get(name, default)
     key = _ENV_KEYS.get(name)
     if key is None:
-        key = _ENV_KEYS[name] = os.environ.encodekey(name)
-    value = _ENV_DATA.get(key)
-    return default if value is None else os.environ.decodevalue(value)
+        key = _ENV_KEYS[name] = environ.encodekey(name)
+    value = environ._data.get(key)
+    return default if value is None else environ.decodevalue(value)
+
+
+# os._Environ, where its instances keep their items in a dict `_data`; else None (every read
+# through os.environ.get)
+_ENVIRON_TYPE = type(os.environ) if isinstance(getattr(os.environ, "_data", None), dict) and all(
+    callable(getattr(os.environ, f, None)) for f in ("encodekey", "decodevalue")) else None
 
 
 _ENV_KEYS = {}  # name -> os.environ's encoded key

@@ -29,15 +29,21 @@ def user_hooked(module, offload_only=False):
     offload_only: an accelerate hook counts only where it may move the weights (offloading, or
     a hook of unknown kind), not the device alignment a multi-device dispatch puts on every
     layer (the LoRA layers keep their fused op under it: their weights are where they are)."""
-    # (each dict tested for emptiness first: the common case, without a call)
-    if ((nn_module._global_forward_hooks and _users(nn_module._global_forward_hooks))
-            or (nn_module._global_forward_pre_hooks
-                and _users(nn_module._global_forward_pre_hooks))):
-        return True
+    # (each dict tested for emptiness first: the common case, without a call) A backward hook
+    # counts too: it fires only where the module itself is called.
+    for hooks in (nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
+                  nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks):
+        if hooks and _users(hooks):
+            return True
     hf = module.__dict__.get("_hf_hook")
-    return ((hf is not None and (not offload_only or _moves_weights(hf)))
-            or bool(module._forward_hooks and _users(module._forward_hooks))
-            or bool(module._forward_pre_hooks and _users(module._forward_pre_hooks)))
+    if hf is not None and (not offload_only or _moves_weights(hf)):
+        return True
+    for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                 "_backward_pre_hooks"):
+        hooks = module.__dict__.get(name)
+        if hooks and _users(hooks):
+            return True
+    return False
 
 
 def _moves_weights(hook):

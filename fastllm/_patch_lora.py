@@ -12,6 +12,7 @@ autocast, an NF4 layer whose compute dtype is not the input's, fp32 adapters bes
 in the shared read) calls the layers one by one, which gives the same values.
 """
 
+import torch
 from torch import nn
 
 from fastllm import _lowp
@@ -26,9 +27,14 @@ from fastllm.quant import NF4Linear
 # AttributeError there.)
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 def base_kind(layer):
-    """"dense" (a plain nn.Linear), "nf4" (fastllm.quant's NF4Linear), unsharded; else None."""
-    if type(layer) is nn.Linear and not is_dtensor(layer._parameters["weight"]):
+    """"dense" (a plain nn.Linear whose weight is a plain tensor: not a DTensor, nor another
+    subclass, nor taken out of _parameters by torch.nn.utils.prune or weight_norm), "nf4"
+    (fastllm.quant's NF4Linear), unsharded; else None."""
+    if type(layer) is nn.Linear and type(layer._parameters.get("weight")) in _PLAIN:
         return "dense"
     if type(layer) is NF4Linear and not is_dtensor(layer.weight_packed):
         return "nf4"
@@ -42,9 +48,9 @@ def _adapter(layer, dora=False):
     if not isinstance(layer, LoRALinear):
         return None
     params = layer._parameters
-    if base_kind(layer._modules["base_layer"]) and (dora or not getattr(
-            type(layer), "is_dora", False)) and not layer.merged and not layer.disabled and not (
-            is_dtensor(params["lora_A"]) or is_dtensor(params["lora_B"])):
+    if base_kind(layer._modules.get("base_layer")) and (dora or not getattr(
+            type(layer), "is_dora", False)) and not layer.merged and not layer.disabled and (
+            type(params.get("lora_A")) in _PLAIN and type(params.get("lora_B")) in _PLAIN):
         return layer
     return None
 
@@ -75,7 +81,7 @@ def project(x, layers):
     scalings = [1.0 if p is None else p[2] for p in parts]
     if "nf4" not in kinds:
         return lora_linear_multi(x, [b._parameters["weight"] for b in bases], lora_as, lora_bs,
-                                 scalings, [b._parameters["bias"] for b in bases])
+                                 scalings, [b._parameters.get("bias") for b in bases])
     from fastllm.quant import nf4_lora_linear_multi
 
     # (the layers' own rules otherwise: x cast to the compute dtype, autocast, fp32 adapters)

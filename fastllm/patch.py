@@ -89,6 +89,7 @@ from fastllm.ops import gated_mlp
 from fastllm.ops.linear import linear_is_plain
 
 _PATCHED = "_fastllm_patched"
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 # the kinds of swap, as patch()'s keyword arguments name them
 KINDS = ("rms_norm", "rotary", "swiglu", "cross_entropy", "linear")
@@ -340,11 +341,18 @@ def _fused_mlp(mlp, x, act):
     params = []
     for name in ("gate_proj", "up_proj", "down_proj"):
         layer = modules.get(name)
-        weight = layer._parameters["weight"] if type(layer) is nn.Linear else None
-        if (weight is None or weight.dtype != x.dtype or weight.device != x.device
-                or is_dtensor(weight) or _hooked(layer)):
+        # (hooks first: torch.nn.utils.prune and weight_norm take the weight out of _parameters
+        # and make it in a forward pre-hook)
+        if type(layer) is not nn.Linear or _hooked(layer):
             return None
-        params.append((weight, layer._parameters["bias"]))
+        weight, bias = layer._parameters.get("weight"), layer._parameters.get("bias")
+        # plain tensors only: a tensor subclass (DTensor, a quantised weight kept in an exact
+        # nn.Linear) multiplies through its own F.linear, not this node's torch.mm
+        if (type(weight) not in _PLAIN_TENSORS or weight.dtype != x.dtype
+                or weight.device != x.device
+                or (bias is not None and type(bias) not in _PLAIN_TENSORS)):
+            return None
+        params.append((weight, bias))
     (wg, bg), (wu, bu), (wd, bd) = params
     # (looked up at call time, as the other kernels: tests count the calls)
     return (gated_mlp.geglu_mlp if gelu else gated_mlp.swiglu_mlp)(x, wg, wu, wd, bg, bu, bd)

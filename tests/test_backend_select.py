@@ -299,6 +299,10 @@ def test_environment_reads_follow_os_environ(monkeypatch):
     assert _backend.getenv(name) == "b"
     monkeypatch.delenv(name)
     assert _backend.getenv(name) is None
+    monkeypatch.setattr(os, "environ", {name: "c"})  # replaced by a plain mapping (a mock's)
+    assert _backend.getenv(name) == "c"
+    monkeypatch.undo()
+    assert _backend.getenv(name) is None
     monkeypatch.setenv("FASTLLM_BACKEND", "ref")
     assert _backend.forced_backend() == "ref"
     monkeypatch.setenv("FASTLLM_BACKEND", "fortran")

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune  # noqa: F401  (torch.nn.utils.prune below)
 
 import fastllm
 from fastllm.ops.gated_mlp import geglu_mlp, geglu_mlp_ref, swiglu_mlp, swiglu_mlp_ref
@@ -76,6 +77,52 @@ def test_partial_grads_and_shapes(act, trained, rows):
     want = grads([ref(x, *weights)], leaves, [g])
     for a, w in zip(got, want):
         torch.testing.assert_close(a, w)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("wanted", ["down", "biases", "gate", "x"])
+def test_one_kind_of_grad(act, wanted):
+    """Only down's weight (the product made again from gate and up alone), only the biases, only
+    gate's weight, or only x needs a grad: autograd's grads through the reference, fp64."""
+    op, ref, _ = ACTS[act]
+    x, weights, biases = _mlp_inputs(torch.float64)
+    leaves = {"down": [weights[2]], "biases": biases, "gate": [weights[0]], "x": [x]}[wanted]
+    for t in (x, *weights, *biases):
+        t.requires_grad_(any(t is leaf for leaf in leaves))
+    g = torch.randn(3, 5, 17, dtype=torch.float64)
+    got = grads([op(x, *weights, *biases)], leaves, [g])
+    want = grads([ref(x, *weights, *biases)], leaves, [g])
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_forced_backend_holds_for_the_backward(backend, device):
+    """use_backend (and FASTLLM_BACKEND) pick the SwiGLU kernels the node runs, forward and
+    backward: the backward on another thread keeps the forward's choice."""
+    import threading
+
+    x, weights, biases = _mlp_inputs(torch.float32, device)
+    with fastllm.use_backend(backend):
+        out = swiglu_mlp(x, *weights, *biases)
+    assert out.grad_fn.backend == backend
+    worker = threading.Thread(target=lambda: out.sum().backward())
+    worker.start()
+    worker.join()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_under_autocast_the_products_are_cast_as_f_linear_casts():
+    """Under CPU autocast (bf16) the inputs are cast as F.linear's are: the output is the
+    bf16 node's, and the grads reach the fp32 leaves in fp32."""
+    x, weights, biases = _mlp_inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = swiglu_mlp(x, *weights, *biases)
+    want = swiglu_mlp(*(t.detach().bfloat16() for t in (x, *weights, *biases)))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32
+               for t in (x, *weights, *biases))
 
 
 @pytest.mark.parametrize("trained", ["all", "weights", "inputs"])
@@ -171,5 +218,16 @@ def test_patch_takes_it_where_linear_is_plain(monkeypatch, tiny_llama):
     handle = mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     assert type(mlp(x).grad_fn).__name__ != "_GatedMLPBackward" and seen == [(2, 3, 40)]
     handle.remove()
+    seen.clear()  # a backward hook fires only where the layer itself is called
+    handle = mlp.gate_proj.register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    out = mlp(x)
+    assert type(out.grad_fn).__name__ != "_GatedMLPBackward"
+    out.sum().backward()
+    assert seen == [1]
+    handle.remove()
+    assert type(mlp(x).grad_fn).__name__ == "_GatedMLPBackward"
+    pruned = copy.deepcopy(mlp)  # prune takes the weight out of _parameters, into a pre-hook
+    torch.nn.utils.prune.l1_unstructured(pruned.up_proj, "weight", amount=0.5)
+    assert type(pruned(x).grad_fn).__name__ != "_GatedMLPBackward"
     fastllm.lora.inject_lora(mlp, ["gate_proj"], r=2)
     assert type(mlp(x).grad_fn).__name__ != "_GatedMLPBackward"

@@ -1,5 +1,5 @@
-"""fastllm.ops.swiglu_mlp / geglu_mlp: a gated MLP of three plain linear layers as one autograd
-node, for the GPU path's host cost.
+"""fastllm.ops.gated_mlp.swiglu_mlp / geglu_mlp: a gated MLP of three plain linear layers as one
+autograd node, for the GPU path's host cost.
 
     y = down(act(gate(x)) * up(x)),   gate(x) = x Wg^T + bg, up(x) = x Wu^T + bu, down likewise
 
@@ -29,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastllm import _backend
+from fastllm import _backend, _lowp
 from fastllm._library import first_order_only, on_forward_backend, plain_eager, remember_backend
 from fastllm.ops.swiglu import _DTYPES, _OPS, _PICK, _direct, geglu_ref, swiglu_ref
 
@@ -138,6 +138,11 @@ def _check(where, x, weights, biases):
 
 
 def _gated_mlp(x, weights, biases, gelu):
+    device_type = x.device.type
+    if _lowp.autocast_enabled(device_type):  # the three products cast as F.linear's would be
+        cast = _lowp.autocast_args(device_type, x, *weights, *biases)
+        with torch.autocast(device_type, enabled=False):
+            return _gated_mlp(cast[0], cast[1:4], cast[4:], gelu)
     _check(f"fastllm.{'geglu' if gelu else 'swiglu'}_mlp", x, weights, biases)
     return _GatedMLP.apply(x, *weights, *biases, gelu)
 
@@ -147,7 +152,8 @@ def swiglu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=N
     """down(silu(gate(x)) * up(x)) of three linear layers' weights (and biases), one autograd
     node. x: (..., H); gate_weight, up_weight: (F, H); down_weight: (O, F); one dtype and
     device. The products are F.linear / torch.mm: not fastllm's CPU matmul policies (see
-    fastllm.ops.linear), which fastllm.patch keeps by taking this only where they do not apply."""
+    fastllm.ops.linear), which fastllm.patch keeps by taking this only where they do not apply.
+    Under autocast the inputs are cast as F.linear's are."""
     return _gated_mlp(x, (gate_weight, up_weight, down_weight), (gate_bias, up_bias, down_bias),
                       False)
 
