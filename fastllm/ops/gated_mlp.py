@@ -15,9 +15,10 @@ node that runs the five GEMMs and one SwiGLU backward pass, with the kernels cho
 
 Saved for the backward: gate(x), up(x) and, where gate's or up's weight needs a grad, x, as
 nn.Linear's and swiglu_linear's would be (the product act(gate) * up is not kept: the SwiGLU
-backward pass writes it again where down's weight grad needs it, as in swiglu_linear). The grads are those of the three layers one after
-the other, up to the order of sums: dx = dgate Wg + dup Wu is one GEMM adding into the other
-(beta = 1, one rounding of their sum) where autograd adds two rounded products.
+backward pass writes it again where down's weight grad needs it, as in swiglu_linear). The grads
+are those of the three layers one after the other, up to the order of sums: dx = dgate Wg + dup Wu
+is one GEMM adding into the other (beta = 1, one rounding of their sum) where autograd adds two
+rounded products.
 
 fastllm.patch takes it for an MLP of three plain nn.Linear layers in x's dtype where fastllm's
 CPU matmul policies do not apply (always on a GPU: `linear_is_plain`); LoRA layers, DTensor
@@ -29,9 +30,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastllm import _backend, _lowp
-from fastllm._library import first_order_only, on_forward_backend, plain_eager, remember_backend
-from fastllm.ops.swiglu import _DTYPES, _OPS, _PICK, _direct, geglu_ref, swiglu_ref
+from fastllm import _lowp
+from fastllm._library import first_order_only, on_forward_backend, remember_backend
+from fastllm.ops.swiglu import (_DTYPES, backward_activation, forward_activation, geglu_ref,
+                                swiglu_ref)
 
 
 def swiglu_mlp_ref(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None,
@@ -52,13 +54,7 @@ class _GatedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
                 gelu):
-        # in plain eager code (checked once here) the SwiGLU kernels are called without their
-        # op's dispatch checks; traced or under a mode, through the op
-        ctx.direct = plain_eager((x, gate_weight, up_weight, down_weight))
-        if ctx.direct:  # (the kernels of this call's backend, kept for the backward)
-            act = _direct(ctx, _PICK[gelu](x), x.device)
-        else:
-            act = _OPS[gelu][0]
+        act = forward_activation(ctx, x, gelu, (x, gate_weight, up_weight, down_weight))
         gate = F.linear(x, gate_weight, gate_bias)
         up = F.linear(x, up_weight, up_bias)
         out = F.linear(act(gate, up), down_weight, down_bias)
@@ -68,7 +64,6 @@ class _GatedMLP(torch.autograd.Function):
         ctx.save_for_backward(x if keep_x else None, gate_weight, up_weight, down_weight, gate,
                               up)
         ctx.x_shape = x.shape
-        ctx.gelu = gelu
         ctx.has_bias = (gate_bias is not None, up_bias is not None, down_bias is not None)
         remember_backend(ctx)
         return out
@@ -81,9 +76,7 @@ class _GatedMLP(torch.autograd.Function):
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         need_bg, need_bu, need_bd = (n and b for n, b in zip(ctx.needs_input_grad[4:7],
                                                                ctx.has_bias))
-        # (compiled autograd traces this: the ops then)
-        direct = ctx.direct and not _backend.intercepted()
-        act, act_backward = ctx.kernels if direct else _OPS[ctx.gelu]
+        act, act_backward = backward_activation(ctx)
         shape = ctx.x_shape
         rows = math.prod(shape[:-1])  # (reshape(-1, 0) cannot infer it: a 0-feature layer)
         dy = grad_out.reshape(rows, wd.shape[0])

@@ -195,15 +195,9 @@ class _SwiGLULinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, gelu):
-        # in plain eager code (checked once here) the kernels are called without their op's
-        # dispatch checks; traced or under a mode, through the op
-        ctx.direct = plain_eager((gate, up, weight))
-        ctx.gelu = gelu
-        if ctx.direct:
-            check_swiglu_args(gate, up, f"fastllm.{'geglu' if gelu else 'swiglu'}_linear")
-            act = _direct(ctx, _PICK[gelu](gate), gate.device)
-        else:
-            act = _OPS[gelu][0]
+        where = f"fastllm.{'geglu' if gelu else 'swiglu'}_linear"
+        act = forward_activation(ctx, gate, gelu, (gate, up, weight),
+                                 check=lambda: check_swiglu_args(gate, up, where))
         h = act(gate, up)
         # fastllm.linear where a CPU policy applies (fastllm/_lowp.py, _gemm.py); else (a GPU)
         # F.linear and torch.mm in the backward: the same products without the op's Python
@@ -221,9 +215,7 @@ class _SwiGLULinear(torch.autograd.Function):
     @first_order_only(lambda ctx: f"fastllm.{'geglu' if ctx.gelu else 'swiglu'}_linear")
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
-        # (compiled autograd traces this: the ops then)
-        direct = ctx.direct and not _backend.intercepted()
-        act, act_backward = ctx.kernels if direct else _OPS[ctx.gelu]
+        act, act_backward = backward_activation(ctx)
         need_g, need_u, need_w, need_b = ctx.needs_input_grad[:4]
         need_h, need_b = need_g or need_u, need_b and ctx.has_bias
         dgate = dup = h = dw = db = None
@@ -248,24 +240,41 @@ class _SwiGLULinear(torch.autograd.Function):
         return dgate, dup, dw, db, None
 
 
-def _direct(ctx, picked, device):
-    """Keeps in ctx.backend the backend pick(x) chose and in ctx.kernels (forward(gate, up),
-    backward(dy, gate, up, need_h)) its kernels as the ops' implementations call them: under
-    device_guard, on contiguous tensors (backward's h None unless need_h); returns forward.
-    For nodes of fastllm's in plain eager code, whose arguments are checked: their backward
-    runs the forward's backend by construction, on whatever thread autograd runs it."""
-    ctx.backend, forward, backward = picked
+def forward_activation(ctx, x, gelu, tensors, check=None):
+    """The activation forward(gate, up) a node of fastllm's runs over x (SwiGLU, or GeGLU where
+    gelu); keeps in ctx what backward_activation(ctx) needs. In plain eager code (checked once
+    here, over `tensors`; then `check()`, the arguments' own check) the kernels of the backend
+    pick(x) chooses, called as the ops' implementations call them (under device_guard, on
+    contiguous tensors), without the ops' dispatch checks and call layers; the choice is kept in
+    ctx.backend, so the backward runs it by construction, on whatever thread autograd runs it.
+    Traced or under a mode, the op itself."""
+    ctx.gelu = gelu
+    ctx.direct = plain_eager(tensors)
+    if not ctx.direct:
+        return _OPS[gelu][0]
+    if check is not None:
+        check()
+    ctx.backend, forward, backward = _PICK[gelu](x)
+    device = x.device
 
     def act(gate, up):
         with _backend.device_guard(device):
             return forward(gate.contiguous(), up.contiguous())
 
-    def act_backward(dy, gate, up, need_h):
+    def act_backward(dy, gate, up, need_h):  # (h None unless need_h)
         with _backend.device_guard(device):
             return backward(dy.contiguous(), gate.contiguous(), up.contiguous(), need_h)
 
     ctx.kernels = act, act_backward
     return act
+
+
+def backward_activation(ctx):
+    """(forward, backward) of the activation for the backward of a node whose forward called
+    forward_activation: its kernels, or the ops (also where compiled autograd traces it)."""
+    if ctx.direct and not _backend.intercepted():
+        return ctx.kernels
+    return _OPS[ctx.gelu]
 
 
 def _plain_linear_grads(grad_out, h, weight, need_h, need_w, need_b):
