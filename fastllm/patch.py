@@ -34,8 +34,9 @@ What is swapped, per module instance (the class and every other model are untouc
     *Model (the decoder -> its own forward, which in training hands the attention layers the
      stack)                attention plan (fastllm/_attention_plan.py) when it is called directly
                            (TRL's fused LM head, cross_entropy=False); with rotary
-Each swap is an instance attribute `forward` (functools.partial of the replacement and the
-module, so a patched model pickles), so parameters, names, state_dicts, hooks, PEFT's wrappers
+Each swap is an instance attribute `forward` (the replacement bound to the module: one compiled
+graph for all decoder layers under per-block compile, and a patched model pickles; see
+fastllm/_patch_bind.py), so parameters, names, state_dicts, hooks, PEFT's wrappers
 (patch before or after get_peft_model), gradient checkpointing and torch.compile see the model
 they expect. Under an accelerate hook (device_map dispatch, cpu_offload) the swap is the
 hook's `_old_forward`, which the hook calls; another instance `forward` already there is refused.
@@ -69,14 +70,13 @@ on local tensors where that is the same maths, else the module's own computation
                            original forward
 """
 
-import functools
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import _gemm, _hf, _lowp
+from fastllm import _gemm, _hf, _lowp, _patch_bind
 from fastllm._hooks import hooked as _hooked
 from fastllm._patch_lora import down_projection, project as _project
 from fastllm._patch_match import (_is_attention, _is_backbone, _is_causal_lm,
@@ -426,8 +426,7 @@ _REPLACEMENTS = (_linear_forward, _rms_norm_forward, _gemma_rms_norm_forward, _a
 
 
 def _is_ours(f, module):
-    return (isinstance(f, functools.partial) and f.func in _REPLACEMENTS
-            and len(f.args) == 1 and f.args[0] is module)
+    return _patch_bind.is_ours(f, module, _REPLACEMENTS)
 
 
 def _is_patched(m):
@@ -458,8 +457,7 @@ def _bind(module, kind, fn, slot):
     module.__dict__.pop("_fastllm_previous_forward", None)  # a stale patch's (_is_patched)
     if slot in module.__dict__:
         module._fastllm_previous_forward = module.__dict__[slot]
-    # a partial of a module-level function pickles by name (a bound method would not unpickle)
-    setattr(module, slot, functools.partial(fn, module))
+    _patch_bind.bind(module, slot, fn)
     setattr(module, _PATCHED, kind)
     # the cache keyword of what the forward hands the cache to, filled now, not by the first
     # forward: torch.compile guards on that cache's contents, and a first trace that filled it
@@ -566,6 +564,7 @@ def unpatch(model):
         for attr in (_PATCHED, "_fastllm_eager_attention", "_fastllm_output_cls",
                      "_fastllm_previous_forward"):
             d.pop(attr, None)
+        _patch_bind.unbind(m)
     _hf.hub_kernels_on([m for m in model.modules()
                         if m.__dict__.pop("_fastllm_use_kernels", False)])
     return model

@@ -381,6 +381,26 @@ def test_torch_compile():
     _assert_same(_loss_and_grads(model, ids, labels, run=compiled), theirs)
 
 
+def test_per_block_compile_is_one_graph_for_all_layers():
+    """torchtitan's per-block compile (`layer.compile()` for each decoder layer) of a patched
+    model: one graph for every layer (each patched forward bound to its module, which dynamo
+    guards by function; a functools.partial per module was guarded by identity and compiled
+    again per layer) and the unpatched model's loss and grads."""
+    from torch._dynamo.utils import counters
+
+    model = _model(num_hidden_layers=3)
+    ids, labels = _batch()
+    theirs = _loss_and_grads(model, ids, labels, lambda **kw: model(**kw, use_cache=False))
+    fastllm.patch(model)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    ours = _loss_and_grads(model, ids, labels, lambda **kw: model(**kw, use_cache=False))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    _assert_same(ours, theirs)
+
+
 def test_torch_compile_fullgraph_with_packed_position_ids():
     """Packed rows (position ids restarting) through a fullgraph compile of the patched model:
     no host read of the documents while tracing (the attention plan decides as for plain rows
@@ -813,8 +833,33 @@ def test_patched_model_pickles_and_deep_copies():
     buf.seek(0)
     for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
         assert fastllm.patched(other) == fastllm.patched(model)
-        assert other.lm_head.forward.args[0] is other.lm_head
+        assert other.lm_head.forward.__self__ is other.lm_head
         _assert_same(_loss_and_grads(other, ids, labels), want)
         fastllm.unpatch(other)
+        assert not any(k in m.__dict__ for m in other.modules()
+                       for k in ("forward", "__reduce_ex__"))
         _assert_same(_loss_and_grads(other, ids, labels), want)
     assert fastllm.patched(model)["cross_entropy"] == 1
+
+
+def test_model_pickled_with_partial_forwards_is_recognised():
+    """A model pickled by fastllm before 2026-12-07 carries functools.partials of the
+    replacements over their modules: patched() counts them, patch() leaves them, unpatch()
+    removes them."""
+    import functools
+
+    model = fastllm.patch(_model())
+    ids, labels = _batch()
+    want = _loss_and_grads(model, ids, labels)
+    counts = fastllm.patched(model)
+    for m in model.modules():
+        if "forward" in m.__dict__:
+            m.forward = functools.partial(m.forward.__func__, m)
+        m.__dict__.pop("__reduce_ex__", None)
+    assert fastllm.patched(model) == counts
+    fastllm.patch(model)
+    assert all(type(m.__dict__.get("forward", functools.partial(id))) is functools.partial
+               for m in model.modules())
+    _assert_same(_loss_and_grads(model, ids, labels), want)
+    fastllm.unpatch(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())

@@ -263,6 +263,7 @@ def _train_tp(rank, folder):
     return fastllm.patched(trainer.module)
 
 
+COMPILED_ARGS = ("checkpoint_ratio=0.5", "torch_compile=true")
 QLORA_ARGS = ("finetune=lora", "lora.quantize_base=nf4", "lora.target_modules=all-linear",
               "micro_batch_size=2", f"checkpoint.interval={TRAIN_STEPS}")
 # QDoRA: weight norms from NF4; q/v only: the other NF4 layers, with no adapter, save their
@@ -305,6 +306,24 @@ def _nf4_mixed_precision_refused():
     return None, True
 
 
+def _train_fsdp_compiled(rank, folder):
+    """`fastllm train parallel.strategy=fsdp torch_compile=true` (the run joins this process
+    group): each decoder layer compiled, then sharded; its graph breaks and graphs."""
+    from torch._dynamo.utils import counters
+
+    from fastllm.parallel import decoder_layers
+    from fastllm.train import TrainConfig, Trainer
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = Trainer(TrainConfig.from_args(_train_args(
+        folder, os.path.join(folder, "fsdp_compiled"), *COMPILED_ARGS,
+        "parallel.strategy=fsdp", "micro_batch_size=2")))
+    trainer.train()
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(trainer.module))
+    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+
+
 def _worker(rank, world_size, folder):
     # widen bf16 matmuls on every CPU, as tests/test_patch.py does (fp32 runs are unaffected)
     os.environ["FASTLLM_CPU_LOWP_MATMUL"] = "fp32"
@@ -312,6 +331,7 @@ def _worker(rank, world_size, folder):
     os.environ["FASTLLM_CPU_ATTENTION"] = "fastllm"
     out = {name: _run_layout(name, rank) for name in LAYOUTS}
     out["train_tp2_sp"] = _train_tp(rank, folder)
+    out["train_fsdp_compiled"] = _train_fsdp_compiled(rank, folder)
     for run in QLORA_RUNS:
         out[f"train_{run}_fsdp"] = _train_qlora_fsdp(rank, folder, run)
     out["nf4_mixed_precision"] = _nf4_mixed_precision_refused()
@@ -549,48 +569,56 @@ def test_fastllm_train_qlora_under_fsdp_trains_as_one_process(runs, folder, run)
         assert err <= 1e-2 / 100, f"{name}: {err:.3g} after {TRAIN_STEPS} steps"
 
 
-def test_fastllm_train_torch_compile_trains_as_eager(folder):
-    """`fastllm train torch_compile=true` compiles the patched model in place (fastllm's kernels
-    are custom ops in the graph) with no graph break (the first step's peak-memory tracker, a
-    dispatch mode, made dynamo break at every fastllm op), no recompilation per step, and trains
-    as the eager run does: the same losses and grad norms."""
+def test_fastllm_train_torch_compile_trains_as_eager(runs, folder):
+    """`fastllm train torch_compile=true` compiles each decoder layer in place, as torchtitan
+    does (fastllm's kernels are custom ops in the graph; the layers share one graph: patch binds
+    each forward to its module, which dynamo guards by function), with no graph break (the first
+    step's peak-memory tracker, a dispatch mode, made dynamo break at every fastllm op), no
+    recompilation per step, and trains as the eager run does: the same losses and grad norms, in
+    one process and with the compiled layers sharded by FSDP2 over two ranks."""
     from torch._dynamo.utils import counters
 
+    from fastllm.parallel import decoder_layers
     from fastllm.train import TrainConfig, Trainer
     from fastllm.train.metrics import read_metrics
 
     threads = torch.get_num_threads()
-    runs = {}
+    runs_here = {}
     try:
-        for name, extra in (("eager", ("checkpoint_ratio=0.5",)),
-                            ("compiled", ("checkpoint_ratio=0.5", "torch_compile=true"))):
-            # (nn.Module.compile compiles Module._call_impl: what earlier tests compiled counts
-            # toward dynamo's recompile limit, past which it would run this eagerly)
+        for name, extra in (("eager", COMPILED_ARGS[:1]), ("compiled", COMPILED_ARGS)):
             torch._dynamo.reset()
             counters.clear()
             out = os.path.join(folder, name)
             trainer = Trainer(TrainConfig.from_args(_train_args(folder, out, *extra)))
             trainer.train()
-            assert (trainer.module._compiled_call_impl is not None) == (name == "compiled")
+            assert all((layer._compiled_call_impl is not None) == (name == "compiled")
+                       for layer in decoder_layers(trainer.module))
             assert fastllm.patched(trainer.module)["rms_norm"] == 5
             assert not counters["graph_break"], dict(counters["graph_break"])
-            # one graph, or two (another torch or transformers may split it at the checkpoints)
+            # one graph for both layers, or two (the checkpointed layer's, under another torch
+            # or transformers)
             graphs = counters["stats"]["unique_graphs"]
             assert (1 <= graphs <= 2) if name == "compiled" else graphs == 0, graphs
-            runs[name] = read_metrics(os.path.join(out, "metrics.jsonl"))
+            runs_here[name] = read_metrics(os.path.join(out, "metrics.jsonl"))
     finally:
         torch.set_num_threads(threads)
-    got, want = runs["compiled"], runs["eager"]
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(
-        range(1, TRAIN_STEPS + 1))
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
-                                   atol=0)
+    for got in runs:
+        breaks, graphs = got["train_fsdp_compiled"]
+        assert 1 <= graphs <= 2 and not breaks, (graphs, breaks)
+    want = runs_here["eager"]
+    for got in (runs_here["compiled"], read_metrics(os.path.join(folder, "fsdp_compiled",
+                                                                 "metrics.jsonl"))):
+        assert [r["step"] for r in got] == [r["step"] for r in want] == list(
+            range(1, TRAIN_STEPS + 1))
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close([r[key] for r in got], [r[key] for r in want],
+                                       rtol=1e-4, atol=0)
 
 
 def test_train_config_torch_compile():
     from fastllm.train.config import ConfigError, TrainConfig
 
     assert TrainConfig.from_args(["torch_compile=true"]).torch_compile is True
+    assert TrainConfig.from_args(["torch_compile=true", "parallel.strategy=fsdp"]).torch_compile
     with pytest.raises(ConfigError, match="torch_compile is not supported with parallel.tp"):
         TrainConfig.from_args(["torch_compile=true", "parallel.tp=2"])

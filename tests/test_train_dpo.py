@@ -352,6 +352,30 @@ def test_padding_free_trains_as_padded(tmp_path, objective, capsys):
     assert runs[0][-1]["loss"] != runs[0][0]["loss"]  # (it trained)
 
 
+def test_torch_compile_trains_as_eager(tmp_path):
+    """torch_compile=true compiles the decoder layers the pairs' scoring runs (no graph break,
+    no graph per step): the eager run's losses, grads and log-probabilities."""
+    from torch._dynamo.utils import counters
+
+    data = _pairs(tmp_path / "p.jsonl")
+    runs = []
+    for compiled in ("false", "true"):
+        torch._dynamo.reset()
+        counters.clear()
+        Trainer(_cfg(tmp_path, data, "max_steps=3", f"torch_compile={compiled}",
+                     out=compiled)).train()
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        # the first layer (its input off the frozen embedding needs no grad) and the second,
+        # in the step and in the reference's scoring (no grad, the adapters off: a key added
+        # to the LoRA layers' __dict__, so the step's graphs are made again once): 5, whatever
+        # the number of steps
+        assert counters["stats"]["unique_graphs"] == (5 if compiled == "true" else 0)
+        runs.append(_metrics(str(tmp_path / compiled)))
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+        torch.testing.assert_close([r[key] for r in runs[1]], [r[key] for r in runs[0]],
+                                   rtol=1e-4, atol=1e-6, msg=key)
+
+
 def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):
     from fastllm.cli import main
 

@@ -101,13 +101,6 @@ class PreferenceObjective:
         """The module DDP or FSDP wraps in place of `model` (the trainer's strategy.policy)."""
         return _Policy(model, self._logps)
 
-    def compile(self, model):
-        """torch_compile: the decoder the fused scoring runs (it calls the decoder and the head,
-        not the model's forward, which model.compile() compiles)."""
-        route = _fused_route(_causal_lm(model)) if self.fused else None
-        if route is not None:
-            route[0].compile()
-
     def prepare(self, trainer):
         """Before the first step (the trainer's model wrapped by its strategy): with
         dpo.precompute_ref_log_probs (TRL's), the reference's log-probabilities of every training

@@ -137,11 +137,11 @@ class Trainer:
         # (DPO's reference: the model as built, before checkpointing, compile and any step)
         self.objective = PreferenceObjective.make(cfg, model)
         self.n_checkpointed = apply_activation_checkpointing(model, cfg.checkpoint_ratio)
-        self.n_layers = len(decoder_layers(model))
-        if cfg.torch_compile:  # the whole model, as HF's Trainer (README: why not per layer)
-            model.compile()
-            if self.objective is not None:
-                self.objective.compile(model)
+        layers = decoder_layers(model)
+        self.n_layers = len(layers)
+        if cfg.torch_compile:  # each decoder layer, as torchtitan, before FSDP2 wraps (README)
+            for layer in layers:
+                layer.compile()
         self.strategy = strategies.make(cfg, self.layout, self.device, self.rank)
         if self.objective is not None:  # (what DDP/FSDP wrap: the pairs' scoring, not the forward)
             self.strategy.policy = self.objective.policy(model)
