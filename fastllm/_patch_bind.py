@@ -52,7 +52,9 @@ def rebind(fn, module):
 
 
 class _Rebind:
-    """A bound method of bind()'s in a pickled state: unpickles as rebind(fn, module)."""
+    """A bound method of bind()'s in a pickled state: unpickles (and deep-copies) as
+    rebind(fn, module). copy.copy keeps it as it is, in the copy's state: called, it runs fn on
+    the module it came from, as the bound method would have."""
 
     __slots__ = ("fn", "module")
 
@@ -61,6 +63,9 @@ class _Rebind:
 
     def __reduce__(self):
         return rebind, (self.fn, self.module)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
 
 
 def _reduce(module, protocol):

@@ -840,6 +840,9 @@ def test_patched_model_pickles_and_deep_copies():
                        for k in ("forward", "__reduce_ex__"))
         _assert_same(_loss_and_grads(other, ids, labels), want)
     assert fastllm.patched(model)["cross_entropy"] == 1
+    shallow = copy.copy(model)  # (its forward runs the model's: they share every submodule)
+    torch.testing.assert_close(shallow(input_ids=ids, labels=labels).loss, want[0].loss,
+                               rtol=0, atol=0)
 
 
 def test_model_pickled_with_partial_forwards_is_recognised():

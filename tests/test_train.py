@@ -227,6 +227,25 @@ def test_loss_falls_in_every_mode(cache_dir, tmp_path, finetune, precision, extr
             assert all(".layers.1." in k for k in keys), sorted(keys)
 
 
+def test_badam_under_torch_compile_compiles_per_state_not_per_switch(cache_dir, tmp_path):
+    """finetune=badam with torch_compile=true (each decoder layer compiled): a layer's graph
+    is made again for each requires_grad state it meets, not at every block switch (9 here),
+    and the run's losses are the eager run's."""
+    from torch._dynamo.utils import counters
+
+    got = {}
+    for compiled in ("false", "true"):
+        torch._dynamo.reset()
+        counters.clear()
+        out = str(tmp_path / compiled)
+        run(cache_dir, out, "max_steps=10", "checkpoint.interval=0", "finetune=badam",
+            "badam.switch_block_every=1", f"torch_compile={compiled}")
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        got[compiled] = (losses(out), counters["stats"]["unique_graphs"])
+    assert got["false"][1] == 0 and 1 <= got["true"][1] <= 3, got
+    torch.testing.assert_close(got["true"][0], got["false"][0], rtol=1e-5, atol=0)
+
+
 def test_freeze_trains_only_the_last_layers(cache_dir, tmp_path):
     s = run(cache_dir, str(tmp_path), "max_steps=3", "finetune=freeze", "freeze.layers=1",
             "checkpoint.interval=0")
