@@ -360,7 +360,8 @@ STEP_WARMUP, STEP_ROUNDS = 2, 5
 # (60 MB on an H200): enough sets to touch this many bytes between two uses of one set.
 ROTATE_BYTES = 256 * M
 LIGER = "liger-kernel"
-# the model step's fastllm provider under torch.compile (FASTLLM_DEVICE_COMPILE=1, full only)
+# the model step's fastllm provider with each decoder layer compiled (full fine-tuning, a part
+# of its own after the others; FASTLLM_DEVICE_COMPILE=0 leaves it out)
 COMPILED = "fastllm + torch.compile"
 # suffix of the providers whose step (forward, backward, AdamW) is captured whole in one CUDA
 # graph and replayed: the step without its host work (fastllm's and Hugging Face's; Liger-Kernel's
@@ -650,10 +651,13 @@ def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, rounds, warmup):
+def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, rounds, warmup,
+                     compiled=False):
     """One (finetune) case: every provider's model built from `base`'s weights (LoRA: the same
     adapter everywhere), its warm-up steps, its peak memory, then `rounds` interleaved timed
-    steps and a profiled one."""
+    steps and a profiled one. compiled: fastllm's model with each decoder layer compiled beside
+    fastllm eager, HF and Liger-Kernel, in place of the CUDA-graph rows (a part of its own, after
+    the others: a compile that overruns the budget loses only this part)."""
     import peft
     from transformers.models.llama import modeling_llama
 
@@ -711,8 +715,11 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
         model, opt, state = fastllm_setup()
         from fastllm.parallel import decoder_layers
 
-        for layer in decoder_layers(model):  # each layer, as `fastllm train torch_compile=true`
-            layer.compile()
+        # each layer, as `fastllm train torch_compile=true`; on a CPU (--smoke, the tests) dynamo
+        # and AOTAutograd only: the code path, without inductor's C++ compile
+        backend = "inductor" if cuda else "aot_eager"
+        for layer in decoder_layers(model):
+            layer.compile(backend=backend)
         return model, opt, state
 
     def graph_setup(setup, optimizer):
@@ -728,20 +735,20 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
     if liger:
         makers[lig] = liger_setup
     ours_graph, hf_graph = ours + GRAPH, hf + GRAPH
-    graphed = (ours_graph, hf_graph) if cuda else ()
+    graphed = (ours_graph, hf_graph) if cuda and not compiled else ()
     if graphed:
         makers[ours_graph] = graph_setup(fastllm_setup, fastllm.optim.AdamW)
         makers[hf_graph] = graph_setup(hf_setup, functools.partial(torch.optim.AdamW, fused=True))
-    if finetune == "full" and os.environ.get("FASTLLM_DEVICE_COMPILE") == "1":
-        # opt-in: compiling the step (one layer's graph for all 30; 7 s against 27 for the whole
-        # model on a Zen 4 CPU) has not been timed on the GPU machine yet, and
-        # bench/device_check.sh has minutes
+    if compiled:
         makers[COMPILED] = compiled_setup
 
     def train_step(model, opt, state):
         def step():
             with _in_state(modeling_llama, state, hf_state) if state else contextlib.nullcontext():
-                loss = model(input_ids=ids, labels=ids).loss
+                # no KV cache, as `fastllm train` and HF's Trainer under gradient checkpointing:
+                # in training it is never read, and a compiled layer would be compiled again
+                # for each layer index the cache's update is guarded on
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -780,7 +787,7 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
     size = (f"SmolLM2-135M shape, random init, {shape.layers} layers, "
             f"{shape.batch}x{shape.seq} tokens, {finetune}"
             f"{' r=16 on q/v' if finetune == 'lora' else ''}, pure bf16 (bf16 params and AdamW "
-            "state on every side)")
+            "state on every side)" + (", the torch.compile part" if compiled else ""))
     result, by_name = {}, {}
     for name in order:
         ms = timings[name].median_ms
@@ -829,8 +836,12 @@ def model(device, scale, rows):
     torch.manual_seed(0)
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), device=device)
     rounds, warmup = (STEP_ROUNDS, STEP_WARMUP) if scale == 1 else (1, 1)
-    for finetune in ("full", "lora"):
-        _model_step_case(base, ids, finetune, shape, device, liger, why, rows, rounds, warmup)
+    parts = [("full", False), ("lora", False)]
+    if os.environ.get("FASTLLM_DEVICE_COMPILE", "1") != "0":  # (=0: without the compiled part)
+        parts.append(("full", True))
+    for finetune, compiled in parts:
+        _model_step_case(base, ids, finetune, shape, device, liger, why, rows, rounds, warmup,
+                         compiled)
         if _checkpoint:
             _checkpoint()
         if torch.device(device).type == "cuda":

@@ -44,9 +44,10 @@
 # DEVICE_CHECK_BUDGET (seconds, default 360), DEVICE_TESTS (pytest arguments, default the GPU
 # cases: -k "cuda or gpu" tests), TEST_WORKERS (pytest-xdist workers, default 12),
 # BENCH_CASES (comma-separated cases of bench/device_bench.py; default all), WHEEL_DIR (where
-# .whl/*.whl is installed, default /tmp/fastllm-wheels), FASTLLM_DEVICE_COMPILE=1 (the model
-# step's full case also as `fastllm + torch.compile`: the whole model compiled, as `fastllm
-# train torch_compile=true` does; off by default, its compile time on that machine not known).
+# .whl/*.whl is installed, default /tmp/fastllm-wheels), FASTLLM_DEVICE_COMPILE=0 (without the
+# model case's last part, the full step with each decoder layer compiled as `fastllm train
+# torch_compile=true` does: one layer's graph for all 30, 12.6 s of compile on a Zen 4 CPU, not
+# yet timed on the GPU machine; a part of its own, so an overrun cuts only it).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 
