@@ -8,19 +8,19 @@ a partial per module each decoder layer compiled again under per-block compile (
 `layer.compile()` for every layer: ten layers ran past dynamo's recompile limit of 8, the rest
 eagerly); bound methods give the layers one graph.
 
-A bound method pickles as `getattr(module, name)`, which unpickling cannot resolve, so a patched
-module carries its own `__reduce_ex__` (pickle and copy look it up on the instance, where it
-shadows object's): the module's usual state with each of fastllm's bound methods as a call that
-binds it again to the unpickled module (already made, its state not yet set: binding needs none).
+A bound method pickles as `getattr(module, name)`, which cannot resolve on unpickling (the
+replacement is no attribute of the module's class). So fastllm registers a reducer for bound
+methods with copyreg (as torch does for its own types): the methods bind() made pickle as a call
+that binds the function again to the unpickled module (made before its state, which binding
+does not need); every other bound method as Python's own reduction does (or as a reducer
+registered before fastllm's does). copy.deepcopy binds methods again itself (copy's own rule).
 """
 
 import copyreg
 import functools
 import types
 
-_REDUCE = "__reduce_ex__"
-
-# the functions bind() binds (and _reduce, bound too): the reduce turns them into rebinding calls
+# the functions bind() binds: the bound methods the reducer below makes picklable
 _BOUND = set()
 
 
@@ -34,16 +34,9 @@ def is_ours(f, module, replacements):
 
 
 def bind(module, slot, fn):
-    """Set `module.<slot>` to `fn` bound to the module, and the module's pickling to match."""
+    """Set `module.<slot>` to `fn` (a module-level function) bound to the module."""
     _BOUND.add(fn)
     setattr(module, slot, types.MethodType(fn, module))
-    if _REDUCE not in module.__dict__:
-        module.__dict__[_REDUCE] = types.MethodType(_reduce, module)
-
-
-def unbind(module):
-    """After the last swap of `module` is undone: its pickling back to the class's."""
-    module.__dict__.pop(_REDUCE, None)
 
 
 def rebind(fn, module):
@@ -51,32 +44,14 @@ def rebind(fn, module):
     return types.MethodType(fn, module)
 
 
-class _Rebind:
-    """A bound method of bind()'s in a pickled state: unpickles (and deep-copies) as
-    rebind(fn, module). copy.copy keeps it as it is, in the copy's state: called, it runs fn on
-    the module it came from, as the bound method would have."""
-
-    __slots__ = ("fn", "module")
-
-    def __init__(self, fn, module):
-        self.fn, self.module = fn, module
-
-    def __reduce__(self):
-        return rebind, (self.fn, self.module)
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(self.module, *args, **kwargs)
+# (another library's reducer, or this module's before a reload: chained to)
+_PREVIOUS = copyreg.dispatch_table.get(types.MethodType)
 
 
-def _reduce(module, protocol):
-    # object.__reduce_ex__'s answer for a module (protocol 2 and up: torch.save's and copy's),
-    # with its state from nn.Module.__getstate__ and fastllm's bound methods made picklable
-    state = {
-        key: _Rebind(value.__func__, module)
-        if type(value) is types.MethodType and value.__self__ is module
-        and value.__func__ in _BOUND else value
-        for key, value in module.__getstate__().items()}
-    return copyreg.__newobj__, (type(module),), state
+def _reduce_method(method):
+    if method.__func__ in _BOUND:
+        return rebind, (method.__func__, method.__self__)
+    return _PREVIOUS(method) if _PREVIOUS is not None else method.__reduce__()
 
 
-_BOUND.add(_reduce)
+copyreg.pickle(types.MethodType, _reduce_method)

@@ -369,14 +369,19 @@ def disable_adapters(model):
     if merged:
         raise ValueError(f"fastllm.lora.disable_adapters: {merged[0]} is merged (its base weight "
                          "holds the update); nothing was disabled: unmerge_lora(model) first")
-    before = [m.disabled for _, m in layers]
+    # (None: the class's default, put back by deleting the instance's flag; one left behind
+    # would make torch.compile compile the layers again, guarded as they were on its absence)
+    before = [m.__dict__.get("disabled") for _, m in layers]
     for _, m in layers:
         m.disabled = True
     try:
         yield model
     finally:
         for (_, m), was in zip(layers, before):
-            m.disabled = was
+            if was is None:
+                del m.disabled
+            else:
+                m.disabled = was
 
 
 def merge_and_unload(model):

@@ -564,7 +564,6 @@ def unpatch(model):
         for attr in (_PATCHED, "_fastllm_eager_attention", "_fastllm_output_cls",
                      "_fastllm_previous_forward"):
             d.pop(attr, None)
-        _patch_bind.unbind(m)
     _hf.hub_kernels_on([m for m in model.modules()
                         if m.__dict__.pop("_fastllm_use_kernels", False)])
     return model

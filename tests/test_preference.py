@@ -487,6 +487,8 @@ def test_disable_adapters_gives_the_base_model(kind, patched):
         raise RuntimeError("inside")
     torch.testing.assert_close(sequence_logps(model, ids, labels, attention_mask=mask).detach(),
                                adapted)
+    # the layers as they were: no instance flag left behind (torch.compile guards on its absence)
+    assert not any("disabled" in m.__dict__ for _, m in fastllm.lora.lora_modules(model))
 
 
 def test_disable_adapters_refusals():

@@ -135,10 +135,15 @@ def generate_samples(model, tokenizer, prompts, max_new_tokens=64, device="cpu",
             # (a prefix-tuned model too: its prefix rides in the KV cache generate() keeps, and
             # generate() applies the generation_config's processors, repetition_penalty and
             # no_repeat_ngram_size among them, on every path)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_new_tokens, use_cache=True,
-                                 pad_token_id=stops[0] if stops else None,
-                                 eos_token_id=stops or None, **kw)
+            # eagerly under torch_compile: decoding token by token through a KV cache, the
+            # compiled layers would be compiled again for each layer index (the cache's update
+            # is guarded on it) and fill dynamo's recompile limit, which the training step's
+            # layers share (one code object): the step would then run uncompiled
+            with torch.compiler.set_stance("force_eager"):
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=max_new_tokens, use_cache=True,
+                                     pad_token_id=stops[0] if stops else None,
+                                     eos_token_id=stops or None, **kw)
             new = out[0, ids.shape[1]:].tolist()
             ends = [i for i, t in enumerate(new) if t in stops]
             outs.append(tokenizer.decode(new[:ends[0]] if ends else new))
