@@ -274,6 +274,21 @@ QLORA_RUNS = {"qlora": (), "qdora": ("lora.use_dora=true",),
 QLORA_RUNS = QLORA_RUNS if FSDP2_NF4 else {}
 
 
+def _train_tp_compiled(rank, folder):
+    """`_train_tp`'s run with torch_compile=true (each decoder layer compiled before tensor
+    parallel shards it; half of them checkpointed): its graph breaks and graphs."""
+    from torch._dynamo.utils import counters
+
+    from fastllm.train import TrainConfig, Trainer
+
+    torch._dynamo.reset()
+    counters.clear()
+    Trainer(TrainConfig.from_args(_train_args(
+        folder, os.path.join(folder, "tp2_compiled"), "parallel.tp=2",
+        "parallel.sequence_parallel=true", *COMPILED_ARGS))).train()
+    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+
+
 def _train_qlora_fsdp(rank, folder, run):
     """`fastllm train` QLoRA (or QDoRA) with parallel.strategy=fsdp (the run joins this process
     group): the bytes of 4-bit weights this rank held, and in all, and whether their absmax is
@@ -332,6 +347,7 @@ def _worker(rank, world_size, folder):
     out = {name: _run_layout(name, rank) for name in LAYOUTS}
     out["train_tp2_sp"] = _train_tp(rank, folder)
     out["train_fsdp_compiled"] = _train_fsdp_compiled(rank, folder)
+    out["train_tp2_compiled"] = _train_tp_compiled(rank, folder)
     for run in QLORA_RUNS:
         out[f"train_{run}_fsdp"] = _train_qlora_fsdp(rank, folder, run)
     out["nf4_mixed_precision"] = _nf4_mixed_precision_refused()
@@ -575,7 +591,8 @@ def test_fastllm_train_torch_compile_trains_as_eager(runs, folder):
     each forward to its module, which dynamo guards by function), with no graph break (the first
     step's peak-memory tracker, a dispatch mode, made dynamo break at every fastllm op), no
     recompilation per step, and trains as the eager run does: the same losses and grad norms, in
-    one process and with the compiled layers sharded by FSDP2 over two ranks."""
+    one process and with the compiled layers sharded by FSDP2 over two ranks; under tensor
+    parallel (+ sequence parallel) over two ranks, the eager tensor-parallel run's."""
     from torch._dynamo.utils import counters
 
     from fastllm.parallel import decoder_layers
@@ -609,9 +626,15 @@ def test_fastllm_train_torch_compile_trains_as_eager(runs, folder):
     for got in runs:
         breaks, graphs = got["train_fsdp_compiled"]
         assert 1 <= graphs <= 2 and not breaks, (graphs, breaks)
-    want = runs_here["eager"]
-    for got in (runs_here["compiled"], read_metrics(os.path.join(folder, "fsdp_compiled",
-                                                                 "metrics.jsonl"))):
+        # (under tensor parallel the layer's graph sees its DTensor params; a third for the
+        # checkpointed layer: 3 in torch 2.13)
+        breaks, graphs = got["train_tp2_compiled"]
+        assert 1 <= graphs <= 4 and not breaks, (graphs, breaks)
+    ran = {name: read_metrics(os.path.join(folder, name, "metrics.jsonl"))
+           for name in ("fsdp_compiled", "tp2", "tp2_compiled")}  # (tp2: _train_tp's, eager)
+    for got, want in ((runs_here["compiled"], runs_here["eager"]),
+                      (ran["fsdp_compiled"], runs_here["eager"]),
+                      (ran["tp2_compiled"], ran["tp2"])):
         assert [r["step"] for r in got] == [r["step"] for r in want] == list(
             range(1, TRAIN_STEPS + 1))
         for key in ("loss", "grad_norm"):
@@ -624,5 +647,6 @@ def test_train_config_torch_compile():
 
     assert TrainConfig.from_args(["torch_compile=true"]).torch_compile is True
     assert TrainConfig.from_args(["torch_compile=true", "parallel.strategy=fsdp"]).torch_compile
-    with pytest.raises(ConfigError, match="torch_compile is not supported with parallel.tp"):
-        TrainConfig.from_args(["torch_compile=true", "parallel.tp=2"])
+    assert TrainConfig.from_args(["torch_compile=true", "parallel.tp=2"]).torch_compile
+    with pytest.raises(ConfigError, match="torch_compile is not supported with parallel.pp"):
+        TrainConfig.from_args(["torch_compile=true", "parallel.pp=2"])

@@ -352,23 +352,35 @@ def test_padding_free_trains_as_padded(tmp_path, objective, capsys):
     assert runs[0][-1]["loss"] != runs[0][0]["loss"]  # (it trained)
 
 
-def test_torch_compile_trains_as_eager(tmp_path):
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_torch_compile_trains_as_eager(tmp_path, finetune):
     """torch_compile=true compiles the decoder layers the pairs' scoring runs (no graph break,
-    no graph per step): the eager run's losses, grads and log-probabilities."""
+    no graph per step): the eager run's losses, grads and log-probabilities. A full fine-tune's
+    frozen reference copy has its layers compiled too."""
     from torch._dynamo.utils import counters
+
+    from fastllm.parallel import decoder_layers
 
     data = _pairs(tmp_path / "p.jsonl")
     runs = []
     for compiled in ("false", "true"):
         torch._dynamo.reset()
         counters.clear()
-        Trainer(_cfg(tmp_path, data, "max_steps=3", f"torch_compile={compiled}",
-                     out=compiled)).train()
+        trainer = Trainer(_cfg(tmp_path, data, "max_steps=3", f"torch_compile={compiled}",
+                               f"finetune={finetune}", out=compiled))
+        trainer.train()
         assert not counters["graph_break"], dict(counters["graph_break"])
-        # the first layer (its input off the frozen embedding needs no grad) and the second in
-        # the step, both in the reference's no-grad scoring: 3 whatever the number of steps
-        # (5 while disabling the adapters left a flag in the LoRA layers' __dict__)
-        assert counters["stats"]["unique_graphs"] == (3 if compiled == "true" else 0)
+        reference = trainer.objective.reference
+        assert (reference is None) == (finetune == "lora")
+        for layer in decoder_layers(reference) if reference is not None else ():
+            assert (layer._compiled_call_impl is not None) == (compiled == "true")
+        # lora: the first layer (its input off the frozen embedding needs no grad) and the
+        # second in the step, both in the reference's no-grad scoring: 3 whatever the number of
+        # steps (5 while disabling the adapters left a flag in the LoRA layers' __dict__); full:
+        # the step's layers, and the frozen copy's in eval mode without grad (1 while it ran
+        # eagerly)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == (0 if compiled == "false" else 3 if finetune == "lora" else 2), graphs
         runs.append(_metrics(str(tmp_path / compiled)))
     for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
         torch.testing.assert_close([r[key] for r in runs[1]], [r[key] for r in runs[0]],

@@ -140,7 +140,8 @@ class Trainer:
         layers = decoder_layers(model)
         self.n_layers = len(layers)
         if cfg.torch_compile:  # each decoder layer, as torchtitan, before FSDP2 wraps (README)
-            for layer in layers:
+            reference = getattr(self.objective, "reference", None)  # (a full fine-tune's DPO)
+            for layer in layers + (decoder_layers(reference) if reference is not None else []):
                 layer.compile()
         self.strategy = strategies.make(cfg, self.layout, self.device, self.rank)
         if self.objective is not None:  # (what DDP/FSDP wrap: the pairs' scoring, not the forward)
