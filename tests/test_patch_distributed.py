@@ -274,19 +274,28 @@ QLORA_RUNS = {"qlora": (), "qdora": ("lora.use_dora=true",),
 QLORA_RUNS = QLORA_RUNS if FSDP2_NF4 else {}
 
 
-def _train_tp_compiled(rank, folder):
-    """`_train_tp`'s run with torch_compile=true (each decoder layer compiled before tensor
-    parallel shards it; half of them checkpointed): its graph breaks and graphs."""
+def _train_compiled(rank, folder, name, *extra):
+    """A `fastllm train` run (joining this process group) with extra args: its graph breaks and
+    graphs."""
     from torch._dynamo.utils import counters
 
     from fastllm.train import TrainConfig, Trainer
 
     torch._dynamo.reset()
     counters.clear()
-    Trainer(TrainConfig.from_args(_train_args(
-        folder, os.path.join(folder, "tp2_compiled"), "parallel.tp=2",
-        "parallel.sequence_parallel=true", *COMPILED_ARGS))).train()
+    Trainer(TrainConfig.from_args(_train_args(folder, os.path.join(folder, name), *extra))).train()
     return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+
+
+# torch_compile=true under tensor parallel (each decoder layer compiled before tensor parallel
+# shards it) and the pipeline's two stages (the built-in tiny model, untied and unpatched: its
+# checkpointed layer's attention sets and resets a context variable, on which dynamo broke the
+# graph until fastllm train let the recomputation skip it); half the layers checkpointed. Each
+# run beside its eager twin (tp2: _train_tp's).
+PP_ARGS = ("model=tiny", "parallel.pp=2", "micro_batch_size=1")
+COMPILED_RUNS = {"tp2_compiled": ("parallel.tp=2", "parallel.sequence_parallel=true",
+                                  *COMPILED_ARGS),
+                 "pp2": (*PP_ARGS, COMPILED_ARGS[0]), "pp2_compiled": (*PP_ARGS, *COMPILED_ARGS)}
 
 
 def _train_qlora_fsdp(rank, folder, run):
@@ -347,7 +356,8 @@ def _worker(rank, world_size, folder):
     out = {name: _run_layout(name, rank) for name in LAYOUTS}
     out["train_tp2_sp"] = _train_tp(rank, folder)
     out["train_fsdp_compiled"] = _train_fsdp_compiled(rank, folder)
-    out["train_tp2_compiled"] = _train_tp_compiled(rank, folder)
+    for name, extra in COMPILED_RUNS.items():
+        out[f"train_{name}"] = _train_compiled(rank, folder, name, *extra)
     for run in QLORA_RUNS:
         out[f"train_{run}_fsdp"] = _train_qlora_fsdp(rank, folder, run)
     out["nf4_mixed_precision"] = _nf4_mixed_precision_refused()
@@ -592,7 +602,7 @@ def test_fastllm_train_torch_compile_trains_as_eager(runs, folder):
     step's peak-memory tracker, a dispatch mode, made dynamo break at every fastllm op), no
     recompilation per step, and trains as the eager run does: the same losses and grad norms, in
     one process and with the compiled layers sharded by FSDP2 over two ranks; under tensor
-    parallel (+ sequence parallel) over two ranks, the eager tensor-parallel run's."""
+    parallel (+ sequence parallel) and in a two-stage pipeline, the eager run's of that layout."""
     from torch._dynamo.utils import counters
 
     from fastllm.parallel import decoder_layers
@@ -626,15 +636,16 @@ def test_fastllm_train_torch_compile_trains_as_eager(runs, folder):
     for got in runs:
         breaks, graphs = got["train_fsdp_compiled"]
         assert 1 <= graphs <= 2 and not breaks, (graphs, breaks)
-        # (under tensor parallel the layer's graph sees its DTensor params; a third for the
-        # checkpointed layer: 3 in torch 2.13)
-        breaks, graphs = got["train_tp2_compiled"]
-        assert 1 <= graphs <= 4 and not breaks, (graphs, breaks)
+        # (under tensor parallel the layer's graph sees its DTensor params, 3 in torch 2.13;
+        # a pipeline stage holds one layer: 1)
+        for name in ("tp2_compiled", "pp2_compiled"):
+            breaks, graphs = got[f"train_{name}"]
+            assert 1 <= graphs <= 4 and not breaks, (name, graphs, breaks)
     ran = {name: read_metrics(os.path.join(folder, name, "metrics.jsonl"))
-           for name in ("fsdp_compiled", "tp2", "tp2_compiled")}  # (tp2: _train_tp's, eager)
+           for name in ("fsdp_compiled", "tp2", *COMPILED_RUNS)}
     for got, want in ((runs_here["compiled"], runs_here["eager"]),
                       (ran["fsdp_compiled"], runs_here["eager"]),
-                      (ran["tp2_compiled"], ran["tp2"])):
+                      (ran["tp2_compiled"], ran["tp2"]), (ran["pp2_compiled"], ran["pp2"])):
         assert [r["step"] for r in got] == [r["step"] for r in want] == list(
             range(1, TRAIN_STEPS + 1))
         for key in ("loss", "grad_norm"):
@@ -647,6 +658,7 @@ def test_train_config_torch_compile():
 
     assert TrainConfig.from_args(["torch_compile=true"]).torch_compile is True
     assert TrainConfig.from_args(["torch_compile=true", "parallel.strategy=fsdp"]).torch_compile
-    assert TrainConfig.from_args(["torch_compile=true", "parallel.tp=2"]).torch_compile
-    with pytest.raises(ConfigError, match="torch_compile is not supported with parallel.pp"):
-        TrainConfig.from_args(["torch_compile=true", "parallel.pp=2"])
+    for layout in ("parallel.tp=2", "parallel.pp=2"):
+        assert TrainConfig.from_args(["torch_compile=true", layout]).torch_compile
+    with pytest.raises(ConfigError, match="torch_compile=.yes please. is not a valid bool"):
+        TrainConfig.from_args(["torch_compile=yes please"])

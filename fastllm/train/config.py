@@ -244,10 +244,6 @@ class TrainConfig:
         validate_values(self, need)
         validate_objective(self, need)
         need(self.parallel.tp >= 1 and self.parallel.pp >= 1, "parallel.tp and pp must be >= 1")
-        # (untested under pipeline stages, where a checkpointed layer's graph broke on
-        # transformers' output capture and the stage ran eagerly: 2026-12-07)
-        need(not self.torch_compile or self.parallel.pp == 1, "torch_compile is not supported "
-             "with parallel.pp > 1")
         need(self.parallel.dp >= -1, f"parallel.dp must be >= 1 (or 0 / -1: world_size / (tp * pp)),"
              f" got {self.parallel.dp}")
         need(self.parallel.schedule in _SCHEDULES, f"parallel.schedule must be one of "

@@ -2,6 +2,7 @@
 (which parameters train). How it is then split over ranks is the strategy's
 (fastllm.train.strategies)."""
 
+import contextlib
 import os
 
 import torch
@@ -287,3 +288,23 @@ def lora_targets(model, cfg, entries=None):
         mods = "|".join(targets)
         targets = rf".*\.layers\.({idx})\.(.*\.)?({mods})"
     return targets
+
+
+def compile_layers(model, reference=None):
+    """torch_compile=true: each decoder layer compiled in place (`layer.compile()`, torchtitan's
+    per-block compile: after activation checkpointing, before FSDP2 or a layout wraps them), and
+    those of DPO's frozen reference copy (a full fine-tune's) too."""
+    for layer in decoder_layers(model) + (decoder_layers(reference) if reference is not None
+                                          else []):
+        layer.compile()
+
+
+def compile_settings(cfg):
+    """Dynamo's settings for a run's compiled layers. A checkpointed layer's recomputation
+    replays its forward's Python side effects in eager mode and not in a compiled graph, and
+    dynamo breaks the graph at any: transformers' attention (unpatched: model=tiny,
+    kernels=none) sets and resets the `kernels` package's context variable in its forward
+    (`use_kernelized_func`), a round trip that leaves nothing to replay."""
+    if not cfg.torch_compile:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)

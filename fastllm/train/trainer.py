@@ -32,7 +32,8 @@ from fastllm.train.evaluate import Evaluator
 from fastllm.train.memory import PeakMemory, step_peak
 from fastllm.train.metrics import MetricsWriter, start_line, write_summary
 from fastllm.train.signals import StopSignals
-from fastllm.train.model import apply_finetune, build_model, is_model_dir
+from fastllm.train.model import (apply_finetune, build_model, compile_layers,
+                                 compile_settings, is_model_dir)
 from fastllm.train.preference_step import PreferenceObjective
 
 __all__ = ["Trainer", "lr_at"]
@@ -98,7 +99,8 @@ class Trainer:
         threads, self._run_lock = torch.get_num_threads(), None
         torch.set_num_threads(cfg.threads or threads)  # (the caller's count restored after)
         try:
-            return self._train()
+            with compile_settings(cfg):
+                return self._train()
         finally:
             torch.set_num_threads(threads)
             run_dir.release(self._run_lock)
@@ -137,12 +139,9 @@ class Trainer:
         # (DPO's reference: the model as built, before checkpointing, compile and any step)
         self.objective = PreferenceObjective.make(cfg, model)
         self.n_checkpointed = apply_activation_checkpointing(model, cfg.checkpoint_ratio)
-        layers = decoder_layers(model)
-        self.n_layers = len(layers)
+        self.n_layers = len(decoder_layers(model))
         if cfg.torch_compile:  # each decoder layer, as torchtitan, before FSDP2 wraps (README)
-            reference = getattr(self.objective, "reference", None)  # (a full fine-tune's DPO)
-            for layer in layers + (decoder_layers(reference) if reference is not None else []):
-                layer.compile()
+            compile_layers(model, getattr(self.objective, "reference", None))
         self.strategy = strategies.make(cfg, self.layout, self.device, self.rank)
         if self.objective is not None:  # (what DDP/FSDP wrap: the pairs' scoring, not the forward)
             self.strategy.policy = self.objective.policy(model)
