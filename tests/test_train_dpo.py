@@ -30,10 +30,11 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def _pairs(path, n=16, chat=False):
+def _pairs(path, n=16, chat=False, lengths=2):
     with open(path, "w") as f:
         for i in range(n):
-            prompt, good, bad = (f"What is the capital of France? {i}", "Paris." * (1 + i % 2),
+            prompt, good, bad = (f"What is the capital of France? {i}",
+                                 "Paris." * (1 + i % lengths),
                                  "The capital is Paris, in France.")
             if chat:
                 rec = {"prompt": [{"role": "user", "content": prompt}],
@@ -385,6 +386,32 @@ def test_torch_compile_trains_as_eager(tmp_path, finetune):
     for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
         torch.testing.assert_close([r[key] for r in runs[1]], [r[key] for r in runs[0]],
                                    rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_torch_compile_keeps_every_layer_graph_it_needs(tmp_path):
+    """LoRA DPO compiled, with half the layers checkpointed, held-out pairs evaluated and pairs of
+    several lengths: the decoder layers (one code object) need a graph for each mix of
+    checkpointing, grad mode, train/eval mode, the first layer's input, the adapters disabled and
+    static/dynamic lengths, more than dynamo's default limit of 8, past which it ran the layers
+    eagerly (fastllm train raises it for the run): the eager run's metrics."""
+    from torch._dynamo.utils import counters
+
+    data = _pairs(tmp_path / "p.jsonl", n=40, lengths=7)
+    runs = []
+    for compiled in ("false", "true"):
+        torch._dynamo.reset()
+        counters.clear()
+        Trainer(_cfg(tmp_path, data, "max_steps=6", "data.eval_fraction=0.2", "eval_interval=2",
+                     "checkpoint_ratio=0.5", f"torch_compile={compiled}", out=compiled)).train()
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 8 if compiled == "true" else graphs == 0, graphs  # (16 in torch 2.13)
+        runs.append(_metrics(str(tmp_path / compiled)))
+    assert any("eval_loss" in r for r in runs[0])
+    for key in ("loss", "grad_norm", "eval_loss"):
+        torch.testing.assert_close([r[key] for r in runs[1] if key in r],
+                                   [r[key] for r in runs[0] if key in r], rtol=1e-4, atol=1e-6,
+                                   msg=key)
 
 
 def test_compare_torch_runs_peft_on_the_logits(tmp_path, capsys):

@@ -307,4 +307,19 @@ def compile_settings(cfg):
     (`use_kernelized_func`), a round trip that leaves nothing to replay."""
     if not cfg.torch_compile:
         return contextlib.nullcontext()
-    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    config = torch._dynamo.config
+    settings = {RECOMPILE_LIMIT: max(getattr(config, RECOMPILE_LIMIT), LAYER_GRAPHS)}
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # (torch >= 2.7)
+        settings["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
+    return config.patch(**settings)
+
+
+# Dynamo's limit on the graphs of one code object, which all the decoder layers share (8 by
+# default): a run's layers need a graph for each mix of checkpointed or not, grad mode, train or
+# eval mode, the first layer's input needing no grad, LoRA adapters disabled (DPO's reference),
+# static or dynamic lengths. LoRA DPO with evaluation and half the layers checkpointed took 8
+# (tests/test_train_dpo.py), and past the limit dynamo runs the layer eagerly. (cache_size_limit:
+# torch < 2.7's name, an alias of recompile_limit since.)
+LAYER_GRAPHS = 32
+RECOMPILE_LIMIT = ("recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
+                   else "cache_size_limit")
