@@ -288,14 +288,19 @@ def _train_compiled(rank, folder, name, *extra):
 
 
 # torch_compile=true under tensor parallel (each decoder layer compiled before tensor parallel
-# shards it) and the pipeline's two stages (the built-in tiny model, untied and unpatched: its
+# shards it), the pipeline's two stages (the built-in tiny model, untied and unpatched: its
 # checkpointed layer's attention sets and resets a context variable, on which dynamo broke the
-# graph until fastllm train let the recomputation skip it); half the layers checkpointed. Each
-# run beside its eager twin (tp2: _train_tp's).
+# graph until fastllm train let the recomputation skip it), DDP and ZeRO-2 (whose overlapped
+# param gather's pre-hooks inside the compiled layers broke their graphs: gathered at once under
+# compile); half the layers checkpointed. Each run beside its eager twin (tp2: _train_tp's; ddp:
+# the data-parallel runs', ZeRO-2's within Adam's rounding of DDP's).
 PP_ARGS = ("model=tiny", "parallel.pp=2", "micro_batch_size=1")
 COMPILED_RUNS = {"tp2_compiled": ("parallel.tp=2", "parallel.sequence_parallel=true",
                                   *COMPILED_ARGS),
-                 "pp2": (*PP_ARGS, COMPILED_ARGS[0]), "pp2_compiled": (*PP_ARGS, *COMPILED_ARGS)}
+                 "pp2": (*PP_ARGS, COMPILED_ARGS[0]), "pp2_compiled": (*PP_ARGS, *COMPILED_ARGS),
+                 "ddp": ("parallel.strategy=ddp", "micro_batch_size=2", COMPILED_ARGS[0])}
+COMPILED_RUNS.update({f"{dp}_compiled": (f"parallel.strategy={dp}", "micro_batch_size=2",
+                                         *COMPILED_ARGS) for dp in ("ddp", "zero2")})
 
 
 def _train_qlora_fsdp(rank, folder, run):
@@ -602,7 +607,8 @@ def test_fastllm_train_torch_compile_trains_as_eager(runs, folder):
     step's peak-memory tracker, a dispatch mode, made dynamo break at every fastllm op), no
     recompilation per step, and trains as the eager run does: the same losses and grad norms, in
     one process and with the compiled layers sharded by FSDP2 over two ranks; under tensor
-    parallel (+ sequence parallel) and in a two-stage pipeline, the eager run's of that layout."""
+    parallel (+ sequence parallel), in a two-stage pipeline, under DDP and ZeRO-2, the eager
+    run's of that layout."""
     from torch._dynamo.utils import counters
 
     from fastllm.parallel import decoder_layers
@@ -638,14 +644,15 @@ def test_fastllm_train_torch_compile_trains_as_eager(runs, folder):
         assert 1 <= graphs <= 2 and not breaks, (graphs, breaks)
         # (under tensor parallel the layer's graph sees its DTensor params, 3 in torch 2.13;
         # a pipeline stage holds one layer: 1)
-        for name in ("tp2_compiled", "pp2_compiled"):
+        for name in ("tp2_compiled", "pp2_compiled", "ddp_compiled", "zero2_compiled"):
             breaks, graphs = got[f"train_{name}"]
             assert 1 <= graphs <= 4 and not breaks, (name, graphs, breaks)
     ran = {name: read_metrics(os.path.join(folder, name, "metrics.jsonl"))
            for name in ("fsdp_compiled", "tp2", *COMPILED_RUNS)}
     for got, want in ((runs_here["compiled"], runs_here["eager"]),
                       (ran["fsdp_compiled"], runs_here["eager"]),
-                      (ran["tp2_compiled"], ran["tp2"]), (ran["pp2_compiled"], ran["pp2"])):
+                      (ran["tp2_compiled"], ran["tp2"]), (ran["pp2_compiled"], ran["pp2"]),
+                      (ran["ddp_compiled"], ran["ddp"]), (ran["zero2_compiled"], ran["ddp"])):
         assert [r["step"] for r in got] == [r["step"] for r in want] == list(
             range(1, TRAIN_STEPS + 1))
         for key in ("loss", "grad_norm"):

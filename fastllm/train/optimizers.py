@@ -85,12 +85,15 @@ def build(cfg, module, device_type="cpu", zero_stage=0, clip_inside=True):
         # theirs in optimizer.pt. The loop reads params only in forward and state_dict, which
         # wait: overlap is safe. Not for the preference objectives: their fused scoring reads
         # the head's weight without calling the head, whose pre-hook would wait for its gather
-        # (and fastllm.preference sees the hooks and falls back to the logits): gathered at once
+        # (and fastllm.preference sees the hooks and falls back to the logits): gathered at once.
+        # Nor under torch_compile: dynamo traces the pre-hooks of the modules inside a compiled
+        # layer and broke its graph on the gather's wait
         opt_kw.pop("master_weights")
         _, plain = param_order(module)
         return DistributedOptimizer(module, optimizer_class=AdamW, stage=zero_stage,
                                     weight_decay=cfg.weight_decay,
-                                    overlap_param_gather=cfg.objective == "lm",
+                                    overlap_param_gather=(cfg.objective == "lm"
+                                                          and not cfg.torch_compile),
                                     no_decay=[n for n, _ in plain], **opt_kw), scalers
     if cfg.optimizer_in_backward:
         return InBackwardOptimizer(groups, opt_kw), scalers
