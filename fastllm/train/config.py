@@ -195,7 +195,7 @@ class TrainConfig:
     threads: int = 0                      # torch intra-op threads per process; 0: torch's default
     backend: str = "fastllm"              # fastllm | torch (torch.optim.AdamW fused, PEFT, autocast)
     kernels: str = "fastllm"              # fastllm: fastllm.patch on HF-folder models | none
-    torch_compile: bool = False           # torch.compile the model (HF's torch_compile)
+    torch_compile: bool = False           # torch.compile each decoder layer (HF's name)
     optim: str = "adamw"                  # adamw (fp32 state) | adamw_bf16 | adamw8bit (fastllm)
     track_memory: bool = True             # measure step 1's peak tensor memory on CPU (PeakMemory)
     nan_batches: typing.List[int] = field(default_factory=list)  # fault injection: poisoned steps
