@@ -246,6 +246,43 @@ def test_badam_under_torch_compile_compiles_per_state_not_per_switch(cache_dir, 
     torch.testing.assert_close(got["true"][0], got["false"][0], rtol=1e-5, atol=0)
 
 
+_COUNTED_GRAPHS = []
+
+
+def test_torch_compile_backend_and_mode(cache_dir, tmp_path):
+    """torch_compile_backend / torch_compile_mode (Hugging Face's names): either one turns
+    torch_compile on, the layers compile with that backend (a backend registered here, which
+    counts the graphs it is given), and unknown names are refused before anything runs."""
+    from torch._dynamo import list_backends, register_backend
+
+    from fastllm.train.config import ConfigError
+
+    graphs = _COUNTED_GRAPHS
+    graphs.clear()
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    if "fastllm_test_counting" not in list_backends(exclude_tags=()):  # (once a process)
+        register_backend(counting, name="fastllm_test_counting")
+    torch._dynamo.reset()
+    out = str(tmp_path / "b")
+    run(cache_dir, out, "max_steps=2", "checkpoint.interval=0",
+        "torch_compile_backend=fastllm_test_counting")
+    assert 1 <= len(graphs) <= 2, len(graphs)  # (dynamo's graph of each layer kind, forward only)
+    torch._dynamo.reset()
+    assert math.isfinite(losses(out)[-1])
+    cfg = TrainConfig.from_args(["torch_compile_mode=max-autotune-no-cudagraphs"])
+    assert cfg.torch_compile and cfg.torch_compile_backend is None
+    for bad, message in ((["torch_compile_backend=inductr"], "torch_compile_backend must be one"),
+                         (["torch_compile_mode=fastest"], "torch_compile_mode must be one of"),
+                         (["torch_compile_backend=eager", "torch_compile_mode=max-autotune"],
+                          "a mode of the inductor backend")):
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig.from_args(bad)
+
+
 def test_freeze_trains_only_the_last_layers(cache_dir, tmp_path):
     s = run(cache_dir, str(tmp_path), "max_steps=3", "finetune=freeze", "freeze.layers=1",
             "checkpoint.interval=0")

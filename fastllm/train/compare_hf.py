@@ -95,7 +95,8 @@ def run_hf(cfg, log=print):
         bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True,
         dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
-        optim="adamw_torch", torch_compile=cfg.torch_compile)
+        optim="adamw_torch", torch_compile=cfg.torch_compile,
+        torch_compile_backend=cfg.torch_compile_backend, torch_compile_mode=cfg.torch_compile_mode)
     record = {"losses": [], "times": [], "peak": None}
     fetched = []  # each micro-batch's real tokens, in order
 

@@ -196,6 +196,9 @@ class TrainConfig:
     backend: str = "fastllm"              # fastllm | torch (torch.optim.AdamW fused, PEFT, autocast)
     kernels: str = "fastllm"              # fastllm: fastllm.patch on HF-folder models | none
     torch_compile: bool = False           # torch.compile each decoder layer (HF's name)
+    # HF's names too; either given: torch_compile=true. None: torch.compile's default
+    torch_compile_backend: typing.Optional[str] = None  # inductor, aot_eager, ...
+    torch_compile_mode: typing.Optional[str] = None  # default | reduce-overhead | max-autotune...
     optim: str = "adamw"                  # adamw (fp32 state) | adamw_bf16 | adamw8bit (fastllm)
     track_memory: bool = True             # measure step 1's peak tensor memory on CPU (PeakMemory)
     nan_batches: typing.List[int] = field(default_factory=list)  # fault injection: poisoned steps

@@ -14,6 +14,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 
 def validate_values(cfg, need):
     """Ranges of the values validate() does not check inline, each error naming its key."""
+    _validate_compile(cfg, need)
     need(cfg.finetune not in ("galore", "badam") or cfg.backend == "fastllm", f"finetune="
          f"{cfg.finetune} is fastllm's optimizer; backend=torch has no GaLore/BAdam (it would "
          f"train every parameter with torch.optim.AdamW)")
@@ -95,6 +96,29 @@ def validate_values(cfg, need):
             # a float field as the top-level ones take it: YAML 1.1 reads 1e-5 as a string
             if key in floats and isinstance(value, str):
                 cfg.model_config[key] = convert(f"model_config.{key}", value, None, float)
+
+
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _validate_compile(cfg, need):
+    """torch_compile_backend / torch_compile_mode: as Hugging Face's TrainingArguments, either
+    one given turns torch_compile on; names torch.compile knows, checked before anything runs."""
+    backend, mode = cfg.torch_compile_backend, cfg.torch_compile_mode
+    if backend is None and mode is None:
+        return
+    cfg.torch_compile = True
+    if backend is not None:
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        need(backend in known, f"torch_compile_backend must be one of torch.compile's backends "
+             f"{known}, got {backend!r}")
+    if mode is not None:
+        need(mode in _COMPILE_MODES, f"torch_compile_mode must be one of {_COMPILE_MODES}, got "
+             f"{mode!r}")
+        need(backend in (None, "inductor"), f"torch_compile_mode={mode} is a mode of the "
+             f"inductor backend, not of torch_compile_backend={backend}")
 
 
 _OBJECTIVES = ("lm", "dpo", "cpo", "orpo")

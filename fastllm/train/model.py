@@ -290,13 +290,15 @@ def lora_targets(model, cfg, entries=None):
     return targets
 
 
-def compile_layers(model, reference=None):
+def compile_layers(model, cfg, reference=None):
     """torch_compile=true: each decoder layer compiled in place (`layer.compile()`, torchtitan's
     per-block compile: after activation checkpointing, before FSDP2 or a layout wraps them), and
-    those of DPO's frozen reference copy (a full fine-tune's) too."""
+    those of DPO's frozen reference copy (a full fine-tune's) too, with the run's
+    torch_compile_backend and torch_compile_mode (torch.compile's defaults where None)."""
+    kwargs = {"backend": cfg.torch_compile_backend or "inductor", "mode": cfg.torch_compile_mode}
     for layer in decoder_layers(model) + (decoder_layers(reference) if reference is not None
                                           else []):
-        layer.compile()
+        layer.compile(**kwargs)
 
 
 def compile_settings(cfg):
