@@ -249,10 +249,11 @@ def test_badam_under_torch_compile_compiles_per_state_not_per_switch(cache_dir, 
 _COUNTED_GRAPHS = []
 
 
-def test_torch_compile_backend_and_mode(cache_dir, tmp_path):
+def test_torch_compile_backend_and_mode(cache_dir, tmp_path, monkeypatch):
     """torch_compile_backend / torch_compile_mode (Hugging Face's names): either one turns
     torch_compile on, the layers compile with that backend (a backend registered here, which
-    counts the graphs it is given), and unknown names are refused before anything runs."""
+    counts the graphs it is given) and mode, and unknown names are refused before anything
+    runs."""
     from torch._dynamo import list_backends, register_backend
 
     from fastllm.train.config import ConfigError
@@ -266,11 +267,20 @@ def test_torch_compile_backend_and_mode(cache_dir, tmp_path):
 
     if "fastllm_test_counting" not in list_backends(exclude_tags=()):  # (once a process)
         register_backend(counting, name="fastllm_test_counting")
+    compiled_with = []
+    compile = torch.nn.Module.compile
+
+    def recording(module, *args, **kwargs):
+        compiled_with.append(kwargs)
+        return compile(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", recording)
     torch._dynamo.reset()
     out = str(tmp_path / "b")
     run(cache_dir, out, "max_steps=2", "checkpoint.interval=0",
-        "torch_compile_backend=fastllm_test_counting")
+        "torch_compile_backend=fastllm_test_counting", "torch_compile_mode=default")
     assert 1 <= len(graphs) <= 2, len(graphs)  # (dynamo's graph of each layer kind, forward only)
+    assert compiled_with == [{"backend": "fastllm_test_counting", "mode": "default"}] * 2
     torch._dynamo.reset()
     assert math.isfinite(losses(out)[-1])
     cfg = TrainConfig.from_args(["torch_compile_mode=max-autotune-no-cudagraphs"])
@@ -278,9 +288,26 @@ def test_torch_compile_backend_and_mode(cache_dir, tmp_path):
     for bad, message in ((["torch_compile_backend=inductr"], "torch_compile_backend must be one"),
                          (["torch_compile_mode=fastest"], "torch_compile_mode must be one of"),
                          (["torch_compile_backend=eager", "torch_compile_mode=max-autotune"],
-                          "a mode of the inductor backend")):
+                          "a mode of the inductor backend")):  # ("default": any backend)
         with pytest.raises(ConfigError, match=message):
             TrainConfig.from_args(bad)
+
+
+def test_torch_compile_prefix_gets_a_graph_per_layer(cache_dir, tmp_path, monkeypatch):
+    """finetune=prefix compiled: each layer reads its own entry of the prefix's KV cache, which
+    dynamo specialises on, so each needs a graph of its own; the run's recompile limit grows
+    with the layers (a share of 4 graphs here: 10 layers still get their 10, not 4)."""
+    from torch._dynamo.utils import counters
+
+    import fastllm.train.model
+
+    monkeypatch.setattr(fastllm.train.model, "LAYER_GRAPHS", 4)
+    torch._dynamo.reset()
+    counters.clear()
+    run(cache_dir, str(tmp_path), "max_steps=2", "checkpoint.interval=0", "finetune=prefix",
+        "model_config.num_hidden_layers=10", "torch_compile_backend=eager")
+    assert counters["stats"]["unique_graphs"] == 10, dict(counters["stats"])
+    torch._dynamo.reset()
 
 
 def test_freeze_trains_only_the_last_layers(cache_dir, tmp_path):

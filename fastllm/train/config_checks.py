@@ -98,9 +98,6 @@ def validate_values(cfg, need):
                 cfg.model_config[key] = convert(f"model_config.{key}", value, None, float)
 
 
-_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
 def _validate_compile(cfg, need):
     """torch_compile_backend / torch_compile_mode: as Hugging Face's TrainingArguments, either
     one given turns torch_compile on; names torch.compile knows, checked before anything runs."""
@@ -115,10 +112,14 @@ def _validate_compile(cfg, need):
         need(backend in known, f"torch_compile_backend must be one of torch.compile's backends "
              f"{known}, got {backend!r}")
     if mode is not None:
-        need(mode in _COMPILE_MODES, f"torch_compile_mode must be one of {_COMPILE_MODES}, got "
+        import torch._inductor
+
+        modes = sorted(torch._inductor.list_mode_options())
+        need(mode in modes, f"torch_compile_mode must be one of inductor's modes {modes}, got "
              f"{mode!r}")
-        need(backend in (None, "inductor"), f"torch_compile_mode={mode} is a mode of the "
-             f"inductor backend, not of torch_compile_backend={backend}")
+        # (torch.compile passes any other mode on to the backend, which takes none)
+        need(backend in (None, "inductor") or mode == "default", f"torch_compile_mode={mode} is "
+             f"a mode of the inductor backend, not of torch_compile_backend={backend}")
 
 
 _OBJECTIVES = ("lm", "dpo", "cpo", "orpo")

@@ -294,11 +294,34 @@ def compile_layers(model, cfg, reference=None):
     """torch_compile=true: each decoder layer compiled in place (`layer.compile()`, torchtitan's
     per-block compile: after activation checkpointing, before FSDP2 or a layout wraps them), and
     those of DPO's frozen reference copy (a full fine-tune's) too, with the run's
-    torch_compile_backend and torch_compile_mode (torch.compile's defaults where None)."""
+    torch_compile_backend and torch_compile_mode (torch.compile's defaults where None). Called
+    inside compile_settings(cfg), which restores the recompile limits this raises."""
+    layers = decoder_layers(model) + (decoder_layers(reference) if reference is not None else [])
+    # the graphs this run may need (finetune=prefix: a few per layer, each reading its own
+    # entry of the prefix's KV cache), over those already on the layers' code objects: another
+    # run's in this process (--compare torch runs two) would otherwise use the run's share up
+    need = LAYER_GRAPHS + (PREFIX_GRAPHS_PER_LAYER * len(layers) if cfg.finetune == "prefix"
+                           else 0)
+    config, held = torch._dynamo.config, _graphs_on(layers)
+    for name in (RECOMPILE_LIMIT, ACCUMULATED_LIMIT):
+        setattr(config, name, max(getattr(config, name), held + need))
     kwargs = {"backend": cfg.torch_compile_backend or "inductor", "mode": cfg.torch_compile_mode}
-    for layer in decoder_layers(model) + (decoder_layers(reference) if reference is not None
-                                          else []):
+    for layer in layers:
         layer.compile(**kwargs)
+
+
+def _graphs_on(layers):
+    """The most graphs dynamo holds for one of the code objects a compiled layer starts in (its
+    class's forward, or a forward bound to the instance)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    codes = set()
+    for layer in layers:
+        for forward in (type(layer).forward, layer.forward):
+            code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+            if code is not None:
+                codes.add(code)
+    return max((len(_debug_get_cache_entry_list(c)) for c in codes), default=0)
 
 
 def compile_settings(cfg):
@@ -306,11 +329,12 @@ def compile_settings(cfg):
     replays its forward's Python side effects in eager mode and not in a compiled graph, and
     dynamo breaks the graph at any: transformers' attention (unpatched: model=tiny,
     kernels=none) sets and resets the `kernels` package's context variable in its forward
-    (`use_kernelized_func`), a round trip that leaves nothing to replay."""
+    (`use_kernelized_func`), a round trip that leaves nothing to replay. The recompile limits
+    are restored on exit (compile_layers raises them)."""
     if not cfg.torch_compile:
         return contextlib.nullcontext()
     config = torch._dynamo.config
-    settings = {RECOMPILE_LIMIT: max(getattr(config, RECOMPILE_LIMIT), LAYER_GRAPHS)}
+    settings = {name: getattr(config, name) for name in (RECOMPILE_LIMIT, ACCUMULATED_LIMIT)}
     if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # (torch >= 2.7)
         settings["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     return config.patch(**settings)
@@ -319,9 +343,15 @@ def compile_settings(cfg):
 # Dynamo's limit on the graphs of one code object, which all the decoder layers share (8 by
 # default): a run's layers need a graph for each mix of checkpointed or not, grad mode, train or
 # eval mode, the first layer's input needing no grad, LoRA adapters disabled (DPO's reference),
-# static or dynamic lengths. LoRA DPO with evaluation and half the layers checkpointed took 8
-# (tests/test_train_dpo.py), and past the limit dynamo runs the layer eagerly. (cache_size_limit:
-# torch < 2.7's name, an alias of recompile_limit since.)
+# static or dynamic lengths. LoRA DPO with evaluation, half the layers checkpointed and pairs of
+# several lengths took 16 (tests/test_train_dpo.py), and past the limit dynamo runs the layer
+# eagerly. finetune=prefix: a graph per layer for each of train and eval, static and dynamic.
+# (cache_size_limit: torch < 2.7's name, an alias of recompile_limit since; the accumulated
+# limit, 256 by default, caps all of a code object's graphs.)
 LAYER_GRAPHS = 32
+PREFIX_GRAPHS_PER_LAYER = 4
 RECOMPILE_LIMIT = ("recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
                    else "cache_size_limit")
+ACCUMULATED_LIMIT = ("accumulated_recompile_limit"
+                     if hasattr(torch._dynamo.config, "accumulated_recompile_limit")
+                     else "accumulated_cache_size_limit")
