@@ -540,6 +540,23 @@ def test_summary_json_is_json_when_the_losses_are_nan(tmp_path):
     assert summary["grad"] is None and summary["nested"] == {"x": [None]}
 
 
+def test_a_compiled_runs_summary_times_the_steps_after_its_compiles(tmp_path):
+    """torch_compile: the summary's tokens/s and ms/step leave out the first two steps (the
+    second compiles again for another batch length or grad mix), not just the first; with too
+    few steps, all of them."""
+    from fastllm.train.metrics import FIELDS, write_summary
+
+    times = [9.0, 5.0, 1.0, 1.0, 1.0]
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps(dict({name: 0.0 for name in FIELDS}, step=i + 1, loss=1.0, skipped=False,
+                        tokens=100, step_time_s=t)) + "\n" for i, t in enumerate(times)))
+    for compiled, want in ((False, 8.0 / 4), (True, 1.0)):
+        assert write_summary(str(tmp_path), "done", 5, compiled=compiled)["step_time_s"] == want
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)[:4]))
+    assert write_summary(str(tmp_path), "done", 4, compiled=True)["step_time_s"] == 16.0 / 4
+
+
 def test_a_failed_summary_write_leaves_the_previous_summary(tmp_path):
     """summary.json was written in place: a write failing midway left it truncated."""
     from fastllm.train.metrics import FIELDS, write_summary

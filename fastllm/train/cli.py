@@ -155,6 +155,10 @@ def _train(args):
                      f"torch in output_dir-torch)")
     runs = []
     for backend, c in configs:
+        if c.torch_compile:  # each run compiles its layers (the torch run reused fastllm's graphs)
+            import torch._dynamo
+
+            torch._dynamo.reset()
         try:
             runs.append((backend, Trainer(c).train()))
         except clear as e:
@@ -169,6 +173,9 @@ def _train(args):
               f"{s['first_loss']:11.4f} {s['final_loss']:11.4f}")
     ratio = runs[0][1]["tokens_per_s"] / runs[1][1]["tokens_per_s"]
     print(f"  fastllm / torch tokens/s: {ratio:.2f}x")
+    if cfg.torch_compile:
+        print("  (torch_compile: each run compiled its layers afresh; the timing leaves out the "
+              "first two steps, which compile, from 5 steps on)")
 
 
 def _report(args):

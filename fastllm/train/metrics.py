@@ -270,11 +270,13 @@ def _finite_or_none(value):
     return value
 
 
-def write_summary(output_dir, status, step, **run):
+def write_summary(output_dir, status, step, compiled=False, **run):
     """The run summary (summarize over output_dir/metrics.jsonl, plus status and `run`'s
-    fields) written to output_dir/summary.json and printed. Returns it, with the losses."""
+    fields) written to output_dir/summary.json and printed. Returns it, with the losses.
+    compiled (torch_compile): the first two steps left out of the timing, not one (the second
+    compiles again where its batch has another length or another layer's mix of grads)."""
     records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
-    summary = summarize(records)
+    summary = summarize(records, skip_first=2 if compiled else 1)
     summary.update(status=status, output_dir=output_dir, **run,
                    losses=[r["loss"] for r in records])
     # null for a nan or inf (no loss: every step skipped): NaN is not JSON, and this file is for

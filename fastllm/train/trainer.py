@@ -392,6 +392,6 @@ class Trainer:
         if self.rank == 0:
             summary = write_summary(cfg.output_dir, status, self.step, resumed_from=resumed,
                                     world_size=self.world, strategy=strategy.name,
-                                    rollbacks=self.rollbacks)
+                                    rollbacks=self.rollbacks, compiled=cfg.torch_compile)
         self._barrier()
         return summary
