@@ -32,6 +32,7 @@ def _run(mode, layers, batch, seq, steps):
 
     import fastllm
     from fastllm.parallel import decoder_layers
+    from fastllm.train.model import compile_layers
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
@@ -39,8 +40,7 @@ def _run(mode, layers, batch, seq, steps):
                       max_position_embeddings=2048, tie_word_embeddings=True)
     model = fastllm.patch(LlamaForCausalLM(cfg))
     if mode == "per-layer":
-        for layer in decoder_layers(model):
-            layer.compile()
+        compile_layers(decoder_layers(model))  # (as `fastllm train torch_compile=true`)
     elif mode == "whole":
         model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

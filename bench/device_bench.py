@@ -714,12 +714,11 @@ def _model_step_case(base, ids, finetune, shape, device, liger, why, rows, round
     def compiled_setup():
         model, opt, state = fastllm_setup()
         from fastllm.parallel import decoder_layers
+        from fastllm.train.model import compile_layers
 
         # each layer, as `fastllm train torch_compile=true`; on a CPU (--smoke, the tests) dynamo
         # and AOTAutograd only: the code path, without inductor's C++ compile
-        backend = "inductor" if cuda else "aot_eager"
-        for layer in decoder_layers(model):
-            layer.compile(backend=backend)
+        compile_layers(decoder_layers(model), backend="inductor" if cuda else "aot_eager")
         return model, opt, state
 
     def graph_setup(setup, optimizer):

@@ -290,24 +290,30 @@ def lora_targets(model, cfg, entries=None):
     return targets
 
 
-def compile_layers(model, cfg, reference=None):
-    """torch_compile=true: each decoder layer compiled in place (`layer.compile()`, torchtitan's
-    per-block compile: after activation checkpointing, before FSDP2 or a layout wraps them), and
-    those of DPO's frozen reference copy (a full fine-tune's) too, with the run's
-    torch_compile_backend and torch_compile_mode (torch.compile's defaults where None). Called
-    inside compile_settings(cfg), which restores the recompile limits this raises."""
+def compile_model(model, cfg, reference=None):
+    """torch_compile=true for a run: compile_layers over the model's decoder layers and those of
+    DPO's frozen reference copy (a full fine-tune's), with the run's torch_compile_backend and
+    torch_compile_mode."""
     layers = decoder_layers(model) + (decoder_layers(reference) if reference is not None else [])
-    # the graphs this run may need (finetune=prefix: a few per layer, each reading its own
-    # entry of the prefix's KV cache), over those already on the layers' code objects: another
-    # run's in this process (--compare torch runs two) would otherwise use the run's share up
-    need = LAYER_GRAPHS + (PREFIX_GRAPHS_PER_LAYER * len(layers) if cfg.finetune == "prefix"
-                           else 0)
+    compile_layers(layers, cfg.torch_compile_backend, cfg.torch_compile_mode,
+                   PREFIX_GRAPHS_PER_LAYER if cfg.finetune == "prefix" else 0)
+
+
+def compile_layers(layers, backend=None, mode=None, per_layer_graphs=0):
+    """torch_compile=true: each decoder layer compiled in place (`layer.compile()`, torchtitan's
+    per-block compile: after activation checkpointing, before FSDP2 or a layout wraps them) with
+    torch.compile's `backend` (inductor where None) and `mode`, and dynamo's recompile limits
+    raised for the graphs the layers may need over those their code objects already hold
+    (another run's in this process: --compare torch runs two); per_layer_graphs more for each
+    layer (finetune=prefix: each layer reads its own entry of the prefix's KV cache). The
+    trainer calls it inside compile_settings(cfg), which restores the limits after the run; the
+    benchmarks (bench/compile_time.py, bench/device_bench.py) leave them raised."""
+    need = LAYER_GRAPHS + per_layer_graphs * len(layers)
     config, held = torch._dynamo.config, _graphs_on(layers)
     for name in (RECOMPILE_LIMIT, ACCUMULATED_LIMIT):
         setattr(config, name, max(getattr(config, name), held + need))
-    kwargs = {"backend": cfg.torch_compile_backend or "inductor", "mode": cfg.torch_compile_mode}
     for layer in layers:
-        layer.compile(**kwargs)
+        layer.compile(backend=backend or "inductor", mode=mode)
 
 
 def _graphs_on(layers):

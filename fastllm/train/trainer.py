@@ -32,7 +32,7 @@ from fastllm.train.evaluate import Evaluator
 from fastllm.train.memory import PeakMemory, step_peak
 from fastllm.train.metrics import MetricsWriter, start_line, write_summary
 from fastllm.train.signals import StopSignals
-from fastllm.train.model import (apply_finetune, build_model, compile_layers,
+from fastllm.train.model import (apply_finetune, build_model, compile_model,
                                  compile_settings, is_model_dir)
 from fastllm.train.preference_step import PreferenceObjective
 
@@ -141,7 +141,7 @@ class Trainer:
         self.n_checkpointed = apply_activation_checkpointing(model, cfg.checkpoint_ratio)
         self.n_layers = len(decoder_layers(model))
         if cfg.torch_compile:  # each decoder layer, as torchtitan, before FSDP2 wraps (README)
-            compile_layers(model, cfg, getattr(self.objective, "reference", None))
+            compile_model(model, cfg, getattr(self.objective, "reference", None))
         self.strategy = strategies.make(cfg, self.layout, self.device, self.rank)
         if self.objective is not None:  # (what DDP/FSDP wrap: the pairs' scoring, not the forward)
             self.strategy.policy = self.objective.policy(model)
