@@ -281,6 +281,9 @@ def test_torch_compile_backend_and_mode(cache_dir, tmp_path, monkeypatch):
         "torch_compile_backend=fastllm_test_counting", "torch_compile_mode=default")
     assert 1 <= len(graphs) <= 2, len(graphs)  # (dynamo's graph of each layer kind, forward only)
     assert compiled_with == [{"backend": "fastllm_test_counting", "mode": "default"}] * 2
+    # each step's record counts the graphs it compiled (the summary's timing leaves those out)
+    compiles = [r["compiles"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
+    assert compiles[0] >= 1 and sum(compiles) == len(graphs), compiles
     torch._dynamo.reset()
     assert math.isfinite(losses(out)[-1])
     cfg = TrainConfig.from_args(["torch_compile_mode=max-autotune-no-cudagraphs"])

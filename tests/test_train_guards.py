@@ -540,21 +540,30 @@ def test_summary_json_is_json_when_the_losses_are_nan(tmp_path):
     assert summary["grad"] is None and summary["nested"] == {"x": [None]}
 
 
-def test_a_compiled_runs_summary_times_the_steps_after_its_compiles(tmp_path):
-    """torch_compile: the summary's tokens/s and ms/step leave out the first two steps (the
-    second compiles again for another batch length or grad mix), not just the first; with too
-    few steps, all of them."""
+def test_a_compiled_runs_summary_times_the_steps_that_compiled_nothing(tmp_path, capsys):
+    """torch_compile: the summary's tokens/s and ms/step (the run's, and fastllm report's) leave
+    out the steps whose record counts compiled graphs (`compiles`), wherever they fall, as well
+    as the first; where every step compiled, the timing is of them all."""
+    from fastllm.cli import main
     from fastllm.train.metrics import FIELDS, write_summary
 
-    times = [9.0, 5.0, 1.0, 1.0, 1.0]
-    (tmp_path / "metrics.jsonl").write_text("".join(
-        json.dumps(dict({name: 0.0 for name in FIELDS}, step=i + 1, loss=1.0, skipped=False,
-                        tokens=100, step_time_s=t)) + "\n" for i, t in enumerate(times)))
-    for compiled, want in ((False, 8.0 / 4), (True, 1.0)):
-        assert write_summary(str(tmp_path), "done", 5, compiled=compiled)["step_time_s"] == want
-    (tmp_path / "metrics.jsonl").write_text("".join(
-        (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)[:4]))
-    assert write_summary(str(tmp_path), "done", 4, compiled=True)["step_time_s"] == 16.0 / 4
+    def write(times, compiles):
+        (tmp_path / "metrics.jsonl").write_text("".join(
+            json.dumps(dict({name: 0.0 for name in FIELDS}, step=i + 1, loss=1.0, skipped=False,
+                            tokens=100, step_time_s=t, **({} if c is None else {"compiles": c})))
+            + "\n" for i, (t, c) in enumerate(zip(times, compiles))))
+
+    times = [9.0, 5.0, 1.0, 4.0, 1.0, 1.0]
+    for compiles, want in (([None] * 6, 12.0 / 5), ([3, 1, 0, 2, 0, 0], 1.0),
+                           ([3, 0, 0, 0, 0, 0], 12.0 / 5), ([3, 1, 1, 1, 1, 1], 12.0 / 5)):
+        write(times, compiles)
+        summary = write_summary(str(tmp_path), "done", 6)
+        assert summary["step_time_s"] == want, compiles
+        assert summary["compile_steps"] == [i + 1 for i, c in enumerate(compiles) if c]
+        out = capsys.readouterr().out
+        assert ("graphs compiled in steps 1, 2, 4 (left out" in out) == (compiles[3] == 2)
+        main(["report", str(tmp_path), "--out", str(tmp_path / "r.png")])
+        assert f"{want * 1e3:.1f} ms/step" in capsys.readouterr().out
 
 
 def test_a_failed_summary_write_leaves_the_previous_summary(tmp_path):

@@ -175,7 +175,7 @@ def _train(args):
     print(f"  fastllm / torch tokens/s: {ratio:.2f}x")
     if cfg.torch_compile:
         print("  (torch_compile: each run compiled its layers afresh; the timing leaves out the "
-              "first two steps, which compile, from 5 steps on)")
+              "steps that compiled)")
 
 
 def _report(args):

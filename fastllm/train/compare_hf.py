@@ -70,7 +70,7 @@ def run_hf(cfg, log=print):
     from fastllm.train.evaluate import evaluate_loss
     from fastllm.train.memory import PeakMemory
     from fastllm.train import sft_data
-    from fastllm.train.model import apply_finetune, build_model, is_model_dir
+    from fastllm.train.model import apply_finetune, build_model, compiled_graphs, is_model_dir
     from fastllm.train.trainer import lr_at
 
     check(cfg)
@@ -97,7 +97,7 @@ def run_hf(cfg, log=print):
         dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
         optim="adamw_torch", torch_compile=cfg.torch_compile,
         torch_compile_backend=cfg.torch_compile_backend, torch_compile_mode=cfg.torch_compile_mode)
-    record = {"losses": [], "times": [], "peak": None}
+    record = {"losses": [], "times": [], "compiled": [], "peak": None}
     fetched = []  # each micro-batch's real tokens, in order
 
     def collate(features):
@@ -109,7 +109,7 @@ def run_hf(cfg, log=print):
         tracker = None
 
         def on_step_begin(self, a, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.graphs = time.perf_counter(), compiled_graphs()
             if state.global_step == 0 and cfg.track_memory and not cfg.torch_compile:
                 self.tracker = PeakMemory(hf.model, hf.optimizer)
                 self.tracker.__enter__()
@@ -120,6 +120,7 @@ def run_hf(cfg, log=print):
                 record["peak"] = int(self.tracker.peak)
                 self.tracker = None
             record["times"].append(time.perf_counter() - self.t0)
+            record["compiled"].append(compiled_graphs() > self.graphs)
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -139,9 +140,13 @@ def run_hf(cfg, log=print):
     hf = Sequential(model=model, args=args, train_dataset=items, data_collator=collate,
                     callbacks=[Clock()])
     hf.train()
-    # the first step's data loading happens before on_step_begin; leave it out as fastllm does
+    # the first step's data loading happens before on_step_begin; leave it out as fastllm does,
+    # and under torch_compile the steps that compiled graphs (as fastllm's summary, where any
+    # other step is left)
     steps = [sum(fetched[k * accum:(k + 1) * accum]) for k in range(len(record["times"]))]
-    times, toks = record["times"][1:] or record["times"], steps[1:] or steps
+    keep = list(range(1, len(steps))) or list(range(len(steps)))
+    keep = [k for k in keep if not record["compiled"][k]] or keep
+    times, toks = [record["times"][k] for k in keep], [steps[k] for k in keep]
     out = {"tokens_per_s": sum(toks) / max(sum(times), 1e-12),
            "step_time_s": sum(times) / max(len(times), 1), "peak_mem_bytes": record["peak"],
            "first_loss": record["losses"][0] if record["losses"] else math.nan,

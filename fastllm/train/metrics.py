@@ -197,10 +197,14 @@ def _mean(values):
 
 def summarize(records, skip_first=1):
     """Totals and means of a run's step records (the first steps, which include warm-up, are left
-    out of the timing means when there are enough)."""
+    out of the timing means when there are enough; so are the steps that compiled graphs under
+    torch_compile, where any step did not)."""
     if not records:
         return {}
     timed = records[skip_first:] if len(records) > skip_first + 2 else records
+    # torch_compile: a step that compiled (the first ones; one that met a new shape, mask or mix
+    # of grads) timed the compiler, seconds at a time, not the run
+    timed = [r for r in timed if not r.get("compiles")] or timed
     step_time = sum(r["step_time_s"] for r in timed)
     keys = ["data_wait_s", "fwd_bwd_s", "comm_s", "optim_s"]
     if any("bubble_s" in r for r in records):
@@ -223,6 +227,7 @@ def summarize(records, skip_first=1):
         # objective=dpo|cpo|orpo: the last held-out reward accuracy (no perplexity there)
         "eval_reward_accuracy": next((r["eval_rewards/accuracies"] for r in reversed(records)
                                       if r.get("eval_rewards/accuracies") is not None), None),
+        "compile_steps": [r["step"] for r in records if r.get("compiles")],
     }
 
 
@@ -239,6 +244,12 @@ def format_summary(s, title="run summary"):
                                      for k, v in split.items()),
         f"  peak memory {s['peak_mem_bytes'] / 2**20:.1f} MiB",
     ]
+    steps = s.get("compile_steps")
+    if steps:
+        shown = ", ".join(map(str, steps[:8])) + (f" and {len(steps) - 8} more"
+                                                   if len(steps) > 8 else "")
+        lines.append(f"  torch_compile: graphs compiled in steps {shown} (left out of the timing; "
+                     f"TORCH_LOGS=recompiles says why a later step compiled)")
     if s.get("eval_reward_accuracy") is not None:
         lines.append(f"  eval loss {s['eval_loss']:.4f} (reward accuracy "
                      f"{s['eval_reward_accuracy']:.3f})")
@@ -270,13 +281,11 @@ def _finite_or_none(value):
     return value
 
 
-def write_summary(output_dir, status, step, compiled=False, **run):
+def write_summary(output_dir, status, step, **run):
     """The run summary (summarize over output_dir/metrics.jsonl, plus status and `run`'s
-    fields) written to output_dir/summary.json and printed. Returns it, with the losses.
-    compiled (torch_compile): the first two steps left out of the timing, not one (the second
-    compiles again where its batch has another length or another layer's mix of grads)."""
+    fields) written to output_dir/summary.json and printed. Returns it, with the losses."""
     records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
-    summary = summarize(records, skip_first=2 if compiled else 1)
+    summary = summarize(records)
     summary.update(status=status, output_dir=output_dir, **run,
                    losses=[r["loss"] for r in records])
     # null for a nan or inf (no loss: every step skipped): NaN is not JSON, and this file is for

@@ -316,6 +316,15 @@ def compile_layers(layers, backend=None, mode=None, per_layer_graphs=0):
         layer.compile(backend=backend or "inductor", mode=mode)
 
 
+def compiled_graphs():
+    """How many graphs dynamo has compiled in this process (its counter, which every new graph of
+    any frame raises): a training step that raised it compiled, and its time is not the run's
+    speed (metrics.jsonl's `compiles`, left out of the summary's timing)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def _graphs_on(layers):
     """The most graphs dynamo holds for one of the code objects a compiled layer starts in (its
     class's forward, or a forward bound to the instance)."""

@@ -33,7 +33,7 @@ from fastllm.train.memory import PeakMemory, step_peak
 from fastllm.train.metrics import MetricsWriter, start_line, write_summary
 from fastllm.train.signals import StopSignals
 from fastllm.train.model import (apply_finetune, build_model, compile_model,
-                                 compile_settings, is_model_dir)
+                                 compile_settings, compiled_graphs, is_model_dir)
 from fastllm.train.preference_step import PreferenceObjective
 
 __all__ = ["Trainer", "lr_at"]
@@ -287,7 +287,7 @@ class Trainer:
             try:
                 while self.step < cfg.max_steps:
                     faults.before_step(self.step + 1)
-                    t_start = time.perf_counter()
+                    t_start, graphs = time.perf_counter(), compiled_graphs()
                     self._poisoned = self.position // self.global_batch in nan_batches
                     micro, data_wait = self.loader.next_step()
                     self.position += self.global_batch
@@ -350,6 +350,8 @@ class Trainer:
                         "comm_s": comm, "optim_s": t_end - t_opt,
                         "peak_mem_bytes": step_peak(self.device, tracked_peak),
                     }
+                    if cfg.torch_compile:  # graphs compiled in this step (summarize: untimed)
+                        rec["compiles"] = compiled_graphs() - graphs
                     if strategy.bubble is not None:
                         # the schedule's idle share (planner.bubble_fraction), taken out of compute
                         rec["bubble_s"] = strategy.bubble * rec["fwd_bwd_s"]
@@ -392,6 +394,6 @@ class Trainer:
         if self.rank == 0:
             summary = write_summary(cfg.output_dir, status, self.step, resumed_from=resumed,
                                     world_size=self.world, strategy=strategy.name,
-                                    rollbacks=self.rollbacks, compiled=cfg.torch_compile)
+                                    rollbacks=self.rollbacks)
         self._barrier()
         return summary
