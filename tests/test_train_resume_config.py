@@ -213,6 +213,55 @@ def test_the_length_grouped_order_is_the_same_at_any_micro_batch_size(tmp_path):
     assert sorted(orders[0][:80]) == list(range(80))
 
 
+def test_a_small_length_grouped_dataset_is_reshuffled_every_epoch_and_seed(tmp_path):
+    """data.packing=false on fewer rows than one 512-row mega-batch: the whole epoch was one
+    sort, longest first, so every epoch and every seed gave the same order. Mega-batches are now a
+    quarter of the rows (as HF's LengthGroupedSampler on small data), each longest first."""
+    from fastllm.train.data import ByteTokenizer
+    from fastllm.train.sft_data import build_sft_data
+
+    records = [("text", "x" * (2 + i)) for i in range(40)]  # 40 lengths, one a row
+    orders = {}
+    for seed in (0, 1):
+        cfg = TrainConfig.from_args(["data.packing=false", "data.seq_len=64", f"seed={seed}",
+                                     f"data.cache_dir={tmp_path}"])
+        ds, _ = build_sft_data(cfg, ByteTokenizer(), records, log=lambda text: None)
+        for epoch in (0, 1):
+            order = [ds.row(s) for s in range(epoch * 40, (epoch + 1) * 40)]
+            assert sorted(order) == list(range(40))
+            for k in range(0, 40, 10):  # 4 mega-batches of 10, each longest first
+                assert order[k:k + 10] == sorted(order[k:k + 10], reverse=True), (seed, epoch)
+            orders[seed, epoch] = order
+    assert len({tuple(order) for order in orders.values()}) == 4, orders
+
+
+def test_sequence_parallel_pads_sft_batches_to_a_multiple_of_tp(tmp_path):
+    """parallel.sequence_parallel splits the sequence over the tp ranks; an SFT batch is as wide
+    as its longest row (27 tokens, say), which the first forward refused mid-run although
+    data.seq_len divides by tp. Batches are padded to a multiple of tp (padding: no target, a
+    segment of its own), packed or not, eval rows too."""
+    from fastllm.train.data import ByteTokenizer
+    from fastllm.train.sft_data import IGNORE_INDEX, build_sft_data
+
+    records = [("completion", ("q" * (1 + i % 5), "a" * (2 + (i * 3) % 7))) for i in range(12)]
+    for packing, tp in (("true", 4), ("false", 2), ("false", 1)):
+        cfg = TrainConfig.from_args([f"data.packing={packing}", "data.seq_len=32",
+                                     "data.eval_fraction=0.25", f"data.path={tmp_path}/d.jsonl",
+                                     f"data.cache_dir={tmp_path}"] +
+                                    ([f"parallel.tp={tp}", "parallel.sequence_parallel=true"]
+                                     if tp > 1 else []))
+        train, held = build_sft_data(cfg, ByteTokenizer(), records, log=lambda text: None)
+        widths = set()
+        for ds in (train, held):
+            for k in range(0, ds.num_sequences, 2):
+                b = ds.batch(list(range(k, min(k + 2, ds.num_sequences))))
+                longest = max(int((row != IGNORE_INDEX).nonzero().max()) + 1
+                              for row in b["labels"])
+                widths.add(b["input_ids"].shape[1])
+                assert b["input_ids"].shape[1] % tp == 0 and b["input_ids"].shape[1] < longest + tp
+        assert any(w % 2 for w in widths) == (tp == 1), widths  # (unpadded: odd widths occur)
+
+
 def test_train_leaves_the_callers_config_and_records_max_steps_as_given(tmp_path, monkeypatch):
     """train() set the caller's cfg.max_steps to the steps num_train_epochs gave, and config.yaml
     kept that number: the same config with num_train_epochs=2 still ran one epoch. config.yaml

@@ -309,10 +309,12 @@ def tokenize_records(records, tokenizer, cache_dir, train_on_prompt=False):
     return path
 
 
-# Rows of one length-grouped mega-batch (data.packing=false): a fixed count, so an epoch's order
-# is the same at any micro_batch_size, which a resume may change (to fit memory) while the saved
-# data position indexes that order. HF's LengthGroupedSampler uses 50 batches (of per-device x
-# accumulation rows); 512 is that for batches of about 10 rows.
+# Rows of one length-grouped mega-batch (data.packing=false): at most this many, a quarter of the
+# rows in a smaller dataset (one mega-batch of all of them would be one sort: the same order in
+# every epoch and for every seed). Set by the row count alone, so an epoch's order is the same at
+# any micro_batch_size, which a resume may change (to fit memory) while the saved data position
+# indexes that order. HF's LengthGroupedSampler uses at most 50 batches (of per-device x
+# accumulation rows) and about a quarter of the rows; 512 is 50 batches of about 10 rows.
 MEGA_BATCH = 512
 
 
@@ -337,10 +339,13 @@ class SFTDataset:
 
     packing: rows are bins of whole examples (best-fit decreasing, computed once), padded to the
     longest row of the micro-batch; else one example per row, micro-batches of similar length
-    (length-grouped in mega-batches of MEGA_BATCH rows).
+    (length-grouped in mega-batches of up to MEGA_BATCH rows). pad_to_multiple_of: each batch's
+    width rounded up to a multiple of it (parallel.tp under sequence parallel, which splits the
+    sequence over the tp ranks; seq_len is a multiple of it).
     """
 
-    def __init__(self, path, indices, seq_len, seed, packing=True, pad_id=0):
+    def __init__(self, path, indices, seq_len, seed, packing=True, pad_id=0,
+                 pad_to_multiple_of=1):
         with open(path + ".json") as f:
             meta = json.load(f)
         self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
@@ -352,7 +357,7 @@ class SFTDataset:
             raise ValueError("fastllm train: no examples to train on")
         self.truncated = sum(int(offsets[i + 1] - offsets[i]) > seq_len for i in indices)
         self.seq_len, self.seed, self.packing = seq_len, seed, packing
-        self.pad_id = pad_id
+        self.pad_id, self.pad_to_multiple_of = pad_id, pad_to_multiple_of
         lengths = [e - s for s, e in self.spans]
         self.rows = _pack(lengths, seq_len) if packing else [[i] for i in range(len(lengths))]
         self.num_sequences = len(self.rows)
@@ -365,8 +370,9 @@ class SFTDataset:
         if self.packing:
             return perm
         # length-grouped (HF's LengthGroupedSampler): longest first within each mega-batch
-        return [i for k in range(0, len(perm), MEGA_BATCH)
-                for i in sorted(perm[k:k + MEGA_BATCH], key=lambda j: -self._lengths[j])]
+        mega = min(MEGA_BATCH, max(1, self.num_sequences // 4))
+        return [i for k in range(0, len(perm), mega)
+                for i in sorted(perm[k:k + mega], key=lambda j: -self._lengths[j])]
 
     def row(self, sample):
         epoch, i = divmod(sample, self.num_sequences)
@@ -379,6 +385,7 @@ class SFTDataset:
         'num_tokens' (a 0-d tensor: the rows' tokens without padding)."""
         rows = [self.rows[self.row(s)] for s in samples] if rows is None else rows
         width = max(sum(self.spans[i][1] - self.spans[i][0] for i in row) for row in rows)
+        width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
         labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.int64)
         pos = torch.zeros((len(rows), width), dtype=torch.int64)
@@ -438,7 +445,8 @@ def build_sft_data(cfg, tokenizer, records=None, log=print):
     path = tokenize_records(records, tokenizer, data.cache_dir, data.train_on_prompt)
     pad = getattr(getattr(tokenizer, "tok", None), "pad_token_id", None)
     pad = tokenizer.eos_token_id if pad is None else pad
-    kw = dict(seq_len=data.seq_len, seed=cfg.seed, packing=data.packing, pad_id=pad)
+    kw = dict(seq_len=data.seq_len, seed=cfg.seed, packing=data.packing, pad_id=pad,
+              pad_to_multiple_of=cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
     if eval_records is not None:
         train = SFTDataset(path, range(len(records)), **kw)
         epath = tokenize_records(eval_records, tokenizer, data.cache_dir, data.train_on_prompt)
