@@ -1,4 +1,5 @@
-"""Selecting and swapping a model's submodules by name (fastllm.lora, fastllm.quant)."""
+"""Selecting and swapping a model's submodules by name, and the model inside a wrapper
+(fastllm.lora, fastllm.quant)."""
 
 import re
 
@@ -21,3 +22,19 @@ def replace_module(model, name, module):
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
+
+
+def unwrap(model):
+    """The module inside torch.compile's OptimizedModule and DDP / DataParallel wrappers, however
+    they nest: the model whose module names PEFT's files use (a wrapper puts `_orig_mod.` or
+    `module.` before each)."""
+    from torch import nn
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while True:
+        if isinstance(model, OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        else:
+            return model

@@ -15,6 +15,18 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def write_adapter(path, config, tensors):
+    """adapter_config.json (`config`) and adapter_model.safetensors (`tensors`, PEFT's keys) in
+    `path`, replacing what was there only once both are written."""
+    from safetensors.torch import save_file
+
+    from fastllm._files import json_writer, write_replacing
+
+    write_replacing(path, {
+        ADAPTER_WEIGHTS: lambda f: save_file(tensors, f, metadata={"format": "pt"}),
+        ADAPTER_CONFIG: json_writer(config)})
+
+
 def read_config(path):
     """A folder's adapter_config.json as a dict. A truncated or corrupt file, or JSON that is
     not an object, raises ValueError naming the file (json's own error names neither)."""

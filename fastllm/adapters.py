@@ -24,9 +24,11 @@ def load_adapter(model, path, adapter_dtype=None):
     adapter_dtype: for LoRA/DoRA layers it creates (fastllm.lora.inject_lora's)."""
     kind = adapter_kind(path)
     if kind == "prefix":
+        from fastllm._modules import unwrap
         from fastllm.prefix import load_prefix
 
-        return load_prefix(model, path)
+        load_prefix(unwrap(model), path)  # (a torch.compile'd or DDP model: the one inside)
+        return model
     if kind == "dora":
         from fastllm.dora import load_adapter as load_dora
 
@@ -39,7 +41,11 @@ def load_adapter(model, path, adapter_dtype=None):
 def save_adapter(model, path, task_type="CAUSAL_LM"):
     """Write the model's adapter (prefix, else LoRA/DoRA layers) in PEFT's format. A model
     carrying both is refused (save_prefix and fastllm.lora.save_adapter refuse it), nothing
-    written: PEFT has no single adapter file holding both."""
+    written: PEFT has no single adapter file holding both. A torch.compile'd or DDP model: the
+    model inside's."""
+    from fastllm._modules import unwrap
+
+    model = unwrap(model)
     if hasattr(model, "_fastllm_prefix"):
         from fastllm.prefix import save_prefix
 

@@ -181,7 +181,13 @@ class DoRALinear(LoRALinear):
         else:
             # PEFT: x W^T of the dropped fp32 x against W in fp32
             xd = F.dropout(xd, self.dropout, training=True)
-            plain = linear(xd, _dense(self.base_layer).to(dt))
+            base = self.base_layer
+            if isinstance(base, NF4Linear) and base.compute_dtype == dt:
+                # nf4_linear dequantises again for backward: nf4_dense's buffer, which `.to(dt)`
+                # would return as it is, is the next layer's before the backward reads it
+                plain = _linear(base, xd)
+            else:
+                plain = linear(xd, _dense(base).to(dt))
         low = linear(linear(xd, self.lora_A), self.lora_B) * self.scaling
         # base + ((m / n - 1) x W^T + (m / n) s B A x), summed as PEFT sums it (scale * plain +
         # bias rounded otherwise: one bf16 step apart from PEFT on a layer with a bias)

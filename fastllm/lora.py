@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm._hooks import user_hooked
-from fastllm._modules import matches, output_layer, replace_module as _replace
-from fastllm.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from fastllm._modules import matches, output_layer, replace_module as _replace, unwrap
+from fastllm.adapter_files import ADAPTER_WEIGHTS, write_adapter
 from fastllm.adapter_files import check_lora_config as _check_supported
 from fastllm.adapter_files import check_lora_settings
 from fastllm.adapter_files import read_config, read_weights  # noqa: F401  (prefix, export)
@@ -454,26 +454,16 @@ def save_adapter(model, path, task_type=None):
 
     task_type: PEFT's task type to record, e.g. "CAUSAL_LM" (None: a plain PeftModel).
     Weights are saved unmerged even if the model is merged. A refused or failed save leaves the
-    adapter already in `path` as it was.
+    adapter already in `path` as it was. A torch.compile'd or DDP-wrapped model saves the
+    names of the model inside (PEFT's keys; the wrapper's `_orig_mod.` / `module.` are not).
     """
+    model = unwrap(model)
     layers = lora_modules(model)
     if not layers:
         raise ValueError("fastllm.lora.save_adapter: the model has no LoRALinear layers")
     _refuse_prefix(model, "fastllm.lora.save_adapter", "Nothing was written")
     config = _adapter_config(model, layers, task_type)  # refused before anything is written
     write_adapter(path, config, peft_tensors(layers))
-
-
-def write_adapter(path, config, tensors):
-    """adapter_config.json (`config`) and adapter_model.safetensors (`tensors`, PEFT's keys) in
-    `path`, replacing what was there only once both are written."""
-    from safetensors.torch import save_file
-
-    from fastllm._files import json_writer, write_replacing
-
-    write_replacing(path, {
-        ADAPTER_WEIGHTS: lambda f: save_file(tensors, f, metadata={"format": "pt"}),
-        ADAPTER_CONFIG: json_writer(config)})
 
 
 def peft_keys(layers):
@@ -507,8 +497,10 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
     does. A refused adapter leaves the model unchanged. layer_cls: as inject_lora's (a DoRA
     adapter needs fastllm.dora.load_adapter, which passes DoRALinear); adapter_dtype: as
     inject_lora's, for layers it creates (torch.float32 on a bf16 model: PEFT's default).
-    Returns the model. A model with a fastllm prefix is refused (as by inject_lora).
+    Returns the model. A model with a fastllm prefix is refused (as by inject_lora). Into a
+    torch.compile'd or DDP-wrapped model it loads the model inside, by its own names.
     """
+    model, given = unwrap(model), model
     _refuse_prefix(model, "fastllm.lora.load_adapter", "Nothing was changed")
     settings = _check_supported(read_config(path))
     dora = bool(settings["use_dora"])
@@ -520,7 +512,8 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
     existing = lora_modules(model)
     if existing:
         _check_layers_agree(existing, settings)
-        return _load_state(model, state)
+        _load_state(model, state)
+        return given
     _check_planned_shapes(model, settings, state)  # a corrupt r must not allocate first
     with _undone_on_error(model):  # a refused adapter leaves the model as it came
         inject_lora(model, target_modules=settings["target_modules"], r=settings["r"],
@@ -528,7 +521,8 @@ def load_adapter(model, path, layer_cls=None, adapter_dtype=None):
                     use_rslora=settings["use_rslora"], rank_pattern=settings["rank_pattern"],
                     alpha_pattern=settings["alpha_pattern"], layer_cls=layer_cls,
                     adapter_dtype=adapter_dtype)
-        return _load_state(model, state)
+        _load_state(model, state)
+    return given
 
 
 def _check_planned_shapes(model, settings, state):

@@ -465,6 +465,36 @@ def test_save_adapter_keeps_a_regex_target(tmp_path, recwarn):
     assert [n for n, _ in lora_modules(again)] == ["model.layers.0.self_attn.q_proj"]
 
 
+@pytest.mark.parametrize("wrap", ["compile", "data_parallel"])
+def test_a_wrapped_model_saves_and_loads_peft_names(tmp_path, recwarn, wrap):
+    """`model = torch.compile(model)` (or DDP / DataParallel) puts `_orig_mod.` (`module.`)
+    before every module name: save_adapter wrote those into the keys, PEFT loaded none of them
+    (a warning, the base model's outputs) and load_adapter refused fastllm's own file. Both now
+    work on the model inside; load_adapter returns the wrapper it was given."""
+    def wrapped(model):
+        if wrap == "compile":
+            return torch.compile(model, backend="eager")
+        return nn.DataParallel(model)
+
+    model = inject_lora(_tiny_llama(), target_modules=["q_proj", "v_proj"], r=4, alpha=8)
+    _randomise_lora(model)
+    save_adapter(wrapped(model), str(tmp_path), task_type="CAUSAL_LM")
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(tmp_path / "adapter_model.safetensors")) == sorted(
+        f"base_model.model.{n}.lora_{ab}.weight" for n, _ in lora_modules(model) for ab in "AB")
+    peft_model = peft.PeftModel.from_pretrained(_tiny_llama(), str(tmp_path)).eval()
+    assert not [w for w in recwarn if "missing" in str(w.message).lower()]
+    fresh = wrapped(_tiny_llama())
+    assert load_adapter(fresh, str(tmp_path)) is fresh
+    inner = fresh._orig_mod if wrap == "compile" else fresh.module
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(inner(input_ids=ids).logits, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("merge", [True, False], ids=["merge_and_unload", "unload"])
 def test_merge_and_unload_gives_the_plain_model(tmp_path, merge):
     plain = _tiny_llama()

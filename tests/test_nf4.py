@@ -467,15 +467,19 @@ def test_qlora_down_proj_over_swiglu_equals_the_dense_one(dtype, dropout):
         quant.nf4_swiglu_lora_linear(gate, up, nn.Linear(40, 24), lora_a, lora_b, 1.0)
 
 
-@pytest.mark.parametrize("dtype,adapter_dtype,dropout,bias,double_quant", [
-    (torch.float32, None, 0.0, True, False), (torch.float32, None, 0.2, False, True),
-    (torch.bfloat16, None, 0.0, False, False), (torch.bfloat16, torch.float32, 0.0, True, True),
-    (torch.bfloat16, torch.float32, 0.1, False, False)])
+@pytest.mark.parametrize("dtype,adapter_dtype,dropout,bias,double_quant,hooked", [
+    (torch.float32, None, 0.0, True, False, False), (torch.float32, None, 0.2, False, True, False),
+    (torch.bfloat16, None, 0.0, False, False, False),
+    (torch.bfloat16, torch.float32, 0.0, True, True, False),
+    (torch.bfloat16, torch.float32, 0.1, False, False, False),
+    (torch.float32, None, 0.2, False, False, True)])
 def test_qdora_is_dora_over_the_dequantised_weight(dtype, adapter_dtype, dropout, bias,
-                                                   double_quant):
+                                                   double_quant, hooked):
     # DoRA over an NF4 base (QDoRA): the magnitude, outputs and every grad of DoRA over the
     # dequantised dense weight, bit for bit, in every forward path (fused, dropout, fp32
-    # adapters); without dropout no dense weight is kept for the backward
+    # adapters, a base layer with a hook); without dropout no dense weight is kept for the
+    # backward. hooked: the path that takes the hooked base's output kept the CPU's reused
+    # dequantisation buffer for the backward, which another NF4 layer overwrote before it
     from fastllm.dora import DoRALinear
 
     torch.manual_seed(0)
@@ -484,6 +488,9 @@ def test_qdora_is_dora_over_the_dequantised_weight(dtype, adapter_dtype, dropout
     ours = DoRALinear(base, r=4, alpha=8, dropout=dropout, adapter_dtype=adapter_dtype).train()
     theirs = DoRALinear(base.to_linear(), r=4, alpha=8, dropout=dropout,
                         adapter_dtype=adapter_dtype).train()
+    if hooked:  # (e.g. an activation probe)
+        for layer in (ours, theirs):
+            layer.base_layer.register_forward_hook(lambda module, args, out: None)
     assert torch.equal(ours.lora_magnitude_vector, theirs.lora_magnitude_vector)
     with torch.no_grad():
         ours.lora_B.normal_()
@@ -498,6 +505,8 @@ def test_qdora_is_dora_over_the_dequantised_weight(dtype, adapter_dtype, dropout
         assert not any(n >= 48 * 40 and d.is_floating_point for n, d in saved)
     torch.manual_seed(1)  # the same dropout masks
     want = theirs(x2)
+    if hooked:  # another NF4 layer's forward before the backward (the next decoder layer's)
+        quant.NF4Linear.from_linear(nn.Linear(48, 40).to(dtype), blocksize=16)(x.detach())
     g = torch.randn_like(y)
     y.backward(g)
     want.backward(g)

@@ -78,7 +78,7 @@ def adapter_layout(model):
 
 
 def _save_stages(path, model_state, config, keys, _whole):
-    from fastllm.lora import write_adapter
+    from fastllm.adapter_files import write_adapter
 
     missing = sorted(n for n in keys if n not in model_state)
     if missing:
