@@ -379,6 +379,30 @@ def test_a_template_rendering_earlier_turns_anew_trains_on_the_whole_chat_with_t
     assert ids == encode_example(("chat", THINK_CHAT), tok)[0] and all(mask)
 
 
+# ChatML whose markers leave out the '\n' after each <|im_end|> (written as an expression:
+# transformers' jinja drops a newline right after a block tag); it renders chats as prefixes
+CHATML_MARKED = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}{% else %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_generation_markers_win_over_prefixes():
+    """A template that marks its replies and also renders chats as prefixes: the markers decide
+    (TRL's assistant_only_loss), so the '\n' they leave after each <|im_end|> is no target; the
+    prefixes alone counted it."""
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], eos="<|im_end|>", template=CHATML_MARKED)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "France?"},
+            {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "Italy?"},
+            {"role": "assistant", "content": "Rome."}]
+    out = tok.tok.apply_chat_template(chat, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    ids, mask = encode_example(("chat", chat), tok)
+    assert (ids, mask) == (out["input_ids"], out["assistant_masks"])
+    assert _targets(tok, ids, mask) == "Paris.<|im_end|>Rome.<|im_end|>"
+
+
 def test_generation_markers_find_the_replies_of_such_a_template():
     """A template with {% generation %} markers: the replies are its assistant mask
     (apply_chat_template's return_assistant_tokens_mask, as TRL's assistant_only_loss)."""

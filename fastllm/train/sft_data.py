@@ -47,10 +47,10 @@ __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", 
 IGNORE_INDEX = -100
 # what to do when the run's tokenizer has no chat template (byte and bpe have none)
 NO_TEMPLATE_HINT = "(data.tokenizer=<a model folder>, or model=<an HF folder>)"
-# sft-5: a chat tokenised whole, its replies found by offsets; sft-4: records' tools,
-# chat_template_kwargs and messages' tool_calls rendered; sft-3: prompt and completion tokenised
-# together
-_VERSION = "sft-5"
+# sft-6: a template's {% generation %} markers before prefixes; sft-5: a chat tokenised whole,
+# its replies found by offsets; sft-4: records' tools, chat_template_kwargs and messages'
+# tool_calls rendered; sft-3: prompt and completion tokenised together
+_VERSION = "sft-6"
 # transformers' marker of a chat template's assistant text (return_assistant_tokens_mask)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _NO_REPLIES = ("fastllm train: the tokenizer's chat template renders a chat's earlier turns "
@@ -217,17 +217,17 @@ def encode_example(record, tokenizer, train_on_prompt=False):
     if kind == "chat":
         # with train_on_prompt every token counts (TRL's default for a conversational record):
         # the whole render, tokenised at once (a tokenizer without offsets: by its pieces when
-        # the template has them); else the replies by prefixes, or by {% generation %} markers
+        # the template has them); else the replies the template marks with {% generation %}
+        # (TRL's assistant_only_loss: what the markers leave out, as ChatML's '\n' after
+        # <|im_end|>, is no target), else by prefixes
+        marked = None if train_on_prompt else _marked_chat(tokenizer, fields, template)
         whole = train_on_prompt and getattr(getattr(tokenizer, "tok", None), "is_fast", False)
-        pieces = None if whole else _chat_pieces(tokenizer, fields, template)
+        pieces = None if whole or marked else _chat_pieces(tokenizer, fields, template)
         if pieces is None and train_on_prompt:
             pieces = [(render_chat(tokenizer, fields, template=template), False)]
-        elif pieces is None:
-            marked = _marked_chat(tokenizer, fields, template)
-            if marked is None:
-                raise ValueError(_NO_REPLIES)
-            return marked
-        return _encode_chat(tokenizer, pieces, train_on_prompt)
+        elif pieces is None and not marked:
+            raise ValueError(_NO_REPLIES)
+        return marked or _encode_chat(tokenizer, pieces, train_on_prompt)
     if kind == "chat_completion":
         # TRL's SFTTrainer: the prompt rendered with the generation prompt, prompt + completion
         # rendered together; the template ends the turns itself (no EOS added)
