@@ -580,6 +580,28 @@ def test_pairs_are_two_sft_rows_chosen_first(tmp_path, tiny_folder):
         pair_batch(encoded[1:], pad_id=0, max_length=prompt_len, where=["p.jsonl line 2"])
 
 
+def test_a_token_merging_across_the_join_is_the_completions(tmp_path, tiny_folder):
+    """A prompt ending in a space: the tokenizer merges it into the completion's first word
+    (' Paris'). SFT's rule (the first len(prompt tokens) tokens are the prompt) gave that token
+    to the prompt, so the chosen reply was scored without its one word; as TRL's DPOTrainer, the
+    completion now starts where the prompt's tokens and either side's part ways."""
+    from fastllm.train.preference_data import encode_pair, read_pairs
+
+    tok = _hf_tok(tiny_folder)
+    record = {"prompt": "What is the capital of France? ", "chosen": "Paris.",
+              "rejected": "The capital is Paris, in France."}
+    pairs, _ = read_pairs(_write(tmp_path / "p.jsonl", [record]))
+    with pytest.warns(UserWarning, match="as in TRL's DPOTrainer"):
+        (chosen, chosen_mask), (rejected, rejected_mask) = encode_pair(pairs[0], tok)
+    eos = tok.decode([tok.eos_token_id])
+    assert tok.decode([t for t, m in zip(chosen, chosen_mask) if m]) == " Paris." + eos
+    assert tok.decode([t for t, m in zip(rejected, rejected_mask) if m]).endswith(
+        "The capital is Paris, in France." + eos)
+    n = chosen_mask.index(1)  # one boundary for both sides, the prompt's tokens before it
+    assert rejected_mask.index(1) == n and chosen[:n] == rejected[:n]
+    assert tok.decode(chosen[:n]) == "What is the capital of France?"
+
+
 @pytest.mark.parametrize("record,match", [
     ({"prompt": "a", "chosen": "b"}, r"\['rejected'\] missing"),
     ({"chosen": "a b", "rejected": "a c"}, "implicit-prompt record"),

@@ -139,10 +139,15 @@ def test_describe_says_the_route_the_scoring_takes():
 def test_step_equals_trl_formula_over_logits_with_a_frozen_reference(tmp_path, loss_type, rpo,
                                                                     fused):
     """finetune=full: the objective's loss and grads against the formulas written out on the
-    logits of the policy and of an untouched copy (TRL's ref_model), pairs of unequal lengths."""
+    logits of the policy and of an untouched copy (TRL's ref_model), pairs of unequal lengths,
+    one with an empty prompt (its completion from position 0: IPO divides by all its tokens, as
+    TRL's completion mask counts them, the first one included)."""
     from fastllm.train.model import build_model
 
-    cfg = _cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), "finetune=full")
+    data = _pairs(tmp_path / "p.jsonl")
+    with open(data, "a") as f:
+        f.write(json.dumps({"prompt": "", "chosen": "ab", "rejected": "abcd"}) + "\n")
+    cfg = _cfg(tmp_path, data, "finetune=full")
     model = build_model(cfg, ByteTokenizer().vocab_size, torch.float32)
     frozen = build_model(cfg, ByteTokenizer().vocab_size, torch.float32)
     frozen.load_state_dict(model.state_dict())
@@ -154,8 +159,9 @@ def test_step_equals_trl_formula_over_logits_with_a_frozen_reference(tmp_path, l
     pairs, wheres = read_pairs(cfg.data.path)
     enc = [encode_pair(p, ByteTokenizer(), w) for p, w in zip(pairs, wheres)]
     data = PreferenceDataset(enc, wheres, 40, 0, 0)
-    batch = data.batch(None, rows=[0, 1, 2])
+    batch = data.batch(None, rows=[0, 1, 16])
     batch.pop("num_tokens")
+    assert batch["labels"][2, 0] != -100  # (the empty prompt's pair)
     loss = objective(model, batch)
     loss.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -169,8 +175,9 @@ def test_step_equals_trl_formula_over_logits_with_a_frozen_reference(tmp_path, l
     nc, nr = n.chunk(2)
     if loss_type == "sigmoid":
         want = -F.logsigmoid(0.3 * ((c - rc) - (r - rr))).mean()
-    else:  # IPO: TRL's length-averaged log ratios
-        want = (((c - rc) / nc - (r - rr) / nr) - 1 / (2 * 0.3)).pow(2).mean()
+    else:  # IPO: TRL's length-averaged log ratios, over its (unshifted) completion mask
+        lc, lr = (batch["labels"] != -100).sum(-1).chunk(2)
+        want = (((c - rc) / lc - (r - rr) / lr) - 1 / (2 * 0.3)).pow(2).mean()
     want = want + rpo * (-c.sum() / nc.sum())
     want.backward()
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
@@ -313,10 +320,37 @@ def test_dataset_orders_pairs_per_epoch_truncates_and_drops(tmp_path):
     (["data.train_on_prompt=true"], "train_on_prompt must be false"),
     (["objective=lm", "data.path=null", "data.padding_free=true"],
      "data.padding_free is for objective=dpo"),
+    (["lora.dropout=0.05"], "set lora.dropout=0, or dpo.disable_dropout=false"),
+    (["objective=orpo", "lora.dropout=0.1"], "orpo.disable_dropout=false to train with"),
 ])
 def test_config_refusals_name_the_key(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(tmp_path, _pairs(tmp_path / "p.jsonl"), *extra)
+
+
+def test_dropout_is_off_as_in_trl_unless_asked_for(tmp_path, tok_dir):
+    """TRL's disable_dropout (its default): every nn.Dropout of the model p=0, so at step 1
+    (the policy is the reference) DPO's rewards are 0 and its loss log 2; with the model's
+    dropout on (Phi-3's resid_pdrop) they were noise. dpo.disable_dropout=false keeps it."""
+    from transformers import AutoTokenizer, Phi3Config, Phi3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    folder = str(tmp_path / "phi3")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        original_max_position_embeddings=128, resid_pdrop=0.1, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)).save_pretrained(folder)
+    data = _pairs(tmp_path / "p.jsonl", n=4)
+    for disable in ("true", "false"):
+        out = f"run_{disable}"
+        Trainer(_cfg(tmp_path, data, f"model={folder}", "finetune=full", "max_steps=1",
+                     f"dpo.disable_dropout={disable}", out=out)).train()
+        first = _metrics(str(tmp_path / out))[0]
+        off = abs(first["loss"] - math.log(2)) < 1e-6 and first["rewards/margins"] == 0
+        assert off == (disable == "true"), (disable, first["loss"], first["rewards/margins"])
 
 
 def test_bad_data_is_refused_before_the_run_folder_is_written(tmp_path):

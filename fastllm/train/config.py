@@ -106,6 +106,7 @@ class DPOConfig:
     label_smoothing: float = 0.0          # sigmoid (cDPO) and robust: in [0, 0.5)
     rpo_alpha: float = 0.0                # > 0: plus this x the chosen completions' NLL (RPO)
     precompute_ref_log_probs: bool = False  # the reference scored once, before step 1 (TRL's)
+    disable_dropout: bool = True          # TRL's: the model's nn.Dropout modules p=0
 
 
 @dataclass
@@ -117,6 +118,7 @@ class CPOConfig:
     label_smoothing: float = 0.0          # sigmoid and simpo: in [0, 0.5)
     cpo_alpha: float = 1.0                # x the chosen completions' NLL per token (0: none)
     simpo_gamma: float = 0.5              # loss_type=simpo: the target margin
+    disable_dropout: bool = True          # TRL's: the model's nn.Dropout modules p=0
 
 
 @dataclass
@@ -124,6 +126,7 @@ class ORPOConfig:
     """objective=orpo: reference-free, TRL ORPOConfig's beta (the paper's lambda, the odds-ratio
     term's weight beside the chosen completions' NLL; fastllm.preference.orpo_loss)."""
     beta: float = 0.1
+    disable_dropout: bool = True          # TRL's: the model's nn.Dropout modules p=0
 
 
 @dataclass

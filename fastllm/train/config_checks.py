@@ -168,6 +168,12 @@ def validate_objective(cfg, need):
     need(p.tp == 1 and p.pp == 1, f"{obj} runs on one process, DDP, ZeRO-1/2 or FSDP for now "
          f"(parallel.tp=1, pp=1), got tp={p.tp} pp={p.pp}")
     need(not cfg.optimizer_in_backward, f"{obj} does not run with optimizer_in_backward")
+    # TRL + PEFT: PEFT's lora_dropout is an nn.Dropout, which disable_dropout turns off too;
+    # fastllm's LoRA dropout is not a module: said rather than applied against the setting
+    need(not (getattr(cfg, cfg.objective).disable_dropout and cfg.finetune == "lora" and
+              cfg.lora.dropout > 0), f"{obj} turns dropout off ({cfg.objective}.disable_dropout="
+         f"true, TRL's default, which also turns off PEFT's LoRA dropout): set lora.dropout=0, "
+         f"or {cfg.objective}.disable_dropout=false to train with lora.dropout={cfg.lora.dropout}")
 
 
 def _beta(name, beta, need):

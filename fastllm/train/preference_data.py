@@ -10,7 +10,8 @@ A record is one prompt with a preferred and a dispreferred completion, strings o
 
 Each side is tokenised as the SFT prompt-completion record {"prompt", "completion": side} is
 (fastllm.train.sft_data.encode_example: TRL's rules, the chat template for message lists), so
-the completion's tokens are the targets and the prompt's are not. A batch of B records is 2B
+the completion's tokens are the targets and the prompt's are not; the completion starts where
+the prompt's tokens and either side's part ways (TRL's DPOTrainer; encode_pair). A batch of B records is 2B
 rows, the B chosen first, right-padded: what fastllm.preference.sequence_logps and dpo_loss take.
 
 PreferenceDataset serves such batches to `fastllm train objective=dpo|cpo|orpo`
@@ -74,16 +75,43 @@ def read_pairs(path, train=True):
 
 def encode_pair(pair, tokenizer, where="a preference record"):
     """((chosen ids, chosen mask), (rejected ids, rejected mask)): lists of ints, mask 1 on the
-    completion's tokens. tokenizer: fastllm.train.data.HFTokenizer (or ByteTokenizer)."""
-    from fastllm.train.sft_data import encode_example
+    completion's tokens. tokenizer: fastllm.train.data.HFTokenizer (or ByteTokenizer).
 
+    The completion starts where the prompt's own tokens and either side's part ways, as in TRL's
+    DPOTrainer (a prompt ending in a space merges it into the completion's first word: ' Paris'
+    is scored, not left to the prompt as SFT's first-len(prompt)-tokens rule would)."""
+    import warnings
+
+    from fastllm.train.sft_data import encode_example, render_chat
+
+    with warnings.catch_warnings():  # (SFT's warning names SFT's rule; DPO's is below)
+        warnings.simplefilter("ignore")
+        rows = [encode_example(record, tokenizer)[0] for record in pair]
+    kind, (prompt, _), *rest = pair[0]  # (one prompt for both sides)
+    head = (tokenizer.encode(render_chat(tokenizer, prompt, add_generation_prompt=True,
+                                         template=rest[0] if rest else None))
+            if kind == "chat_completion" else
+            list(getattr(tokenizer, "bos_ids", ())) + tokenizer.encode(prompt))
+    n = min(_common_prefix(head, ids) for ids in rows)
+    if n < len(head):
+        warnings.warn("fastllm train: a prompt's tokens are not a prefix of prompt + "
+                      "completion's (tokens merge across the join, or the template); the "
+                      "completion starts where they part, as in TRL's DPOTrainer")
     out = []
-    for side, record in zip(_SIDES, pair):
-        ids, mask = encode_example(record, tokenizer)
-        if not any(mask):
+    for side, ids in zip(_SIDES, rows):
+        if len(ids) <= n:
             raise ValueError(f"fastllm train: {where}: the {side} completion has no token")
-        out.append((ids, mask))
+        out.append((ids, [0] * n + [1] * (len(ids) - n)))
     return tuple(out)
+
+
+def _common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def pair_batch(encoded, pad_id, max_length=None, where=None):

@@ -74,6 +74,12 @@ class PreferenceObjective:
         self.name, self.section = name, section
         self.precomputed = self._precomputing = False
         self.reference = self.reference_scorer = None
+        if getattr(section if name != "dpo" else dpo, "disable_dropout", True):
+            # TRL's disable_dropout (its default): every nn.Dropout of the model p=0, so the
+            # policy's and the reference's scores are not noise (the frozen copy inherits it)
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         self._kind = "adapters off" if adapters else "a frozen copy of the model"
         if name != "dpo":
             self._kind = None  # (no reference)
@@ -231,9 +237,13 @@ class PreferenceObjective:
         if self.name != "dpo":
             return self._reference_free(chosen, rejected, lengths, nll)
         ref = self._reference(model, batch)
+        # ipo / sigmoid_norm divide by the completion's tokens as TRL's DPOTrainer counts them
+        # (its mask, unshifted: a completion at position 0, with an empty prompt and no BOS,
+        # counts that token too)
+        full = (batch["labels"] != -100).sum(-1).chunk(2)
         out = dpo_loss(chosen, rejected, *ref.chunk(2), beta=self.dpo.beta,
                        loss_type=self.dpo.loss_type, label_smoothing=self.dpo.label_smoothing,
-                       chosen_lengths=lengths[0], rejected_lengths=lengths[1])
+                       chosen_lengths=full[0], rejected_lengths=full[1])
         loss = out.loss.mean()
         if self.dpo.rpo_alpha:  # RPO: the chosen completions' mean token NLL (TRL's "sft")
             loss = loss + self.dpo.rpo_alpha * nll
