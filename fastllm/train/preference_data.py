@@ -9,10 +9,10 @@ A record is one prompt with a preferred and a dispreferred completion, strings o
      "rejected": [{"role": "assistant", "content": "..."}]}
 
 Each side is tokenised as the SFT prompt-completion record {"prompt", "completion": side} is
-(fastllm.train.sft_data.encode_example: TRL's rules, the chat template for message lists), so
-the completion's tokens are the targets and the prompt's are not; the completion starts where
-the prompt's tokens and either side's part ways (TRL's DPOTrainer; encode_pair). A batch of B records is 2B
-rows, the B chosen first, right-padded: what fastllm.preference.sequence_logps and dpo_loss take.
+(fastllm.train.sft_data.encode_example: TRL's rules, the chat template for message lists), so the
+completion's tokens are the targets and the prompt's are not; the completion starts where the
+prompt's tokens and either side's part ways (TRL's DPOTrainer; encode_pair). A batch of B records is
+2B rows, the B chosen first, right-padded: what fastllm.preference.sequence_logps and dpo_loss take.
 
 PreferenceDataset serves such batches to `fastllm train objective=dpo|cpo|orpo`
 (fastllm.train.data.Loader: a sample is a pair, micro_batch_size pairs a micro-batch, as TRL's
