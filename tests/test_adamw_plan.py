@@ -379,3 +379,66 @@ def test_what_the_cached_plan_cannot_see_by_identity_rebuilds_it(change):
         ref.step()
         for p, q in zip(ours, theirs):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: fastllm.optim.AdamW(ps, lr=1e-2),
+    lambda ps: fastllm.optim.AdamW(ps, lr=1e-2, master_weights=True, max_grad_norm=1.0),
+    lambda ps: fastllm.optim.AdamW8bit(ps, lr=1e-2),
+], ids=["plain", "master", "8bit"])
+def test_the_plan_lets_go_of_the_grads_after_the_step(make, request):
+    """The cached plan held the step's grads until the next step swapped them out, so after
+    zero_grad() (set_to_none, the default) they lived through the next backward beside the new
+    ones: a model's size of grads more at the peak, where torch.optim holds none. With grads kept
+    across steps (set_to_none=False) the plan is reused as it was (the plain one: torch's steps)."""
+    import weakref
+
+    model, ref_model = _model(), _model()
+    opt = make(model.parameters())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    x = torch.randn(4, 7)
+    model(x).sum().backward()
+    opt.step()
+    old = [weakref.ref(p.grad) for p in model.parameters()]
+    opt.zero_grad()
+    assert all(r() is None for r in old)  # freed: nothing holds them now
+    for set_to_none in (True, False, False):
+        model(x).sum().backward()
+        plan = opt._plan
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        assert opt._plan is plan  # (a grad swapped in or kept: the plan is not rebuilt)
+    for set_to_none in (True, True, False, False):
+        ref_model(x).sum().backward()
+        ref.step()
+        ref.zero_grad(set_to_none=set_to_none)
+    if request.node.callspec.id == "plain":
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_params_over_the_same_memory_are_refused_views_of_one_buffer_are_not():
+    """Two Parameters over the same memory (`nn.Parameter(p.data)` beside p): the fused kernels
+    update every param of a call at once, so one update was lost at random (torch.optim applies
+    them one after the other); refused before anything changes, naming both. Params that are
+    disjoint views of one flat buffer step as torch does."""
+    a = torch.nn.Parameter(torch.randn(64))
+    b = torch.nn.Parameter(a.data[32:])  # overlaps a's second half
+    for p in (a, b):
+        p.grad = torch.randn_like(p)
+    before = (a.detach().clone(), b.detach().clone())
+    opt = fastllm.optim.AdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    with pytest.raises(ValueError, match=r"param 0 of param group 0 \(shape \(64,\)\) and param "
+                                         r"0 of param group 1 \(shape \(32,\)\) overlap in memory"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1]) and not opt.state
+    flat = torch.randn(10)
+    views = [torch.nn.Parameter(flat[:4]), torch.nn.Parameter(flat[4:].view(2, 3))]
+    copies = [torch.nn.Parameter(v.detach().clone()) for v in views]
+    for p, q in zip(views, copies):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    fastllm.optim.AdamW(views, lr=1e-2).step()
+    torch.optim.AdamW(copies, lr=1e-2).step()
+    for p, q in zip(views, copies):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

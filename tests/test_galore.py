@@ -7,6 +7,7 @@ Tolerances: fp32 against fp64 1e-5 relative (a handful of fp32 roundings per ele
 params within one bf16 spacing per step of the fp64 result rounded the same way.
 """
 
+import copy
 import importlib.util
 import io
 import math
@@ -806,3 +807,31 @@ def test_maximize_and_amsgrad_are_refused_before_anything_moves(flag):
                                          f"sets {flag}=True"):
         opt.load_state_dict(ref.state_dict())
     assert not opt.param_groups[0][flag] and float(opt.state[w]["step"]) == steps
+
+
+def test_plain_params_continue_torch_adamws_state_of_a_transposed_param():
+    """Params outside a rank group step as AdamW; torch.optim.AdamW's (and fastllm AdamW's)
+    moments of a non-contiguous param keep its strides, which the plain path's kernels refused
+    at every step after a load (step counts already advanced). Now: torch's steps, continued."""
+    torch.manual_seed(0)
+    start = [torch.randn(3), torch.randn(4, 6).t()]
+    grads = [[torch.randn(3), torch.randn(4, 6).t()] for _ in range(3)]
+    ref = [torch.nn.Parameter(t.clone().t().contiguous().t() if t.dim() == 2 else t.clone())
+           for t in start]
+    torch_opt = torch.optim.AdamW(ref, lr=0.01, foreach=False)
+    for p, g in zip(ref, grads[0]):
+        p.grad = g.clone()
+    torch_opt.step()
+    params = [torch.nn.Parameter(p.detach().clone().t().contiguous().t() if p.dim() == 2
+                                 else p.detach().clone()) for p in ref]
+    galore = fastllm.optim.GaLoreAdamW(params, lr=0.01)
+    galore.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert not galore.state[params[1]]["exp_avg"].is_contiguous()  # (torch's layout, loaded)
+    for step_grads in grads[1:]:
+        for opt, ps in ((torch_opt, ref), (galore, params)):
+            for p, g in zip(ps, step_grads):
+                p.grad = g.clone()
+            opt.step()
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert [float(galore.state[p]["step"]) for p in params] == [3.0, 3.0]

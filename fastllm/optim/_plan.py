@@ -12,7 +12,9 @@ none of it changes from step to step in a training loop, so a Plan keeps it:
 `Plan.still_valid` compares the params, their state dicts and grads with the ones the plan was
 built for, by identity (a few tens of nanoseconds per tensor), whether each state dict is
 empty (`optimizer.state[p].clear()`) and the params' layout; grads that are new tensors
-(zero_grad with set_to_none, the default) are checked alone and swapped into the lists.
+(zero_grad with set_to_none, the default) are checked alone and swapped into the lists. After
+each step the plan lets go of the grads (weak references kept: the same grads next step are put
+back unchecked), so that zero_grad frees them as it does under torch.optim.
 Anything else that changed (a param added or given other memory, a grad appearing or vanishing,
 a state created, reset or removed) rebuilds the plan.
 Params or grads that are not contiguous, and DTensors, are prepared again every step
@@ -21,6 +23,7 @@ Params or grads that are not contiguous, and DTensors, are prepared again every 
 
 import itertools
 import operator
+import weakref
 
 import torch
 
@@ -43,6 +46,11 @@ def mix_seed(*values):
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         z ^= z >> 31
     return z >> 1
+
+
+# What Plan.grads holds for a grad the plan has let go of (release_grads): not None (a grad
+# vanishing rebuilds the plan), not a tensor (any grad is a changed one)
+_RELEASED = object()
 
 
 def describe(group, group_index, param_index, param):
@@ -211,13 +219,14 @@ class Plan:
 
     def __init__(self, opt, params, grads, cached):
         self.params, self.grads, self.cached = params, grads, cached
+        self.grad_refs = None  # release_grads' weak references to the last step's grads
         # what still_valid compares (a traced plan is never reused: torch 2.11's dynamo cannot
         # trace id() of the state's defaultdict)
         self.state_id = id(opt.state) if cached else None
         self.options = _options(opt)
         self.hyper = [None] * len(opt.param_groups)  # per group: (values, their floats, re-read)
         self.groups = []
-        self.all_grads = []
+        self.all_grads, self.grad_slots = [], []  # (each one's param slot)
         self.check_hyper(opt)
         index = 0
         checks = []
@@ -245,6 +254,8 @@ class Plan:
                     opt.moments.check(where, p, state, kind, group["amsgrad"])
                 checks.append((gi, group, index + pi, p, kind))
             index += len(group["params"])
+        if cached:  # (a traced step's fake tensors have no addresses)
+            _refuse_overlapping(opt, [(slot, p) for _, _, slot, p, _ in checks])
         # Everything checked: now state may be created.
         calls_of, grad_index = {}, {}
         for gi, group, slot, p, kind in checks:
@@ -260,6 +271,7 @@ class Plan:
             call.slots.append(slot)
             grad_index[slot] = len(self.all_grads)
             self.all_grads.append(grads[slot])
+            self.grad_slots.append(slot)
             call.steps.append(state["step"])
             tensors = (local(p), local(p.grad), local_or_none(state.get("master_param")),
                        *opt.moments.tensors(state, mode), local_or_none(_extra(state, kind)))
@@ -348,6 +360,15 @@ class Plan:
                 or list(map(bool, self.states)) != self.filled  # (a state cleared in place)
                 or _groups_seen(opt) != self.groups_seen):
             return False
+        refs, self.grad_refs = self.grad_refs, None
+        if refs is not None and all(map(operator.is_, grads, [r and r() for r in refs])):
+            # the grads release_grads let go of (zero_grad(set_to_none=False)): checked then
+            self.grads = grads
+            for call in itertools.chain.from_iterable(self.groups):
+                if call.fast:
+                    call.grads[:] = [grads[slot] for slot in call.slots]
+            self.all_grads = [grads[slot] for slot in self.grad_slots]
+            return self._layouts_hold()
         if all(map(operator.is_, grads, self.grads)):
             return self._layouts_hold()
         changed = [i for i, (a, b) in enumerate(zip(grads, self.grads)) if a is not b]
@@ -428,6 +449,17 @@ class Plan:
                             else found.to(device, non_blocking=True))
         if not self.cached:
             self.save_versions(opt)  # this plan lives for one step
+
+    def release_grads(self):
+        """Let go of the step's grads once it ran, as torch.optim keeps none: zero_grad's
+        set_to_none frees them before the next backward (held here, two sets of grads were alive
+        through it). Weak references stay for still_valid: the same grads at the next step are
+        put back as they were checked; new ones are checked and swapped in."""
+        self.grad_refs = [None if g is None else weakref.ref(g) for g in self.grads]
+        self.grads = [None if g is None else _RELEASED for g in self.grads]
+        self.all_grads = [None] * len(self.all_grads)
+        for call in itertools.chain.from_iterable(self.groups):
+            call.grads[:] = [None] * len(call.grads)  # (in place: fast_lists holds the lists)
 
     def save_versions(self, opt):
         """Hand the masters' written versions back to opt._written_versions (the plan is being
@@ -562,6 +594,31 @@ def _same_values(a, b):
     return len(a) == len(b) and all(
         x is y if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) else x == y
         for x, y in zip(a, b))
+
+
+def _refuse_overlapping(opt, slots):
+    """Two params over the same memory (`nn.Parameter(p.data)` beside p): a fused op updates
+    every param of a call at once, so their updates would race (torch.optim applies them one
+    after the other). Refused, naming both; params sharing a storage without overlapping (views
+    of one flat buffer) are fine."""
+    spans = []
+    for slot, p in slots:
+        t = local(p)
+        if t.numel() and t.device.type != "meta":  # (meta tensors have no memory)
+            extent = 1 + sum((n - 1) * step for n, step in zip(t.shape, t.stride()))
+            start = t.data_ptr()
+            spans.append((str(t.device), start, start + extent * t.element_size(), slot, p))
+    spans.sort(key=operator.itemgetter(0, 1))
+    last = None
+    for span in spans:
+        if last is not None and span[0] == last[0] and span[1] < last[2]:
+            raise ValueError(
+                f"fastllm.optim.AdamW: {_slot_name(opt, last[3], last[4])} and "
+                f"{_slot_name(opt, span[3], span[4])} overlap in memory: a fused step would "
+                f"update both at once (torch.optim one after the other). Make them one "
+                f"Parameter (tie the modules' weights) or give each its own memory")
+        if last is None or span[0] != last[0] or span[2] > last[2]:
+            last = span
 
 
 def _slot_name(opt, slot, p):

@@ -458,8 +458,12 @@ class AdamW(torch.optim.Optimizer):
                 self.step_skipped.zero_()
             if self.stochastic_rounding:
                 self._sr_calls += 1
-            plan.run(self, hyper, grad_scale, clip_coef, found, plain_scale=plain_scale,
-                     steps_advanced=fused)
+            try:
+                plan.run(self, hyper, grad_scale, clip_coef, found, plain_scale=plain_scale,
+                         steps_advanced=fused)
+            finally:
+                if plan.cached:
+                    plan.release_grads()  # (zero_grad can free them: torch.optim holds none)
         if self.loss_scaler is not None:
             if fused:
                 self.loss_scaler.poll()  # the prologue advanced it on the device

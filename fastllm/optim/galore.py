@@ -277,6 +277,11 @@ class GaLoreAdamW(torch.optim.Optimizer):
             for (device, _, master), params in plain.items():
                 states = [self.state[p] for p in params]  # (made by the loop above)
                 for s in states:
+                    # moments loaded from torch.optim.AdamW's (or fastllm AdamW's) state of a
+                    # non-contiguous param are in its strides; the kernels take contiguous ones
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if not s[key].is_contiguous():
+                            s[key] = s[key].contiguous()
                     s["step"] += 1
                 hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"])
