@@ -87,3 +87,18 @@ def refuse_duplicates(where, param_group, group_index):
         raise ValueError(f"{where}: param group {group_index} lists a parameter twice (the one "
                          f"at index {first}, shape {tuple(params[first].shape)}); each parameter "
                          f"may appear once")
+
+
+def describe(group, group_index, param_index, param):
+    names = group.get("param_names")
+    label = names[param_index] if names else f"param {param_index}"
+    return f"{label} of param group {group_index} (shape {tuple(param.shape)})"
+
+
+def slot_name(opt, slot, p):
+    """describe() of the param at flat index `slot` of opt's param groups."""
+    for gi, group in enumerate(opt.param_groups):
+        if slot < len(group["params"]):
+            return describe(group, gi, slot, p)
+        slot -= len(group["params"])
+    return f"a param of shape {tuple(p.shape)}"

@@ -31,7 +31,9 @@ from fastllm._dtensor import is_dtensor, local
 from fastllm.ops.adamw import adamw_step
 from fastllm.ops.adamw8bit import PARAM_DTYPES as LOW_BYTE_DTYPES, adamw8bit_step
 from fastllm.ops.adamw_master import adamw_master_step
-from fastllm.optim._hyper import check_hyperparameters, scalar
+from fastllm.optim._hyper import check_hyperparameters, describe, scalar, slot_name as _slot_name
+from fastllm.optim._master_versions import resync_masters as _resync_masters
+from fastllm.optim._master_versions import written_versions as _written_versions
 from fastllm.optim.state_layout import LOW_PRECISION, qmaps
 
 _MASK64 = (1 << 64) - 1
@@ -51,12 +53,6 @@ def mix_seed(*values):
 # What Plan.grads holds for a grad the plan has let go of (release_grads): not None (a grad
 # vanishing rebuilds the plan), not a tensor (any grad is a changed one)
 _RELEASED = object()
-
-
-def describe(group, group_index, param_index, param):
-    names = group.get("param_names")
-    label = names[param_index] if names else f"param {param_index}"
-    return f"{label} of param group {group_index} (shape {tuple(param.shape)})"
 
 
 def kind_of(p, master_weights, stochastic_rounding, kahan_summation):
@@ -514,80 +510,6 @@ def _run_call(opt, gi, group, call, hp, scalars):
         call.versions = _written_versions(call)
 
 
-def written_version(p):
-    """What tells a write to p from outside the optimizer: its version counter (in-place writes,
-    model.load_state_dict) and its memory (`p.data = w`, vector_to_parameters). In-place writes
-    through `p.data` bypass the version counter, as they bypass autograd, and are not seen
-    unless the user then calls torch.autograd.graph.increment_version(p) (AdamW's docstring).
-    (The memory is not recorded in a step traced by torch.compile, which has no addresses.)
-    Nor is a `p.data = w` seen whose new memory the allocator placed at the freed old address
-    (`m.float(); ...; m.bfloat16()` can): increment_version(p) after such a round trip too."""
-    if torch.compiler.is_compiling():
-        return p._version, None
-    return p._version, local(p).data_ptr()
-
-
-def versions_in_sync(versions):
-    """For a pickled or deep-copied optimizer, whose params will be new tensors (other version
-    counters and memory): param -> whether its master is in sync with it, from
-    {param: written_version right after the optimizer last wrote it}."""
-    return {p: written_version(p) == version for p, version in versions.items()}
-
-
-def versions_after_copy(in_sync):
-    """versions_in_sync's answer, on the copy, as {param: written_version}: the current one for
-    a master in sync, (-1, None), which no param has, for one to re-sync at the next step."""
-    return {p: written_version(p) if fresh else (-1, None) for p, fresh in in_sync.items()}
-
-
-def _written_versions(call):
-    """written_version of each param of the call (without a call per param: the host cost of a
-    step is a few microseconds per tensor)."""
-    if torch.compiler.is_compiling() or not call.fast:  # (fast calls hold no DTensor)
-        return list(map(written_version, call.params))
-    return [(p._version, p.data_ptr()) for p in call.params]
-
-
-def _stale_masters(call):
-    """The indices of the call's params written outside the optimizer since its own last write
-    (model.load_state_dict, an in-place clip, `p.data = w`, ...)."""
-    if None not in call.versions and _written_versions(call) == call.versions:
-        return []  # the common case: nothing wrote a param since the last step
-    compiling = torch.compiler.is_compiling()
-    return [i for i, (p, version) in enumerate(zip(call.params, call.versions))
-            if version is not None and (
-                p._version != version[0] or (not compiling and version[1] is not None
-                                             and local(p).data_ptr() != version[1]))]
-
-
-def refuse_stale_masters_in_capture(opt, plan):
-    """Before a step changes anything: inside a CUDA graph capture a master re-sync would be
-    captured and replayed every step, each replay replacing the fp32 master with the bf16 param
-    (its precision lost; seen on an H200, 2026-12-04), so a stale master is refused there."""
-    if (torch.compiler.is_compiling() or not torch.cuda.is_available()
-            or not torch.cuda.is_current_stream_capturing()):
-        return
-    for call in (c for calls in plan.groups for c in calls if c.kind == "master"):
-        stale = _stale_masters(call)
-        if stale:
-            name = _slot_name(opt, call.slots[stale[0]], call.params[stale[0]])
-            raise RuntimeError(
-                f"fastllm.optim.AdamW: {name} was written outside the optimizer since its last "
-                f"step, and its fp32 master cannot be re-synced inside a CUDA graph capture (the "
-                f"copy would be replayed every step); take one step eagerly after such a write, "
-                f"or load the optimizer's state (load_state_dict: the loaded master is the "
-                f"truth), before capturing")
-
-
-def _resync_masters(opt, call):
-    """Re-sync the fp32 master from its param if something outside the optimizer wrote the
-    param since the optimizer's own last write: otherwise this step would write the stale
-    master back over that change."""
-    for i in _stale_masters(call):
-        p = call.params[i]
-        opt.state[p]["master_param"].copy_(local(p).detach())
-
-
 def _same_values(a, b):
     """Whether two hyperparameter keys are the same: tensors by identity (comparing their
     values would read them on the host), the rest by value."""
@@ -619,14 +541,6 @@ def _refuse_overlapping(opt, slots):
                 f"Parameter (tie the modules' weights) or give each its own memory")
         if last is None or span[0] != last[0] or span[2] > last[2]:
             last = span
-
-
-def _slot_name(opt, slot, p):
-    for gi, group in enumerate(opt.param_groups):
-        if slot < len(group["params"]):
-            return describe(group, gi, slot, p)
-        slot -= len(group["params"])
-    return f"a param of shape {tuple(p.shape)}"
 
 
 def _options(opt):

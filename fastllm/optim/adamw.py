@@ -34,10 +34,10 @@ import torch
 
 from fastllm import _backend
 from fastllm.amp import LossScaler
-from fastllm.optim._hyper import check_hyperparameters, refuse_duplicates
-from fastllm.optim._plan import (Plan, check_amsgrad, describe, kind_of,
-                                 refuse_stale_masters_in_capture, versions_after_copy,
-                                 versions_in_sync)
+from fastllm.optim._hyper import check_hyperparameters, describe, refuse_duplicates
+from fastllm.optim._master_versions import (refuse_stale_masters_in_capture,
+                                            versions_after_copy, versions_in_sync)
+from fastllm.optim._plan import Plan, check_amsgrad, kind_of
 from fastllm.optim.grad_norm import clip_coefficient, global_grad_norm, grad_norm_step
 from fastllm.optim.state_layout import Moments
 
@@ -196,8 +196,8 @@ class AdamW(torch.optim.Optimizer):
         self.grad_norm = None
         self.step_skipped = False
         self.skipped_steps = 0
-        # param -> its _plan.written_version right after the optimizer last wrote it (master
-        # mode only).
+        # param -> its written_version (fastllm/optim/_master_versions.py) right after the
+        # optimizer last wrote it (master mode only).
         self._written_versions = {}
         if capturable:
             # Reported tensors exist from the start and are only written in place, so a compiled

@@ -61,7 +61,8 @@ from fastllm.ops.orthogonalize import orthogonalize
 from fastllm.optim._galore_state import (check_loaded, check_step_state, refuse_unsupported,
                                           restore_loaded, saved_skips)
 from fastllm.optim._hyper import check_hyperparameters, refuse_duplicates
-from fastllm.optim._plan import versions_after_copy, versions_in_sync, written_version
+from fastllm.optim._master_versions import (versions_after_copy, versions_in_sync,
+                                            written_version)
 from fastllm.optim.adamw import held_back
 from fastllm.optim.grad_norm import global_grad_norm
 
@@ -144,7 +145,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
         self.grad_norm = None
         self.step_skipped = False
         self.skipped_steps = 0
-        # param -> _plan.written_version right after this optimizer last wrote it from its master
+        # param -> written_version (fastllm/optim/_master_versions.py) right after this
+        # optimizer last wrote it from its master
         self._written_versions = {}
         self._sides = {}  # projected param -> left, as its low-rank state was made or loaded
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
