@@ -67,6 +67,23 @@ def test_failed_rename_over_a_checkpoint_keeps_the_old_one(tmp_path, monkeypatch
     assert ckpt.load_file(os.path.join(path, "model.pt"))["w"][0, 0] == 1.0
 
 
+def test_a_full_disk_anywhere_in_a_save_is_a_checkpoint_error_and_leaves_nothing(tmp_path,
+                                                                                 monkeypatch):
+    """ENOSPC in a writer was a CheckpointError naming it; in the manifest's write it was a raw
+    OSError (a traceback where the CLI gives clear errors) and the temporary folder stayed."""
+    def writer(path):
+        with open(path, "wb") as f:
+            f.write(b"x" * 10)
+
+    def disk_full(obj, f, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.json, "dump", disk_full)
+    with pytest.raises(ckpt.CheckpointError, match=r"ENOSPC\) while writing .*manifest"):
+        ckpt.save(str(tmp_path), 2, {name: writer for name in ckpt.REQUIRED})
+    assert os.listdir(tmp_path) == []
+
+
 def test_crash_between_the_renames_of_a_replace_restores_the_old_one(tmp_path):
     out = str(tmp_path)
     path = _save(out, 3, value=1.0)

@@ -721,6 +721,24 @@ def test_report_without_matplotlib_prints_the_table(reference, tmp_path, capsys,
     assert not (tmp_path / "r.png").exists()
 
 
+@pytest.mark.parametrize("compare", ["torch", "hf"])
+def test_a_stop_signal_ends_a_compare_after_the_run_it_stopped(cache_dir, tmp_path, capsys,
+                                                               monkeypatch, compare):
+    """--compare torch|hf under a stop signal (preemption, Ctrl-C; the deterministic fault here):
+    the first run saved a checkpoint and stopped, and the command then trained the whole second
+    run anyway and compared a 2-step run with a 6-step one. It stops there now, exit status 0."""
+    from fastllm.cli import main
+
+    monkeypatch.setenv("FASTLLM_FAULT", "sigterm_after_step=1")
+    out = str(tmp_path / "a")
+    with pytest.raises(SystemExit) as e:
+        main(["train", *tiny(cache_dir, out, "max_steps=6"), "--compare", compare])
+        raise SystemExit(0)  # (--compare hf returns)
+    assert e.value.code in (0, None)
+    assert "the fastllm run stopped; not compared" in capsys.readouterr().out
+    assert len(losses(out)) == 2 and not os.path.exists(out + "-" + compare)
+
+
 def test_cli_overrides_before_options(cache_dir, tmp_path, capsys):
     from fastllm.cli import main
 

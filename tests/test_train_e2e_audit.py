@@ -84,11 +84,13 @@ def test_malformed_prompts_jsonl_names_the_line(tmp_path):
         read_prompts([], str(path))
 
 
-@pytest.mark.parametrize("change", ["lora.alpha=32", "lora.dropout=0.1"])
+@pytest.mark.parametrize("change", ["lora.alpha=32", "lora.dropout=0.1",
+                                    "lora.quantize_base=nf4"])
 def test_resume_with_another_lora_scaling_names_the_key(tmp_path, change):
     """fastllm's load_adapter refuses layers whose alpha or dropout differ from the saved
     adapter_config.json: a resume hit it after the model was built, saying "unload(model) first"
-    (a library call a `fastllm train` user cannot make)."""
+    (a library call a `fastllm train` user cannot make). A dense base turned 4-bit (or back) at
+    a resume went through silently, the adapter then trained over other base weights."""
     from fastllm.train.trainer import Trainer
 
     out, text = tmp_path / "run", tmp_path / "t.txt"
@@ -106,6 +108,24 @@ def test_resume_with_another_lora_scaling_names_the_key(tmp_path, change):
     with pytest.raises(ConfigError, match=rf"trained with {key}=.*, this run has {change}"):
         run("max_steps=2", change)
     assert run("max_steps=2")["steps"] == 2
+
+
+def test_a_key_newer_than_the_checkpoint_is_taken_at_its_default(tmp_path):
+    """A checkpoint's config.yaml from before a key existed (lora.quantize_base, 2026-12-06)
+    ran with that key's default: the same setting resumes, another is refused."""
+    import yaml
+
+    from fastllm.train.checkpoint_layout import check_resume_config
+
+    cfg = TrainConfig.from_args(["model=tiny", "finetune=lora"])
+    saved = cfg.to_dict()
+    del saved["lora"]["quantize_base"], saved["lora"]["double_quant"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    check_resume_config(str(tmp_path), cfg, log=lambda text: None)
+    with pytest.raises(ConfigError, match="trained with lora.quantize_base=none, this run has "
+                                          "lora.quantize_base=nf4"):
+        check_resume_config(str(tmp_path), TrainConfig.from_args(
+            ["model=tiny", "finetune=lora", "lora.quantize_base=nf4"]), log=lambda text: None)
 
 
 # ----- a real pretrained model (skipped without FASTLLM_TEST_MODEL) -----

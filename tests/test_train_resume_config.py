@@ -294,6 +294,16 @@ def test_train_leaves_the_callers_config_and_records_max_steps_as_given(tmp_path
     again = TrainConfig.from_args(["num_train_epochs=2"], os.path.join(out, "config.yaml"))
     s = Trainer(again, log=lambda text: None).train()
     assert s["steps"] == 2 and s["resumed_from"].endswith("checkpoint-1")
+    # a resume refused for another tokenizer leaves the run's tokenizer/ and config.yaml (which
+    # fastllm export reads) as they were: the refusal came after the new tokenizer was saved
+    tiny_bpe(pad="<|im_end|>", words="other words entirely").save_pretrained(str(tmp_path / "t2"))
+    kept = {name: (tmp_path / "run" / name).read_bytes()
+            for name in ("tokenizer/tokenizer.json", "config.yaml")}
+    other = TrainConfig.from_args(["num_train_epochs=3", "data.tokenizer=t2"],
+                                  os.path.join(out, "config.yaml"))
+    with pytest.raises(ConfigError, match="this run has data.tokenizer="):
+        Trainer(other, log=lambda text: None).train()
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
 
 
 def test_a_precision_change_is_refused_where_the_state_depends_on_it(tmp_path):

@@ -69,32 +69,33 @@ def save(output_dir, step, writers):
     or folder. Returns the checkpoint's path. An existing checkpoint of the same step (after a
     rollback) is replaced only once the new one is complete."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
-    tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
-    for name, write in writers.items():
-        target = os.path.join(tmp, name)
-        try:
+    tmp = target = os.path.join(output_dir, f".tmp-checkpoint-{step}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(tmp)
+        for name, write in writers.items():
+            target = os.path.join(tmp, name)
             write(target)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise CheckpointError(f"no space left on device (ENOSPC) while writing {target} "
-                                      f"of checkpoint-{step}; free space in {output_dir} (the "
-                                      f"previous checkpoints are intact)") from e
-            raise
-        faults.after_checkpoint_file()
-    entries = {}
-    for rel in _files(tmp):
-        full = os.path.join(tmp, rel)
-        with open(full, "rb") as f:
+            faults.after_checkpoint_file()
+        entries = {}
+        for rel in _files(tmp):
+            target = os.path.join(tmp, rel)
+            with open(target, "rb") as f:
+                os.fsync(f.fileno())
+            entries[rel] = {"bytes": os.path.getsize(target), "sha256": _sha256(target)}
+        target = os.path.join(tmp, MANIFEST)
+        with open(target, "w") as f:
+            json.dump({"step": step, "files": entries}, f, indent=1, sort_keys=True)
+            f.flush()
             os.fsync(f.fileno())
-        entries[rel] = {"bytes": os.path.getsize(full), "sha256": _sha256(full)}
-    manifest = os.path.join(tmp, MANIFEST)
-    with open(manifest, "w") as f:
-        json.dump({"step": step, "files": entries}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    for folder, _, _ in os.walk(tmp):
-        _fsync_dir(folder)
+        for folder, _, _ in os.walk(tmp):
+            _fsync_dir(folder)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # (the next run's remove_partial otherwise)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise CheckpointError(f"no space left on device (ENOSPC) while writing {target} "
+                                  f"of checkpoint-{step}; free space in {output_dir} (the "
+                                  f"previous checkpoints are intact)") from e
+        raise
     if os.path.exists(final):
         # A folder cannot be renamed over a non-empty one: the old one steps aside first. Until
         # the new one is in place the old one is the checkpoint: put back if the rename fails,

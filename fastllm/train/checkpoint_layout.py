@@ -240,11 +240,15 @@ _LAYOUT_KEYS = ("model", "model_config", "finetune", "optimizer_in_backward", "d
 # why a change of these keys does not fit (the others: the tensors' shapes)
 _WHY = {"precision": "bf16/fp16 weights are trained through fp32 master weights in optimizer.pt "
                      "(backend=fastllm) and fp16 through a loss scale, which another precision "
-                     "drops or lacks"}
+                     "drops or lacks",
+        "lora.quantize_base": "its adapter was trained over that base (dense or 4-bit NF4), "
+                              "whose weights another setting changes under it",
+        "lora.double_quant": "its adapter was trained over that NF4 base, whose absmax (and so "
+                             "weights) another setting changes under it"}
 # (lora.alpha and lora.dropout: the saved adapter_config.json's, which fastllm's load_adapter
 # requires of the layers it loads into)
 _MODE_KEYS = {"lora": ("lora.target_modules", "lora.r", "lora.layers", "lora.use_dora",
-                       "lora.alpha", "lora.dropout"),
+                       "lora.alpha", "lora.dropout", "lora.quantize_base", "lora.double_quant"),
               "prefix": ("prefix.num_virtual_tokens", "prefix.prefix_projection",
                          "prefix.encoder_hidden_size"),
               "freeze": ("freeze.layers",), "badam": ("badam.blocks",),
@@ -389,10 +393,10 @@ def set_group_hyperparams(optimizer, values, path, log):
         log(f"fastllm train: resuming {path} with {key}={new} (it was trained with {old})")
 
 
-def _get(config, dotted):
+def _get(config, dotted, missing=None):
     for part in dotted.split("."):
         if not isinstance(config, dict) or part not in config:
-            return None
+            return missing
         config = config[part]
     return config
 
@@ -422,13 +426,14 @@ def check_resume_config(path, cfg, log):
         saved = yaml.safe_load(f)
     if not isinstance(saved, dict):
         return
-    now = cfg.to_dict()
+    now, defaults = cfg.to_dict(), type(cfg)().to_dict()
     if cfg.data.tokenizer != "bpe" or _get(saved, "data.tokenizer") != "bpe":
         vocab = ()
     else:
         vocab = ("data.vocab_size",)  # the trained BPE's size is the embedding's
     for key in _LAYOUT_KEYS + vocab + _MODE_KEYS.get(cfg.finetune, ()):
-        old, new = _get(saved, key), _get(now, key)
+        # (a key the checkpoint's run did not have yet: it ran with that key's default)
+        old, new = _get(saved, key, _get(defaults, key)), _get(now, key)
         if key == "precision" and _get(saved, "backend") == cfg.backend == "torch" and \
                 "fp16" not in (old, new):
             continue  # (torch's: fp32 params under autocast, no masters, no loss scale)

@@ -159,10 +159,15 @@ def _train(args):
             import torch._dynamo
 
             torch._dynamo.reset()
+        trainer = Trainer(c)
         try:
-            runs.append((backend, Trainer(c).train()))
+            runs.append((backend, trainer.train()))
         except clear as e:
             sys.exit(str(e))
+        if trainer.status == "stopped":  # a stop signal: the run saved a checkpoint; no more
+            if runs[-1][1]:
+                print(f"fastllm train --compare torch: the {backend} run stopped; not compared")
+            sys.exit(0)
     if not runs[0][1]:
         return  # not rank 0
     print(f"\nfastllm train --compare torch ({cfg.model}, finetune={cfg.finetune}, "

@@ -172,7 +172,11 @@ def compare_hf(cfg):
     c = copy.deepcopy(cfg)
     c.checkpoint.auto_resume, c.checkpoint.interval = False, 0
     c.eval_interval = 0  # evaluate at the end only, as the HF side does
-    mine = Trainer(c.validate()).train()
+    trainer = Trainer(c.validate())
+    mine = trainer.train()
+    if trainer.status == "stopped":  # a stop signal: the run saved a checkpoint; HF's waits
+        print("fastllm train --compare hf: the fastllm run stopped; not compared")
+        return None
     theirs = run_hf(copy.deepcopy(c))
     rows = [("fastllm", mine), ("hf", theirs)]
     print(f"\nfastllm train --compare hf ({cfg.model}, finetune={cfg.finetune}"

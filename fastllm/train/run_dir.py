@@ -2,7 +2,8 @@
 a fresh run into a folder that already holds one.
 
     run_dir.check(cfg)                 # rank 0, read only: before the data is built
-    lock = run_dir.prepare(cfg, log, tokenizer)   # rank 0, after: before anything is written
+    lock = run_dir.prepare(cfg, log)   # rank 0, after: before anything is written
+    run_dir.save_run_files(cfg.output_dir, cfg, tokenizer)   # rank 0, after the resume checks
     ...
     run_dir.release(lock)
 
@@ -62,6 +63,16 @@ def lock(output_dir):
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def save_run_files(output_dir, cfg, tokenizer=None):
+    """Rank 0, once the run's resume checks passed (a refused resume leaves the run's own
+    files): config.yaml (cfg, the config as given) and the tokenizer (a
+    fastllm.train.data.HFTokenizer; byte and None save nothing) in output_dir/tokenizer, which
+    fastllm export and generate read."""
+    cfg.save(output_dir)
+    if hasattr(tokenizer, "tok"):
+        tokenizer.tok.save_pretrained(os.path.join(output_dir, "tokenizer"))
 
 
 def release(handle):
@@ -126,14 +137,13 @@ def _refuse_another_run(output_dir, old):
             f"overwrite_output_dir=true to delete it, or pick another output_dir")
 
 
-def prepare(cfg, log=print, tokenizer=None):
+def prepare(cfg, log=print):
     """Rank 0 at the start of a run, once its data and model are built (a refused record leaves
     output_dir as it was: no folder made, nothing cleared): lock output_dir, refuse (or with
     overwrite_output_dir clear) another run's checkpoints and metrics when this run starts fresh
     (auto_resume=false or overwrite_output_dir=true), remove leftovers of interrupted checkpoint
-    writes (after a clear, .tmp-checkpoint-* only: the set-aside checkpoints went with the run),
-    and save tokenizer (a fastllm.train.data.HFTokenizer; byte and None save nothing) to
-    output_dir/tokenizer for fastllm export / generate. Returns the lock handle for release()."""
+    writes (after a clear, .tmp-checkpoint-* only: the set-aside checkpoints went with the run).
+    Returns the lock handle for release()."""
     handle = lock(cfg.output_dir)
     try:
         # overwrite_output_dir wins over auto_resume (HF's meaning): the trainer starts fresh
@@ -151,8 +161,6 @@ def prepare(cfg, log=print, tokenizer=None):
                 log(f"fastllm train: overwrite_output_dir=true: removed {len(old)} entries of "
                     f"the previous run in {cfg.output_dir}")
         ckpt.remove_partial(cfg.output_dir)
-        if hasattr(tokenizer, "tok"):
-            tokenizer.tok.save_pretrained(os.path.join(cfg.output_dir, "tokenizer"))
     except BaseException:
         release(handle)
         raise

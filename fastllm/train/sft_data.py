@@ -536,8 +536,8 @@ def build_datasets(cfg, model_dir, rank, world, barrier, log=print):
     """(tokenizer, train dataset, eval dataset or None) of cfg.data: JSONL examples (SFTDataset)
     or text (fastllm.train.data.PackedDataset). Rank 0 tokenises (and trains a BPE) first, the
     other ranks then find the cache. Nothing is written to output_dir (a record refused here must
-    leave an earlier run there as it was): fastllm.train.run_dir.prepare saves an HF tokenizer
-    to output_dir/tokenizer afterwards."""
+    leave an earlier run there as it was): fastllm.train.run_dir.save_run_files saves an HF
+    tokenizer to output_dir/tokenizer once the run's resume checks passed."""
     from fastllm.train.data import PackedDataset, build_tokenizer, load_text, tokenize_to_file
 
     data = cfg.data

@@ -248,7 +248,7 @@ class Trainer:
         self._build_data()
         self._build_model()
         if self.rank == 0:
-            self._run_lock = run_dir.prepare(cfg, self.log, self.tokenizer)
+            self._run_lock = run_dir.prepare(cfg, self.log)
         self._barrier()
         torch.manual_seed(cfg.seed * 7919 + self.rank)
         random.seed(cfg.seed + self.rank)
@@ -271,8 +271,8 @@ class Trainer:
                     self.log(f"fastllm train: {cfg.output_dir} is already at max_steps="
                              f"{cfg.max_steps}; raise max_steps or pick another output_dir to "
                              f"train more")
-        if self.rank == 0:  # (after the resume checks: a refused resume leaves the old one)
-            self.given_cfg.save(cfg.output_dir)
+        if self.rank == 0:  # (after the resume checks: a refused resume leaves the old ones)
+            run_dir.save_run_files(cfg.output_dir, self.given_cfg, self.tokenizer)
         # the ranks of one tensor-parallel group, and the stages of one pipeline, read the same
         # batch: the data is split over dp only
         lay, strategy = self.layout, self.strategy
@@ -390,7 +390,7 @@ class Trainer:
                     faults.after_step(self.step)
             except RuntimeError as e:
                 watchdog.reraise(e, self.step, cfg)
-        summary = {}
+        summary, self.status = {}, status  # (every rank's: completed or stopped)
         if self.rank == 0:
             summary = write_summary(cfg.output_dir, status, self.step, resumed_from=resumed,
                                     world_size=self.world, strategy=strategy.name,
