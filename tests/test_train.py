@@ -845,6 +845,29 @@ def test_only_backend_timeouts_become_collective_timeouts():
         watchdog.reraise(RuntimeError("[pair.cc:1] Timed out waiting 7000ms for recv"), 2, cfg)
 
 
+def test_a_timeout_in_an_evaluation_names_the_step_it_evaluated(cache_dir, tmp_path,
+                                                                monkeypatch):
+    """The evaluation after step 2 runs before step 3 starts: a timeout in it said "step 3"."""
+    from fastllm.train import evaluate, watchdog
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "completion": f" {i + 1}"}) + "\n"
+                            for i in range(20)))
+    real, calls = evaluate.evaluate_loss, []
+
+    def hung(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # (the first: eval.on_start, at step 0)
+            raise RuntimeError("[pair.cc:1] Timed out waiting 7000ms for recv")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "evaluate_loss", hung)
+    with pytest.raises(watchdog.CollectiveTimeout, match="the evaluation at step 2: a collective"):
+        run(cache_dir, str(tmp_path / "run"), "max_steps=4", "eval_interval=2",
+            f"data.path={data}", "data.eval_fraction=0.2", "track_memory=false",
+            "data.packing=false")
+
+
 def _has_distributed_optimizer():
     try:
         from fastllm.distributed import DistributedOptimizer  # noqa: F401

@@ -64,9 +64,9 @@ def is_timeout(exc):
 
 def _where(exc, step):
     """(what, step) for the message: the innermost torch.distributed call in the traceback (the
-    collective), else the gradient reduction inside backward; a checkpoint in progress belongs to
-    the step just done, anything else to the next one."""
-    what, in_checkpoint = None, False
+    collective), else the gradient reduction inside backward; a checkpoint or an evaluation in
+    progress belongs to the step just done, anything else to the next one."""
+    what, in_checkpoint, in_eval = None, False, False
     tb = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
@@ -79,10 +79,12 @@ def _where(exc, step):
             what = "the gradient reduction in backward (DDP/FSDP hooks)"
         if code.co_name in ("save_checkpoint", "_rollback"):
             in_checkpoint = True
+        in_eval = in_eval or (code.co_name == "run" and path.endswith("/train/evaluate.py"))
         tb = tb.tb_next
     what = what or "a collective"
-    return (f"the checkpoint of step {step}: {what}" if in_checkpoint
-            else f"step {step + 1}: {what}")
+    if in_checkpoint:
+        return f"the checkpoint of step {step}: {what}"
+    return f"the evaluation at step {step}: {what}" if in_eval else f"step {step + 1}: {what}"
 
 
 def reraise(exc, step, cfg):
