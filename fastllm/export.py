@@ -52,8 +52,11 @@ def run_tokenizer(run_dir, cfg):
     """The tokenizer a run trained with: RUN_DIR/tokenizer (saved by fastllm train), the model
     folder's, data.tokenizer's folder, or the byte tokenizer."""
     from fastllm.train.data import ByteTokenizer, HFTokenizer
+    from fastllm.train.model import is_model_dir
 
-    for folder in (os.path.join(run_dir, "tokenizer"), cfg.model, cfg.data.tokenizer):
+    # (a built-in model name and the byte / bpe tokenizers are no folders, whatever is here)
+    for folder in (os.path.join(run_dir, "tokenizer"), is_model_dir(cfg.model) and cfg.model,
+                   cfg.data.tokenizer not in ("byte", "bpe") and cfg.data.tokenizer):
         if _has_tokenizer(folder):
             from transformers import AutoTokenizer
 
@@ -202,6 +205,7 @@ def export(run_dir, out_dir, merged=False):
         raise ValueError("fastllm export: a prefix-tuning adapter cannot be merged into the "
                          "weights; export it without --merged (a PEFT adapter)")
     _check_out_dir(out_dir, adapter=(_has_lora(model) and not merged) or prefix)
+    _refuse_the_runs_own(out_dir, run_dir, cfg)
     made = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     stage = None
@@ -221,7 +225,9 @@ def export(run_dir, out_dir, merged=False):
 
 def _write(model, tokenizer, cfg, stage, out_dir, merged, prefix):
     """export's files, into `stage` (paths inside them name out_dir, where they will be)."""
-    _finish_config(model, tokenizer, from_folder=os.path.isdir(cfg.model))
+    from fastllm.train.model import is_model_dir
+
+    _finish_config(model, tokenizer, from_folder=is_model_dir(cfg.model))
     tok = _tokenizer_files(tokenizer)
     if tok is not None:
         tok.save_pretrained(stage)
@@ -232,7 +238,7 @@ def _write(model, tokenizer, cfg, stage, out_dir, merged, prefix):
         # (QLoRA: merged into the NF4 weights it trained on, dequantised: the trained model)
         merge_and_unload(dequantize_nf4(model))
     if _has_lora(model) or prefix:
-        base = cfg.model if os.path.isdir(cfg.model) else None
+        base = cfg.model if is_model_dir(cfg.model) else None
         if base is None:  # a built-in model: its random-init base goes beside the adapter
             base = os.path.join(out_dir, "base_model")
             plain = _base_copy(model, prefix)
@@ -305,6 +311,22 @@ def _check_out_dir(out_dir, adapter):
                          f"pick an empty out_dir")
 
 
+def _refuse_the_runs_own(out_dir, run_dir, cfg):
+    """An out_dir that is the run's model folder (a merged export would replace the base the
+    run, its adapter and every later load of it build on), or the run (checkpoint) folder."""
+    from fastllm.train.model import is_model_dir
+
+    out = os.path.realpath(out_dir)
+    run = os.path.realpath(run_dir)
+    if is_model_dir(cfg.model) and out == os.path.realpath(cfg.model):
+        raise ValueError(f"fastllm export: {out_dir} is the run's own model folder "
+                         f"(model={cfg.model}): exporting there would replace the base it trained "
+                         f"on; pick another out_dir")
+    if out == run:
+        raise ValueError(f"fastllm export: {out_dir} is the run folder {run_dir} itself; pick "
+                         f"another out_dir (a folder inside it will do)")
+
+
 def _base_copy(model, prefix):
     import copy
 
@@ -324,8 +346,11 @@ def load_model(name):
     from base_model_name_or_path, the adapter in fastllm's modules)."""
     from fastllm.train.data import HFTokenizer
 
-    if os.path.exists(os.path.join(name, "config.yaml")) or os.path.exists(
-            os.path.join(name, "trainer_state.pt")):
+    # a run (or one of its checkpoints), not a model folder that also holds a config.yaml (a
+    # training config kept beside an export)
+    if os.path.exists(os.path.join(name, "trainer_state.pt")) or (
+            os.path.exists(os.path.join(name, "config.yaml"))
+            and not os.path.exists(os.path.join(name, "config.json"))):
         model, tokenizer, _ = load_run(name)
         return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer

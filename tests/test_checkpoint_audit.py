@@ -142,6 +142,37 @@ def _fake_run(tmp_path, monkeypatch):
     monkeypatch.setattr(export, "load_run", load_run)
 
 
+def test_export_refuses_the_runs_own_model_folder_and_run_folder(tmp_path, monkeypatch):
+    """A merged export into the run's model folder replaced the base the run (its adapter,
+    every later load, resume) builds on; one into the run folder mixed the two."""
+    _fake_run(tmp_path, monkeypatch)
+    (tmp_path / "base" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is the run's own model folder"):
+        export.export(str(tmp_path / "run"), str(tmp_path / "base"), merged=True)
+    assert os.listdir(tmp_path / "base") == ["config.json"]
+    with pytest.raises(ValueError, match="is the run folder .* itself"):
+        export.export(str(tmp_path / "run"), str(tmp_path / "run"), merged=True)
+    export.export(str(tmp_path / "run"), str(tmp_path / "run" / "export"), merged=True)
+
+
+def test_generate_loads_a_model_folder_that_holds_a_config_yaml(tmp_path):
+    """A Hugging Face (or exported) folder with a training config.yaml kept beside it was taken
+    for a fastllm run and refused ("holds no valid checkpoint"); transformers loads it."""
+    import transformers
+
+    from _tiny_tokenizer import tiny_bpe
+
+    folder = str(tmp_path / "model")
+    tok = tiny_bpe()
+    tok.save_pretrained(folder)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1)).save_pretrained(folder)
+    (tmp_path / "model" / "config.yaml").write_text("model: tiny\nmax_steps: 3\n")
+    model, tokenizer = export.load_model(folder)
+    assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.vocab_size == len(tok)
+
+
 @pytest.mark.parametrize("first_merged", [False, True])
 def test_export_refuses_an_out_dir_holding_the_other_layout(tmp_path, monkeypatch, first_merged):
     _fake_run(tmp_path, monkeypatch)

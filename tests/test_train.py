@@ -700,6 +700,22 @@ def test_optim_switches_at_a_checkpoint(cache_dir, reference, tmp_path):
     torch.testing.assert_close(losses(back)[0], losses(reference)[11], rtol=5e-3, atol=0)
 
 
+def test_export_takes_a_built_in_name_for_the_built_in_model(reference, tmp_path, monkeypatch):
+    """A folder named like a built-in model where export runs (./tiny holding another tokenizer)
+    was taken for the run's model folder: its tokenizer was read (a full run then failed to
+    load; a LoRA run silently got the other vocabulary). A run saves a real model folder's
+    absolute path, so a bare built-in name is always the built-in model."""
+    from _tiny_tokenizer import tiny_bpe
+
+    from fastllm import export
+
+    monkeypatch.chdir(tmp_path)
+    tiny_bpe().save_pretrained(str(tmp_path / "tiny"))
+    model, tokenizer, cfg = export.load_run(reference)
+    assert cfg.model == "tiny" and tokenizer.vocab_size == 257 == len(tokenizer.encode("x")) + 256
+    assert model.get_input_embeddings().weight.shape[0] == 257
+
+
 def test_report_writes_a_png(reference, tmp_path, capsys):
     from fastllm.cli import main
 

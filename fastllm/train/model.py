@@ -29,7 +29,10 @@ PRESETS = {
 
 
 def is_model_dir(name):
-    return os.path.isdir(name)
+    """Whether model=`name` is a model folder. A built-in name (PRESETS) is the built-in model:
+    a run saves a folder's absolute path (TrainConfig.validate), so a bare `tiny` in a run's
+    config.yaml never meant a folder that export or generate finds under that name."""
+    return name not in PRESETS and os.path.isdir(name)
 
 
 def check_model(cfg):
