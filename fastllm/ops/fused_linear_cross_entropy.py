@@ -25,7 +25,10 @@ Recomputing the logits in the backward instead (cut cross-entropy's scheme) cost
 backward. "none" can for hidden's grad alone (each token's row is scaled by its own incoming
 grad; in dW that grad sits inside the sum over tokens): with a frozen weight and bias (LoRA, DPO's
 log-probabilities) its forward computes loss and grad_hidden (2 GEMMs, as materialised logits),
-else the loss only (1 GEMM) and its backward recomputes (3 GEMMs). Grads are computed only for
+else the loss only (1 GEMM) and its backward recomputes (3 GEMMs). fp16 inputs take that route in
+every reduction: an fp16 grad made in the forward, before a loss scale reaches it, would lose its
+bits to fp16's subnormals (about 1/tokens a token), so the backward computes the grads with the
+incoming (scaled) grad applied first, as the unfused loss does. Grads are computed only for
 the inputs that require them (a frozen head skips the dW GEMM), and ignored tokens are dropped
 before any GEMM, but under CUDA graph capture: finding them (and checking the labels) reads the
 GPU back, which a capture refuses, so there the GPU driver keeps every token in place, the
@@ -500,6 +503,13 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
                  for t in (hidden, weight, bias)]
     if reduction == "none":  # grad_hidden alone in the forward, and only if the head is frozen
         grad_mask = [grad_mask[0] and not any(grad_mask[1:]), False, False]
+    if hidden.dtype == torch.float16:
+        # fp16 (trained under a loss scale): the logits' grad rounded to fp16 in the forward,
+        # before the backward's scale reaches it, is about 1/tokens a token and loses its bits to
+        # fp16's subnormals (grad_hidden 2.5x torch's error at 2048 tokens, 8.8x at 8192: every
+        # grad below the head); the backward computes the grads with the scale applied first, as
+        # the unfused loss's matmuls do (one more pass of the head's product)
+        grad_mask = [False, False, False]
     cap = 0.0 if logit_softcap is None else float(logit_softcap)
     loss, _, _, _ = _fused_op(
         hidden, weight, labels, bias, int(ignore_index), reduction, float(label_smoothing),
