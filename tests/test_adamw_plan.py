@@ -442,3 +442,23 @@ def test_params_over_the_same_memory_are_refused_views_of_one_buffer_are_not():
     torch.optim.AdamW(copies, lr=1e-2).step()
     for p, q in zip(views, copies):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_grad_gone_after_the_plan_let_go_of_it_steps_as_torch():
+    """A param frozen between steps (requires_grad off, its grad set to None and so freed) while
+    the others keep their grads (zero_grad(set_to_none=False)): its grad's dead weak reference
+    in the plan must not be taken for that step's None; the param is skipped, as torch does."""
+    model, ref_model = _model(), _model()
+    opt = fastllm.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    x = torch.randn(4, 7)
+    for m, o in ((model, opt), (ref_model, ref)):
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad(set_to_none=False)
+        m[0].weight.requires_grad_(False)
+        m[0].weight.grad = None
+        m(x).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -55,6 +55,15 @@ def mix_seed(*values):
 _RELEASED = object()
 
 
+def _held(ref):
+    """What a weak reference of release_grads holds: None for a param without a grad, the grad,
+    or _RELEASED once it is gone (a None grad now is a grad vanishing: the plan is rebuilt)."""
+    if ref is None:
+        return None
+    grad = ref()
+    return _RELEASED if grad is None else grad
+
+
 def kind_of(p, master_weights, stochastic_rounding, kahan_summation):
     """'master', 'pure' or 'plain': which update a param gets."""
     if p.dtype in LOW_PRECISION:
@@ -357,7 +366,7 @@ class Plan:
                 or _groups_seen(opt) != self.groups_seen):
             return False
         refs, self.grad_refs = self.grad_refs, None
-        if refs is not None and all(map(operator.is_, grads, [r and r() for r in refs])):
+        if refs is not None and all(map(operator.is_, grads, map(_held, refs))):
             # the grads release_grads let go of (zero_grad(set_to_none=False)): checked then
             self.grads = grads
             for call in itertools.chain.from_iterable(self.groups):
