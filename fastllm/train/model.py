@@ -334,9 +334,7 @@ def _graphs_on(layers):
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     except ImportError:  # (a private helper: every graph this process compiled, an upper bound)
-        from torch._dynamo.utils import counters
-
-        return counters["stats"]["unique_graphs"]
+        return compiled_graphs()
     codes = set()
     for layer in layers:
         for forward in (type(layer).forward, layer.forward):

@@ -82,16 +82,12 @@ def encode_pair(pair, tokenizer, where="a preference record"):
     is scored, not left to the prompt as SFT's first-len(prompt)-tokens rule would)."""
     import warnings
 
-    from fastllm.train.sft_data import encode_example, render_chat
+    from fastllm.train.sft_data import encode_example, prompt_ids
 
     with warnings.catch_warnings():  # (SFT's warning names SFT's rule; DPO's is below)
         warnings.simplefilter("ignore")
         rows = [encode_example(record, tokenizer)[0] for record in pair]
-    kind, (prompt, _), *rest = pair[0]  # (one prompt for both sides)
-    head = (tokenizer.encode(render_chat(tokenizer, prompt, add_generation_prompt=True,
-                                         template=rest[0] if rest else None))
-            if kind == "chat_completion" else
-            list(getattr(tokenizer, "bos_ids", ())) + tokenizer.encode(prompt))
+    head = prompt_ids(pair[0], tokenizer)  # (one prompt for both sides)
     n = min(_common_prefix(head, ids) for ids in rows)
     if n < len(head):
         warnings.warn("fastllm train: a prompt's tokens are not a prefix of prompt + "

@@ -37,10 +37,11 @@ import torch
 import torch.distributed as dist
 
 from fastllm.train.config_values import ConfigError
-from fastllm.train.sft_records import data_format, read_records, text_pieces
+from fastllm.train.sft_records import (data_format, read_records, split_examples,
+                                       text_pieces)
 
 __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", "SFTDataset",
-           "split_examples", "build_sft_data", "build_datasets", "Batch", "prepare_step",
+           "split_examples", "prompt_ids", "build_sft_data", "build_datasets", "Batch", "prepare_step",
            "model_inputs", "max_steps", "text_pieces", "dp_sum", "gather_samples",
            "render_chat", "chat_refusal", "check_rows", "IGNORE_INDEX", "NO_TEMPLATE_HINT"]
 
@@ -194,6 +195,17 @@ def _prompt_mask(ids, head, train_on_prompt):
     return [int(train_on_prompt)] * n + [1] * (len(ids) - n)
 
 
+def prompt_ids(record, tokenizer):
+    """The tokens of a prompt-completion record's prompt alone, as TRL tokenizes it: a chat
+    prompt rendered with the generation prompt (and the record's template inputs), a text one
+    after what the tokenizer puts before a text (Llama's BOS)."""
+    kind, (prompt, _), *rest = record
+    if kind == "chat_completion":
+        return tokenizer.encode(render_chat(tokenizer, prompt, add_generation_prompt=True,
+                                            template=rest[0] if rest else None))
+    return list(getattr(tokenizer, "bos_ids", ())) + tokenizer.encode(prompt)
+
+
 def encode_example(record, tokenizer, train_on_prompt=False):
     """(token ids, loss mask) of one (kind, fields) or (kind, fields, template inputs) record
     (fastllm.train.sft_records): lists of ints, mask 1 where the token is a target of the loss.
@@ -233,9 +245,7 @@ def encode_example(record, tokenizer, train_on_prompt=False):
         # rendered together; the template ends the turns itself (no EOS added)
         prompt, completion = fields
         ids = tokenizer.encode(render_chat(tokenizer, prompt + completion, template=template))
-        head = tokenizer.encode(render_chat(tokenizer, prompt, add_generation_prompt=True,
-                                            template=template))
-        return ids, _prompt_mask(ids, head, train_on_prompt)
+        return ids, _prompt_mask(ids, prompt_ids(record, tokenizer), train_on_prompt)
     # what the tokenizer puts before a text (Llama's BOS), as TRL's SFTTrainer and generation
     # without a template tokenize; a chat template writes its own
     bos = list(getattr(tokenizer, "bos_ids", ()))
@@ -247,7 +257,7 @@ def encode_example(record, tokenizer, train_on_prompt=False):
         # " " and "Paris"); the prompt is as many tokens as it has alone
         prompt, completion = fields
         ids = bos + tokenizer.encode(prompt + completion)
-        head = bos + tokenizer.encode(prompt)
+        head = prompt_ids((kind, fields), tokenizer)
         n, mask = len(head), _prompt_mask(ids, head, train_on_prompt)
     # one EOS at the end; a text or completion that ends with the EOS keeps it (TRL's add_eos)
     if eos is None:
@@ -316,20 +326,6 @@ def tokenize_records(records, tokenizer, cache_dir, train_on_prompt=False):
 # indexes that order. HF's LengthGroupedSampler uses at most 50 batches (of per-device x
 # accumulation rows) and about a quarter of the rows; 512 is 50 batches of about 10 rows.
 MEGA_BATCH = 512
-
-
-def split_examples(n, eval_fraction, seed):
-    """(train indices, eval indices) of n examples: a seeded eval_fraction held out (at least one
-    when the fraction is > 0, and at least one left to train on)."""
-    if eval_fraction <= 0:
-        return list(range(n)), []
-    n_eval = min(n - 1, max(1, int(round(eval_fraction * n))))
-    if n_eval < 1:
-        raise ValueError(f"fastllm train: data.eval_fraction={eval_fraction} needs at least two "
-                         f"examples, the data has {n}")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
-    perm = torch.randperm(n, generator=g).tolist()
-    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
 
 
 class SFTDataset:

@@ -33,11 +33,13 @@ import json
 import os
 import re
 
+import torch
+
 from fastllm._files import files_under
 from fastllm.train.config_values import ConfigError
 
 __all__ = ["Records", "check_splits", "data_format", "decode_utf8", "first_records",
-           "read_records", "template_inputs", "text_pieces"]
+           "read_records", "split_examples", "template_inputs", "text_pieces"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 _EXTENSIONS = (".jsonl", ".json")
@@ -414,3 +416,17 @@ def text_pieces(records):
         else:
             out += [f for f in fields if f]
     return out
+
+
+def split_examples(n, eval_fraction, seed):
+    """(train indices, eval indices) of n examples: a seeded eval_fraction held out (at least one
+    when the fraction is > 0, and at least one left to train on)."""
+    if eval_fraction <= 0:
+        return list(range(n)), []
+    n_eval = min(n - 1, max(1, int(round(eval_fraction * n))))
+    if n_eval < 1:
+        raise ValueError(f"fastllm train: data.eval_fraction={eval_fraction} needs at least two "
+                         f"examples, the data has {n}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
+    perm = torch.randperm(n, generator=g).tolist()
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
