@@ -41,8 +41,8 @@ from fastllm.train.sft_records import (data_format, read_records, split_examples
                                        text_pieces)
 
 __all__ = ["data_format", "read_records", "encode_example", "tokenize_records", "SFTDataset",
-           "split_examples", "prompt_ids", "build_sft_data", "build_datasets", "Batch", "prepare_step",
-           "model_inputs", "max_steps", "text_pieces", "dp_sum", "gather_samples",
+           "split_examples", "prompt_ids", "build_sft_data", "build_datasets", "Batch",
+           "prepare_step", "model_inputs", "max_steps", "text_pieces", "dp_sum", "gather_samples",
            "render_chat", "chat_refusal", "check_rows", "IGNORE_INDEX", "NO_TEMPLATE_HINT"]
 
 IGNORE_INDEX = -100
